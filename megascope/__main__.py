@@ -1,0 +1,5 @@
+"""``python -m megascope`` runs the CLI."""
+
+from megascope.cli import main
+
+main()

@@ -1,0 +1,113 @@
+"""The one fault-injection grammar, shared by ``megascope train`` and ``megascope synth``.
+
+    straggler:rank=R,factor=F     rank R's compute runs F times slower (F > 1)
+    hang:rank=R,step=S            rank R stops before its next collective in step S
+    skew:rank=R,ms=M              a host pause of M ms before the data-parallel gradient sync
+
+Example::
+
+    faults = parse_injects(["straggler:rank=5,factor=1.3", "hang:rank=2,step=7"])
+    faults.straggler_factor(5)   # 1.3
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from megascope.errors import ConfigError
+
+# kind -> {parameter: type}; every parameter is required.
+_GRAMMAR: dict[str, dict[str, type]] = {
+    "straggler": {"rank": int, "factor": float},
+    "hang": {"rank": int, "step": int},
+    "skew": {"rank": int, "ms": float},
+}
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    rank: int
+    factor: float | None = None  # straggler
+    step: int | None = None  # hang
+    ms: float | None = None  # skew
+
+    def spec(self) -> str:
+        params = {k: getattr(self, k) for k in _GRAMMAR[self.kind]}
+        return f"{self.kind}:" + ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
+
+
+def parse_inject(spec: str) -> Fault:
+    """Parse one ``--inject`` value; raise ConfigError with the reason on any mistake."""
+    kind, sep, rest = spec.partition(":")
+    kind = kind.strip()
+    if kind not in _GRAMMAR:
+        raise ConfigError(f"--inject {spec!r}: unknown fault kind {kind!r} (known: {', '.join(_GRAMMAR)})")
+    if not sep or not rest.strip():
+        wanted = ",".join(f"{k}=..." for k in _GRAMMAR[kind])
+        raise ConfigError(f"--inject {spec!r}: expected {kind}:{wanted}")
+    values: dict[str, int | float] = {}
+    for item in rest.split(","):
+        key, eq, raw = item.partition("=")
+        key = key.strip()
+        if not eq or key not in _GRAMMAR[kind]:
+            raise ConfigError(f"--inject {spec!r}: unknown parameter {item.strip()!r} for {kind} (takes {', '.join(_GRAMMAR[kind])})")
+        if key in values:
+            raise ConfigError(f"--inject {spec!r}: parameter {key} given twice")
+        try:
+            values[key] = _GRAMMAR[kind][key](raw.strip())
+        except ValueError:
+            raise ConfigError(f"--inject {spec!r}: {key}={raw.strip()!r} is not a valid {_GRAMMAR[kind][key].__name__}") from None
+    missing = set(_GRAMMAR[kind]) - set(values)
+    if missing:
+        raise ConfigError(f"--inject {spec!r}: missing {', '.join(sorted(missing))}")
+    fault = Fault(kind=kind, **values)  # type: ignore[arg-type]
+    if fault.rank < 0:
+        raise ConfigError(f"--inject {spec!r}: rank must be >= 0")
+    if fault.factor is not None and fault.factor <= 1.0:
+        raise ConfigError(f"--inject {spec!r}: factor must be > 1 (a straggler is slower)")
+    if fault.step is not None and fault.step < 0:
+        raise ConfigError(f"--inject {spec!r}: step must be >= 0")
+    if fault.ms is not None and fault.ms <= 0:
+        raise ConfigError(f"--inject {spec!r}: ms must be > 0")
+    return fault
+
+
+@dataclass(frozen=True)
+class Faults:
+    """All faults of a run, with the questions a writer asks of them."""
+
+    faults: tuple[Fault, ...] = field(default_factory=tuple)
+
+    def validate(self, world_size: int, steps: int | None = None) -> Faults:
+        for f in self.faults:
+            if f.rank >= world_size:
+                raise ConfigError(f"--inject {f.spec()}: rank {f.rank} outside a job of {world_size} ranks")
+            if steps is not None and f.step is not None and f.step >= steps:
+                raise ConfigError(f"--inject {f.spec()}: step {f.step} is past the last step ({steps - 1})")
+        return self
+
+    def straggler_factor(self, rank: int) -> float:
+        factor = 1.0
+        for f in self.faults:
+            if f.kind == "straggler" and f.rank == rank and f.factor is not None:
+                factor *= f.factor
+        return factor
+
+    def hang_step(self, rank: int) -> int | None:
+        steps = [f.step for f in self.faults if f.kind == "hang" and f.rank == rank and f.step is not None]
+        return min(steps) if steps else None
+
+    def skew_ms(self, rank: int) -> float:
+        return sum(f.ms for f in self.faults if f.kind == "skew" and f.rank == rank and f.ms is not None)
+
+    def specs(self) -> list[str]:
+        return [f.spec() for f in self.faults]
+
+    def __bool__(self) -> bool:
+        return bool(self.faults)
+
+
+def parse_injects(specs: Iterable[str]) -> Faults:
+    return Faults(tuple(parse_inject(s) for s in specs))

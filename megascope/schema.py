@@ -1,0 +1,286 @@
+"""The one definition of every table in a megascope run directory.
+
+Role in the data flow: collectors, the bundled trainer, ``megascope synth`` and the importers
+*write* these tables; the store, analyses, exports and the dashboard *read* them. Nothing else in
+the code base spells a column name of a run directory without going through this module.
+
+Conventions (see ARCHITECTURE.md):
+
+* units in column names (``start_ns``, ``dur_ns``, ``bytes``); all times are host wall-clock
+  nanoseconds since the Unix epoch, as each rank's host saw them (clock offsets between hosts are
+  estimated later by the analysis, never baked into the data);
+* nulls instead of sentinels: a span that belongs to no micro-batch has ``microbatch = NULL``;
+* mesh coordinates are data (the ``ranks`` table), never recomputed from rank arithmetic elsewhere;
+* categorical columns are plain strings whose allowed values are the StrEnums below.
+
+Example::
+
+    import pyarrow as pa
+    from megascope import schema
+    table = pa.Table.from_pylist(rows, schema=schema.SPANS)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+"""Bumped on any incompatible change to a table below or to ``run.json``."""
+
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1})
+
+# Mesh axes megascope knows by name. Sizes are free; the order in ``RunMeta.mesh_axes`` says how
+# ranks are laid out (last axis varies fastest, as in torch's DeviceMesh).
+MESH_AXES = ("pp", "dp", "tp")
+
+
+class SpanKind(enum.StrEnum):
+    """What a span measured."""
+
+    STEP = "step"  # one whole optimizer step on this rank
+    FORWARD = "forward"  # forward compute (of a micro-batch, stage or module)
+    BACKWARD = "backward"  # backward compute
+    COMPUTE = "compute"  # other compute (e.g. a user span, loss)
+    COLLECTIVE = "collective"  # all-reduce, all-gather, reduce-scatter, broadcast, all-to-all, barrier
+    SEND = "send"  # point-to-point send (start_ns = arrival at the send)
+    RECV = "recv"  # point-to-point receive
+    DATA = "data"  # waiting for the next batch
+    OPTIMIZER = "optimizer"  # optimizer step
+    HOST = "host"  # host-side work with no device work behind it (GC, checkpoint, logging)
+    OTHER = "other"
+
+
+# Kinds whose time is communication (a rank waiting on or moving data to its peers).
+COMM_KINDS = frozenset({SpanKind.COLLECTIVE, SpanKind.SEND, SpanKind.RECV})
+# Kinds whose time is the rank's own compute.
+COMPUTE_KINDS = frozenset({SpanKind.FORWARD, SpanKind.BACKWARD, SpanKind.COMPUTE, SpanKind.OPTIMIZER})
+
+
+class Stream(enum.StrEnum):
+    """Where a span ran. Device streams beyond these are written as ``"cuda:<id>"`` strings."""
+
+    HOST = "host"  # the Python thread
+    COMPUTE = "compute"  # the default / compute stream
+    COMM = "comm"  # the communication stream (NCCL), or the gloo worker
+    COPY = "copy"  # memcpy / memset
+
+
+class GroupKind(enum.StrEnum):
+    """The role of a process group in the mesh."""
+
+    TP = "tp"
+    PP = "pp"
+    DP = "dp"
+    WORLD = "world"
+    OTHER = "other"
+
+
+class MarkerState(enum.StrEnum):
+    """Life of one collective call on one rank, as the collector (or a flight recorder) saw it."""
+
+    ENQUEUED = "enqueued"  # the rank reached the call (written *before* it blocks)
+    STARTED = "started"  # the device began it (flight recorder with timing only)
+    COMPLETED = "completed"  # the call returned / the kernel finished
+
+
+class CollectiveOp(enum.StrEnum):
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    BROADCAST = "broadcast"
+    ALL_TO_ALL = "all_to_all"
+    BARRIER = "barrier"
+    REDUCE = "reduce"
+    GATHER = "gather"
+    SCATTER = "scatter"
+    SEND = "send"
+    RECV = "recv"
+    OTHER = "other"
+
+
+class RunSource(enum.StrEnum):
+    COLLECTOR = "collector"  # a user's job with megascope.collectors
+    TRAINER = "trainer"  # the bundled trainer
+    SYNTH = "synth"  # megascope synth
+    KINETO = "kineto"  # megascope ingest kineto
+    FLIGHT_RECORDER = "flight-recorder"  # megascope ingest flight-recorder
+    DIAGNOSE = "diagnose"  # megascope diagnose
+
+
+# --------------------------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------------------------
+
+RANKS = pa.schema(
+    [
+        pa.field("rank", pa.int32(), nullable=False),
+        pa.field("host", pa.string(), nullable=False),
+        pa.field("local_rank", pa.int32()),
+        pa.field("pid", pa.int64()),
+        pa.field("device", pa.string()),  # "cuda:3", "cpu"
+        pa.field("device_name", pa.string()),  # "NVIDIA H100 80GB HBM3"
+        # Mesh coordinates (null where the axis does not exist or is unknown).
+        pa.field("pp", pa.int32()),
+        pa.field("dp", pa.int32()),
+        pa.field("tp", pa.int32()),
+        pa.field("start_ns", pa.int64()),  # when this rank's collector started
+    ]
+)
+"""One row per rank (``ranks/rank=00017.parquet``)."""
+
+GROUPS = pa.schema(
+    [
+        pa.field("rank", pa.int32(), nullable=False),  # the rank that is a member
+        pa.field("group", pa.string(), nullable=False),  # unique group id, e.g. "tp:3", "dp:0", "world"
+        pa.field("kind", pa.string(), nullable=False),  # GroupKind
+        pa.field("group_rank", pa.int32()),  # this rank's index inside the group
+        pa.field("members", pa.list_(pa.int32()), nullable=False),  # global ranks, in group order
+    ]
+)
+"""Process-group membership, one row per (rank, group) (``groups/rank=00017.parquet``)."""
+
+SPANS = pa.schema(
+    [
+        pa.field("rank", pa.int32(), nullable=False),
+        pa.field("step", pa.int32()),  # null outside any step
+        pa.field("name", pa.string(), nullable=False),  # "forward", "layers.3", "dp.reduce_scatter"
+        pa.field("kind", pa.string(), nullable=False),  # SpanKind
+        pa.field("stream", pa.string(), nullable=False),  # Stream or "cuda:<id>"
+        pa.field("start_ns", pa.int64(), nullable=False),  # for comm spans: the rank's ARRIVAL
+        pa.field("dur_ns", pa.int64(), nullable=False),
+        pa.field("microbatch", pa.int32()),
+        pa.field("chunk", pa.int32()),  # virtual pipeline chunk (interleaved 1F1B)
+        # Communication only (null for compute):
+        pa.field("group", pa.string()),  # GROUPS.group
+        pa.field("seq", pa.int64()),  # per-group sequence number (collectives), per (src,dst) pair (p2p)
+        pa.field("op", pa.string()),  # CollectiveOp
+        pa.field("bytes", pa.int64()),  # payload this rank contributes
+        pa.field("peer", pa.int32()),  # p2p: the other global rank
+    ]
+)
+"""Timed work (``spans/rank=00017/part-*.parquet``)."""
+
+MARKERS = pa.schema(
+    [
+        pa.field("rank", pa.int32(), nullable=False),
+        pa.field("group", pa.string(), nullable=False),
+        pa.field("seq", pa.int64(), nullable=False),
+        pa.field("op", pa.string(), nullable=False),  # CollectiveOp
+        pa.field("state", pa.string(), nullable=False),  # MarkerState
+        pa.field("time_ns", pa.int64(), nullable=False),  # host wall clock of the transition
+        pa.field("step", pa.int32()),
+        pa.field("bytes", pa.int64()),
+        pa.field("peer", pa.int32()),  # p2p only
+    ]
+)
+"""Collective enqueue / completion trail for hang localization (``markers/rank=00017/part-*.parquet``)."""
+
+METRICS = pa.schema(
+    [
+        pa.field("rank", pa.int32(), nullable=False),
+        pa.field("step", pa.int32(), nullable=False),
+        pa.field("name", pa.string(), nullable=False),  # "loss", "grad_norm", "lr", "tokens"
+        pa.field("value", pa.float64()),
+        pa.field("time_ns", pa.int64()),
+    ]
+)
+"""Scalar metrics per step (``metrics/rank=00017/part-*.parquet``)."""
+
+HEARTBEATS = pa.schema(
+    [
+        pa.field("host", pa.string(), nullable=False),
+        pa.field("rank", pa.int32()),  # null for host-wide samples
+        pa.field("pid", pa.int64()),
+        pa.field("time_ns", pa.int64(), nullable=False),
+        pa.field("device", pa.string()),  # "gpu0", "ib0", "eth0"; null for the host itself
+        pa.field("metric", pa.string(), nullable=False),  # "gpu_util_pct", "gpu_temp_c", "log", ...
+        pa.field("value", pa.float64()),
+        pa.field("text", pa.string()),  # log lines, error strings
+    ]
+)
+"""Host, GPU and NIC samples, in long form (``heartbeats/host=NAME/part-*.parquet``)."""
+
+DIAGNOSTICS = pa.schema(
+    [
+        pa.field("time_ns", pa.int64(), nullable=False),
+        pa.field("host", pa.string(), nullable=False),
+        pa.field("rank", pa.int32()),
+        pa.field("test", pa.string(), nullable=False),  # "gemm", "membw", "d2d", "allreduce"
+        pa.field("group", pa.string()),  # for collective tests
+        pa.field("value", pa.float64()),
+        pa.field("unit", pa.string()),  # "TFLOP/s", "GB/s"
+        pa.field("ok", pa.bool_()),  # passed its correctness check
+        pa.field("outlier", pa.bool_()),  # slow against its peers
+        pa.field("detail", pa.string()),
+    ]
+)
+"""Self-test results (``diagnostics/part-*.parquet``)."""
+
+# Table name -> (schema, partition column or None). The on-disk layout lives in megascope.store.
+TABLES: dict[str, pa.Schema] = {
+    "ranks": RANKS,
+    "groups": GROUPS,
+    "spans": SPANS,
+    "markers": MARKERS,
+    "metrics": METRICS,
+    "heartbeats": HEARTBEATS,
+    "diagnostics": DIAGNOSTICS,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# run.json
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunMeta:
+    """Contents of ``run.json``.
+
+    ``model_flops_per_step`` counts the whole job (all ranks), forward and backward, attention and
+    logits included; MFU = model_flops_per_step / (step_time * world_size * peak_flops_per_device).
+    """
+
+    schema_version: int = SCHEMA_VERSION
+    run_id: str
+    source: str  # RunSource
+    world_size: int
+    mesh_axes: tuple[str, ...] = MESH_AXES
+    mesh_sizes: dict[str, int] = field(default_factory=dict)
+    start_ns: int | None = None
+    model_flops_per_step: float | None = None
+    tokens_per_step: int | None = None
+    device_name: str | None = None
+    peak_flops_per_device: float | None = None
+    micro_batches: int | None = None
+    config: dict[str, Any] = field(default_factory=dict)  # free-form: model, inject specs, seed
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        unknown = set(self.mesh_sizes) - set(self.mesh_axes)
+        if unknown:
+            raise ValueError(f"mesh_sizes names axes not in mesh_axes: {sorted(unknown)}")
+        if self.mesh_sizes:
+            product = 1
+            for size in self.mesh_sizes.values():
+                product *= size
+            if product != self.world_size:
+                raise ValueError(f"mesh sizes {self.mesh_sizes} multiply to {product}, not world_size {self.world_size}")
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["mesh_axes"] = list(self.mesh_axes)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunMeta:
+        known = {f for f in cls.__dataclass_fields__}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        if "mesh_axes" in kwargs:
+            kwargs["mesh_axes"] = tuple(kwargs["mesh_axes"])
+        return cls(**kwargs)

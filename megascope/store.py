@@ -1,0 +1,244 @@
+"""Open a run directory as DuckDB views, keeping what is readable and naming what is not.
+
+Role in the data flow: the one reader of run directories. Analyses, exports and the dashboard take
+a :class:`Run` (or its connection) and query the views ``ranks``, ``groups``, ``spans``,
+``markers``, ``metrics``, ``heartbeats`` and ``diagnostics``; they never glob files themselves.
+
+What can go wrong with a run directory, and what happens:
+
+* not a directory, or no ``run.json`` and no parts at all -> :class:`RunDirError`;
+* ``run.json`` unreadable, or of an unknown schema version -> :class:`RunDirError` /
+  :class:`SchemaVersionError` naming the file;
+* a truncated or foreign part (not Parquet, or missing required columns) -> skipped, and a line in
+  ``Run.problems`` names the file; the rest stays readable;
+* ranks of the mesh that wrote nothing -> a line in ``Run.problems`` (silence is information for
+  the hang analysis, not an error).
+
+Example::
+
+    from megascope.store import open_run
+    run = open_run("runs/demo")
+    run.con.sql("SELECT rank, count(*) FROM spans GROUP BY rank").df()
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from megascope import layout
+from megascope.errors import RunDirError, SchemaVersionError
+from megascope.schema import SUPPORTED_SCHEMA_VERSIONS, TABLES, RunMeta
+from megascope.topology import Mesh
+
+log = logging.getLogger(__name__)
+
+# Partition columns DuckDB reads from directory names; typed so they agree with the file columns.
+_HIVE_TYPES = {"spans": "rank", "markers": "rank", "metrics": "rank"}
+
+
+def _sql_str(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def _required_columns(table: str) -> set[str]:
+    return {f.name for f in TABLES[table] if not f.nullable}
+
+
+@dataclass
+class Run:
+    """An opened run directory: its metadata, a DuckDB connection with one view per table, and
+    the problems met while opening it."""
+
+    path: Path
+    meta: RunMeta
+    con: duckdb.DuckDBPyConnection
+    problems: list[str] = field(default_factory=list)
+    files: dict[str, list[Path]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def mesh(self) -> Mesh:
+        sizes = {a: self.meta.mesh_sizes.get(a, 1) for a in self.meta.mesh_axes}
+        if not self.meta.mesh_sizes:
+            sizes = {a: 1 for a in self.meta.mesh_axes}
+            sizes[self.meta.mesh_axes[-1]] = self.meta.world_size
+        return Mesh.from_mapping(sizes, order=tuple(self.meta.mesh_axes))
+
+    def cursor(self) -> duckdb.DuckDBPyConnection:
+        """A cursor for the calling thread (Dash serves callbacks on threads)."""
+        with self._lock:
+            return self.con.cursor()
+
+    def has_rows(self, table: str) -> bool:
+        return bool(self.files.get(table))
+
+    def refresh(self) -> list[str]:
+        """Re-scan the directory for new parts (a live run) and rebuild the views.
+
+        Returns the problems newly found.
+        """
+        before = len(self.problems)
+        with self._lock:
+            _create_views(self)
+        return self.problems[before:]
+
+
+def read_meta(path: Path) -> RunMeta:
+    """Read and validate ``run.json``."""
+    meta_path = path / layout.RUN_JSON
+    try:
+        data = json.loads(meta_path.read_text())
+    except FileNotFoundError:
+        raise RunDirError(f"{meta_path}: missing (not a megascope run directory?)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RunDirError(f"{meta_path}: unreadable ({exc})") from None
+    if not isinstance(data, dict):
+        raise RunDirError(f"{meta_path}: expected a JSON object, got {type(data).__name__}")
+    version = data.get("schema_version")
+    if version not in SUPPORTED_SCHEMA_VERSIONS:
+        raise SchemaVersionError(
+            f"{meta_path}: schema_version {version!r} is not one this megascope reads "
+            f"({', '.join(map(str, sorted(SUPPORTED_SCHEMA_VERSIONS)))}); upgrade megascope or re-create the run"
+        )
+    try:
+        return RunMeta.from_json(data)
+    except (TypeError, ValueError) as exc:
+        raise RunDirError(f"{meta_path}: invalid run metadata ({exc})") from None
+
+
+def _check_part(path: Path, table: str) -> str | None:
+    """Why ``path`` cannot be read as a part of ``table``, or None if it can."""
+    try:
+        schema = pq.read_schema(path)
+    except (OSError, pa.ArrowInvalid) as exc:
+        return f"{path}: not a readable Parquet file ({str(exc).splitlines()[0]}); skipped"
+    missing = _required_columns(table) - set(schema.names)
+    if missing:
+        return f"{path}: not a megascope {table} part (missing columns {', '.join(sorted(missing))}); skipped"
+    return None
+
+
+def _scan(run: Run, table: str) -> list[Path]:
+    """Finished parts of ``table``: checked cheaply as a whole, file by file only on failure."""
+    files = sorted(run.path.glob(layout.table_glob(table)))
+    if not files:
+        return []
+    probe = ", ".join(_sql_str(str(f)) for f in files)
+    required = _required_columns(table)
+    try:
+        rows = run.con.execute(
+            f"SELECT file_name, list(name) FROM parquet_schema([{probe}]) GROUP BY file_name"
+        ).fetchall()
+        bad = {Path(name) for name, cols in rows if not required <= set(cols)}
+        if not bad:
+            return files
+    except duckdb.Error:
+        pass
+    good = []
+    for f in files:
+        problem = _check_part(f, table)
+        if problem is None:
+            good.append(f)
+        elif problem not in run.problems:
+            run.problems.append(problem)
+            log.warning(problem)
+    return good
+
+
+def _create_views(run: Run) -> None:
+    for table, schema in TABLES.items():
+        files = _scan(run, table)
+        run.files[table] = files
+        if not files:
+            empty = pa.Table.from_batches([], schema=schema)
+            run.con.register(f"_empty_{table}", empty)
+            run.con.execute(f"CREATE OR REPLACE VIEW {table} AS SELECT * FROM _empty_{table}")
+            continue
+        file_list = ", ".join(_sql_str(str(f)) for f in files)
+        hive = _HIVE_TYPES.get(table)
+        hive_opts = f", hive_partitioning=true, hive_types={{'{hive}': INTEGER}}" if hive else ", hive_partitioning=false"
+        # Columns in schema order, each cast to its declared type, so that a writer's older file or
+        # a missing nullable column still reads as the schema says.
+        casts = []
+        described = {
+            name: typ
+            for name, typ, *_ in run.con.execute(
+                f"DESCRIBE SELECT * FROM read_parquet([{file_list}], union_by_name=true{hive_opts})"
+            ).fetchall()
+        }
+        for f in schema:
+            duck_type = _DUCK_TYPES[str(f.type)]
+            if f.name in described:
+                casts.append(f'CAST("{f.name}" AS {duck_type}) AS "{f.name}"')
+            else:
+                casts.append(f'CAST(NULL AS {duck_type}) AS "{f.name}"')
+        run.con.execute(
+            f"CREATE OR REPLACE VIEW {table} AS SELECT {', '.join(casts)} "
+            f"FROM read_parquet([{file_list}], union_by_name=true{hive_opts})"
+        )
+
+
+_DUCK_TYPES = {
+    "int32": "INTEGER",
+    "int64": "BIGINT",
+    "string": "VARCHAR",
+    "double": "DOUBLE",
+    "bool": "BOOLEAN",
+    "list<item: int32>": "INTEGER[]",
+}
+
+
+def _missing_ranks(run: Run) -> None:
+    if not run.files.get("spans") and not run.files.get("markers"):
+        return
+    world = run.meta.world_size
+    seen = {
+        r
+        for (r,) in run.con.execute(
+            "SELECT DISTINCT rank FROM spans UNION SELECT DISTINCT rank FROM markers"
+        ).fetchall()
+    }
+    missing = sorted(set(range(world)) - seen)
+    if missing:
+        shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
+        problem = f"{run.path}: {len(missing)} of {world} ranks wrote no spans or markers: {shown}"
+        run.problems.append(problem)
+        log.warning(problem)
+
+
+def open_run(path: Path | str, *, threads: int | None = None, memory_limit: str | None = None) -> Run:
+    """Open ``path`` as a run: validate ``run.json``, create one DuckDB view per table."""
+    path = Path(path)
+    if not path.exists():
+        raise RunDirError(f"{path}: no such run directory")
+    if not path.is_dir():
+        raise RunDirError(f"{path}: not a directory")
+    has_meta = (path / layout.RUN_JSON).exists()
+    if not has_meta:
+        any_part = any(any(path.glob(layout.table_glob(t))) for t in TABLES)
+        if not any_part:
+            raise RunDirError(f"{path}: not a megascope run directory (no run.json and no data)")
+        raise RunDirError(f"{path / layout.RUN_JSON}: missing, though the directory holds data; was the run copied whole?")
+    meta = read_meta(path)
+    config: dict[str, str | bool | int | float | list[str]] = {}
+    if threads:
+        config["threads"] = threads
+    if memory_limit:
+        config["memory_limit"] = memory_limit
+    con = duckdb.connect(config=config)
+    run = Run(path=path, meta=meta, con=con)
+    _create_views(run)
+    if not any(run.files.values()):
+        problem = f"{path}: run.json present but no data written yet"
+        run.problems.append(problem)
+        log.warning(problem)
+    _missing_ranks(run)
+    return run
