@@ -1,0 +1,244 @@
+"""Raw-data selections the pages show as they are: spans of a few ranks, loss, heartbeats, diagnostics.
+
+Role in the data flow: the dashboard's only SQL. Derived numbers (MFU, stragglers, states, hang
+suspects, heat-maps) come from :mod:`megascope.analysis`; this module only *selects* rows for a
+timeline or a table, bounded in size (``LIMIT``, binning), so nothing ships a full run to the
+browser. Each function takes a DuckDB connection with the store's views and returns a DataFrame.
+
+Example::
+
+    spans = timeline_spans(run.con, ranks=[4, 5], steps=(3, 3), offsets=offsets_frame)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import duckdb
+import pandas as pd
+
+log = logging.getLogger(__name__)
+
+MAX_TIMELINE_SPANS = 20_000
+MAX_TIMELINE_RANKS = 64
+
+
+def _int_list(values: Sequence[int]) -> str:
+    return ", ".join(str(int(v)) for v in values) or "NULL"
+
+
+def _with_offsets(con: duckdb.DuckDBPyConnection, offsets: pd.DataFrame | None) -> str:
+    """Register per-host clock offsets as ``_dash_offsets`` and return the SQL expression name."""
+    frame = offsets if offsets is not None and len(offsets) else pd.DataFrame({"host": pd.Series([], dtype=str),
+                                                                                "offset_ns": pd.Series([], dtype="int64")})
+    con.register("_dash_offsets", frame[["host", "offset_ns"]])
+    return "_dash_offsets"
+
+
+def rank_info(con: duckdb.DuckDBPyConnection, ranks: Sequence[int] | None = None) -> pd.DataFrame:
+    """``rank, host, pp, dp, tp`` of the given ranks (all ranks when None), by rank."""
+    where = f"WHERE rank IN ({_int_list(ranks)})" if ranks is not None else ""
+    return con.execute(f"SELECT rank, host, pp, dp, tp FROM ranks {where} ORDER BY rank").df()
+
+
+def rank_label(row: pd.Series) -> str:
+    """``"r5 pp0 dp1 tp1"``: a rank as the timeline's y axis names it."""
+    coords = " ".join(f"{axis}{int(row[axis])}" for axis in ("pp", "dp", "tp") if pd.notna(row.get(axis)))
+    return f"r{int(row['rank'])} {coords}".strip()
+
+
+def peers_of(con: duckdb.DuckDBPyConnection, rank: int, *, limit: int = 8) -> list[int]:
+    """``rank`` first, then its tensor-parallel group, then data-parallel peers doing the same work."""
+    rows = con.execute(
+        """
+        SELECT kind, members FROM groups
+        WHERE rank = ? AND kind IN ('tp', 'dp')
+        ORDER BY CASE kind WHEN 'tp' THEN 0 ELSE 1 END
+        """,
+        [int(rank)],
+    ).fetchall()
+    chosen = [int(rank)]
+    for _kind, members in rows:
+        for member in members:
+            if member not in chosen:
+                chosen.append(int(member))
+    if len(chosen) == 1:
+        # No groups table (an importer without one): fall back to ranks of the same pipeline stage.
+        same_stage = con.execute(
+            """
+            SELECT r.rank FROM ranks r, (SELECT pp FROM ranks WHERE rank = ?) me
+            WHERE r.pp IS NOT DISTINCT FROM me.pp AND r.rank <> ? ORDER BY abs(r.rank - ?) LIMIT ?
+            """,
+            [int(rank), int(rank), int(rank), limit - 1],
+        ).fetchall()
+        chosen += [int(r) for (r,) in same_stage]
+    return chosen[:limit]
+
+
+def step_range(con: duckdb.DuckDBPyConnection) -> tuple[int, int] | None:
+    """First and last step with any span, or None for a run without steps yet."""
+    row = con.execute("SELECT min(step), max(step) FROM spans WHERE step IS NOT NULL").fetchone()
+    if row is None or row[0] is None:
+        return None
+    return int(row[0]), int(row[1])
+
+
+def timeline_spans(
+    con: duckdb.DuckDBPyConnection,
+    *,
+    ranks: Sequence[int],
+    steps: tuple[int, int],
+    offsets: pd.DataFrame | None = None,
+    max_spans: int = MAX_TIMELINE_SPANS,
+) -> pd.DataFrame:
+    """Spans of ``ranks`` in steps ``steps[0]..steps[1]`` on the reference clock, with their waits.
+
+    ``wait_ns`` of a communication span is how long the rank waited for the last member of its
+    collective instance (same group and seq) or for its p2p partner (same sender, receiver, seq) to
+    arrive: the part of the span that is someone else's lateness. Members outside the selection
+    count too (their arrival is read, not drawn), except for the world group, whose members are
+    everyone. Columns: rank, step, name, kind, stream, start_ns, dur_ns, wait_ns, microbatch,
+    group, seq, op, peer; ordered by rank and start; at most ``max_spans`` rows.
+    """
+    ranks = sorted({int(r) for r in ranks})[:MAX_TIMELINE_RANKS]
+    first, last = int(steps[0]), int(steps[1])
+    offsets_view = _with_offsets(con, offsets)
+    rank_list = _int_list(ranks)
+    try:
+        return con.execute(
+            f"""
+            WITH
+            related AS (  -- ranks whose arrival decides the selected ranks' waits
+                SELECT DISTINCT unnest(members) AS rank FROM groups
+                WHERE rank IN ({rank_list}) AND kind <> 'world'
+                UNION SELECT rank FROM ranks WHERE rank IN ({rank_list})
+            ),
+            shifted AS (
+                SELECT s.*, s.start_ns + coalesce(o.offset_ns, 0) AS t_ns,
+                       CASE WHEN s.kind = 'collective' THEN s."group" || '#' || s.seq
+                            WHEN s.kind = 'send' THEN 'p2p:' || s.rank || '>' || s.peer || '#' || s.seq
+                            WHEN s.kind = 'recv' THEN 'p2p:' || s.peer || '>' || s.rank || '#' || s.seq
+                       END AS instance
+                FROM spans s
+                JOIN ranks r ON r.rank = s.rank
+                LEFT JOIN {offsets_view} o ON o.host = r.host
+                WHERE s.step BETWEEN {first} AND {last}
+                  AND (s.rank IN (SELECT rank FROM related) OR s.peer IN ({rank_list}))
+            ),
+            last_arrival AS (
+                SELECT instance, max(t_ns) AS last_ns FROM shifted WHERE instance IS NOT NULL GROUP BY instance
+            )
+            SELECT s.rank, s.step, s.name, s.kind, s.stream, s.t_ns AS start_ns, s.dur_ns,
+                   CASE WHEN s.instance IS NOT NULL
+                        THEN greatest(0, least(l.last_ns - s.t_ns, s.dur_ns)) END AS wait_ns,
+                   s.microbatch, s."group", s.seq, s.op, s.peer
+            FROM shifted s LEFT JOIN last_arrival l USING (instance)
+            WHERE s.rank IN ({rank_list}) AND s.kind <> 'step'
+            ORDER BY s.rank, s.t_ns
+            LIMIT {int(max_spans)}
+            """
+        ).df()
+    finally:
+        con.unregister(offsets_view)
+
+
+def step_spans(con: duckdb.DuckDBPyConnection, *, ranks: Sequence[int], steps: tuple[int, int],
+               offsets: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The whole-step spans (kind ``step``) of the selection, on the reference clock."""
+    offsets_view = _with_offsets(con, offsets)
+    try:
+        return con.execute(
+            f"""
+            SELECT s.rank, s.step, s.start_ns + coalesce(o.offset_ns, 0) AS start_ns, s.dur_ns
+            FROM spans s JOIN ranks r ON r.rank = s.rank LEFT JOIN {offsets_view} o ON o.host = r.host
+            WHERE s.kind = 'step' AND s.rank IN ({_int_list(ranks)}) AND s.step BETWEEN ? AND ?
+            ORDER BY s.rank, s.step
+            """,
+            [int(steps[0]), int(steps[1])],
+        ).df()
+    finally:
+        con.unregister(offsets_view)
+
+
+def metric_per_step(con: duckdb.DuckDBPyConnection, name: str) -> pd.DataFrame:
+    """``step, value``: the mean over ranks that logged metric ``name`` (loss: the last stage)."""
+    return con.execute(
+        "SELECT step, avg(value) AS value FROM metrics WHERE name = ? AND value IS NOT NULL GROUP BY step ORDER BY step",
+        [name],
+    ).df()
+
+
+def heartbeat_metrics(con: duckdb.DuckDBPyConnection) -> list[str]:
+    """Numeric heartbeat metrics present in the run, by name."""
+    rows = con.execute(
+        "SELECT DISTINCT metric FROM heartbeats WHERE value IS NOT NULL ORDER BY metric"
+    ).fetchall()
+    return [m for (m,) in rows]
+
+
+def heartbeat_series(con: duckdb.DuckDBPyConnection, metric: str, *, max_points: int = 400,
+                     max_hosts: int = 32) -> pd.DataFrame:
+    """``host, time_ns, value``: metric ``metric`` averaged per host into at most ``max_points`` bins.
+
+    Past ``max_hosts`` hosts only the extremes are kept (lowest and highest mean): a person reads
+    the outliers, not a thousand lines.
+    """
+    return con.execute(
+        """
+        WITH span AS (SELECT min(time_ns) AS t0, greatest(max(time_ns) - min(time_ns), 1) AS width
+                      FROM heartbeats WHERE metric = ?),
+        per_host AS (SELECT host, avg(value) AS mean FROM heartbeats WHERE metric = ? GROUP BY host),
+        ranked AS (SELECT host, row_number() OVER (ORDER BY mean) AS lo,
+                          row_number() OVER (ORDER BY mean DESC) AS hi FROM per_host),
+        chosen AS (SELECT host FROM ranked WHERE lo <= ? OR hi <= ?)
+        SELECT h.host,
+               min(h.time_ns) AS time_ns,
+               avg(h.value) AS value
+        FROM heartbeats h, span
+        WHERE h.metric = ? AND h.value IS NOT NULL AND h.host IN (SELECT host FROM chosen)
+        GROUP BY h.host, floor((h.time_ns - span.t0) * ? / span.width)
+        ORDER BY h.host, time_ns
+        """,
+        [metric, metric, max_hosts // 2, max_hosts - max_hosts // 2, metric, max_points - 1],
+    ).df()
+
+
+def host_summary(con: duckdb.DuckDBPyConnection, *, limit: int = 200) -> pd.DataFrame:
+    """Per host: last heartbeat, seconds silent against the newest heartbeat of the run, samples.
+
+    Silent hosts first: at 3 a.m. the host that stopped talking is the one to look at.
+    """
+    return con.execute(
+        """
+        WITH last AS (SELECT max(time_ns) AS newest FROM heartbeats)
+        SELECT host, count(*) AS samples, max(time_ns) AS last_ns,
+               round((last.newest - max(time_ns)) / 1e9, 1) AS silent_s,
+               count(DISTINCT rank) AS ranks
+        FROM heartbeats, last
+        GROUP BY host, last.newest
+        ORDER BY silent_s DESC, host
+        LIMIT ?
+        """,
+        [limit],
+    ).df()
+
+
+def recent_logs(con: duckdb.DuckDBPyConnection, *, limit: int = 50) -> pd.DataFrame:
+    """The newest text lines of the heartbeats (log tails, error strings)."""
+    return con.execute(
+        "SELECT time_ns, host, rank, metric, text FROM heartbeats WHERE text IS NOT NULL ORDER BY time_ns DESC LIMIT ?",
+        [limit],
+    ).df()
+
+
+def diagnostics_rows(con: duckdb.DuckDBPyConnection, *, limit: int = 500) -> pd.DataFrame:
+    """Self-test results, failures and outliers first."""
+    return con.execute(
+        """
+        SELECT host, rank, test, "group", value, unit, ok, outlier, detail FROM diagnostics
+        ORDER BY (ok IS NOT DISTINCT FROM false) DESC, outlier DESC NULLS LAST, test, rank
+        LIMIT ?
+        """,
+        [limit],
+    ).df()

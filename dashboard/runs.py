@@ -1,0 +1,270 @@
+"""The runs a dashboard serves: ids, live refresh and a per-run cache of analysis results.
+
+Role in the data flow: sits between the store and the pages. Each served run directory gets a short
+id (URLs carry ids, never paths, so nothing a browser sends reaches the file system); a watcher
+thread notices new part files of a live run and refreshes its DuckDB views; every analysis result a
+page needs is computed once per *generation* (one generation per distinct set of part files) and
+shared by all callbacks and ``/metrics``.
+
+Noticing new parts is cheap at 12,288 ranks: a part is renamed into ``spans/rank=N/``, which
+changes that directory's mtime, so a poll stats the partition directories and lists nothing.
+
+Example::
+
+    registry = RunRegistry([Path("runs/demo")])
+    served = registry.get("demo")
+    frame = served.result(("mfu",), lambda run: analysis.mfu(run.con, run.meta))
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from megascope import layout
+from megascope.errors import ConfigError, RunDirError
+from megascope.schema import TABLES
+from megascope.store import Run, open_run
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_ID_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+# A directory written to this recently may still change within the same mtime tick; look again.
+_SETTLE_NS = 2_000_000_000
+
+
+def run_id_for(path: Path, taken: Iterable[str]) -> str:
+    """A URL-safe id from the directory name, unique among ``taken``."""
+    base = _ID_UNSAFE.sub("-", path.resolve().name).strip("-") or "run"
+    taken = set(taken)
+    candidate, n = base, 2
+    while candidate in taken:
+        candidate, n = f"{base}-{n}", n + 1
+    return candidate
+
+
+def _stat_mtime(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
+
+
+@dataclass
+class ServedRun:
+    """One served run directory. ``run`` is None until its ``run.json`` exists (a job starting up)."""
+
+    id: str
+    path: Path
+    run: Run | None = None
+    generation: int = 0
+    error: str | None = None  # why the run cannot be opened right now, for the page to say
+    last_change_s: float = field(default_factory=time.monotonic)
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    _cache: dict[tuple[Any, ...], tuple[int, Any]] = field(default_factory=dict, repr=False)
+    _mtimes: dict[Path, int] = field(default_factory=dict, repr=False)
+    _subdirs: dict[Path, tuple[int, list[Path]]] = field(default_factory=dict, repr=False)
+    _settling: bool = field(default=False, repr=False)
+    _last_poll_s: float = field(default=0.0, repr=False)
+
+    # ---------------------------------------------------------------- live refresh
+
+    def _fingerprint(self) -> dict[Path, int]:
+        """mtime of run.json, each table directory and each partition directory."""
+        marks: dict[Path, int] = {}
+        meta = _stat_mtime(self.path / layout.RUN_JSON)
+        if meta is not None:
+            marks[self.path / layout.RUN_JSON] = meta
+        for table in TABLES:
+            base = self.path / table
+            base_mtime = _stat_mtime(base)
+            if base_mtime is None:
+                continue
+            marks[base] = base_mtime
+            if table in layout.SINGLE_FILE_TABLES or table in layout.UNPARTITIONED:
+                continue
+            # List partition directories only when one was added (the base's mtime moved).
+            known = self._subdirs.get(base)
+            if known is None or known[0] != base_mtime:
+                subdirs = sorted(Path(e.path) for e in os.scandir(base) if e.is_dir() and "=" in e.name)
+                self._subdirs[base] = (base_mtime, subdirs)
+            for sub in self._subdirs[base][1]:
+                mtime = _stat_mtime(sub)
+                if mtime is not None:
+                    marks[sub] = mtime
+        return marks
+
+    def poll(self) -> bool:
+        """Look for new data; refresh the views and bump the generation if there is any."""
+        with self._lock:
+            now_ns = time.time_ns()
+            marks = self._fingerprint()
+            changed = marks != self._mtimes or self._settling
+            self._settling = any(now_ns - m < _SETTLE_NS for m in marks.values())
+            if not changed and self.run is not None:
+                return False
+            self._mtimes = marks
+            if self.run is None:
+                if (self.path / layout.RUN_JSON).exists():
+                    try:
+                        self.run = open_run(self.path)
+                        self.error = None
+                    except RunDirError as exc:
+                        self.error = str(exc)
+                        return False
+                else:
+                    self.error = f"{self.path.name}: waiting for the job to write run.json"
+                    return False
+            else:
+                for problem in self.run.refresh():
+                    log.warning("%s", problem)
+            self.generation += 1
+            self.last_change_s = time.monotonic()
+            self._cache = {k: v for k, v in self._cache.items() if v[0] == self.generation}
+            log.debug("run %s: generation %d", self.id, self.generation)
+            return True
+
+    # ---------------------------------------------------------------- results
+
+    def result(self, key: tuple[Any, ...], compute: Callable[[Run], T]) -> T:
+        """``compute(run)`` once per generation and ``key``; callers on other threads wait and share.
+
+        DuckDB work for one run is serialised: the views change under a refresh, and two cores
+        gain nothing from running two analyses of one run at once.
+        """
+        with self._lock:
+            if self.run is None:
+                raise RunDirError(self.error or f"{self.path}: no data yet")
+            hit = self._cache.get(key)
+            if hit is not None and hit[0] == self.generation:
+                return hit[1]  # type: ignore[no-any-return]
+            started = time.perf_counter()
+            value = compute(self.run)
+            log.debug("run %s: %s computed in %.3f s", self.id, key, time.perf_counter() - started)
+            self._cache[key] = (self.generation, value)
+            return value
+
+    def cached(self, key: tuple[Any, ...]) -> Any | None:
+        """The result for ``key`` of the current generation if already computed (never computes)."""
+        with self._lock:
+            hit = self._cache.get(key)
+            return hit[1] if hit is not None and hit[0] == self.generation else None
+
+
+class RunRegistry:
+    """The run directories one dashboard serves, by id; a watcher thread keeps live runs fresh.
+
+    ``wait=True`` accepts directories that hold no run yet (``megascope demo`` serves a run before
+    the job has written anything); otherwise each directory must open now, so a typo fails at
+    start-up with one line instead of a blank page.
+    """
+
+    def __init__(self, run_dirs: Sequence[Path | str], *, wait: bool = False, poll_interval_s: float = 2.0,
+                 idle_interval_s: float = 30.0) -> None:
+        if not run_dirs:
+            raise ConfigError("no run directories to serve")
+        if poll_interval_s <= 0:
+            raise ConfigError(f"poll interval must be > 0, got {poll_interval_s}")
+        self.poll_interval_s = poll_interval_s
+        self.idle_interval_s = max(idle_interval_s, poll_interval_s)
+        self._runs: dict[str, ServedRun] = {}
+        self._warmers: list[tuple[tuple[Any, ...], Callable[[Run], Any]]] = []
+        seen_paths: set[Path] = set()
+        for raw in run_dirs:
+            path = Path(raw).resolve()
+            if path in seen_paths:
+                continue
+            seen_paths.add(path)
+            if path.exists() and not path.is_dir():
+                raise RunDirError(f"{raw}: not a directory")
+            if not path.exists() and not wait:
+                raise RunDirError(f"{raw}: no such run directory")
+            served = ServedRun(id=run_id_for(path, self._runs), path=path)
+            if not wait:
+                served.run = open_run(path)
+                for problem in served.run.problems:
+                    log.warning("%s", problem)
+                served._mtimes = served._fingerprint()
+                served.generation = 1
+            else:
+                served.poll()
+            self._runs[served.id] = served
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---------------------------------------------------------------- lookup
+
+    @property
+    def ids(self) -> list[str]:
+        return list(self._runs)
+
+    def __iter__(self) -> Any:
+        return iter(self._runs.values())
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def get(self, run_id: str | None) -> ServedRun | None:
+        """The run with this id, or None: an unknown id is never turned into a path."""
+        if run_id is None:
+            return None
+        return self._runs.get(run_id)
+
+    # ---------------------------------------------------------------- warming and watching
+
+    def add_warmer(self, key: tuple[Any, ...], compute: Callable[[Run], Any]) -> None:
+        """A result the watcher computes after each refresh, so the next page view is a cache hit."""
+        self._warmers.append((key, compute))
+
+    def warm(self, served: ServedRun) -> None:
+        for key, compute in self._warmers:
+            if self._stop.is_set():
+                return
+            try:
+                served.result(key, compute)
+            except Exception as exc:  # noqa: BLE001 - a page will show the error; the watcher goes on
+                log.info("run %s: warming %s failed: %s", served.id, key, exc)
+
+    def poll_all(self) -> list[str]:
+        """Poll every run once; the ids of those that changed."""
+        changed = []
+        for served in self._runs.values():
+            idle = time.monotonic() - served.last_change_s > 300
+            # A run untouched for minutes is probably finished: look less often.
+            if idle and time.monotonic() - served._last_poll_s < self.idle_interval_s:
+                continue
+            served._last_poll_s = time.monotonic()
+            try:
+                if served.poll():
+                    changed.append(served.id)
+            except OSError as exc:
+                log.warning("run %s: poll failed: %s", served.id, exc)
+        return changed
+
+    def _watch(self) -> None:
+        for served in self._runs.values():
+            self.warm(served)
+        while not self._stop.wait(self.poll_interval_s):
+            for run_id in self.poll_all():
+                self.warm(self._runs[run_id])
+
+    def start(self) -> None:
+        """Start the watcher thread (a daemon: it never keeps the process alive)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="megascope-watch", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
