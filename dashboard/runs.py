@@ -18,12 +18,13 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -152,6 +153,14 @@ class ServedRun:
             log.debug("run %s: %s computed in %.3f s", self.id, key, time.perf_counter() - started)
             self._cache[key] = (self.generation, value)
             return value
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[Run]:
+        """The run, with its DuckDB connection to the caller alone (an export of a selection)."""
+        with self._lock:
+            if self.run is None:
+                raise RunDirError(self.error or f"{self.path}: no data yet")
+            yield self.run
 
     def cached(self, key: tuple[Any, ...]) -> Any | None:
         """The result for ``key`` of the current generation if already computed (never computes)."""

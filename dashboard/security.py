@@ -21,6 +21,7 @@ import logging
 from urllib.parse import urlencode
 
 import flask
+from werkzeug.wrappers import Response as WerkzeugResponse
 
 from megascope.errors import ConfigError
 
@@ -55,7 +56,7 @@ def install_token_guard(server: flask.Flask, token: str) -> None:
     """Reject every request without the token (403, one line of text)."""
 
     @server.before_request
-    def _require_token() -> flask.Response | None:
+    def _require_token() -> WerkzeugResponse | None:
         req = flask.request
         auth = req.headers.get("Authorization", "")
         bearer = auth[len("Bearer "):] if auth.startswith("Bearer ") else None

@@ -1,1 +1,1 @@
-"""(to be written)"""
+"""The dashboard's pages: each module has ``layout(served, query)`` and ``register(app, registry)``."""

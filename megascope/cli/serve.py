@@ -6,23 +6,58 @@ from pathlib import Path
 
 import click
 
-from megascope.cli.common import not_built
-
 
 @click.command()
 @click.argument("run_dirs", metavar="[RUN]...", nargs=-1, type=click.Path(path_type=Path, file_okay=False))
-@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on; anything but loopback requires --token.")
 @click.option("--port", type=click.IntRange(1, 65535), default=8050, show_default=True)
-@click.option("--token", default=None, help="Required when --host is not loopback.")
-def serve(run_dirs: tuple[Path, ...], host: str, port: int, token: str | None) -> None:
-    """Serve the dashboard for RUN directories (the bundled samples when none is given)."""
-    not_built("serve")
+@click.option("--token", default=None, envvar="MEGASCOPE_TOKEN",
+              help="Secret every request must carry (open the URL once with ?token=...). Env: MEGASCOPE_TOKEN.")
+@click.option("--poll", "poll_s", type=click.FloatRange(min=0.2), default=2.0, show_default=True,
+              help="Seconds between looks for new data of a live run.")
+def serve(run_dirs: tuple[Path, ...], host: str, port: int, token: str | None, poll_s: float) -> None:
+    """Serve the dashboard for RUN directories (the bundled sample runs when none is given).
+
+    Only the directories given are ever read; pages name runs by id, never by path.
+    /metrics answers in Prometheus' text format.
+    """
+    from megascope.dashboard.app import create_app, registry_of
+    from megascope.dashboard.demo import bundled_sample_runs
+
+    dirs = list(run_dirs) or bundled_sample_runs()
+    app = create_app(dirs, host=host, token=token, poll_interval_s=poll_s)
+    registry = registry_of(app)
+    shown_host = f"[{host}]" if ":" in host else host
+    click.echo(f"megascope: serving {len(registry)} run(s) ({', '.join(registry.ids)}) at "
+               f"http://{shown_host}:{port}/" + ("?token=..." if token else ""), err=True)
+    try:
+        app.run(host=host, port=port, debug=False)
+    finally:
+        registry.stop()
 
 
 @click.command()
-def demo() -> None:
-    """Train on CPU with a planted straggler while the dashboard shows it live."""
-    not_built("demo")
+@click.option("-o", "--out", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Run directory to write (default: a new temporary directory).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=8050, show_default=True)
+@click.option("--steps", type=click.IntRange(min=1), default=60, show_default=True)
+@click.option("--inject", default="straggler:rank=5,factor=1.6", show_default=True, metavar="SPEC",
+              help="The fault to plant (the --inject grammar).")
+def demo(out: Path | None, host: str, port: int, steps: int, inject: str) -> None:
+    """Train on CPU (8 ranks, 2x2x2) with a planted straggler while the dashboard shows it live.
+
+    Ctrl-C stops both. Where the bundled trainer is not available, a synthetic run of the same
+    shape is written step by step instead.
+    """
+    from megascope.dashboard.demo import run_demo
+    from megascope.dashboard.security import check_bind
+    from megascope.inject import parse_inject
+
+    check_bind(host, None)
+    parse_inject(inject)  # a bad spec fails here, in one line, before anything starts
+    run_demo(out, host=host, port=port, steps=steps, inject=inject, echo=lambda line: click.echo(line, err=True))
 
 
 def register(group: click.Group) -> None:

@@ -23,13 +23,8 @@ _PANELS = (
 )
 
 
-def step_series_figure(per_step: pd.DataFrame, *, loss: pd.DataFrame | None = None,
-                       slow_steps: pd.Series | None = None) -> go.Figure:
-    """One shared-x panel per series; panels whose column is missing or all-null are left out.
-
-    ``slow_steps`` (optional, a boolean Series indexed like ``per_step``) marks steps to highlight,
-    e.g. those where a straggler was slow.
-    """
+def step_series_figure(per_step: pd.DataFrame, *, loss: pd.DataFrame | None = None) -> go.Figure:
+    """One shared-x panel per series; panels whose column is missing or all-null are left out."""
     panels = [(col, label, scale) for col, label, scale in _PANELS
               if col in per_step.columns and per_step[col].notna().any()]
     has_loss = loss is not None and len(loss) > 0 and loss["value"].notna().any()
@@ -48,14 +43,6 @@ def step_series_figure(per_step: pd.DataFrame, *, loss: pd.DataFrame | None = No
                        marker_size=4, hovertemplate=f"step %{{x}}<br>{label} %{{y:.4g}}<extra></extra>"),
             row=row, col=1,
         )
-        if slow_steps is not None and slow_steps.any():
-            marked = per_step[slow_steps.reindex(per_step.index, fill_value=False).to_numpy()]
-            fig.add_trace(
-                go.Scatter(x=marked["step"], y=marked[col] * scale, mode="markers", name="straggler slow",
-                           marker={"color": "#d62728", "size": 7, "symbol": "x"}, showlegend=row == 1,
-                           hovertemplate="step %{x}: straggler slow<extra></extra>"),
-                row=row, col=1,
-            )
     if has_loss:
         assert loss is not None
         fig.add_trace(

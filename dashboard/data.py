@@ -1,0 +1,203 @@
+"""What the pages show, computed once per run generation: thin cached calls into megascope.analysis.
+
+Role in the data flow: every number on a page or on ``/metrics`` comes through here, from
+:mod:`megascope.analysis` (MFU, stragglers, states, hang suspects, heat-maps, what-if, bubbles,
+clock offsets) or from :mod:`megascope.dashboard.queries` (raw rows). Each function takes a
+:class:`~megascope.dashboard.runs.ServedRun` and returns a frame or dict shared by all callers
+until new data arrives. ``WARM`` lists the results the watcher precomputes after each refresh.
+
+Example::
+
+    per_step = data.per_step(served)       # DataFrame[step, step_time_ns, mfu, tokens_per_s]
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pandas as pd
+
+from megascope.dashboard import queries
+from megascope.dashboard.runs import ServedRun
+from megascope.store import Run
+
+log = logging.getLogger(__name__)
+
+HEATMAP_MAX_RANKS = 512
+HEATMAP_MAX_STEPS = 400
+
+
+def _analysis() -> Any:
+    # Imported on first use: the analysis modules load SQL files and are not needed to start up.
+    from megascope import analysis
+
+    return analysis
+
+
+def _compute_per_step(run: Run) -> pd.DataFrame:
+    return _analysis().mfu(run.con, run.meta)
+
+
+def _compute_stragglers(run: Run) -> pd.DataFrame:
+    return _analysis().stragglers(run.con)
+
+
+def _compute_states(run: Run) -> pd.DataFrame:
+    return _analysis().rank_states(run)
+
+
+def _compute_hang(run: Run) -> dict[str, Any]:
+    return dict(_analysis().localize(run))
+
+
+def _compute_whatif(run: Run) -> dict[str, Any]:
+    return dict(_analysis().whatif(run.con, run.meta))
+
+
+def _compute_offsets(run: Run) -> pd.DataFrame:
+    return _analysis().clock_offsets(run.con)
+
+
+def _compute_bubbles(run: Run) -> pd.DataFrame:
+    return _analysis().bubbles(run.con)
+
+
+def _compute_skew(run: Run) -> pd.DataFrame:
+    return _analysis().skew(run.con)
+
+
+def _compute_loss(run: Run) -> pd.DataFrame:
+    return queries.metric_per_step(run.con, "loss")
+
+
+def _compute_ranks(run: Run) -> pd.DataFrame:
+    return queries.rank_info(run.con)
+
+
+def per_step(served: ServedRun) -> pd.DataFrame:
+    """``step, step_time_ns, mfu, tokens_per_s`` (analysis.mfu)."""
+    return served.result(("per_step",), _compute_per_step)
+
+
+def stragglers(served: ServedRun) -> pd.DataFrame:
+    """One row per straggler, worst first (analysis.stragglers)."""
+    return served.result(("stragglers",), _compute_stragglers)
+
+
+def rank_states(served: ServedRun) -> pd.DataFrame:
+    """``rank, host, pp, dp, tp, state`` (analysis.rank_states)."""
+    return served.result(("rank_states",), _compute_states)
+
+
+def hang(served: ServedRun) -> dict[str, Any]:
+    """``{hung, suspects, ...}`` (analysis.localize)."""
+    return served.result(("hang",), _compute_hang)
+
+
+def whatif(served: ServedRun) -> dict[str, Any]:
+    return served.result(("whatif",), _compute_whatif)
+
+
+def clock_offsets(served: ServedRun) -> pd.DataFrame:
+    return served.result(("clock_offsets",), _compute_offsets)
+
+
+def bubbles(served: ServedRun) -> pd.DataFrame:
+    return served.result(("bubbles",), _compute_bubbles)
+
+
+def skew(served: ServedRun) -> pd.DataFrame:
+    return served.result(("skew",), _compute_skew)
+
+
+def loss(served: ServedRun) -> pd.DataFrame:
+    """``step, value``: mean loss over the ranks that log it."""
+    return served.result(("loss",), _compute_loss)
+
+
+def ranks(served: ServedRun) -> pd.DataFrame:
+    """``rank, host, pp, dp, tp`` of every rank."""
+    return served.result(("ranks",), _compute_ranks)
+
+
+def heatmap(served: ServedRun, phase: str) -> pd.DataFrame:
+    """The rank x step frame of ``phase``, binned server-side to at most 512 x 400 cells."""
+    return served.result(
+        ("heatmap", phase),
+        lambda run: _analysis().heatmap(run.con, phase=phase, max_ranks=HEATMAP_MAX_RANKS,
+                                        max_steps=HEATMAP_MAX_STEPS),
+    )
+
+
+def query(served: ServedRun, key: tuple[Any, ...], fn: Callable[[Run], Any]) -> Any:
+    """A raw-data query, cached like the analyses (``key`` must name all of its arguments)."""
+    return served.result(("query", *key), fn)
+
+
+# Precomputed by the watcher after each refresh: what the overview, topology and /metrics need.
+WARM: list[tuple[tuple[Any, ...], Callable[[Run], Any]]] = [
+    (("per_step",), _compute_per_step),
+    (("hang",), _compute_hang),
+    (("stragglers",), _compute_stragglers),
+    (("rank_states",), _compute_states),
+    (("loss",), _compute_loss),
+]
+
+
+def empty_stragglers() -> pd.DataFrame:
+    return pd.DataFrame(columns=["rank", "host", "coords", "phase", "slowdown", "steps_slow_frac", "cause"])
+
+
+def peers(served: ServedRun, rank: int) -> list[int]:
+    """``rank`` and the ranks doing the same work beside it (its TP group, then DP peers)."""
+    return list(served.result(("peers", int(rank)), lambda run: queries.peers_of(run.con, int(rank))))
+
+
+def focus_rank(served: ServedRun) -> int:
+    """The rank a page opens on when none is asked for: the hang suspect, else the worst straggler."""
+    hang_result = hang(served)
+    if hang_result.get("hung") and hang_result.get("suspects"):
+        return int(hang_result["suspects"][0]["rank"])
+    frame = stragglers(served)
+    if len(frame):
+        return int(frame.iloc[0]["rank"])
+    return 0
+
+
+def default_steps(served: ServedRun) -> tuple[int, int]:
+    """The step a timeline opens on: where the hang happened, else the last completed step."""
+    bounds = served.result(("step_range",), lambda run: queries.step_range(run.con))
+    if bounds is None:
+        return 0, 0
+    if hang(served).get("hung"):
+        return bounds[1], bounds[1]
+    frame = per_step(served)
+    last = int(frame["step"].max()) if len(frame) else bounds[1]
+    return last, last
+
+
+def timeline(served: ServedRun, ranks: list[int], steps: tuple[int, int]
+             ) -> tuple[pd.DataFrame, pd.DataFrame, dict[int, str]]:
+    """Spans, step spans and lane labels of a selection, on the reference clock."""
+    key = ("timeline", tuple(ranks), tuple(steps))
+
+    def compute(run: Run) -> tuple[pd.DataFrame, pd.DataFrame, dict[int, str]]:
+        offsets = clock_offsets(served)
+        spans = queries.timeline_spans(run.con, ranks=ranks, steps=steps, offsets=offsets)
+        bounds = queries.step_spans(run.con, ranks=ranks, steps=steps, offsets=offsets)
+        info = queries.rank_info(run.con, ranks)
+        labels = {int(row["rank"]): queries.rank_label(row) for _, row in info.iterrows()}
+        return spans, bounds, labels
+
+    return served.result(key, compute)
+
+
+def health_findings(served: ServedRun) -> pd.DataFrame | None:
+    """The node-health module's findings, or None where that module is not installed."""
+    try:
+        from megascope.health import health_findings as findings  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    return served.result(("health_findings",), lambda run: findings(run.con))

@@ -1,0 +1,145 @@
+"""``megascope demo``: a CPU training job with a planted straggler, and the dashboard showing it live.
+
+Role in the data flow: glue. It starts the bundled trainer (``megascope train --nproc 8 --tp 2
+--pp 2 --dp 2 --inject straggler:...``) in its own process group, writing a run directory, and
+serves that directory while it grows. Where the trainer is not available (a build without it),
+it writes a synthetic run of the same shape step by step instead and says so. Ctrl-C stops the
+server, then the job (SIGINT, then SIGTERM, then SIGKILL), and leaves the run directory behind.
+
+Example::
+
+    run_demo(Path("runs/demo"), host="127.0.0.1", port=8050)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import megascope
+from megascope import layout
+from megascope.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+DEMO_MESH = {"tp": 2, "pp": 2, "dp": 2}
+DEMO_STRAGGLER = "straggler:rank=5,factor=1.6"
+
+
+def bundled_sample_runs() -> list[Path]:
+    """The run directories under the repository's ``sample_traces/`` (served when no RUN is given)."""
+    root = Path(megascope.__file__).resolve().parent.parent / "sample_traces"
+    runs = sorted(p for p in root.glob("*") if (p / layout.RUN_JSON).is_file()) if root.is_dir() else []
+    if not runs:
+        raise ConfigError(f"no RUN given and no bundled sample runs under {root}; pass a run directory")
+    return runs
+
+
+def trainer_command(out: Path, *, steps: int, inject: str) -> list[str]:
+    return [
+        sys.executable, "-m", "megascope", "train", "--nproc", "8",
+        *(a for axis, size in DEMO_MESH.items() for a in (f"--{axis}", str(size))),
+        "--steps", str(steps), "--inject", inject, "-o", str(out),
+    ]
+
+
+@dataclass
+class DemoJob:
+    """The writer behind a demo run: the trainer process, or a replay thread as a fallback."""
+
+    out: Path
+    process: subprocess.Popen[bytes] | None = None
+    thread: threading.Thread | None = None
+    stop_event: threading.Event = field(default_factory=threading.Event)
+    description: str = ""
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.stop_event.set()
+        if self.process is not None and self.process.poll() is None:
+            # The job runs in its own process group: signal the launcher and all its ranks.
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(self.process.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.process.wait(timeout_s / 2)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+
+
+def start_trainer(out: Path, *, steps: int, inject: str, probe_s: float = 4.0) -> DemoJob | None:
+    """Start the bundled trainer; None if it is not available (it exits at once without a run)."""
+    # Beside the run, not in it: the trainer may want its output directory to itself.
+    log_path = out.parent / f"{out.name}.train.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(trainer_command(out, steps=steps, inject=inject), stdout=log_file,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        code = process.wait(probe_s)
+    except subprocess.TimeoutExpired:
+        return DemoJob(out=out, process=process, description=f"bundled trainer (log: {log_path})")
+    if code == 0 and (out / layout.RUN_JSON).exists():
+        return DemoJob(out=out, process=process, description="bundled trainer (finished)")
+    last_line = (log_path.read_text(errors="replace").strip().splitlines() or ["(no output)"])[-1]
+    log.warning("the bundled trainer is not available (%s); writing a synthetic run step by step instead", last_line)
+    return None
+
+
+def start_synthetic(out: Path, *, steps: int, inject: str, step_interval_s: float) -> DemoJob:
+    """Fallback: a synthetic 2x2x2 run with the same straggler, replayed one step per interval."""
+    from megascope.dashboard.replay import replay_run
+    from megascope.inject import parse_injects
+    from megascope.synth import SynthConfig, synth_run
+
+    source = Path(tempfile.mkdtemp(prefix="megascope-demo-src-")) / "run"
+    synth_run(source, SynthConfig(ranks=8, steps=steps, tp=DEMO_MESH["tp"], pp=DEMO_MESH["pp"],
+                                  gpus_per_host=4, faults=parse_injects([inject])))
+    job = DemoJob(out=out, description="synthetic run replayed step by step (bundled trainer not available)")
+
+    def write() -> None:
+        try:
+            replay_run(source, out, step_interval_s=step_interval_s, stop=job.stop_event)
+        except Exception:  # noqa: BLE001 - the server keeps showing what was written
+            log.exception("demo replay failed")
+
+    job.thread = threading.Thread(target=write, name="megascope-demo-replay", daemon=True)
+    job.thread.start()
+    return job
+
+
+def run_demo(out: Path | None, *, host: str = "127.0.0.1", port: int = 8050, steps: int = 60,
+             inject: str = DEMO_STRAGGLER, step_interval_s: float = 1.0, use_trainer: bool = True,
+             echo: Callable[[str], None] = log.warning) -> Path:
+    """Run the job and the dashboard until Ctrl-C; return the run directory (kept)."""
+    from megascope.dashboard.app import create_app, registry_of
+
+    if out is None:
+        out = Path(tempfile.mkdtemp(prefix="megascope-demo-")) / "run"
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"{out}: already exists and is not empty; choose another --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    job = start_trainer(out, steps=steps, inject=inject) if use_trainer else None
+    if job is None:
+        job = start_synthetic(out, steps=steps, inject=inject, step_interval_s=step_interval_s)
+    app = create_app([out], host=host, wait=True, poll_interval_s=1.0)
+    echo(f"demo: {job.description}, writing {out}")
+    echo(f"demo: dashboard at http://{host}:{port}/ (Ctrl-C stops both)")
+    try:
+        app.run(host=host, port=port, debug=False)
+    finally:
+        registry_of(app).stop()
+        job.stop()
+        echo(f"demo: stopped; the run stays in {out}")
+    return out

@@ -1,0 +1,81 @@
+"""Heat-map page: rank x step per phase, normalised within peers; a click opens the timeline.
+
+The frame comes from :func:`megascope.analysis.heatmap`, binned server-side to at most 512 rank
+rows and 400 step columns, so a 12,288-rank run ships a few hundred thousand numbers at most.
+Clicking a cell opens that rank (the first rank of a binned row) and step beside its peers on
+the timeline page.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dash import Dash, Input, Output, State, dcc, html, no_update
+
+from megascope.dashboard import data, ids, routes
+from megascope.dashboard.components import contained, notice
+from megascope.dashboard.runs import RunRegistry, ServedRun
+from megascope.dashboard.shell import served_from
+
+PHASES = ("step", "forward", "backward", "compute", "collective", "send", "recv", "data", "optimizer")
+
+
+def layout(served: ServedRun, query: dict[str, str]) -> html.Div:
+    phase = query.get("phase", "step")
+    return html.Div(
+        [
+            html.Div(
+                [html.Label("phase", htmlFor=ids.HEATMAP_PHASE),
+                 dcc.Dropdown(id=ids.HEATMAP_PHASE, options=list(PHASES), value=phase if phase in PHASES else "step",
+                              clearable=False, style={"width": "220px"}),
+                 html.Span("colour: time / median of peers doing the same work (same pipeline stage); "
+                           "click a cell to open it on the timeline", className="hint")],
+                className="controls",
+            ),
+            html.Div(id=ids.HEATMAP_NOTE),
+            dcc.Loading(dcc.Graph(id=ids.HEATMAP_GRAPH, config={"displaylogo": False}), delay_show=300),
+        ]
+    )
+
+
+def cell_target(point: dict[str, Any]) -> tuple[int, int] | None:
+    """(rank, step) of a clicked heat-map cell: customdata[0:2] when the figure carries it, else y, x."""
+    custom = point.get("customdata")
+    try:
+        if isinstance(custom, list | tuple) and len(custom) >= 2:
+            return int(custom[0]), int(custom[1])
+        return int(point["y"]), int(point["x"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def register(app: Dash, registry: RunRegistry) -> None:
+    @app.callback(
+        Output(ids.HEATMAP_GRAPH, "figure"), Output(ids.HEATMAP_NOTE, "children"),
+        Input(ids.GENERATION, "data"), Input(ids.HEATMAP_PHASE, "value"),
+    )
+    @contained(no_update)
+    def update(generation: dict[str, Any] | None, phase: str) -> tuple[Any, Any]:
+        served = served_from(registry, generation)
+        if served is None or served.run is None:
+            return no_update, notice(served.error if served else "loading...")
+        frame = data.heatmap(served, phase)
+        if frame.empty:
+            return no_update, notice(f"no {phase} spans in this run", "info")
+        return data.heatmap_figure(served, frame, phase), None
+
+    @app.callback(
+        Output(ids.URL, "pathname", allow_duplicate=True), Output(ids.URL, "search", allow_duplicate=True),
+        Input(ids.HEATMAP_GRAPH, "clickData"), State(ids.GENERATION, "data"),
+        prevent_initial_call=True,
+    )
+    def open_timeline(click: dict[str, Any] | None, generation: dict[str, Any] | None) -> tuple[Any, Any]:
+        served = served_from(registry, generation)
+        if not click or not click.get("points") or served is None or served.run is None:
+            return no_update, no_update
+        target = cell_target(click["points"][0])
+        if target is None:
+            return no_update, no_update
+        rank, step = target
+        peers = data.peers(served, rank)
+        return routes.href(served.id, "timeline"), "?" + routes.selection_query(peers, (step, step))

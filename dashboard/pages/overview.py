@@ -1,0 +1,102 @@
+"""Overview page: MFU, step time, tokens/s and loss over steps, with alerts for what needs a person.
+
+Alerts, most urgent first: a hang (with the suspect rank, host and coordinates), stragglers (rank,
+cause, slowdown) and skew growth. Every number comes from :mod:`megascope.analysis` via
+:mod:`megascope.dashboard.data`; the figure from :mod:`megascope.figures.overview`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+from dash import Dash, Input, Output, dcc, html, no_update
+
+from megascope.dashboard import data, ids, routes
+from megascope.dashboard.components import card, contained, notice
+from megascope.dashboard.runs import RunRegistry, ServedRun
+from megascope.dashboard.shell import served_from
+from megascope.figures.overview import step_series_figure
+
+
+def layout(served: ServedRun, query: dict[str, str]) -> html.Div:
+    return html.Div(
+        [
+            html.Div(id=ids.OVERVIEW_CARDS, className="cards"),
+            html.Div(id=ids.OVERVIEW_ALERTS, className="alerts"),
+            dcc.Graph(id=ids.OVERVIEW_GRAPH, config={"displaylogo": False}),
+        ]
+    )
+
+
+def coords_text(coords: Any) -> str:
+    if isinstance(coords, dict):
+        return " ".join(f"{k}={v}" for k, v in coords.items())
+    return str(coords) if coords is not None else ""
+
+
+def alerts(served: ServedRun) -> list[Any]:
+    """The alert lines of a run, most urgent first; each links to the page that explains it."""
+    out: list[Any] = []
+    hang = data.hang(served)
+    if hang.get("hung"):
+        suspects = hang.get("suspects") or []
+        if suspects:
+            s = suspects[0]
+            text = (f"HANG: rank {s['rank']} ({s.get('host', '?')}, {coords_text(s.get('coords'))}) never entered "
+                    f"{s.get('group', '?')} seq {s.get('missing_seq', '?')}")
+        else:
+            text = "HANG: the job stopped making progress (no suspect named)"
+        out.append(html.Div([text, " ", dcc.Link("show in the topology", href=routes.href(served.id, "topology"))],
+                            className="alert alert-hang"))
+    frame = data.stragglers(served)
+    for row in frame.head(5).to_dict("records"):
+        text = (f"Straggler: rank {row['rank']} ({row.get('host', '?')}, {coords_text(row.get('coords'))}) "
+                f"{row.get('phase', '')} x{float(row.get('slowdown', float('nan'))):.2f}, "
+                f"cause {row.get('cause', '?')}, slow in {100 * float(row.get('steps_slow_frac', 0)):.0f}% of steps")
+        out.append(html.Div([text, " ", dcc.Link("details", href=routes.href(served.id, "stragglers"))],
+                            className="alert alert-straggler"))
+    if len(frame) > 5:
+        out.append(html.Div(f"... and {len(frame) - 5} more stragglers", className="alert alert-straggler"))
+    for line in data.skew_alerts(served):
+        out.append(html.Div(line, className="alert alert-skew"))
+    if not out:
+        out.append(html.Div("No stragglers, skew growth or hang found.", className="alert alert-ok"))
+    return out
+
+
+def cards(served: ServedRun, per_step: pd.DataFrame) -> list[Any]:
+    if per_step.empty:
+        return [card("steps", "0", "no completed step yet")]
+    last = per_step.iloc[-1]
+    mfu = per_step["mfu"].dropna()
+    step_ms = per_step["step_time_ns"].dropna() / 1e6
+    tokens = per_step["tokens_per_s"].dropna() if "tokens_per_s" in per_step else pd.Series(dtype=float)
+    hang = data.hang(served)
+    n_stragglers = len(data.stragglers(served))
+    return [
+        card("MFU", f"{100 * mfu.mean():.1f} %" if len(mfu) else "n/a",
+             f"last step {100 * mfu.iloc[-1]:.1f} %" if len(mfu) else "needs model FLOPs in run.json"),
+        card("step time", f"{step_ms.median():.1f} ms" if len(step_ms) else "n/a",
+             f"last {step_ms.iloc[-1]:.1f} ms" if len(step_ms) else ""),
+        card("tokens/s", f"{tokens.mean():,.0f}" if len(tokens) else "n/a", "mean over steps"),
+        card("steps", f"{int(last['step']) + 1}", f"{len(per_step)} with timings"),
+        card("stragglers", str(n_stragglers), "", kind="bad" if n_stragglers else "good"),
+        card("state", "HUNG" if hang.get("hung") else "running", "", kind="bad" if hang.get("hung") else "good"),
+    ]
+
+
+def register(app: Dash, registry: RunRegistry) -> None:
+    @app.callback(
+        Output(ids.OVERVIEW_GRAPH, "figure"), Output(ids.OVERVIEW_ALERTS, "children"),
+        Output(ids.OVERVIEW_CARDS, "children"),
+        Input(ids.GENERATION, "data"),
+    )
+    @contained(no_update, no_update)
+    def update(generation: dict[str, Any] | None) -> tuple[Any, Any, Any]:
+        served = served_from(registry, generation)
+        if served is None or served.run is None:
+            return no_update, no_update, notice(served.error if served else "loading...", "info")
+        per_step = data.per_step(served)
+        figure = step_series_figure(per_step, loss=data.loss(served))
+        return figure, alerts(served), cards(served, per_step)

@@ -1,0 +1,86 @@
+"""Topology page: the job's TP/PP/DP grid, every rank coloured by its state.
+
+States come from :func:`megascope.analysis.rank_states` (healthy, slow, waiting, silent, hung) and
+hang suspects from :func:`megascope.analysis.localize`; during a hang the banner names the culprit
+and the grid rings it, among the pale "waiting" ranks it holds up. The grid is one heat-map image
+(:mod:`megascope.figures.topology`), so thousands of ranks cost thousands of numbers, not DOM
+nodes. Clicking a rank opens it on the timeline.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+from dash import Dash, Input, Output, State, dcc, html, no_update
+
+from megascope.dashboard import data, ids, routes
+from megascope.dashboard.components import contained, notice, table
+from megascope.dashboard.pages.overview import coords_text
+from megascope.dashboard.runs import RunRegistry, ServedRun
+from megascope.dashboard.shell import served_from
+from megascope.figures.topology import STATES, topology_figure
+
+SUSPECT_COLUMNS = ("rank", "host", "coords", "group", "last_completed_seq", "missing_seq")
+
+
+def layout(served: ServedRun, query: dict[str, str]) -> html.Div:
+    return html.Div(
+        [
+            html.Div(id=ids.TOPOLOGY_BANNER),
+            dcc.Loading(dcc.Graph(id=ids.TOPOLOGY_GRAPH, config={"displaylogo": False}), delay_show=300),
+            html.Div(id=ids.TOPOLOGY_SUSPECTS),
+        ]
+    )
+
+
+def banner(served: ServedRun, states: pd.DataFrame, hang: dict[str, Any]) -> list[Any]:
+    counts = states["state"].value_counts() if len(states) else pd.Series(dtype=int)
+    summary = " · ".join(f"{int(counts[s])} {s}" for s in STATES if s in counts)
+    if hang.get("hung") and hang.get("suspects"):
+        s = hang["suspects"][0]
+        head = (f"HANG: rank {s['rank']} on {s.get('host', '?')} ({coords_text(s.get('coords'))}) never entered "
+                f"{s.get('group', '?')} seq {s.get('missing_seq', '?')}; the ranks waiting on it are pale yellow.")
+        return [html.Div(head, className="alert alert-hang", id="topology-culprit"), html.Div(summary, className="hint")]
+    if hang.get("hung"):
+        return [html.Div("HANG: progress stopped but no suspect was named", className="alert alert-hang"),
+                html.Div(summary, className="hint")]
+    return [html.Div(summary or "no ranks reported yet", className="hint")]
+
+
+def register(app: Dash, registry: RunRegistry) -> None:
+    @app.callback(
+        Output(ids.TOPOLOGY_GRAPH, "figure"), Output(ids.TOPOLOGY_SUSPECTS, "children"),
+        Output(ids.TOPOLOGY_BANNER, "children"),
+        Input(ids.GENERATION, "data"),
+    )
+    @contained(no_update, no_update)
+    def update(generation: dict[str, Any] | None) -> tuple[Any, Any, Any]:
+        served = served_from(registry, generation)
+        if served is None or served.run is None:
+            return no_update, no_update, notice(served.error if served else "loading...")
+        states = data.rank_states(served)
+        hang = data.hang(served)
+        suspects = list(hang.get("suspects") or []) if hang.get("hung") else []
+        figure = topology_figure(states, suspects=suspects[:3])
+        suspect_table = None
+        if suspects:
+            frame = pd.DataFrame(suspects)
+            suspect_table = [html.H3("Hang suspects, most likely first"),
+                             table(frame, id="suspect-table", columns=[c for c in SUSPECT_COLUMNS if c in frame])]
+        return figure, suspect_table, banner(served, states, hang)
+
+    @app.callback(
+        Output(ids.URL, "pathname", allow_duplicate=True), Output(ids.URL, "search", allow_duplicate=True),
+        Input(ids.TOPOLOGY_GRAPH, "clickData"), State(ids.GENERATION, "data"), prevent_initial_call=True,
+    )
+    def open_timeline(click: dict[str, Any] | None, generation: dict[str, Any] | None) -> tuple[Any, Any]:
+        served = served_from(registry, generation)
+        if not click or not click.get("points") or served is None or served.run is None:
+            return no_update, no_update
+        custom = click["points"][0].get("customdata")
+        if not isinstance(custom, list) or not custom or int(custom[0]) < 0:
+            return no_update, no_update
+        rank = int(custom[0])
+        return routes.href(served.id, "timeline"), "?" + routes.selection_query(
+            data.peers(served, rank), data.default_steps(served))

@@ -1,0 +1,89 @@
+"""``/metrics`` in Prometheus' text format: MFU, step time, tokens/s, stragglers and hang per served run.
+
+Role in the data flow: a custom ``prometheus_client`` collector over the run registry. Each scrape
+reads the per-generation cache (the watcher precomputes these results after each refresh), so
+Grafana and alerting rules pick megascope up without a plugin and without re-running analyses.
+
+Example (Prometheus scrape config)::
+
+    - job_name: megascope
+      static_configs: [{targets: ["127.0.0.1:8050"]}]
+      authorization: {credentials: "<the --token>"}     # only when served with --token
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import flask
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from megascope.dashboard import data
+from megascope.dashboard.runs import RunRegistry
+
+log = logging.getLogger(__name__)
+
+
+class RunsCollector(Collector):
+    """One sample per served run for each gauge; a run that cannot be analysed reports ``up 0``."""
+
+    def __init__(self, registry: RunRegistry) -> None:
+        self.registry = registry
+
+    def describe(self) -> list[Metric]:
+        return []  # no collect() at registration time: that would analyse every run on start-up
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["run"]
+        up = GaugeMetricFamily("megascope_run_up", "1 when the run directory could be read and analysed", labels=labels)
+        last_step = GaugeMetricFamily("megascope_last_step", "Last step with timings", labels=labels)
+        mfu = GaugeMetricFamily("megascope_mfu_ratio", "Model FLOPs utilisation of the last step (0-1)", labels=labels)
+        mfu_mean = GaugeMetricFamily("megascope_mfu_mean_ratio", "Mean MFU over all steps with timings (0-1)",
+                                     labels=labels)
+        step_time = GaugeMetricFamily("megascope_step_time_seconds", "Step time of the last step", labels=labels)
+        tokens = GaugeMetricFamily("megascope_tokens_per_second", "Training throughput of the last step", labels=labels)
+        stragglers = GaugeMetricFamily("megascope_stragglers", "Ranks the analysis names as stragglers", labels=labels)
+        worst = GaugeMetricFamily("megascope_straggler_worst_slowdown_ratio",
+                                  "Slowdown of the worst straggler against its peers (1 when none)", labels=labels)
+        hung = GaugeMetricFamily("megascope_hung", "1 when the run is hung (a collective some members never entered)",
+                                 labels=labels)
+        families = [up, last_step, mfu, mfu_mean, step_time, tokens, stragglers, worst, hung]
+        for served in self.registry:
+            label = [served.id]
+            if served.run is None:
+                up.add_metric(label, 0)
+                continue
+            try:
+                per_step = data.per_step(served)
+                frame = data.stragglers(served)
+                hang = data.hang(served)
+            except Exception as exc:  # noqa: BLE001 - one bad run must not break the scrape of the others
+                log.warning("metrics for run %s: %s", served.id, exc)
+                up.add_metric(label, 0)
+                continue
+            up.add_metric(label, 1)
+            if len(per_step):
+                last = per_step.iloc[-1]
+                last_step.add_metric(label, float(last["step"]))
+                for family, column, scale in ((mfu, "mfu", 1.0), (step_time, "step_time_ns", 1e-9),
+                                              (tokens, "tokens_per_s", 1.0)):
+                    if column in per_step and last[column] == last[column]:  # not NaN
+                        family.add_metric(label, float(last[column]) * scale)
+                if per_step["mfu"].notna().any():
+                    mfu_mean.add_metric(label, float(per_step["mfu"].mean()))
+            stragglers.add_metric(label, len(frame))
+            worst.add_metric(label, float(frame["slowdown"].max()) if len(frame) else 1.0)
+            hung.add_metric(label, 1.0 if hang.get("hung") else 0.0)
+        yield from families
+
+
+def install_metrics_route(server: flask.Flask, registry: RunRegistry) -> None:
+    prom_registry = CollectorRegistry(auto_describe=False)
+    prom_registry.register(RunsCollector(registry))
+
+    @server.route("/metrics")
+    def _metrics() -> flask.Response:
+        return flask.Response(generate_latest(prom_registry), mimetype=CONTENT_TYPE_LATEST)

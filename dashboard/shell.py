@@ -1,0 +1,121 @@
+"""The frame around every page: header, run and page navigation, router, and the live tick.
+
+Role in the data flow: the tick (a ``dcc.Interval``) asks the registry for the run's generation
+every few seconds and writes it to the ``generation`` store only when it changed; page callbacks
+take that store as input, so a live run redraws its pages when new parts arrive, and an idle run
+costs one cheap callback per tick.
+
+Example::
+
+    app.layout = shell.layout(registry)
+    shell.register(app, registry, pages)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from types import ModuleType
+from typing import Any
+
+from dash import Dash, Input, Output, State, dcc, html, no_update
+
+from megascope.dashboard import ids, routes
+from megascope.dashboard.components import notice
+from megascope.dashboard.runs import RunRegistry, ServedRun
+
+
+def layout(registry: RunRegistry) -> html.Div:
+    return html.Div(
+        [
+            dcc.Location(id=ids.URL, refresh="callback-nav"),
+            dcc.Interval(id=ids.TICK, interval=int(registry.poll_interval_s * 1000)),
+            dcc.Store(id=ids.GENERATION),
+            html.Header(
+                [
+                    html.Div([html.Span("megascope", className="brand"), html.Span(id=ids.STATUS, className="status")],
+                             className="header-top"),
+                    html.Nav(id=ids.NAV),
+                ]
+            ),
+            html.Div(id=ids.PROBLEMS),
+            html.Main(id=ids.PAGE),
+        ],
+        className="shell",
+    )
+
+
+def resolve(registry: RunRegistry, pathname: str | None) -> tuple[ServedRun | None, str]:
+    run_id, page = routes.parse_path(pathname)
+    if run_id is None and registry.ids:
+        run_id = registry.ids[0]
+    return registry.get(run_id), page
+
+
+def nav(registry: RunRegistry, served: ServedRun, page: str) -> list[Any]:
+    links: list[Any] = [
+        dcc.Link(routes.PAGE_TITLES[p], href=routes.href(served.id, p), id=f"nav-{p}",
+                 className="nav-link active" if p == page else "nav-link")
+        for p in routes.PAGES
+    ]
+    if len(registry) > 1:
+        links.append(html.Span("runs:", className="nav-sep"))
+        links += [
+            dcc.Link(s.id, href=routes.href(s.id, page), className="run-link active" if s is served else "run-link")
+            for s in registry
+        ]
+    return links
+
+
+def status_line(served: ServedRun) -> str:
+    if served.run is None:
+        return f"{served.id}: {served.error or 'waiting for data'}"
+    meta = served.run.meta
+    mesh = " x ".join(f"{a}{meta.mesh_sizes[a]}" for a in meta.mesh_axes if a in meta.mesh_sizes)
+    parts = [served.id, f"{meta.world_size} ranks", mesh]
+    per_step = served.cached(("per_step",))
+    if per_step is not None and len(per_step):
+        parts.append(f"last step {int(per_step['step'].max())}")
+    age = time.monotonic() - served.last_change_s
+    parts.append(f"new data {age:.0f} s ago" if age < 120 else "no new data")
+    return " · ".join(p for p in parts if p)
+
+
+def register(app: Dash, registry: RunRegistry, pages: Mapping[str, ModuleType]) -> None:
+    @app.callback(
+        Output(ids.PAGE, "children"), Output(ids.NAV, "children"), Output(ids.PROBLEMS, "children"),
+        Input(ids.URL, "pathname"), State(ids.URL, "search"),
+    )
+    def route(pathname: str | None, search: str | None) -> tuple[Any, Any, Any]:
+        served, page = resolve(registry, pathname)
+        if served is None:
+            return notice("No such run on this dashboard. Runs: " + ", ".join(registry.ids), "warn"), [], None
+        module = pages.get(page)
+        if module is None:
+            return notice(f"No page {page!r}. Pages: " + ", ".join(routes.PAGES), "warn"), nav(registry, served, ""), None
+        problems = served.run.problems if served.run is not None else []
+        shown = (
+            html.Details([html.Summary(f"{len(problems)} problem(s) reading this run"),
+                          html.Ul([html.Li(p) for p in problems[:50]])], className="problems")
+            if problems else None
+        )
+        return module.layout(served, routes.query_params(search)), nav(registry, served, page), shown
+
+    @app.callback(
+        Output(ids.GENERATION, "data"), Output(ids.STATUS, "children"),
+        Input(ids.TICK, "n_intervals"), Input(ids.URL, "pathname"), State(ids.GENERATION, "data"),
+    )
+    def tick(_n: int | None, pathname: str | None, current: dict[str, Any] | None) -> tuple[Any, str]:
+        served, _page = resolve(registry, pathname)
+        if served is None:
+            return no_update, ""
+        latest = {"run": served.id, "gen": served.generation}
+        return (no_update if latest == current else latest), status_line(served)
+
+
+def served_from(registry: RunRegistry, generation: dict[str, Any] | None) -> ServedRun | None:
+    """The run a page callback works on, from the generation store (None before the first tick)."""
+    if not generation:
+        return None
+    return registry.get(generation.get("run"))
+
