@@ -1,0 +1,170 @@
+"""What-if: the step time and MFU the job would have if its stragglers ran at their peers' median.
+
+Role in the data flow: reads the base tables for a few sampled steps and replays each step
+through a model of its dependencies; the report's ``whatif`` section calls it.
+
+The model, per step: every rank runs a chain ``own work -> communication op -> own work -> ...``.
+Own segments are measured (arrival at op k minus completion of op k-1). A collective completes
+when its last member arrives plus its measured transfer time; a pipeline send/receive pair
+likewise. Replaying the measured segments reproduces the measured step (the model's baseline);
+replaying with each straggler's segments replaced by its stage peers' median segments gives the
+step time without stragglers. The answer is the measured step time scaled by
+``fixed / baseline``, so the model's own bias cancels. Because waits propagate through
+collectives and pipeline sends, this is not ``step - excess``: a straggler in a stage whose
+slack absorbs it saves nothing, one on the critical path saves all.
+
+Example::
+
+    from megascope.analysis import whatif
+    whatif(run.con, run.meta)["speedup"]
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import duckdb
+import numpy as np
+import pandas as pd
+
+from megascope.analysis.base import _sample_steps, prepare
+from megascope.schema import RunMeta
+
+log = logging.getLogger(__name__)
+
+WHATIF_SAMPLE_STEPS = 3
+
+
+def _simulate(rank_of_row: np.ndarray, inst_of_row: np.ndarray, own: np.ndarray, tail: dict[int, float],
+              xfer: np.ndarray) -> float:
+    """Replay one step; rows are ordered by (rank, op order). Returns the modeled step time."""
+    ranks = list(dict.fromkeys(rank_of_row.tolist()))
+    bounds: dict[int, list[int]] = {}
+    for i, r in enumerate(rank_of_row.tolist()):
+        b = bounds.setdefault(r, [i, i])
+        b[1] = i + 1
+    n_inst = int(inst_of_row.max()) + 1 if len(inst_of_row) else 0
+    need = np.bincount(inst_of_row, minlength=n_inst).tolist()
+    inst_l, own_l, xfer_l = inst_of_row.tolist(), own.tolist(), xfer.tolist()
+    count = [0] * n_inst
+    latest = [0.0] * n_inst
+    members: list[list[int]] = [[] for _ in range(n_inst)]
+    t = dict.fromkeys(ranks, 0.0)
+    ptr = {r: bounds[r][0] for r in ranks}
+    stack = list(reversed(ranks))
+    while stack:
+        r = stack.pop()
+        i = ptr[r]
+        if i >= bounds[r][1]:
+            continue
+        k = inst_l[i]
+        arrival = t[r] + own_l[i]
+        count[k] += 1
+        latest[k] = max(latest[k], arrival)
+        members[k].append(r)
+        if count[k] == need[k]:
+            done = latest[k] + xfer_l[k]
+            for m in members[k]:
+                t[m] = done
+                ptr[m] += 1
+                stack.append(m)
+    stuck = [r for r in ranks if ptr[r] < bounds[r][1]]
+    if stuck:
+        log.debug("what-if replay: %d ranks never finished their chain", len(stuck))
+    return max(t[r] + tail.get(r, 0.0) for r in ranks) if ranks else 0.0
+
+
+def _step_frame(con: duckdb.DuckDBPyConnection, step: int) -> pd.DataFrame:
+    return con.execute(
+        """
+        SELECT c.rank, c.is_coll, c.grp, c.seq, c.sender, c.receiver, c.arrival_ns, c.end_ns,
+               i.xfer_ns, r.start_ns AS step_start_ns, r.start_ns + coalesce(r.step_ns, r.extent_ns) AS step_end_ns,
+               r.stage
+        FROM ms_cache.comm c
+        JOIN ms_cache.inst i USING (is_coll, grp, seq, sender, receiver)
+        JOIN ms_cache.rank_step r ON r.rank = c.rank AND r.step = c.step
+        WHERE c.step = ?
+        ORDER BY c.rank, c.arrival_ns, c.seq
+        """,
+        [step],
+    ).df()
+
+
+def _segments(frame: pd.DataFrame) -> tuple[np.ndarray, pd.Series]:
+    """Own time before each op and after the last one, per rank."""
+    prev_end = frame.groupby("rank")["end_ns"].shift(1)
+    start = prev_end.fillna(frame["step_start_ns"])
+    own = (frame["arrival_ns"] - start).clip(lower=0).to_numpy(dtype=float)
+    last = frame.groupby("rank").tail(1).set_index("rank")
+    tail = (last["step_end_ns"] - last["end_ns"]).clip(lower=0).astype(float)
+    return own, tail
+
+
+def replay_step(con: duckdb.DuckDBPyConnection, step: int, fixed_ranks: set[int]) -> tuple[float, float]:
+    """(baseline, fixed) modeled step time of ``step``, fixing ``fixed_ranks``."""
+    frame = _step_frame(con, step)
+    if frame.empty:
+        return 0.0, 0.0
+    inst_of_row, _ = pd.factorize(pd.MultiIndex.from_frame(frame[["is_coll", "grp", "seq", "sender", "receiver"]]))
+    xfer_by_inst = frame.groupby(inst_of_row)["xfer_ns"].first().to_numpy(dtype=float)
+    own, tail = _segments(frame)
+    rank_arr = frame["rank"].to_numpy()
+    base = _simulate(rank_arr, inst_of_row, own, tail.to_dict(), xfer_by_inst)
+    if not fixed_ranks:
+        return base, base
+    frame = frame.assign(own=own, k=frame.groupby("rank").cumcount())
+    peers = frame[~frame["rank"].isin(fixed_ranks)]
+    peer_own = peers.groupby(["stage", "k"])["own"].median()
+    fixed_own = own.copy()
+    is_fixed = frame["rank"].isin(fixed_ranks).to_numpy()
+    keys = pd.MultiIndex.from_frame(frame.loc[is_fixed, ["stage", "k"]])
+    replacement = peer_own.reindex(keys).to_numpy()
+    fixed_own[is_fixed] = np.where(np.isnan(replacement), own[is_fixed], replacement)
+    stage_of = frame.groupby("rank")["stage"].first()
+    peer_tail = tail[~tail.index.isin(fixed_ranks)].groupby(stage_of).median()
+    fixed_tail = tail.copy()
+    for r in fixed_ranks:
+        if r in fixed_tail.index and stage_of.get(r) in peer_tail.index:
+            fixed_tail[r] = peer_tail[stage_of[r]]
+    fixed = _simulate(rank_arr, inst_of_row, fixed_own, fixed_tail.to_dict(), xfer_by_inst)
+    return base, fixed
+
+
+def whatif(con: duckdb.DuckDBPyConnection, meta: RunMeta, *, ranks: list[int] | None = None,
+           steps: list[int] | None = None) -> dict[str, Any]:
+    """Step time and MFU if ``ranks`` (default: the detected stragglers) ran at their peers' median.
+
+    Returns {ranks, steps_modeled, step_time_ns (measured median), modeled_baseline_ns,
+    modeled_fixed_ns, whatif_step_time_ns, speedup, mfu, whatif_mfu}.
+    """
+    from megascope.analysis.stragglers import stragglers
+    from megascope.analysis.timeline import mfu
+
+    prepare(con)
+    if ranks is None:
+        found = stragglers(con)
+        ranks = [int(r) for r, c in zip(found["rank"], found["cause"], strict=True) if c != "communication"]
+    per_step = mfu(con, meta)
+    measured = float(per_step["step_time_ns"].median()) if not per_step.empty else 0.0
+    mean_mfu = float(per_step["mfu"].mean()) if per_step["mfu"].notna().any() else None
+    if steps is None:
+        full = per_step[per_step["ranks"] == per_step["ranks"].max()]["step"].astype(int).tolist()
+        steps = _sample_steps(full, WHATIF_SAMPLE_STEPS)
+    base_total = fixed_total = 0.0
+    for step in steps:
+        base, fixed = replay_step(con, int(step), set(ranks))
+        base_total += base
+        fixed_total += fixed
+    speedup = base_total / fixed_total if fixed_total > 0 else 1.0
+    return {
+        "ranks": ranks,
+        "steps_modeled": [int(s) for s in steps],
+        "step_time_ns": measured,
+        "modeled_baseline_ns": base_total / len(steps) if steps else None,
+        "modeled_fixed_ns": fixed_total / len(steps) if steps else None,
+        "whatif_step_time_ns": measured / speedup if speedup > 0 else measured,
+        "speedup": speedup,
+        "mfu": mean_mfu,
+        "whatif_mfu": mean_mfu * speedup if mean_mfu is not None else None,
+    }
