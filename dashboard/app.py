@@ -60,8 +60,8 @@ def create_app(
     """
     check_bind(host, token)
     registry = RunRegistry(run_dirs, wait=wait, poll_interval_s=poll_interval_s)
-    for key, compute in data.WARM:
-        registry.add_warmer(key, compute)
+    for fetch in data.WARM:
+        registry.add_warmer(fetch)
     app = Dash(
         __name__, title="megascope", update_title="", assets_folder=str(ASSETS),
         suppress_callback_exceptions=True,  # page components appear only when their page is shown

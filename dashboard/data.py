@@ -44,8 +44,8 @@ def _compute_stragglers(run: Run) -> pd.DataFrame:
     return _analysis().stragglers(run.con)
 
 
-def _compute_states(run: Run) -> pd.DataFrame:
-    return _analysis().rank_states(run)
+def _compute_skew_drift(run: Run) -> dict[str, Any]:
+    return dict(_analysis().skew_drift(run.con))
 
 
 def _compute_hang(run: Run) -> dict[str, Any]:
@@ -87,8 +87,35 @@ def stragglers(served: ServedRun) -> pd.DataFrame:
 
 
 def rank_states(served: ServedRun) -> pd.DataFrame:
-    """``rank, host, pp, dp, tp, state`` (analysis.rank_states)."""
-    return served.result(("rank_states",), _compute_states)
+    """``rank, host, pp, dp, tp, state`` (analysis.rank_states, reusing the cached stragglers and hang)."""
+    slow, hung = stragglers(served), hang(served)
+    return served.result(("rank_states",),
+                         lambda run: _analysis().rank_states(run, stragglers_frame=slow, hang=hung))
+
+
+def skew_drift(served: ServedRun) -> dict[str, Any]:
+    """``{drifting, collectives: [{name, group_kind, late_growth_ns, ranks}]}`` (analysis.skew_drift)."""
+    return served.result(("skew_drift",), _compute_skew_drift)
+
+
+def mfu_drift(served: ServedRun) -> dict[str, Any]:
+    """``{drifting, change_frac, ...}``: does step time (hence MFU) drift (analysis.mfu_drift)."""
+    frame = per_step(served)
+    return served.result(("mfu_drift",), lambda run: dict(_analysis().mfu_drift(frame)))
+
+
+def skew_alerts(served: ServedRun) -> list[str]:
+    """One line per drifting collective, and one if step time drifts, for the overview's alerts."""
+    lines = []
+    drift = skew_drift(served)
+    for item in drift.get("collectives") or []:
+        ranks = ", ".join(str(r["rank"]) for r in (item.get("ranks") or [])[:5]) or "no single rank"
+        lines.append(f"Skew growing: {item['name']} ({item['group_kind']}) last arrivals "
+                     f"+{float(item['late_growth_ns']) / 1e6:.1f} ms later over the run; arriving last: {ranks}")
+    steps = mfu_drift(served)
+    if steps.get("drifting"):
+        lines.append(f"MFU drift: step time changed {100 * float(steps.get('change_frac', 0.0)):+.1f}% over the run")
+    return lines
 
 
 def hang(served: ServedRun) -> dict[str, Any]:
@@ -137,17 +164,11 @@ def query(served: ServedRun, key: tuple[Any, ...], fn: Callable[[Run], Any]) -> 
 
 
 # Precomputed by the watcher after each refresh: what the overview, topology and /metrics need.
-WARM: list[tuple[tuple[Any, ...], Callable[[Run], Any]]] = [
-    (("per_step",), _compute_per_step),
-    (("hang",), _compute_hang),
-    (("stragglers",), _compute_stragglers),
-    (("rank_states",), _compute_states),
-    (("loss",), _compute_loss),
-]
+WARM: list[Callable[[ServedRun], Any]] = [per_step, hang, stragglers, rank_states, loss]
 
 
 def empty_stragglers() -> pd.DataFrame:
-    return pd.DataFrame(columns=["rank", "host", "coords", "phase", "slowdown", "steps_slow_frac", "cause"])
+    return pd.DataFrame(columns=["rank", "host", "pp", "dp", "tp", "phase", "cause", "slowdown", "steps_slow_frac"])
 
 
 def peers(served: ServedRun, rank: int) -> list[int]:

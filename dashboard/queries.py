@@ -78,8 +78,9 @@ def peers_of(con: duckdb.DuckDBPyConnection, rank: int, *, limit: int = 8) -> li
 
 def step_range(con: duckdb.DuckDBPyConnection) -> tuple[int, int] | None:
     """First and last step with any span, or None for a run without steps yet."""
-    row = con.execute("SELECT min(step), max(step) FROM spans WHERE step IS NOT NULL").fetchone()
-    if row is None or row[0] is None:
+    # fetchall, not fetchone: DuckDB keeps a half-read result open and refuses the next statement.
+    (row,) = con.execute("SELECT min(step), max(step) FROM spans WHERE step IS NOT NULL").fetchall()
+    if row[0] is None:
         return None
     return int(row[0]), int(row[1])
 

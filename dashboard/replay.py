@@ -63,8 +63,8 @@ def replay_run(src: Path | str, dst: Path | str, *, step_interval_s: float = 1.0
     stop = stop or threading.Event()
     run = open_run(src)
     con = run.con
-    first = con.execute("SELECT min(start_ns) FROM spans").fetchone()
-    if first is None or first[0] is None:
+    (first,) = con.execute("SELECT min(start_ns) FROM spans").fetchall()
+    if first[0] is None:
         raise RunDirError(f"{src}: no spans to replay")
     shift_ns = time.time_ns() - int(first[0])
     meta_json = run.meta.to_json()

@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -149,7 +150,12 @@ class ServedRun:
             if hit is not None and hit[0] == self.generation:
                 return hit[1]  # type: ignore[no-any-return]
             started = time.perf_counter()
-            value = compute(self.run)
+            # A fresh cursor per computation: one analysis' half-read result never blocks the next.
+            cursor = self.run.cursor()
+            try:
+                value = compute(dataclasses.replace(self.run, con=cursor))
+            finally:
+                cursor.close()
             log.debug("run %s: %s computed in %.3f s", self.id, key, time.perf_counter() - started)
             self._cache[key] = (self.generation, value)
             return value
@@ -160,7 +166,11 @@ class ServedRun:
         with self._lock:
             if self.run is None:
                 raise RunDirError(self.error or f"{self.path}: no data yet")
-            yield self.run
+            cursor = self.run.cursor()
+            try:
+                yield dataclasses.replace(self.run, con=cursor)
+            finally:
+                cursor.close()
 
     def cached(self, key: tuple[Any, ...]) -> Any | None:
         """The result for ``key`` of the current generation if already computed (never computes)."""
@@ -186,7 +196,7 @@ class RunRegistry:
         self.poll_interval_s = poll_interval_s
         self.idle_interval_s = max(idle_interval_s, poll_interval_s)
         self._runs: dict[str, ServedRun] = {}
-        self._warmers: list[tuple[tuple[Any, ...], Callable[[Run], Any]]] = []
+        self._warmers: list[Callable[[ServedRun], Any]] = []
         seen_paths: set[Path] = set()
         for raw in run_dirs:
             path = Path(raw).resolve()
@@ -230,18 +240,20 @@ class RunRegistry:
 
     # ---------------------------------------------------------------- warming and watching
 
-    def add_warmer(self, key: tuple[Any, ...], compute: Callable[[Run], Any]) -> None:
-        """A result the watcher computes after each refresh, so the next page view is a cache hit."""
-        self._warmers.append((key, compute))
+    def add_warmer(self, fetch: Callable[[ServedRun], Any]) -> None:
+        """A result the watcher fetches after each refresh, so the next page view is a cache hit."""
+        self._warmers.append(fetch)
 
     def warm(self, served: ServedRun) -> None:
-        for key, compute in self._warmers:
+        if served.run is None:
+            return
+        for fetch in self._warmers:
             if self._stop.is_set():
                 return
             try:
-                served.result(key, compute)
+                fetch(served)
             except Exception as exc:  # noqa: BLE001 - a page will show the error; the watcher goes on
-                log.info("run %s: warming %s failed: %s", served.id, key, exc)
+                log.info("run %s: warming %s failed: %s", served.id, getattr(fetch, "__name__", fetch), exc)
 
     def poll_all(self) -> list[str]:
         """Poll every run once; the ids of those that changed."""

@@ -7,6 +7,7 @@ cause, slowdown) and skew growth. Every number comes from :mod:`megascope.analys
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pandas as pd
@@ -17,6 +18,8 @@ from megascope.dashboard.components import card, contained, notice
 from megascope.dashboard.runs import RunRegistry, ServedRun
 from megascope.dashboard.shell import served_from
 from megascope.figures.overview import step_series_figure
+
+log = logging.getLogger(__name__)
 
 
 def layout(served: ServedRun, query: dict[str, str]) -> html.Div:
@@ -51,15 +54,20 @@ def alerts(served: ServedRun) -> list[Any]:
                             className="alert alert-hang"))
     frame = data.stragglers(served)
     for row in frame.head(5).to_dict("records"):
-        text = (f"Straggler: rank {row['rank']} ({row.get('host', '?')}, {coords_text(row.get('coords'))}) "
+        coords = {a: row[a] for a in ("pp", "dp", "tp") if a in row and row[a] == row[a]}
+        text = (f"Straggler: rank {row['rank']} ({row.get('host', '?')}, {coords_text(coords)}) "
                 f"{row.get('phase', '')} x{float(row.get('slowdown', float('nan'))):.2f}, "
                 f"cause {row.get('cause', '?')}, slow in {100 * float(row.get('steps_slow_frac', 0)):.0f}% of steps")
         out.append(html.Div([text, " ", dcc.Link("details", href=routes.href(served.id, "stragglers"))],
                             className="alert alert-straggler"))
     if len(frame) > 5:
         out.append(html.Div(f"... and {len(frame) - 5} more stragglers", className="alert alert-straggler"))
-    for line in data.skew_alerts(served):
-        out.append(html.Div(line, className="alert alert-skew"))
+    try:
+        for line in data.skew_alerts(served):
+            out.append(html.Div(line, className="alert alert-skew"))
+    except Exception as exc:  # noqa: BLE001 - the other alerts still matter when skew analysis fails
+        log.warning("run %s: skew analysis failed: %s", served.id, exc)
+        out.append(html.Div(f"skew analysis unavailable: {type(exc).__name__}: {exc}", className="alert alert-skew"))
     if not out:
         out.append(html.Div("No stragglers, skew growth or hang found.", className="alert alert-ok"))
     return out

@@ -12,12 +12,14 @@ from typing import Any
 from dash import Dash, Input, Output, State, html, no_update
 
 from megascope.dashboard import data, ids, routes
-from megascope.dashboard.components import contained, notice, table
+from megascope.dashboard.components import card, contained, notice, table
 from megascope.dashboard.runs import RunRegistry, ServedRun
 from megascope.dashboard.shell import served_from
 
-COLUMNS = ("rank", "host", "coords", "phase", "slowdown", "steps_slow_frac", "cause")
-NAMES = {"steps_slow_frac": "share of steps slow", "slowdown": "slowdown (x)"}
+COLUMNS = ("rank", "host", "pp", "dp", "tp", "cause", "phase", "slowdown", "steps_slow_frac", "last_arrival_frac",
+           "late_at")
+NAMES = {"steps_slow_frac": "share of steps slow", "slowdown": "slowdown (x)",
+         "last_arrival_frac": "share of collectives it arrives last", "late_at": "last at (group)"}
 
 
 def layout(served: ServedRun, query: dict[str, str]) -> html.Div:
@@ -29,6 +31,23 @@ def layout(served: ServedRun, query: dict[str, str]) -> html.Div:
                      id=f"{ids.STRAGGLER_TABLE}-box"),
         ]
     )
+
+
+def whatif_cards(result: dict[str, Any], *, n_stragglers: int) -> list[Any]:
+    """Measured vs what-if step time and MFU, and the gain, as cards."""
+    if not n_stragglers:
+        return [card("stragglers", "0", "nothing to gain", kind="good")]
+    step, fixed = result.get("step_time_ns"), result.get("whatif_step_time_ns")
+    mfu, fixed_mfu = result.get("mfu"), result.get("whatif_mfu")
+    ranks = ", ".join(map(str, result.get("ranks") or [])) or "none (communication causes only)"
+    out = [card("stragglers", str(n_stragglers), f"fixing ranks {ranks}", kind="bad")]
+    if step and fixed:
+        out.append(card("step time", f"{step / 1e6:.1f} -> {fixed / 1e6:.1f} ms",
+                        f"x{float(result.get('speedup') or 1):.3f} if they ran at their peers' median"))
+    if mfu is not None and fixed_mfu is not None:
+        out.append(card("MFU gain", f"{100 * (fixed_mfu - mfu):+.1f} pts", f"{100 * mfu:.1f}% -> {100 * fixed_mfu:.1f}%",
+                        kind="bad" if fixed_mfu - mfu > 0.005 else ""))
+    return out
 
 
 def register(app: Dash, registry: RunRegistry) -> None:
@@ -43,7 +62,7 @@ def register(app: Dash, registry: RunRegistry) -> None:
             return no_update, notice(served.error if served else "loading...")
         frame = data.stragglers(served)
         records = table(frame, id="unused", columns=[c for c in COLUMNS if c in frame.columns]).data
-        return records, data.whatif_cards(served, n_stragglers=len(frame))
+        return records, whatif_cards(data.whatif(served), n_stragglers=len(frame))
 
     @app.callback(
         Output(ids.URL, "pathname", allow_duplicate=True), Output(ids.URL, "search", allow_duplicate=True),
