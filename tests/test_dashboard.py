@@ -1,0 +1,290 @@
+"""The dashboard's server side: run registry and live refresh, URLs, safety, /metrics, /trace, replay, CLI.
+
+Pages themselves are driven in a real browser in tests/browser/; here everything runs in-process
+on small seeded synth runs.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from click.testing import CliRunner
+
+from megascope import analysis, layout, schema
+from megascope.cli import main
+from megascope.dashboard import create_app, registry_of
+from megascope.dashboard import data as dash_data
+from megascope.dashboard.replay import replay_run
+from megascope.dashboard.routes import format_ranks, href, parse_path, parse_ranks, parse_steps
+from megascope.dashboard.runs import RunRegistry, run_id_for
+from megascope.dashboard.security import check_bind, is_loopback
+from megascope.errors import ConfigError, RunDirError
+from megascope.inject import parse_injects
+from megascope.store import open_run
+from megascope.synth import SynthConfig, synth_run
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two seeded 2x2x2 synth runs: one with a compute straggler, one hung."""
+    root = tmp_path_factory.mktemp("runs")
+    out = {}
+    for name, spec in (("straggler", "straggler:rank=5,factor=1.4"), ("hang", "hang:rank=6,step=5")):
+        synth_run(root / name, SynthConfig(ranks=8, steps=10, tp=2, pp=2, gpus_per_host=4, seed=3,
+                                           faults=parse_injects([spec])))
+        out[name] = root / name
+    return out
+
+
+def _metric(text: str, name: str, run: str) -> float:
+    match = re.search(rf'^{name}\{{run="{run}"\}} (\S+)$', text, re.M)
+    assert match, f"{name} for {run} missing from:\n{text}"
+    return float(match.group(1))
+
+
+# ------------------------------------------------------------------------------------ URLs
+
+
+def test_rank_and_step_selections_round_trip() -> None:
+    assert format_ranks([7, 0, 1, 2, 3, 9, 10]) == "0-3,7,9-10"
+    assert parse_ranks("0-3,7,9-10", world_size=16) == [0, 1, 2, 3, 7, 9, 10]
+    assert parse_ranks(" ", world_size=4) is None
+    assert parse_steps("3") == (3, 3) and parse_steps("3-5") == (3, 5)
+    assert parse_path("/run/demo/timeline") == ("demo", "timeline")
+    assert parse_path("/") == (None, "overview")
+    assert href("demo", "timeline", ranks=[4, 5], steps=(3, 3)) == "/run/demo/timeline?ranks=4-5&steps=3"
+
+
+@pytest.mark.parametrize("text", ["a", "3-1", "-1", "0-16", "0-70"])
+def test_bad_rank_selection_is_a_config_error(text: str) -> None:
+    with pytest.raises(ConfigError, match="ranks"):
+        parse_ranks(text, world_size=16 if text != "0-70" else 100)
+
+
+@pytest.mark.parametrize("text", ["x", "5-2", "0-40"])
+def test_bad_step_selection_is_a_config_error(text: str) -> None:
+    with pytest.raises(ConfigError, match="steps"):
+        parse_steps(text)
+
+
+# ------------------------------------------------------------------------------------ safety
+
+
+def test_binding_beyond_loopback_needs_a_token() -> None:
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("myhost")
+    check_bind("127.0.0.1", None)
+    check_bind("0.0.0.0", "a-long-secret")
+    with pytest.raises(ConfigError, match="--token"):
+        check_bind("0.0.0.0", None)
+    with pytest.raises(ConfigError, match="at least 8"):
+        check_bind("0.0.0.0", "short")
+
+
+def test_token_guard(runs: dict[str, Path]) -> None:
+    app = create_app([runs["straggler"]], host="0.0.0.0", token="s3cret-token", start_watcher=False)
+    client = app.server.test_client()
+    assert client.get("/").status_code == 403
+    assert client.get("/metrics").status_code == 403
+    assert client.get("/metrics", headers={"Authorization": "Bearer wrong-token"}).status_code == 403
+    assert client.get("/metrics", headers={"Authorization": "Bearer s3cret-token"}).status_code == 200
+    first = client.get("/run/straggler/overview?token=s3cret-token&x=1")
+    assert first.status_code == 302 and "token" not in first.headers["Location"]
+    assert "HttpOnly" in first.headers["Set-Cookie"]
+    assert client.get("/_dash-layout").status_code == 200  # the cookie now carries the token
+
+
+def test_create_app_refuses_open_bind_without_token(runs: dict[str, Path]) -> None:
+    with pytest.raises(ConfigError):
+        create_app([runs["straggler"]], host="0.0.0.0", start_watcher=False)
+
+
+def test_urls_never_reach_the_file_system(runs: dict[str, Path]) -> None:
+    app = create_app([runs["straggler"]], start_watcher=False)
+    client = app.server.test_client()
+    assert client.get("/trace/hang.pftrace?ranks=0&steps=0").status_code == 404  # not served here
+    # A path in place of an id never matches the trace route; at most Dash's page shell answers.
+    for bad in ("/trace/..%2F..%2Fetc.pftrace?ranks=0&steps=0", f"/trace/{runs['hang']}.pftrace?ranks=0&steps=0"):
+        response = client.get(bad)
+        assert response.mimetype == "text/html" and b"<html" in response.data.lower()
+    assert client.get("/trace/straggler.pftrace?ranks=0-99&steps=1").status_code == 400
+    assert client.get("/trace/straggler.pftrace").status_code == 400
+    assert registry_of(app).get("../straggler") is None
+
+
+# ------------------------------------------------------------------------------------ registry
+
+
+def test_run_ids_are_url_safe_and_unique(tmp_path: Path) -> None:
+    assert run_id_for(tmp_path / "my run (1)", []) == "my-run-1"
+    assert run_id_for(tmp_path / "a", ["a", "a-2"]) == "a-3"
+
+
+def test_registry_rejects_missing_directories(tmp_path: Path) -> None:
+    with pytest.raises(RunDirError, match="no such run directory"):
+        RunRegistry([tmp_path / "nope"])
+    with pytest.raises(ConfigError):
+        RunRegistry([])
+
+
+def _spans_for_step(rank: int, step: int) -> pa.Table:
+    row = {"rank": rank, "step": step, "name": "step", "kind": "step", "stream": "host",
+           "start_ns": 1_000_000_000 * step, "dur_ns": 900_000_000}
+    return pa.Table.from_pylist([row], schema=schema.SPANS)
+
+
+def test_poll_sees_new_parts_and_bumps_the_generation(tmp_path: Path) -> None:
+    run_dir = tmp_path / "live"
+    layout.write_run_meta(run_dir, schema.RunMeta(run_id="live", source="synth", world_size=2))
+    for rank in range(2):
+        layout.write_part(run_dir, "spans", _spans_for_step(rank, 0), rank=rank)
+    registry = RunRegistry([run_dir])
+    served = registry.get("live")
+    assert served is not None and served.generation == 1
+    calls = []
+
+    def count(run: object) -> int:
+        calls.append(1)
+        return served.run.con.execute("SELECT count(*) FROM spans").fetchall()[0][0]  # type: ignore[union-attr]
+
+    assert served.result(("n",), count) == 2 and served.result(("n",), count) == 2
+    assert len(calls) == 1  # cached within a generation
+    served.poll()  # may report once more while the directory's mtime is fresh
+    time.sleep(0.01)
+    layout.write_part(run_dir, "spans", _spans_for_step(1, 1), rank=1)
+    assert served.poll() is True
+    assert served.result(("n",), count) == 3 and len(calls) == 2
+    generation = served.generation
+    served._settling = False  # as if two seconds had passed since the last write
+    assert served.poll() is False and served.generation == generation
+
+
+def test_waiting_registry_opens_the_run_when_it_appears(tmp_path: Path) -> None:
+    run_dir = tmp_path / "later"
+    registry = RunRegistry([run_dir], wait=True)
+    served = registry.get("later")
+    assert served is not None and served.run is None and "waiting" in (served.error or "")
+    with pytest.raises(RunDirError):
+        served.result(("x",), lambda run: 1)
+    layout.write_run_meta(run_dir, schema.RunMeta(run_id="later", source="synth", world_size=1))
+    layout.write_part(run_dir, "spans", _spans_for_step(0, 0), rank=0)
+    assert served.poll() is True and served.run is not None and served.generation == 1
+
+
+def test_watcher_thread_refreshes_and_stops(tmp_path: Path) -> None:
+    run_dir = tmp_path / "w"
+    layout.write_run_meta(run_dir, schema.RunMeta(run_id="w", source="synth", world_size=1))
+    layout.write_part(run_dir, "spans", _spans_for_step(0, 0), rank=0)
+    registry = RunRegistry([run_dir], poll_interval_s=0.05)
+    served = registry.get("w")
+    assert served is not None
+    registry.start()
+    try:
+        before = served.generation
+        layout.write_part(run_dir, "spans", _spans_for_step(0, 1), rank=0)
+        deadline = time.monotonic() + 5
+        while served.generation == before and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert served.generation > before
+    finally:
+        registry.stop()
+    assert not any(t.name == "megascope-watch" for t in threading.enumerate())
+
+
+# ------------------------------------------------------------------------------------ data
+
+
+def test_dashboard_numbers_are_the_analysis_numbers(runs: dict[str, Path]) -> None:
+    app = create_app([runs["straggler"], runs["hang"]], start_watcher=False)
+    registry = registry_of(app)
+    straggler, hang = registry.get("straggler"), registry.get("hang")
+    assert straggler is not None and hang is not None
+    run = open_run(runs["straggler"])
+    expected = analysis.stragglers(run.con)
+    assert dash_data.stragglers(straggler)["rank"].tolist() == expected["rank"].tolist()
+    assert dash_data.focus_rank(straggler) == int(expected.iloc[0]["rank"])
+    states = dash_data.rank_states(hang).set_index("rank")["state"]
+    assert states[6] == "hung" and (states.drop(6) == "waiting").all()
+    assert dash_data.focus_rank(hang) == 6
+    peers = dash_data.peers(straggler, 5)
+    assert peers[0] == 5 and set(peers) == {4, 5, 7}  # its TP group (4, 5) and DP peer (7)
+
+
+def test_timeline_waits_come_from_the_last_arrival(runs: dict[str, Path]) -> None:
+    registry = RunRegistry([runs["straggler"]])
+    served = registry.get("straggler")
+    assert served is not None
+    spans, steps, labels = dash_data.timeline(served, [4, 5], (3, 3))
+    assert set(spans["rank"]) == {4, 5} and set(spans["step"]) == {3}
+    assert labels == {4: "r4 pp1 dp0 tp0", 5: "r5 pp1 dp0 tp1"}
+    tp = spans[spans["group"].astype(str).str.startswith("tp:")]
+    for _seq, members in tp.groupby("seq"):
+        assert len(members) == 2
+        last = members["start_ns"].max()
+        for row in members.itertuples():
+            assert row.wait_ns == min(last - row.start_ns, row.dur_ns)
+    # The straggler (rank 5, slow compute) arrives last: its TP peer waits for it, it waits little.
+    waits = tp.groupby("rank")["wait_ns"].sum()
+    assert waits[4] > 3 * waits[5]
+    assert len(steps) == 2
+
+
+def test_metrics_endpoint(runs: dict[str, Path]) -> None:
+    app = create_app([runs["straggler"], runs["hang"]], start_watcher=False)
+    response = app.server.test_client().get("/metrics")
+    assert response.status_code == 200 and response.mimetype == "text/plain"
+    text = response.get_data(as_text=True)
+    run = open_run(runs["straggler"])
+    expected = analysis.stragglers(run.con)
+    per_step = analysis.mfu(run.con, run.meta)
+    assert _metric(text, "megascope_stragglers", "straggler") == len(expected) > 0
+    assert _metric(text, "megascope_straggler_worst_slowdown_ratio", "straggler") == pytest.approx(
+        expected["slowdown"].max())
+    assert _metric(text, "megascope_mfu_ratio", "straggler") == pytest.approx(per_step["mfu"].iloc[-1])
+    assert _metric(text, "megascope_step_time_seconds", "straggler") == pytest.approx(
+        per_step["step_time_ns"].iloc[-1] / 1e9)
+    assert _metric(text, "megascope_hung", "straggler") == 0
+    assert _metric(text, "megascope_hung", "hang") == 1
+    assert _metric(text, "megascope_run_up", "hang") == 1
+
+
+# ------------------------------------------------------------------------------------ replay, CLI
+
+
+def test_replay_writes_a_run_step_by_step(runs: dict[str, Path], tmp_path: Path) -> None:
+    dst = tmp_path / "live"
+    before = time.time_ns()
+    assert replay_run(runs["straggler"], dst, step_interval_s=0.0, max_steps=4) == 4
+    src, out = open_run(runs["straggler"]), open_run(dst)
+    assert out.problems == [] and out.meta.world_size == 8
+    assert out.con.execute("SELECT max(step) FROM spans").fetchall() == [(3,)]
+    count = "SELECT count(*) FROM spans WHERE step <= 3"
+    assert out.con.execute(count).fetchall() == src.con.execute(count).fetchall()
+    (first,) = out.con.execute("SELECT min(start_ns) FROM spans").fetchall()[0]
+    assert before <= first <= time.time_ns()
+    # one part per rank per step and table: what a live collector's flushes look like
+    assert len(list(dst.glob("spans/rank=00005/*.parquet"))) == 4
+    with pytest.raises(RunDirError, match="already holds a run"):
+        replay_run(runs["straggler"], dst)
+
+
+def test_serve_refuses_open_bind_without_token(runs: dict[str, Path]) -> None:
+    result = CliRunner().invoke(main, ["serve", str(runs["straggler"]), "--host", "0.0.0.0"])
+    assert result.exit_code != 0
+    assert "--token" in result.output and "Traceback" not in result.output
+
+
+def test_serve_missing_run_is_one_line(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["serve", str(tmp_path / "nope")])
+    assert result.exit_code != 0 and "no such run directory" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+def test_demo_bad_inject_is_one_line() -> None:
+    result = CliRunner().invoke(main, ["demo", "--inject", "straggler:rank=x"])
+    assert result.exit_code != 0 and "not a valid int" in result.output

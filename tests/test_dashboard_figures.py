@@ -1,0 +1,97 @@
+"""Pure figure functions shared by the dashboard and the CLI: shapes, colours, scale."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from megascope.figures.health import heartbeat_figure
+from megascope.figures.overview import step_series_figure
+from megascope.figures.timeline import timeline_figure
+from megascope.figures.topology import MAX_ROWS, STATES, grid_positions, topology_figure
+from megascope.topology import Mesh
+
+
+def _states(mesh: Mesh, state_of: dict[int, str] | None = None) -> pd.DataFrame:
+    rows = [{"rank": r, "host": f"node{r // 8:05d}", **mesh.coords(r), "state": (state_of or {}).get(r, "healthy")}
+            for r in range(mesh.world_size)]
+    return pd.DataFrame(rows)
+
+
+def test_topology_colours_each_rank_by_its_state() -> None:
+    mesh = Mesh.from_sizes(tp=2, pp=2, dp=2)
+    states = _states(mesh, {6: "hung", 0: "waiting", 5: "slow"})
+    fig = topology_figure(states, suspects=[{"rank": 6}])
+    heat = fig.data[0]
+    assert isinstance(heat, go.Heatmap)
+    z = np.array(heat.z, dtype=float)
+    custom = np.array(heat.customdata, dtype=object)
+    cells = {int(custom[y, x][0]): STATES[int(z[y, x])] for y, x in zip(*np.where(~np.isnan(z)), strict=True)}
+    assert cells == dict(zip(states["rank"], states["state"], strict=True))
+    # the stage gap column stays empty, and every rank's hover names its coordinates
+    assert np.isnan(z).sum() == z.shape[0]
+    assert custom[int(np.where(z == STATES.index("hung"))[0][0]), int(np.where(z == STATES.index("hung"))[1][0])][2] \
+        == "pp=1 dp=1 tp=0"
+    ringed = [t for t in fig.data if t.name == "suspect"]
+    assert len(ringed) == 1 and list(ringed[0].text) == ["rank 6"]
+
+
+def test_topology_of_12288_ranks_is_one_bounded_image() -> None:
+    mesh = Mesh.for_world(12288, tp=8, pp=16)  # dp = 96
+    states = _states(mesh, {12287: "hung"})
+    frame, geometry = grid_positions(states)
+    assert geometry["height"] <= MAX_ROWS
+    assert not frame.duplicated(["x", "y"]).any()  # one cell per rank
+    fig = topology_figure(states)
+    heatmaps = [t for t in fig.data if isinstance(t, go.Heatmap)]
+    assert len(heatmaps) == 1
+    z = np.array(heatmaps[0].z, dtype=float)
+    assert (~np.isnan(z)).sum() == 12288
+
+
+def test_topology_folds_a_deep_data_parallel_axis() -> None:
+    mesh = Mesh.for_world(1024, tp=1, pp=1)  # dp = 1024: folded into columns, not 1024 rows
+    frame, geometry = grid_positions(_states(mesh))
+    assert geometry["height"] <= MAX_ROWS and geometry["folds"] == 8
+    assert not frame.duplicated(["x", "y"]).any()
+
+
+def test_timeline_draws_waits_apart_from_transfers() -> None:
+    spans = pd.DataFrame([
+        {"rank": 0, "step": 1, "name": "forward", "kind": "forward", "stream": "compute", "start_ns": 1_000_000,
+         "dur_ns": 4_000_000, "wait_ns": None, "microbatch": 0},
+        {"rank": 0, "step": 1, "name": "tp.all_reduce", "kind": "collective", "stream": "comm",
+         "start_ns": 5_000_000, "dur_ns": 3_000_000, "wait_ns": 2_000_000, "microbatch": 0},
+        {"rank": 1, "step": 1, "name": "tp.all_reduce", "kind": "collective", "stream": "comm",
+         "start_ns": 7_000_000, "dur_ns": 1_000_000, "wait_ns": 0, "microbatch": 0},
+    ])
+    fig = timeline_figure(spans, labels={0: "r0 tp0", 1: "r1 tp1"})
+    by_name = {t.name: t for t in fig.data}
+    busy, wait = by_name["collective"], by_name["collective wait"]
+    # rank 0 waited 2 ms from its arrival (4 ms after the first span), then transferred 1 ms
+    assert list(wait.base) == [4.0] and list(wait.x) == [2.0]
+    assert sorted(zip(busy.base, busy.x, strict=True)) == [(6.0, 1.0), (6.0, 1.0)]
+    assert set(fig.layout.yaxis.categoryarray) == {"r0 tp0 · compute", "r0 tp0 · comm", "r1 tp1 · comm"}
+
+
+def test_empty_frames_give_a_figure_that_says_so() -> None:
+    empty_spans = pd.DataFrame(columns=["rank", "step", "name", "kind", "stream", "start_ns", "dur_ns", "wait_ns"])
+    assert "no spans" in timeline_figure(empty_spans).layout.annotations[0].text
+    empty_steps = pd.DataFrame(columns=["step", "step_time_ns", "mfu", "tokens_per_s"])
+    assert "no completed steps" in step_series_figure(empty_steps).layout.annotations[0].text
+    assert "no ranks" in topology_figure(pd.DataFrame(columns=["rank", "host", "pp", "dp", "tp", "state"])
+                                         ).layout.annotations[0].text
+    assert "no heartbeat" in heartbeat_figure(pd.DataFrame(columns=["host", "time_ns", "value"]),
+                                              metric="gpu_util_pct").layout.annotations[0].text
+
+
+def test_overview_has_a_panel_per_series_with_data() -> None:
+    per_step = pd.DataFrame({"step": [0, 1, 2], "step_time_ns": [2e8, 2.1e8, 2.2e8], "mfu": [0.4, 0.38, np.nan],
+                             "tokens_per_s": [np.nan] * 3})
+    loss = pd.DataFrame({"step": [0, 1, 2], "value": [10.0, 9.5, 9.1]})
+    fig = step_series_figure(per_step, loss=loss)
+    names = [t.name for t in fig.data]
+    assert names == ["MFU (%)", "step time (ms)", "loss"]  # tokens/s is all-null: no panel
+    assert list(fig.data[0].y[:2]) == [40.0, 38.0]
+    assert list(fig.data[1].y) == [200.0, 210.0, 220.0]
