@@ -6,9 +6,10 @@ communication instances and the (rank, step) time split. Analyses call :func:`pr
 it returns at once when the tables are current.
 
 Clock offsets are estimated here because every cross-host comparison needs them: members of a
-collective finish together, so each host's median deviation from its instances' median
-completion is its clock offset. Two passes, the second on corrected times, settle it when many
-hosts are off at once.
+collective (and both ends of a pipeline send) finish together, so their completion times differ
+by their hosts' clock offsets. Pairwise host differences (medians, robust to jitter) are combined
+by least squares over the host graph, which links hosts that share no collective through chains
+of pipeline sends.
 
 Example::
 
@@ -24,6 +25,7 @@ import math
 from collections.abc import Callable
 
 import duckdb
+import numpy as np
 import pandas as pd
 
 from megascope.analysis import _sql
@@ -34,7 +36,6 @@ Progress = Callable[[str], None] | None
 
 # Steps sampled for clock-offset estimation: enough samples per host, a bounded cost at any size.
 CLOCK_SAMPLE_STEPS = 8
-CLOCK_PASSES = 2
 _BASE_TABLES = ("rank_info", "clock_offsets", "rank_clock", "comm", "inst", "rank_step")
 
 
@@ -47,31 +48,85 @@ def _sample_steps(steps: list[int], count: int) -> list[int]:
     return sorted({pool[int(i * stride)] for i in range(count)})
 
 
+def solve_offsets(hosts: list[str], pairs: pd.DataFrame) -> pd.DataFrame:
+    """Least-squares host offsets from pairwise clock differences.
+
+    ``pairs`` has host, ref_host, diff_ns (clock(host) - clock(ref_host)), mad_ns, samples. The
+    first host is the reference (offset 0). Hosts not linked to it by any chain of pairs keep
+    offset 0 and a NULL error. Returns host, offset_ns, error_ns, samples.
+    """
+    index = {h: i for i, h in enumerate(hosts)}
+    n = len(hosts)
+    out = pd.DataFrame({"host": hosts, "offset_ns": 0.0, "error_ns": math.nan, "samples": 0})
+    pairs = pairs[pairs["host"].isin(index) & pairs["ref_host"].isin(index)]
+    if n == 0 or pairs.empty:
+        return out
+    a = pairs["host"].map(index).to_numpy()
+    b = pairs["ref_host"].map(index).to_numpy()
+    # Weight by samples, capped: a pair seen a thousand times is not a thousand times surer
+    # once clock drift and transfer jitter dominate.
+    w = np.minimum(pairs["samples"].to_numpy(dtype=float), 64.0)
+    target = -pairs["diff_ns"].to_numpy(dtype=float)  # offset(host) - offset(ref_host)
+    # Normal equations of sum w (o_a - o_b - target)^2: a weighted graph Laplacian.
+    lap = np.zeros((n, n))
+    np.add.at(lap, (a, a), w)
+    np.add.at(lap, (b, b), w)
+    np.add.at(lap, (a, b), -w)
+    np.add.at(lap, (b, a), -w)
+    rhs = np.zeros(n)
+    np.add.at(rhs, a, w * target)
+    np.add.at(rhs, b, -w * target)
+    # Pin every connected component at one host (the reference host for its component) so the
+    # system is regular; offsets of components not holding the reference stay unknown.
+    parent = list(range(n))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for x, y in zip(a.tolist(), b.tolist(), strict=True):
+        parent[find(x)] = find(y)
+    roots = {find(i) for i in range(n)}
+    anchor = {r: min(i for i in range(n) if find(i) == r) for r in roots}
+    for i in anchor.values():
+        lap[i, i] += 1e6
+    offsets = np.linalg.solve(lap, rhs)
+    linked = np.array([find(i) == find(0) for i in range(n)])
+    offsets = np.where(linked, offsets - offsets[0], 0.0)
+    residual = np.abs(offsets[a] - offsets[b] - target)
+    edge_err = residual + 1.4826 * pairs["mad_ns"].to_numpy(dtype=float) / np.sqrt(np.maximum(w, 1.0))
+    err = np.full(n, math.nan)
+    samples = np.zeros(n, dtype=np.int64)
+    for ends in (a, b):
+        for i, e, k in zip(ends.tolist(), edge_err.tolist(), pairs["samples"].tolist(), strict=True):
+            err[i] = e if math.isnan(err[i]) else max(err[i], e)
+            samples[i] += int(k)
+    err[~linked] = math.nan
+    err[0] = 0.0 if linked.any() else math.nan
+    out["offset_ns"] = offsets
+    out["error_ns"] = err
+    out["samples"] = samples
+    return out
+
+
 def _estimate_offsets(con: duckdb.DuckDBPyConnection, steps: list[int]) -> pd.DataFrame:
-    con.execute(
-        "CREATE OR REPLACE TABLE ms_cache.clock_offsets (host VARCHAR, offset_ns BIGINT, error_ns BIGINT, samples BIGINT)"
-    )
     _sql.execute(con, "base", "clock_samples", steps=_sample_steps(steps, CLOCK_SAMPLE_STEPS) or [-1])
     hosts = [h for (h,) in con.execute("SELECT host FROM ms_cache.rank_info GROUP BY host ORDER BY min(rank)").fetchall()]
-    offsets = pd.DataFrame({"host": hosts, "offset_ns": 0.0, "error_ns": math.nan, "samples": 0})
-    for _ in range(CLOCK_PASSES):
-        passed = _sql.query_df(con, "base", "clock_pass")
-        if passed.empty:
-            break
-        merged = offsets.merge(passed, on="host", how="left")
-        offsets["offset_ns"] = merged["offset_ns"] - merged["dev_ns"].fillna(0.0)
-        # The spread of one sample over the square root of their number bounds the median's error.
-        offsets["error_ns"] = 1.4826 * merged["mad_ns"] / merged["samples"].clip(lower=1) ** 0.5
-        offsets["samples"] = merged["samples"].fillna(0).astype("int64")
-        ref = offsets["offset_ns"].iloc[0] if len(offsets) else 0.0
-        offsets["offset_ns"] = offsets["offset_ns"] - ref
-        con.execute("DELETE FROM ms_cache.clock_offsets")
-        con.register("_ms_offsets_df", offsets.assign(offset_ns=offsets["offset_ns"].round().astype("int64")))
-        con.execute(
-            "INSERT INTO ms_cache.clock_offsets SELECT host, offset_ns, "
-            "CASE WHEN isnan(error_ns) THEN NULL ELSE ceil(error_ns)::BIGINT END, samples FROM _ms_offsets_df"
-        )
-        con.unregister("_ms_offsets_df")
+    pairs = _sql.query_df(con, "base", "clock_pairs")
+    offsets = solve_offsets(hosts, pairs)
+    frame = offsets.assign(
+        offset_ns=offsets["offset_ns"].round().astype("int64"),
+        error_ns=np.ceil(offsets["error_ns"]).astype("Int64"),
+    )
+    con.register("_ms_offsets_df", frame)
+    con.execute(
+        "CREATE OR REPLACE TABLE ms_cache.clock_offsets AS "
+        "SELECT host::VARCHAR AS host, offset_ns::BIGINT AS offset_ns, error_ns::BIGINT AS error_ns, "
+        "samples::BIGINT AS samples FROM _ms_offsets_df"
+    )
+    con.unregister("_ms_offsets_df")
     con.execute("DROP TABLE IF EXISTS ms_cache.clock_samples")
     return offsets
 

@@ -80,9 +80,13 @@ def _roots(members: pd.DataFrame) -> tuple[list[tuple[int, str]], dict[int, int]
             if m != row.rank:
                 waits_on[int(row.rank)].add(m)
     stuck_ranks = set(members.loc[members["stuck"], "rank"].astype(int))
+    # The group where a missing rank was first waited for is where the job stopped: sequence
+    # numbers of different groups are not comparable, times (reference clock) are.
+    first_wait = members[members["stuck"]].groupby("grp")["stuck_since_ns"].min()
+    missing = missing.assign(first_wait_ns=missing["grp"].map(first_wait))
     roots: list[tuple[int, str]] = []
     seen: set[int] = set()
-    for row in missing.sort_values(["missing_seq", "rank"]).itertuples():
+    for row in missing.sort_values(["first_wait_ns", "rank", "grp"]).itertuples():
         rank = int(row.rank)
         # A missing member that is itself stuck elsewhere is a victim; the blame moves on.
         if rank in stuck_ranks and waits_on.get(rank):

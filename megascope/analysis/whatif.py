@@ -37,8 +37,11 @@ WHATIF_SAMPLE_STEPS = 3
 
 
 def _simulate(rank_of_row: np.ndarray, inst_of_row: np.ndarray, own: np.ndarray, tail: dict[int, float],
-              xfer: np.ndarray) -> float:
-    """Replay one step; rows are ordered by (rank, op order). Returns the modeled step time."""
+              xfer: np.ndarray, posted: np.ndarray, start: dict[int, float]) -> float:
+    """Replay one step; rows are ordered by (rank, op order). Returns the modeled step time.
+
+    ``posted`` rows (sends) contribute their arrival to the instance but do not block the rank.
+    """
     ranks = list(dict.fromkeys(rank_of_row.tolist()))
     bounds: dict[int, list[int]] = {}
     for i, r in enumerate(rank_of_row.tolist()):
@@ -46,11 +49,11 @@ def _simulate(rank_of_row: np.ndarray, inst_of_row: np.ndarray, own: np.ndarray,
         b[1] = i + 1
     n_inst = int(inst_of_row.max()) + 1 if len(inst_of_row) else 0
     need = np.bincount(inst_of_row, minlength=n_inst).tolist()
-    inst_l, own_l, xfer_l = inst_of_row.tolist(), own.tolist(), xfer.tolist()
+    inst_l, own_l, xfer_l, posted_l = inst_of_row.tolist(), own.tolist(), xfer.tolist(), posted.tolist()
     count = [0] * n_inst
     latest = [0.0] * n_inst
     members: list[list[int]] = [[] for _ in range(n_inst)]
-    t = dict.fromkeys(ranks, 0.0)
+    t = {r: float(start.get(r, 0.0)) for r in ranks}
     ptr = {r: bounds[r][0] for r in ranks}
     stack = list(reversed(ranks))
     while stack:
@@ -62,7 +65,12 @@ def _simulate(rank_of_row: np.ndarray, inst_of_row: np.ndarray, own: np.ndarray,
         arrival = t[r] + own_l[i]
         count[k] += 1
         latest[k] = max(latest[k], arrival)
-        members[k].append(r)
+        if posted_l[i]:
+            t[r] = arrival
+            ptr[r] += 1
+            stack.append(r)
+        else:
+            members[k].append(r)
         if count[k] == need[k]:
             done = latest[k] + xfer_l[k]
             for m in members[k]:
@@ -71,33 +79,37 @@ def _simulate(rank_of_row: np.ndarray, inst_of_row: np.ndarray, own: np.ndarray,
                 stack.append(m)
     stuck = [r for r in ranks if ptr[r] < bounds[r][1]]
     if stuck:
-        log.debug("what-if replay: %d ranks never finished their chain", len(stuck))
-    return max(t[r] + tail.get(r, 0.0) for r in ranks) if ranks else 0.0
+        log.info("what-if replay: %d ranks never finished their chain", len(stuck))
+    return max(t[r] + tail.get(r, 0.0) - start.get(r, 0.0) for r in ranks) if ranks else 0.0
 
 
 def _step_frame(con: duckdb.DuckDBPyConnection, step: int) -> pd.DataFrame:
     return con.execute(
         """
-        SELECT c.rank, c.is_coll, c.grp, c.seq, c.sender, c.receiver, c.arrival_ns, c.end_ns,
+        SELECT c.rank, c.kind, c.is_coll, c.grp, c.seq, c.sender, c.receiver, c.arrival_ns, c.end_ns,
                i.xfer_ns, r.start_ns AS step_start_ns, r.start_ns + coalesce(r.step_ns, r.extent_ns) AS step_end_ns,
                r.stage
         FROM ms_cache.comm c
         JOIN ms_cache.inst i USING (is_coll, grp, seq, sender, receiver)
         JOIN ms_cache.rank_step r ON r.rank = c.rank AND r.step = c.step
         WHERE c.step = ?
-        ORDER BY c.rank, c.arrival_ns, c.seq
+        ORDER BY c.rank, c.arrival_ns, c.kind <> 'send', c.seq
         """,
         [step],
     ).df()
 
 
 def _segments(frame: pd.DataFrame) -> tuple[np.ndarray, pd.Series]:
-    """Own time before each op and after the last one, per rank."""
-    prev_end = frame.groupby("rank")["end_ns"].shift(1)
+    """Own time before each op and after the last one, per rank.
+
+    After a send the rank went on at once, so the next segment starts at the send's arrival.
+    """
+    resume = frame["end_ns"].where(frame["kind"] != "send", frame["arrival_ns"])
+    prev_end = resume.groupby(frame["rank"]).shift(1)
     start = prev_end.fillna(frame["step_start_ns"])
     own = (frame["arrival_ns"] - start).clip(lower=0).to_numpy(dtype=float)
-    last = frame.groupby("rank").tail(1).set_index("rank")
-    tail = (last["step_end_ns"] - last["end_ns"]).clip(lower=0).astype(float)
+    last = frame.assign(resume=resume).groupby("rank").tail(1).set_index("rank")
+    tail = (last["step_end_ns"] - last["resume"]).clip(lower=0).astype(float)
     return own, tail
 
 
@@ -110,7 +122,10 @@ def replay_step(con: duckdb.DuckDBPyConnection, step: int, fixed_ranks: set[int]
     xfer_by_inst = frame.groupby(inst_of_row)["xfer_ns"].first().to_numpy(dtype=float)
     own, tail = _segments(frame)
     rank_arr = frame["rank"].to_numpy()
-    base = _simulate(rank_arr, inst_of_row, own, tail.to_dict(), xfer_by_inst)
+    posted = (frame["kind"] == "send").to_numpy()
+    firsts = frame.groupby("rank")["step_start_ns"].first()
+    start = (firsts - firsts.min()).astype(float).to_dict()
+    base = _simulate(rank_arr, inst_of_row, own, tail.to_dict(), xfer_by_inst, posted, start)
     if not fixed_ranks:
         return base, base
     frame = frame.assign(own=own, k=frame.groupby("rank").cumcount())
@@ -127,7 +142,7 @@ def replay_step(con: duckdb.DuckDBPyConnection, step: int, fixed_ranks: set[int]
     for r in fixed_ranks:
         if r in fixed_tail.index and stage_of.get(r) in peer_tail.index:
             fixed_tail[r] = peer_tail[stage_of[r]]
-    fixed = _simulate(rank_arr, inst_of_row, fixed_own, fixed_tail.to_dict(), xfer_by_inst)
+    fixed = _simulate(rank_arr, inst_of_row, fixed_own, fixed_tail.to_dict(), xfer_by_inst, posted, start)
     return base, fixed
 
 

@@ -38,38 +38,44 @@ ORDER BY seen.rank;
 SELECT DISTINCT step FROM spans WHERE step IS NOT NULL ORDER BY step;
 
 -- @statement clock_samples
--- Completion times of collectives in the sampled steps {{steps}}, for clock-offset estimation.
--- Members of one collective finish together (within the last transfer), so their completion
--- times disagree only by their hosts' clock offsets.
--- @column grp, seq  the instance
--- @column host      the member's host
+-- Completion times of communication in the sampled steps {{steps}}, for clock-offset estimation.
+-- Members of one collective finish together (within the last transfer), and so do the two ends of
+-- a pipeline send/receive, so their completion times disagree only by their hosts' clock offsets.
+-- Pipeline pairs matter: with TP inside a host and DP groups spanning few hosts, only they link
+-- the hosts of different stages.
+-- @column grp, seq  the instance ('p2p:S>R' for a point-to-point pair)
+-- @column rank, host  the member and its host
 -- @column end_ns    completion on the member host's clock
 CREATE OR REPLACE TABLE ms_cache.clock_samples AS
-SELECT s."group" AS grp, s.seq, i.host, s.start_ns + s.dur_ns AS end_ns
+SELECT CASE WHEN s.kind = 'collective' THEN s."group"
+            WHEN s.kind = 'send' THEN 'p2p:' || s.rank || '>' || s.peer
+            ELSE 'p2p:' || s.peer || '>' || s.rank END AS grp,
+       s.seq, s.rank, i.host, s.start_ns + s.dur_ns AS end_ns
 FROM spans s JOIN ms_cache.rank_info i USING (rank)
-WHERE s.kind = 'collective' AND s."group" IS NOT NULL AND s.seq IS NOT NULL
+WHERE s.kind IN ('collective', 'send', 'recv') AND s.seq IS NOT NULL
+  AND (s.kind = 'collective' AND s."group" IS NOT NULL OR s.kind <> 'collective' AND s.peer IS NOT NULL)
   AND list_contains({{steps}}, s.step);
 
--- @statement clock_pass
--- One refinement pass: each host's median deviation of its (corrected) completion times from the
--- median completion of instances that span at least two hosts.
--- @column host     host
--- @column dev_ns   median deviation; subtract it from the host's offset
--- @column mad_ns   median absolute deviation of those deviations (spread of one sample)
--- @column samples  completions used
-WITH c AS (
-    SELECT s.grp, s.seq, s.host, s.end_ns + coalesce(o.offset_ns, 0) AS e
-    FROM ms_cache.clock_samples s LEFT JOIN ms_cache.clock_offsets o USING (host)
-), inst AS (
-    SELECT grp, seq, median(e) AS med
-    FROM c GROUP BY grp, seq HAVING count(DISTINCT host) >= 2
+-- @statement clock_pairs
+-- Host-pair clock differences: in each instance spanning two or more hosts, every member's
+-- completion minus that of the instance's lowest rank; the median per (host, ref_host) pair.
+-- @column host, ref_host  the pair
+-- @column diff_ns   median of completion(host) - completion(ref_host): clock(host) - clock(ref_host)
+-- @column mad_ns    median absolute deviation of one sample around diff_ns
+-- @column samples   instances behind it
+WITH ref AS (
+    SELECT grp, seq, arg_min(host, rank) AS ref_host, arg_min(end_ns, rank) AS ref_end
+    FROM ms_cache.clock_samples GROUP BY grp, seq HAVING count(DISTINCT host) >= 2
 ), d AS (
-    SELECT c.host, c.e - inst.med AS dev FROM c JOIN inst USING (grp, seq)
+    SELECT s.host, r.ref_host, s.end_ns - r.ref_end AS d
+    FROM ms_cache.clock_samples s JOIN ref r USING (grp, seq)
+    WHERE s.host <> r.ref_host
 ), m AS (
-    SELECT host, median(dev) AS dev_ns, count(*) AS samples FROM d GROUP BY host
+    SELECT host, ref_host, median(d) AS diff_ns, count(*) AS samples FROM d GROUP BY host, ref_host
 )
-SELECT m.host, m.dev_ns, median(abs(d.dev - m.dev_ns)) AS mad_ns, any_value(m.samples) AS samples
-FROM m JOIN d USING (host) GROUP BY m.host, m.dev_ns;
+SELECT m.host, m.ref_host, m.diff_ns, median(abs(d.d - m.diff_ns)) AS mad_ns, any_value(m.samples) AS samples
+FROM m JOIN d USING (host, ref_host)
+GROUP BY m.host, m.ref_host, m.diff_ns;
 
 -- @statement rank_clock
 -- Each rank's clock offset (that of its host): add offset_ns to its times.
@@ -134,11 +140,14 @@ FROM g LEFT JOIN kinds ON kinds."group" = g.grp;
 -- @column wait_ns        of which waiting for the last member to arrive
 -- @column p2p_wait_ns    of which waiting in pipeline sends/receives (bubbles)
 -- @column xfer_ns        comm_ns - wait_ns
--- @column own_ns         step time (or extent) minus comm_ns
+-- @column own_ns         step time (or extent) minus blocking communication (collectives and
+--                        receives; a send is posted and the sender goes on computing, so its
+--                        span overlaps the sender's own work)
 -- @column coll_count     collective instances it took part in (with >= 2 members recorded)
 -- @column last_count     ... of which it arrived last
 -- @column late_ns        summed arrival minus instance median arrival over those collectives
--- @column last_tp, last_dp, last_pp, last_other  last arrivals by group kind
+-- @column coll_tp, coll_dp, coll_pp, coll_other  collectives by group kind
+-- @column last_tp, last_dp, last_pp, last_other  of which it arrived last
 CREATE OR REPLACE TABLE ms_cache.rank_step AS
 WITH own_spans AS (
     SELECT s.rank, s.step,
@@ -158,12 +167,17 @@ WITH own_spans AS (
 ), comm_agg AS (
     SELECT c.rank, c.step,
            sum(c.dur_ns) AS comm_ns,
+           sum(c.dur_ns) FILTER (WHERE c.kind <> 'send') AS blocking_ns,
            sum(CASE WHEN i.n >= 2 THEN least(greatest(i.last_arrival_ns - c.arrival_ns, 0), c.dur_ns) ELSE 0 END) AS wait_ns,
            sum(CASE WHEN i.n >= 2 AND NOT c.is_coll
                     THEN least(greatest(i.last_arrival_ns - c.arrival_ns, 0), c.dur_ns) ELSE 0 END) AS p2p_wait_ns,
            count(*) FILTER (WHERE c.is_coll AND i.n >= 2) AS coll_count,
            count(*) FILTER (WHERE c.is_coll AND i.n >= 2 AND i.last_rank = c.rank) AS last_count,
            sum(c.arrival_ns - i.median_arrival_ns) FILTER (WHERE c.is_coll AND i.n >= 2) AS late_ns,
+           count(*) FILTER (WHERE c.is_coll AND i.n >= 2 AND i.group_kind = 'tp') AS coll_tp,
+           count(*) FILTER (WHERE c.is_coll AND i.n >= 2 AND i.group_kind = 'dp') AS coll_dp,
+           count(*) FILTER (WHERE c.is_coll AND i.n >= 2 AND i.group_kind = 'pp') AS coll_pp,
+           count(*) FILTER (WHERE c.is_coll AND i.n >= 2 AND i.group_kind NOT IN ('tp', 'dp', 'pp')) AS coll_other,
            count(*) FILTER (WHERE c.is_coll AND i.n >= 2 AND i.last_rank = c.rank AND i.group_kind = 'tp') AS last_tp,
            count(*) FILTER (WHERE c.is_coll AND i.n >= 2 AND i.last_rank = c.rank AND i.group_kind = 'dp') AS last_dp,
            count(*) FILTER (WHERE c.is_coll AND i.n >= 2 AND i.last_rank = c.rank AND i.group_kind = 'pp') AS last_pp,
@@ -189,9 +203,11 @@ SELECT j.rank, j.step, k.stage, j.step_ns,
        coalesce(j.p2p_wait_ns, 0) AS p2p_wait_ns,
        coalesce(j.comm_ns, 0) - coalesce(j.wait_ns, 0) AS xfer_ns,
        coalesce(j.step_ns, greatest(j.last_raw + k.offset_ns, j.last_comm_ns) - least(j.first_raw + k.offset_ns, j.first_comm_ns))
-           - coalesce(j.comm_ns, 0) AS own_ns,
+           - coalesce(j.blocking_ns, 0) AS own_ns,
        coalesce(j.coll_count, 0) AS coll_count, coalesce(j.last_count, 0) AS last_count,
        coalesce(j.late_ns, 0) AS late_ns,
+       coalesce(j.coll_tp, 0) AS coll_tp, coalesce(j.coll_dp, 0) AS coll_dp,
+       coalesce(j.coll_pp, 0) AS coll_pp, coalesce(j.coll_other, 0) AS coll_other,
        coalesce(j.last_tp, 0) AS last_tp, coalesce(j.last_dp, 0) AS last_dp,
        coalesce(j.last_pp, 0) AS last_pp, coalesce(j.last_other, 0) AS last_other
 FROM j JOIN ms_cache.rank_clock k USING (rank);

@@ -54,7 +54,7 @@ SELECT rs.rank, rs.step, rs.stage, p.n, rs.own_ns, rs.step_ns, rs.xfer_ns, rs.wa
        rs.host_ns - ms_cache.loo(p.n, p.sum_host, rs.host_ns, p.med_host) AS ex_host_ns,
        (rs.xfer_ns - p.med_xfer) / greatest(1.4826 * m.mad_xfer, {{rel_floor}} * abs(p.med_xfer), 1) AS z_xfer,
        rs.xfer_ns / nullif(ms_cache.loo(p.n, p.sum_xfer, rs.xfer_ns, p.med_xfer), 0) AS xfer_ratio,
-       rs.coll_count, rs.last_count, rs.last_tp, rs.last_dp, rs.last_pp, rs.last_other
+       rs.coll_count, rs.last_count, rs.coll_tp, rs.coll_dp, rs.coll_pp, rs.coll_other, rs.last_tp, rs.last_dp, rs.last_pp, rs.last_other
 FROM rs JOIN p USING (stage, step) JOIN m USING (stage, step);
 
 -- @statement rank_scores
@@ -67,6 +67,7 @@ FROM rs JOIN p USING (stage, step) JOIN m USING (stage, step);
 -- @column slowdown      median slowdown over its slow steps
 -- @column ex_*_ns       median excess over its slow steps
 -- @column last_arrival_frac  share of its collectives where it arrived last
+-- @column last_tp, last_dp, last_pp, last_other  that share per group kind
 CREATE OR REPLACE TABLE ms_cache.rank_scores AS
 WITH f AS (
     SELECT *,
@@ -89,7 +90,8 @@ SELECT rank, any_value(stage) AS stage, count(*) AS steps,
        median(ex_host_ns) FILTER (WHERE slow) AS ex_host_ns,
        median(base_own_ns) AS base_own_ns,
        sum(last_count) / nullif(sum(coll_count), 0) AS last_arrival_frac,
-       sum(last_tp) AS last_tp, sum(last_dp) AS last_dp, sum(last_pp) AS last_pp, sum(last_other) AS last_other,
+       sum(last_tp) / nullif(sum(coll_tp), 0) AS last_tp, sum(last_dp) / nullif(sum(coll_dp), 0) AS last_dp,
+       sum(last_pp) / nullif(sum(coll_pp), 0) AS last_pp, sum(last_other) / nullif(sum(coll_other), 0) AS last_other,
        max(z_own) AS max_z
 FROM f GROUP BY rank;
 
