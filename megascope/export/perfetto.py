@@ -399,13 +399,13 @@ class _PerfettoWriter:
             lo, hi = self.resolved.window
             margin = self.resolved.max_abs_offset_ns
             window = f"AND time_ns BETWEEN {lo - margin} AND {hi + margin}"
-        reader = self.cur.execute(
+        reader = self.cur.sql(
             f"""SELECT h.host, h.rank, h.device, h.metric, h.time_ns + x.offset_ns AS t, h.value
                 FROM heartbeats h JOIN _export_hosts x USING (host)
                 WHERE h.value IS NOT NULL AND isfinite(h.value)
                   AND (h.rank IS NULL OR h.rank IN (SELECT rank FROM _export_ranks)) {window}
                 ORDER BY h.host, h.rank NULLS FIRST, h.device NULLS FIRST, h.metric, t"""
-        ).fetch_record_batch(200_000)
+        ).to_arrow_reader(200_000)
         for batch in reader:
             self._heartbeat_batch(pa.Table.from_batches([batch]))
 

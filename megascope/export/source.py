@@ -108,10 +108,10 @@ def iter_span_chunks(run: Run, resolved: Resolved, *, chunk_rows: int = DEFAULT_
     where = resolved.span_filter_sql()
     for ranks in plan_chunks(_rank_counts(run, resolved), chunk_rows):
         listed = ", ".join(map(str, ranks))
-        table = run.cursor().execute(
+        table = run.cursor().sql(
             f"SELECT {cols} FROM spans WHERE rank BETWEEN {ranks[0]} AND {ranks[-1]} "
             f"AND rank IN ({listed}) AND {where}"
-        ).fetch_arrow_table()
+        ).to_arrow_table()
         rank = table.column("rank").to_numpy().astype(np.int64)
         offsets = resolved.rank_offsets_ns[rank] if len(resolved.rank_offsets_ns) else np.zeros_like(rank)
         start = table.column("start_ns").to_numpy().astype(np.int64) + offsets

@@ -49,7 +49,7 @@ def last_arrivals(run: Run, rank_offsets_ns: npt.NDArray[np.int64]) -> pa.Table:
     offsets = pa.table({"rank": pa.array(np.arange(len(rank_offsets_ns)), pa.int32()),
                         "offset_ns": pa.array(rank_offsets_ns, pa.int64())})
     cur.register("_export_offsets", offsets)
-    return cur.execute(
+    return cur.sql(
         """
         WITH arrivals AS (
             SELECT s."group" AS g, s.seq, s.rank, s.start_ns + coalesce(o.offset_ns, 0) AS t
@@ -74,7 +74,7 @@ def last_arrivals(run: Run, rank_offsets_ns: npt.NDArray[np.int64]) -> pa.Table:
         FROM per_rank p LEFT JOIN per_last l USING (rank)
         ORDER BY inflicted_ns DESC, p.rank
         """
-    ).fetch_arrow_table()
+    ).to_arrow_table()
 
 
 def find_stragglers(run: Run, rank_offsets_ns: npt.NDArray[np.int64]) -> list[int]:
