@@ -38,7 +38,7 @@ def install_trace_route(server: flask.Flask, registry: RunRegistry) -> None:
             return _plain(str(exc), 400)
         if ranks is None or steps is None:
             return _plain("a trace needs ?ranks=...&steps=... (the timeline page builds this link)", 400)
-        from megascope.export import export_perfetto  # type: ignore[attr-defined]
+        from megascope.export import export_perfetto
 
         buffer = io.BytesIO()
         try:
@@ -46,6 +46,9 @@ def install_trace_route(server: flask.Flask, registry: RunRegistry) -> None:
                 export_perfetto(run, buffer, ranks=ranks, steps=steps)
         except MegascopeError as exc:
             return _plain(str(exc), 422)
+        except Exception as exc:  # noqa: BLE001 - one line to the browser, the traceback to the log
+            log.exception("trace export of run %s failed", served.id)
+            return _plain(f"trace export failed: {type(exc).__name__}: {exc}", 500)
         name = f"{served.id}-ranks{routes.format_ranks(ranks)}-steps{steps[0]}-{steps[1]}.pftrace"
         response = flask.Response(buffer.getvalue(), mimetype="application/octet-stream")
         if args.get("download"):

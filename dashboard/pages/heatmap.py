@@ -62,7 +62,9 @@ def register(app: Dash, registry: RunRegistry) -> None:
         frame = data.heatmap(served, phase)
         if frame.empty:
             return no_update, notice(f"no {phase} spans in this run", "info")
-        return data.heatmap_figure(served, frame, phase), None
+        from megascope.figures.heatmap import heatmap_figure
+
+        return heatmap_figure(frame, phase=phase), None
 
     @app.callback(
         Output(ids.URL, "pathname", allow_duplicate=True), Output(ids.URL, "search", allow_duplicate=True),
