@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import pandas as pd
-from dash import dash_table, html
+from dash import dcc, html
 
 from megascope.errors import MegascopeError
 
@@ -64,26 +64,36 @@ def contained(*fallbacks: Any) -> Callable[[F], F]:
     return wrap
 
 
-def _cell(value: Any) -> Any:
+def _cell(value: Any) -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return ""
     if isinstance(value, float):
-        return round(value, 4)
+        return f"{value:.4g}"
     if isinstance(value, dict):
         return " ".join(f"{k}={v}" for k, v in value.items())
     if isinstance(value, list | tuple):
         return ", ".join(map(str, value))
-    return value
+    return str(value)
 
 
-def table(frame: pd.DataFrame, *, id: str, columns: Sequence[str] | None = None, page_size: int = 20,
-          names: dict[str, str] | None = None) -> Any:
-    """A sortable, paged table of ``frame`` (dicts and lists flattened to text)."""
-    columns = list(columns) if columns is not None else list(frame.columns)
-    names = names or {}
-    shown = frame[columns] if len(frame) else pd.DataFrame(columns=columns)
-    records = [{c: _cell(v) for c, v in row.items()} for row in shown.to_dict("records")]
-    return dash_table.DataTable(  # type: ignore[attr-defined]
-        id=id, data=records, columns=[{"name": names.get(c, c), "id": c} for c in columns],
-        page_size=page_size, sort_action="native", style_table={"overflowX": "auto"},
-        style_cell={"fontFamily": "inherit", "fontSize": 13, "padding": "4px 8px", "textAlign": "left"},
-        style_header={"fontWeight": "600"},
-    )
+def table(frame: pd.DataFrame, *, id: str, columns: Sequence[str] | None = None, max_rows: int = 200,
+          names: Mapping[str, str] | None = None,
+          links: Mapping[str, Callable[[dict[str, Any]], str]] | None = None) -> html.Table:
+    """A plain HTML table of at most ``max_rows`` rows of ``frame`` (dicts and lists flattened to text).
+
+    ``links`` maps a column to a function of the row giving an href: that cell becomes a link
+    (the straggler table links each rank to its timeline).
+    """
+    columns = [c for c in (columns if columns is not None else frame.columns) if c in frame.columns]
+    names, links = names or {}, links or {}
+    header = html.Thead(html.Tr([html.Th(names.get(c, c)) for c in columns]))
+    rows = []
+    for raw in frame[columns].head(max_rows).to_dict("records"):
+        record = {str(k): v for k, v in raw.items()}
+        cells = []
+        for c in columns:
+            text = _cell(record[c])
+            cells.append(html.Td(dcc.Link(text, href=links[c](record)) if c in links else text))
+        rows.append(html.Tr(cells))
+    footer = [html.Caption(f"first {max_rows} of {len(frame)} rows", className="hint")] if len(frame) > max_rows else []
+    return html.Table([*footer, header, html.Tbody(rows)], id=id, className="table")

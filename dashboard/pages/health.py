@@ -36,7 +36,7 @@ def layout(served: ServedRun, query: dict[str, str]) -> html.Div:
 def _section(title: str, frame: pd.DataFrame, table_id: str, empty: str) -> list[Any]:
     if frame.empty:
         return [html.H3(title), notice(empty, "info")]
-    return [html.H3(title), table(frame, id=table_id, page_size=15)]
+    return [html.H3(title), table(frame, id=table_id, max_rows=100)]
 
 
 def register(app: Dash, registry: RunRegistry) -> None:
@@ -59,7 +59,7 @@ def register(app: Dash, registry: RunRegistry) -> None:
         host_part = _section("Hosts (silent first)", hosts, "host-table",
                              "No heartbeats in this run (the collector's heartbeat sampler was off).")
         if not logs.empty:
-            host_part += [html.H3("Recent log lines"), table(logs, id="log-table", page_size=10)]
+            host_part += [html.H3("Recent log lines"), table(logs, id="log-table", max_rows=50)]
         diag_part = _section("Self-tests", diagnostics, "diagnostics-table",
                              "No self-test results (run megascope diagnose to add them).")
         finding_part = _section("Findings", findings, "findings-table", "No health findings.") \

@@ -2,14 +2,14 @@
 
 Rows come from :func:`megascope.analysis.stragglers`, worst first; the gain from
 :func:`megascope.analysis.whatif` (step time and MFU if the stragglers ran at their peers'
-median, through the step's dependency model). Each row links to its timeline.
+median, through the step's dependency model). Each rank links to its timeline beside its peers.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from dash import Dash, Input, Output, State, html, no_update
+from dash import Dash, Input, Output, html, no_update
 
 from megascope.dashboard import data, ids, routes
 from megascope.dashboard.components import card, contained, notice, table
@@ -26,9 +26,8 @@ def layout(served: ServedRun, query: dict[str, str]) -> html.Div:
     return html.Div(
         [
             html.Div(id=ids.STRAGGLER_WHATIF, className="cards"),
-            html.P("Click a row to open the rank beside its peers on the timeline.", className="hint"),
-            html.Div(table(data.empty_stragglers(), id=ids.STRAGGLER_TABLE, columns=COLUMNS, names=NAMES),
-                     id=f"{ids.STRAGGLER_TABLE}-box"),
+            html.P("Worst first. Click a rank to open it beside its peers on the timeline.", className="hint"),
+            html.Div(id=ids.STRAGGLER_TABLE),
         ]
     )
 
@@ -52,7 +51,7 @@ def whatif_cards(result: dict[str, Any], *, n_stragglers: int) -> list[Any]:
 
 def register(app: Dash, registry: RunRegistry) -> None:
     @app.callback(
-        Output(ids.STRAGGLER_TABLE, "data"), Output(ids.STRAGGLER_WHATIF, "children"),
+        Output(ids.STRAGGLER_WHATIF, "children"), Output(ids.STRAGGLER_TABLE, "children"),
         Input(ids.GENERATION, "data"),
     )
     @contained(no_update)
@@ -61,19 +60,12 @@ def register(app: Dash, registry: RunRegistry) -> None:
         if served is None or served.run is None:
             return no_update, notice(served.error if served else "loading...")
         frame = data.stragglers(served)
-        records = table(frame, id="unused", columns=[c for c in COLUMNS if c in frame.columns]).data
-        return records, whatif_cards(data.whatif(served), n_stragglers=len(frame))
+        if frame.empty:
+            return whatif_cards({}, n_stragglers=0), notice("No stragglers: every rank keeps up with its peers.")
+        steps = data.default_steps(served)
 
-    @app.callback(
-        Output(ids.URL, "pathname", allow_duplicate=True), Output(ids.URL, "search", allow_duplicate=True),
-        Input(ids.STRAGGLER_TABLE, "active_cell"), State(ids.STRAGGLER_TABLE, "derived_viewport_data"),
-        State(ids.GENERATION, "data"), prevent_initial_call=True,
-    )
-    def open_timeline(active: dict[str, Any] | None, rows: list[dict[str, Any]] | None,
-                      generation: dict[str, Any] | None) -> tuple[Any, Any]:
-        served = served_from(registry, generation)
-        if not active or not rows or served is None or served.run is None:
-            return no_update, no_update
-        rank = int(rows[active["row"]]["rank"])
-        return routes.href(served.id, "timeline"), "?" + routes.selection_query(
-            data.peers(served, rank), data.default_steps(served))
+        def timeline_of(row: dict[str, Any]) -> str:
+            return routes.href(served.id, "timeline", ranks=data.peers(served, int(row["rank"])), steps=steps)
+
+        shown = table(frame, id="straggler-rows", columns=COLUMNS, names=NAMES, links={"rank": timeline_of})
+        return whatif_cards(data.whatif(served), n_stragglers=len(frame)), shown

@@ -72,7 +72,7 @@ def layout(served: ServedRun, query: dict[str, str]) -> html.Div:
 def bubbles_section(frame: pd.DataFrame) -> list[Any] | None:
     if frame.empty:
         return None
-    return [html.H3("Pipeline bubbles per stage (whole run)"), table(frame, id="bubble-table", page_size=10)]
+    return [html.H3("Pipeline bubbles per stage (whole run)"), table(frame, id="bubble-table")]
 
 
 def register(app: Dash, registry: RunRegistry) -> None:
