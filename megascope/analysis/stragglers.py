@@ -99,7 +99,7 @@ def _attribute(c: pd.DataFrame) -> pd.DataFrame:
     compute_phase = pd.DataFrame(compute_parts).idxmax(axis=1)
     phase = np.where(cause == "compute", compute_phase, cause)
     late = c[["last_tp", "last_dp", "last_pp", "last_other"]].fillna(0)
-    late_at = late.idxmax(axis=1).str.removeprefix("last_").where(late.max(axis=1) > 0, None)
+    late_at = late.idxmax(axis=1).astype(str).str.slice(len("last_")).where(late.max(axis=1) > 0, None)
     return pd.DataFrame({"cause": cause, "phase": phase, "late_at": late_at, "excess_ns": c["ex_own_ns"]})
 
 

@@ -83,6 +83,10 @@ def _simulate(rank_of_row: np.ndarray, inst_of_row: np.ndarray, own: np.ndarray,
     return max(t[r] + tail.get(r, 0.0) - start.get(r, 0.0) for r in ranks) if ranks else 0.0
 
 
+def _float_map(series: pd.Series) -> dict[int, float]:
+    return {int(k): float(v) for k, v in series.items()}  # type: ignore[call-overload]
+
+
 def _step_frame(con: duckdb.DuckDBPyConnection, step: int) -> pd.DataFrame:
     return con.execute(
         """
@@ -124,8 +128,8 @@ def replay_step(con: duckdb.DuckDBPyConnection, step: int, fixed_ranks: set[int]
     rank_arr = frame["rank"].to_numpy()
     posted = (frame["kind"] == "send").to_numpy()
     firsts = frame.groupby("rank")["step_start_ns"].first()
-    start = (firsts - firsts.min()).astype(float).to_dict()
-    base = _simulate(rank_arr, inst_of_row, own, tail.to_dict(), xfer_by_inst, posted, start)
+    start = _float_map(firsts - firsts.min())
+    base = _simulate(rank_arr, inst_of_row, own, _float_map(tail), xfer_by_inst, posted, start)
     if not fixed_ranks:
         return base, base
     frame = frame.assign(own=own, k=frame.groupby("rank").cumcount())
@@ -142,7 +146,7 @@ def replay_step(con: duckdb.DuckDBPyConnection, step: int, fixed_ranks: set[int]
     for r in fixed_ranks:
         if r in fixed_tail.index and stage_of.get(r) in peer_tail.index:
             fixed_tail[r] = peer_tail[stage_of[r]]
-    fixed = _simulate(rank_arr, inst_of_row, fixed_own, fixed_tail.to_dict(), xfer_by_inst, posted, start)
+    fixed = _simulate(rank_arr, inst_of_row, fixed_own, _float_map(fixed_tail), xfer_by_inst, posted, start)
     return base, fixed
 
 
