@@ -54,10 +54,23 @@ def _silent(activity: pd.DataFrame, median_step_ns: float) -> pd.Series:
     return seen.isna() | (seen < seen.max() - threshold)
 
 
+def _finished(con: duckdb.DuckDBPyConnection) -> bool:
+    """Whether every rank wrote a step span for the run's last step (then nothing can be stuck)."""
+    row = con.execute(
+        """
+        WITH last AS (SELECT max(step) AS step FROM ms_cache.rank_step),
+        done AS (SELECT count(DISTINCT r.rank) AS n FROM ms_cache.rank_step r, last
+                 WHERE r.step = last.step AND r.step_ns IS NOT NULL)
+        SELECT done.n = (SELECT count(*) FROM ms_cache.rank_info) AND done.n > 0 FROM done
+        """
+    ).fetchone()
+    return bool(row and row[0])
+
+
 def hang_tables(con: duckdb.DuckDBPyConnection) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(member_state, activity) frames, built after :func:`prepare`."""
     prepare(con)
-    _sql.execute(con, "hang", "member_state")
+    _sql.execute(con, "hang", "member_state", scan=not _finished(con))
     members = con.execute("SELECT * FROM ms_cache.member_state WHERE missing OR stuck").df()
     activity = _sql.query_df(con, "hang", "activity")
     activity["silent"] = _silent(activity, _median_step_ns(con))
