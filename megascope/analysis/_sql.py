@@ -48,7 +48,14 @@ def statements(module: str) -> dict[str, str]:
     return {parts[i]: parts[i + 1].strip() for i in range(1, len(parts), 2)}
 
 
+class Raw(str):
+    """A SQL fragment this package wrote itself (e.g. a column expression from a fixed table);
+    inserted as is."""
+
+
 def _literal(name: str, value: object) -> str:
+    if isinstance(value, Raw):
+        return str(value)
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):

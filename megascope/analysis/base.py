@@ -36,7 +36,6 @@ Progress = Callable[[str], None] | None
 
 # Steps sampled for clock-offset estimation: enough samples per host, a bounded cost at any size.
 CLOCK_SAMPLE_STEPS = 8
-_BASE_TABLES = ("rank_info", "clock_offsets", "rank_clock", "comm", "inst", "rank_step")
 
 
 def _sample_steps(steps: list[int], count: int) -> list[int]:
@@ -111,8 +110,24 @@ def solve_offsets(hosts: list[str], pairs: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def _clock_ranks(con: duckdb.DuckDBPyConnection) -> list[int]:
+    """Ranks whose spans suffice for clock offsets: every rank of the TP index that each host's
+    lowest rank has. Their collectives (DP, PP, world) and pipeline pairs are complete, every host
+    is covered, and only 1/tp of the partitions is read."""
+    rows = con.execute(
+        """
+        WITH firsts AS (SELECT host, arg_min(tp, rank) AS tp FROM ms_cache.rank_info GROUP BY host)
+        SELECT rank FROM ms_cache.rank_info
+        WHERE tp IS NULL OR tp IN (SELECT tp FROM firsts) ORDER BY rank
+        """
+    ).fetchall()
+    return [int(r) for (r,) in rows]
+
+
 def _estimate_offsets(con: duckdb.DuckDBPyConnection, steps: list[int]) -> pd.DataFrame:
-    _sql.execute(con, "base", "clock_samples", steps=_sample_steps(steps, CLOCK_SAMPLE_STEPS) or [-1])
+    ranks = _clock_ranks(con)
+    _sql.execute(con, "base", "clock_samples", steps=_sample_steps(steps, CLOCK_SAMPLE_STEPS) or [-1],
+                 ranks=_sql.Raw(", ".join(map(str, ranks)) or "NULL"))
     hosts = [h for (h,) in con.execute("SELECT host FROM ms_cache.rank_info GROUP BY host ORDER BY min(rank)").fetchall()]
     pairs = _sql.query_df(con, "base", "clock_pairs")
     offsets = solve_offsets(hosts, pairs)
@@ -131,6 +146,15 @@ def _estimate_offsets(con: duckdb.DuckDBPyConnection, steps: list[int]) -> pd.Da
     return offsets
 
 
+def _steps(con: duckdb.DuckDBPyConnection) -> list[int]:
+    """The run's steps, read from one rank's partition (the lowest rank with spans)."""
+    for (rank,) in con.execute("SELECT rank FROM ms_cache.rank_info ORDER BY rank LIMIT 4").fetchall():
+        steps = [int(x) for (x,) in _sql.execute(con, "base", "step_list", rank=int(rank)).fetchall()]
+        if steps:
+            return steps
+    return [int(x) for (x,) in con.execute("SELECT DISTINCT step FROM spans WHERE step IS NOT NULL ORDER BY 1").fetchall()]
+
+
 def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None) -> None:
     """Build the base tables unless they are current for this run's files."""
     with _sql.build_lock():
@@ -140,14 +164,14 @@ def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None) -> Non
         say = progress or (lambda msg: None)
         say("reading ranks")
         _sql.execute(con, "base", "rank_info")
-        steps = [int(s) for (s,) in _sql.execute(con, "base", "step_list").fetchall()]
+        steps = _steps(con)
         say("estimating clock offsets")
         _estimate_offsets(con, steps)
         _sql.execute(con, "base", "rank_clock")
         say("matching collectives")
-        _sql.execute(con, "base", "comm")
         _sql.execute(con, "base", "inst")
         say("splitting step time per rank")
         _sql.execute(con, "base", "rank_step")
+        _sql.execute(con, "base", "add_unknown_ranks")
         _sql.mark_built(con, "base")
         log.info("base tables built for %d steps", len(steps))

@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict, deque
 from typing import Any
 
@@ -40,10 +41,6 @@ SILENT_STEPS = 2.0
 STATES = ("healthy", "slow", "waiting", "silent", "hung")
 
 
-def _coords(row: Any, axes: tuple[str, ...]) -> dict[str, int]:
-    return {a: int(getattr(row, a)) for a in axes if a in MESH_AXES and pd.notna(getattr(row, a, None))}
-
-
 def _median_step_ns(con: duckdb.DuckDBPyConnection) -> float:
     row = con.execute("SELECT median(step_ns) FROM ms_cache.rank_step WHERE step_ns IS NOT NULL").fetchone()
     return float(row[0]) if row and row[0] is not None else 0.0
@@ -57,49 +54,73 @@ def _silent(activity: pd.DataFrame, median_step_ns: float) -> pd.Series:
     return seen.isna() | (seen < seen.max() - threshold)
 
 
+def _finished(con: duckdb.DuckDBPyConnection) -> bool:
+    """Whether every rank wrote a step span for the run's last step (then nothing can be stuck)."""
+    row = con.execute(
+        """
+        WITH last AS (SELECT max(step) AS step FROM ms_cache.rank_step),
+        done AS (SELECT count(DISTINCT r.rank) AS n FROM ms_cache.rank_step r, last
+                 WHERE r.step = last.step AND r.step_ns IS NOT NULL)
+        SELECT done.n = (SELECT count(*) FROM ms_cache.rank_info) AND done.n > 0 FROM done
+        """
+    ).fetchone()
+    return bool(row and row[0])
+
+
 def hang_tables(con: duckdb.DuckDBPyConnection) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(member_state, activity) frames, built after :func:`prepare`."""
     prepare(con)
-    _sql.execute(con, "hang", "member_state")
+    _sql.execute(con, "hang", "member_state", scan=not _finished(con))
     members = con.execute("SELECT * FROM ms_cache.member_state WHERE missing OR stuck").df()
     activity = _sql.query_df(con, "hang", "activity")
     activity["silent"] = _silent(activity, _median_step_ns(con))
     return members, activity
 
 
-def _roots(members: pd.DataFrame) -> tuple[list[tuple[int, str]], dict[int, int]]:
+Record = dict[str, Any]
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None or pd.isna(value) else int(value)
+
+
+def _roots(members: list[Record]) -> tuple[list[tuple[int, str]], dict[int, int]]:
     """Follow waiting ranks to the ranks they wait on; return (root (rank, group)), blocked counts."""
-    stuck_groups = set(members.loc[members["stuck"], "grp"])
-    missing = members[members["missing"] & members["grp"].isin(stuck_groups)]
-    waits_on: dict[int, set[int]] = defaultdict(set)
-    missing_by_group: dict[str, list[int]] = defaultdict(list)
-    for row in missing.itertuples():
-        missing_by_group[row.grp].append(int(row.rank))
-    for row in members[members["stuck"]].itertuples():
-        for m in missing_by_group.get(row.grp, []):
-            if m != row.rank:
-                waits_on[int(row.rank)].add(m)
-    stuck_ranks = set(members.loc[members["stuck"], "rank"].astype(int))
+    stuck = [m for m in members if m["stuck"]]
+    stuck_groups = {m["grp"] for m in stuck}
+    missing = [m for m in members if m["missing"] and m["grp"] in stuck_groups]
     # The group where a missing rank was first waited for is where the job stopped: sequence
     # numbers of different groups are not comparable, times (reference clock) are.
-    first_wait = members[members["stuck"]].groupby("grp")["stuck_since_ns"].min()
-    missing = missing.assign(first_wait_ns=missing["grp"].map(first_wait))
+    first_wait: dict[str, float] = {}
+    for m in stuck:
+        since = m["stuck_since_ns"]
+        since_f = float(since) if since is not None and not pd.isna(since) else math.inf
+        first_wait[m["grp"]] = min(first_wait.get(m["grp"], math.inf), since_f)
+    missing_by_group: dict[str, list[int]] = defaultdict(list)
+    for m in missing:
+        missing_by_group[m["grp"]].append(int(m["rank"]))
+    waits_on: dict[int, set[int]] = defaultdict(set)
+    for m in stuck:
+        for target in missing_by_group.get(m["grp"], []):
+            if target != m["rank"]:
+                waits_on[int(m["rank"])].add(target)
+    stuck_ranks = {int(m["rank"]) for m in stuck}
     roots: list[tuple[int, str]] = []
     seen: set[int] = set()
-    for row in missing.sort_values(["first_wait_ns", "rank", "grp"]).itertuples():
-        rank = int(row.rank)
+    for m in sorted(missing, key=lambda m: (first_wait.get(m["grp"], math.inf), int(m["rank"]), m["grp"])):
+        rank = int(m["rank"])
         # A missing member that is itself stuck elsewhere is a victim; the blame moves on.
         if rank in stuck_ranks and waits_on.get(rank):
             continue
         if rank not in seen:
             seen.add(rank)
-            roots.append((rank, str(row.grp)))
-    if not roots and not missing.empty:
+            roots.append((rank, str(m["grp"])))
+    if not roots:
         # Everyone waits on everyone (a cycle): keep the missing members as they are.
-        for row in missing.itertuples():
-            if int(row.rank) not in seen:
-                seen.add(int(row.rank))
-                roots.append((int(row.rank), str(row.grp)))
+        for m in missing:
+            if int(m["rank"]) not in seen:
+                seen.add(int(m["rank"]))
+                roots.append((int(m["rank"]), str(m["grp"])))
     # How many ranks wait, directly or through others, on each root.
     waited_by: dict[int, set[int]] = defaultdict(set)
     for waiter, targets in waits_on.items():
@@ -119,6 +140,21 @@ def _roots(members: pd.DataFrame) -> tuple[list[tuple[int, str]], dict[int, int]
     return roots, blocked
 
 
+def _suspect(rank: int, grp: str, state: Record | None, place: Record | None, axes: tuple[str, ...],
+             kind: str, waited_on_by: int, last_seen: Any) -> Record:
+    return {
+        "rank": rank,
+        "host": str(place["host"]) if place is not None else "unknown",
+        "coords": {a: int(place[a]) for a in axes if a in MESH_AXES and place is not None and not pd.isna(place.get(a))},
+        "group": grp,
+        "last_completed_seq": _int_or_none(state["last_done"]) if state else None,
+        "missing_seq": _int_or_none(state["missing_seq"]) if state and kind != "waiting" else None,
+        "state": kind,
+        "waited_on_by": waited_on_by,
+        "last_seen_ns": _int_or_none(last_seen),
+    }
+
+
 def localize(run: Run) -> dict[str, Any]:
     """The ``megascope localize --json`` object: is the job hung, and who is behind it.
 
@@ -128,54 +164,52 @@ def localize(run: Run) -> dict[str, Any]:
     (ranks with no sign of life near the end), ``markers`` (whether the run has a marker trail).
     """
     con = run.cursor()
-    members, activity = hang_tables(con)
-    has_markers = bool(con.execute("SELECT count(*) > 0 FROM markers").fetchone()[0])  # type: ignore[index]
-    info = con.execute("SELECT * FROM ms_cache.rank_info").df().set_index("rank")
+    member_frame, activity = hang_tables(con)
+    members: list[Record] = [{str(k): v for k, v in m.items()} for m in member_frame.to_dict("records")]
+    row = con.execute("SELECT count(*) > 0 FROM markers").fetchone()
+    has_markers = bool(row and row[0])
+    places: dict[int, Record] = {
+        int(r["rank"]): {str(k): v for k, v in r.items()}
+        for r in con.execute("SELECT * FROM ms_cache.rank_info").df().to_dict("records")
+    }
+    last_seen = {int(r): v for r, v in zip(activity["rank"], activity["last_seen_ns"], strict=True)}
+    silent_ranks = sorted(int(r) for r in activity.loc[activity["silent"], "rank"])
     axes = tuple(run.meta.mesh_axes)
-    act = activity.set_index("rank")
-    silent_ranks = sorted(int(r) for r in act.index[act["silent"]])
-    stuck = members[members["stuck"]]
+    stuck = [m for m in members if m["stuck"]]
+    state_of = {(m["grp"], int(m["rank"])): m for m in members}
     roots, blocked = _roots(members)
-    hung = bool(not stuck.empty)
-    state_of = members.set_index(["grp", "rank"])
-    suspects = []
-    for rank, grp in roots:
-        row = state_of.loc[(grp, rank)]
-        place = info.loc[rank] if rank in info.index else None
-        suspects.append({
-            "rank": rank,
-            "host": str(place["host"]) if place is not None else "unknown",
-            "coords": _coords(place, axes) if place is not None else {},
-            "group": grp,
-            "last_completed_seq": None if pd.isna(row["last_done"]) else int(row["last_done"]),
-            "missing_seq": None if pd.isna(row["missing_seq"]) else int(row["missing_seq"]),
-            "state": "silent" if rank in silent_ranks else "hung",
-            "waited_on_by": blocked.get(rank, 0),
-            "last_seen_ns": None if rank not in act.index or pd.isna(act.at[rank, "last_seen_ns"])
-            else int(act.at[rank, "last_seen_ns"]),
-        })
-    if hung and not suspects:
+    suspects = [
+        _suspect(rank, grp, state_of.get((grp, rank)), places.get(rank), axes,
+                 "silent" if rank in silent_ranks else "hung", blocked.get(rank, 0), last_seen.get(rank))
+        for rank, grp in roots
+    ]
+    if stuck and not suspects:
         # Every member entered the call and none finished: the fault is in the transfer itself.
-        for row in stuck.drop_duplicates("grp").itertuples():
-            suspects.append({
-                "rank": int(row.rank), "host": str(info.at[row.rank, "host"]) if row.rank in info.index else "unknown",
-                "coords": _coords(info.loc[row.rank], axes) if row.rank in info.index else {},
-                "group": str(row.grp), "last_completed_seq": None if pd.isna(row.last_done) else int(row.last_done),
-                "missing_seq": None, "state": "waiting", "waited_on_by": 0, "last_seen_ns": None,
-            })
+        firsts: dict[str, Record] = {}
+        for m in stuck:
+            firsts.setdefault(m["grp"], m)
+        suspects = [
+            _suspect(int(m["rank"]), str(m["grp"]), m, places.get(int(m["rank"])), axes, "waiting", 0,
+                     last_seen.get(int(m["rank"])))
+            for m in firsts.values()
+        ]
     suspects.sort(key=lambda s: (s["state"] != "silent", -s["waited_on_by"], s["last_seen_ns"] or 0, s["rank"]))
-    stuck_groups = []
-    for grp, g in stuck.groupby("grp", sort=True):
-        miss = members[(members["grp"] == grp) & members["missing"]]
-        stuck_groups.append({
-            "group": str(grp), "seq": int(g["stuck_seq"].max()),
-            "waiting": sorted(int(r) for r in g["rank"]), "missing": sorted(int(r) for r in miss["rank"]),
-        })
+    by_group: dict[str, list[Record]] = defaultdict(list)
+    for m in stuck:
+        by_group[m["grp"]].append(m)
+    stuck_groups: list[dict[str, Any]] = [
+        {
+            "group": grp, "seq": max(int(m["stuck_seq"]) for m in ms),
+            "waiting": sorted(int(m["rank"]) for m in ms),
+            "missing": sorted(int(m["rank"]) for m in members if m["grp"] == grp and m["missing"]),
+        }
+        for grp, ms in sorted(by_group.items())
+    ]
     stuck_groups.sort(key=lambda g: (-len(g["waiting"]), g["group"]))
     return {
-        "hung": hung,
+        "hung": bool(stuck),
         "suspects": suspects,
-        "waiting": sorted(int(r) for r in set(stuck["rank"])),
+        "waiting": sorted({int(m["rank"]) for m in stuck}),
         "stuck_groups": stuck_groups[:50],
         "stuck_group_count": len(stuck_groups),
         "silent": silent_ranks,

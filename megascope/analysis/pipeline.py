@@ -21,6 +21,7 @@ from megascope.analysis.base import _sample_steps, prepare
 from megascope.analysis.timeline import _has_step_spans
 
 EXPOSED_SAMPLE_STEPS = 5
+EXPOSED_RANKS_PER_STAGE = 16
 
 
 def bubbles(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
@@ -32,10 +33,17 @@ def bubbles(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
 def exposed_comm(con: duckdb.DuckDBPyConnection, *, steps: list[int] | None = None) -> pd.DataFrame:
     """Per (group_kind, name): spans, comm_ns, overlapped_ns, exposed_ns, exposed_frac.
 
-    ``steps`` defaults to up to five steps spread over the run.
+    ``steps`` defaults to up to five steps spread over the run; up to 16 ranks per pipeline stage
+    are sampled.
     """
     prepare(con)
     if steps is None:
         all_steps = [int(s) for (s,) in con.execute("SELECT DISTINCT step FROM ms_cache.rank_step ORDER BY step").fetchall()]
         steps = _sample_steps(all_steps, EXPOSED_SAMPLE_STEPS)
-    return _sql.query_df(con, "pipeline", "exposed", steps=[int(s) for s in steps] or [-1])
+    # A spread sample of ranks (every stage, many hosts): the overlap join reads only their partitions.
+    ranks = [int(r) for (r,) in con.execute(
+        f"SELECT rank FROM (SELECT rank, row_number() OVER (PARTITION BY stage ORDER BY hash(rank)) AS k "
+        f"FROM ms_cache.rank_info) WHERE k <= {EXPOSED_RANKS_PER_STAGE} ORDER BY rank"
+    ).fetchall()]
+    return _sql.query_df(con, "pipeline", "exposed", steps=[int(s) for s in steps] or [-1],
+                         ranks=_sql.Raw(", ".join(map(str, ranks)) or "NULL"))

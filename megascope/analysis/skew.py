@@ -14,6 +14,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 import duckdb
 import pandas as pd
 
@@ -62,15 +64,15 @@ def skew_drift(con: duckdb.DuckDBPyConnection, *, step_time_ns: float | None = N
     con.register("_ms_skew_df", by.assign(idx=range(len(by)))[["idx", "name", "group_kind"]])
     con.execute("CREATE OR REPLACE TABLE ms_cache.skew_collectives AS SELECT * FROM _ms_skew_df")
     con.unregister("_ms_skew_df")
-    drifting = []
-    for idx, row in by.iterrows():
-        if row["late_growth_ns"] < threshold or row["last_step"] - row["first_step"] < 3:
+    drifting: list[dict[str, Any]] = []
+    for idx, coll in enumerate(by.to_dict("records")):
+        if coll["late_growth_ns"] < threshold or coll["last_step"] - coll["first_step"] < 3:
             continue
-        ranks = _sql.query_df(con, "skew", "growing_ranks", name_index=int(idx))  # type: ignore[arg-type]
+        ranks = _sql.query_df(con, "skew", "growing_ranks", name_index=idx)
         ranks = ranks[ranks["late_growth_ns"] >= threshold / 2]
         drifting.append({
-            "name": row["name"], "group_kind": row["group_kind"],
-            "late_growth_ns": float(row["late_growth_ns"]), "late_slope_ns_per_step": float(row["late_slope_ns_per_step"]),
+            "name": coll["name"], "group_kind": coll["group_kind"],
+            "late_growth_ns": float(coll["late_growth_ns"]), "late_slope_ns_per_step": float(coll["late_slope_ns_per_step"]),
             "ranks": [{"rank": int(r.rank), "times_last": int(r.times_last), "late_growth_ns": float(r.late_growth_ns)}
                       for r in ranks.itertuples()],
         })

@@ -80,7 +80,7 @@ def _pos(frame: pd.DataFrame, column: str) -> pd.Series:
     return frame[column].fillna(0.0).clip(lower=0.0)
 
 
-def _attribute(c: pd.DataFrame) -> pd.DataFrame:
+def _attribute(c: pd.DataFrame, sizes: dict[str, int]) -> pd.DataFrame:
     """Name each candidate's cause and phase from its excess own time."""
     compute_parts = {
         "forward": _pos(c, "ex_forward_ns"),
@@ -98,8 +98,9 @@ def _attribute(c: pd.DataFrame) -> pd.DataFrame:
     cause = excess.idxmax(axis=1).where(excess.max(axis=1) > 0, "host")
     compute_phase = pd.DataFrame(compute_parts).idxmax(axis=1)
     phase = np.where(cause == "compute", compute_phase, cause)
-    late = c[["last_tp", "last_dp", "last_pp", "last_other"]].fillna(0)
-    late_at = late.idxmax(axis=1).str.removeprefix("last_").where(late.max(axis=1) > 0, None)
+    # Where it is last more often than chance (1 / group size) says where it arrives late.
+    lift = pd.DataFrame({k: c[f"last_{k}"].fillna(0.0) * sizes.get(k, 1) for k in ("tp", "dp", "pp", "other")})
+    late_at = lift.idxmax(axis=1).where(lift.max(axis=1) > 1.5, None)
     return pd.DataFrame({"cause": cause, "phase": phase, "late_at": late_at, "excess_ns": c["ex_own_ns"]})
 
 
@@ -120,7 +121,12 @@ def stragglers(con: duckdb.DuckDBPyConnection, config: StragglerConfig | None = 
         return pd.DataFrame({col: pd.Series(dtype="object") for col in COLUMNS})
     own_slow = c["steps_slow_frac"] >= config.min_frac
     out_own = c[own_slow].copy()
-    out_own = pd.concat([out_own, _attribute(out_own)], axis=1) if not out_own.empty else out_own
+    if not out_own.empty:
+        row = con.execute(
+            "SELECT count(DISTINCT tp), count(DISTINCT dp), count(DISTINCT pp) FROM ms_cache.rank_info"
+        ).fetchone() or (1, 1, 1)
+        sizes = {"tp": max(int(row[0]), 1), "dp": max(int(row[1]), 1), "pp": max(int(row[2]), 1), "other": 2}
+        out_own = pd.concat([out_own, _attribute(out_own, sizes)], axis=1)
     out_comm = c[~own_slow].copy()
     if not out_comm.empty:
         out_comm["cause"] = "communication"

@@ -72,7 +72,7 @@ def heatmap(con: duckdb.DuckDBPyConnection, *, phase: str = "step", max_ranks: i
     rank_per_bin = max(1, math.ceil(n_ranks / max_ranks)) if max_ranks else 1
     step_per_bin = max(1, math.ceil(n_steps / max_steps)) if max_steps else 1
     return _sql.query_df(
-        con, "timeline", "heat_cells", value=PHASES[phase], has_step_spans=_has_step_spans(con),
+        con, "timeline", "heat_cells", value=_sql.Raw(PHASES[phase]), has_step_spans=_has_step_spans(con),
         rank_per_bin=rank_per_bin, step_per_bin=step_per_bin,
         rank_bins=max_ranks or 0, step_bins=max_steps or 0,
     )

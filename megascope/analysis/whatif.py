@@ -34,6 +34,8 @@ from megascope.schema import RunMeta
 log = logging.getLogger(__name__)
 
 WHATIF_SAMPLE_STEPS = 3
+# Replayed communication events at most (the replay is Python): fewer steps on huge runs.
+WHATIF_EVENT_BUDGET = 400_000
 
 
 def _simulate(rank_of_row: np.ndarray, inst_of_row: np.ndarray, own: np.ndarray, tail: dict[int, float],
@@ -83,20 +85,37 @@ def _simulate(rank_of_row: np.ndarray, inst_of_row: np.ndarray, own: np.ndarray,
     return max(t[r] + tail.get(r, 0.0) - start.get(r, 0.0) for r in ranks) if ranks else 0.0
 
 
-def _step_frame(con: duckdb.DuckDBPyConnection, step: int) -> pd.DataFrame:
-    return con.execute(
+def _float_map(series: pd.Series) -> dict[int, float]:
+    return {int(k): float(v) for k, v in series.items()}  # type: ignore[call-overload]
+
+
+def _steps_frame(con: duckdb.DuckDBPyConnection, steps: list[int]) -> pd.DataFrame:
+    """Communication spans of ``steps`` with instance keys, on the reference clock (one scan)."""
+    step_list = ", ".join(str(int(s)) for s in steps) or "NULL"
+    frame = con.execute(
+        f"""
+        WITH c AS (
+            SELECT s.step, s.rank, s.kind, s.kind = 'collective' AS is_coll,
+                   CASE WHEN s.kind = 'collective' THEN s."group" ELSE '' END AS grp, s.seq,
+                   CASE WHEN s.kind = 'collective' THEN -1 WHEN s.kind = 'send' THEN s.rank ELSE s.peer END AS sender,
+                   CASE WHEN s.kind = 'collective' THEN -1 WHEN s.kind = 'send' THEN s.peer ELSE s.rank END AS receiver,
+                   s.start_ns + k.offset_ns AS arrival_ns, s.start_ns + k.offset_ns + s.dur_ns AS end_ns,
+                   r.start_ns AS step_start_ns, r.start_ns + coalesce(r.step_ns, r.extent_ns) AS step_end_ns, r.stage
+            FROM spans s
+            JOIN ms_cache.rank_clock k USING (rank)
+            JOIN ms_cache.rank_step r ON r.rank = s.rank AND r.step = s.step
+            WHERE s.step IN ({step_list}) AND s.kind IN ('collective', 'send', 'recv') AND s.seq IS NOT NULL
+              AND (s.kind = 'collective' AND s."group" IS NOT NULL OR s.kind <> 'collective' AND s.peer IS NOT NULL)
+        )
+        SELECT step, rank, kind, arrival_ns, end_ns, step_start_ns, step_end_ns, stage,
+               (dense_rank() OVER (PARTITION BY step ORDER BY is_coll, grp, seq, sender, receiver) - 1) AS inst,
+               greatest(max(end_ns) OVER w - max(arrival_ns) OVER w, 0) AS xfer_ns
+        FROM c
+        WINDOW w AS (PARTITION BY step, is_coll, grp, seq, sender, receiver)
+        ORDER BY step, rank, arrival_ns, kind <> 'send', seq
         """
-        SELECT c.rank, c.kind, c.is_coll, c.grp, c.seq, c.sender, c.receiver, c.arrival_ns, c.end_ns,
-               i.xfer_ns, r.start_ns AS step_start_ns, r.start_ns + coalesce(r.step_ns, r.extent_ns) AS step_end_ns,
-               r.stage
-        FROM ms_cache.comm c
-        JOIN ms_cache.inst i USING (is_coll, grp, seq, sender, receiver)
-        JOIN ms_cache.rank_step r ON r.rank = c.rank AND r.step = c.step
-        WHERE c.step = ?
-        ORDER BY c.rank, c.arrival_ns, c.kind <> 'send', c.seq
-        """,
-        [step],
     ).df()
+    return frame
 
 
 def _segments(frame: pd.DataFrame) -> tuple[np.ndarray, pd.Series]:
@@ -113,19 +132,20 @@ def _segments(frame: pd.DataFrame) -> tuple[np.ndarray, pd.Series]:
     return own, tail
 
 
-def replay_step(con: duckdb.DuckDBPyConnection, step: int, fixed_ranks: set[int]) -> tuple[float, float]:
-    """(baseline, fixed) modeled step time of ``step``, fixing ``fixed_ranks``."""
-    frame = _step_frame(con, step)
+def replay_step(frame: pd.DataFrame, fixed_ranks: set[int]) -> tuple[float, float]:
+    """(baseline, fixed) modeled step time of one step's communication frame, fixing ``fixed_ranks``."""
+    frame = frame.reset_index(drop=True)
     if frame.empty:
         return 0.0, 0.0
-    inst_of_row, _ = pd.factorize(pd.MultiIndex.from_frame(frame[["is_coll", "grp", "seq", "sender", "receiver"]]))
-    xfer_by_inst = frame.groupby(inst_of_row)["xfer_ns"].first().to_numpy(dtype=float)
+    inst_of_row = frame["inst"].to_numpy(dtype=np.int64)
+    xfer_by_inst = np.zeros(int(inst_of_row.max()) + 1)
+    xfer_by_inst[inst_of_row] = frame["xfer_ns"].to_numpy(dtype=float)
     own, tail = _segments(frame)
     rank_arr = frame["rank"].to_numpy()
     posted = (frame["kind"] == "send").to_numpy()
     firsts = frame.groupby("rank")["step_start_ns"].first()
-    start = (firsts - firsts.min()).astype(float).to_dict()
-    base = _simulate(rank_arr, inst_of_row, own, tail.to_dict(), xfer_by_inst, posted, start)
+    start = _float_map(firsts - firsts.min())
+    base = _simulate(rank_arr, inst_of_row, own, _float_map(tail), xfer_by_inst, posted, start)
     if not fixed_ranks:
         return base, base
     frame = frame.assign(own=own, k=frame.groupby("rank").cumcount())
@@ -142,7 +162,7 @@ def replay_step(con: duckdb.DuckDBPyConnection, step: int, fixed_ranks: set[int]
     for r in fixed_ranks:
         if r in fixed_tail.index and stage_of.get(r) in peer_tail.index:
             fixed_tail[r] = peer_tail[stage_of[r]]
-    fixed = _simulate(rank_arr, inst_of_row, fixed_own, fixed_tail.to_dict(), xfer_by_inst, posted, start)
+    fixed = _simulate(rank_arr, inst_of_row, fixed_own, _float_map(fixed_tail), xfer_by_inst, posted, start)
     return base, fixed
 
 
@@ -165,10 +185,16 @@ def whatif(con: duckdb.DuckDBPyConnection, meta: RunMeta, *, ranks: list[int] | 
     mean_mfu = float(per_step["mfu"].mean()) if per_step["mfu"].notna().any() else None
     if steps is None:
         full = per_step[per_step["ranks"] == per_step["ranks"].max()]["step"].astype(int).tolist()
-        steps = _sample_steps(full, WHATIF_SAMPLE_STEPS)
+        row = con.execute(
+            "SELECT sum(coll_count + 1) / nullif(count(DISTINCT step), 0) FROM ms_cache.rank_step"
+        ).fetchone()
+        per_step_events = float(row[0]) if row and row[0] else 1.0
+        count = int(max(1, min(WHATIF_SAMPLE_STEPS, WHATIF_EVENT_BUDGET // max(per_step_events, 1.0))))
+        steps = _sample_steps(full, count)
     base_total = fixed_total = 0.0
-    for step in steps:
-        base, fixed = replay_step(con, int(step), set(ranks))
+    frames = _steps_frame(con, [int(s) for s in steps])
+    for _, frame in frames.groupby("step", sort=True):
+        base, fixed = replay_step(frame, set(ranks))
         base_total += base
         fixed_total += fixed
     speedup = base_total / fixed_total if fixed_total > 0 else 1.0

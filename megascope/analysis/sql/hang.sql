@@ -7,7 +7,8 @@
 -- ('p2p:SENDER>RECEIVER', sequence counted per pair).
 
 -- @statement member_state
--- One row per (group, member).
+-- One row per (group, member). The markers are read only when {{scan}} is true: a run whose
+-- every rank finished every step cannot be hung.
 -- @column grp          group id ('p2p:S>R' for point-to-point)
 -- @column rank         member
 -- @column last_enq     highest seq it enqueued (NULL: none)
@@ -19,21 +20,25 @@
 -- @column stuck_seq    that seq
 -- @column stuck_since_ns  when it enqueued it (reference clock)
 CREATE OR REPLACE TABLE ms_cache.member_state AS
-WITH mk AS (
+WITH raw AS (
+    -- Aggregated on integer keys first; the p2p group name is built on the few result rows.
     SELECT m.rank,
-           CASE WHEN m.op IN ('send', 'recv') AND m.peer IS NOT NULL
-                THEN 'p2p:' || CASE WHEN m.op = 'send' THEN m.rank ELSE m.peer END || '>'
-                            || CASE WHEN m.op = 'send' THEN m.peer ELSE m.rank END
-                ELSE m."group" END AS grp,
-           m.seq, m.state, m.time_ns + coalesce(k.offset_ns, 0) AS time_ns, m.op
-    FROM markers m LEFT JOIN ms_cache.rank_clock k USING (rank)
+           CASE WHEN m.op IN ('send', 'recv') AND m.peer IS NOT NULL THEN NULL ELSE m."group" END AS cgroup,
+           CASE WHEN m.peer IS NULL THEN NULL WHEN m.op = 'send' THEN m.rank WHEN m.op = 'recv' THEN m.peer END AS snd,
+           CASE WHEN m.peer IS NULL THEN NULL WHEN m.op = 'send' THEN m.peer WHEN m.op = 'recv' THEN m.rank END AS rcv,
+           max(m.seq) FILTER (WHERE m.state = 'enqueued') AS last_enq,
+           max(m.seq) FILTER (WHERE m.state = 'completed') AS last_done,
+           arg_max(m.time_ns, m.seq) FILTER (WHERE m.state = 'enqueued') AS last_enq_raw,
+           max(m.time_ns) AS last_marker_raw,
+           min(m.seq) FILTER (WHERE m.state = 'enqueued') AS first_enq
+    FROM markers m
+    WHERE {{scan}}
+    GROUP BY ALL
 ), per AS (
-    SELECT grp, rank,
-           max(seq) FILTER (WHERE state = 'enqueued') AS last_enq,
-           max(seq) FILTER (WHERE state = 'completed') AS last_done,
-           arg_max(time_ns, seq) FILTER (WHERE state = 'enqueued') AS last_enq_ns,
-           max(time_ns) AS last_marker_ns
-    FROM mk GROUP BY grp, rank
+    SELECT coalesce(r.cgroup, 'p2p:' || r.snd || '>' || r.rcv) AS grp, r.rank, r.last_enq, r.last_done,
+           r.last_enq_raw + coalesce(k.offset_ns, 0) AS last_enq_ns,
+           r.last_marker_raw + coalesce(k.offset_ns, 0) AS last_marker_ns, r.first_enq
+    FROM raw r LEFT JOIN ms_cache.rank_clock k USING (rank)
 ), members AS (
     -- Declared members (groups table) that may have written nothing at all in the group.
     SELECT DISTINCT g."group" AS grp, unnest(g.members) AS rank FROM groups g
@@ -41,7 +46,7 @@ WITH mk AS (
 ), everyone AS (
     SELECT grp, rank FROM per UNION SELECT grp, rank FROM members
 ), first_seq AS (
-    SELECT grp, min(seq) AS min_seq FROM mk WHERE state = 'enqueued' GROUP BY grp
+    SELECT grp, min(first_enq) AS min_seq FROM per GROUP BY grp
 ), joined AS (
     SELECT e.grp, e.rank, p.last_enq, p.last_done, p.last_enq_ns, p.last_marker_ns,
            max(p.last_enq) OVER (PARTITION BY e.grp) AS group_max_enq, f.min_seq

@@ -4,9 +4,9 @@
 -- One row per pipeline stage.
 -- @column stage          pp coordinate (0 without pipeline)
 -- @column ranks, steps   ranks of the stage, steps counted
--- @column bubble_ns      mean time per rank-step spent waiting in pipeline sends/receives for the
---                        other side to arrive (the warm-up/cool-down bubble and stalls behind a
---                        slow stage)
+-- @column bubble_ns      mean time per rank-step blocked in pipeline receives (the warm-up and
+--                        cool-down bubble and stalls behind a slow stage; includes the small
+--                        transfer itself)
 -- @column step_ns        mean step time
 -- @column bubble_frac    bubble_ns / step_ns
 SELECT stage, count(DISTINCT rank) AS ranks, count(DISTINCT step) AS steps,
@@ -17,7 +17,7 @@ WHERE step_ns IS NOT NULL OR NOT {{has_step_spans}}
 GROUP BY stage ORDER BY stage;
 
 -- @statement exposed
--- One row per (group kind, span name) of communication in steps {{steps}}.
+-- One row per (group kind, span name) of communication in steps {{steps}} of sampled ranks.
 -- @column comm_ns       summed communication time
 -- @column overlapped_ns of which the same rank was running compute spans (another stream)
 -- @column exposed_ns    comm_ns - overlapped_ns: communication nothing hid
@@ -26,11 +26,11 @@ WITH c AS (
     SELECT row_number() OVER () AS id, rank, step, name, kind, "group",
            start_ns AS s, start_ns + dur_ns AS e, dur_ns
     FROM spans
-    WHERE kind IN ('collective', 'send', 'recv') AND list_contains({{steps}}, step)
+    WHERE rank IN ({{ranks}}) AND kind IN ('collective', 'send', 'recv') AND list_contains({{steps}}, step)
 ), p AS (
     SELECT rank, step, start_ns AS s, start_ns + dur_ns AS e
     FROM spans
-    WHERE kind IN ('forward', 'backward', 'optimizer', 'compute') AND list_contains({{steps}}, step)
+    WHERE rank IN ({{ranks}}) AND kind IN ('forward', 'backward', 'optimizer', 'compute') AND list_contains({{steps}}, step)
 ), o AS (
     SELECT c.id, sum(least(c.e, p.e) - greatest(c.s, p.s)) AS ov
     FROM c JOIN p ON c.rank = p.rank AND c.step = p.step AND p.s < c.e AND p.e > c.s

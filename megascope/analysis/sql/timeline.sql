@@ -10,7 +10,7 @@ WHERE step_ns IS NOT NULL OR NOT {{has_step_spans}}
 ORDER BY rank, step;
 
 -- @statement heat_cells
--- Heat-map cells of phase {{phase}}: value per (rank, step), normalised by the median of the
+-- Heat-map cells of one phase ({{value}}): value per (rank, step), normalised by the median of the
 -- rank's peers (same pipeline stage) in that step, binned to at most {{rank_bins}} x {{step_bins}}.
 -- A bin shows its worst cell (largest norm): a 0.5% slow machine must survive downsampling.
 -- @column rank_bin, step_bin  bin indices (equal to rank and step position when not binned)
