@@ -7,8 +7,10 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import flask
+import pyarrow as pa
 import pytest
 from dashboard_harness import (
     browser_available,
@@ -22,9 +24,11 @@ from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
+from megascope import layout, schema
 from megascope.dashboard import create_app, ids
 from megascope.dashboard.replay import replay_run
 from megascope.inject import parse_injects
+from megascope.store import open_run
 from megascope.synth import SynthConfig, synth_run
 
 pytestmark = [
@@ -52,6 +56,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         synth_run(root / name, SynthConfig(ranks=8, steps=10, tp=2, pp=2, gpus_per_host=4, seed=2,
                                            faults=parse_injects([spec])))
         out[name] = root / name
+    # Heartbeats as the collector's sampler writes them (synth writes none): two hosts, one goes quiet.
+    start = open_run(out["straggler"]).meta.start_ns or 0
+    for host, samples in (("node00000", 20), ("node00001", 12)):
+        rows = [{"host": host, "rank": None, "pid": None, "time_ns": start + i * 500_000_000, "device": "gpu0",
+                 "metric": "gpu_util_pct", "value": 90.0 - i, "text": None} for i in range(samples)]
+        rows.append({"host": host, "rank": None, "pid": None, "time_ns": start, "device": None, "metric": "log",
+                     "value": None, "text": f"{host}: NCCL INFO ring 0 ready"})
+        layout.write_part(out["straggler"], "heartbeats", pa.Table.from_pylist(rows, schema=schema.HEARTBEATS), host=host)
     return out
 
 
@@ -96,11 +108,14 @@ def test_every_page_loads_without_console_errors(site: str, driver: Any) -> None
                         ("timeline", ids.TIMELINE_GRAPH), ("health", ids.HEALTH_GRAPH)):
         driver.find_element(By.ID, f"nav-{page}").click()  # client-side navigation, as a person would
         wait_for_graph(driver, graph)
-        assert driver.current_url.endswith(f"/run/straggler/{page}")
+        assert urlsplit(driver.current_url).path == f"/run/straggler/{page}"
         _no_errors(driver)
+    wait_for_text(driver, f"#{ids.HEALTH_HOSTS}", "node00001")
+    wait_for_text(driver, f"#{ids.HEALTH_HOSTS}", "NCCL INFO ring 0 ready")
+    assert {t["name"] for t in _plot_data(driver, ids.HEALTH_GRAPH)} == {"node00000", "node00001"}
     driver.get(f"{site}/run/straggler/stragglers")
     wait_for_text(driver, f"#{ids.STRAGGLER_TABLE}", "compute")
-    wait_for_text(driver, f"#{ids.STRAGGLER_WHATIF}", "MFU gain")
+    wait_for_text(driver, f"#{ids.STRAGGLER_WHATIF}", " pts")  # the MFU gain card
     _no_errors(driver)
     driver.get(f"{site}/run/nope/overview")
     wait_for_text(driver, f"#{ids.PAGE}", "No such run")
