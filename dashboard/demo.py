@@ -119,6 +119,10 @@ def start_synthetic(out: Path, *, steps: int, inject: str, step_interval_s: floa
     return job
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_demo(out: Path | None, *, host: str = "127.0.0.1", port: int = 8050, steps: int = 60,
              inject: str = DEMO_STRAGGLER, step_interval_s: float = 1.0, use_trainer: bool = True,
              echo: Callable[[str], None] = log.warning) -> Path:
@@ -134,6 +138,11 @@ def run_demo(out: Path | None, *, host: str = "127.0.0.1", port: int = 8050, ste
     if job is None:
         job = start_synthetic(out, steps=steps, inject=inject, step_interval_s=step_interval_s)
     app = create_app([out], host=host, wait=True, poll_interval_s=1.0)
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C must stop the demo even when started with SIGINT ignored (a background job of a
+        # script), and a plain `kill` must stop it the same clean way.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, _interrupt)
     echo(f"demo: {job.description}, writing {out}")
     echo(f"demo: dashboard at http://{host}:{port}/ (Ctrl-C stops both)")
     try:

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import click
+
+
+def _quiet_request_log() -> None:
+    """One log line per HTTP request only with -v: the server's own output is for problems."""
+    if logging.getLogger().getEffectiveLevel() > logging.INFO:
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)
 
 
 @click.command()
@@ -22,6 +29,7 @@ def serve(run_dirs: tuple[Path, ...], host: str, port: int, token: str | None, p
     Only the directories given are ever read; pages name runs by id, never by path.
     /metrics answers in Prometheus' text format.
     """
+    _quiet_request_log()
     from megascope.dashboard.app import create_app, registry_of
     from megascope.dashboard.demo import bundled_sample_runs
 
@@ -56,6 +64,7 @@ def demo(out: Path | None, host: str, port: int, steps: int, inject: str) -> Non
     from megascope.inject import parse_inject
 
     check_bind(host, None)
+    _quiet_request_log()
     parse_inject(inject)  # a bad spec fails here, in one line, before anything starts
     run_demo(out, host=host, port=port, steps=steps, inject=inject, echo=lambda line: click.echo(line, err=True))
 
