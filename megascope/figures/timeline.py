@@ -66,23 +66,25 @@ def timeline_figure(spans: pd.DataFrame, *, labels: Mapping[int, str] | None = N
     frame["busy_ms"] = frame["dur_ms"] - frame["wait_ms"]
     hover = ("%{customdata[0]} (%{customdata[1]})<br>step %{customdata[2]} mb %{customdata[3]}"
              "<br>%{customdata[4]:.3f} ms, waited %{customdata[5]:.3f} ms<extra></extra>")
+    # numpy arrays, not Series: plotly converts a Series through a dataframe layer on every property.
+    custom_columns = ["name", "kind", "step", "microbatch", "dur_ms", "wait_ms"]
     for kind, part in frame.groupby("kind", sort=False):
         colour = KIND_COLOURS.get(str(kind), KIND_COLOURS["other"])
-        custom = part[["name", "kind", "step", "microbatch", "dur_ms", "wait_ms"]].astype(object).where(
-            part[["name", "kind", "step", "microbatch", "dur_ms", "wait_ms"]].notna(), "-").to_numpy()
+        custom = part[custom_columns].astype(object).where(part[custom_columns].notna(), "-").to_numpy()
+        lane = part["lane"].to_numpy()
         fig.add_trace(go.Bar(
-            y=part["lane"], x=part["busy_ms"], base=part["busy_start_ms"], orientation="h", name=str(kind),
-            marker={"color": colour, "line": {"width": 0}}, customdata=custom, hovertemplate=hover,
-            legendgroup=str(kind),
+            y=lane, x=part["busy_ms"].to_numpy(), base=part["busy_start_ms"].to_numpy(), orientation="h",
+            name=str(kind), marker={"color": colour, "line": {"width": 0}}, customdata=custom,
+            hovertemplate=hover, legendgroup=str(kind),
         ))
-        waited = part[part["wait_ms"] > 0]
-        if len(waited):
+        waited = (part["wait_ms"] > 0).to_numpy()
+        if waited.any():
             fig.add_trace(go.Bar(
-                y=waited["lane"], x=waited["wait_ms"], base=waited["start_ms"], orientation="h",
-                name=f"{kind} wait", legendgroup=str(kind), showlegend=False,
+                y=lane[waited], x=part["wait_ms"].to_numpy()[waited], base=part["start_ms"].to_numpy()[waited],
+                orientation="h", name=f"{kind} wait", legendgroup=str(kind), showlegend=False,
                 marker={"color": "white", "line": {"color": colour, "width": 1},
                         "pattern": {"shape": "/", "fgcolor": colour, "size": 6}},
-                customdata=custom[(part["wait_ms"] > 0).to_numpy()], hovertemplate=hover,
+                customdata=custom[waited], hovertemplate=hover,
             ))
     if step_bounds is not None and not step_bounds.empty:
         for start_ns in sorted(step_bounds.groupby("step")["start_ns"].min()):
