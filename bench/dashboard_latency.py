@@ -56,7 +56,8 @@ def page_overview(served: ServedRun) -> list[Any]:
 
 
 def page_heatmap(served: ServedRun) -> list[Any]:
-    return [heatmap_figure(data.heatmap(served, "step"), phase="step")]
+    frame = data.heatmap(served, "step")
+    return [data.figure(served, ("heatmap", "step"), lambda: heatmap_figure(frame, phase="step"))]
 
 
 def page_stragglers(served: ServedRun) -> list[Any]:
@@ -69,7 +70,9 @@ def page_stragglers(served: ServedRun) -> list[Any]:
 
 def page_topology(served: ServedRun) -> list[Any]:
     hang = data.hang(served)
-    return [topology_figure(data.rank_states(served), suspects=hang.get("suspects") or []),
+    states = data.rank_states(served)
+    suspects = (hang.get("suspects") or [])[:3] if hang.get("hung") else []
+    return [data.figure(served, ("topology",), lambda: topology_figure(states, suspects=suspects)),
             topology.banner(served, data.rank_states(served), hang)]
 
 

@@ -158,6 +158,11 @@ def heatmap(served: ServedRun, phase: str) -> pd.DataFrame:
     )
 
 
+def figure(served: ServedRun, key: tuple[Any, ...], build: Callable[[], Any]) -> Any:
+    """A figure built once per generation: plotly's object model costs more than the numbers."""
+    return served.result(("figure", *key), lambda run: build())
+
+
 def query(served: ServedRun, key: tuple[Any, ...], fn: Callable[[Run], Any]) -> Any:
     """A raw-data query, cached like the analyses (``key`` must name all of its arguments)."""
     return served.result(("query", *key), fn)

@@ -61,6 +61,11 @@ def _stat_mtime(path: Path) -> int | None:
         return None
 
 
+@dataclass(frozen=True)
+class _Failed:
+    error: Exception
+
+
 @dataclass
 class ServedRun:
     """One served run directory. ``run`` is None until its ``run.json`` exists (a job starting up)."""
@@ -148,12 +153,18 @@ class ServedRun:
                 raise RunDirError(self.error or f"{self.path}: no data yet")
             hit = self._cache.get(key)
             if hit is not None and hit[0] == self.generation:
+                if isinstance(hit[1], _Failed):
+                    raise hit[1].error
                 return hit[1]  # type: ignore[no-any-return]
             started = time.perf_counter()
             # A fresh cursor per computation: one analysis' half-read result never blocks the next.
             cursor = self.run.cursor()
             try:
                 value = compute(dataclasses.replace(self.run, con=cursor))
+            except Exception as exc:
+                # Remembered for this generation: a failing analysis is not re-run on every view.
+                self._cache[key] = (self.generation, _Failed(exc))
+                raise
             finally:
                 cursor.close()
             log.debug("run %s: %s computed in %.3f s", self.id, key, time.perf_counter() - started)

@@ -288,3 +288,27 @@ def test_serve_missing_run_is_one_line(tmp_path: Path) -> None:
 def test_demo_bad_inject_is_one_line() -> None:
     result = CliRunner().invoke(main, ["demo", "--inject", "straggler:rank=x"])
     assert result.exit_code != 0 and "not a valid int" in result.output
+
+
+def test_a_failing_analysis_is_not_rerun_until_new_data(tmp_path: Path) -> None:
+    run_dir = tmp_path / "f"
+    layout.write_run_meta(run_dir, schema.RunMeta(run_id="f", source="synth", world_size=1))
+    layout.write_part(run_dir, "spans", _spans_for_step(0, 0), rank=0)
+    served = RunRegistry([run_dir]).get("f")
+    assert served is not None
+    calls = []
+
+    def broken(run: object) -> None:
+        calls.append(1)
+        raise ConfigError("cannot analyse this yet")
+
+    for _ in range(3):
+        with pytest.raises(ConfigError, match="cannot analyse"):
+            served.result(("broken",), broken)
+    assert len(calls) == 1
+    time.sleep(0.01)
+    layout.write_part(run_dir, "spans", _spans_for_step(0, 1), rank=0)
+    assert served.poll()
+    with pytest.raises(ConfigError):
+        served.result(("broken",), broken)
+    assert len(calls) == 2

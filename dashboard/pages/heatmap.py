@@ -64,7 +64,7 @@ def register(app: Dash, registry: RunRegistry) -> None:
             return no_update, notice(f"no {phase} spans in this run", "info")
         from megascope.figures.heatmap import heatmap_figure
 
-        return heatmap_figure(frame, phase=phase), None
+        return data.figure(served, ("heatmap", phase), lambda: heatmap_figure(frame, phase=phase)), None
 
     @app.callback(
         Output(ids.URL, "pathname", allow_duplicate=True), Output(ids.URL, "search", allow_duplicate=True),

@@ -62,7 +62,7 @@ def register(app: Dash, registry: RunRegistry) -> None:
         states = data.rank_states(served)
         hang = data.hang(served)
         suspects = list(hang.get("suspects") or []) if hang.get("hung") else []
-        figure = topology_figure(states, suspects=suspects[:3])
+        figure = data.figure(served, ("topology",), lambda: topology_figure(states, suspects=suspects[:3]))
         suspect_table = None
         if suspects:
             frame = pd.DataFrame(suspects)
