@@ -67,9 +67,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
+# The bundled trainer's hung sample run (a real gloo job), where the repository has it.
+SAMPLE_HANG = Path(__file__).resolve().parents[2] / "sample_traces" / "hang"
+
+
 @pytest.fixture(scope="module")
 def site(runs: dict[str, Path]) -> Iterator[str]:
-    app = create_app([runs["straggler"], runs["hang"]], start_watcher=False)
+    dirs = [runs["straggler"], runs["hang"]] + ([SAMPLE_HANG] if SAMPLE_HANG.is_dir() else [])
+    app = create_app(dirs, start_watcher=False)
 
     @app.server.route("/fake-perfetto-ui")
     def _fake_ui() -> flask.Response:
@@ -138,8 +143,13 @@ def test_heatmap_click_opens_the_timeline(site: str, driver: Any) -> None:
     _no_errors(driver)
 
 
-def test_hung_run_shows_the_culprit_on_the_topology(site: str, driver: Any) -> None:
-    driver.get(f"{site}/run/hang/topology")
+@pytest.mark.parametrize("run_id", [
+    "hang",
+    pytest.param("hang-2", marks=pytest.mark.skipif(not SAMPLE_HANG.is_dir(), reason="no sample_traces/hang here")),
+])
+def test_hung_run_shows_the_culprit_on_the_topology(site: str, driver: Any, run_id: str) -> None:
+    # Both runs plant the hang at rank 6 (pp=1 dp=1 tp=0): the synth one and the trainer's sample.
+    driver.get(f"{site}/run/{run_id}/topology")
     banner = wait_for_text(driver, "#topology-culprit", "HANG: rank 6")
     assert "pp=1 dp=1 tp=0" in banner.text
     wait_for_graph(driver, ids.TOPOLOGY_GRAPH)
