@@ -312,3 +312,40 @@ def test_a_failing_analysis_is_not_rerun_until_new_data(tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
         served.result(("broken",), broken)
     assert len(calls) == 2
+
+
+def test_demo_launches_the_trainer_on_a_2x2x2_mesh_with_the_straggler(tmp_path: Path) -> None:
+    from megascope.dashboard.demo import trainer_command
+
+    command = trainer_command(tmp_path / "run", steps=7, inject="straggler:rank=5,factor=1.6")
+    args = " ".join(command[1:])
+    assert args.startswith("-m megascope train --nproc 8")
+    for expected in ("--tp 2", "--pp 2", "--dp 2", "--steps 7", "--inject straggler:rank=5,factor=1.6",
+                     f"-o {tmp_path / 'run'}"):
+        assert expected in args
+
+
+def test_demo_stop_ends_the_whole_job(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    from megascope.dashboard.demo import DemoJob
+
+    # A launcher with a child, like the trainer and its ranks, in its own process group.
+    process = subprocess.Popen(["bash", "-c", "sleep 60 & echo $! > child.pid; wait"], cwd=tmp_path,
+                               start_new_session=True)
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "child.pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    child = int((tmp_path / "child.pid").read_text())
+    DemoJob(out=tmp_path, process=process).stop(timeout_s=4)
+    assert process.poll() is not None
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the launcher's child survived")
