@@ -53,7 +53,8 @@ def page_overview(served: ServedRun) -> list[Any]:
     per_step = data.per_step(served)
     from megascope.figures.overview import step_series_figure
 
-    return [step_series_figure(per_step, loss=data.loss(served)), overview.alerts(served),
+    loss = data.loss(served)
+    return [data.figure(served, ("overview",), lambda: step_series_figure(per_step, loss=loss)), overview.alerts(served),
             overview.cards(served, per_step)]
 
 

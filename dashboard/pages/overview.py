@@ -106,5 +106,6 @@ def register(app: Dash, registry: RunRegistry) -> None:
         if served is None or served.run is None:
             return no_update, no_update, notice(served.error if served else "loading...", "info")
         per_step = data.per_step(served)
-        figure = step_series_figure(per_step, loss=data.loss(served))
+        loss = data.loss(served)
+        figure = data.figure(served, ("overview",), lambda: step_series_figure(per_step, loss=loss))
         return figure, alerts(served), cards(served, per_step)
