@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -41,9 +42,12 @@ class TrainResult:
     losses: list[float]
 
 
+_SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")  # gloo's "[.../pair.cc:553] "
+
+
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
-    return text[:400]
+    return _SOURCE_PREFIX.sub("", text)[:400]
 
 
 def _is_timeout(message: str) -> bool:
@@ -107,8 +111,9 @@ def train(cfg: TrainConfig, *, nproc: int | None = None) -> TrainResult:
         previous = spawn_log.level
         spawn_log.setLevel(logging.ERROR)  # its "terminating process" warnings would break the one-line error
         try:
-            # After the first failure, give the others one timeout to report theirs, then stop them.
-            while not ctx.join(grace_period=cfg.collective_timeout_s + 2.0):
+            # After the first failure, the others time out or lose their peer within moments; a hung
+            # rank never exits by itself and is stopped after the grace period.
+            while not ctx.join(grace_period=2.0):
                 pass
         except (mp.ProcessRaisedException, mp.ProcessExitedException):
             failures = {int(p.stem.split("-")[1]): p.read_text() for p in Path(scratch).glob("fail-*.txt")}
