@@ -24,8 +24,9 @@ Example::
     col.close()
 """
 
-from megascope.collectors.collector import NOOP, Collector, CommHandle, SpanContext, StepContext
+from megascope.collectors.collector import Collector
 from megascope.collectors.config import CollectorConfig
+from megascope.collectors.contexts import NOOP, CommHandle, SpanContext, StepContext
 from megascope.collectors.dist import DistMirror, TimedWork
 from megascope.collectors.modules import instrument_module, match_modules
 
