@@ -30,11 +30,8 @@ def open_collector(run_dir: Any, *, rank: int, world_size: int, coords: dict[str
                    groups: Sequence[Any], meta: Any, device: torch.device | None,
                    flush_interval_s: float) -> Any:
     """The rank's collector (rank 0 writes ``run.json`` from ``meta``)."""
-    try:
-        from megascope.collectors import Collector, CollectorConfig
-    except ImportError:
-        log.warning("megascope.collectors has no Collector yet: this run records nothing")
-        return _NoCollector()
+    from megascope.collectors import Collector, CollectorConfig
+
     cfg = CollectorConfig(run_dir=run_dir, flush_interval_s=flush_interval_s,
                           device=device if device is not None and device.type == "cuda" else None)
     return Collector(cfg, rank=rank, world_size=world_size, coords=coords, groups=list(groups), meta=meta)
@@ -42,8 +39,6 @@ def open_collector(run_dir: Any, *, rank: int, world_size: int, coords: dict[str
 
 def instrument_blocks(collector: Any, model: torch.nn.Module, names: list[str]) -> list[Any]:
     """Forward/backward spans per named submodule (the transformer blocks)."""
-    if isinstance(collector, _NoCollector):
-        return []
     from megascope.collectors import instrument_module
 
     return list(instrument_module(model, patterns=names, collector=collector) or [])
@@ -126,47 +121,3 @@ def _accepts_timeout(work: Any) -> bool:
         return "timeout" in inspect.signature(work.wait).parameters
     except (TypeError, ValueError):
         return True
-
-
-class _Nothing:
-    """A do-nothing context manager, for :class:`_NoCollector`."""
-
-    def __enter__(self) -> _Nothing:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-class _TorchDist:
-    """torch.distributed under the collector mirror's names (2.13 names, older ones where missing)."""
-
-    all_reduce = staticmethod(dist.all_reduce)
-    isend = staticmethod(dist.isend)
-    irecv = staticmethod(dist.irecv)
-    all_gather_single = staticmethod(getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)
-    reduce_scatter_single = staticmethod(getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)
-
-
-class _NoCollector:
-    """Stand-in used only while ``megascope.collectors`` offers no Collector: records nothing."""
-
-    dist = _TorchDist()
-
-    def step(self, step: int) -> _Nothing:
-        return _Nothing()
-
-    def span(self, name: str, **kw: Any) -> _Nothing:
-        return _Nothing()
-
-    def register_group(self, pg: Any, group: Any) -> None:
-        return None
-
-    def metric(self, name: str, value: Any, step: int | None = None) -> None:
-        return None
-
-    def flush(self) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
