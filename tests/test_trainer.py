@@ -162,3 +162,13 @@ def test_learning_rate_warms_up_then_decays() -> None:
     assert lrs[0] == 0.5 and lrs[1] == 1.0
     assert all(a >= b for a, b in zip(lrs[1:], lrs[2:], strict=False))
     assert lrs[-1] >= 0.1
+
+
+def test_timed_straggler_burner_computes_for_the_missing_time() -> None:
+    import time
+
+    burner = Burner(_stage(TINY).matmul_weights(), tokens=32, factor=3.0, autocast=torch.no_grad, timed=True)
+    t0 = time.perf_counter()
+    burner("forward", 0.05)
+    assert time.perf_counter() - t0 >= 2 * 0.05
+    assert burner.sink is not None  # it multiplied, it did not sleep

@@ -5,10 +5,13 @@ specs (grammar in :mod:`megascope.inject`); the run directory then records the f
 real incident would look, for the analyses to find.
 
 * ``straggler:rank=R,factor=F``: after each micro-batch's forward (backward) on rank R, extra
-  matrix multiplies over the stage's own weights and full-sequence activation shapes, worth
-  ``F-1`` (``2(F-1)``) forward passes of those GEMMs. Real compute on the same device (no sleep,
-  no communication), so the rank's compute spans stretch about F times (attention's own FLOPs and
-  element-wise work are not repeated, so the factor is approximate).
+  matrix multiplies over the stage's own weights and full-sequence activation shapes. Real compute
+  on the same device (no sleep, no communication). On GPU the extra work is FLOP-proportional:
+  ``F-1`` (``2(F-1)``) forward passes' worth of the stage's GEMMs, which dominate there (attention
+  and element-wise work are not repeated, so the factor is approximate). On CPU, where a small
+  model's time is mostly Python and framework overhead rather than GEMM FLOPs, the rank keeps
+  multiplying for ``F-1`` times the phase's measured duration, so the phase really takes F times
+  as long.
 * ``hang:rank=R,step=S``: rank R blocks before its next communication call in step S (a wait that
   never returns) while its collector's writer thread keeps flushing the markers written so far. The
   other ranks then block in collectives that time out after ``--collective-timeout`` seconds.
@@ -44,7 +47,7 @@ class FaultPlan:
         self.hang_step = faults.hang_step(rank)
         self.skew_s = faults.skew_ms(rank) / 1000.0
         self.step: int | None = None
-        self._burner: Callable[[str], None] | None = None
+        self._burner: Callable[[str, float], None] | None = None
 
     def set_step(self, step: int) -> None:
         self.step = step
@@ -64,21 +67,23 @@ class FaultPlan:
         if self.skew_s > 0:
             time.sleep(self.skew_s)
 
-    def set_burner(self, burner: Callable[[str], None]) -> None:
+    def set_burner(self, burner: Callable[[str, float], None]) -> None:
         self._burner = burner
 
-    def burn(self, phase: str) -> None:
+    def burn(self, phase: str, elapsed_s: float) -> None:
         if self._burner is not None:
-            self._burner(phase)
+            self._burner(phase, elapsed_s)
 
 
 class Burner:
-    """Extra GEMMs over the stage's weights: ``units`` forward-passes' worth per call."""
+    """Extra GEMMs over the stage's weights, sized by FLOPs (``timed=False``) or by time (``timed=True``)."""
 
-    def __init__(self, weights: list[torch.Tensor], *, tokens: int, factor: float, autocast: Callable[[], Any]) -> None:
+    def __init__(self, weights: list[torch.Tensor], *, tokens: int, factor: float, autocast: Callable[[], Any],
+                 timed: bool = False) -> None:
         self.weights = [w.detach() for w in weights]
         self.factor = factor
         self.autocast = autocast
+        self.timed = timed
         device = self.weights[0].device
         gen = torch.Generator(device="cpu").manual_seed(1234)
         # One scratch input per distinct input width, shaped like the real full-sequence activation.
@@ -86,7 +91,14 @@ class Burner:
         self.tokens = tokens
         self.sink: torch.Tensor | None = None
 
-    def __call__(self, phase: str) -> None:
+    def __call__(self, phase: str, elapsed_s: float = 0.0) -> None:
+        """Extra work after ``phase`` ("forward" or "backward"), which itself took ``elapsed_s``."""
+        if self.timed:
+            deadline = time.perf_counter() + (self.factor - 1.0) * elapsed_s
+            with torch.no_grad(), self.autocast():
+                while time.perf_counter() < deadline:
+                    self._pass(self.tokens)
+            return
         units = (self.factor - 1.0) * (2.0 if phase == "backward" else 1.0)
         if units <= 0:
             return
@@ -100,5 +112,4 @@ class Burner:
 
     def _pass(self, rows: int) -> None:
         for w in self.weights:
-            out = self.inputs[w.shape[1]][:rows] @ w.t()
-            self.sink = out  # keeps the work from being optimised away; overwritten each pass
+            self.sink = self.inputs[w.shape[1]][:rows] @ w.t()  # kept so the work is not optimised away

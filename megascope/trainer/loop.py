@@ -137,7 +137,7 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -
     autocast = _autocast(device)
     if plan.factor > 1.0:
         plan.set_burner(Burner(stage.matmul_weights(), tokens=m.seq_len * cfg.micro_batch_size,
-                               factor=plan.factor, autocast=autocast))
+                               factor=plan.factor, autocast=autocast, timed=device.type == "cpu"))
     opt = ShardedOptimizer(stage, comm=comm, tp=ps.tp, dp=ps.dp, world=ps.world, dp_index=ps.dp_index,
                            tp_index=ps.tp_index, sequence_parallel=cfg.sequence_parallel, optimizer=cfg.optimizer,
                            lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,

@@ -16,6 +16,7 @@ one-forward-one-backward until every forward is done, then the remaining backwar
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -93,11 +94,12 @@ class MicroBatch:
 
 def run_1f1b(stage: GPTStage, io: StageIO, batches: list[MicroBatch], *, stage_index: int, stages: int,
              collector: Any, loss_scale: float, before_last_backward: Callable[[], None],
-             autocast: Callable[[], Any], burn: Callable[[str], None]) -> torch.Tensor | None:
+             autocast: Callable[[], Any], burn: Callable[[str, float], None]) -> torch.Tensor | None:
     """Forward and backward every micro-batch on this stage; returns the summed scaled loss on the
     last stage (a tensor, no host sync), else None.
 
-    ``before_last_backward`` arms the gradient sync; ``burn(phase)`` is the straggler's extra work.
+    ``before_last_backward`` arms the gradient sync; ``burn(phase, seconds)`` is the straggler's extra
+    work (host time is read only for it and costs no device sync).
     """
     m = len(batches)
     warmup = min(stages - stage_index - 1, m)
@@ -111,12 +113,13 @@ def run_1f1b(stage: GPTStage, io: StageIO, batches: list[MicroBatch], *, stage_i
         i = next_fwd
         next_fwd += 1
         with collector.span("forward", kind=SpanKind.FORWARD, microbatch=i), autocast():
+            t0 = time.perf_counter()
             mb = batches[i]
             out = stage(mb.tokens if inp is None else inp, targets=mb.targets)
             if stage.last:
                 out = out.float().mean() * loss_scale
                 losses.append(out.detach())
-            burn("forward")
+            burn("forward", time.perf_counter() - t0)
         pending.append((i, inp, out))
         return out
 
@@ -127,8 +130,9 @@ def run_1f1b(stage: GPTStage, io: StageIO, batches: list[MicroBatch], *, stage_i
         if next_bwd == m:
             before_last_backward()
         with collector.span("backward", kind=SpanKind.BACKWARD, microbatch=i):
+            t0 = time.perf_counter()
             torch.autograd.backward(out, grad_tensors=None if grad is None else grad)
-            burn("backward")
+            burn("backward", time.perf_counter() - t0)
         return None if inp is None else inp.grad
 
     for _ in range(warmup):
