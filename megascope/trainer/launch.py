@@ -24,7 +24,7 @@ import os
 import re
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class TrainResult:
     out: Path
-    losses: list[float]
+    losses: list[float]  # global loss per step
+    step_seconds: list[float]  # rank 0's host time per step (see loop.py on CUDA)
 
 
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")  # gloo's "[.../pair.cc:553] "
@@ -59,14 +60,14 @@ def _rank_entry(local_rank: int, cfg: TrainConfig, init_file: str, scratch: str)
     torch.set_num_threads(1)
     logging.getLogger("megascope").setLevel(logging.WARNING)
     try:
-        losses = train_rank(cfg, rank=local_rank, world_size=cfg.world_size, local_rank=local_rank,
+        result = train_rank(cfg, rank=local_rank, world_size=cfg.world_size, local_rank=local_rank,
                             init_method=f"file://{init_file}")
     except BaseException as exc:
         Path(scratch, f"fail-{local_rank:05d}.txt").write_text(_one_line(exc))
         log.debug("rank %d failed", local_rank, exc_info=True)
         sys.exit(1)
     if local_rank == 0:
-        Path(scratch, "losses.json").write_text(json.dumps(losses))
+        Path(scratch, "result.json").write_text(json.dumps(asdict(result)))
 
 
 def failure_message(failures: dict[int, str], timeout_s: float) -> str:
@@ -89,11 +90,11 @@ def train(cfg: TrainConfig, *, nproc: int | None = None) -> TrainResult:
     if nproc is None and env is not None:
         rank, world, local_rank = env
         try:
-            losses = train_rank(cfg, rank=rank, world_size=world, local_rank=local_rank, init_method="env://")
+            result = train_rank(cfg, rank=rank, world_size=world, local_rank=local_rank, init_method="env://")
         except Exception as exc:
             msg = _one_line(exc)
             raise TrainingError(failure_message({rank: msg}, cfg.collective_timeout_s)) from None
-        return TrainResult(cfg.out, losses)
+        return TrainResult(cfg.out, result.losses, result.step_seconds)
     nproc = nproc or 1
     if cfg.peak_flops is None and pick_device(cfg, 0).type == "cpu":
         # Measured once here rather than in 8 ranks fighting over the same cores.
@@ -120,5 +121,5 @@ def train(cfg: TrainConfig, *, nproc: int | None = None) -> TrainResult:
             raise TrainingError(failure_message(failures, cfg.collective_timeout_s)) from None
         finally:
             spawn_log.setLevel(previous)
-        losses = json.loads(Path(scratch, "losses.json").read_text())
-    return TrainResult(cfg.out, losses)
+        data = json.loads(Path(scratch, "result.json").read_text())
+    return TrainResult(cfg.out, data["losses"], data["step_seconds"])

@@ -8,11 +8,14 @@ per stage (and per block, via ``instrument_module``), every TP/PP/DP/world commu
 writes ``run.json`` with model FLOPs and tokens per step, device name and peak FLOP/s.
 
 Nothing in the step waits for the device: loss and gradient norm stay tensors until the collector
-resolves them; the only host sync is the list of losses returned after the last step.
+resolves them; the only host sync is the list of losses returned after the last step. Step times
+returned are host wall-clock between step ends (exact on CPU; on CUDA the host runs ahead of the
+device by a bounded launch queue, so they match device time only averaged over steady state).
 
 Example::
 
-    losses = train_rank(cfg, rank=0, world_size=1, local_rank=0, init_method="file:///tmp/x")
+    result = train_rank(cfg, rank=0, world_size=1, local_rank=0, init_method="file:///tmp/x")
+    result.losses, result.step_seconds
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -42,6 +46,12 @@ from megascope.trainer.tp import TPContext
 from megascope.trainer.zero import ShardedOptimizer, lr_at
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankResult:
+    losses: list[float]  # global loss per step (the same on every rank)
+    step_seconds: list[float]  # this rank's host time per step
 
 
 def pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
@@ -87,7 +97,7 @@ def _source(cfg: TrainConfig) -> Source:
 
 
 def train_rank(cfg: TrainConfig, *, rank: int, world_size: int, local_rank: int,
-               init_method: str | None = None) -> list[float]:
+               init_method: str | None = None) -> RankResult:
     """Train this rank; returns the global loss of every step."""
     if world_size != cfg.world_size:
         raise ValueError(f"launched {world_size} ranks for a config of {cfg.world_size}")
@@ -107,7 +117,7 @@ def train_rank(cfg: TrainConfig, *, rank: int, world_size: int, local_rank: int,
 
 
 def _train(cfg: TrainConfig, *, rank: int, device: torch.device, meta: RunMeta | None,
-           timeout: timedelta) -> list[float]:
+           timeout: timedelta) -> RankResult:
     mesh = Mesh.for_world(cfg.world_size, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
     ps = ParallelState.build(mesh, rank, timeout=timeout)
     col = open_collector(cfg.out, rank=rank, world_size=cfg.world_size, coords=ps.coords, groups=ps.groups(),
@@ -125,7 +135,7 @@ def _autocast(device: torch.device) -> Callable[[], Any]:
     return contextlib.nullcontext
 
 
-def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -> list[float]:
+def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -> RankResult:
     m = cfg.model
     plan = FaultPlan(cfg.faults, rank=ps.rank, collector=col)
     comm = Comm(col, gate=plan.gate, recv_timeout_s=cfg.collective_timeout_s)
@@ -153,6 +163,7 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -
     loss_scale = 1.0 / (cfg.micro_batches * ps.dp.size)
     counts_loss = ps.last_stage and ps.tp_index == 0
     losses: list[torch.Tensor] = []
+    step_ends = [time.perf_counter()]
     with Prefetcher(_source(cfg), steps=range(cfg.steps), global_batch=cfg.global_batch, rows=rows,
                     device=device) as data:
         for step in range(cfg.steps):
@@ -172,7 +183,9 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -
             col.metric("lr", lr, step=step)
             col.metric("tokens", float(cfg.tokens_per_step), step=step)
             losses.append(global_loss.detach())
-    return torch.stack(losses).tolist()
+            step_ends.append(time.perf_counter())
+    return RankResult(losses=torch.stack(losses).tolist(),
+                      step_seconds=[b - a for a, b in zip(step_ends, step_ends[1:], strict=False)])
 
 
 def env_rank() -> tuple[int, int, int] | None:

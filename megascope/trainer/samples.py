@@ -51,11 +51,11 @@ SAMPLES = (
 def sample_config(sample: Sample, out: Path) -> TrainConfig:
     return TrainConfig(out=out, world_size=8, steps=STEPS, seed=0, global_batch=16, micro_batches=4, model=MODEL,
                        faults=parse_injects(sample.inject), collective_timeout_s=5.0, flush_interval_s=2.0,
-                       bucket_mb=0.05, **MESH)
+                       bucket_mb=0.05, tp=MESH["tp"], pp=MESH["pp"], dp=MESH["dp"])
 
 
 def readme() -> str:
-    mesh = Mesh.from_sizes(**MESH)
+    mesh = Mesh.from_mapping(MESH)
     lines = [
         "# Sample traces",
         "",

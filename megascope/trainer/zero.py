@@ -139,7 +139,12 @@ class ShardedOptimizer:
         self.segments: list[tuple[torch.Tensor, int]] = []  # LAMB: element -> parameter index
         for buf in self.buffers:
             slices = buf.shard_slices(dp_index)
-            master = torch.cat([buf.param_flat[s:e] for s, e in slices]).clone()
+            if dp.size == 1:
+                # Without data parallelism the shard is the whole buffer: update the parameters in
+                # place instead of keeping (and copying back) a second fp32 copy.
+                master = buf.param_flat
+            else:
+                master = torch.cat([buf.param_flat[s:e] for s, e in slices]).clone()
             self.masters.append(nn.Parameter(master))
             self.norm_weights.append(self._norm_weight(buf, slices, tp_index, device))
             self.segments.append(self._segment_ids(buf, slices, device))
@@ -229,7 +234,7 @@ class ShardedOptimizer:
                     pieces.append(out)
                 else:
                     pieces.append(buf.grad_flat[s:e])
-            shards.append(torch.cat(pieces))
+            shards.append(buf.grad_flat if self.dp.size == 1 else torch.cat(pieces))
         return shards
 
     # --- the step ------------------------------------------------------------------------------
@@ -239,7 +244,8 @@ class ShardedOptimizer:
         ``loss`` is this rank's scaled loss sum (last stage, tp rank 0 contributes) or None.
         Returns (global grad norm, global loss) as tensors.
         """
-        with self.col.span("grad_sync_wait", kind=SpanKind.COMPUTE):
+        # Waiting for the overlapped reduce-scatters to drain: not compute, not a collective itself.
+        with self.col.span("grad_sync_wait", kind=SpanKind.OTHER):
             grads = self._finish_sync()
         device = self.masters[0].device
         stats = torch.zeros(2, device=device)
@@ -253,7 +259,7 @@ class ShardedOptimizer:
         clip = (self.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0) if self.grad_clip > 0 else torch.ones((), device=device)
         with self.col.span("optimizer", kind=SpanKind.OPTIMIZER):
             for master, g in zip(self.masters, grads, strict=True):
-                master.grad = g * clip
+                master.grad = g.mul_(clip)  # g is this step's own buffer (zeroed or replaced next step)
             if self.inner is not None:
                 for group in self.inner.param_groups:
                     group["lr"] = lr
@@ -268,6 +274,8 @@ class ShardedOptimizer:
         return grad_norm, stats[1]
 
     def _gather_params(self) -> None:
+        if self.dp.size == 1:
+            return  # the optimizer updated the parameters in place
         works = []
         for buf, master in zip(self.buffers, self.masters, strict=True):
             offset = 0
@@ -275,11 +283,8 @@ class ShardedOptimizer:
                 chunk = bucket.size // self.dp.size
                 piece = master.detach()[offset:offset + chunk]
                 offset += chunk
-                if self.dp.size > 1:
-                    assert self.comm is not None
-                    works.append(self.comm.all_gather_async(buf.param_flat[bucket.start:bucket.end], piece, self.dp.pg))
-                else:
-                    buf.param_flat[bucket.start:bucket.end].copy_(piece)
+                assert self.comm is not None
+                works.append(self.comm.all_gather_async(buf.param_flat[bucket.start:bucket.end], piece, self.dp.pg))
         for work in works:
             work.wait()
 
