@@ -168,3 +168,29 @@ def test_runs_under_torchrun(tmp_path: Path) -> None:
     assert "2 steps on 2 ranks (pp=2 dp=1 tp=1)" in proc.stdout
     run = open_run(out)
     assert run.con.execute("SELECT count(DISTINCT rank) FROM spans").fetchone() == (2,)
+
+
+def test_cli_trains_from_a_token_file(tmp_path: Path) -> None:
+    import numpy as np
+    from click.testing import CliRunner
+
+    from megascope.cli import main
+
+    data = tmp_path / "train.bin"
+    rng = np.random.default_rng(0)
+    # A learnable stream: a repeating pattern with occasional noise.
+    stream = np.tile(np.arange(40, dtype=np.uint32), 500)
+    stream[rng.random(stream.size) < 0.05] = 7
+    stream.tofile(data)
+    out = tmp_path / "run"
+    result = CliRunner().invoke(main, [
+        "train", "--nproc", "2", "--dp", "2", "--steps", "4", "--layers", "2", "--hidden", "32", "--vocab", "64",
+        "--seq-len", "16", "--global-batch", "8", "--micro-batches", "2", "--data", str(data),
+        "--data-dtype", "uint32", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "4 steps on 2 ranks (pp=1 dp=2 tp=1)" in result.output
+    run = open_run(out)
+    assert run.meta.config["data"] == str(data)
+    losses = [v for (v,) in run.con.execute(
+        "SELECT value FROM metrics WHERE name = 'loss' AND rank = 0 ORDER BY step").fetchall()]
+    assert len(losses) == 4 and losses[-1] < losses[0]

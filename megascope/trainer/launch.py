@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -57,6 +58,9 @@ def _is_timeout(message: str) -> bool:
 
 
 def _rank_entry(local_rank: int, cfg: TrainConfig, init_file: str, scratch: str) -> None:
+    # A forked rank must never finalize objects it inherited: a parent's DuckDB connection or
+    # thread pool torn down in the child without its threads crashes it (seen as SIGSEGV).
+    gc.freeze()
     torch.set_num_threads(1)
     logging.getLogger("megascope").setLevel(logging.WARNING)
     try:
@@ -70,7 +74,7 @@ def _rank_entry(local_rank: int, cfg: TrainConfig, init_file: str, scratch: str)
         Path(scratch, "result.json").write_text(json.dumps(asdict(result)))
 
 
-def failure_message(failures: dict[int, str], timeout_s: float) -> str:
+def failure_message(failures: dict[int, str], timeout_s: float, exited: str | None = None) -> str:
     """One line for a failed job: the collective timeout if any rank hit it, else the first failure."""
     timed_out = sorted(r for r, msg in failures.items() if _is_timeout(msg))
     if timed_out:
@@ -80,7 +84,7 @@ def failure_message(failures: dict[int, str], timeout_s: float) -> str:
     if failures:
         rank = min(failures)
         return f"training failed on rank {rank}: {failures[rank]}"
-    return "training failed: a rank exited without a message (killed?)"
+    return f"training failed: {exited or 'a rank exited'} without a message (killed? out of memory?)"
 
 
 def train(cfg: TrainConfig, *, nproc: int | None = None) -> TrainResult:
@@ -104,6 +108,7 @@ def train(cfg: TrainConfig, *, nproc: int | None = None) -> TrainResult:
 
         cfg = replace(cfg, peak_flops=measure_cpu_flops())
     start_method = "spawn" if pick_device(cfg, 0).type == "cuda" else "fork"
+    gc.collect()  # finalize the parent's garbage here, not in each forked rank
     with tempfile.TemporaryDirectory(prefix="megascope-train-") as scratch:
         init_file = os.path.join(scratch, "rendezvous")
         ctx = mp.start_processes(_rank_entry, args=(cfg, init_file, scratch), nprocs=nproc, join=False,
@@ -116,9 +121,13 @@ def train(cfg: TrainConfig, *, nproc: int | None = None) -> TrainResult:
             # rank never exits by itself and is stopped after the grace period.
             while not ctx.join(grace_period=2.0):
                 pass
-        except (mp.ProcessRaisedException, mp.ProcessExitedException):
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
             failures = {int(p.stem.split("-")[1]): p.read_text() for p in Path(scratch).glob("fail-*.txt")}
-            raise TrainingError(failure_message(failures, cfg.collective_timeout_s)) from None
+            exited = None
+            if isinstance(exc, mp.ProcessExitedException):
+                how = f"signal {exc.signal_name}" if exc.signal_name else f"exit code {exc.exit_code}"
+                exited = f"rank {exc.error_index} ended with {how}"
+            raise TrainingError(failure_message(failures, cfg.collective_timeout_s, exited)) from None
         finally:
             spawn_log.setLevel(previous)
         data = json.loads(Path(scratch, "result.json").read_text())

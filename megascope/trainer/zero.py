@@ -18,7 +18,8 @@ gradients of TP-replicated parameters are summed over the tp group before the dp
 gradient norm counts every logical element once (replicated parameters on tp rank 0 only) and
 travels with the loss in one ``world`` all-reduce per step.
 
-Optimizers: AdamW (``torch.optim.AdamW`` on the flat shard; fused on CUDA) and LAMB (hand-written;
+Optimizers: AdamW (fused ``torch.optim.AdamW`` on the flat shard on CUDA, the same update written
+out on CPU) and LAMB (hand-written;
 its per-parameter trust ratio needs the norms of whole parameters, summed over dp and tp shards).
 """
 
@@ -38,6 +39,9 @@ from megascope.trainer.instrument import Comm
 from megascope.trainer.parallel import Axis
 
 log = logging.getLogger(__name__)
+
+ADAMW_BETAS = (0.9, 0.95)
+ADAMW_EPS = 1e-8
 
 
 @dataclass
@@ -151,15 +155,14 @@ class ShardedOptimizer:
         for buf in self.buffers:
             for p in buf.params:
                 p.register_post_accumulate_grad_hook(self._make_hook(buf, p))
-        if optimizer == "adamw":
+        self.inner: torch.optim.Optimizer | None = None
+        if optimizer == "adamw" and device.type == "cuda":
             groups = [{"params": [m], "weight_decay": wd} for m, wd in zip(self.masters, self.weight_decays, strict=True)]
-            fused = device.type == "cuda"
-            self.inner: torch.optim.Optimizer | None = torch.optim.AdamW(
-                groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=fused, foreach=None if fused else True)
-        else:
-            self.inner = None
-            self.lamb_state = [(torch.zeros_like(m), torch.zeros_like(m)) for m in self.masters]
-            self.lamb_step = 0
+            self.inner = torch.optim.AdamW(groups, lr=lr, betas=ADAMW_BETAS, eps=ADAMW_EPS, fused=True)
+        # On CPU, AdamW is the few lines in _adamw: constructing any torch.optim optimizer imports
+        # torch._dynamo (~4 s of CPU per process), which 8 ranks on 2 cores pay at every start.
+        self.moments = [(torch.zeros_like(m), torch.zeros_like(m)) for m in self.masters] if self.inner is None else []
+        self.opt_step = 0
 
     # --- shard bookkeeping -------------------------------------------------------------------
     def _norm_weight(self, buf: FlatBuffer, slices: list[tuple[int, int]], tp_index: int,
@@ -264,6 +267,8 @@ class ShardedOptimizer:
                 for group in self.inner.param_groups:
                     group["lr"] = lr
                 self.inner.step()
+            elif self.kind == "adamw":
+                self._adamw(lr)
             else:
                 self._lamb(lr)
             for master in self.masters:
@@ -288,11 +293,26 @@ class ShardedOptimizer:
         for work in works:
             work.wait()
 
+    @torch.no_grad()
+    def _adamw(self, lr: float) -> None:
+        """torch.optim.AdamW's update (decoupled weight decay, bias-corrected moments), on the flat shard."""
+        self.opt_step += 1
+        t = self.opt_step
+        b1, b2 = ADAMW_BETAS
+        for master, (m, v), wd in zip(self.masters, self.moments, self.weight_decays, strict=True):
+            g = master.grad
+            assert g is not None
+            master.mul_(1 - lr * wd)
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (v / (1 - b2**t)).sqrt_().add_(ADAMW_EPS)
+            master.addcdiv_(m, denom, value=-lr / (1 - b1**t))
+
     def _lamb(self, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6) -> None:
-        self.lamb_step += 1
-        t = self.lamb_step
+        self.opt_step += 1
+        t = self.opt_step
         b1, b2 = betas
-        for master, (m, v), wd, (seg, nseg), w in zip(self.masters, self.lamb_state, self.weight_decays,
+        for master, (m, v), wd, (seg, nseg), w in zip(self.masters, self.moments, self.weight_decays,
                                                      self.segments, self.norm_weights, strict=True):
             g = master.grad
             assert g is not None
