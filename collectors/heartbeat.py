@@ -241,49 +241,50 @@ class _NvmlProbe:
         except self.nvml.NVMLError:
             pass
 
-    def _get(self, index: int, metric: str, fn: Callable[[], Any]) -> Any:
+    def _get(self, index: int, metric: str, fn: Callable[[Any], Any]) -> Any:
         """Call one NVML query; a query the card does not support is not asked again."""
         if (index, metric) in self.unsupported:
             return None
         try:
-            return fn()
+            return fn(self.handles[index])
         except self.nvml.NVMLError_NotSupported:
             self.unsupported.add((index, metric))
             return None
 
     def sample(self) -> list[Row]:
         nv = self.nvml
+        # (metric, query, scale to the metric's unit)
+        simple: list[tuple[str, Callable[[Any], Any], float]] = [
+            (M.GPU_TEMP_C, lambda h: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU), 1.0),
+            (M.GPU_TEMP_SLOWDOWN_C,
+             lambda h: nv.nvmlDeviceGetTemperatureThreshold(h, nv.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN), 1.0),
+            (M.GPU_POWER_W, nv.nvmlDeviceGetPowerUsage, 1e-3),  # NVML reports mW
+            (M.GPU_POWER_LIMIT_W, nv.nvmlDeviceGetEnforcedPowerLimit, 1e-3),
+            (M.GPU_SM_CLOCK_MHZ, lambda h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM), 1.0),
+            (M.GPU_SM_CLOCK_MAX_MHZ, lambda h: nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_SM), 1.0),
+            (M.GPU_ECC_CORRECTED, lambda h: nv.nvmlDeviceGetTotalEccErrors(
+                h, nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_VOLATILE_ECC), 1.0),
+            (M.GPU_ECC_UNCORRECTED, lambda h: nv.nvmlDeviceGetTotalEccErrors(
+                h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC), 1.0),
+        ]
         rows: list[Row] = []
-        for i, h in self.handles.items():
+        for i in self.handles:
             dev = f"gpu{i}"
-            util = self._get(i, M.GPU_UTIL_PCT, lambda h=h: nv.nvmlDeviceGetUtilizationRates(h))
+            util = self._get(i, M.GPU_UTIL_PCT, nv.nvmlDeviceGetUtilizationRates)
             if util is not None:
                 rows.append((dev, M.GPU_UTIL_PCT, float(util.gpu), None))
-            mem = self._get(i, M.GPU_MEM_USED_BYTES, lambda h=h: nv.nvmlDeviceGetMemoryInfo(h))
+            mem = self._get(i, M.GPU_MEM_USED_BYTES, nv.nvmlDeviceGetMemoryInfo)
             if mem is not None:
                 rows.append((dev, M.GPU_MEM_USED_BYTES, float(mem.used), None))
                 rows.append((dev, M.GPU_MEM_TOTAL_BYTES, float(mem.total), None))
-            simple: list[tuple[str, Callable[[], Any], float]] = [
-                (M.GPU_TEMP_C, lambda h=h: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU), 1.0),
-                (M.GPU_TEMP_SLOWDOWN_C,
-                 lambda h=h: nv.nvmlDeviceGetTemperatureThreshold(h, nv.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN), 1.0),
-                (M.GPU_POWER_W, lambda h=h: nv.nvmlDeviceGetPowerUsage(h), 1e-3),  # NVML reports mW
-                (M.GPU_POWER_LIMIT_W, lambda h=h: nv.nvmlDeviceGetEnforcedPowerLimit(h), 1e-3),
-                (M.GPU_SM_CLOCK_MHZ, lambda h=h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM), 1.0),
-                (M.GPU_SM_CLOCK_MAX_MHZ, lambda h=h: nv.nvmlDeviceGetMaxClockInfo(h, nv.NVML_CLOCK_SM), 1.0),
-                (M.GPU_ECC_CORRECTED, lambda h=h: nv.nvmlDeviceGetTotalEccErrors(
-                    h, nv.NVML_MEMORY_ERROR_TYPE_CORRECTED, nv.NVML_VOLATILE_ECC), 1.0),
-                (M.GPU_ECC_UNCORRECTED, lambda h=h: nv.nvmlDeviceGetTotalEccErrors(
-                    h, nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nv.NVML_VOLATILE_ECC), 1.0),
-            ]
             for metric, fn, scale in simple:
                 value = self._get(i, metric, fn)
                 if value is not None:
                     rows.append((dev, metric, float(value) * scale, None))
-            reasons = self._get(i, M.GPU_THROTTLE_REASONS, lambda h=h: self._throttle_reasons(h))
+            reasons = self._get(i, M.GPU_THROTTLE_REASONS, self._throttle_reasons)
             if reasons is not None:
                 rows.append((dev, M.GPU_THROTTLE_REASONS, float(reasons), decode_throttle_reasons(int(reasons))))
-            remap = self._get(i, M.GPU_REMAPPED_ROWS_PENDING, lambda h=h: nv.nvmlDeviceGetRemappedRows(h))
+            remap = self._get(i, M.GPU_REMAPPED_ROWS_PENDING, nv.nvmlDeviceGetRemappedRows)
             if remap is not None:  # (corrected rows, uncorrected rows, pending, failure occurred)
                 rows.append((dev, M.GPU_REMAPPED_ROWS_PENDING, float(bool(remap[2])),
                              "row remapping failed" if remap[3] else None))

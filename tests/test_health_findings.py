@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from megascope.collectors.heartbeat import HeartbeatSampler
 
 from megascope import layout
-from megascope.collectors.heartbeat import HeartbeatSampler
 from megascope.errors import ConfigError
 from megascope.health import health_findings
 from megascope.schema import DIAGNOSTICS, HEARTBEATS, RANKS, RunMeta, RunSource

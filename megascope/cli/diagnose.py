@@ -52,23 +52,24 @@ def diagnose(nproc: int | None, tp: int, pp: int, backend: str, tolerance: float
 @json_option
 def health(run_dir: Path, silent_after: float, as_json: bool) -> None:
     """Health findings of RUN: silent ranks, throttled or hot GPUs, XID/ECC errors, IB links, diagnose outliers."""
+    import pandas as pd
+
     from megascope.health import health_findings
     from megascope.store import open_run
 
     run = open_run(run_dir)
     echo_problems(run.problems)
     df = health_findings(run.cursor(), silent_after=silent_after)
+    records = [{k: (None if pd.isna(v) else v) for k, v in row.items()} for row in df.to_dict("records")]
     if as_json:
-        records = [{k: (None if v is None or v != v else v) for k, v in row.items()}
-                   for row in df.astype(object).where(df.notna(), None).to_dict("records")]
         echo_json({"run": str(run_dir), "findings": records})
         return
-    if df.empty:
+    if not records:
         click.echo("no health findings")
         return
-    for row in df.itertuples(index=False):
-        who = f"rank {row.rank}" if row.rank is not None and row.rank == row.rank else "host"
-        click.echo(f"{row.finding:<16} {who:<10} {row.host:<20} {row.detail}")
+    for r in records:
+        who = "host" if r["rank"] is None else f"rank {r['rank']}"
+        click.echo(f"{r['finding']:<16} {who:<10} {r['host']:<20} {r['detail']}")
 
 
 def register(group: click.Group) -> None:

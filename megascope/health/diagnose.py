@@ -242,7 +242,7 @@ def _run_tests(rank: int, world: int, local_rank: int, device: Any, host: str, m
             count = torch.cuda.device_count()
             if count > 1:
                 peer = torch.device("cuda", (device.index + 1) % count)
-                guarded(DiagnosticTest.D2D, lambda: selftest.d2d(device, peer, sizes, repeat=repeat),
+                guarded(DiagnosticTest.D2D, lambda peer=peer: selftest.d2d(device, peer, sizes, repeat=repeat),
                         group=f"cuda:{device.index}->cuda:{peer.index}")
     dist.barrier(group=ctrl)
 
