@@ -172,3 +172,13 @@ def test_gpu_diagnose_reaches_a_sane_share_of_the_datasheet(tmp_path: Path) -> N
     gemm = next(t for t in report["tests"] if t["test"] == "gemm")
     if "datasheet" in gemm:
         assert 20 < gemm["median_pct_of_datasheet"] < 110
+
+
+def test_health_command_on_a_run_without_heartbeats(tmp_path: Path) -> None:
+    from megascope import layout
+    from megascope.schema import RunMeta, RunSource
+
+    layout.write_run_meta(tmp_path, RunMeta(run_id="x", source=RunSource.SYNTH, world_size=2))
+    result = CliRunner().invoke(main, ["health", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "no health findings" in result.output

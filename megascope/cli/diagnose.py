@@ -59,7 +59,7 @@ def health(run_dir: Path, silent_after: float, as_json: bool) -> None:
 
     run = open_run(run_dir)
     echo_problems(run.problems)
-    df = health_findings(run.cursor(), silent_after=silent_after)
+    df = health_findings(run.con, silent_after=silent_after)  # one thread: the connection itself
     records = [{k: (None if pd.isna(v) else v) for k, v in row.items()} for row in df.to_dict("records")]
     if as_json:
         echo_json({"run": str(run_dir), "findings": records})
