@@ -393,7 +393,7 @@ class _PerfettoWriter:
             return
         offsets = {h: o for h, (o, _) in self.resolved.host_offsets.items()}
         self.cur.register("_export_hosts", pa.table({
-            "host": pa.array(hosts, pa.string()), "offset_ns": pa.array([offsets.get(h, 0) for h in hosts], pa.int64())}))
+            "host": pa.array(hosts, pa.string()), "offset_ns": pa.array([offsets.get(h, 0) + self.resolved.shift_ns for h in hosts], pa.int64())}))
         window = ""
         if self.resolved.window is not None:
             lo, hi = self.resolved.window
@@ -402,7 +402,7 @@ class _PerfettoWriter:
         reader = self.cur.sql(
             f"""SELECT h.host, h.rank, h.device, h.metric, h.time_ns + x.offset_ns AS t, h.value
                 FROM heartbeats h JOIN _export_hosts x USING (host)
-                WHERE h.value IS NOT NULL AND isfinite(h.value)
+                WHERE h.value IS NOT NULL AND isfinite(h.value) AND h.time_ns + x.offset_ns >= 0
                   AND (h.rank IS NULL OR h.rank IN (SELECT rank FROM _export_ranks)) {window}
                 ORDER BY h.host, h.rank NULLS FIRST, h.device NULLS FIRST, h.metric, t"""
         ).to_arrow_reader(200_000)

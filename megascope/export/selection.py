@@ -136,6 +136,7 @@ class Resolved:
     rank_offsets_ns: npt.NDArray[np.int64]  # indexed by rank, 0 for unknown ranks
     host_offsets: dict[str, tuple[int, int | None]]  # host -> (offset_ns, error_ns)
     clock_source: str  # "analysis" or "none"
+    shift_ns: int = 0  # added to every time (already inside rank_offsets_ns) so none is negative
     stragglers: list[int] = field(default_factory=list)
     selection: Selection = field(default_factory=Selection)
 
@@ -149,7 +150,7 @@ class Resolved:
         if self.steps is not None:
             clauses.append(f"step BETWEEN {int(self.steps[0])} AND {int(self.steps[1])}")
         if self.window is not None:
-            margin = self.max_abs_offset_ns if margin_ns is None else margin_ns
+            margin = self.max_abs_offset_ns + self.shift_ns if margin_ns is None else margin_ns
             clauses.append(f"start_ns <= {int(self.window[1]) + margin}")
             clauses.append(f"start_ns + dur_ns >= {int(self.window[0]) - margin}")
         return " AND ".join(clauses) if clauses else "TRUE"
@@ -159,6 +160,7 @@ class Resolved:
         return {
             "clock_correction": self.clock_source,
             "clock_offsets_ns": {h: {"offset_ns": o, "error_ns": e} for h, (o, e) in sorted(self.host_offsets.items())},
+            "time_shift_ns": self.shift_ns,
             "selection": self.selection.describe(),
             "stragglers": self.stragglers,
         }
@@ -213,6 +215,12 @@ def resolve(run: Run, selection: Selection) -> Resolved:
         if host in host_offsets:
             rank_offsets[int(rank)] = host_offsets[host][0]
 
+    # Trace timestamps are unsigned: a run whose corrected times go below zero (relative clocks)
+    # is shifted as a whole, and the metadata says by how much.
+    (first,) = cur.execute("SELECT min(start_ns) FROM spans").fetchone() or (None,)
+    shift = max(0, -(int(first) + int(rank_offsets.min()))) if first is not None else 0
+    rank_offsets += shift
+
     ranks = sorted(known)
     stragglers: list[int] = []
     if selection.around_stragglers:
@@ -235,6 +243,7 @@ def resolve(run: Run, selection: Selection) -> Resolved:
         rank_offsets_ns=rank_offsets,
         host_offsets=host_offsets,
         clock_source=source,
+        shift_ns=shift,
         stragglers=stragglers,
         selection=selection,
     )

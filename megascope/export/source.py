@@ -110,7 +110,9 @@ def iter_span_chunks(run: Run, resolved: Resolved, *, chunk_rows: int = DEFAULT_
         listed = ", ".join(map(str, ranks))
         table = run.cursor().sql(
             f"SELECT {cols} FROM spans WHERE rank BETWEEN {ranks[0]} AND {ranks[-1]} "
-            f"AND rank IN ({listed}) AND {where}"
+            f"AND rank IN ({listed}) AND {where} "
+            # a total order, so that the same run always gives the same bytes
+            f"ORDER BY rank, start_ns, dur_ns DESC, stream, name, kind, seq, peer, microbatch, step"
         ).to_arrow_table()
         rank = table.column("rank").to_numpy().astype(np.int64)
         offsets = resolved.rank_offsets_ns[rank] if len(resolved.rank_offsets_ns) else np.zeros_like(rank)
@@ -124,8 +126,8 @@ def iter_span_chunks(run: Run, resolved: Resolved, *, chunk_rows: int = DEFAULT_
             strings={c: pc.dictionary_encode(table.column(c).combine_chunks()) for c in _STRINGS},
         )
         if resolved.window is not None:
-            lo, hi = resolved.window
-            keep = (start <= hi) & (start + dur >= lo)
+            lo, hi = resolved.window  # corrected epoch ns, without the non-negativity shift
+            keep = (start - resolved.shift_ns <= hi) & (start + dur - resolved.shift_ns >= lo)
             if not keep.all():
                 chunk = chunk.take(np.flatnonzero(keep))
         if len(chunk):
