@@ -138,8 +138,8 @@ class _ChromeWriter:
             rows = np.flatnonzero((kinds_np == kind) & seq_ok & peer_ok)
             if not len(rows):
                 continue
-            rank, other = chunk.rank[rows], peer[rows]
-            sender, receiver = (rank, other) if phase == "s" else (other, rank)
+            own, other = chunk.rank[rows], peer[rows]
+            sender, receiver = (own, other) if phase == "s" else (other, own)
             ids = p2p_flow_ids(sender, receiver, seq[rows])
             ts = start[rows] if phase == "s" else start[rows] + np.maximum(dur[rows] - 1, 0)
             m = len(rows)
@@ -147,9 +147,9 @@ class _ChromeWriter:
             flows.append((pc.binary_join_element_wise(
                 _lit(f'{{"ph":"{phase}","cat":"p2p","name":"send to recv","id":"0x', m),
                 pa.array([format(int(i), "x") for i in ids.tolist()], pa.string()),
-                _lit('","pid":', m), pc.cast(pa.array(rank + 1), pa.string()), _lit(',"tid":', m),
+                _lit('","pid":', m), pc.cast(pa.array(own + 1), pa.string()), _lit(',"tid":', m),
                 pc.cast(pa.array(tid[rows]), pa.string()), _lit(',"ts":', m), _micros(ts), _lit(f"{extra}}}", m), ""),
-                rank))
+                own))
             self.stats.flows += m
         if flows:
             lines = pa.concat_arrays([lines, *(f for f, _ in flows)])

@@ -51,8 +51,15 @@ from megascope.export.common import CountingWriter, ExportStats, as_run, make_se
 from megascope.export.protowire import encode
 from megascope.export.selection import Resolved, resolve
 from megascope.export.source import DEFAULT_CHUNK_ROWS, SpanChunk, iter_span_chunks
-from megascope.export.tracks import assign_lanes, event_order, process_uuid, step_counter_uuid, stream_code, \
-    stream_sort_key, track_base
+from megascope.export.tracks import (
+    assign_lanes,
+    event_order,
+    process_uuid,
+    step_counter_uuid,
+    stream_code,
+    stream_sort_key,
+    track_base,
+)
 from megascope.schema import SpanKind
 from megascope.store import Run
 
