@@ -254,11 +254,12 @@ def test_overlapping_spans_move_to_a_second_lane() -> None:
     base = np.full(4, 1 << 24, dtype=np.uint64)
     start = np.array([0, 1, 3, 20])
     end = np.array([10, 5, 7, 25])
-    lanes = assign_lanes(base, start, end)
+    before, order, ends = base, *event_order(base, start, end)
+    assert len(nesting_violations(before, order, ends)) == 1
+    lanes, index, is_end = assign_lanes(base, start, end)
     assert len(set(lanes.tolist())) == 2  # [3, 7) overlaps [1, 5) without nesting
-    index, is_end = event_order(lanes, start, end)
     assert len(nesting_violations(lanes, index, is_end)) == 0
-    nested = assign_lanes(base, np.array([0, 1, 5, 20]), np.array([10, 5, 7, 25]))
+    nested, _, _ = assign_lanes(base, np.array([0, 1, 5, 20]), np.array([10, 5, 7, 25]))
     assert set(nested.tolist()) == {1 << 24}  # touching and nested spans stay on one track
 
 

@@ -69,8 +69,7 @@ class _ChromeWriter:
         self.threads_named: set[tuple[int, int]] = set()
 
     def process_events(self, ranks: Iterable[int]) -> list[dict[str, Any]]:
-        rows = self.run.cursor().execute("SELECT rank, host, pp, dp, tp FROM ranks").fetchall()
-        info = {int(r): (h, {"pp": pp, "dp": dp, "tp": tp}) for r, h, pp, dp, tp in rows}
+        info = self.resolved.rank_info
         events: list[dict[str, Any]] = []
         stragglers = set(self.resolved.stragglers)
         for rank in ranks:
@@ -90,7 +89,7 @@ class _ChromeWriter:
         stream_idx, stream_dict = chunk.codes("stream")
         codes = np.array([stream_code(s or "") for s in stream_dict], dtype=np.int64)
         start, dur = chunk.start_ns, chunk.dur_ns
-        track = assign_lanes(track_base(chunk.rank, codes[stream_idx]), start, start + dur)
+        track, _, _ = assign_lanes(track_base(chunk.rank, codes[stream_idx]), start, start + dur)
         tid = (track & np.uint64(0xFFFFFF)).astype(np.int64)
         meta_lines = []
         for rank, t in sorted({(int(r), int(x)) for r, x in zip(chunk.rank.tolist(), tid.tolist(), strict=True)}):

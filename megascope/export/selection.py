@@ -139,6 +139,7 @@ class Resolved:
     shift_ns: int = 0  # added to every time (already inside rank_offsets_ns) so none is negative
     stragglers: list[int] = field(default_factory=list)
     selection: Selection = field(default_factory=Selection)
+    rank_info: dict[int, tuple[str, dict[str, int | None]]] = field(default_factory=dict)  # rank -> (host, coords)
 
     @property
     def max_abs_offset_ns(self) -> int:
@@ -205,9 +206,11 @@ def window_from_seconds(run: Run, start_s: float, end_s: float) -> tuple[int, in
 def resolve(run: Run, selection: Selection) -> Resolved:
     """Make ``selection`` concrete for ``run``: ranks, offsets and (if asked) the stragglers."""
     cur = run.cursor()
-    host_rows = cur.execute("SELECT rank, host FROM ranks ORDER BY rank").fetchall()
-    known = {int(r) for (r,) in cur.execute("SELECT DISTINCT rank FROM spans").fetchall()}
-    known |= {int(r) for r, _ in host_rows}
+    rank_rows = cur.execute("SELECT rank, host, pp, dp, tp FROM ranks ORDER BY rank").fetchall()
+    host_rows = [(r, h) for r, h, *_ in rank_rows]
+    # one scan of the spans: which ranks wrote any, and the earliest time
+    firsts = dict(cur.execute("SELECT rank, min(start_ns) FROM spans GROUP BY rank").fetchall())
+    known = {int(r) for r in firsts} | {int(r) for r, _ in host_rows}
     host_offsets, source = _clock_offsets(run)
     size = max([*known, run.meta.world_size - 1, 0]) + 1
     rank_offsets = np.zeros(size, dtype=np.int64)
@@ -217,8 +220,8 @@ def resolve(run: Run, selection: Selection) -> Resolved:
 
     # Trace timestamps are unsigned: a run whose corrected times go below zero (relative clocks)
     # is shifted as a whole, and the metadata says by how much.
-    (first,) = cur.execute("SELECT min(start_ns) FROM spans").fetchone() or (None,)
-    shift = max(0, -(int(first) + int(rank_offsets.min()))) if first is not None else 0
+    corrected = [int(t) + int(rank_offsets[int(r)]) for r, t in firsts.items() if t is not None]
+    shift = max(0, -min(corrected)) if corrected else 0
     rank_offsets += shift
 
     ranks = sorted(known)
@@ -246,4 +249,5 @@ def resolve(run: Run, selection: Selection) -> Resolved:
         shift_ns=shift,
         stragglers=stragglers,
         selection=selection,
+        rank_info={int(r): (h, {"pp": pp, "dp": dp, "tp": tp}) for r, h, pp, dp, tp in rank_rows},
     )
