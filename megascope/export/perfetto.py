@@ -19,7 +19,7 @@ Times are host wall-clock epoch ns plus the host's clock offset from
 
 Low-volume packets (descriptors, interned strings, metadata) go through the ``perfetto`` package's
 ``StreamingTraceProtoBuilder``; the per-span packets through :mod:`megascope.export.protowire`,
-a vectorised encoder, because one Python protobuf object per span would be ~20x slower. The same run
+a vectorised encoder, because building one Python protobuf object per span costs microseconds. The same run
 and selection always give the same bytes: track ids, flow ids and the write order derive from data.
 
 Example::

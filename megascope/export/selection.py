@@ -30,9 +30,6 @@ from megascope.store import Run
 
 log = logging.getLogger(__name__)
 
-# At most this many stragglers seed an --around-stragglers selection (worst first).
-MAX_STRAGGLERS = 8
-
 _RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 
 
