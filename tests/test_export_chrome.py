@@ -43,8 +43,9 @@ def test_chrome_json_has_every_span_with_exact_times(run_dir: Path) -> None:
     stats = export_chrome(run_dir, buf)
     doc = _load(buf.getvalue())
     shift = doc["otherData"]["megascope"]["time_shift_ns"]
+    base = doc["baseTimeNanoseconds"]  # ts is relative to it, as in Kineto traces
     events = [e for e in doc["traceEvents"] if e["ph"] == "X"]
-    got = Counter((e["pid"] - 1, e["name"], e["cat"], _ns(e["ts"]), _ns(e["dur"])) for e in events)
+    got = Counter((e["pid"] - 1, e["name"], e["cat"], base + _ns(e["ts"]), _ns(e["dur"])) for e in events)
     want = Counter((s["rank"], s["name"], s["kind"], s["start_ns"] + shift, s["dur_ns"]) for s in _spans(run_dir))
     assert got == want
     assert stats.spans == len(events)

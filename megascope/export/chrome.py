@@ -67,6 +67,12 @@ class _ChromeWriter:
         self.resolved = resolved
         self.stats = stats
         self.threads_named: set[tuple[int, int]] = set()
+        # Timestamps are written relative to a whole second before the first event, which goes to the
+        # document as Kineto's ``baseTimeNanoseconds``: epoch microseconds need 16+ digits, more than
+        # a JSON reader's double keeps, so absolute ``ts`` values would lose their nanoseconds.
+        (first,) = run.cursor().execute("SELECT min(start_ns) FROM spans").fetchone() or (None,)
+        lowest = int(first) + int(resolved.rank_offsets_ns.min(initial=0)) if first is not None else 0
+        self.base_ns = max(0, lowest // 1_000_000_000 * 1_000_000_000 - 1_000_000_000)
 
     def process_events(self, ranks: Iterable[int]) -> list[dict[str, Any]]:
         info = self.resolved.rank_info
@@ -123,7 +129,7 @@ class _ChromeWriter:
         pid = pc.cast(pa.array(chunk.rank + 1), pa.string())
         tids = pc.cast(pa.array(tid), pa.string())
         lines = pc.binary_join_element_wise(
-            _lit('{"ph":"X","pid":', n), pid, _lit(',"tid":', n), tids, _lit(',"ts":', n), _micros(start),
+            _lit('{"ph":"X","pid":', n), pid, _lit(',"tid":', n), tids, _lit(',"ts":', n), _micros(start - self.base_ns),
             _lit(',"dur":', n), _micros(dur), _lit(',"name":', n), names, _lit(',"cat":', n), kinds,
             _lit(',"args":{', n), joined_args, _lit("}}", n), "")
         event_rank = chunk.rank
@@ -147,7 +153,7 @@ class _ChromeWriter:
                 _lit(f'{{"ph":"{phase}","cat":"p2p","name":"send to recv","id":"0x', m),
                 pa.array([format(int(i), "x") for i in ids.tolist()], pa.string()),
                 _lit('","pid":', m), pc.cast(pa.array(own + 1), pa.string()), _lit(',"tid":', m),
-                pc.cast(pa.array(tid[rows]), pa.string()), _lit(',"ts":', m), _micros(ts), _lit(f"{extra}}}", m), ""),
+                pc.cast(pa.array(tid[rows]), pa.string()), _lit(',"ts":', m), _micros(ts - self.base_ns), _lit(f"{extra}}}", m), ""),
                 own))
             self.stats.flows += m
         if flows:
@@ -213,7 +219,7 @@ def export_chrome(
         _export_split(run, resolved, writer, Path(out) if not hasattr(out, "write") else None, other, chunk_rows)
     else:
         with output_stream(out) as stream:
-            doc = _JsonFile(stream, other)
+            doc = _JsonFile(stream, other, {"baseTimeNanoseconds": writer.base_ns})
             doc.lines(json.dumps(e) for e in writer.process_events(int(r) for r in resolved.ranks))
             for chunk in iter_span_chunks(run, resolved, chunk_rows=chunk_rows):
                 lines, _, meta = writer.chunk_lines(chunk)
@@ -239,7 +245,8 @@ def _export_split(run: Run, resolved: Resolved, writer: _ChromeWriter, out: Path
     def write_rank(rank: int, lines: pa.Array | None, meta: list[str]) -> None:
         with output_stream(out / f"rank-{rank:05d}.json") as stream:
             # HTA reads each file's rank from distributedInfo
-            doc = _JsonFile(stream, other, {"distributedInfo": {"rank": rank, "world_size": world}})
+            doc = _JsonFile(stream, other, {"distributedInfo": {"rank": rank, "world_size": world},
+                                            "baseTimeNanoseconds": writer.base_ns})
             doc.lines(json.dumps(e) for e in writer.process_events([rank]))
             doc.lines(meta)
             if lines is not None:
