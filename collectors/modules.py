@@ -8,8 +8,8 @@ of segments.
 How each span is taken:
 
 * forward: a forward pre-hook opens the span, a forward hook closes it;
-* backward: the forward hook registers ``output.register_hook`` (the gradient of the output is
-  ready: this module's backward starts) and the pre-hook registers ``input.register_hook`` on the
+* backward: the forward hook registers a pre-hook on the output's ``grad_fn`` (the gradient of
+  the output is ready: this module's backward starts) and the pre-hook registers ``input.register_hook`` on the
   first input tensor that requires grad (its gradient is ready: the backward ends). Module
   ``full_backward`` hooks are avoided on purpose: they cost 10-30x more per call and break the
   zero-bubble pipeline schedules of ``torch.distributed.pipelining``.
@@ -111,7 +111,12 @@ class _ModuleTimer:
             if backward is not None:
                 grad_output = _first_grad_tensor(output)
                 if grad_output is not None:
-                    grad_output.register_hook(backward.on_output_grad)
+                    # A pre-hook of the output's grad_fn runs after every tensor hook on the output,
+                    # among them the next module's "backward ended" hook: the spans then never overlap.
+                    if grad_output.grad_fn is not None:
+                        grad_output.grad_fn.register_prehook(backward.on_output_grad)
+                    else:
+                        grad_output.register_hook(backward.on_output_grad)
         except Exception:
             self.col._internal_error("module forward hook")
 
