@@ -209,6 +209,15 @@ class Collector:
         self._add_group(group)
 
     @staticmethod
+    def _default_pg() -> Any:
+        try:
+            import torch.distributed as dist
+
+            return dist.group.WORLD if dist.is_initialized() else None
+        except Exception:
+            return None
+
+    @staticmethod
     def _default_group_name() -> str | None:
         try:
             import torch.distributed as dist
@@ -223,13 +232,15 @@ class Collector:
         """The megascope group id of a torch process group (registering a fallback if unknown)."""
         group = self._groups_by_pg.get(pg)
         if group is None:
-            group = self._fallback_group(pg)
+            if pg is not None and pg is self._default_pg():  # e.g. P2POp fills in the default group
+                group = self._groups_by_pg.get(None)
+            group = group or self._fallback_group(pg)
             self._groups_by_pg[pg] = group
             self._add_group(group)
         return group.id
 
     def _fallback_group(self, pg: Any) -> Group:
-        if pg is None:
+        if pg is None or pg is self._default_pg():
             return Group("world", GroupKind.WORLD.value, tuple(range(self.world_size)))
         try:
             import torch.distributed as dist
@@ -282,7 +293,7 @@ class Collector:
         """A ``step`` span; inside it every span, marker and metric belongs to ``step``."""
         if not self._active:
             return NOOP
-        return StepContext(self, int(step), Stream.COMPUTE.value)
+        return StepContext(self, int(step), Stream.HOST.value)
 
     def _close_span(self, token: Any, anchor: Any, stream: Any, step: int | None, name: str, kind: str, label: str,
                     microbatch: int | None, chunk: int | None, group: str | None, seq: int | None,
