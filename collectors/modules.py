@@ -96,7 +96,8 @@ class _ModuleTimer:
             grad_input = _first_grad_tensor(args)
             if grad_input is not None:
                 backward = _BackwardSpan(col, self.name)
-                grad_input.register_hook(backward.on_input_grad)
+                # A hook on a leaf tensor outlives the graph: remove it once it has fired.
+                backward.input_hook = grad_input.register_hook(backward.on_input_grad)
             forward.__enter__()
             self._open.append((forward, backward))
         except Exception:
@@ -116,7 +117,7 @@ class _ModuleTimer:
                     if grad_output.grad_fn is not None:
                         grad_output.grad_fn.register_prehook(backward.on_output_grad)
                     else:
-                        grad_output.register_hook(backward.on_output_grad)
+                        backward.output_hook = grad_output.register_hook(backward.on_output_grad)
         except Exception:
             self.col._internal_error("module forward hook")
 
@@ -129,7 +130,7 @@ class _BackwardSpan:
     current step or micro-batch. Those come from the forward.
     """
 
-    __slots__ = ("col", "name", "step", "microbatch", "chunk", "_token", "_anchor")
+    __slots__ = ("col", "name", "step", "microbatch", "chunk", "_token", "_anchor", "input_hook", "output_hook")
 
     def __init__(self, col: Collector, name: str) -> None:
         self.col = col
@@ -139,9 +140,14 @@ class _BackwardSpan:
         self.chunk = col._chunk
         self._token: Any = None
         self._anchor: Any = None
+        self.input_hook: Any = None
+        self.output_hook: Any = None
 
     def on_output_grad(self, grad: Any) -> None:
         col = self.col
+        if self.output_hook is not None:
+            self.output_hook.remove()
+            self.output_hook = None
         if self._token is not None or not col._active:
             return
         try:
@@ -151,6 +157,9 @@ class _BackwardSpan:
             col._internal_error("module backward hook")
 
     def on_input_grad(self, grad: Any) -> None:
+        if self.input_hook is not None:
+            self.input_hook.remove()
+            self.input_hook = None
         token, self._token = self._token, None
         col = self.col
         if token is None or not col._active:
