@@ -47,7 +47,17 @@ from megascope.collectors.contexts import NOOP, CommHandle, SpanContext, StepCon
 from megascope.collectors.timing import Timer, make_timer, resolve_device
 from megascope.collectors.writer import Sink, Writer
 
-from megascope.schema import GROUPS, RANKS, CollectiveOp, GroupKind, MarkerState, RunMeta, SpanKind, Stream
+from megascope.schema import (
+    GROUPS,
+    RANKS,
+    CollectiveOp,
+    GroupKind,
+    MarkerState,
+    RunMeta,
+    RunSource,
+    SpanKind,
+    Stream,
+)
 from megascope.topology import Group
 
 log = logging.getLogger(__name__)
@@ -114,8 +124,12 @@ class Collector:
         self._writer.set_static("ranks", rows_to_table([self._rank_row()], RANKS))
         for group in groups or ():
             self._add_group(group)
-        if meta is not None and self.rank == 0:
-            self._writer.set_run_meta(meta)
+        if self.rank == 0:
+            # Without run.json a run directory is unreadable: a plain one stands in for a missing meta.
+            self._writer.set_run_meta(meta or RunMeta(
+                run_id=config.run_dir.name, source=RunSource.COLLECTOR.value, world_size=self.world_size,
+                start_ns=self.start_ns, device_name=None,
+            ))
         if config.flight_recorder:
             from megascope.collectors.flight_recorder import FlightRecorderPoller
 

@@ -254,3 +254,34 @@ def test_unwritable_run_dir_does_not_stop_a_distributed_job(tmp_path: Path) -> N
     got = sorted(results.get() for _ in range(2))
     assert [(r, total) for r, total, _ in got] == [(0, 15.0), (1, 15.0)]  # (1+2) x 5 steps on both
     assert all(errors > 0 for _, _, errors in got)
+
+
+# ---------------------------------------------------------------------------------------- SIGTERM
+def _parked_rank(rank: int, run: Path, progress: Any) -> None:
+    torch.set_num_threads(1)
+    cfg = CollectorConfig(run_dir=run, flush_interval_s=3600.0, device=torch.device("cpu"))  # only SIGTERM flushes
+    col = Collector(cfg, rank=rank, world_size=1)
+    step = 0
+    while True:
+        with col.step(step), col.span("forward", kind=SpanKind.FORWARD):
+            time.sleep(0.002)
+        progress.value = step
+        step += 1
+
+
+def test_sigterm_flushes_then_terminates(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    progress = tmp_mp.get_context("fork").Value("l", -1)
+    ctx = _launch(_parked_rank, 1, (run, progress), join=False)
+    proc = ctx.processes[0]
+    try:
+        deadline = time.monotonic() + 60
+        while progress.value < 10 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        done = progress.value
+        os.kill(proc.pid, signal.SIGTERM)
+    finally:
+        proc.join(timeout=30)
+    assert proc.exitcode == -signal.SIGTERM  # the default action still happens after the flush
+    steps = [s for (s,) in open_run(run).con.sql("SELECT step FROM spans WHERE kind = 'step' ORDER BY 1").fetchall()]
+    assert done >= 10 and steps[: done + 1] == list(range(done + 1))
