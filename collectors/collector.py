@@ -108,6 +108,7 @@ class Collector:
         self._internal_errors = 0
         self._warned: set[str] = set()
         self._dist: Any = None
+        self._heartbeat: Any = None
         self.device: Any = None
         if not self.enabled:
             return
@@ -136,6 +137,14 @@ class Collector:
             self._writer.pollers.append(FlightRecorderPoller(self))
         self._active = True
         self._writer.start()
+        if config.heartbeat_interval_s:
+            from megascope.collectors.heartbeat import HeartbeatSampler
+
+            # The same host string as the ranks table, so heartbeats join to ranks by host.
+            self._heartbeat = HeartbeatSampler(
+                config.run_dir, rank=self.rank, host=socket.gethostname(), interval_s=config.heartbeat_interval_s,
+                stats_fn=lambda: self.stats, log_path=os.environ.get("MEGASCOPE_LOG_PATH"),
+            ).start()
         self._install_exit_hooks()
 
     # ------------------------------------------------------------------ setup helpers
@@ -443,6 +452,8 @@ class Collector:
                 signal.signal(signal.SIGTERM, self._prev_sigterm)
         except Exception:
             pass
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
         self._writer.close(timeout_s=self.config.close_timeout_s)
         stats = self.stats
         if stats["rows_dropped"] or stats["write_errors"]:

@@ -322,3 +322,20 @@ def test_flight_recorder_entries_become_markers() -> None:
     stuck = dict(gloo, retired=False)
     assert [r[4] for r in entry_markers(stuck, "g", 0, now_ns=999)] == ["enqueued"]
     assert entry_markers({"collective_seq_id": 1, "is_p2p": True}, "g", 0, now_ns=1) == []
+
+
+def test_heartbeats_from_the_collector_join_its_rank_by_host(tmp_path: Path) -> None:
+    cfg = CollectorConfig(run_dir=tmp_path / "run", flush_interval_s=0.2, heartbeat_interval_s=0.1)
+    col = Collector(cfg, rank=0, world_size=1)
+    with col.step(0), col.span("forward", kind=SpanKind.FORWARD):
+        time.sleep(0.3)
+    col.close()
+    run = open_run(tmp_path / "run")
+    joined = run.con.execute("""
+        SELECT count(*), count(DISTINCT h.metric) FROM heartbeats h JOIN ranks r ON h.host = r.host
+        WHERE h.rank = 0
+    """).fetchone()
+    assert joined[0] > 0 and joined[1] > 3
+    # the collector's own counters ride along
+    assert run.con.execute("SELECT count(*) FROM heartbeats WHERE metric LIKE 'collector_%'").fetchone()[0] > 0
+    assert col.stats["rows_dropped"] == 0
