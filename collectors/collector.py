@@ -47,7 +47,17 @@ from megascope.collectors.contexts import NOOP, CommHandle, SpanContext, StepCon
 from megascope.collectors.timing import Timer, make_timer, resolve_device
 from megascope.collectors.writer import Sink, Writer
 
-from megascope.schema import GROUPS, RANKS, CollectiveOp, GroupKind, MarkerState, RunMeta, SpanKind, Stream
+from megascope.schema import (
+    GROUPS,
+    RANKS,
+    CollectiveOp,
+    GroupKind,
+    MarkerState,
+    RunMeta,
+    RunSource,
+    SpanKind,
+    Stream,
+)
 from megascope.topology import Group
 
 log = logging.getLogger(__name__)
@@ -98,6 +108,7 @@ class Collector:
         self._internal_errors = 0
         self._warned: set[str] = set()
         self._dist: Any = None
+        self._heartbeat: Any = None
         self.device: Any = None
         if not self.enabled:
             return
@@ -114,14 +125,26 @@ class Collector:
         self._writer.set_static("ranks", rows_to_table([self._rank_row()], RANKS))
         for group in groups or ():
             self._add_group(group)
-        if meta is not None and self.rank == 0:
-            self._writer.set_run_meta(meta)
+        if self.rank == 0:
+            # Without run.json a run directory is unreadable: a plain one stands in for a missing meta.
+            self._writer.set_run_meta(meta or RunMeta(
+                run_id=config.run_dir.name, source=RunSource.COLLECTOR.value, world_size=self.world_size,
+                start_ns=self.start_ns, device_name=None,
+            ))
         if config.flight_recorder:
             from megascope.collectors.flight_recorder import FlightRecorderPoller
 
             self._writer.pollers.append(FlightRecorderPoller(self))
         self._active = True
         self._writer.start()
+        if config.heartbeat_interval_s:
+            from megascope.collectors.heartbeat import HeartbeatSampler
+
+            # The same host string as the ranks table, so heartbeats join to ranks by host.
+            self._heartbeat = HeartbeatSampler(
+                config.run_dir, rank=self.rank, host=socket.gethostname(), interval_s=config.heartbeat_interval_s,
+                stats_fn=lambda: self.stats, log_path=os.environ.get("MEGASCOPE_LOG_PATH"),
+            ).start()
         self._install_exit_hooks()
 
     # ------------------------------------------------------------------ setup helpers
@@ -209,6 +232,15 @@ class Collector:
         self._add_group(group)
 
     @staticmethod
+    def _default_pg() -> Any:
+        try:
+            import torch.distributed as dist
+
+            return dist.group.WORLD if dist.is_initialized() else None
+        except Exception:
+            return None
+
+    @staticmethod
     def _default_group_name() -> str | None:
         try:
             import torch.distributed as dist
@@ -223,13 +255,15 @@ class Collector:
         """The megascope group id of a torch process group (registering a fallback if unknown)."""
         group = self._groups_by_pg.get(pg)
         if group is None:
-            group = self._fallback_group(pg)
+            if pg is not None and pg is self._default_pg():  # e.g. P2POp fills in the default group
+                group = self._groups_by_pg.get(None)
+            group = group or self._fallback_group(pg)
             self._groups_by_pg[pg] = group
             self._add_group(group)
         return group.id
 
     def _fallback_group(self, pg: Any) -> Group:
-        if pg is None:
+        if pg is None or pg is self._default_pg():
             return Group("world", GroupKind.WORLD.value, tuple(range(self.world_size)))
         try:
             import torch.distributed as dist
@@ -282,7 +316,7 @@ class Collector:
         """A ``step`` span; inside it every span, marker and metric belongs to ``step``."""
         if not self._active:
             return NOOP
-        return StepContext(self, int(step), Stream.COMPUTE.value)
+        return StepContext(self, int(step), Stream.HOST.value)
 
     def _close_span(self, token: Any, anchor: Any, stream: Any, step: int | None, name: str, kind: str, label: str,
                     microbatch: int | None, chunk: int | None, group: str | None, seq: int | None,
@@ -418,6 +452,8 @@ class Collector:
                 signal.signal(signal.SIGTERM, self._prev_sigterm)
         except Exception:
             pass
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
         self._writer.close(timeout_s=self.config.close_timeout_s)
         stats = self.stats
         if stats["rows_dropped"] or stats["write_errors"]:

@@ -10,6 +10,7 @@ script wrote, so an operator can switch the collector off or move its output wit
 ``MEGASCOPE_FLUSH_INTERVAL_S=2``      ``flush_interval_s``
 ``MEGASCOPE_MAX_BUFFERED_ROWS=N``     ``max_buffered_rows``
 ``MEGASCOPE_FLIGHT_RECORDER=1``       ``flight_recorder=True``
+``MEGASCOPE_HEARTBEAT_S=5``           ``heartbeat_interval_s`` (0 turns it off)
 ====================================  ===========================================
 
 Example::
@@ -74,6 +75,9 @@ class CollectorConfig:
     handle_sigterm: bool = True
     # close() waits at most this long for device events of the last spans; never synchronizes.
     close_timeout_s: float = 5.0
+    # Host, GPU and NIC heartbeats every this many seconds from a sampler thread (None: off).
+    # Silence is data: the analysis flags a rank whose heartbeats stop.
+    heartbeat_interval_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "run_dir", Path(self.run_dir))
@@ -85,6 +89,8 @@ class CollectorConfig:
             raise ConfigError(f"anchor_interval_s must be > 0, got {self.anchor_interval_s}")
         if self.close_timeout_s < 0:
             raise ConfigError(f"close_timeout_s must be >= 0, got {self.close_timeout_s}")
+        if self.heartbeat_interval_s is not None and not self.heartbeat_interval_s > 0:
+            raise ConfigError(f"heartbeat_interval_s must be > 0 or None, got {self.heartbeat_interval_s}")
 
     def with_env(self, environ: Mapping[str, str] | None = None) -> CollectorConfig:
         """This config with the ``MEGASCOPE_*`` overrides of ``environ`` (default ``os.environ``)."""
@@ -104,4 +110,7 @@ class CollectorConfig:
             )
         if "MEGASCOPE_FLIGHT_RECORDER" in env:
             changes["flight_recorder"] = _env_bool("MEGASCOPE_FLIGHT_RECORDER", env["MEGASCOPE_FLIGHT_RECORDER"])
+        if "MEGASCOPE_HEARTBEAT_S" in env:
+            seconds = _env_number("MEGASCOPE_HEARTBEAT_S", env["MEGASCOPE_HEARTBEAT_S"], float)
+            changes["heartbeat_interval_s"] = seconds if seconds > 0 else None
         return dataclasses.replace(self, **changes) if changes else self

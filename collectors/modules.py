@@ -8,8 +8,8 @@ of segments.
 How each span is taken:
 
 * forward: a forward pre-hook opens the span, a forward hook closes it;
-* backward: the forward hook registers ``output.register_hook`` (the gradient of the output is
-  ready: this module's backward starts) and the pre-hook registers ``input.register_hook`` on the
+* backward: the forward hook registers a pre-hook on the output's ``grad_fn`` (the gradient of
+  the output is ready: this module's backward starts) and the pre-hook registers ``input.register_hook`` on the
   first input tensor that requires grad (its gradient is ready: the backward ends). Module
   ``full_backward`` hooks are avoided on purpose: they cost 10-30x more per call and break the
   zero-bubble pipeline schedules of ``torch.distributed.pipelining``.
@@ -96,7 +96,8 @@ class _ModuleTimer:
             grad_input = _first_grad_tensor(args)
             if grad_input is not None:
                 backward = _BackwardSpan(col, self.name)
-                grad_input.register_hook(backward.on_input_grad)
+                # A hook on a leaf tensor outlives the graph: remove it once it has fired.
+                backward.input_hook = grad_input.register_hook(backward.on_input_grad)
             forward.__enter__()
             self._open.append((forward, backward))
         except Exception:
@@ -111,7 +112,12 @@ class _ModuleTimer:
             if backward is not None:
                 grad_output = _first_grad_tensor(output)
                 if grad_output is not None:
-                    grad_output.register_hook(backward.on_output_grad)
+                    # A pre-hook of the output's grad_fn runs after every tensor hook on the output,
+                    # among them the next module's "backward ended" hook: the spans then never overlap.
+                    if grad_output.grad_fn is not None:
+                        grad_output.grad_fn.register_prehook(backward.on_output_grad)
+                    else:
+                        backward.output_hook = grad_output.register_hook(backward.on_output_grad)
         except Exception:
             self.col._internal_error("module forward hook")
 
@@ -124,7 +130,7 @@ class _BackwardSpan:
     current step or micro-batch. Those come from the forward.
     """
 
-    __slots__ = ("col", "name", "step", "microbatch", "chunk", "_token", "_anchor")
+    __slots__ = ("col", "name", "step", "microbatch", "chunk", "_token", "_anchor", "input_hook", "output_hook")
 
     def __init__(self, col: Collector, name: str) -> None:
         self.col = col
@@ -134,9 +140,14 @@ class _BackwardSpan:
         self.chunk = col._chunk
         self._token: Any = None
         self._anchor: Any = None
+        self.input_hook: Any = None
+        self.output_hook: Any = None
 
     def on_output_grad(self, grad: Any) -> None:
         col = self.col
+        if self.output_hook is not None:
+            self.output_hook.remove()
+            self.output_hook = None
         if self._token is not None or not col._active:
             return
         try:
@@ -146,6 +157,9 @@ class _BackwardSpan:
             col._internal_error("module backward hook")
 
     def on_input_grad(self, grad: Any) -> None:
+        if self.input_hook is not None:
+            self.input_hook.remove()
+            self.input_hook = None
         token, self._token = self._token, None
         col = self.col
         if token is None or not col._active:

@@ -135,7 +135,8 @@ class Writer:
         self.timer = timer
         self.interval_s = interval_s
         self.capacity = capacity
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # one flush at a time
+        self._static_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._static: dict[str, pa.Table] = {}  # ranks / groups: whole files, rewritten when changed
@@ -150,12 +151,14 @@ class Writer:
         self._last_warning = -_WARN_EVERY_S
 
     # ---------------------------------------------------------------- what to write
+    # These take only the small static lock, never the flush lock: the caller may be the training
+    # thread, or a poller running inside a flush.
     def set_static(self, table: str, data: pa.Table) -> None:
-        with self.lock:
+        with self._static_lock:
             self._static[table] = data
 
     def set_run_meta(self, meta: RunMeta) -> None:
-        with self.lock:
+        with self._static_lock:
             self._run_meta = meta
 
     # ---------------------------------------------------------------- the thread
@@ -208,18 +211,23 @@ class Writer:
             self._write_rows(name, table_schema)
 
     def _write_static(self) -> None:
-        if self._run_meta is not None:
+        with self._static_lock:
+            meta, self._run_meta = self._run_meta, None
+            static, self._static = self._static, {}
+        if meta is not None:
             try:
-                layout.write_run_meta(self.run_dir, self._run_meta)
-                self._run_meta = None
+                layout.write_run_meta(self.run_dir, meta)
             except Exception as exc:
                 self._failed("run.json", exc)
-        for table, data in list(self._static.items()):
+                with self._static_lock:
+                    self._run_meta = self._run_meta or meta
+        for table, data in static.items():
             try:
                 layout.write_part(self.run_dir, table, data, rank=self.rank)
-                del self._static[table]
             except Exception as exc:
                 self._failed(table, exc)
+                with self._static_lock:
+                    self._static.setdefault(table, data)  # unless a newer version came meanwhile
 
     def _write_rows(self, name: str, table_schema: pa.Schema) -> None:
         rows = self.sink.buffer(name).drain()
