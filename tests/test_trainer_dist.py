@@ -129,7 +129,9 @@ def test_skew_delays_the_ranks_arrival_at_the_dp_sync(tmp_path: Path) -> None:
         FROM arr a JOIN groups g ON g.rank = a.rank AND g."group" IN (SELECT "group" FROM mine)
         GROUP BY a.step ORDER BY a.step""").fetchall()
     assert len(gaps) == 3
-    assert all(gap > 0.6 * ms * 1e6 for _, gap in gaps), gaps
+    # Step 0 carries one-time costs (first allocations, lazy initialisation) that differ between
+    # ranks by as much as the pause on a loaded machine; from step 1 on the pause stands out.
+    assert all(gap > 0.6 * ms * 1e6 for step, gap in gaps if step > 0), gaps
 
 
 def test_hang_times_out_the_job_and_leaves_the_trail(tmp_path: Path) -> None:

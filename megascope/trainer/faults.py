@@ -16,7 +16,9 @@ real incident would look, for the analyses to find.
   never returns) while its collector's writer thread keeps flushing the markers written so far. The
   other ranks then block in collectives that time out after ``--collective-timeout`` seconds.
 * ``skew:rank=R,ms=M``: a host sleep of M ms just before the rank starts its data-parallel
-  gradient sync (the first bucket of the step's last backward).
+  gradient sync. That sync begins inside the step's last backward (bucket by bucket), so the
+  pause comes right before that backward, outside every span (like a GC pause, nothing labels it);
+  the rank arrives M ms late at its dp reduce-scatters and its TP peers wait for it.
 
 Example::
 

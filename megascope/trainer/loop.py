@@ -151,13 +151,20 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -
     opt = ShardedOptimizer(stage, comm=comm, tp=ps.tp, dp=ps.dp, world=ps.world, dp_index=ps.dp_index,
                            tp_index=ps.tp_index, sequence_parallel=cfg.sequence_parallel, optimizer=cfg.optimizer,
                            lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-                           bucket_mb=cfg.bucket_mb, device=device, collector=col, before_sync=plan.before_dp_sync)
+                           bucket_mb=cfg.bucket_mb, device=device, collector=col)
     members = ps.pp.members
     seq_local = m.seq_len // ps.tp.size if cfg.sequence_parallel else m.seq_len
     io = StageIO(comm=comm, pg=ps.pp.pg,
                  prev=members[ps.pp_index - 1] if not ps.first_stage else None,
                  next=members[ps.pp_index + 1] if not ps.last_stage else None,
                  shape=(seq_local, cfg.micro_batch_size, m.hidden), device=device)
+
+    def before_last_backward() -> None:
+        # The DP gradient sync starts inside the last backward (bucket by bucket): the skew pause
+        # goes just before that backward, outside every span, as a real host hiccup would.
+        plan.before_dp_sync()
+        opt.arm()
+
     local_batch = cfg.global_batch // ps.dp.size
     rows = slice(ps.dp_index * local_batch, (ps.dp_index + 1) * local_batch)
     loss_scale = 1.0 / (cfg.micro_batches * ps.dp.size)
@@ -175,7 +182,7 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -
                 micro = [MicroBatch(tokens=c[:, :-1].t(), targets=c[:, 1:].t())
                          for c in batch.chunk(cfg.micro_batches, dim=0)]
                 loss = run_1f1b(stage, io, micro, stage_index=ps.pp_index, stages=ps.pp.size, collector=col,
-                                loss_scale=loss_scale, before_last_backward=opt.arm, autocast=autocast,
+                                loss_scale=loss_scale, before_last_backward=before_last_backward, autocast=autocast,
                                 burn=plan.burn)
                 grad_norm, global_loss = opt.step(lr, loss if counts_loss else None)
             col.metric("loss", global_loss, step=step)

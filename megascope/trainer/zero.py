@@ -117,14 +117,13 @@ class ShardedOptimizer:
     def __init__(self, model: nn.Module, *, comm: Comm | None, tp: Axis, dp: Axis, world: Axis,
                  dp_index: int, tp_index: int, sequence_parallel: bool, optimizer: str, lr: float,
                  weight_decay: float, grad_clip: float, bucket_mb: float, device: torch.device,
-                 collector: Any, before_sync: Callable[[], None]) -> None:
+                 collector: Any) -> None:
         self.comm = comm
         self.tp, self.dp, self.world = tp, dp, world
         self.dp_index = dp_index
         self.sync_tp = sequence_parallel and tp.size > 1
         self.grad_clip = grad_clip
         self.col = collector
-        self.before_sync = before_sync
         self.kind = optimizer
         bucket_elems = max(1, int(bucket_mb * 2**20 / 4))
         # Reverse definition order approximates the order gradients arrive in backward, so early
@@ -136,7 +135,6 @@ class ShardedOptimizer:
                         for ps in (decay, no_decay) if ps]
         self.weight_decays = [weight_decay if ps is decay else 0.0 for ps in (decay, no_decay) if ps]
         self._armed = False
-        self._synced_once = False
         # Master shards: this rank's slice of each buffer, as one flat fp32 parameter per buffer.
         self.masters: list[nn.Parameter] = []
         self.norm_weights: list[torch.Tensor] = []
@@ -201,12 +199,8 @@ class ShardedOptimizer:
     def arm(self) -> None:
         """The next backward is the step's last: launch each bucket's sync as it fills."""
         self._armed = True
-        self._synced_once = False
 
     def _launch(self, buf: FlatBuffer, bucket: _Bucket) -> None:
-        if not self._synced_once:
-            self._synced_once = True
-            self.before_sync()
         if self.sync_tp and bucket.replicated:
             assert self.comm is not None
             for s, e in bucket.replicated:
