@@ -67,10 +67,15 @@ class _ChromeWriter:
         self.resolved = resolved
         self.stats = stats
         self.threads_named: set[tuple[int, int]] = set()
+        # Timestamps are written relative to a whole second before the first event, which goes to the
+        # document as Kineto's ``baseTimeNanoseconds``: epoch microseconds need 16+ digits, more than
+        # a JSON reader's double keeps, so absolute ``ts`` values would lose their nanoseconds.
+        (first,) = run.cursor().execute("SELECT min(start_ns) FROM spans").fetchone() or (None,)
+        lowest = int(first) + int(resolved.rank_offsets_ns.min(initial=0)) if first is not None else 0
+        self.base_ns = max(0, lowest // 1_000_000_000 * 1_000_000_000 - 1_000_000_000)
 
     def process_events(self, ranks: Iterable[int]) -> list[dict[str, Any]]:
-        rows = self.run.cursor().execute("SELECT rank, host, pp, dp, tp FROM ranks").fetchall()
-        info = {int(r): (h, {"pp": pp, "dp": dp, "tp": tp}) for r, h, pp, dp, tp in rows}
+        info = self.resolved.rank_info
         events: list[dict[str, Any]] = []
         stragglers = set(self.resolved.stragglers)
         for rank in ranks:
@@ -90,7 +95,7 @@ class _ChromeWriter:
         stream_idx, stream_dict = chunk.codes("stream")
         codes = np.array([stream_code(s or "") for s in stream_dict], dtype=np.int64)
         start, dur = chunk.start_ns, chunk.dur_ns
-        track = assign_lanes(track_base(chunk.rank, codes[stream_idx]), start, start + dur)
+        track, _, _ = assign_lanes(track_base(chunk.rank, codes[stream_idx]), start, start + dur)
         tid = (track & np.uint64(0xFFFFFF)).astype(np.int64)
         meta_lines = []
         for rank, t in sorted({(int(r), int(x)) for r, x in zip(chunk.rank.tolist(), tid.tolist(), strict=True)}):
@@ -124,7 +129,7 @@ class _ChromeWriter:
         pid = pc.cast(pa.array(chunk.rank + 1), pa.string())
         tids = pc.cast(pa.array(tid), pa.string())
         lines = pc.binary_join_element_wise(
-            _lit('{"ph":"X","pid":', n), pid, _lit(',"tid":', n), tids, _lit(',"ts":', n), _micros(start),
+            _lit('{"ph":"X","pid":', n), pid, _lit(',"tid":', n), tids, _lit(',"ts":', n), _micros(start - self.base_ns),
             _lit(',"dur":', n), _micros(dur), _lit(',"name":', n), names, _lit(',"cat":', n), kinds,
             _lit(',"args":{', n), joined_args, _lit("}}", n), "")
         event_rank = chunk.rank
@@ -138,8 +143,8 @@ class _ChromeWriter:
             rows = np.flatnonzero((kinds_np == kind) & seq_ok & peer_ok)
             if not len(rows):
                 continue
-            rank, other = chunk.rank[rows], peer[rows]
-            sender, receiver = (rank, other) if phase == "s" else (other, rank)
+            own, other = chunk.rank[rows], peer[rows]
+            sender, receiver = (own, other) if phase == "s" else (other, own)
             ids = p2p_flow_ids(sender, receiver, seq[rows])
             ts = start[rows] if phase == "s" else start[rows] + np.maximum(dur[rows] - 1, 0)
             m = len(rows)
@@ -147,9 +152,9 @@ class _ChromeWriter:
             flows.append((pc.binary_join_element_wise(
                 _lit(f'{{"ph":"{phase}","cat":"p2p","name":"send to recv","id":"0x', m),
                 pa.array([format(int(i), "x") for i in ids.tolist()], pa.string()),
-                _lit('","pid":', m), pc.cast(pa.array(rank + 1), pa.string()), _lit(',"tid":', m),
-                pc.cast(pa.array(tid[rows]), pa.string()), _lit(',"ts":', m), _micros(ts), _lit(f"{extra}}}", m), ""),
-                rank))
+                _lit('","pid":', m), pc.cast(pa.array(own + 1), pa.string()), _lit(',"tid":', m),
+                pc.cast(pa.array(tid[rows]), pa.string()), _lit(',"ts":', m), _micros(ts - self.base_ns), _lit(f"{extra}}}", m), ""),
+                own))
             self.stats.flows += m
         if flows:
             lines = pa.concat_arrays([lines, *(f for f, _ in flows)])
@@ -214,7 +219,7 @@ def export_chrome(
         _export_split(run, resolved, writer, Path(out) if not hasattr(out, "write") else None, other, chunk_rows)
     else:
         with output_stream(out) as stream:
-            doc = _JsonFile(stream, other)
+            doc = _JsonFile(stream, other, {"baseTimeNanoseconds": writer.base_ns})
             doc.lines(json.dumps(e) for e in writer.process_events(int(r) for r in resolved.ranks))
             for chunk in iter_span_chunks(run, resolved, chunk_rows=chunk_rows):
                 lines, _, meta = writer.chunk_lines(chunk)
@@ -240,7 +245,8 @@ def _export_split(run: Run, resolved: Resolved, writer: _ChromeWriter, out: Path
     def write_rank(rank: int, lines: pa.Array | None, meta: list[str]) -> None:
         with output_stream(out / f"rank-{rank:05d}.json") as stream:
             # HTA reads each file's rank from distributedInfo
-            doc = _JsonFile(stream, other, {"distributedInfo": {"rank": rank, "world_size": world}})
+            doc = _JsonFile(stream, other, {"distributedInfo": {"rank": rank, "world_size": world},
+                                            "baseTimeNanoseconds": writer.base_ns})
             doc.lines(json.dumps(e) for e in writer.process_events([rank]))
             doc.lines(meta)
             if lines is not None:

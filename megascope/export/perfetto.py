@@ -19,7 +19,7 @@ Times are host wall-clock epoch ns plus the host's clock offset from
 
 Low-volume packets (descriptors, interned strings, metadata) go through the ``perfetto`` package's
 ``StreamingTraceProtoBuilder``; the per-span packets through :mod:`megascope.export.protowire`,
-a vectorised encoder, because one Python protobuf object per span would be ~20x slower. The same run
+a vectorised encoder, because building one Python protobuf object per span costs microseconds. The same run
 and selection always give the same bytes: track ids, flow ids and the write order derive from data.
 
 Example::
@@ -51,8 +51,14 @@ from megascope.export.common import CountingWriter, ExportStats, as_run, make_se
 from megascope.export.protowire import encode
 from megascope.export.selection import Resolved, resolve
 from megascope.export.source import DEFAULT_CHUNK_ROWS, SpanChunk, iter_span_chunks
-from megascope.export.tracks import assign_lanes, event_order, process_uuid, step_counter_uuid, stream_code, \
-    stream_sort_key, track_base
+from megascope.export.tracks import (
+    assign_lanes,
+    process_uuid,
+    step_counter_uuid,
+    stream_code,
+    stream_sort_key,
+    track_base,
+)
 from megascope.schema import SpanKind
 from megascope.store import Run
 
@@ -150,6 +156,7 @@ class _PerfettoWriter:
         self.stream_names: dict[int, str] = {}
         self.group_hashes: dict[str, int] = {}
         self.ranks_with_processes: set[int] = set()
+        self.job_steps: dict[int, tuple[int, int]] = {}  # step -> (first start, slowest rank's duration)
 
     # ---- descriptors and metadata ------------------------------------------------------------
 
@@ -184,12 +191,11 @@ class _PerfettoWriter:
         self._write_processes()
 
     def _write_processes(self) -> None:
-        cur = self.run.cursor()
-        rows = cur.execute('SELECT rank, host, pp, dp, tp FROM ranks ORDER BY host, rank').fetchall()
-        hosts = {int(r): (h, {"pp": pp, "dp": dp, "tp": tp}) for r, h, pp, dp, tp in rows}
+        hosts = self.resolved.rank_info
         selected = [int(r) for r in self.resolved.ranks]
-        # ranks the ranks table misses still get a process, after the known hosts
-        ordered = [r for r, *_ in rows if int(r) in set(selected)] + [r for r in selected if r not in hosts]
+        # host order groups a host's ranks together; ranks the ranks table misses come last
+        ordered = sorted((r for r in selected if r in hosts), key=lambda r: (hosts[r][0], r))
+        ordered += [r for r in selected if r not in hosts]
         stragglers = set(self.resolved.stragglers)
         for rank in ordered:
             rank = int(rank)
@@ -257,7 +263,7 @@ class _PerfettoWriter:
             self.stream_names.setdefault(c, s or "")
         start = chunk.start_ns
         end = start + chunk.dur_ns
-        track = assign_lanes(track_base(chunk.rank, codes_of_dict[stream_idx]), start, end)
+        track, span_index, is_end = assign_lanes(track_base(chunk.rank, codes_of_dict[stream_idx]), start, end)
         self._stream_tracks(track)
 
         name_idx, name_dict = chunk.codes("name")
@@ -307,7 +313,6 @@ class _PerfettoWriter:
             signature |= ok.astype(np.int64) << bit
         signature |= begin_flow.astype(np.int64) << len(present)
 
-        span_index, is_end = event_order(track, start, end)
         ev_sig = np.where(is_end, (1 << 20) + is_recv[span_index].astype(np.int64), signature[span_index])
         by_sig = np.argsort(ev_sig, kind="stable")
         bounds = np.flatnonzero(np.diff(ev_sig[by_sig])) + 1
@@ -334,6 +339,11 @@ class _PerfettoWriter:
         is_step = kinds == SpanKind.STEP
         if is_step.any():
             self._step_counters(chunk.rank[is_step], start[is_step], chunk.dur_ns[is_step])
+            step, step_ok = chunk.ints["step"]
+            for s, t, d in zip(step[is_step & step_ok].tolist(), start[is_step & step_ok].tolist(),
+                               chunk.dur_ns[is_step & step_ok].tolist(), strict=True):
+                first, slowest = self.job_steps.get(s, (t, d))
+                self.job_steps[s] = (min(first, t), max(slowest, d))
 
     def _step_counters(self, ranks: I64, start: I64, dur: I64) -> None:
         for rank in np.unique(ranks).tolist():
@@ -365,18 +375,13 @@ class _PerfettoWriter:
         self.cur.register("_export_ranks", pa.table({"rank": pa.array(self.resolved.ranks, pa.int32())}))
 
     def write_job_counters(self) -> None:
+        """The job's step time (its slowest rank) and MFU, per step, from the step spans seen."""
         self._offsets_table()
-        rows = self.cur.execute(
-            f"""SELECT s.step, min(s.start_ns + coalesce(o.offset_ns, 0)) AS t, max(s.dur_ns) AS slowest
-                FROM spans s LEFT JOIN _export_offsets o USING (rank)
-                WHERE s.kind = 'step' AND s.step IS NOT NULL AND s.rank IN (SELECT rank FROM _export_ranks)
-                  AND {self.resolved.span_filter_sql()}
-                GROUP BY s.step ORDER BY s.step"""
-        ).fetchall()
-        if not rows:
+        if not self.job_steps:
             return
-        ts = np.array([r[1] for r in rows], dtype=np.int64)
-        slowest = np.array([r[2] for r in rows], dtype=np.float64)
+        steps = sorted(self.job_steps)
+        ts = np.array([self.job_steps[s][0] for s in steps], dtype=np.int64)
+        slowest = np.array([self.job_steps[s][1] for s in steps], dtype=np.float64)
         self._write_counters(ts, np.full(len(ts), JOB_TRACK_UUID + 1, dtype=np.uint64), slowest / 1e6)
         meta = self.run.meta
         if meta.model_flops_per_step and meta.peak_flops_per_device:
@@ -393,7 +398,7 @@ class _PerfettoWriter:
             return
         offsets = {h: o for h, (o, _) in self.resolved.host_offsets.items()}
         self.cur.register("_export_hosts", pa.table({
-            "host": pa.array(hosts, pa.string()), "offset_ns": pa.array([offsets.get(h, 0) for h in hosts], pa.int64())}))
+            "host": pa.array(hosts, pa.string()), "offset_ns": pa.array([offsets.get(h, 0) + self.resolved.shift_ns for h in hosts], pa.int64())}))
         window = ""
         if self.resolved.window is not None:
             lo, hi = self.resolved.window
@@ -402,7 +407,7 @@ class _PerfettoWriter:
         reader = self.cur.sql(
             f"""SELECT h.host, h.rank, h.device, h.metric, h.time_ns + x.offset_ns AS t, h.value
                 FROM heartbeats h JOIN _export_hosts x USING (host)
-                WHERE h.value IS NOT NULL AND isfinite(h.value)
+                WHERE h.value IS NOT NULL AND isfinite(h.value) AND h.time_ns + x.offset_ns >= 0
                   AND (h.rank IS NULL OR h.rank IN (SELECT rank FROM _export_ranks)) {window}
                 ORDER BY h.host, h.rank NULLS FIRST, h.device NULLS FIRST, h.metric, t"""
         ).to_arrow_reader(200_000)

@@ -30,9 +30,6 @@ from megascope.store import Run
 
 log = logging.getLogger(__name__)
 
-# At most this many stragglers seed an --around-stragglers selection (worst first).
-MAX_STRAGGLERS = 8
-
 _RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
 
 
@@ -136,8 +133,10 @@ class Resolved:
     rank_offsets_ns: npt.NDArray[np.int64]  # indexed by rank, 0 for unknown ranks
     host_offsets: dict[str, tuple[int, int | None]]  # host -> (offset_ns, error_ns)
     clock_source: str  # "analysis" or "none"
+    shift_ns: int = 0  # added to every time (already inside rank_offsets_ns) so none is negative
     stragglers: list[int] = field(default_factory=list)
     selection: Selection = field(default_factory=Selection)
+    rank_info: dict[int, tuple[str, dict[str, int | None]]] = field(default_factory=dict)  # rank -> (host, coords)
 
     @property
     def max_abs_offset_ns(self) -> int:
@@ -149,7 +148,7 @@ class Resolved:
         if self.steps is not None:
             clauses.append(f"step BETWEEN {int(self.steps[0])} AND {int(self.steps[1])}")
         if self.window is not None:
-            margin = self.max_abs_offset_ns if margin_ns is None else margin_ns
+            margin = self.max_abs_offset_ns + self.shift_ns if margin_ns is None else margin_ns
             clauses.append(f"start_ns <= {int(self.window[1]) + margin}")
             clauses.append(f"start_ns + dur_ns >= {int(self.window[0]) - margin}")
         return " AND ".join(clauses) if clauses else "TRUE"
@@ -159,6 +158,7 @@ class Resolved:
         return {
             "clock_correction": self.clock_source,
             "clock_offsets_ns": {h: {"offset_ns": o, "error_ns": e} for h, (o, e) in sorted(self.host_offsets.items())},
+            "time_shift_ns": self.shift_ns,
             "selection": self.selection.describe(),
             "stragglers": self.stragglers,
         }
@@ -203,15 +203,23 @@ def window_from_seconds(run: Run, start_s: float, end_s: float) -> tuple[int, in
 def resolve(run: Run, selection: Selection) -> Resolved:
     """Make ``selection`` concrete for ``run``: ranks, offsets and (if asked) the stragglers."""
     cur = run.cursor()
-    host_rows = cur.execute("SELECT rank, host FROM ranks ORDER BY rank").fetchall()
-    known = {int(r) for (r,) in cur.execute("SELECT DISTINCT rank FROM spans").fetchall()}
-    known |= {int(r) for r, _ in host_rows}
+    rank_rows = cur.execute("SELECT rank, host, pp, dp, tp FROM ranks ORDER BY rank").fetchall()
+    host_rows = [(r, h) for r, h, *_ in rank_rows]
+    # one scan of the spans: which ranks wrote any, and the earliest time
+    firsts = dict(cur.execute("SELECT rank, min(start_ns) FROM spans GROUP BY rank").fetchall())
+    known = {int(r) for r in firsts} | {int(r) for r, _ in host_rows}
     host_offsets, source = _clock_offsets(run)
     size = max([*known, run.meta.world_size - 1, 0]) + 1
     rank_offsets = np.zeros(size, dtype=np.int64)
     for rank, host in host_rows:
         if host in host_offsets:
             rank_offsets[int(rank)] = host_offsets[host][0]
+
+    # Trace timestamps are unsigned: a run whose corrected times go below zero (relative clocks)
+    # is shifted as a whole, and the metadata says by how much.
+    corrected = [int(t) + int(rank_offsets[int(r)]) for r, t in firsts.items() if t is not None]
+    shift = max(0, -min(corrected)) if corrected else 0
+    rank_offsets += shift
 
     ranks = sorted(known)
     stragglers: list[int] = []
@@ -235,6 +243,8 @@ def resolve(run: Run, selection: Selection) -> Resolved:
         rank_offsets_ns=rank_offsets,
         host_offsets=host_offsets,
         clock_source=source,
+        shift_ns=shift,
         stragglers=stragglers,
         selection=selection,
+        rank_info={int(r): (h, {"pp": pp, "dp": dp, "tp": tp}) for r, h, pp, dp, tp in rank_rows},
     )

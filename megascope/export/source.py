@@ -1,9 +1,8 @@
 """Stream the selected spans out of the store in chunks of whole ranks, clocks corrected.
 
-Role in the data flow: the one reader both exporters use. It asks DuckDB how many spans each
-selected rank has, packs consecutive ranks into chunks of about ``chunk_rows`` spans, and reads one
-chunk at a time (the run's files are partitioned by rank, so each query touches only that chunk's
-files). Memory therefore follows the chunk, not the run: a 12,288-rank run costs what a 64-rank one
+Role in the data flow: the one reader both exporters use. It reads the selected spans in one
+streaming scan, rank by rank, and cuts the stream into chunks of about ``chunk_rows`` spans at rank
+boundaries. Memory therefore follows the chunk, not the run: a 12,288-rank run costs what a 64-rank one
 does, per chunk. A chunk holds whole ranks so that the slices of one track are ordered in one place.
 
 Each chunk comes back as a :class:`SpanChunk`: numpy columns, with ``start_ns`` already shifted by
@@ -12,7 +11,7 @@ its host's clock offset and spans outside the time window dropped.
 Example::
 
     for chunk in iter_span_chunks(run, resolved):
-        chunk.start_ns, chunk.rank, chunk.name.dictionary
+        chunk.start_ns, chunk.rank, chunk.codes("name")
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from megascope.errors import ExportError
 from megascope.export.selection import Resolved
 from megascope.store import Run
 
@@ -77,56 +77,69 @@ def _int_column(table: pa.Table, name: str) -> tuple[npt.NDArray[np.int64], npt.
     return values, valid
 
 
-def _rank_counts(run: Run, resolved: Resolved) -> list[tuple[int, int]]:
-    cur = run.cursor()
-    cur.register("_export_ranks", pa.table({"rank": pa.array(resolved.ranks, pa.int32())}))
-    return [(int(r), int(n)) for r, n in cur.execute(
-        f"SELECT rank, count(*) FROM spans WHERE rank IN (SELECT rank FROM _export_ranks) "
-        f"AND {resolved.span_filter_sql()} GROUP BY rank ORDER BY rank"
-    ).fetchall()]
-
-
-def plan_chunks(counts: list[tuple[int, int]], chunk_rows: int) -> list[list[int]]:
-    """Consecutive ranks packed into chunks of about ``chunk_rows`` spans (a rank is never split)."""
-    chunks: list[list[int]] = []
-    current: list[int] = []
-    rows = 0
-    for rank, n in counts:
-        if current and rows + n > chunk_rows:
-            chunks.append(current)
-            current, rows = [], 0
-        current.append(rank)
-        rows += n
-    if current:
-        chunks.append(current)
-    return chunks
+def _to_chunk(table: pa.Table, resolved: Resolved) -> SpanChunk:
+    rank = table.column("rank").to_numpy().astype(np.int64)
+    offsets = resolved.rank_offsets_ns[rank] if len(resolved.rank_offsets_ns) else np.zeros_like(rank)
+    start = table.column("start_ns").to_numpy().astype(np.int64) + offsets
+    dur = np.maximum(table.column("dur_ns").to_numpy().astype(np.int64), 0)
+    chunk = SpanChunk(
+        rank=rank,
+        start_ns=start,
+        dur_ns=dur,
+        ints={c: _int_column(table, c) for c in ("step", "microbatch", "chunk", "seq", "bytes", "peer")},
+        strings={c: pc.dictionary_encode(table.column(c).combine_chunks()) for c in _STRINGS},
+    )
+    if resolved.window is not None:
+        lo, hi = resolved.window  # corrected epoch ns, without the non-negativity shift
+        keep = (start - resolved.shift_ns <= hi) & (start + dur - resolved.shift_ns >= lo)
+        if not keep.all():
+            chunk = chunk.take(np.flatnonzero(keep))
+    return chunk
 
 
 def iter_span_chunks(run: Run, resolved: Resolved, *, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> Iterator[SpanChunk]:
-    """The selected spans, a few whole ranks at a time, in rank order."""
+    """The selected spans, a few whole ranks at a time, in rank order.
+
+    One streaming scan: the store lists each rank's parts in rank order and DuckDB keeps that
+    order (``preserve_insertion_order``), so batches arrive rank by rank; a chunk is cut at the
+    last rank boundary once ``chunk_rows`` rows are buffered and the open rank carries over.
+    """
+    if not len(resolved.ranks):
+        return
     cols = ", ".join(f'"{c}"' for c in _COLUMNS)
-    where = resolved.span_filter_sql()
-    for ranks in plan_chunks(_rank_counts(run, resolved), chunk_rows):
-        listed = ", ".join(map(str, ranks))
-        table = run.cursor().sql(
-            f"SELECT {cols} FROM spans WHERE rank BETWEEN {ranks[0]} AND {ranks[-1]} "
-            f"AND rank IN ({listed}) AND {where}"
-        ).to_arrow_table()
-        rank = table.column("rank").to_numpy().astype(np.int64)
-        offsets = resolved.rank_offsets_ns[rank] if len(resolved.rank_offsets_ns) else np.zeros_like(rank)
-        start = table.column("start_ns").to_numpy().astype(np.int64) + offsets
-        dur = np.maximum(table.column("dur_ns").to_numpy().astype(np.int64), 0)
-        chunk = SpanChunk(
-            rank=rank,
-            start_ns=start,
-            dur_ns=dur,
-            ints={c: _int_column(table, c) for c in ("step", "microbatch", "chunk", "seq", "bytes", "peer")},
-            strings={c: pc.dictionary_encode(table.column(c).combine_chunks()) for c in _STRINGS},
-        )
-        if resolved.window is not None:
-            lo, hi = resolved.window
-            keep = (start <= hi) & (start + dur >= lo)
-            if not keep.all():
-                chunk = chunk.take(np.flatnonzero(keep))
+    # plain range filters only: a semi-join would let DuckDB return rows out of file order
+    lo, hi = int(resolved.ranks[0]), int(resolved.ranks[-1])
+    reader = run.cursor().sql(
+        f"SELECT {cols} FROM spans WHERE rank BETWEEN {lo} AND {hi} AND {resolved.span_filter_sql()}"
+    ).to_arrow_reader(min(chunk_rows, 1 << 17))
+    every_rank = len(resolved.ranks) == hi - lo + 1
+    pending: list[pa.RecordBatch] = []
+    rows = 0
+    done_below = -1  # every rank <= this one has been emitted
+    for batch in reader:
+        if not every_rank:
+            batch = batch.filter(pa.array(np.isin(batch.column(0).to_numpy(), resolved.ranks)))
+        if not batch.num_rows:
+            continue
+        ranks = batch.column(0).to_numpy()
+        if int(ranks.min()) <= done_below or (len(ranks) > 1 and (np.diff(ranks) < 0).any()):
+            raise ExportError(f"{run.path}: spans did not arrive in rank order; cannot stream the export")
+        pending.append(batch)
+        rows += batch.num_rows
+        if rows < chunk_rows:
+            continue
+        table = pa.Table.from_batches(pending)
+        last = int(ranks[-1])
+        cut = int(np.searchsorted(table.column("rank").to_numpy(), last, side="left"))
+        if cut == 0:  # one rank bigger than a chunk: keep reading it
+            continue
+        chunk = _to_chunk(table.slice(0, cut), resolved)
+        pending = table.slice(cut).to_batches()
+        rows = table.num_rows - cut
+        done_below = last - 1
+        if len(chunk):
+            yield chunk
+    if pending:
+        chunk = _to_chunk(pa.Table.from_batches(pending), resolved)
         if len(chunk):
             yield chunk

@@ -18,8 +18,7 @@ exports the same bytes.
 Example::
 
     base = track_base(ranks, stream_codes(streams))
-    lanes = assign_lanes(base, start, end)
-    order, is_end = event_order(base | lanes, start, end)
+    track, span_index, is_end = assign_lanes(base, start, end)
 """
 
 from __future__ import annotations
@@ -124,14 +123,16 @@ def _greedy_lanes(start: I64, end: I64) -> I64:
     return lanes
 
 
-def assign_lanes(base: U64, start: I64, end: I64) -> U64:
-    """``base`` with a lane added where spans of one track overlap without nesting."""
+def assign_lanes(base: U64, start: I64, end: I64) -> tuple[U64, I64, npt.NDArray[np.bool_]]:
+    """``base`` with a lane added where spans of one track overlap without nesting, and the
+    write order of the events on the final tracks (as :func:`event_order` gives it)."""
     span_index, is_end = event_order(base, start, end)
     bad = nesting_violations(base, span_index, is_end)
     if len(bad) == 0:
-        return base
+        return base, span_index, is_end
     out = base.copy()
     for track in bad.tolist():
         rows = np.flatnonzero(base == np.uint64(track))
         out[rows] = base[rows] | _greedy_lanes(start[rows], end[rows]).astype(np.uint64)
-    return out
+    span_index, is_end = event_order(out, start, end)
+    return out, span_index, is_end
