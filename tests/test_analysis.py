@@ -208,7 +208,8 @@ def test_collective_arithmetic(tmp_path: Path) -> None:
     assert inst == [(3, 2, 6 * MS, 1 * MS, "dp")]
     steps = run.con.execute(
         "SELECT rank, own_ns, wait_ns, xfer_ns, last_count FROM ms_cache.rank_step ORDER BY rank").fetchall()
-    assert steps == [(0, 10 * MS, 6 * MS, 1 * MS, 0), (1, 10 * MS, 6 * MS, 1 * MS, 0), (2, 16 * MS, 0, 1 * MS, 1)]
+    # Own time is the step minus waiting for others; the transfer (1 ms) is everyone's own.
+    assert steps == [(0, 11 * MS, 6 * MS, 1 * MS, 0), (1, 11 * MS, 6 * MS, 1 * MS, 0), (2, 17 * MS, 0, 1 * MS, 1)]
 
 
 def test_hang_follows_waiters_to_the_root(tmp_path: Path) -> None:

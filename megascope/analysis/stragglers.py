@@ -88,7 +88,9 @@ def _attribute(c: pd.DataFrame, sizes: dict[str, int]) -> pd.DataFrame:
         "optimizer": _pos(c, "ex_optimizer_ns"),
         "compute": _pos(c, "ex_compute_ns"),
     }
-    compute = sum(compute_parts.values())
+    # Cause from exclusive compute (nested module spans and collective waits inside compute spans
+    # removed); the phase from the raw per-kind excess.
+    compute = _pos(c, "ex_compute_excl_ns")
     data = _pos(c, "ex_data_ns")
     host_spans = _pos(c, "ex_host_ns")
     # Own time that no compute or data span explains is host time: the CPU lagged or paused.
@@ -116,10 +118,11 @@ def stragglers(con: duckdb.DuckDBPyConnection, config: StragglerConfig | None = 
     config = config or StragglerConfig()
     prepare(con)
     score(con, config)
-    c = _sql.query_df(con, "stragglers", "candidates", min_frac=config.min_frac, min_steps=config.min_steps)
+    c = _sql.query_df(con, "stragglers", "candidates", min_frac=config.min_frac, min_steps=config.min_steps,
+                      min_slowdown=config.min_slowdown, z=config.z)
     if c.empty:
         return pd.DataFrame({col: pd.Series(dtype="object") for col in COLUMNS})
-    own_slow = c["steps_slow_frac"] >= config.min_frac
+    own_slow = c["straggler"].fillna(False).astype(bool)
     out_own = c[own_slow].copy()
     if not out_own.empty:
         row = con.execute(
@@ -127,7 +130,8 @@ def stragglers(con: duckdb.DuckDBPyConnection, config: StragglerConfig | None = 
         ).fetchone() or (1, 1, 1)
         sizes = {"tp": max(int(row[0]), 1), "dp": max(int(row[1]), 1), "pp": max(int(row[2]), 1), "other": 2}
         out_own = pd.concat([out_own, _attribute(out_own, sizes)], axis=1)
-    out_comm = c[~own_slow].copy()
+    out_comm = c[~own_slow & (c["steps_comm_slow_frac"] >= config.min_frac)
+                 & (c["steps_slow_frac"] < config.min_frac)].copy()
     if not out_comm.empty:
         out_comm["cause"] = "communication"
         out_comm["phase"] = "comm"
@@ -135,7 +139,10 @@ def stragglers(con: duckdb.DuckDBPyConnection, config: StragglerConfig | None = 
         out_comm["steps_slow_frac"] = out_comm["steps_comm_slow_frac"]
         out_comm["excess_ns"] = np.nan
         out_comm["late_at"] = None
-    out = pd.concat([f for f in (out_own, out_comm) if not f.empty], ignore_index=True)
+    parts = [f for f in (out_own, out_comm) if not f.empty]
+    if not parts:
+        return pd.DataFrame({col: pd.Series(dtype="object") for col in COLUMNS})
+    out = pd.concat(parts, ignore_index=True)
     out["impact"] = (out["slowdown"].astype(float) - 1.0) * out["steps_slow_frac"].astype(float)
     out = out.sort_values(["impact", "rank"], ascending=[False, True], kind="stable")
     return out[COLUMNS].reset_index(drop=True)
