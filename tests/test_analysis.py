@@ -244,3 +244,32 @@ def test_cache_follows_a_growing_run_and_serves_cursors(runs: dict[str, Path], t
     thread.start()
     thread.join()
     assert seen == [4]
+
+
+def test_drift_names_the_collective_and_the_rank(tmp_path: Path) -> None:
+    # Rank 2 reaches the gradient sync 1 ms later every step (a growing host delay, MegaScale's
+    # MFU-drift case); compute is the same for everyone, so step time grows with it.
+    spans = []
+    t0 = 0
+    for step in range(12):
+        late = step * MS
+        step_len = (20 + 2) * MS + late
+        for r in range(3):
+            arrive = t0 + 20 * MS + (late if r == 2 else 0)
+            spans += [
+                _span(r, step, "step", t0, step_len),
+                _span(r, step, "forward", t0, 20 * MS),
+                _span(r, step, "collective", arrive, t0 + step_len - arrive, group="dp:0", seq=step,
+                      name="dp.reduce_scatter"),
+            ]
+        t0 += step_len
+    run = open_run(_hand_run(tmp_path / "run", spans, []))
+    drift = analysis.skew_drift(run.con)
+    assert drift["drifting"] is True
+    top = drift["collectives"][0]
+    assert top["name"] == "dp.reduce_scatter" and top["group_kind"] == "dp"
+    assert [r["rank"] for r in top["ranks"]] == [2]
+    per_step = analysis.mfu(run.con, run.meta)
+    assert analysis.mfu_drift(per_step)["drifting"] is True
+    flat = per_step.assign(step_time_ns=22 * MS)
+    assert analysis.mfu_drift(flat)["drifting"] is False

@@ -171,7 +171,7 @@ def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None) -> Non
         say("matching collectives")
         _sql.execute(con, "base", "inst")
         say("splitting step time per rank")
-        probe = con.execute("SELECT min(rank) FROM ms_cache.rank_info").fetchone()
+        probe = _sql.first(con.execute("SELECT min(rank) FROM ms_cache.rank_info"))
         nested = [str(k) for (k,) in _sql.execute(con, "base", "nested_kinds", rank=int(probe[0]) if probe and probe[0] is not None else 0).fetchall()]
         _sql.execute(con, "base", "rank_step", nested_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in nested if k.isalnum()) + "]::VARCHAR[]"))
         _sql.execute(con, "base", "add_unknown_ranks")
