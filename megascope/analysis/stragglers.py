@@ -46,6 +46,8 @@ class StragglerConfig:
     ``min_frac``: share of steps that must be slow (persistence; one-off hiccups are not stragglers).
     ``rel_floor``: the z-score's scale is at least this fraction of the median, so noise-free
     synthetic peers do not turn 0.1% differences into huge scores.
+    ``last_z``: a rank last to arrive at its collectives this many standard deviations more often
+    than chance is a straggler when its own time is at least ``min_slowdown`` x its peers'.
     """
 
     min_slowdown: float = 1.05
@@ -53,6 +55,7 @@ class StragglerConfig:
     min_frac: float = 0.3
     min_steps: int = 2
     rel_floor: float = 0.01
+    last_z: float = 3.0
 
     def __post_init__(self) -> None:
         if self.min_slowdown <= 1.0:
@@ -119,7 +122,7 @@ def stragglers(con: duckdb.DuckDBPyConnection, config: StragglerConfig | None = 
     prepare(con)
     score(con, config)
     c = _sql.query_df(con, "stragglers", "candidates", min_frac=config.min_frac, min_steps=config.min_steps,
-                      min_slowdown=config.min_slowdown, z=config.z)
+                      min_slowdown=config.min_slowdown, z=config.z, last_z=config.last_z)
     if c.empty:
         return pd.DataFrame({col: pd.Series(dtype="object") for col in COLUMNS})
     own_slow = c["straggler"].fillna(False).astype(bool)
@@ -143,6 +146,8 @@ def stragglers(con: duckdb.DuckDBPyConnection, config: StragglerConfig | None = 
     if not parts:
         return pd.DataFrame({col: pd.Series(dtype="object") for col in COLUMNS})
     out = pd.concat(parts, ignore_index=True)
+    # Named through arrivals alone: its slowdown over the whole run.
+    out["slowdown"] = out["slowdown"].astype(float).fillna(out["median_slowdown"].astype(float))
     out["impact"] = (out["slowdown"].astype(float) - 1.0) * out["steps_slow_frac"].astype(float)
     out = out.sort_values(["impact", "rank"], ascending=[False, True], kind="stable")
     return out[COLUMNS].reset_index(drop=True)

@@ -146,6 +146,8 @@ FROM g LEFT JOIN kinds ON kinds."group" = g.grp;
 -- @column coll_tp, coll_dp, coll_pp, coll_other  collectives by group kind
 -- @column last_tp, last_dp, last_pp, last_other  of which it arrived last
 -- @column last_count     their sum
+-- @column last_expected, last_var, last_peer  in groups of peers ({{peer_kinds}}: same stage),
+--                        last arrivals expected by chance (sum of 1/n), their variance, and seen
 CREATE OR REPLACE TABLE ms_cache.rank_step AS
 WITH lvl AS (
     -- One scan of the spans, grouped by (rank, step, collective group): a group's collectives
@@ -175,7 +177,8 @@ WITH lvl AS (
     GROUP BY s.rank, s.step, grp
 ), per_group AS (
     SELECT grp, step, any_value(group_kind) AS group_kind, count(*) FILTER (WHERE n >= 2) AS instances,
-           count(*) AS all_instances, sum(last_arrival_ns) AS last_arrival_sum
+           count(*) AS all_instances, sum(last_arrival_ns) AS last_arrival_sum,
+           sum(1.0 / n) FILTER (WHERE n >= 2) AS last_expected, sum((1.0 / n) * (1 - 1.0 / n)) FILTER (WHERE n >= 2) AS last_var
     FROM ms_cache.inst GROUP BY grp, step
 ), lasts AS (
     SELECT last_rank AS rank, step,
@@ -186,6 +189,8 @@ WITH lvl AS (
     FROM ms_cache.inst WHERE n >= 2 GROUP BY last_rank, step
 ), waited AS (
     SELECT l.*, coalesce(k.offset_ns, 0) AS offset_ns, coalesce(k.stage, 0) AS stage, p.group_kind, p.instances,
+           CASE WHEN p.all_instances = l.coll_spans THEN p.last_expected END AS last_expected,
+           CASE WHEN p.all_instances = l.coll_spans THEN p.last_var END AS last_var,
            -- Wait in a group's collectives: the sum over its instances of (last arrival - own
            -- arrival), no join back to the spans needed. Bounded by the extent of those spans:
            -- asynchronous buckets overlap each other and must not count their wait twice.
@@ -208,6 +213,9 @@ WITH lvl AS (
            coalesce(sum(coll_wait) FILTER (WHERE list_contains({{nested_kinds}}, group_kind)), 0) AS nested_wait,
            coalesce(sum(coll_ns), 0) AS coll_ns, coalesce(sum(recv_ns), 0) AS recv_ns,
            coalesce(sum(send_ns), 0) AS send_ns, coalesce(sum(coll_wait), 0) AS coll_wait,
+           -- Chance of being last, counted where members are each other's peers (same stage).
+           coalesce(sum(last_expected) FILTER (WHERE list_contains({{peer_kinds}}, CASE WHEN group_kind IN ('tp', 'dp', 'pp') THEN group_kind ELSE 'other' END)), 0) AS last_expected,
+           coalesce(sum(last_var) FILTER (WHERE list_contains({{peer_kinds}}, CASE WHEN group_kind IN ('tp', 'dp', 'pp') THEN group_kind ELSE 'other' END)), 0) AS last_var,
            coalesce(sum(instances) FILTER (WHERE group_kind = 'tp'), 0) AS coll_tp,
            coalesce(sum(instances) FILTER (WHERE group_kind = 'dp'), 0) AS coll_dp,
            coalesce(sum(instances) FILTER (WHERE group_kind = 'pp'), 0) AS coll_pp,
@@ -230,6 +238,11 @@ SELECT j.rank, j.step, j.stage, j.step_ns,
        j.recv_ns AS p2p_wait_ns,
        coalesce(j.step_ns, j.last_raw - j.first_raw) - j.coll_wait - j.recv_ns AS own_ns,
        j.coll_tp + j.coll_dp + j.coll_pp + j.coll_other AS coll_count,
+       j.last_expected, j.last_var,
+       coalesce(CASE WHEN list_contains({{peer_kinds}}, 'tp') THEN l.last_tp ELSE 0 END
+                + CASE WHEN list_contains({{peer_kinds}}, 'dp') THEN l.last_dp ELSE 0 END
+                + CASE WHEN list_contains({{peer_kinds}}, 'pp') THEN l.last_pp ELSE 0 END
+                + CASE WHEN list_contains({{peer_kinds}}, 'other') THEN l.last_other ELSE 0 END, 0) AS last_peer,
        j.coll_tp, j.coll_dp, j.coll_pp, j.coll_other,
        coalesce(l.last_tp + l.last_dp + l.last_pp + l.last_other, 0) AS last_count,
        coalesce(l.last_tp, 0) AS last_tp, coalesce(l.last_dp, 0) AS last_dp,

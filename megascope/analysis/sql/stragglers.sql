@@ -56,13 +56,15 @@ SELECT rs.rank, rs.step, rs.stage, p.n, rs.own_ns, rs.step_ns, rs.xfer_ns, rs.wa
        rs.host_ns - ms_cache.loo(p.n, p.sum_host, rs.host_ns, p.med_host) AS ex_host_ns,
        (rs.xfer_ns - p.med_xfer) / greatest(1.4826 * m.mad_xfer, {{rel_floor}} * abs(p.med_xfer), 1) AS z_xfer,
        rs.xfer_ns / nullif(ms_cache.loo(p.n, p.sum_xfer, rs.xfer_ns, p.med_xfer), 0) AS xfer_ratio,
-       rs.coll_count, rs.last_count, rs.coll_tp, rs.coll_dp, rs.coll_pp, rs.coll_other, rs.last_tp, rs.last_dp, rs.last_pp, rs.last_other
+       rs.coll_count, rs.last_count, rs.last_expected, rs.last_var, rs.last_peer, rs.coll_tp, rs.coll_dp, rs.coll_pp, rs.coll_other, rs.last_tp, rs.last_dp, rs.last_pp, rs.last_other
 FROM rs JOIN p USING (stage, step) JOIN m USING (stage, step);
 
 -- @statement rank_scores
 -- One row per rank: how often and how much it was slow against its peers.
--- sigma is the run's noise: the robust spread of log(own / baseline) over all rank-steps (most are
--- healthy). On a quiet GPU job it is about 1%; eight ranks sharing two CPU cores reach 30-50%.
+-- sigma is the run's noise: how much a rank's log(own / baseline) varies from step to step (robust
+-- spread per rank, median over ranks). A persistent straggler is steady, so this does not absorb
+-- it even with two peers. On a quiet GPU job it is about 1%; eight ranks sharing two CPU cores
+-- reach 30-50%.
 -- A step is slow for a rank when own time is at least max({{min_slowdown}}, exp(2 sigma)) x the
 -- baseline and, with five or more peers, its robust z-score is at least {{z}}; strictly slow
 -- when also above exp({{z}} sigma). A step is comm-slow when own time is not slow but the
@@ -73,12 +75,23 @@ FROM rs JOIN p USING (stage, step) JOIN m USING (stage, step);
 -- @column ex_*_ns       median excess over its slow steps
 -- @column sigma         the run's noise
 -- @column last_arrival_frac  share of its collectives where it arrived last
+-- @column last_z        t-statistic over steps of how far above chance (1 / group size) it
+--                       arrived last among its peers (same-stage groups)
 -- @column last_tp, last_dp, last_pp, last_other  that share per group kind
 CREATE OR REPLACE TABLE ms_cache.rank_scores AS
-WITH noise AS (
-    SELECT coalesce(1.4826 * median(abs(ln(slowdown))), 0) AS sigma,
-           coalesce(1.4826 * median(abs(ln(xfer_ratio))) FILTER (WHERE xfer_ratio > 0), 0) AS xsigma
-    FROM ms_cache.peer_step WHERE slowdown > 0 AND n >= 2
+WITH per_rank AS (
+    SELECT rank, 1.4826 * mad(ln(slowdown)) AS s,
+           1.4826 * mad(ln(xfer_ratio)) FILTER (WHERE xfer_ratio > 0) AS xs
+    FROM ms_cache.peer_step WHERE slowdown > 0 AND n >= 2 GROUP BY rank
+), cross_rank AS (
+    -- Transfer times are shared by a group's members, so a slow link shows in several ranks at
+    -- once: judge them against the spread across ranks as well, the larger of the two.
+    SELECT coalesce(1.4826 * median(abs(ln(xfer_ratio))), 0) AS xs
+    FROM ms_cache.peer_step WHERE xfer_ratio > 0 AND n >= 2
+), noise AS (
+    SELECT coalesce(median(s), 0) AS sigma,
+           greatest(coalesce(median(per_rank.xs), 0), any_value(cross_rank.xs)) AS xsigma
+    FROM per_rank, cross_rank
 ), f AS (
     SELECT p.*, noise.sigma,
            coalesce(slowdown >= greatest({{min_slowdown}}, exp(2 * noise.sigma)) AND (n < 5 OR z_own >= {{z}}), false) AS slow,
@@ -103,6 +116,11 @@ SELECT rank, any_value(stage) AS stage, count(*) AS steps, any_value(sigma) AS s
        median(ex_host_ns) FILTER (WHERE slow) AS ex_host_ns,
        median(base_own_ns) AS base_own_ns,
        sum(last_count) / nullif(sum(coll_count), 0) AS last_arrival_frac,
+       -- Arrival orders within a step are correlated (one delay makes a rank last at many
+       -- collectives), so the test is over steps: a t-statistic of the per-step excess.
+       avg((last_peer - last_expected) / nullif(sqrt(last_var), 0))
+           / greatest(stddev_samp((last_peer - last_expected) / nullif(sqrt(last_var), 0)), 0.25)
+           * sqrt(count(last_var) FILTER (WHERE last_var > 0)) AS last_z,
        sum(last_tp) / nullif(sum(coll_tp), 0) AS last_tp, sum(last_dp) / nullif(sum(coll_dp), 0) AS last_dp,
        sum(last_pp) / nullif(sum(coll_pp), 0) AS last_pp, sum(last_other) / nullif(sum(coll_other), 0) AS last_other,
        max(z_own) AS max_z
@@ -110,14 +128,28 @@ FROM f GROUP BY rank;
 
 -- @statement candidates
 -- Stragglers and comm-slow ranks, with place and host. A straggler is slow in at least
--- {{min_frac}} of its steps and either strictly slow that often, or slow over the whole run: its
--- median slowdown beats the noise of a median of that many steps (1.25 sigma / sqrt(steps)) by
--- z = {{z}}. Persistent mild slowness is found on quiet runs, only gross slowness on noisy ones.
-SELECT s.*, i.host, i.pp, i.dp, i.tp,
+-- {{min_frac}} of its steps, and beats two kinds of noise:
+--   * step noise: either strictly slow in half its steps, or its median slowdown over the run
+--     beats the noise of a median of that many steps (1.25 sigma / sqrt(steps)) by z = {{z}};
+--   * rank noise: healthy ranks differ a little, persistently (sys = robust spread of the ranks'
+--     median slowdowns; with fewer than five ranks it cannot be told from the straggler and is 0).
+-- Persistent mild slowness is found on quiet runs, only gross slowness on noisy ones. Or: it is
+-- the last arriver of its collectives {{last_z}} standard deviations above chance, and slower.
+WITH sys AS (
+    SELECT CASE WHEN count(*) >= 5 THEN coalesce(1.4826 * mad(ln(median_slowdown)), 0) ELSE 0 END AS sys
+    FROM ms_cache.rank_scores WHERE median_slowdown > 0
+)
+SELECT s.*, i.host, i.pp, i.dp, i.tp, sys.sys,
        s.slow_steps / s.steps AS steps_slow_frac, s.comm_slow_steps / s.steps AS steps_comm_slow_frac,
-       (s.slow_steps / s.steps >= {{min_frac}}
-        AND (s.strict_steps / s.steps >= {{min_frac}}
-             OR s.median_slowdown >= greatest({{min_slowdown}}, exp({{z}} * 1.25 * s.sigma / sqrt(s.steps))))) AS straggler
-FROM ms_cache.rank_scores s JOIN ms_cache.rank_info i USING (rank)
+       coalesce(
+           (s.slow_steps / s.steps >= {{min_frac}}
+            AND ((s.strict_steps / s.steps >= greatest({{min_frac}}, 0.5) AND s.slowdown >= exp({{z}} * sys.sys))
+                 OR s.median_slowdown >= greatest({{min_slowdown}},
+                                                   exp({{z}} * sqrt(pow(1.25 * s.sigma, 2) / s.steps + pow(sys.sys, 2))))))
+           -- The last to arrive among its peers, far more often than chance, with longer own
+           -- time: the straggler even when noise hides the size of its slowdown.
+           OR (s.last_z >= {{last_z}} AND s.median_slowdown >= {{min_slowdown}}), false) AS straggler
+FROM ms_cache.rank_scores s JOIN ms_cache.rank_info i USING (rank), sys
 WHERE s.steps >= {{min_steps}}
-  AND (s.slow_steps / s.steps >= {{min_frac}} OR s.comm_slow_steps / s.steps >= {{min_frac}});
+  AND (s.slow_steps / s.steps >= {{min_frac}} OR s.comm_slow_steps / s.steps >= {{min_frac}}
+       OR s.last_z >= {{last_z}});
