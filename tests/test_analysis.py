@@ -208,7 +208,8 @@ def test_collective_arithmetic(tmp_path: Path) -> None:
     assert inst == [(3, 2, 6 * MS, 1 * MS, "dp")]
     steps = run.con.execute(
         "SELECT rank, own_ns, wait_ns, xfer_ns, last_count FROM ms_cache.rank_step ORDER BY rank").fetchall()
-    assert steps == [(0, 10 * MS, 6 * MS, 1 * MS, 0), (1, 10 * MS, 6 * MS, 1 * MS, 0), (2, 16 * MS, 0, 1 * MS, 1)]
+    # Own time is the step minus waiting for others; the transfer (1 ms) is everyone's own.
+    assert steps == [(0, 11 * MS, 6 * MS, 1 * MS, 0), (1, 11 * MS, 6 * MS, 1 * MS, 0), (2, 17 * MS, 0, 1 * MS, 1)]
 
 
 def test_hang_follows_waiters_to_the_root(tmp_path: Path) -> None:
@@ -243,3 +244,32 @@ def test_cache_follows_a_growing_run_and_serves_cursors(runs: dict[str, Path], t
     thread.start()
     thread.join()
     assert seen == [4]
+
+
+def test_drift_names_the_collective_and_the_rank(tmp_path: Path) -> None:
+    # Rank 2 reaches the gradient sync 1 ms later every step (a growing host delay, MegaScale's
+    # MFU-drift case); compute is the same for everyone, so step time grows with it.
+    spans = []
+    t0 = 0
+    for step in range(12):
+        late = step * MS
+        step_len = (20 + 2) * MS + late
+        for r in range(3):
+            arrive = t0 + 20 * MS + (late if r == 2 else 0)
+            spans += [
+                _span(r, step, "step", t0, step_len),
+                _span(r, step, "forward", t0, 20 * MS),
+                _span(r, step, "collective", arrive, t0 + step_len - arrive, group="dp:0", seq=step,
+                      name="dp.reduce_scatter"),
+            ]
+        t0 += step_len
+    run = open_run(_hand_run(tmp_path / "run", spans, []))
+    drift = analysis.skew_drift(run.con)
+    assert drift["drifting"] is True
+    top = drift["collectives"][0]
+    assert top["name"] == "dp.reduce_scatter" and top["group_kind"] == "dp"
+    assert [r["rank"] for r in top["ranks"]] == [2]
+    per_step = analysis.mfu(run.con, run.meta)
+    assert analysis.mfu_drift(per_step)["drifting"] is True
+    flat = per_step.assign(step_time_ns=22 * MS)
+    assert analysis.mfu_drift(flat)["drifting"] is False

@@ -26,6 +26,7 @@ import re
 import threading
 from functools import cache
 from importlib import resources
+from typing import Any
 
 import duckdb
 
@@ -67,6 +68,13 @@ def _literal(name: str, value: object) -> str:
     raise ValueError(f"SQL placeholder {name}: unsupported value {value!r}")
 
 
+def first(result: duckdb.DuckDBPyConnection) -> tuple[Any, ...] | None:
+    """The first row of a result, reading it to the end: DuckDB refuses new work on a connection
+    whose last result is still open."""
+    rows = result.fetchall()
+    return rows[0] if rows else None
+
+
 def render(module: str, name: str, **params: object) -> str:
     sql = statements(module)[name]
 
@@ -101,9 +109,9 @@ def fingerprint(con: duckdb.DuckDBPyConnection) -> str:
 def cache_is_fresh(con: duckdb.DuckDBPyConnection, table: str) -> bool:
     """Whether ``ms_cache.<table>`` exists and was built for the current views."""
     try:
-        row = con.execute(
+        row = first(con.execute(
             f"SELECT fingerprint FROM {CACHE_SCHEMA}.built WHERE name = ?", [table]
-        ).fetchone()
+        ))
     except duckdb.CatalogException:
         return False
     return row is not None and row[0] == fingerprint(con)

@@ -171,7 +171,13 @@ def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None) -> Non
         say("matching collectives")
         _sql.execute(con, "base", "inst")
         say("splitting step time per rank")
-        _sql.execute(con, "base", "rank_step")
+        probe = _sql.first(con.execute("SELECT min(rank) FROM ms_cache.rank_info"))
+        nested = [str(k) for (k,) in _sql.execute(con, "base", "nested_kinds", rank=int(probe[0]) if probe and probe[0] is not None else 0).fetchall()]
+        stages = _sql.first(con.execute("SELECT count(DISTINCT stage) FROM ms_cache.rank_info"))
+        # Groups whose members do the same work: TP and DP; with one stage every group.
+        peer_kinds = ["tp", "dp"] if stages and stages[0] > 1 else ["tp", "dp", "pp", "other"]
+        _sql.execute(con, "base", "rank_step", peer_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in peer_kinds) + "]::VARCHAR[]"),
+                     nested_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in nested if k.isalnum()) + "]::VARCHAR[]"))
         _sql.execute(con, "base", "add_unknown_ranks")
         _sql.mark_built(con, "base")
         log.info("base tables built for %d steps", len(steps))

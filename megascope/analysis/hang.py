@@ -42,7 +42,7 @@ STATES = ("healthy", "slow", "waiting", "silent", "hung")
 
 
 def _median_step_ns(con: duckdb.DuckDBPyConnection) -> float:
-    row = con.execute("SELECT median(step_ns) FROM ms_cache.rank_step WHERE step_ns IS NOT NULL").fetchone()
+    row = _sql.first(con.execute("SELECT median(step_ns) FROM ms_cache.rank_step WHERE step_ns IS NOT NULL"))
     return float(row[0]) if row and row[0] is not None else 0.0
 
 
@@ -56,14 +56,14 @@ def _silent(activity: pd.DataFrame, median_step_ns: float) -> pd.Series:
 
 def _finished(con: duckdb.DuckDBPyConnection) -> bool:
     """Whether every rank wrote a step span for the run's last step (then nothing can be stuck)."""
-    row = con.execute(
+    row = _sql.first(con.execute(
         """
         WITH last AS (SELECT max(step) AS step FROM ms_cache.rank_step),
         done AS (SELECT count(DISTINCT r.rank) AS n FROM ms_cache.rank_step r, last
                  WHERE r.step = last.step AND r.step_ns IS NOT NULL)
         SELECT done.n = (SELECT count(*) FROM ms_cache.rank_info) AND done.n > 0 FROM done
         """
-    ).fetchone()
+    ))
     return bool(row and row[0])
 
 
@@ -166,7 +166,7 @@ def localize(run: Run) -> dict[str, Any]:
     con = run.cursor()
     member_frame, activity = hang_tables(con)
     members: list[Record] = [{str(k): v for k, v in m.items()} for m in member_frame.to_dict("records")]
-    row = con.execute("SELECT count(*) > 0 FROM markers").fetchone()
+    row = _sql.first(con.execute("SELECT count(*) > 0 FROM markers"))
     has_markers = bool(row and row[0])
     places: dict[int, Record] = {
         int(r["rank"]): {str(k): v for k, v in r.items()}

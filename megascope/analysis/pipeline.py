@@ -20,8 +20,8 @@ from megascope.analysis import _sql
 from megascope.analysis.base import _sample_steps, prepare
 from megascope.analysis.timeline import _has_step_spans
 
-EXPOSED_SAMPLE_STEPS = 5
-EXPOSED_RANKS_PER_STAGE = 16
+EXPOSED_SAMPLE_STEPS = 3
+EXPOSED_RANKS_PER_STAGE = 4
 
 
 def bubbles(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
@@ -33,7 +33,7 @@ def bubbles(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
 def exposed_comm(con: duckdb.DuckDBPyConnection, *, steps: list[int] | None = None) -> pd.DataFrame:
     """Per (group_kind, name): spans, comm_ns, overlapped_ns, exposed_ns, exposed_frac.
 
-    ``steps`` defaults to up to five steps spread over the run; up to 16 ranks per pipeline stage
+    ``steps`` defaults to up to three steps spread over the run; up to 4 ranks per pipeline stage
     are sampled.
     """
     prepare(con)

@@ -22,6 +22,7 @@ from typing import Any
 import duckdb
 import pandas as pd
 
+from megascope.analysis import _sql
 from megascope.analysis.base import prepare
 from megascope.analysis.hang import localize
 from megascope.analysis.pipeline import bubbles, exposed_comm
@@ -81,7 +82,7 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
     con = run.cursor()
     prepare(con, progress=say)
     axes = tuple(run.meta.mesh_axes)
-    steps_row = con.execute("SELECT count(DISTINCT step), min(step), max(step) FROM ms_cache.rank_step").fetchone()
+    steps_row = _sql.first(con.execute("SELECT count(DISTINCT step), min(step), max(step) FROM ms_cache.rank_step"))
     n_steps = int(steps_row[0]) if steps_row else 0
     say("scoring stragglers")
     slow = stragglers(con, config)
@@ -109,7 +110,7 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
             "path": str(run.path), "source": run.meta.source, "run_id": run.meta.run_id,
             "world_size": run.meta.world_size, "mesh": mesh, "steps": n_steps,
             "first_step": steps_row[1] if steps_row else None, "last_step": steps_row[2] if steps_row else None,
-            "ranks_seen": int(con.execute("SELECT count(*) FROM ms_cache.rank_info").fetchone()[0]),  # type: ignore[index]
+            "ranks_seen": int(_sql.first(con.execute("SELECT count(*) FROM ms_cache.rank_info"))[0]),  # type: ignore[index]
             "step_time_ns": median_step,
         },
         "mfu": {

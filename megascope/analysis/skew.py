@@ -24,6 +24,8 @@ from megascope.analysis.base import prepare
 from megascope.errors import ConfigError
 
 GROUP_KINDS = ("tp", "dp", "pp", "world", "other")
+MIN_DRIFT_STEPS = 8
+MIN_R2 = 0.5
 
 
 def skew(con: duckdb.DuckDBPyConnection, *, group_kind: str | None = None, limit: int | None = None) -> pd.DataFrame:
@@ -50,14 +52,15 @@ def skew_drift(con: duckdb.DuckDBPyConnection, *, step_time_ns: float | None = N
                min_growth_frac: float = 0.02) -> dict[str, object]:
     """Name the collectives whose last arrivals grow later over the run, and the ranks behind it.
 
-    A collective drifts when its last arriver's lateness (last minus median arrival) grows by at
-    least ``min_growth_frac`` of the median step time over the run. Returns {drifting (bool),
+    A collective drifts when its last arriver's lateness (last minus mean arrival) grows by at
+    least ``min_growth_frac`` of the median step time over the run, steadily (the linear trend
+    explains at least half of its variance) and over at least eight steps. Returns {drifting (bool),
     collectives: [{name, group_kind, late_growth_ns, late_slope_ns_per_step, ranks: [{rank,
     times_last, late_growth_ns}]}]}.
     """
     by = skew_by_collective(con)
     if step_time_ns is None:
-        row = con.execute("SELECT median(coalesce(step_ns, extent_ns)) FROM ms_cache.rank_step").fetchone()
+        row = _sql.first(con.execute("SELECT median(coalesce(step_ns, extent_ns)) FROM ms_cache.rank_step"))
         step_time_ns = float(row[0]) if row and row[0] is not None else 0.0
     threshold = max(min_growth_frac * step_time_ns, 1.0)
     by = by.reset_index(drop=True)
@@ -66,7 +69,8 @@ def skew_drift(con: duckdb.DuckDBPyConnection, *, step_time_ns: float | None = N
     con.unregister("_ms_skew_df")
     drifting: list[dict[str, Any]] = []
     for idx, coll in enumerate(by.to_dict("records")):
-        if coll["late_growth_ns"] < threshold or coll["last_step"] - coll["first_step"] < 3:
+        # Growth that is large, steady (the trend explains the scatter) and seen over enough steps.
+        if coll["late_growth_ns"] < threshold or coll["steps"] < MIN_DRIFT_STEPS or coll["late_r2"] < MIN_R2:
             continue
         ranks = _sql.query_df(con, "skew", "growing_ranks", name_index=idx)
         ranks = ranks[ranks["late_growth_ns"] >= threshold / 2]

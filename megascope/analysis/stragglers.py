@@ -46,6 +46,8 @@ class StragglerConfig:
     ``min_frac``: share of steps that must be slow (persistence; one-off hiccups are not stragglers).
     ``rel_floor``: the z-score's scale is at least this fraction of the median, so noise-free
     synthetic peers do not turn 0.1% differences into huge scores.
+    ``last_z``: a rank last to arrive at its collectives this many standard deviations more often
+    than chance is a straggler when its own time is at least ``min_slowdown`` x its peers'.
     """
 
     min_slowdown: float = 1.05
@@ -53,6 +55,7 @@ class StragglerConfig:
     min_frac: float = 0.3
     min_steps: int = 2
     rel_floor: float = 0.01
+    last_z: float = 3.0
 
     def __post_init__(self) -> None:
         if self.min_slowdown <= 1.0:
@@ -64,7 +67,7 @@ class StragglerConfig:
 
 
 def has_step_spans(con: duckdb.DuckDBPyConnection) -> bool:
-    row = con.execute("SELECT count(*) FROM ms_cache.rank_step WHERE step_ns IS NOT NULL").fetchone()
+    row = _sql.first(con.execute("SELECT count(*) FROM ms_cache.rank_step WHERE step_ns IS NOT NULL"))
     return bool(row and row[0])
 
 
@@ -88,7 +91,9 @@ def _attribute(c: pd.DataFrame, sizes: dict[str, int]) -> pd.DataFrame:
         "optimizer": _pos(c, "ex_optimizer_ns"),
         "compute": _pos(c, "ex_compute_ns"),
     }
-    compute = sum(compute_parts.values())
+    # Cause from exclusive compute (nested module spans and collective waits inside compute spans
+    # removed); the phase from the raw per-kind excess.
+    compute = _pos(c, "ex_compute_excl_ns")
     data = _pos(c, "ex_data_ns")
     host_spans = _pos(c, "ex_host_ns")
     # Own time that no compute or data span explains is host time: the CPU lagged or paused.
@@ -116,18 +121,20 @@ def stragglers(con: duckdb.DuckDBPyConnection, config: StragglerConfig | None = 
     config = config or StragglerConfig()
     prepare(con)
     score(con, config)
-    c = _sql.query_df(con, "stragglers", "candidates", min_frac=config.min_frac, min_steps=config.min_steps)
+    c = _sql.query_df(con, "stragglers", "candidates", min_frac=config.min_frac, min_steps=config.min_steps,
+                      min_slowdown=config.min_slowdown, z=config.z, last_z=config.last_z)
     if c.empty:
         return pd.DataFrame({col: pd.Series(dtype="object") for col in COLUMNS})
-    own_slow = c["steps_slow_frac"] >= config.min_frac
+    own_slow = c["straggler"].fillna(False).astype(bool)
     out_own = c[own_slow].copy()
     if not out_own.empty:
-        row = con.execute(
+        row = _sql.first(con.execute(
             "SELECT count(DISTINCT tp), count(DISTINCT dp), count(DISTINCT pp) FROM ms_cache.rank_info"
-        ).fetchone() or (1, 1, 1)
+        )) or (1, 1, 1)
         sizes = {"tp": max(int(row[0]), 1), "dp": max(int(row[1]), 1), "pp": max(int(row[2]), 1), "other": 2}
         out_own = pd.concat([out_own, _attribute(out_own, sizes)], axis=1)
-    out_comm = c[~own_slow].copy()
+    out_comm = c[~own_slow & (c["steps_comm_slow_frac"] >= config.min_frac)
+                 & (c["steps_slow_frac"] < config.min_frac)].copy()
     if not out_comm.empty:
         out_comm["cause"] = "communication"
         out_comm["phase"] = "comm"
@@ -135,7 +142,12 @@ def stragglers(con: duckdb.DuckDBPyConnection, config: StragglerConfig | None = 
         out_comm["steps_slow_frac"] = out_comm["steps_comm_slow_frac"]
         out_comm["excess_ns"] = np.nan
         out_comm["late_at"] = None
-    out = pd.concat([f for f in (out_own, out_comm) if not f.empty], ignore_index=True)
+    parts = [f for f in (out_own, out_comm) if not f.empty]
+    if not parts:
+        return pd.DataFrame({col: pd.Series(dtype="object") for col in COLUMNS})
+    out = pd.concat(parts, ignore_index=True)
+    # Named through arrivals alone: its slowdown over the whole run.
+    out["slowdown"] = out["slowdown"].astype(float).fillna(out["median_slowdown"].astype(float))
     out["impact"] = (out["slowdown"].astype(float) - 1.0) * out["steps_slow_frac"].astype(float)
     out = out.sort_values(["impact", "rank"], ascending=[False, True], kind="stable")
     return out[COLUMNS].reset_index(drop=True)

@@ -41,7 +41,7 @@ PHASES: dict[str, str] = {
 
 
 def _has_step_spans(con: duckdb.DuckDBPyConnection) -> bool:
-    row = con.execute("SELECT count(*) FROM ms_cache.rank_step WHERE step_ns IS NOT NULL").fetchone()
+    row = _sql.first(con.execute("SELECT count(*) FROM ms_cache.rank_step WHERE step_ns IS NOT NULL"))
     return bool(row and row[0])
 
 
@@ -66,9 +66,9 @@ def heatmap(con: duckdb.DuckDBPyConnection, *, phase: str = "step", max_ranks: i
         if value is not None and value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
     prepare(con)
-    n_ranks, n_steps = con.execute(
+    n_ranks, n_steps = _sql.first(con.execute(
         "SELECT count(DISTINCT rank), count(DISTINCT step) FROM ms_cache.rank_step"
-    ).fetchone() or (0, 0)
+    )) or (0, 0)
     rank_per_bin = max(1, math.ceil(n_ranks / max_ranks)) if max_ranks else 1
     step_per_bin = max(1, math.ceil(n_steps / max_steps)) if max_steps else 1
     return _sql.query_df(
@@ -103,6 +103,10 @@ def mfu(con: duckdb.DuckDBPyConnection, meta: RunMeta) -> pd.DataFrame:
     return steps[["step", "step_time_ns", "mfu", "tokens_per_s", "ranks"]]
 
 
+# Fewer steps than this cannot tell a drift from noise.
+MIN_DRIFT_STEPS = 8
+
+
 def mfu_drift(per_step: pd.DataFrame, *, skip_first: int = 1, min_change: float = 0.03) -> dict[str, object]:
     """Does step time (hence MFU) drift over the run? A robust slope (Theil-Sen) of step time.
 
@@ -110,9 +114,12 @@ def mfu_drift(per_step: pd.DataFrame, *, skip_first: int = 1, min_change: float 
     first_step, last_step}. ``drifting`` when the fitted change is at least ``min_change``.
     """
     frame = per_step.iloc[skip_first:] if len(per_step) > skip_first + 2 else per_step
+    if "ranks" in frame and len(frame):
+        # Steps not every rank finished (a hang, a crash) say nothing about drift.
+        frame = frame[frame["ranks"] == frame["ranks"].max()]
     x = frame["step"].to_numpy(dtype=float)
     y = frame["step_time_ns"].to_numpy(dtype=float)
-    if len(x) < 3:
+    if len(x) < MIN_DRIFT_STEPS:
         return {"drifting": False, "slope_ns_per_step": 0.0, "change_frac": 0.0,
                 "first_step": None, "last_step": None}
     # Theil-Sen on at most ~200 points: pairwise slopes of a subsample keep it cheap.
@@ -124,5 +131,8 @@ def mfu_drift(per_step: pd.DataFrame, *, skip_first: int = 1, min_change: float 
     intercept = float(np.median(ys - slope * xs))
     start = intercept + slope * xs[0]
     change = slope * (xs[-1] - xs[0]) / start if start > 0 else 0.0
-    return {"drifting": bool(abs(change) >= min_change), "slope_ns_per_step": slope, "change_frac": float(change),
+    # A trend must stand out of the scatter around it, not only be large.
+    residual = float(np.median(np.abs(ys - (intercept + slope * xs)))) * 1.4826
+    clear = abs(slope * (xs[-1] - xs[0])) >= 3.0 * residual
+    return {"drifting": bool(abs(change) >= min_change and clear), "slope_ns_per_step": slope, "change_frac": float(change),
             "first_step": int(xs[0]), "last_step": int(xs[-1])}

@@ -28,6 +28,7 @@ import duckdb
 import numpy as np
 import pandas as pd
 
+from megascope.analysis import _sql
 from megascope.analysis.base import _sample_steps, prepare
 from megascope.schema import RunMeta
 
@@ -185,9 +186,9 @@ def whatif(con: duckdb.DuckDBPyConnection, meta: RunMeta, *, ranks: list[int] | 
     mean_mfu = float(per_step["mfu"].mean()) if per_step["mfu"].notna().any() else None
     if steps is None:
         full = per_step[per_step["ranks"] == per_step["ranks"].max()]["step"].astype(int).tolist()
-        row = con.execute(
+        row = _sql.first(con.execute(
             "SELECT sum(coll_count + 1) / nullif(count(DISTINCT step), 0) FROM ms_cache.rank_step"
-        ).fetchone()
+        ))
         per_step_events = float(row[0]) if row and row[0] else 1.0
         count = int(max(1, min(WHATIF_SAMPLE_STEPS, WHATIF_EVENT_BUDGET // max(per_step_events, 1.0))))
         steps = _sample_steps(full, count)

@@ -125,22 +125,34 @@ FROM g LEFT JOIN kinds ON kinds."group" = g.grp;
 -- @column extent_ns      last end minus first start of all its spans in the step
 -- @column forward_ns, backward_ns, optimizer_ns, compute_ns  compute kinds, summed
 -- @column data_ns, host_ns, other_ns                          data wait, host work, other
+-- @column compute_excl_ns  its own compute: top-level forward/backward spans (or all compute
+--                        spans), optimizer and other compute, minus the wait of collectives that
+--                        run inside compute spans (e.g. TP collectives inside "forward")
 -- @column comm_ns        summed communication spans
 -- @column coll_ns, recv_ns, send_ns  of which collectives, pipeline receives, pipeline sends
--- @column xfer_ns        transfer time of its collectives (from its groups' instances)
--- @column wait_ns        coll_ns - xfer_ns (waiting for the last member) + recv_ns (blocked on
---                        the previous/next stage)
+-- @column wait_ns        time it waited for others: in each collective, the last member's arrival
+--                        minus its own (summed per group through the instances, no join back
+--                        to the spans; at most the extent of that group's spans in the step;
+--                        the whole duration where it missed instances), plus recv_ns
+--                        (blocked on the previous/next stage)
+-- @column xfer_ns        coll_ns minus its collective wait: the transfers themselves
 -- @column p2p_wait_ns    recv_ns: the pipeline bubble (a receive's own transfer is small)
--- @column own_ns         step time (or extent) minus blocking communication (collectives and
---                        receives; a send is posted and the sender goes on computing, so its
---                        span overlaps the sender's own work)
+-- @column own_ns         step time (or extent) minus wait_ns: what is left is the rank's own
+--                        doing. Built on arrivals, not on span durations, so it holds when spans
+--                        nest (layers inside forward, collectives inside layers) and when
+--                        asynchronous collectives overlap compute and each other; a posted send
+--                        is not subtracted (the sender goes on computing)
 -- @column coll_count     collective instances it took part in (with >= 2 members recorded)
 -- @column coll_tp, coll_dp, coll_pp, coll_other  collectives by group kind
 -- @column last_tp, last_dp, last_pp, last_other  of which it arrived last
 -- @column last_count     their sum
+-- @column last_expected, last_var, last_peer  in groups of peers ({{peer_kinds}}: same stage),
+--                        last arrivals expected by chance (sum of 1/n), their variance, and seen
 CREATE OR REPLACE TABLE ms_cache.rank_step AS
-WITH own AS (
-    SELECT s.rank, s.step,
+WITH lvl AS (
+    -- One scan of the spans, grouped by (rank, step, collective group): a group's collectives
+    -- are summed apart so that their wait can be bounded by their extent (below).
+    SELECT s.rank, s.step, CASE WHEN s.kind = 'collective' THEN s."group" END AS grp,
            max(s.dur_ns) FILTER (WHERE s.kind = 'step') AS step_ns,
            min(s.start_ns) FILTER (WHERE s.kind = 'step') AS step_start_raw,
            min(s.start_ns) AS first_raw, max(s.start_ns + s.dur_ns) AS last_raw,
@@ -148,27 +160,26 @@ WITH own AS (
            sum(s.dur_ns) FILTER (WHERE s.kind = 'backward') AS backward_ns,
            sum(s.dur_ns) FILTER (WHERE s.kind = 'optimizer') AS optimizer_ns,
            sum(s.dur_ns) FILTER (WHERE s.kind = 'compute') AS compute_ns,
+           -- Top-level compute: spans named after their kind ("forward", "backward"); module
+           -- spans ("layers.3") nest inside them and would count the same time twice.
+           sum(s.dur_ns) FILTER (WHERE s.kind IN ('forward', 'backward') AND s.name IN ('forward', 'backward')) AS top_compute_ns,
            sum(s.dur_ns) FILTER (WHERE s.kind = 'data') AS data_ns,
            sum(s.dur_ns) FILTER (WHERE s.kind = 'host') AS host_ns,
            sum(s.dur_ns) FILTER (WHERE s.kind = 'other') AS other_ns,
            sum(s.dur_ns) FILTER (WHERE s.kind = 'collective') AS coll_ns,
            sum(s.dur_ns) FILTER (WHERE s.kind = 'recv') AS recv_ns,
-           sum(s.dur_ns) FILTER (WHERE s.kind = 'send') AS send_ns
+           sum(s.dur_ns) FILTER (WHERE s.kind = 'send') AS send_ns,
+           -- Raw arrivals summed: with the instances' last arrivals this gives the wait (below).
+           sum(s.start_ns) FILTER (WHERE s.kind = 'collective') AS arrival_sum,
+           count(*) FILTER (WHERE s.kind = 'collective') AS coll_spans
     FROM spans s
     WHERE s.step IS NOT NULL
-    GROUP BY s.rank, s.step
+    GROUP BY s.rank, s.step, grp
 ), per_group AS (
     SELECT grp, step, any_value(group_kind) AS group_kind, count(*) FILTER (WHERE n >= 2) AS instances,
-           sum(xfer_ns) FILTER (WHERE n >= 2) AS xfer_ns
+           count(*) AS all_instances, sum(last_arrival_ns) AS last_arrival_sum,
+           sum(1.0 / n) FILTER (WHERE n >= 2) AS last_expected, sum((1.0 / n) * (1 - 1.0 / n)) FILTER (WHERE n >= 2) AS last_var
     FROM ms_cache.inst GROUP BY grp, step
-), members AS (SELECT DISTINCT rank, "group" AS grp FROM groups), via_groups AS (
-    SELECT m.rank, p.step, sum(p.xfer_ns) AS xfer_ns,
-           sum(p.instances) FILTER (WHERE p.group_kind = 'tp') AS coll_tp,
-           sum(p.instances) FILTER (WHERE p.group_kind = 'dp') AS coll_dp,
-           sum(p.instances) FILTER (WHERE p.group_kind = 'pp') AS coll_pp,
-           sum(p.instances) FILTER (WHERE p.group_kind NOT IN ('tp', 'dp', 'pp')) AS coll_other
-    FROM per_group p JOIN members m USING (grp)
-    GROUP BY m.rank, p.step
 ), lasts AS (
     SELECT last_rank AS rank, step,
            count(*) FILTER (WHERE group_kind = 'tp') AS last_tp,
@@ -176,34 +187,80 @@ WITH own AS (
            count(*) FILTER (WHERE group_kind = 'pp') AS last_pp,
            count(*) FILTER (WHERE group_kind NOT IN ('tp', 'dp', 'pp')) AS last_other
     FROM ms_cache.inst WHERE n >= 2 GROUP BY last_rank, step
-), j AS (
-    SELECT o.*, coalesce(k.offset_ns, 0) AS offset_ns, coalesce(k.stage, 0) AS stage,
-           coalesce(o.coll_ns, 0) + coalesce(o.recv_ns, 0) + coalesce(o.send_ns, 0) AS comm,
-           coalesce(o.coll_ns, 0) + coalesce(o.recv_ns, 0) AS blocking,
-           coalesce(v.xfer_ns, 0) AS xfer,
-           coalesce(v.coll_tp, 0) AS coll_tp, coalesce(v.coll_dp, 0) AS coll_dp,
-           coalesce(v.coll_pp, 0) AS coll_pp, coalesce(v.coll_other, 0) AS coll_other,
-           coalesce(l.last_tp, 0) AS last_tp, coalesce(l.last_dp, 0) AS last_dp,
-           coalesce(l.last_pp, 0) AS last_pp, coalesce(l.last_other, 0) AS last_other
-    FROM own o
+), waited AS (
+    SELECT l.*, coalesce(k.offset_ns, 0) AS offset_ns, coalesce(k.stage, 0) AS stage, p.group_kind, p.instances,
+           CASE WHEN p.all_instances = l.coll_spans THEN p.last_expected END AS last_expected,
+           CASE WHEN p.all_instances = l.coll_spans THEN p.last_var END AS last_var,
+           -- Wait in a group's collectives: the sum over its instances of (last arrival - own
+           -- arrival), no join back to the spans needed. Bounded by the extent of those spans:
+           -- asynchronous buckets overlap each other and must not count their wait twice.
+           -- Unknown membership (it missed instances of the group): the whole duration.
+           CASE WHEN l.grp IS NULL THEN 0
+                WHEN p.all_instances = l.coll_spans
+                THEN least((p.last_arrival_sum - l.arrival_sum - l.coll_spans * coalesce(k.offset_ns, 0))::BIGINT,
+                           l.last_raw - l.first_raw)
+                ELSE l.coll_ns END AS coll_wait
+    FROM lvl l
     LEFT JOIN ms_cache.rank_clock k USING (rank)
-    LEFT JOIN via_groups v ON v.rank = o.rank AND v.step = o.step
-    LEFT JOIN lasts l ON l.rank = o.rank AND l.step = o.step
+    LEFT JOIN per_group p ON p.grp = l.grp AND p.step = l.step
+), j AS (
+    SELECT rank, step, any_value(stage) AS stage, any_value(offset_ns) AS offset_ns,
+           max(step_ns) AS step_ns, min(step_start_raw) AS step_start_raw,
+           min(first_raw) AS first_raw, max(last_raw) AS last_raw,
+           sum(forward_ns) AS forward_ns, sum(backward_ns) AS backward_ns, sum(optimizer_ns) AS optimizer_ns,
+           sum(compute_ns) AS compute_ns, sum(data_ns) AS data_ns, sum(host_ns) AS host_ns,
+           sum(other_ns) AS other_ns, sum(top_compute_ns) AS top_compute_ns,
+           coalesce(sum(coll_wait) FILTER (WHERE list_contains({{nested_kinds}}, group_kind)), 0) AS nested_wait,
+           coalesce(sum(coll_ns), 0) AS coll_ns, coalesce(sum(recv_ns), 0) AS recv_ns,
+           coalesce(sum(send_ns), 0) AS send_ns, coalesce(sum(coll_wait), 0) AS coll_wait,
+           -- Chance of being last, counted where members are each other's peers (same stage).
+           coalesce(sum(last_expected) FILTER (WHERE list_contains({{peer_kinds}}, CASE WHEN group_kind IN ('tp', 'dp', 'pp') THEN group_kind ELSE 'other' END)), 0) AS last_expected,
+           coalesce(sum(last_var) FILTER (WHERE list_contains({{peer_kinds}}, CASE WHEN group_kind IN ('tp', 'dp', 'pp') THEN group_kind ELSE 'other' END)), 0) AS last_var,
+           coalesce(sum(instances) FILTER (WHERE group_kind = 'tp'), 0) AS coll_tp,
+           coalesce(sum(instances) FILTER (WHERE group_kind = 'dp'), 0) AS coll_dp,
+           coalesce(sum(instances) FILTER (WHERE group_kind = 'pp'), 0) AS coll_pp,
+           coalesce(sum(instances) FILTER (WHERE group_kind NOT IN ('tp', 'dp', 'pp')), 0) AS coll_other
+    FROM waited GROUP BY rank, step
 )
-SELECT rank, step, stage, step_ns,
-       coalesce(step_start_raw, first_raw) + offset_ns AS start_ns,
-       last_raw - first_raw AS extent_ns,
-       coalesce(forward_ns, 0) AS forward_ns, coalesce(backward_ns, 0) AS backward_ns,
-       coalesce(optimizer_ns, 0) AS optimizer_ns, coalesce(compute_ns, 0) AS compute_ns,
-       coalesce(data_ns, 0) AS data_ns, coalesce(host_ns, 0) AS host_ns, coalesce(other_ns, 0) AS other_ns,
-       comm AS comm_ns, coalesce(coll_ns, 0) AS coll_ns, coalesce(recv_ns, 0) AS recv_ns,
-       coalesce(send_ns, 0) AS send_ns,
-       least(xfer, coalesce(coll_ns, 0)) AS xfer_ns,
-       greatest(coalesce(coll_ns, 0) - xfer, 0) + coalesce(recv_ns, 0) AS wait_ns,
-       coalesce(recv_ns, 0) AS p2p_wait_ns,
-       coalesce(step_ns, last_raw - first_raw) - blocking AS own_ns,
-       coll_tp + coll_dp + coll_pp + coll_other AS coll_count,
-       coll_tp, coll_dp, coll_pp, coll_other,
-       last_tp + last_dp + last_pp + last_other AS last_count,
-       last_tp, last_dp, last_pp, last_other
-FROM j;
+SELECT j.rank, j.step, j.stage, j.step_ns,
+       coalesce(j.step_start_raw, j.first_raw) + j.offset_ns AS start_ns,
+       j.last_raw - j.first_raw AS extent_ns,
+       coalesce(j.forward_ns, 0) AS forward_ns, coalesce(j.backward_ns, 0) AS backward_ns,
+       coalesce(j.optimizer_ns, 0) AS optimizer_ns, coalesce(j.compute_ns, 0) AS compute_ns,
+       coalesce(j.data_ns, 0) AS data_ns, coalesce(j.host_ns, 0) AS host_ns, coalesce(j.other_ns, 0) AS other_ns,
+       -- Compute of the rank itself: top-level forward/backward (all compute spans where there
+       -- are none), minus the wait of collectives issued inside them ({{nested_kinds}}).
+       coalesce(j.top_compute_ns, coalesce(j.forward_ns, 0) + coalesce(j.backward_ns, 0))
+           + coalesce(j.compute_ns, 0) + coalesce(j.optimizer_ns, 0) - j.nested_wait AS compute_excl_ns,
+       j.coll_ns + j.recv_ns + j.send_ns AS comm_ns, j.coll_ns, j.recv_ns, j.send_ns,
+       greatest(j.coll_ns - j.coll_wait, 0) AS xfer_ns,
+       j.coll_wait + j.recv_ns AS wait_ns,
+       j.recv_ns AS p2p_wait_ns,
+       coalesce(j.step_ns, j.last_raw - j.first_raw) - j.coll_wait - j.recv_ns AS own_ns,
+       j.coll_tp + j.coll_dp + j.coll_pp + j.coll_other AS coll_count,
+       j.last_expected, j.last_var,
+       coalesce(CASE WHEN list_contains({{peer_kinds}}, 'tp') THEN l.last_tp ELSE 0 END
+                + CASE WHEN list_contains({{peer_kinds}}, 'dp') THEN l.last_dp ELSE 0 END
+                + CASE WHEN list_contains({{peer_kinds}}, 'pp') THEN l.last_pp ELSE 0 END
+                + CASE WHEN list_contains({{peer_kinds}}, 'other') THEN l.last_other ELSE 0 END, 0) AS last_peer,
+       j.coll_tp, j.coll_dp, j.coll_pp, j.coll_other,
+       coalesce(l.last_tp + l.last_dp + l.last_pp + l.last_other, 0) AS last_count,
+       coalesce(l.last_tp, 0) AS last_tp, coalesce(l.last_dp, 0) AS last_dp,
+       coalesce(l.last_pp, 0) AS last_pp, coalesce(l.last_other, 0) AS last_other
+FROM j LEFT JOIN lasts l ON l.rank = j.rank AND l.step = j.step;
+
+-- @statement nested_kinds
+-- Group kinds whose collectives start inside the rank's compute spans, probed on one rank's
+-- partition ({{rank}}): their wait is inside the compute spans' durations.
+WITH s AS (SELECT * FROM spans WHERE rank = {{rank}} AND step IS NOT NULL),
+c AS (SELECT step, start_ns AS s, start_ns + dur_ns AS e FROM s WHERE kind IN ('forward', 'backward', 'compute')),
+k AS (
+    SELECT row_number() OVER () AS id, step, start_ns,
+           CASE WHEN split_part("group", ':', 1) IN ('tp', 'dp', 'pp', 'world') THEN split_part("group", ':', 1)
+                ELSE 'other' END AS group_kind
+    FROM s WHERE kind = 'collective' AND "group" IS NOT NULL
+), inside AS (
+    SELECT DISTINCT k.id FROM k JOIN c ON k.step = c.step AND k.start_ns > c.s AND k.start_ns < c.e
+)
+SELECT group_kind FROM k LEFT JOIN inside i USING (id)
+GROUP BY group_kind HAVING count(i.id) >= 0.5 * count(*);

@@ -23,6 +23,7 @@ LIMIT CASE WHEN {{limit}} > 0 THEN {{limit}} ELSE 9223372036854775807 END;
 -- @column top_last_rank, top_last_frac     the rank most often last, and the share of instances
 -- @column late_slope_ns_per_step           least-squares slope of last_late_ns over steps
 -- @column late_growth_ns                   that slope times the steps covered
+-- @column late_r2                          how much of the lateness's variance the trend explains
 WITH x AS (
     SELECT name, group_kind, step, spread_ns, last_arrival_ns - mean_arrival_ns AS late_ns, last_rank
     FROM ms_cache.inst WHERE n >= 2
@@ -38,6 +39,7 @@ SELECT x.name, x.group_kind, count(*) AS instances,
        any_value(t.last_rank) AS top_last_rank, any_value(t.c) / count(*) AS top_last_frac,
        coalesce(regr_slope(x.late_ns, x.step), 0) AS late_slope_ns_per_step,
        coalesce(regr_slope(x.late_ns, x.step), 0) * (max(x.step) - min(x.step)) AS late_growth_ns,
+       coalesce(regr_r2(x.late_ns, x.step), 0) AS late_r2, count(DISTINCT x.step) AS steps,
        min(x.step) AS first_step, max(x.step) AS last_step
 FROM x LEFT JOIN top t ON t.name = x.name AND t.group_kind = x.group_kind AND t.k = 1
 GROUP BY x.name, x.group_kind
