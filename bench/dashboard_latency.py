@@ -28,13 +28,13 @@ from pathlib import Path
 from typing import Any
 
 import plotly.io as pio
-from plotly.utils import PlotlyJSONEncoder
-
 from megascope.dashboard import data
 from megascope.dashboard.pages import overview, stragglers, topology
 from megascope.dashboard.pages.timeline import bubbles_section
 from megascope.dashboard.runs import RunRegistry, ServedRun
 from megascope.dashboard.shell import status_line
+from plotly.utils import PlotlyJSONEncoder
+
 from megascope.figures.heatmap import heatmap_figure
 from megascope.figures.timeline import timeline_figure
 from megascope.figures.topology import topology_figure

@@ -20,7 +20,6 @@ from pathlib import Path
 from types import ModuleType
 
 from dash import Dash
-
 from megascope.dashboard import data, shell
 from megascope.dashboard.pages import health, heatmap, overview, stragglers, timeline, topology
 from megascope.dashboard.prom import install_metrics_route

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
-
 from megascope.dashboard import queries
 from megascope.dashboard.runs import ServedRun
+
 from megascope.store import Run
 
 log = logging.getLogger(__name__)
@@ -223,7 +223,7 @@ def timeline(served: ServedRun, ranks: list[int], steps: tuple[int, int]
 def health_findings(served: ServedRun) -> pd.DataFrame | None:
     """The node-health module's findings, or None where that module is not installed."""
     try:
-        from megascope.health import health_findings as findings  # type: ignore[import-not-found]
+        from megascope.health import health_findings as findings
     except ImportError:
         return None
     return served.result(("health_findings",), lambda run: findings(run.con))

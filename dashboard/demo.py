@@ -100,6 +100,7 @@ def start_trainer(out: Path, *, steps: int, inject: str, probe_s: float = 4.0) -
 def start_synthetic(out: Path, *, steps: int, inject: str, step_interval_s: float) -> DemoJob:
     """Fallback: a synthetic 2x2x2 run with the same straggler, replayed one step per interval."""
     from megascope.dashboard.replay import replay_run
+
     from megascope.inject import parse_injects
     from megascope.synth import SynthConfig, synth_run
 

@@ -17,12 +17,11 @@ import logging
 from collections.abc import Iterator
 
 import flask
+from megascope.dashboard import data
+from megascope.dashboard.runs import RunRegistry
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-
-from megascope.dashboard import data
-from megascope.dashboard.runs import RunRegistry
 
 log = logging.getLogger(__name__)
 

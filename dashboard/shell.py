@@ -19,7 +19,6 @@ from types import ModuleType
 from typing import Any
 
 from dash import Dash, Input, Output, State, dcc, html, no_update
-
 from megascope.dashboard import ids, routes
 from megascope.dashboard.components import notice
 from megascope.dashboard.runs import RunRegistry, ServedRun

@@ -12,9 +12,9 @@ import io
 import logging
 
 import flask
-
 from megascope.dashboard import routes
 from megascope.dashboard.runs import RunRegistry
+
 from megascope.errors import MegascopeError
 
 log = logging.getLogger(__name__)

@@ -14,15 +14,15 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from click.testing import CliRunner
-
-from megascope import analysis, layout, schema
-from megascope.cli import main
 from megascope.dashboard import create_app, registry_of
 from megascope.dashboard import data as dash_data
 from megascope.dashboard.replay import replay_run
 from megascope.dashboard.routes import format_ranks, href, parse_path, parse_ranks, parse_steps
 from megascope.dashboard.runs import RunRegistry, run_id_for
 from megascope.dashboard.security import check_bind, is_loopback
+
+from megascope import analysis, layout, schema
+from megascope.cli import main
 from megascope.errors import ConfigError, RunDirError
 from megascope.inject import parse_injects
 from megascope.store import open_run

@@ -11,11 +11,11 @@ from typing import Any
 
 import pandas as pd
 from dash import Dash, Input, Output, dcc, html, no_update
-
 from megascope.dashboard import data, ids, queries
 from megascope.dashboard.components import contained, notice, table
 from megascope.dashboard.runs import RunRegistry, ServedRun
 from megascope.dashboard.shell import served_from
+
 from megascope.figures.health import heartbeat_figure
 
 

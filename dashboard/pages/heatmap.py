@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 from dash import Dash, Input, Output, State, dcc, html, no_update
-
 from megascope.dashboard import data, ids, routes
 from megascope.dashboard.components import contained, notice
 from megascope.dashboard.runs import RunRegistry, ServedRun

@@ -12,11 +12,11 @@ from typing import Any
 
 import pandas as pd
 from dash import Dash, Input, Output, dcc, html, no_update
-
 from megascope.dashboard import data, ids, routes
 from megascope.dashboard.components import card, contained, notice
 from megascope.dashboard.runs import RunRegistry, ServedRun
 from megascope.dashboard.shell import served_from
+
 from megascope.figures.overview import step_series_figure
 
 log = logging.getLogger(__name__)

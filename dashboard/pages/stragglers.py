@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 from dash import Dash, Input, Output, html, no_update
-
 from megascope.dashboard import data, ids, routes
 from megascope.dashboard.components import card, contained, notice, table
 from megascope.dashboard.runs import RunRegistry, ServedRun

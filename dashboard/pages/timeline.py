@@ -13,11 +13,11 @@ from typing import Any
 
 import pandas as pd
 from dash import ClientsideFunction, Dash, Input, Output, State, dcc, html, no_update
-
 from megascope.dashboard import data, ids, queries, routes
 from megascope.dashboard.components import contained, notice, table
 from megascope.dashboard.runs import RunRegistry, ServedRun
 from megascope.dashboard.shell import served_from
+
 from megascope.errors import ConfigError
 from megascope.figures.timeline import timeline_figure
 

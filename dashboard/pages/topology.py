@@ -13,12 +13,12 @@ from typing import Any
 
 import pandas as pd
 from dash import Dash, Input, Output, State, dcc, html, no_update
-
 from megascope.dashboard import data, ids, routes
 from megascope.dashboard.components import contained, notice, table
 from megascope.dashboard.pages.overview import coords_text
 from megascope.dashboard.runs import RunRegistry, ServedRun
 from megascope.dashboard.shell import served_from
+
 from megascope.figures.topology import STATES, topology_figure
 
 SUSPECT_COLUMNS = ("rank", "host", "coords", "group", "last_completed_seq", "missing_seq")

@@ -104,6 +104,7 @@ def wait_for_graph(driver: webdriver.Chrome, graph_id: str, timeout: float = 40)
 def screenshots(out_dir: Path) -> list[Path]:
     """One PNG per page of a seeded 2x2x2 straggler run, and the topology of a hung one."""
     from megascope.dashboard import create_app, ids
+
     from megascope.inject import parse_injects
     from megascope.synth import SynthConfig, synth_run
 

@@ -20,13 +20,13 @@ from dashboard_harness import (
     wait_for_graph,
     wait_for_text,
 )
+from megascope.dashboard import create_app, ids
+from megascope.dashboard.replay import replay_run
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
 from megascope import layout, schema
-from megascope.dashboard import create_app, ids
-from megascope.dashboard.replay import replay_run
 from megascope.inject import parse_injects
 from megascope.store import open_run
 from megascope.synth import SynthConfig, synth_run
