@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,20 +64,31 @@ class DemoJob:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self.stop_event.set()
-        if self.process is not None and self.process.poll() is None:
-            # The job runs in its own process group: signal the launcher and all its ranks.
+        if self.process is not None:
+            # The job runs in its own process group: signal the launcher and every rank, and
+            # escalate until the whole group is gone (a launcher may exit before its ranks do).
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGKILL):
                 try:
                     os.killpg(self.process.pid, sig)
                 except ProcessLookupError:
                     break
-                try:
-                    self.process.wait(timeout_s / 2)
+                if _group_gone(self.process, timeout_s / 3):
                     break
-                except subprocess.TimeoutExpired:
-                    continue
+            self.process.wait(timeout_s)
         if self.thread is not None:
             self.thread.join(timeout_s)
+
+
+def _group_gone(process: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        process.poll()  # reap the launcher, else it lingers as a zombie member of its group
+        try:
+            os.killpg(process.pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def start_trainer(out: Path, *, steps: int, inject: str, probe_s: float = 4.0) -> DemoJob | None:
