@@ -30,6 +30,7 @@ from typing import Any
 import plotly.io as pio
 from megascope.dashboard import data
 from megascope.dashboard.pages import overview, stragglers, topology
+from megascope.dashboard.pages.heatmap import DEFAULT_PHASE
 from megascope.dashboard.pages.timeline import bubbles_section
 from megascope.dashboard.runs import RunRegistry, ServedRun
 from megascope.dashboard.shell import status_line
@@ -59,8 +60,8 @@ def page_overview(served: ServedRun) -> list[Any]:
 
 
 def page_heatmap(served: ServedRun) -> list[Any]:
-    frame = data.heatmap(served, "step")
-    return [data.figure(served, ("heatmap", "step"), lambda: heatmap_figure(frame, phase="step"))]
+    frame = data.heatmap(served, DEFAULT_PHASE)
+    return [data.figure(served, ("heatmap", DEFAULT_PHASE), lambda: heatmap_figure(frame, phase=DEFAULT_PHASE))]
 
 
 def page_stragglers(served: ServedRun) -> list[Any]:

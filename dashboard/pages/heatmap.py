@@ -16,17 +16,34 @@ from megascope.dashboard.components import contained, notice
 from megascope.dashboard.runs import RunRegistry, ServedRun
 from megascope.dashboard.shell import served_from
 
-PHASES = ("step", "forward", "backward", "compute", "collective", "send", "recv", "data", "optimizer")
+# Compute first: in a synchronous job every rank's *step* takes as long as the slowest, so the
+# straggler shows in its own compute (and its peers in their wait), not in step time.
+DEFAULT_PHASE = "compute"
+PHASE_LABELS = {
+    "compute": "compute (forward + backward + optimizer)", "own": "own time (all but waiting)",
+    "forward": "forward", "backward": "backward", "optimizer": "optimizer", "wait": "waiting for peers",
+    "xfer": "transfer", "comm": "communication", "bubble": "pipeline bubble (p2p wait)", "data": "data loading",
+    "host": "host work", "step": "step",
+}
+
+
+def phase_options() -> list[dict[str, str]]:
+    from megascope.analysis import PHASES
+
+    return [{"label": PHASE_LABELS.get(p, p), "value": p} for p in
+            sorted(PHASES, key=lambda p: list(PHASE_LABELS).index(p) if p in PHASE_LABELS else 99)]
 
 
 def layout(served: ServedRun, query: dict[str, str]) -> html.Div:
-    phase = query.get("phase", "step")
+    phase = query.get("phase", DEFAULT_PHASE)
+    options = phase_options()
     return html.Div(
         [
             html.Div(
                 [html.Label("phase", htmlFor=ids.HEATMAP_PHASE),
-                 dcc.Dropdown(id=ids.HEATMAP_PHASE, options=list(PHASES), value=phase if phase in PHASES else "step",
-                              clearable=False, style={"width": "220px"}),
+                 dcc.Dropdown(id=ids.HEATMAP_PHASE, options=options,  # type: ignore[arg-type]
+                              value=phase if phase in {o["value"] for o in options} else DEFAULT_PHASE,
+                              clearable=False, style={"width": "300px"}),
                  html.Span("colour: time / median of peers doing the same work (same pipeline stage); "
                            "click a cell to open it on the timeline", className="hint")],
                 className="controls",

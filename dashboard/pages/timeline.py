@@ -50,7 +50,8 @@ def layout(served: ServedRun, query: dict[str, str]) -> html.Div:
             html.Div(
                 [
                     html.Label("ranks", htmlFor=ids.TIMELINE_RANKS),
-                    dcc.Input(id=ids.TIMELINE_RANKS, value=ranks_text, debounce=True, placeholder="e.g. 4-7,12"),
+                    dcc.Input(id=ids.TIMELINE_RANKS, value=ranks_text, debounce=True, placeholder="e.g. 4-7,12",
+                              style={"width": "160px"}),
                     html.Label("steps", htmlFor=ids.TIMELINE_STEPS),
                     dcc.Input(id=ids.TIMELINE_STEPS, value=steps_text, debounce=True, placeholder="e.g. 3 or 3-5",
                               style={"width": "90px"}),

@@ -92,8 +92,9 @@ def timeline_figure(spans: pd.DataFrame, *, labels: Mapping[int, str] | None = N
     fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(lanes)), title_text=None)
     fig.update_xaxes(title_text="ms from the selection's first span")
     fig.update_layout(
-        barmode="overlay", bargap=0.25, title=title, height=max(240, 28 * len(lanes) + 120),
-        margin={"l": 170, "r": 20, "t": 40 if title else 20, "b": 50},
-        legend={"orientation": "h", "y": 1.02, "yanchor": "bottom"}, uirevision="timeline",
+        barmode="overlay", bargap=0.25, title={"text": title, "x": 0.01, "xanchor": "left"},
+        height=max(240, 28 * len(lanes) + 140), margin={"l": 170, "r": 20, "t": 70 if title else 40, "b": 50},
+        legend={"orientation": "h", "y": 1.01, "yanchor": "bottom", "x": 1, "xanchor": "right"},
+        uirevision="timeline",
     )
     return fig

@@ -118,7 +118,7 @@ def topology_figure(states: pd.DataFrame, *, suspects: Sequence[dict[str, Any]] 
             fig.add_trace(go.Scatter(
                 x=cells["x"], y=cells["y"], mode="markers+text", name="suspect",
                 text=[f"rank {int(s['rank'])}" for s in ringed], textposition="top center",
-                textfont={"color": "#d62728", "size": 13},
+                textfont={"color": "#111", "size": 13},
                 marker={"symbol": "circle-open", "size": 22, "color": "#111", "line": {"width": 3}},
                 hoverinfo="skip",
             ))

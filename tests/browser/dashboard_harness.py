@@ -16,6 +16,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,16 @@ def screenshots(out_dir: Path) -> list[Path]:
                                               faults=parse_injects(["straggler:rank=5,factor=1.4"])))
     synth_run(root / "hang", SynthConfig(ranks=64, steps=10, tp=4, pp=4, seed=1,
                                          faults=parse_injects(["hang:rank=37,step=6"])))
+    # Real heartbeats of this machine under the run's two host names (synth writes none).
+    from megascope.collectors.heartbeat import HeartbeatSampler
+
+    samplers = [HeartbeatSampler(root / "straggler", rank=None, host=f"node{h:05d}", interval_s=0.2,
+                                 flush_interval_s=0.5, nvml=False) for h in (0, 1)]
+    for sampler in samplers:
+        sampler.start()
+    time.sleep(6)
+    for sampler in samplers:
+        sampler.stop()
     app = create_app([root / "straggler", root / "hang"], start_watcher=False)
     graphs = {"overview": ids.OVERVIEW_GRAPH, "heatmap": ids.HEATMAP_GRAPH, "topology": ids.TOPOLOGY_GRAPH,
               "timeline": ids.TIMELINE_GRAPH, "health": ids.HEALTH_GRAPH}
