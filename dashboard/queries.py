@@ -216,7 +216,8 @@ def host_summary(con: duckdb.DuckDBPyConnection, *, limit: int = 200) -> pd.Data
     return con.execute(
         """
         WITH last AS (SELECT max(time_ns) AS newest FROM heartbeats)
-        SELECT host, count(*) AS samples, max(time_ns) AS last_ns,
+        SELECT host, count(*) AS samples,
+               strftime(make_timestamp(max(time_ns) // 1000), '%Y-%m-%d %H:%M:%S') AS last_seen_utc,
                round((last.newest - max(time_ns)) / 1e9, 1) AS silent_s,
                count(DISTINCT rank) AS ranks
         FROM heartbeats, last
@@ -231,7 +232,10 @@ def host_summary(con: duckdb.DuckDBPyConnection, *, limit: int = 200) -> pd.Data
 def recent_logs(con: duckdb.DuckDBPyConnection, *, limit: int = 50) -> pd.DataFrame:
     """The newest text lines of the heartbeats (log tails, error strings)."""
     return con.execute(
-        "SELECT time_ns, host, rank, metric, text FROM heartbeats WHERE text IS NOT NULL ORDER BY time_ns DESC LIMIT ?",
+        """
+        SELECT strftime(make_timestamp(time_ns // 1000), '%H:%M:%S') AS time_utc, host, rank, metric, text
+        FROM heartbeats WHERE text IS NOT NULL ORDER BY time_ns DESC LIMIT ?
+        """,
         [limit],
     ).df()
 

@@ -17,6 +17,14 @@ from megascope.dashboard.runs import RunRegistry, ServedRun
 from megascope.dashboard.shell import served_from
 
 from megascope.figures.health import heartbeat_figure
+from megascope.schema import HeartbeatMetric
+
+# The first of these a run has is shown first: what tells a slow or sick node apart soonest.
+PREFERRED_METRICS = tuple(str(m) for m in (
+    HeartbeatMetric.GPU_UTIL_PCT, HeartbeatMetric.GPU_SM_CLOCK_MHZ, HeartbeatMetric.GPU_TEMP_C,
+    HeartbeatMetric.GPU_POWER_W, HeartbeatMetric.LOAD_1M, HeartbeatMetric.MEM_USED_BYTES,
+    HeartbeatMetric.NIC_RX_BYTES_PER_S, HeartbeatMetric.CPU_UTIL_PCT,
+))
 
 
 def layout(served: ServedRun, query: dict[str, str]) -> html.Div:
@@ -64,7 +72,8 @@ def register(app: Dash, registry: RunRegistry) -> None:
                              "No self-test results (run megascope diagnose to add them).")
         finding_part = _section("Findings", findings, "findings-table", "No health findings.") \
             if findings is not None else None
-        default = "gpu_util_pct" if "gpu_util_pct" in metrics else (metrics[0] if metrics else None)
+        preferred = [m for m in PREFERRED_METRICS if m in metrics]
+        default = preferred[0] if preferred else (metrics[0] if metrics else None)
         return metrics, default, host_part, diag_part, finding_part
 
     @app.callback(

@@ -131,6 +131,17 @@ def screenshots(out_dir: Path) -> list[Path]:
     shots = [("straggler", p) for p in ("overview", "heatmap", "stragglers", "timeline", "health")] + \
             [("hang", "topology")]
     written = []
+    try:
+        _shoot(app, shots, graphs, out_dir, written)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return written
+
+
+def _shoot(app: Any, shots: list[tuple[str, str]], graphs: dict[str, str], out_dir: Path,
+           written: list[Path]) -> None:
+    from megascope.dashboard import ids
+
     with serving(app) as base, chromium(1280, 900) as driver:
         for run_id, page in shots:
             driver.get(f"{base}/run/{run_id}/{page}")
@@ -142,8 +153,6 @@ def screenshots(out_dir: Path) -> list[Path]:
             path = out_dir / f"{page}.png"
             driver.save_screenshot(str(path))
             written.append(path)
-    shutil.rmtree(root, ignore_errors=True)
-    return written
 
 
 if __name__ == "__main__":
