@@ -193,15 +193,22 @@ def focus_rank(served: ServedRun) -> int:
 
 
 def default_steps(served: ServedRun) -> tuple[int, int]:
-    """The step a timeline opens on: where the hang happened, else the last completed step."""
-    bounds = served.result(("step_range",), lambda run: queries.step_range(run.con))
-    if bounds is None:
-        return 0, 0
+    """The step a timeline opens on: where the hang happened, else the last step with timings.
+
+    Both read a few files only: the per-step frame is cached, and the hang step comes from the
+    suspect's own partition.
+    """
     if hang(served).get("hung"):
-        return bounds[1], bounds[1]
+        rank = focus_rank(served)
+        last = served.result(("last_step_of", rank), lambda run: queries.last_step_of(run.con, rank))
+        if last is not None:
+            return last, last
     frame = per_step(served)
-    last = int(frame["step"].max()) if len(frame) else bounds[1]
-    return last, last
+    if len(frame):
+        last = int(frame["step"].max())
+        return last, last
+    bounds = served.result(("step_range",), lambda run: queries.step_range(run.con))
+    return (bounds[1], bounds[1]) if bounds is not None else (0, 0)
 
 
 def timeline(served: ServedRun, ranks: list[int], steps: tuple[int, int]

@@ -85,6 +85,15 @@ def step_range(con: duckdb.DuckDBPyConnection) -> tuple[int, int] | None:
     return int(row[0]), int(row[1])
 
 
+def last_step_of(con: duckdb.DuckDBPyConnection, rank: int) -> int | None:
+    """The last step ``rank`` wrote a span or marker for (only its own files are read)."""
+    ((last,),) = con.execute(
+        f"SELECT max(step) FROM (SELECT max(step) AS step FROM spans WHERE rank = {int(rank)} "
+        f"UNION ALL SELECT max(step) FROM markers WHERE rank = {int(rank)})"
+    ).fetchall()
+    return int(last) if last is not None else None
+
+
 def timeline_spans(
     con: duckdb.DuckDBPyConnection,
     *,
