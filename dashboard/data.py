@@ -73,7 +73,7 @@ def _compute_loss(run: Run) -> pd.DataFrame:
 
 
 def _compute_ranks(run: Run) -> pd.DataFrame:
-    return queries.rank_info(run.con)
+    return queries.rank_info(run)
 
 
 def per_step(served: ServedRun) -> pd.DataFrame:
@@ -178,7 +178,7 @@ def empty_stragglers() -> pd.DataFrame:
 
 def peers(served: ServedRun, rank: int) -> list[int]:
     """``rank`` and the ranks doing the same work beside it (its TP group, then DP peers)."""
-    return list(served.result(("peers", int(rank)), lambda run: queries.peers_of(run.con, int(rank))))
+    return list(served.result(("peers", int(rank)), lambda run: queries.peers_of(run, int(rank))))
 
 
 def focus_rank(served: ServedRun) -> int:
@@ -200,7 +200,7 @@ def default_steps(served: ServedRun) -> tuple[int, int]:
     """
     if hang(served).get("hung"):
         rank = focus_rank(served)
-        last = served.result(("last_step_of", rank), lambda run: queries.last_step_of(run.con, rank))
+        last = served.result(("last_step_of", rank), lambda run: queries.last_step_of(run, rank))
         if last is not None:
             return last, last
     frame = per_step(served)
@@ -218,9 +218,9 @@ def timeline(served: ServedRun, ranks: list[int], steps: tuple[int, int]
 
     def compute(run: Run) -> tuple[pd.DataFrame, pd.DataFrame, dict[int, str]]:
         offsets = clock_offsets(served)
-        spans = queries.timeline_spans(run.con, ranks=ranks, steps=steps, offsets=offsets)
-        bounds = queries.step_spans(run.con, ranks=ranks, steps=steps, offsets=offsets)
-        info = queries.rank_info(run.con, ranks)
+        spans = queries.timeline_spans(run, ranks=ranks, steps=steps, offsets=offsets)
+        bounds = queries.step_spans(run, ranks=ranks, steps=steps, offsets=offsets)
+        info = queries.rank_info(run, ranks)
         labels = {int(row["rank"]): queries.rank_label(row) for _, row in info.iterrows()}
         return spans, bounds, labels
 

@@ -3,11 +3,14 @@
 Role in the data flow: the dashboard's only SQL. Derived numbers (MFU, stragglers, states, hang
 suspects, heat-maps) come from :mod:`megascope.analysis`; this module only *selects* rows for a
 timeline or a table, bounded in size (``LIMIT``, binning), so nothing ships a full run to the
-browser. Each function takes a DuckDB connection with the store's views and returns a DataFrame.
+browser. Functions about a few ranks take the :class:`~megascope.store.Run` and read only those
+ranks' part files (from the store's file lists): binding a view over the ~100k parts of a
+12,288-rank run costs seconds per query, reading four parts costs milliseconds. Run-wide
+selections take a connection with the store's views.
 
 Example::
 
-    spans = timeline_spans(run.con, ranks=[4, 5], steps=(3, 3), offsets=offsets_frame)
+    spans = timeline_spans(run, ranks=[4, 5], steps=(3, 3), offsets=offsets_frame)
 """
 
 from __future__ import annotations
@@ -18,14 +21,51 @@ from collections.abc import Sequence
 import duckdb
 import pandas as pd
 
+from megascope import layout
+from megascope.schema import TABLES
+from megascope.store import Run
+
 log = logging.getLogger(__name__)
 
 MAX_TIMELINE_SPANS = 20_000
 MAX_TIMELINE_RANKS = 64
 
+_DUCK_TYPES = {"int32": "INTEGER", "int64": "BIGINT", "string": "VARCHAR", "double": "DOUBLE", "bool": "BOOLEAN",
+               "list<item: int32>": "INTEGER[]"}
+
 
 def _int_list(values: Sequence[int]) -> str:
     return ", ".join(str(int(v)) for v in values) or "NULL"
+
+
+def _sql_str(value: str) -> str:
+    return "'" + value.replace("'", "''") + "'"
+
+
+def rank_parts(run: Run, table: str, ranks: Sequence[int]) -> str:
+    """A SQL subquery over ``table``'s parts of ``ranks`` only, typed as the schema says.
+
+    Columns missing from every selected part read as typed NULLs, as in the store's views.
+    """
+    wanted = {layout.rank_dir_name(int(r)) for r in ranks}
+    if table in layout.SINGLE_FILE_TABLES:
+        files = [f for f in run.files.get(table, []) if f.stem in wanted]
+        hive = ", hive_partitioning=false"
+    else:
+        files = [f for f in run.files.get(table, []) if f.parent.name in wanted]
+        hive = ", hive_partitioning=true, hive_types={'rank': INTEGER}"
+    schema = TABLES[table]
+    if not files:
+        nulls = ", ".join(f'CAST(NULL AS {_DUCK_TYPES[str(f.type)]}) AS "{f.name}"' for f in schema)
+        return f"(SELECT {nulls} WHERE false)"
+    source = f"read_parquet([{', '.join(_sql_str(str(f)) for f in files)}], union_by_name=true{hive})"
+    present = {name for name, *_ in run.con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()}
+    columns = ", ".join(
+        f'CAST("{f.name}" AS {_DUCK_TYPES[str(f.type)]}) AS "{f.name}"' if f.name in present
+        else f'CAST(NULL AS {_DUCK_TYPES[str(f.type)]}) AS "{f.name}"'
+        for f in schema
+    )
+    return f"(SELECT {columns} FROM {source})"
 
 
 def _with_offsets(con: duckdb.DuckDBPyConnection, offsets: pd.DataFrame | None) -> str:
@@ -36,10 +76,10 @@ def _with_offsets(con: duckdb.DuckDBPyConnection, offsets: pd.DataFrame | None) 
     return "_dash_offsets"
 
 
-def rank_info(con: duckdb.DuckDBPyConnection, ranks: Sequence[int] | None = None) -> pd.DataFrame:
+def rank_info(run: Run, ranks: Sequence[int] | None = None) -> pd.DataFrame:
     """``rank, host, pp, dp, tp`` of the given ranks (all ranks when None), by rank."""
-    where = f"WHERE rank IN ({_int_list(ranks)})" if ranks is not None else ""
-    return con.execute(f"SELECT rank, host, pp, dp, tp FROM ranks {where} ORDER BY rank").df()
+    source = rank_parts(run, "ranks", ranks) if ranks is not None else "ranks"
+    return run.con.execute(f"SELECT rank, host, pp, dp, tp FROM {source} ORDER BY rank").df()
 
 
 def rank_label(row: pd.Series) -> str:
@@ -48,15 +88,14 @@ def rank_label(row: pd.Series) -> str:
     return f"r{int(row['rank'])} {coords}".strip()
 
 
-def peers_of(con: duckdb.DuckDBPyConnection, rank: int, *, limit: int = 8) -> list[int]:
+def peers_of(run: Run, rank: int, *, limit: int = 8) -> list[int]:
     """``rank`` first, then its tensor-parallel group, then data-parallel peers doing the same work."""
-    rows = con.execute(
-        """
-        SELECT kind, members FROM groups
-        WHERE rank = ? AND kind IN ('tp', 'dp')
+    rows = run.con.execute(
+        f"""
+        SELECT kind, members FROM {rank_parts(run, "groups", [rank])}
+        WHERE rank = {int(rank)} AND kind IN ('tp', 'dp')
         ORDER BY CASE kind WHEN 'tp' THEN 0 ELSE 1 END
-        """,
-        [int(rank)],
+        """
     ).fetchall()
     chosen = [int(rank)]
     for _kind, members in rows:
@@ -65,7 +104,7 @@ def peers_of(con: duckdb.DuckDBPyConnection, rank: int, *, limit: int = 8) -> li
                 chosen.append(int(member))
     if len(chosen) == 1:
         # No groups table (an importer without one): fall back to ranks of the same pipeline stage.
-        same_stage = con.execute(
+        same_stage = run.con.execute(
             """
             SELECT r.rank FROM ranks r, (SELECT pp FROM ranks WHERE rank = ?) me
             WHERE r.pp IS NOT DISTINCT FROM me.pp AND r.rank <> ? ORDER BY abs(r.rank - ?) LIMIT ?
@@ -85,17 +124,17 @@ def step_range(con: duckdb.DuckDBPyConnection) -> tuple[int, int] | None:
     return int(row[0]), int(row[1])
 
 
-def last_step_of(con: duckdb.DuckDBPyConnection, rank: int) -> int | None:
+def last_step_of(run: Run, rank: int) -> int | None:
     """The last step ``rank`` wrote a span or marker for (only its own files are read)."""
-    ((last,),) = con.execute(
-        f"SELECT max(step) FROM (SELECT max(step) AS step FROM spans WHERE rank = {int(rank)} "
-        f"UNION ALL SELECT max(step) FROM markers WHERE rank = {int(rank)})"
+    ((last,),) = run.con.execute(
+        f"SELECT max(step) FROM (SELECT max(step) AS step FROM {rank_parts(run, 'spans', [rank])} "
+        f"UNION ALL SELECT max(step) FROM {rank_parts(run, 'markers', [rank])})"
     ).fetchall()
     return int(last) if last is not None else None
 
 
 def timeline_spans(
-    con: duckdb.DuckDBPyConnection,
+    run: Run,
     *,
     ranks: Sequence[int],
     steps: tuple[int, int],
@@ -111,16 +150,16 @@ def timeline_spans(
     everyone. Columns: rank, step, name, kind, stream, start_ns, dur_ns, wait_ns, microbatch,
     group, seq, op, peer; ordered by rank and start; at most ``max_spans`` rows.
     """
+    con = run.con
     ranks = sorted({int(r) for r in ranks})[:MAX_TIMELINE_RANKS]
     first, last = int(steps[0]), int(steps[1])
     rank_list = _int_list(ranks)
-    # The ranks whose arrival decides the selected ranks' waits, as a literal list: a constant
-    # IN-list on the partition column lets DuckDB skip every other rank's files.
+    # The ranks whose arrival decides the selected ranks' waits: their groups' members, their p2p peers.
     related = sorted({int(r) for (r,) in con.execute(
         f"""
-        SELECT DISTINCT unnest(members) FROM groups WHERE rank IN ({rank_list}) AND kind <> 'world'
-        UNION SELECT DISTINCT peer FROM spans
-        WHERE rank IN ({rank_list}) AND peer IS NOT NULL AND step BETWEEN {first} AND {last}
+        SELECT DISTINCT unnest(members) FROM {rank_parts(run, "groups", ranks)} WHERE kind <> 'world'
+        UNION SELECT DISTINCT peer FROM {rank_parts(run, "spans", ranks)}
+        WHERE peer IS NOT NULL AND step BETWEEN {first} AND {last}
         """
     ).fetchall() if r is not None} | set(ranks))
     offsets_view = _with_offsets(con, offsets)
@@ -134,10 +173,10 @@ def timeline_spans(
                             WHEN s.kind = 'send' THEN 'p2p:' || s.rank || '>' || s.peer || '#' || s.seq
                             WHEN s.kind = 'recv' THEN 'p2p:' || s.peer || '>' || s.rank || '#' || s.seq
                        END AS instance
-                FROM spans s
-                JOIN ranks r ON r.rank = s.rank
+                FROM {rank_parts(run, "spans", related)} s
+                JOIN {rank_parts(run, "ranks", related)} r ON r.rank = s.rank
                 LEFT JOIN {offsets_view} o ON o.host = r.host
-                WHERE s.rank IN ({_int_list(related)}) AND s.step BETWEEN {first} AND {last}
+                WHERE s.step BETWEEN {first} AND {last}
             ),
             last_arrival AS (
                 SELECT instance, max(t_ns) AS last_ns FROM shifted WHERE instance IS NOT NULL GROUP BY instance
@@ -156,22 +195,23 @@ def timeline_spans(
         con.unregister(offsets_view)
 
 
-def step_spans(con: duckdb.DuckDBPyConnection, *, ranks: Sequence[int], steps: tuple[int, int],
+def step_spans(run: Run, *, ranks: Sequence[int], steps: tuple[int, int],
                offsets: pd.DataFrame | None = None) -> pd.DataFrame:
     """The whole-step spans (kind ``step``) of the selection, on the reference clock."""
-    offsets_view = _with_offsets(con, offsets)
+    offsets_view = _with_offsets(run.con, offsets)
     try:
-        return con.execute(
+        return run.con.execute(
             f"""
             SELECT s.rank, s.step, s.start_ns + coalesce(o.offset_ns, 0) AS start_ns, s.dur_ns
-            FROM spans s JOIN ranks r ON r.rank = s.rank LEFT JOIN {offsets_view} o ON o.host = r.host
-            WHERE s.kind = 'step' AND s.rank IN ({_int_list(ranks)}) AND s.step BETWEEN ? AND ?
+            FROM {rank_parts(run, "spans", ranks)} s JOIN {rank_parts(run, "ranks", ranks)} r ON r.rank = s.rank
+            LEFT JOIN {offsets_view} o ON o.host = r.host
+            WHERE s.kind = 'step' AND s.step BETWEEN ? AND ?
             ORDER BY s.rank, s.step
             """,
             [int(steps[0]), int(steps[1])],
         ).df()
     finally:
-        con.unregister(offsets_view)
+        run.con.unregister(offsets_view)
 
 
 def metric_per_step(con: duckdb.DuckDBPyConnection, name: str) -> pd.DataFrame:
