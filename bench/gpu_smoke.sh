@@ -30,5 +30,4 @@ print(f"{m.device_name}: median step {med:.1f} ms, MFU {m.model_flops_per_step /
       f" (flops/step {m.model_flops_per_step:.3e}, peak {m.peak_flops_per_device:.3e})")
 print(run.con.execute("SELECT kind, count(*), median(dur_ns)/1e6 FROM spans WHERE rank = 0 GROUP BY kind ORDER BY 1").fetchall())
 PY
-rm -rf "$OUT/run-1gpu/spans" "$OUT/run-1gpu/markers"
-tar czf "$OUT/smoke.tar.gz" -C "$OUT" --exclude smoke.tar.gz . 2>/dev/null
+tar czf "$OUT/run-1gpu.tar.gz" -C "$OUT" run-1gpu && rm -rf "$OUT/run-1gpu"
