@@ -108,6 +108,10 @@ def train(cfg: TrainConfig, *, nproc: int | None = None) -> TrainResult:
 
         cfg = replace(cfg, peak_flops=measure_cpu_flops())
     start_method = "spawn" if pick_device(cfg, 0).type == "cuda" else "fork"
+    if start_method == "spawn":
+        # Growable segments keep the allocator from fragmenting between the pipeline's micro-batches
+        # (torchtitan sets the same); spawned ranks inherit it. A user's own setting wins.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     gc.collect()  # finalize the parent's garbage here, not in each forked rank
     with tempfile.TemporaryDirectory(prefix="megascope-train-") as scratch:
         init_file = os.path.join(scratch, "rendezvous")
