@@ -133,6 +133,10 @@ def main() -> None:
         "what": "baseline", "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "params": params, "tokens_per_step": tokens,
         "device_type": dev.type, "step_s_median": med, "step_s_min": min(times), "tokens_per_s": tokens / med,
         "flops_analytic": flops, "flops_counted": counted, "attention_flops_counted": attention_counted, "analytic_over_counted": flops / counted if counted else math.nan,
+        # Without attention: flash attention's backward recomputes the scores, which the counter
+        # charges (2.5x the forward) and model FLOPs do not; the matmul part must agree exactly.
+        "matmul_analytic_over_counted": (flops - 12.0 * args.layers * args.hidden * args.seq * tokens)
+        / (counted - attention_counted) if counted else math.nan,
         "mfu": flops / med / (args.peak_tflops * 1e12), "peak_tflops": args.peak_tflops,
         "max_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if dev.type == "cuda" else None,
     }))
