@@ -43,3 +43,4 @@ if [ "$NGPU" -ge 2 ]; then
 fi
 
 $PY bench/gpu_trainer_table.py "$RUNS" "$OUT/baseline.json" | tee "$OUT/table.txt"
+tar czf "$OUT/trainer-runs.tar.gz" -C "$OUT" runs && rm -rf "$RUNS"
