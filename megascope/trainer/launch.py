@@ -84,6 +84,10 @@ def failure_message(failures: dict[int, str], timeout_s: float, exited: str | No
     if failures:
         rank = min(failures)
         return f"training failed on rank {rank}: {failures[rank]}"
+    if exited and "SIGABRT" in exited:
+        # NCCL's watchdog aborts the process when a collective outlives its timeout.
+        return (f"training failed: {exited}: NCCL aborted it, most likely a collective timed out after "
+                f"{timeout_s:g} s (--collective-timeout) because a rank stopped answering (hung or dead)")
     return f"training failed: {exited or 'a rank exited'} without a message (killed? out of memory?)"
 
 
