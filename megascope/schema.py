@@ -127,7 +127,7 @@ RANKS = pa.schema(
         pa.field("pp", pa.int32()),
         pa.field("dp", pa.int32()),
         pa.field("tp", pa.int32()),
-        pa.field("start_ns", pa.int64()),  # when this rank's collector started
+        pa.field("started_at_ns", pa.int64()),  # when this rank's collector started (named apart from spans.start_ns so joins stay unambiguous)
     ]
 )
 """One row per rank (``ranks/rank=00017.parquet``)."""
