@@ -132,11 +132,16 @@ class TraceReader:
             try:
                 value, end = self._decoder.raw_decode(self._buf, self._pos)
             except json.JSONDecodeError as exc:
-                if len(self._buf) - self._pos > MAX_EVENT_CHARS or not self._fill():
-                    if self._eof:
-                        raise IngestError(f"{self._where()}: file ends inside a JSON value (truncated?)") from None
+                # Only an error at the end of the buffer can be cured by more text.
+                incomplete = exc.pos >= len(self._buf) - 1 or exc.msg.startswith("Unterminated string")
+                if not incomplete or len(self._buf) - self._pos > MAX_EVENT_CHARS:
+                    self._pos = exc.pos
                     raise IngestError(f"{self._where()}: malformed JSON ({exc.msg})") from None
+                if not self._fill():
+                    raise IngestError(f"{self._where()}: file ends inside a JSON value (truncated?)") from None
                 continue
+            if end >= len(self._buf) and self._fill():
+                continue  # a number cut by the chunk boundary decodes as a shorter number
             self._pos = end
             return value
 
@@ -175,18 +180,21 @@ class TraceReader:
         """The top-level keys before ``traceEvents``; reads no events."""
         if self._state == "start":
             try:
-                self._expect("{")
-            except IngestError:
-                raise IngestError(f"{self.path}: not a JSON object; not a Kineto trace") from None
-            self._state = "events" if self._read_keys(self.header) else "done"
-            if self._state == "done":
-                raise IngestError(f"{self.path}: no traceEvents array; not a Kineto trace")
+                if self._peek() != "{":
+                    raise IngestError(f"{self.path}: not a JSON object; not a Kineto trace")
+                self._pos += 1
+                self._state = "events" if self._read_keys(self.header) else "done"
+                if self._state == "done":
+                    raise IngestError(f"{self.path}: no traceEvents array; not a Kineto trace")
+            except BaseException:
+                self.close()
+                raise
         return self.header
 
     def iter_batches(self) -> Iterator[list[dict[str, Any]]]:
         """Yield lists of event dicts, in file order; afterwards :attr:`trailer` is filled."""
-        self.read_header()
         try:
+            self.read_header()
             while self._state == "events":
                 batch = self._next_batch()
                 if batch:

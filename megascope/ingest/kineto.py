@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
 from megascope import layout
 from megascope.errors import IngestError
 from megascope.ingest.groups import GroupPlan, ProcessGroup, parse_ranks, plan_groups
@@ -222,6 +224,9 @@ def _run_files(
             if progress:
                 progress(len(results), total)
         return results
+    # pyarrow imports pandas on first array conversion (~0.5 s); do it once here so that forked
+    # workers inherit it instead of each paying for it.
+    pa.array([0])
     with ProcessPoolExecutor(max_workers=workers, mp_context=_pool_context()) as pool:
         pending: set[Future[dict[str, Any]]] = {pool.submit(ingest_file, *job) for job in jobs}
         while pending:

@@ -334,31 +334,40 @@ def _resolve_comms(
     stats: Counter[str],
 ) -> list[_Comm]:
     rpc = [c for c in events.comm_calls if c.source == "rpc"]
-    annots: dict[int | str, list[CommCall]] = defaultdict(list)
-    for c in events.comm_calls:
-        if c.source == "annot":
-            annots[c.tid].append(c)
-    for lst in annots.values():
-        lst.sort(key=lambda c: c.ts)
     if rpc or any(d.name.startswith("nccl") for d in events.device):
-        return _nccl_comms(events, rpc, annots, rank=rank, pg_groups=pg_groups, steps=steps, stats=stats)
+        return _nccl_comms(events, rpc, _Annotations(events.comm_calls), rank=rank, pg_groups=pg_groups, steps=steps, stats=stats)
     return _gloo_comms(events, rank=rank, pg_groups=pg_groups, steps=steps, stats=stats)
 
 
-def _annotation_in(annots: dict[int | str, list[CommCall]], tid: int | str, start: float, end: float) -> str | None:
-    lst = annots.get(tid)
-    if not lst:
+class _Annotations:
+    """``gloo:*`` / ``nccl:*`` annotations per thread, found by time."""
+
+    def __init__(self, calls: list[CommCall]) -> None:
+        per_tid: dict[int | str, list[CommCall]] = defaultdict(list)
+        for c in calls:
+            if c.source == "annot":
+                per_tid[c.tid].append(c)
+        self.names: dict[int | str, list[str]] = {}
+        self.starts: dict[int | str, list[float]] = {}
+        for tid, lst in per_tid.items():
+            lst.sort(key=lambda c: c.ts)
+            self.names[tid] = [c.name for c in lst]
+            self.starts[tid] = [c.ts for c in lst]
+
+    def first_in(self, tid: int | str, start: float, end: float) -> str | None:
+        starts = self.starts.get(tid)
+        if not starts:
+            return None
+        i = bisect.bisect_left(starts, start)
+        if i < len(starts) and starts[i] <= end:
+            return self.names[tid][i]
         return None
-    i = bisect.bisect_left([a.ts for a in lst], start)
-    if i < len(lst) and lst[i].ts <= end:
-        return lst[i].name
-    return None
 
 
 def _nccl_comms(
     events: RankEvents,
     rpc: list[CommCall],
-    annots: dict[int | str, list[CommCall]],
+    annots: _Annotations,
     *,
     rank: int,
     pg_groups: Mapping[str, tuple[str, tuple[int, ...]]],
@@ -402,7 +411,7 @@ def _nccl_comms(
                 index = by_tid[tid][j]
         if index is None and d.comm_args:
             comm = make(d.name, d.comm_args, lts, tid)
-            comm.name = _annotation_in(annots, tid, lts - 50.0, lts) or comm.op
+            comm.name = annots.first_in(tid, lts - 50.0, lts) or comm.op
             extra.append(comm)
         elif index is None:
             stats["NCCL kernels with no record_param_comms (skipped)"] += 1
@@ -413,7 +422,7 @@ def _nccl_comms(
                 call = rpc[index]
                 args = {**(d.comm_args or {}), **call.args}
                 comm = make(call.name, args, call.ts, call.tid)
-                annot = _annotation_in(annots, call.tid, call.ts, call.end)
+                annot = annots.first_in(call.tid, call.ts, call.end)
                 comm.name = annot or f"nccl:{comm.op}"
                 if comm.peer is None and annot:
                     comm.peer = _peer(annot, comm.op, {}, rank, comm.pg_ranks)
