@@ -241,12 +241,13 @@ def dump_rows(dump: _Dump, plan: GroupPlan) -> tuple[list[dict[str, Any]], list[
                 continue
             pair = (rank, peer) if op == CollectiveOp.SEND else (peer, rank)
             per_pair[pair] += 1
-            seq = per_pair[pair]
+            seq: int = per_pair[pair]
         else:
-            seq = _int(e.get("collective_seq_id"))
-            if seq is None:
+            coll_seq = _int(e.get("collective_seq_id"))
+            if coll_seq is None:
                 stats["entries without collective_seq_id (skipped)"] += 1
                 continue
+            seq = coll_seq
         nbytes = _nbytes(e)
         common = dict(rank=rank, group=group, seq=seq, op=op, step=None, bytes=nbytes, peer=peer)
         markers.append(dict(state=MarkerState.ENQUEUED, time_ns=created, **common))

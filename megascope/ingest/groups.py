@@ -173,9 +173,9 @@ def plan_groups(
             if pg.ranks == world or pg.desc == "default_pg":
                 axis_of[key] = GroupKind.WORLD
                 continue
-            axis = axis_from_desc(pg.desc)
-            if axis:
-                candidates[axis].append(key)
+            named = axis_from_desc(pg.desc)
+            if named:
+                candidates[named].append(key)
         for axis, keys in candidates.items():
             # Several descriptions may claim one axis; keep the one whose groups partition the world.
             by_desc: dict[str, list[tuple[str, tuple[int, ...]]]] = defaultdict(list)
@@ -192,12 +192,12 @@ def plan_groups(
     per_axis: dict[str, list[tuple[str, tuple[int, ...]]]] = defaultdict(list)
     others: dict[str, list[tuple[str, tuple[int, ...]]]] = defaultdict(list)
     for key, pg in distinct.items():
-        axis = axis_of.get(key)
-        if axis == GroupKind.WORLD:
+        kind = axis_of.get(key)
+        if kind == GroupKind.WORLD:
             plan.group_id[key] = "world"
             plan.groups["world"] = (str(GroupKind.WORLD), pg.ranks)
-        elif axis:
-            per_axis[axis].append(key)
+        elif kind:
+            per_axis[kind].append(key)
         else:
             others[_slug(pg.desc, pg.name)].append(key)
     for axis, keys in per_axis.items():
@@ -266,8 +266,8 @@ def _derive_mesh(
         buckets: dict[tuple[int, ...], list[int]] = defaultdict(list)
         for r in range(world_size):
             buckets[tuple(coords[r].get(a, 0) for a in per_axis)].append(r)
-        for members in buckets.values():
-            for index, member in enumerate(sorted(members)):
+        for bucket in buckets.values():
+            for index, member in enumerate(sorted(bucket)):
                 coords[member][axis] = index
     for r in range(world_size):
         for axis in MESH_AXES:

@@ -136,7 +136,7 @@ def collect(reader: TraceReader) -> RankEvents:
                         DeviceEvent(
                             cat=cat,
                             name=intern(name),
-                            stream=args.get("stream", e.get("tid")),
+                            stream=args.get("stream", e.get("tid", 0)),
                             device=args.get("device"),
                             ts=ts,
                             dur=dur,
@@ -147,12 +147,11 @@ def collect(reader: TraceReader) -> RankEvents:
                     )
                 elif cat in HOST_CATS:
                     name = e.get("name", "")
-                    tid = e.get("tid")
+                    tid = e.get("tid", 0)
                     if name.startswith("ProfilerStep#"):
-                        try:
-                            out.steps.append((int(name[13:]), ts, dur))
-                        except ValueError:
-                            pass
+                        number = name[13:]
+                        if number.isdigit():
+                            out.steps.append((int(number), ts, dur))
                         continue
                     if out.pid is None and isinstance(e.get("pid"), int):
                         out.pid = e["pid"]
@@ -169,14 +168,14 @@ def collect(reader: TraceReader) -> RankEvents:
                 elif cat in RUNTIME_CATS:
                     corr = (e.get("args") or {}).get("correlation")
                     if corr is not None:
-                        runtime[corr] = (e.get("tid"), ts)
+                        runtime[corr] = (e.get("tid", 0), ts)
             elif ph == "M":
                 if e.get("name") == "thread_name":
-                    out.thread_names[e.get("tid")] = str((e.get("args") or {}).get("name", ""))
+                    out.thread_names[e.get("tid", 0)] = str((e.get("args") or {}).get("name", ""))
             elif ph in ("s", "f") and e.get("cat") == "fwdbwd":
                 ts = e.get("ts")
                 if isinstance(ts, int | float):
-                    (out.flow_fwd if ph == "s" else out.flow_bwd)[e.get("tid")].append(ts)
+                    (out.flow_fwd if ph == "s" else out.flow_bwd)[e.get("tid", 0)].append(ts)
     out.trailer = reader.trailer
     out.events = count
     out.first_ts = first if count and first != float("inf") else None

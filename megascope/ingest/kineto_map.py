@@ -259,13 +259,13 @@ def map_rank(
             spans.add(rank=rank, step=step, name=d.name, kind=kind, stream=f"cuda:{d.stream}",
                       start_ns=ns(d.ts), dur_ns=int(round(d.dur * 1000.0)))
         # Data loading shows only on the host; keep it as data spans.
-        for tid, levels in top.items():
+        for levels in top.values():
             for start, end, name, kind in zip(levels.starts, levels.ends, levels.names, levels.kinds, strict=True):
                 if kind == SpanKind.DATA:
                     spans.add(rank=rank, step=steps.at(start), name=name, kind=kind, stream=Stream.HOST,
                               start_ns=ns(start), dur_ns=int(round((end - start) * 1000.0)))
     else:
-        for tid, levels in top.items():
+        for levels in top.values():
             for start, end, name, kind in zip(levels.starts, levels.ends, levels.names, levels.kinds, strict=True):
                 spans.add(rank=rank, step=steps.at(start), name=name, kind=kind, stream=Stream.HOST,
                           start_ns=ns(start), dur_ns=int(round((end - start) * 1000.0)))
@@ -417,27 +417,28 @@ def _nccl_comms(
             stats["NCCL kernels with no record_param_comms (skipped)"] += 1
             continue
         else:
-            comm = comms[index]
-            if comm is None:
+            known = comms[index]
+            if known is None:
                 call = rpc[index]
                 args = {**(d.comm_args or {}), **call.args}
-                comm = make(call.name, args, call.ts, call.tid)
+                known = make(call.name, args, call.ts, call.tid)
                 annot = annots.first_in(call.tid, call.ts, call.end)
-                comm.name = annot or f"nccl:{comm.op}"
-                if comm.peer is None and annot:
-                    comm.peer = _peer(annot, comm.op, {}, rank, comm.pg_ranks)
-                comms[index] = comm
+                known.name = annot or f"nccl:{known.op}"
+                if known.peer is None and annot:
+                    known.peer = _peer(annot, known.op, {}, rank, known.pg_ranks)
+                comms[index] = known
+            comm = known
         comm.stream = f"cuda:{d.stream}"
         comm.exec_start = d.ts if comm.exec_start is None else min(comm.exec_start, d.ts)
         end = d.ts + d.dur
         comm.exec_end = end if comm.exec_end is None else max(comm.exec_end, end)
     # Calls whose kernel never showed up keep their place in the sequence but get no span.
     resolved = []
-    for i, comm in enumerate(comms):
-        if comm is None:
+    for i, maybe in enumerate(comms):
+        if maybe is None:
             call = rpc[i]
-            comm = make(call.name, call.args, call.ts, call.tid)
-        resolved.append(comm)
+            maybe = make(call.name, call.args, call.ts, call.tid)
+        resolved.append(maybe)
     resolved.extend(extra)
     resolved.sort(key=lambda c: c.ts)
     return resolved
