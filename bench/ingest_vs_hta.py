@@ -2,7 +2,8 @@
 Trace Analysis (load + temporal breakdown), same machine, same run: wall seconds and peak memory.
 
 Each tool runs in its own subprocess tree; peak memory is the largest sum of RSS over that tree,
-sampled every 50 ms from /proc (worker processes included). Traces come from the project's
+sampled every 50 ms from /proc (worker processes included); CPU seconds are user + system time of
+the whole tree (from the reaped children's rusage), the fair measure on a shared, loaded machine. Traces come from the project's
 shared generator (``../shared/tools/gen_kineto.py``, run from its shared location).
 
 HTA is not a megascope dependency: install it into any virtualenv and point ``--hta-python`` at that
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -61,8 +63,14 @@ def _tree_rss(root: int) -> int:
     return total
 
 
-def measure(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int, int, str]:
-    """(wall seconds, peak tree RSS bytes, exit code, stderr tail) of running ``cmd``."""
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def measure(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int, int, str, float]:
+    """(wall s, peak tree RSS bytes, exit code, stderr tail, CPU s of the tree) of running ``cmd``."""
+    cpu0 = _children_cpu()
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
     peak = 0
@@ -80,7 +88,8 @@ def measure(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, i
     wall = time.perf_counter() - t0
     done.set()
     sampler.join()
-    return wall, peak, proc.returncode, err.strip().splitlines()[-1] if err.strip() else ""
+    tail = err.strip().splitlines()[-1] if err.strip() else ""
+    return wall, peak, proc.returncode, tail, _children_cpu() - cpu0
 
 
 def generate(gen: Path, out: Path, ranks: int, steps: int) -> dict[str, object]:
@@ -115,7 +124,7 @@ def main() -> None:
         if args.report_pythonpath:
             env["PYTHONPATH"] = args.report_pythonpath
         report = measure([sys.executable, "-m", "megascope", "report", str(run), "--json"], env=env)
-        hta = (float("nan"), 0, -1, "skipped")
+        hta = (float("nan"), 0, -1, "skipped", float("nan"))
         if args.hta_python:
             hta = measure([args.hta_python, "-c", HTA_SCRIPT, str(src)])
         rows.append((size, truth, ingest, report, hta))
@@ -125,20 +134,21 @@ def main() -> None:
               f"hta rc={hta[2]} {hta[3]}", file=sys.stderr)
 
     gb = 1 << 30
-    print("| ranks x steps | events | JSON | megascope ingest | + report | megascope total | peak mem | "
-          "HTA load + temporal | HTA peak mem | speed-up | memory ratio |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| ranks x steps | events | JSON | megascope ingest + report: wall / CPU | peak mem | "
+          "HTA load + temporal: wall / CPU | HTA peak mem | CPU ratio | wall ratio | memory ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for size, truth, ingest, report, hta in rows:
-        total = ingest[0] + report[0]
+        wall = ingest[0] + report[0]
+        cpu = ingest[4] + report[4]
         peak = max(ingest[1], report[1])
         ok = "" if ingest[2] == 0 and report[2] == 0 else " (failed)"
-        hta_ok = hta[2] == 0
+        good = hta[2] == 0
+        nan = float("nan")
         print(f"| {size} | {truth['total_events'] / 1e6:.2f}M | {int(truth['total_bytes_on_disk']) / 1e9:.2f} GB | "
-              f"{ingest[0]:.1f} s | {report[0]:.1f} s | {total:.1f} s{ok} | {peak / gb:.2f} GB | "
-              f"{hta[0]:.1f} s | {hta[1] / gb:.2f} GB | "
-              f"{(hta[0] / total if hta_ok else float('nan')):.1f}x | "
-              f"{(hta[1] / peak if hta_ok and peak else float('nan')):.1f}x |")
-
+              f"{ingest[0]:.1f} + {report[0]:.1f} = {wall:.1f} s / {cpu:.1f} s{ok} | {peak / gb:.2f} GB | "
+              f"{hta[0]:.1f} s / {hta[4]:.1f} s | {hta[1] / gb:.2f} GB | "
+              f"{(hta[4] / cpu if good and cpu else nan):.1f}x | {(hta[0] / wall if good else nan):.1f}x | "
+              f"{(hta[1] / peak if good and peak else nan):.1f}x |")
 
 if __name__ == "__main__":
     main()

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from ingest_fixtures import SHARED_DATA, fr_dump, fr_entry, write_pickle
 
 from megascope.cli import main
 from megascope.errors import IngestError
 from megascope.ingest import ingest_flight_recorder, load_dump
 from megascope.store import open_run
-from tests.ingest_fixtures import SHARED_DATA, fr_dump, fr_entry, write_pickle
 
 T0 = 1_795_000_000_000_000_000
 

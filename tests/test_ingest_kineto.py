@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from ingest_fixtures import BASE_NS, GEN_KINETO, SHARED_DATA, gpu_trace, write_trace
 
 from megascope.cli import main
 from megascope.errors import IngestError
@@ -17,7 +18,6 @@ from megascope.ingest import ingest_kineto
 from megascope.ingest.groups import ProcessGroup, axis_from_desc, parse_mesh_spec, plan_groups
 from megascope.ingest.jsonstream import TraceReader
 from megascope.store import open_run
-from tests.ingest_fixtures import BASE_NS, GEN_KINETO, SHARED_DATA, gpu_trace, write_trace
 
 # ------------------------------------------------------------------------------ reader
 
