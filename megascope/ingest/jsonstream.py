@@ -41,6 +41,8 @@ CHUNK_CHARS = 4 << 20
 # An event larger than this (decoded text) is not a profiler event: stop instead of buffering forever.
 MAX_EVENT_CHARS = 256 << 20
 _WS = " \t\n\r"
+_CUT_ATTEMPTS = 4
+_SLOW_RUN = 512
 _GZIP_MAGIC = b"\x1f\x8b"
 
 
@@ -218,21 +220,40 @@ class TraceReader:
         if buf[pos] == ",":
             self._pos += 1
             return []
-        # Fast path: everything up to the last "}," of the buffer, decoded in one call.
-        cut = buf.rfind("},", pos)
-        if cut > pos:
+        # Fast path: everything up to the last event separator of the buffer, decoded in one call.
+        # "},<newline>" cannot sit inside a string (JSON strings hold no raw newlines), so prefer it;
+        # a bare "}," may (kernel names contain "...#1}, at::..."): a cut that fails to parse is
+        # moved before the parse error and tried again, a few times at most.
+        cut = buf.rfind("},\n", pos)
+        if cut <= pos:
+            cut = buf.rfind("},", pos)
+        for _ in range(_CUT_ATTEMPTS):
+            if cut <= pos:
+                break
             try:
                 batch = json.loads("[" + buf[pos:cut + 1] + "]")
-            except json.JSONDecodeError:
-                batch = None
-            if batch is not None:
-                self._pos = cut + 2
-                if not self._eof and len(buf) - self._pos < self._chunk:
-                    self._fill()
-                return [e for e in batch if isinstance(e, dict)]
-        # Slow path: one event; reads more text when the event is incomplete.
-        event = self._decode_value()
-        return [event] if isinstance(event, dict) else []
+            except json.JSONDecodeError as exc:
+                # exc.pos counts the "[" we added; the bad cut is at or after the error.
+                cut = buf.rfind("},", pos, min(pos + max(exc.pos - 1, 0), cut))
+                continue
+            self._pos = cut + 2
+            if not self._eof and len(buf) - self._pos < self._chunk:
+                self._fill()
+            return [e for e in batch if isinstance(e, dict)]
+        # Slow path: a run of single events (each reads more text when it is incomplete), so
+        # that a format the fast path cannot cut costs linear time, not a re-parse per event.
+        out = []
+        for _ in range(_SLOW_RUN):
+            self._skip_ws()
+            if self._pos >= len(self._buf) or self._buf[self._pos] in "]":
+                break
+            if self._buf[self._pos] == ",":
+                self._pos += 1
+                continue
+            event = self._decode_value()
+            if isinstance(event, dict):
+                out.append(event)
+        return out
 
     def close(self) -> None:
         if self._fh is not None:
