@@ -68,11 +68,13 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def measure(cmd: list[str], env: dict[str, str] | None = None) -> tuple[float, int, int, str, float]:
+def measure(
+    cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None
+) -> tuple[float, int, int, str, float]:
     """(wall s, peak tree RSS bytes, exit code, stderr tail, CPU s of the tree) of running ``cmd``."""
     cpu0 = _children_cpu()
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd, text=True)
     peak = 0
     done = threading.Event()
 
@@ -123,7 +125,9 @@ def main() -> None:
         env = dict(os.environ)
         if args.report_pythonpath:
             env["PYTHONPATH"] = args.report_pythonpath
-        report = measure([sys.executable, "-m", "megascope", "report", str(run), "--json"], env=env)
+        # Run outside the checkout so that PYTHONPATH, not the current directory, picks the package.
+        report = measure([sys.executable, "-m", "megascope", "report", str(run.resolve()), "--json"], env=env,
+                         cwd=args.work)
         hta = (float("nan"), 0, -1, "skipped", float("nan"))
         if args.hta_python:
             hta = measure([args.hta_python, "-c", HTA_SCRIPT, str(src)])
