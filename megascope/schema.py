@@ -111,6 +111,62 @@ class RunSource(enum.StrEnum):
     DIAGNOSE = "diagnose"  # megascope diagnose
 
 
+class HeartbeatMetric(enum.StrEnum):
+    """Values of ``heartbeats.metric`` that the sampler writes and the health analysis reads.
+
+    Collector counters are written as ``collector_<key>`` (see ``COLLECTOR_METRIC_PREFIX``).
+    ``device`` says what a row is about: null for the host or the process, ``"gpu3"`` (NVML index),
+    a network interface (``"eth0"``) or an InfiniBand port (``"mlx5_0:1"``).
+    """
+
+    HEARTBEAT = "heartbeat"  # one per sample; value = the sampler's sample count (silence is data)
+    INTERVAL_S = "heartbeat_interval_s"  # the sampler's period, so readers know when a rank is overdue
+    FLUSH_S = "heartbeat_flush_s"  # how often it writes a part (a crash loses at most this much)
+    CPU_UTIL_PCT = "cpu_util_pct"  # host CPU busy, all cores
+    LOAD_1M = "load_1m"
+    MEM_USED_BYTES = "mem_used_bytes"  # host: total - available
+    MEM_AVAILABLE_BYTES = "mem_available_bytes"
+    PROC_CPU_PCT = "proc_cpu_pct"  # this process, 100 = one core
+    PROC_RSS_BYTES = "proc_rss_bytes"
+    TORCH_MEM_ALLOCATED_BYTES = "torch_mem_allocated_bytes"  # caching allocator, this process's device
+    TORCH_MEM_RESERVED_BYTES = "torch_mem_reserved_bytes"
+    GPU_UTIL_PCT = "gpu_util_pct"
+    GPU_MEM_USED_BYTES = "gpu_mem_used_bytes"
+    GPU_MEM_TOTAL_BYTES = "gpu_mem_total_bytes"
+    GPU_TEMP_C = "gpu_temp_c"
+    GPU_TEMP_SLOWDOWN_C = "gpu_temp_slowdown_c"  # the card's own slowdown threshold
+    GPU_POWER_W = "gpu_power_w"
+    GPU_POWER_LIMIT_W = "gpu_power_limit_w"
+    GPU_SM_CLOCK_MHZ = "gpu_sm_clock_mhz"
+    GPU_SM_CLOCK_MAX_MHZ = "gpu_sm_clock_max_mhz"
+    GPU_THROTTLE_REASONS = "gpu_throttle_reasons"  # NVML clock-event bitmask; text = decoded names
+    GPU_ECC_CORRECTED = "gpu_ecc_corrected"  # volatile counts since driver load
+    GPU_ECC_UNCORRECTED = "gpu_ecc_uncorrected"
+    GPU_REMAPPED_ROWS_PENDING = "gpu_remapped_rows_pending"  # 1 = a row remap waits for a GPU reset
+    GPU_XID = "gpu_xid"  # value = XID code of a critical error event; text = description
+    NIC_RX_BYTES_PER_S = "nic_rx_bytes_per_s"
+    NIC_TX_BYTES_PER_S = "nic_tx_bytes_per_s"
+    IB_RX_BYTES_PER_S = "ib_rx_bytes_per_s"
+    IB_TX_BYTES_PER_S = "ib_tx_bytes_per_s"
+    IB_PORT_ACTIVE = "ib_port_active"  # 1 = ACTIVE; text = the port state as sysfs says it
+    IB_LINK_DOWNED = "ib_link_downed"  # cumulative link-down count of the port
+    LOG = "log"  # text = one recent line of the job's log
+    SAMPLER_ERRORS = "sampler_errors"  # cumulative failed probes of this sampler
+
+
+COLLECTOR_METRIC_PREFIX = "collector_"
+
+
+class DiagnosticTest(enum.StrEnum):
+    """Values of ``diagnostics.test`` (``megascope diagnose``)."""
+
+    GEMM = "gemm"  # matmul throughput, TFLOP/s, checked against a checksum
+    MEMBW = "membw"  # device memory copy bandwidth, GB/s (read + write)
+    D2D = "d2d"  # copy to the next GPU of the same host, GB/s
+    H2D = "h2d"  # pinned host to device copy, GB/s
+    ALLREDUCE = "allreduce"  # all-reduce bus bandwidth per group, GB/s, result checked exactly
+
+
 # --------------------------------------------------------------------------------------------
 # Tables
 # --------------------------------------------------------------------------------------------

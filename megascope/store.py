@@ -158,9 +158,10 @@ def _create_views(run: Run) -> None:
         files = _scan(run, table)
         run.files[table] = files
         if not files:
-            empty = pa.Table.from_batches([], schema=schema)
-            run.con.register(f"_empty_{table}", empty)
-            run.con.execute(f"CREATE OR REPLACE VIEW {table} AS SELECT * FROM _empty_{table}")
+            # A typed empty view in SQL, not a registered Arrow table: registrations are local to
+            # one connection, and cursors (one per thread) must see every view.
+            nulls = ", ".join(f'CAST(NULL AS {_DUCK_TYPES[str(f.type)]}) AS "{f.name}"' for f in schema)
+            run.con.execute(f"CREATE OR REPLACE VIEW {table} AS SELECT {nulls} WHERE false")
             continue
         file_list = ", ".join(_sql_str(str(f)) for f in files)
         hive = _HIVE_TYPES.get(table)
@@ -234,6 +235,8 @@ def open_run(path: Path | str, *, threads: int | None = None, memory_limit: str 
     if memory_limit:
         config["memory_limit"] = memory_limit
     con = duckdb.connect(config=config)
+    # No progress bar: DuckDB draws it on stdout, where `--json` output goes.
+    con.execute("SET enable_progress_bar = false")
     run = Run(path=path, meta=meta, con=con)
     _create_views(run)
     if not any(run.files.values()):

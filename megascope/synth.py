@@ -198,7 +198,8 @@ class _Sim:
         offsets = self.rng.normal(0.0, cfg.clock_skew_ms * MS, self.n_hosts)
         offsets[0] = 0.0  # host 0 is the reference clock
         self.host_offsets = np.round(offsets).astype(np.int64)
-        self.rank_offset = self.host_offsets[hosts]
+        # Simulated time runs from 0; recorded times are wall clock: epoch + host offset + simulated.
+        self.rank_offset = self.host_offsets[hosts] + EPOCH_NS
         jitter = self.rng.lognormal(0.0, cfg.rank_jitter, self.shape)
         factor = np.array([cfg.faults.straggler_factor(r) for r in range(cfg.ranks)]).reshape(self.shape)
         self.speed = jitter * factor  # multiplies compute time

@@ -145,3 +145,11 @@ def test_cli_refuses_to_overwrite(tmp_path: Path) -> None:
     assert sorted(p.name for p in out.rglob("*")) == before
     bad = runner.invoke(main, ["synth", "--ranks", "8", "--steps", "2", "--inject", "slow:rank=1", "-o", str(tmp_path / "x")])
     assert bad.exit_code == 1 and "unknown fault kind" in bad.output and not (tmp_path / "x").exists()
+
+
+def test_times_are_epoch_ns(tmp_path: Path) -> None:
+    run = open_run(_run(tmp_path))
+    lo, hi = run.con.execute("SELECT min(start_ns), max(start_ns + dur_ns) FROM spans").fetchone()
+    assert run.meta.start_ns is not None
+    assert abs(lo - run.meta.start_ns) < 60e9 and hi - lo < 3600e9
+    assert run.con.execute("SELECT min(time_ns) FROM markers").fetchone()[0] > run.meta.start_ns - 60e9

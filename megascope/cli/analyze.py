@@ -1,20 +1,126 @@
-"""``megascope report``, ``localize``, ``heatmap``: post-mortem on a run directory."""
+"""``megascope report``, ``localize``, ``heatmap``: post-mortem on a run directory.
+
+Thin commands: open the run, call one function of :mod:`megascope.analysis`, print. ``--json``
+prints one object on stdout (the contract of ARCHITECTURE.md); progress and warnings go to
+stderr; a bad run directory is one line on stderr and exit status 1.
+"""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import click
 
-from megascope.cli.common import json_option, not_built, run_dir_argument
+from megascope.cli.common import echo_json, echo_problems, json_option, run_dir_argument
+from megascope.errors import ConfigError, ExportError
+
+# Bounded so a 12,288-rank post-mortem fits next to other work on a small machine.
+MEMORY_LIMIT = "3GB"
+
+
+def _open(run_dir: Path) -> Any:
+    from megascope.store import open_run
+
+    return open_run(run_dir, memory_limit=MEMORY_LIMIT)
+
+
+def _progress(quiet: bool) -> Any:
+    if quiet or not sys.stderr.isatty():
+        return None
+    return lambda message: click.echo(f"... {message}", err=True)
+
+
+def _ms(ns: Any) -> str:
+    return "-" if ns is None else f"{ns / 1e6:.1f} ms"
+
+
+def _coords(coords: dict[str, int]) -> str:
+    return " ".join(f"{k}={v}" for k, v in coords.items()) or "-"
+
+
+def _print_report(r: dict[str, Any]) -> None:
+    run = r["run"]
+    mesh = " x ".join(f"{k}={v}" for k, v in run["mesh"].items())
+    click.echo(f"run {run['path']}  ({run['source']}, {run['world_size']} ranks, {mesh}, {run['steps']} steps)")
+    mfu = r["mfu"]
+    mfu_text = "-" if mfu["mean"] is None else f"{100 * mfu['mean']:.1f}%"
+    drift = mfu.get("drift") or {}
+    click.echo(f"step time {_ms(run['step_time_ns'])} (median)   MFU {mfu_text}"
+               + (f"   step time drifts {100 * drift['change_frac']:+.1f}% over the run" if drift.get("drifting") else ""))
+    click.echo("")
+    slow = r["stragglers"]
+    if slow:
+        click.echo(f"STRAGGLERS ({len(slow)})")
+        click.echo(f"  {'rank':>6} {'host':<16} {'coords':<18} {'cause':<14} {'phase':<10} {'slowdown':>8} {'steps':>6} {'last-in':>7}")
+        for s in slow[:20]:
+            last = "-" if s.get("last_arrival_frac") is None else f"{100 * s['last_arrival_frac']:.0f}%"
+            click.echo(f"  {s['rank']:>6} {s['host']:<16} {_coords(s['coords']):<18} {s['cause']:<14} {s['phase']:<10} "
+                       f"{s['slowdown']:>7.2f}x {100 * s['steps_slow_frac']:>5.0f}% {last:>7}")
+        if len(slow) > 20:
+            click.echo(f"  ... {len(slow) - 20} more (--json for all)")
+    else:
+        click.echo("STRAGGLERS none")
+    w = r.get("whatif")
+    if w:
+        gain = 100 * (1 - 1 / w["speedup"]) if w["speedup"] else 0.0
+        mfu_line = "" if w.get("whatif_mfu") is None else f", MFU {100 * w['mfu']:.1f}% -> {100 * w['whatif_mfu']:.1f}%"
+        click.echo(f"  what-if fixed: step {_ms(w['step_time_ns'])} -> {_ms(w['whatif_step_time_ns'])} "
+                   f"({gain:.1f}% faster{mfu_line})")
+    click.echo("")
+    hang = r["hang"]
+    if hang["hung"]:
+        click.echo(f"HANG: {len(hang['waiting'])} ranks waiting inside a call")
+        for s in hang["suspects"][:5]:
+            click.echo(f"  suspect rank {s['rank']} ({s['state']}) on {s['host']} {_coords(s['coords'])}: never entered "
+                       f"{s['group']} seq {s['missing_seq']} (last completed {s['last_completed_seq']}); "
+                       f"{s['waited_on_by']} ranks wait on it")
+    else:
+        click.echo("HANG none" + ("" if hang.get("markers") else " (no collective markers in this run)"))
+    skew_drift = r["skew"]["drift"]
+    click.echo("")
+    if skew_drift.get("drifting"):
+        click.echo("SKEW DRIFT: late arrivals grow over the run")
+        for c in skew_drift["collectives"][:5]:
+            ranks = ", ".join(str(x["rank"]) for x in c["ranks"][:5]) or "-"
+            click.echo(f"  {c['name']} ({c['group_kind']}): +{_ms(c['late_growth_ns'])} over the run; ranks {ranks}")
+    coll = r["skew"]["collectives"]
+    if coll:
+        click.echo(f"  {'collective':<22} {'kind':<6} {'spread p50':>11} {'spread p99':>11} {'most often last':>16}")
+        for c in coll[:8]:
+            last = f"rank {c['top_last_rank']} ({100 * c['top_last_frac']:.0f}%)"
+            click.echo(f"  {c['name']:<22} {c['group_kind']:<6} {_ms(c['spread_median_ns']):>11} "
+                       f"{_ms(c['spread_p99_ns']):>11} {last:>16}")
+    if r["bubbles"] and len(r["bubbles"]) > 1:
+        click.echo("")
+        click.echo("PIPELINE BUBBLES  " + "  ".join(f"pp{b['stage']}: {100 * (b['bubble_frac'] or 0):.0f}%" for b in r["bubbles"]))
+    clock = r["clock"]
+    if clock["hosts"] > 1:
+        err = clock.get("max_error_ns")
+        click.echo(f"CLOCKS {clock['hosts']} hosts, offsets up to {_ms(clock['max_abs_offset_ns'])}"
+                   + ("" if err is None else f" (+- {_ms(err)})") + ", corrected before comparing ranks")
 
 
 @click.command()
 @run_dir_argument
 @json_option
-def report(run_dir: Path, as_json: bool) -> None:
+@click.option("--no-whatif", is_flag=True, help="Skip the what-if replay (faster on huge runs).")
+@click.option("-q", "--quiet", is_flag=True, help="No progress messages.")
+def report(run_dir: Path, as_json: bool, no_whatif: bool, quiet: bool) -> None:
     """Stragglers with causes, skew, MFU and its drift, hang state."""
-    not_built("report")
+    from megascope.analysis import report as build_report
+
+    run = _open(run_dir)
+    echo_problems(run.problems)
+    result = build_report(run, progress=_progress(quiet), with_whatif=not no_whatif)
+    if as_json:
+        echo_json(result)
+    else:
+        _print_report(result)
 
 
 @click.command()
@@ -22,16 +128,79 @@ def report(run_dir: Path, as_json: bool) -> None:
 @json_option
 def localize(run_dir: Path, as_json: bool) -> None:
     """Where is the hang: the rank, host and TP/PP/DP coordinates behind it."""
-    not_built("localize")
+    from megascope.analysis import localize as find_hang
+    from megascope.analysis.report import jsonable
+
+    run = _open(run_dir)
+    echo_problems(run.problems)
+    result = jsonable(find_hang(run))
+    if as_json:
+        echo_json(result)
+        return
+    if not result["markers"]:
+        click.echo("no collective markers in this run: nothing to localize")
+        return
+    if not result["hung"]:
+        click.echo("not hung: every collective that was entered also completed")
+        return
+    click.echo(f"HUNG: {len(result['waiting'])} ranks waiting in {result['stuck_group_count']} groups")
+    for i, s in enumerate(result["suspects"][:10], 1):
+        click.echo(f"{i:>3}. rank {s['rank']} ({s['state']}) host {s['host']} {_coords(s['coords'])}: never entered "
+                   f"{s['group']} seq {s['missing_seq']} (last completed {s['last_completed_seq']}), "
+                   f"{s['waited_on_by']} ranks wait on it")
+    if result["silent"]:
+        shown = ", ".join(map(str, result["silent"][:20]))
+        click.echo(f"silent ranks (no sign of life near the end): {shown}")
+
+
+def _png_from_html(html: Path, png: Path, width: int, height: int) -> None:
+    browser = next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
+    if browser is None:
+        raise ExportError(f"{png}: PNG needs Chromium installed (write .html instead)")
+    cmd = [browser, "--headless", "--disable-gpu", "--no-sandbox", "--hide-scrollbars",
+           f"--window-size={width},{height}", "--virtual-time-budget=10000", f"--screenshot={png}", html.as_uri()]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, timeout=120, check=False)
+    except subprocess.TimeoutExpired:
+        raise ExportError(f"{png}: the browser took too long to render the heat-map") from None
+    if proc.returncode != 0 or not png.exists():
+        raise ExportError(f"{png}: the browser could not render the heat-map (exit {proc.returncode})")
 
 
 @click.command()
 @run_dir_argument
 @click.option("-o", "--out", "out", required=True, type=click.Path(path_type=Path, dir_okay=False),
               help="HTML file to write (.png where a browser is installed).")
-def heatmap(run_dir: Path, out: Path) -> None:
+@click.option("--phase", default="step", show_default=True,
+              type=click.Choice(["step", "own", "compute", "forward", "backward", "optimizer", "data", "host",
+                                 "comm", "wait", "xfer", "bubble"]),
+              help="What to colour: time of this phase over the peer median.")
+@click.option("--max-ranks", default=512, show_default=True, type=click.IntRange(min=1), help="Rank bins at most.")
+@click.option("--max-steps", default=400, show_default=True, type=click.IntRange(min=1), help="Step bins at most.")
+def heatmap(run_dir: Path, out: Path, phase: str, max_ranks: int, max_steps: int) -> None:
     """Rank x step heat-map of each phase, normalized within peers."""
-    not_built("heatmap")
+    from megascope.analysis import heatmap as cells_of
+    from megascope.figures.heatmap import heatmap_figure
+
+    suffix = out.suffix.lower()
+    if suffix not in (".html", ".htm", ".png"):
+        raise ConfigError(f"{out}: write .html or .png")
+    run = _open(run_dir)
+    echo_problems(run.problems)
+    cells = cells_of(run.cursor(), phase=phase, max_ranks=max_ranks, max_steps=max_steps)
+    fig = heatmap_figure(cells, phase=phase, title=f"{run.path.name}: {phase} time / peer median")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if suffix == ".png":
+        with tempfile.TemporaryDirectory() as tmp:
+            html = Path(tmp) / "heatmap.html"
+            fig.write_html(html, include_plotlyjs=True, full_html=True)
+            _png_from_html(html, out, 1400, 900)
+    else:
+        try:
+            fig.write_html(out, include_plotlyjs=True, full_html=True)
+        except OSError as exc:
+            raise ExportError(f"{out}: cannot write ({exc.strerror})") from None
+    click.echo(f"wrote {out} ({len(cells)} cells)", err=True)
 
 
 def register(group: click.Group) -> None:

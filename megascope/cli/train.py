@@ -1,28 +1,75 @@
-"""``megascope train``: the bundled 3D-parallel trainer."""
+"""``megascope train``: the bundled 3D-parallel trainer (``--nproc N`` local ranks, or under torchrun)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import click
 
-from megascope.cli.common import inject_option, not_built, out_run_option
+from megascope.cli.common import inject_option, out_run_option
 
 
 @click.command()
-@click.option("--nproc", type=click.IntRange(min=1), default=None, help="Spawn this many local ranks (else run under torchrun).")
-@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True)
-@click.option("--dp", type=click.IntRange(min=1), default=None, help="Defaults to world size / (tp*pp).")
+@click.option("--nproc", type=click.IntRange(min=1), default=None,
+              help="Start this many local ranks (else run this process's rank under torchrun).")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel size.")
+@click.option("--pp", type=click.IntRange(min=1), default=1, show_default=True, help="Pipeline stages.")
+@click.option("--dp", type=click.IntRange(min=1), default=None, help="Data-parallel size [default: world / (tp*pp)].")
 @click.option("--steps", type=click.IntRange(min=1), default=20, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Same seed = same data and start on every mesh.")
 @click.option("--global-batch", type=click.IntRange(min=1), default=16, show_default=True, help="Sequences per step.")
+@click.option("--micro-batches", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Micro-batches per step on each data-parallel rank.")
+@click.option("--layers", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--hidden", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--heads", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--vocab", type=click.IntRange(min=1), default=512, show_default=True)
+@click.option("--seq-len", type=click.IntRange(min=1), default=128, show_default=True)
+@click.option("--window", type=click.IntRange(min=1), default=None, help="Sliding-window attention span.")
+@click.option("--serial-block", is_flag=True, help="Classic serial block instead of MegaScale's parallel block.")
+@click.option("--no-sequence-parallel", is_flag=True, help="Plain TP (all-reduce) without sequence parallelism.")
+@click.option("--optimizer", type=click.Choice(["adamw", "lamb"]), default="adamw", show_default=True)
+@click.option("--lr", type=float, default=3e-3, show_default=True)
+@click.option("--data", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Flat token file (nanoGPT-style .bin) [default: a seeded synthetic language].")
+@click.option("--data-dtype", type=click.Choice(["uint16", "uint32"]), default="uint16", show_default=True)
+@click.option("--collective-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+              help="Seconds before a blocked collective fails the job.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--no-layer-spans", is_flag=True, help="No forward/backward spans per transformer block.")
+@click.option("--result-json", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Also write the loss and host seconds of every step here (for benchmarks).")
 @inject_option
 @out_run_option
 def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed: int, global_batch: int,
-          injects: tuple[str, ...], out: Path) -> None:
-    """Train the bundled GPT on a TP x PP x DP mesh, fully instrumented."""
-    not_built("train")
+          micro_batches: int, layers: int, hidden: int, heads: int, vocab: int, seq_len: int, window: int | None,
+          serial_block: bool, no_sequence_parallel: bool, optimizer: str, lr: float, data: Path | None,
+          data_dtype: str, collective_timeout: float, device: str, no_layer_spans: bool,
+          result_json: Path | None, injects: tuple[str, ...], out: Path) -> None:
+    """Train the bundled GPT on a TP x PP x DP mesh, fully instrumented, with optional planted faults."""
+    from megascope.inject import parse_injects
+    from megascope.trainer.config import ModelConfig, TrainConfig
+
+    world = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    model = ModelConfig(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq_len=seq_len,
+                        parallel_block=not serial_block, window=window)
+    cfg = TrainConfig(out=out, world_size=world, tp=tp, pp=pp, dp=dp, steps=steps, seed=seed,
+                      global_batch=global_batch, micro_batches=micro_batches, model=model, optimizer=optimizer,
+                      lr=lr, sequence_parallel=not no_sequence_parallel, data=data, data_dtype=data_dtype,
+                      faults=parse_injects(injects), collective_timeout_s=collective_timeout, device=device,
+                      instrument_layers=not no_layer_spans)
+    # Only now, with every argument checked, does anything start.
+    from megascope.trainer.launch import train as run_training
+
+    result = run_training(cfg, nproc=nproc)
+    if result_json is not None and int(os.environ.get("RANK", "0")) == 0:
+        import json
+
+        result_json.write_text(json.dumps({"losses": result.losses, "step_seconds": result.step_seconds}) + "\n")
+    if int(os.environ.get("RANK", "0")) == 0:
+        click.echo(f"{out}: {steps} steps on {world} ranks (pp={cfg.pp} dp={cfg.dp} tp={cfg.tp}), "
+                   f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
 
 
 def register(group: click.Group) -> None:

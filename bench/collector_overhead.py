@@ -1,0 +1,314 @@
+"""What the in-job collector costs: host microseconds per span (CPU) and step-time overhead (GPU).
+
+One command, prints tables, writes ``$OUT/collector_overhead.json`` when ``OUT`` is set::
+
+    python bench/collector_overhead.py                 # CPU part; GPU part too when CUDA is there
+    python bench/collector_overhead.py --gpu-only --repeats 7 --drift-s 60
+
+CPU part: the host cost of one span, comm span (with its markers) and metric, and of module hooks,
+each against a bare loop in the same process (medians of repeats).
+
+GPU part (needs one CUDA device; NCCL world of one for real collective kernels): a ~1B-parameter
+bf16 MLP-block model, forward+backward+AdamW, one all-reduce per block's gradients. Configurations,
+interleaved in every repeat: no collector; a disabled collector; the collector with per-layer
+forward/backward spans and per-collective spans. Reports the median step time of each and the
+overhead, the device synchronizations seen by ``torch.cuda.set_sync_debug_mode("warn")`` with and
+without the collector, and the drift of the device clock against the host wall clock from one
+anchor (how far apart anchors may be).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from megascope.collectors import Collector, CollectorConfig, instrument_module
+
+from megascope.schema import SpanKind
+
+
+def _table(title: str, header: list[str], rows: list[list[Any]]) -> None:
+    print(f"\n{title}")
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in rows:
+        print("| " + " | ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)) + " |")
+
+
+# ---------------------------------------------------------------------------------------------- CPU
+def _per_call_us(fn: Any, n: int, repeats: int) -> float:
+    # CPU time of the calling (training) thread: on a shared machine wall time mostly measures the
+    # neighbours, while this is what the collector takes from the training loop itself.
+    samples = []
+    for _ in range(repeats):
+        t0 = time.thread_time_ns()
+        fn(n)
+        samples.append((time.thread_time_ns() - t0) / n / 1e3)
+    return statistics.median(samples)
+
+
+def bench_cpu(n: int, repeats: int) -> dict[str, float]:
+    tmp = Path(tempfile.mkdtemp(prefix="megascope-bench-"))
+    col = Collector(CollectorConfig(run_dir=tmp / "on", device=torch.device("cpu"), max_buffered_rows=4 * n * repeats,
+                                    flush_interval_s=3600.0, handle_sigterm=False), rank=0, world_size=1)
+    off = Collector(CollectorConfig(run_dir=tmp / "off", enabled=False), rank=0, world_size=1)
+
+    def bare(k: int) -> None:
+        for _ in range(k):
+            pass
+
+    def span_on(k: int) -> None:
+        for _ in range(k):
+            with col.span("x", kind=SpanKind.COMPUTE):
+                pass
+
+    def span_off(k: int) -> None:
+        for _ in range(k):
+            with off.span("x", kind=SpanKind.COMPUTE):
+                pass
+
+    def comm_on(k: int) -> None:
+        for _ in range(k):
+            with col.comm(op="all_reduce", group="tp:0", bytes=1024):
+                pass
+
+    def metric_on(k: int) -> None:
+        for i in range(k):
+            col.metric("loss", 1.0, step=i)
+
+    with col.step(0):
+        base = _per_call_us(bare, n, repeats)
+        out = {
+            "span_enabled_us": _per_call_us(span_on, n, repeats) - base,
+            "span_disabled_us": _per_call_us(span_off, n, repeats) - base,
+            "comm_enabled_us": _per_call_us(comm_on, n, repeats) - base,
+            "metric_float_us": _per_call_us(metric_on, n, repeats) - base,
+        }
+        col.flush()
+        # The writer's share (on its own thread in a job): resolving and writing one span, timed here
+        # by flushing on this thread; the background flush is parked by a long interval.
+        span_on(n)
+        t0 = time.thread_time_ns()
+        col.flush()
+        out["writer_per_span_us"] = (time.thread_time_ns() - t0) / n / 1e3
+
+    # Module hooks: 32 chained small blocks, forward + backward, with and without instrumentation.
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(32)])
+
+    def fwd_bwd(k: int) -> None:
+        for _ in range(k):
+            model(torch.randn(8, 32, requires_grad=True)).sum().backward()
+
+    m = max(20, n // 500)
+    plain = _per_call_us(fwd_bwd, m, repeats)
+    handles = instrument_module(model, ["*"], collector=col)
+    with col.step(1):
+        hooked = _per_call_us(fwd_bwd, m, repeats)
+    for h in handles:
+        h.remove()
+    out["module_hooks_per_module_us"] = (hooked - plain) / 32
+    col.close()
+    out["rows_dropped"] = col.stats["rows_dropped"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+class _Block(torch.nn.Module):
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(h)
+        self.up = torch.nn.Linear(h, 4 * h, bias=False)
+        self.down = torch.nn.Linear(4 * h, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+def _gpu_setup(hidden: int, layers: int, tokens: int) -> tuple[Any, Any, Any]:
+    model = torch.nn.ModuleDict({"layers": torch.nn.ModuleList(_Block(hidden) for _ in range(layers))})
+    model = model.to("cuda", torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return model, opt, x
+
+
+def _train_step(model: Any, opt: Any, x: Any, col: Collector | None, step: int) -> None:
+    import torch.distributed as dist
+
+    def body() -> None:
+        h = x
+        for layer in model["layers"]:
+            h = layer(h)
+        h.float().pow(2).mean().backward()
+        for layer in model["layers"]:  # one gradient all-reduce per block, as a bucketed DDP would
+            flat = layer.up.weight.grad
+            if col is None:
+                dist.all_reduce(flat)
+            else:
+                col.dist.all_reduce(flat)
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+
+    if col is None:
+        body()
+    else:
+        with col.step(step):
+            body()
+
+
+def _hooks(model: Any, col: Collector | None) -> list[Any]:
+    """Per-layer spans only for the configuration being timed (hooks stay on a model until removed)."""
+    return instrument_module(model, ["layers.*"], collector=col) if col is not None else []
+
+
+def _time_steps(model: Any, opt: Any, x: Any, col: Collector | None, steps: int, first_step: int) -> float:
+    handles = _hooks(model, col)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(steps):
+        _train_step(model, opt, x, col, first_step + i)
+    torch.cuda.synchronize()  # the measurement's own sync, outside the steps
+    elapsed = time.perf_counter() - t0
+    for h in handles:
+        h.remove()
+    return elapsed / steps * 1e3
+
+
+def _count_syncs(model: Any, opt: Any, x: Any, col: Collector | None, steps: int) -> int:
+    handles = _hooks(model, col)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for i in range(steps):
+                _train_step(model, opt, x, col, 10_000 + i)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    for h in handles:
+        h.remove()
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
+def _drift(seconds: float, model: Any, opt: Any, x: Any) -> list[dict[str, float]]:
+    """Device-clock drift against the host wall clock, measured from one anchor taken at an idle stream."""
+    from megascope.collectors.timing import CudaTimer
+
+    torch.cuda.synchronize()
+    timer = CudaTimer(torch.device("cuda"), anchor_interval_s=1e9)
+    anchor = timer.anchor
+    out = []
+    checkpoints = [c for c in (1, 5, 10, 30, 60, 120, 300) if c <= seconds]
+    start = time.monotonic()
+    for c in checkpoints:
+        while time.monotonic() - start < c:
+            _train_step(model, opt, x, None, 0)
+        torch.cuda.synchronize()
+        probe = torch.cuda.Event(enable_timing=True)
+        w0 = time.time_ns()
+        probe.record()
+        probe.synchronize()
+        w1 = time.time_ns()
+        predicted = timer.wall_ns(probe, anchor)
+        err_us = (predicted - (w0 + w1) / 2) / 1e3
+        elapsed = (w1 - anchor.wall_ns) / 1e9
+        out.append({"after_s": round(elapsed, 1), "error_us": round(err_us, 1),
+                    "bracket_us": round((w1 - w0) / 1e3, 1), "ppm": round(err_us / elapsed, 2)})
+    return out
+
+
+def bench_gpu(args: argparse.Namespace) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    tmp = Path(tempfile.mkdtemp(prefix="megascope-bench-gpu-"))
+    dist.init_process_group("nccl", init_method=f"file://{tmp / 'init'}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=120))
+    model, opt, x = _gpu_setup(args.hidden, args.layers, args.tokens)
+    params = sum(p.numel() for p in model.parameters())
+    on = Collector(CollectorConfig(run_dir=tmp / "on", device=torch.device("cuda"), handle_sigterm=False),
+                   rank=0, world_size=1)
+    off = Collector(CollectorConfig(run_dir=tmp / "off", enabled=False), rank=0, world_size=1)
+    configs: dict[str, Collector | None] = {"none": None, "disabled": off, "enabled": on}
+    for col in configs.values():  # warm-up: allocator, cuBLAS, NCCL, event pool
+        _time_steps(model, opt, x, col, 3, 0)
+    samples: dict[str, list[float]] = {k: [] for k in configs}
+    step = 100
+    for _ in range(args.repeats):
+        for name, col in configs.items():
+            samples[name].append(_time_steps(model, opt, x, col, args.steps, step))
+            step += args.steps
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    syncs = {k: _count_syncs(model, opt, x, configs[k], 3) for k in ("none", "enabled")}
+    drift = _drift(args.drift_s, model, opt, x)
+    on.close()
+    spans = on.stats["rows_written_by_table"]["spans"]
+    dist.destroy_process_group()
+    return {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "params": params,
+        "tokens_per_step": args.tokens, "steps_per_sample": args.steps, "repeats": args.repeats,
+        "step_ms_median": med, "step_ms_samples": samples,
+        "overhead_pct": {k: (med[k] - med["none"]) / med["none"] * 100 for k in ("disabled", "enabled")},
+        "syncs_in_3_steps": syncs, "drift": drift, "spans_written": spans,
+        "spans_per_step": (2 * args.layers + args.layers + 1), "collector_stats": on.stats,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=50_000, help="CPU: calls per sample")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--gpu-only", action="store_true")
+    parser.add_argument("--cpu-only", action="store_true")
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=8)  # 8 x 2 x 4096 x 16384 = 1.07 B parameters
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--steps", type=int, default=10, help="GPU: steps per timed sample")
+    parser.add_argument("--drift-s", type=float, default=60.0, help="GPU: how long to watch the clock drift")
+    args = parser.parse_args(argv)
+    result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:]}
+
+    if not args.gpu_only:
+        cpu = bench_cpu(args.n, args.repeats)
+        result["cpu"] = cpu
+        _table(f"CPU time of the training thread per call (median of {args.repeats} x {args.n}, bare loop subtracted)",
+               ["what", "us per call"],
+               [[k.removesuffix("_us"), f"{v:.2f}"] for k, v in cpu.items() if k.endswith("_us")])
+    if not args.cpu_only and torch.cuda.is_available():
+        gpu = bench_gpu(args)
+        result["gpu"] = gpu
+        med = gpu["step_ms_median"]
+        _table(f"GPU step time, {gpu['device']}, {gpu['params'] / 1e9:.2f} B params bf16, "
+               f"{gpu['tokens_per_step']} tokens/step (median of {args.repeats} x {args.steps} steps)",
+               ["collector", "step ms", "overhead %"],
+               [[k, f"{med[k]:.2f}", "-" if k == "none" else f"{gpu['overhead_pct'][k]:+.2f}"] for k in med])
+        _table("Device synchronizations in 3 steps (set_sync_debug_mode('warn'))", ["collector", "syncs"],
+               [[k, v] for k, v in gpu["syncs_in_3_steps"].items()])
+        _table("Device clock vs host wall clock from one anchor", ["after s", "error us", "bracket us", "ppm"],
+               [[d["after_s"], d["error_us"], d["bracket_us"], d["ppm"]] for d in gpu["drift"]])
+    elif not args.cpu_only:
+        print("\n(no CUDA device: GPU part skipped)")
+
+    out = os.environ.get("OUT")
+    if out:
+        path = Path(out) / "collector_overhead.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,487 @@
+"""The per-rank collector: spans, steps, communication with arrival times, metrics.
+
+Role in the data flow: the in-job stage. A training loop (the bundled trainer or anyone's) creates
+one :class:`Collector` per rank; it timestamps code segments without synchronizing the device
+(:mod:`megascope.collectors.timing`), queues rows in bounded buffers, and a writer thread
+(:mod:`megascope.collectors.writer`) turns them into Parquet parts of the run directory.
+
+Example::
+
+    col = Collector(CollectorConfig(run_dir=Path("runs/job")), rank=rank, world_size=world,
+                    coords={"pp": 0, "dp": rank, "tp": 0}, meta=run_meta)
+    col.register_group(None, Group("world", "world", tuple(range(world))))
+    for step in range(steps):
+        with col.step(step):
+            with col.span("forward", kind=SpanKind.FORWARD, microbatch=0):
+                loss = model(batch)
+            loss.backward()
+            col.dist.all_reduce(grads)            # a timed all-reduce with markers
+        col.metric("loss", loss)                  # resolved later, no .item()
+    col.close()
+
+Communication spans start at the rank's *arrival* (just before launch) and end at completion, so
+in one collective instance the last arriver is the straggler. Sequence numbers are counted here per
+group id (per (sender, receiver) pair for point-to-point), so members that issue the same
+collectives in the same order agree on them. An ``enqueued`` marker is queued before the call and
+a ``completed`` marker once the end is resolved, which is what hang localization reads.
+
+The collector never raises into the training loop: internal failures are logged once and counted
+in :attr:`Collector.stats`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+import weakref
+from typing import Any
+
+from megascope.collectors.buffers import rows_to_table
+from megascope.collectors.config import CollectorConfig
+from megascope.collectors.contexts import NOOP, CommHandle, SpanContext, StepContext
+from megascope.collectors.timing import Timer, make_timer, resolve_device
+from megascope.collectors.writer import Sink, Writer
+
+from megascope.schema import (
+    GROUPS,
+    RANKS,
+    CollectiveOp,
+    GroupKind,
+    MarkerState,
+    RunMeta,
+    RunSource,
+    SpanKind,
+    Stream,
+)
+from megascope.topology import Group
+
+log = logging.getLogger(__name__)
+
+_COMM_KINDS = frozenset({SpanKind.COLLECTIVE.value, SpanKind.SEND.value, SpanKind.RECV.value})
+_HOST_KINDS = frozenset({SpanKind.HOST.value, SpanKind.DATA.value})
+_KINDS = frozenset(k.value for k in SpanKind)
+_ENQUEUED = MarkerState.ENQUEUED.value
+
+__all__ = ["NOOP", "Collector"]
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    try:
+        return int(raw) if raw is not None else None
+    except ValueError:
+        return None
+
+
+class Collector:
+    """One rank's collector. See the module docstring; the API is the agreed contract."""
+
+    def __init__(
+        self,
+        config: CollectorConfig,
+        rank: int | None = None,
+        world_size: int | None = None,
+        coords: dict[str, int] | None = None,
+        groups: list[Group] | None = None,
+        meta: RunMeta | None = None,
+    ) -> None:
+        self.config = config = config.with_env()
+        self.rank = rank if rank is not None else _env_int("RANK") or 0
+        self.world_size = world_size if world_size is not None else _env_int("WORLD_SIZE") or 1
+        self.coords = dict(coords or {})
+        self.enabled = config.enabled
+        self._active = False
+        self._closed = False
+        self._step: int | None = None
+        self._last_step: int | None = None
+        self._microbatch: int | None = None
+        self._chunk: int | None = None
+        self._seqs: dict[Any, int] = {}
+        self._groups: dict[str, Group] = {}
+        self._groups_by_pg: dict[Any, Group] = {}
+        self._groups_by_name: dict[str, Group] = {}  # torch group_name -> Group (flight recorder)
+        self._internal_errors = 0
+        self._warned: set[str] = set()
+        self._dist: Any = None
+        self._heartbeat: Any = None
+        self.device: Any = None
+        if not self.enabled:
+            return
+        self.device = resolve_device(config.device)
+        self._timer: Timer = make_timer(
+            self.device, anchor_interval_s=config.anchor_interval_s, max_events=2 * config.max_buffered_rows + 64
+        )
+        self._sink = Sink(config.max_buffered_rows)
+        self._writer = Writer(
+            config.run_dir, rank=self.rank, sink=self._sink, timer=self._timer,
+            interval_s=config.flush_interval_s, capacity=config.max_buffered_rows,
+        )
+        self.start_ns = time.time_ns()
+        self._writer.set_static("ranks", rows_to_table([self._rank_row()], RANKS))
+        for group in groups or ():
+            self._add_group(group)
+        if self.rank == 0:
+            # Without run.json a run directory is unreadable: a plain one stands in for a missing meta.
+            self._writer.set_run_meta(meta or RunMeta(
+                run_id=config.run_dir.name, source=RunSource.COLLECTOR.value, world_size=self.world_size,
+                start_ns=self.start_ns, device_name=None,
+            ))
+        if config.flight_recorder:
+            from megascope.collectors.flight_recorder import FlightRecorderPoller
+
+            self._writer.pollers.append(FlightRecorderPoller(self))
+        self._active = True
+        self._writer.start()
+        if config.heartbeat_interval_s:
+            from megascope.collectors.heartbeat import HeartbeatSampler
+
+            # The same host string as the ranks table, so heartbeats join to ranks by host.
+            self._heartbeat = HeartbeatSampler(
+                config.run_dir, rank=self.rank, host=socket.gethostname(), interval_s=config.heartbeat_interval_s,
+                stats_fn=lambda: self.stats, log_path=os.environ.get("MEGASCOPE_LOG_PATH"),
+            ).start()
+        self._install_exit_hooks()
+
+    # ------------------------------------------------------------------ setup helpers
+    def _rank_row(self) -> tuple[Any, ...]:
+        device_name = None
+        if self.device.type == "cuda":
+            try:
+                import torch
+
+                device_name = torch.cuda.get_device_name(self.device)
+            except Exception:
+                device_name = None
+        c = self.coords
+        return (self.rank, socket.gethostname(), _env_int("LOCAL_RANK"), os.getpid(), str(self.device),
+                device_name, c.get("pp"), c.get("dp"), c.get("tp"), self.start_ns)
+
+    def _add_group(self, group: Group) -> None:
+        if group.id in self._groups and self._groups[group.id] == group:
+            return
+        self._groups[group.id] = group
+        rows = [(self.rank, g.id, str(g.kind), g.index_of(self.rank), list(g.members))
+                for g in self._groups.values() if self.rank in g.members]
+        self._writer.set_static("groups", rows_to_table(rows, GROUPS))
+
+    def _install_exit_hooks(self) -> None:
+        ref = weakref.ref(self)
+
+        def close_at_exit() -> None:
+            col = ref()
+            if col is not None:
+                col.close()
+
+        self._atexit = close_at_exit
+        atexit.register(close_at_exit)
+        self._prev_sigterm: Any = None
+        if self.config.handle_sigterm and threading.current_thread() is threading.main_thread():
+            try:
+                self._prev_sigterm = signal.getsignal(signal.SIGTERM)
+                signal.signal(signal.SIGTERM, self._on_sigterm)
+                self._sigterm_installed = True
+            except (ValueError, OSError):
+                self._sigterm_installed = False
+        else:
+            self._sigterm_installed = False
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        # Write what is ready without waiting on the device, then let the signal do what it did before.
+        if self._active:
+            self._writer.flush(lock_timeout_s=2.0)
+        prev = self._prev_sigterm
+        if callable(prev):
+            prev(signum, frame)
+        elif prev == signal.SIG_IGN:
+            return
+        else:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def _internal_error(self, where: str) -> None:
+        self._internal_errors += 1
+        if where not in self._warned:
+            self._warned.add(where)
+            log.warning("megascope collector (rank %d): internal error in %s; counted, training continues",
+                        self.rank, where, exc_info=True)
+
+    def _warn_once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, *args)
+
+    # ------------------------------------------------------------------ groups
+    def register_group(self, pg: Any, group: Group) -> None:
+        """Map a torch process group (None: the default group) to a megascope group id."""
+        if not self.enabled:
+            return
+        if self.rank not in group.members:
+            self._warn_once(f"member:{group.id}", "megascope collector: rank %d registers group %s but is not "
+                            "one of its members %s", self.rank, group.id, group.members)
+        self._groups_by_pg[pg] = group
+        name = getattr(pg, "group_name", None)
+        if pg is None:
+            name = self._default_group_name()
+        if name:
+            self._groups_by_name[str(name)] = group
+        self._add_group(group)
+
+    @staticmethod
+    def _default_pg() -> Any:
+        try:
+            import torch.distributed as dist
+
+            return dist.group.WORLD if dist.is_initialized() else None
+        except Exception:
+            return None
+
+    @staticmethod
+    def _default_group_name() -> str | None:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                return str(dist.group.WORLD.group_name)  # type: ignore[union-attr]
+        except Exception:
+            pass
+        return None
+
+    def group_id(self, pg: Any) -> str:
+        """The megascope group id of a torch process group (registering a fallback if unknown)."""
+        group = self._groups_by_pg.get(pg)
+        if group is None:
+            if pg is not None and pg is self._default_pg():  # e.g. P2POp fills in the default group
+                group = self._groups_by_pg.get(None)
+            group = group or self._fallback_group(pg)
+            self._groups_by_pg[pg] = group
+            self._add_group(group)
+        return group.id
+
+    def _fallback_group(self, pg: Any) -> Group:
+        if pg is None or pg is self._default_pg():
+            return Group("world", GroupKind.WORLD.value, tuple(range(self.world_size)))
+        try:
+            import torch.distributed as dist
+
+            members = tuple(dist.get_process_group_ranks(pg))
+            name = str(getattr(pg, "group_name", "") or len(self._groups))
+        except Exception:
+            members, name = (self.rank,), str(len(self._groups))
+        self._warn_once(f"unregistered:{name}", "megascope collector: process group %s was not registered; "
+                        "recording it as group 'pg:%s' (call Collector.register_group to name it)", name, name)
+        return Group(f"pg:{name}", GroupKind.OTHER.value, members)
+
+    # ------------------------------------------------------------------ spans
+    def _label(self, kind: str, stream: Any) -> tuple[Any, str]:
+        """(stream to record on, stream label) for a span of ``kind``."""
+        if isinstance(stream, str):
+            return None, stream
+        if stream is None:
+            if kind in _COMM_KINDS:
+                return None, Stream.COMM.value
+            return None, Stream.HOST.value if kind in _HOST_KINDS else Stream.COMPUTE.value
+        if not self._timer.is_device:
+            return None, Stream.HOST.value
+        try:
+            import torch
+
+            if stream == torch.cuda.default_stream(self.device):
+                return stream, Stream.COMPUTE.value
+            return stream, f"cuda:{stream.stream_id}"
+        except Exception:
+            return stream, Stream.COMPUTE.value
+
+    def _kind(self, kind: Any) -> str:
+        value = str(kind.value if isinstance(kind, SpanKind) else kind)
+        if value not in _KINDS:
+            self._warn_once(f"kind:{value}", "megascope collector: unknown span kind %r, recorded as 'other'", value)
+            return SpanKind.OTHER.value
+        return value
+
+    def span(self, name: str, kind: SpanKind | str = SpanKind.COMPUTE, microbatch: int | None = None,
+             chunk: int | None = None, stream: Any = None) -> Any:
+        """A timed span, as ``with`` block or decorator. ``stream``: a device stream or a label."""
+        if not self._active:
+            return NOOP
+        kind_s = self._kind(kind)
+        record_on, label = self._label(kind_s, stream)
+        return SpanContext(self, name, kind_s, record_on, label, microbatch, chunk)
+
+    def step(self, step: int) -> Any:
+        """A ``step`` span; inside it every span, marker and metric belongs to ``step``."""
+        if not self._active:
+            return NOOP
+        return StepContext(self, int(step), Stream.HOST.value)
+
+    def _close_span(self, token: Any, anchor: Any, stream: Any, step: int | None, name: str, kind: str, label: str,
+                    microbatch: int | None, chunk: int | None, group: str | None, seq: int | None,
+                    op: str | None, nbytes: int | None, peer: int | None) -> None:
+        timer = self._timer
+        try:
+            end = timer.stamp(stream)
+        except Exception:
+            self._internal_error("span end")
+            end = None
+        if token is None or end is None:  # timer exhausted or failed: drop, keep the pool whole
+            timer.release(token)
+            timer.release(end)
+            self._sink.pending_spans.dropped += 1
+            return
+        if not self._sink.pending_spans.put(
+            (token, end, anchor, step, name, kind, label, microbatch, chunk, group, seq, op, nbytes, peer)
+        ):
+            timer.release(token)
+            timer.release(end)
+
+    # ------------------------------------------------------------------ communication
+    def _next_seq(self, key: Any) -> int:
+        seq = self._seqs.get(key, 0)
+        self._seqs[key] = seq + 1
+        return seq
+
+    def _enqueue_marker(self, h: CommHandle) -> None:
+        self._sink.markers.put((self.rank, h.group, h.seq, h.op, _ENQUEUED, time.time_ns(), h.step, h.bytes, h.peer))
+
+    def comm_begin(self, op: CollectiveOp | str, group: str = "world", bytes: int | None = None,
+                   kind: SpanKind | str = SpanKind.COLLECTIVE, peer: int | None = None, stream: Any = None,
+                   name: str | None = None) -> Any:
+        """Arrival at a communication call: queue the ``enqueued`` marker, stamp the start.
+
+        Returns a handle; call ``end()`` once the operation has completed (after ``work.wait()``).
+        Point-to-point (``kind`` send/recv) needs ``peer``, the other global rank.
+        """
+        if not self._active:
+            return NOOP
+        try:
+            kind_s = self._kind(kind)
+            op_s = str(op.value if isinstance(op, CollectiveOp) else op)
+            if kind_s == SpanKind.SEND.value:
+                seq = self._next_seq((group, self.rank, peer))
+            elif kind_s == SpanKind.RECV.value:
+                seq = self._next_seq((group, peer, self.rank))
+            else:
+                seq = self._next_seq(group)
+            if group not in self._groups and group == GroupKind.WORLD.value:
+                self._add_group(self._fallback_group(None))
+            record_on, label = self._label(kind_s, stream)
+            if name is None:
+                name = f"{group.split(':', 1)[0]}.{op_s}"
+            return CommHandle(self, name=name, kind=kind_s, label=label, group=group, seq=seq, op=op_s,
+                              nbytes=None if bytes is None else int(bytes), peer=peer, stream=record_on)
+        except Exception:
+            self._internal_error("comm begin")
+            return NOOP
+
+    def comm(self, op: CollectiveOp | str, group: str = "world", bytes: int | None = None,
+             kind: SpanKind | str = SpanKind.COLLECTIVE, peer: int | None = None, stream: Any = None,
+             name: str | None = None) -> Any:
+        """A blocking communication call as a ``with`` block: arrival at enter, completion at exit."""
+        return self.comm_begin(op=op, group=group, bytes=bytes, kind=kind, peer=peer, stream=stream, name=name)
+
+    @property
+    def dist(self) -> Any:
+        """A mirror of torch.distributed whose calls are timed (see :mod:`megascope.collectors.dist`)."""
+        if self._dist is None:
+            from megascope.collectors.dist import DistMirror
+
+            self._dist = DistMirror(self)
+        return self._dist
+
+    # ------------------------------------------------------------------ metrics
+    def metric(self, name: str, value: Any, step: int | None = None) -> None:
+        """A scalar of this step. A device tensor is copied to host asynchronously, read later."""
+        if not self._active:
+            return
+        try:
+            if step is None:
+                step = self._step if self._step is not None else self._last_step
+            if step is None:
+                self._warn_once("metric-step", "megascope collector: metric %r outside any step and without "
+                                "step=; dropped", name)
+                self._sink.metrics.dropped += 1
+                return
+            now = time.time_ns()
+            if isinstance(value, int | float):
+                self._sink.metrics.put((self.rank, int(step), name, float(value), now))
+                # A Python number from a device value means the host just waited for the device:
+                # a free moment to refresh the clock anchor.
+                self._timer.maybe_refresh()
+                return
+            tensor = value.detach()
+            if tensor.device.type != "cuda":
+                self._sink.metrics.put((self.rank, int(step), name, float(tensor), now))
+                return
+            import torch
+
+            host = torch.empty((), dtype=tensor.dtype, pin_memory=True)
+            host.copy_(tensor.reshape(()), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._sink.pending_metrics.put((int(step), name, None, host, event, now))
+        except Exception:
+            self._internal_error("metric")
+
+    def mark_sync_point(self) -> None:
+        """Tell the collector the host just waited for the device (e.g. after ``loss.item()``)."""
+        if self._active:
+            try:
+                self._timer.maybe_refresh()
+            except Exception:
+                self._internal_error("anchor refresh")
+
+    # ------------------------------------------------------------------ lifecycle
+    def flush(self) -> None:
+        """Resolve what is ready and write it now (blocks until written; never waits on the device)."""
+        if self._active:
+            self._writer.flush()
+
+    def close(self) -> None:
+        """Flush everything (waiting up to ``close_timeout_s`` for device events) and stop the writer."""
+        if not self._active:
+            return
+        self._active = False
+        self._closed = True
+        try:
+            atexit.unregister(self._atexit)
+            if self._sigterm_installed and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                signal.signal(signal.SIGTERM, self._prev_sigterm)
+        except Exception:
+            pass
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        self._writer.close(timeout_s=self.config.close_timeout_s)
+        stats = self.stats
+        if stats["rows_dropped"] or stats["write_errors"]:
+            log.warning("megascope collector (rank %d) closed: %d rows dropped, %d write errors",
+                        self.rank, stats["rows_dropped"], stats["write_errors"])
+
+    def __enter__(self) -> Collector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Counters: rows written per table, rows dropped, write errors, spans pending, ..."""
+        if not self.enabled:
+            return {"enabled": False, "rows_written": 0, "rows_dropped": 0, "write_errors": 0, "spans_pending": 0}
+        w = self._writer
+        return {
+            "enabled": True,
+            "rows_written": sum(w.rows_written.values()),
+            "rows_written_by_table": dict(w.rows_written),
+            "rows_dropped": self._sink.dropped + w.rows_lost,
+            "write_errors": w.write_errors,
+            "spans_pending": len(self._sink.pending_spans),
+            "rows_buffered": len(self._sink.spans) + len(self._sink.markers) + len(self._sink.metrics) + w.pending_rows,
+            "parts_written": w.parts_written,
+            "internal_errors": self._internal_errors + w.internal_errors,
+            "anchors_taken": self._timer.anchors_taken,
+            "device": str(self.device),
+        }

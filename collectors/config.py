@@ -1,0 +1,116 @@
+"""Configuration of the in-job collector: one keyword-only frozen dataclass.
+
+Role in the data flow: the training script builds a :class:`CollectorConfig` and hands it to
+:class:`megascope.collectors.Collector`. ``MEGASCOPE_*`` environment variables override what the
+script wrote, so an operator can switch the collector off or move its output without editing code:
+
+====================================  ===========================================
+``MEGASCOPE_DISABLE=1``               ``enabled=False``
+``MEGASCOPE_RUN_DIR=PATH``            ``run_dir``
+``MEGASCOPE_FLUSH_INTERVAL_S=2``      ``flush_interval_s``
+``MEGASCOPE_MAX_BUFFERED_ROWS=N``     ``max_buffered_rows``
+``MEGASCOPE_FLIGHT_RECORDER=1``       ``flight_recorder=True``
+``MEGASCOPE_HEARTBEAT_S=5``           ``heartbeat_interval_s`` (0 turns it off)
+====================================  ===========================================
+
+Example::
+
+    cfg = CollectorConfig(run_dir=Path("runs/job42"), flush_interval_s=1.0)
+    cfg = cfg.with_env()      # what Collector does itself
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from megascope.errors import ConfigError
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _env_bool(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(f"{name}={raw!r}: expected 1/0, true/false, yes/no or on/off")
+
+
+def _env_number(name: str, raw: str, kind: type) -> Any:
+    try:
+        return kind(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r}: expected a{'n integer' if kind is int else ' number'}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectorConfig:
+    """Settings of one rank's collector.
+
+    ``device=None`` picks the current CUDA device when CUDA is available, else the host clock;
+    pass ``torch.device("cpu")`` to time a CPU (gloo) job on a machine that has GPUs.
+    """
+
+    run_dir: Path
+    flush_interval_s: float = 1.0
+    enabled: bool = True
+    # Rows waiting in memory per table (and spans waiting for their device events); beyond it new
+    # rows are dropped and counted, so a stalled disk never grows the job's memory.
+    max_buffered_rows: int = 200_000
+    device: Any = None  # torch.device | str | None
+    # Device time is mapped to wall clock through anchors; a new one is taken at most this often,
+    # and only when the stream is idle (a natural sync point), so taking it never waits.
+    anchor_interval_s: float = 1.0
+    # Copy torch's flight-recorder state (per process group: sequence ids and states) into the
+    # markers table every flush. Off by default: it is a private torch API.
+    flight_recorder: bool = False
+    # Flush on SIGTERM (torchrun's way of stopping workers), then hand the signal on.
+    handle_sigterm: bool = True
+    # close() waits at most this long for device events of the last spans; never synchronizes.
+    close_timeout_s: float = 5.0
+    # Host, GPU and NIC heartbeats every this many seconds from a sampler thread (None: off).
+    # Silence is data: the analysis flags a rank whose heartbeats stop.
+    heartbeat_interval_s: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "run_dir", Path(self.run_dir))
+        if not self.flush_interval_s > 0:
+            raise ConfigError(f"flush_interval_s must be > 0, got {self.flush_interval_s}")
+        if self.max_buffered_rows < 1:
+            raise ConfigError(f"max_buffered_rows must be >= 1, got {self.max_buffered_rows}")
+        if not self.anchor_interval_s > 0:
+            raise ConfigError(f"anchor_interval_s must be > 0, got {self.anchor_interval_s}")
+        if self.close_timeout_s < 0:
+            raise ConfigError(f"close_timeout_s must be >= 0, got {self.close_timeout_s}")
+        if self.heartbeat_interval_s is not None and not self.heartbeat_interval_s > 0:
+            raise ConfigError(f"heartbeat_interval_s must be > 0 or None, got {self.heartbeat_interval_s}")
+
+    def with_env(self, environ: Mapping[str, str] | None = None) -> CollectorConfig:
+        """This config with the ``MEGASCOPE_*`` overrides of ``environ`` (default ``os.environ``)."""
+        env = os.environ if environ is None else environ
+        changes: dict[str, Any] = {}
+        if "MEGASCOPE_DISABLE" in env:
+            changes["enabled"] = not _env_bool("MEGASCOPE_DISABLE", env["MEGASCOPE_DISABLE"])
+        if env.get("MEGASCOPE_RUN_DIR"):
+            changes["run_dir"] = Path(env["MEGASCOPE_RUN_DIR"])
+        if "MEGASCOPE_FLUSH_INTERVAL_S" in env:
+            changes["flush_interval_s"] = _env_number(
+                "MEGASCOPE_FLUSH_INTERVAL_S", env["MEGASCOPE_FLUSH_INTERVAL_S"], float
+            )
+        if "MEGASCOPE_MAX_BUFFERED_ROWS" in env:
+            changes["max_buffered_rows"] = _env_number(
+                "MEGASCOPE_MAX_BUFFERED_ROWS", env["MEGASCOPE_MAX_BUFFERED_ROWS"], int
+            )
+        if "MEGASCOPE_FLIGHT_RECORDER" in env:
+            changes["flight_recorder"] = _env_bool("MEGASCOPE_FLIGHT_RECORDER", env["MEGASCOPE_FLIGHT_RECORDER"])
+        if "MEGASCOPE_HEARTBEAT_S" in env:
+            seconds = _env_number("MEGASCOPE_HEARTBEAT_S", env["MEGASCOPE_HEARTBEAT_S"], float)
+            changes["heartbeat_interval_s"] = seconds if seconds > 0 else None
+        return dataclasses.replace(self, **changes) if changes else self

@@ -1,0 +1,184 @@
+"""The context objects a collector hands out: spans, steps, communication handles, and no-ops.
+
+Role in the data flow: the hot path of the in-job collector. Entering a span stamps the timer,
+leaving it queues a pending span for the writer thread; nothing here waits for the device or takes
+a lock. These objects read and write a few attributes of their :class:`Collector` (current step,
+micro-batch, chunk) and call its ``_close_span``; users get them from ``col.span``, ``col.step``,
+``col.comm`` and ``col.comm_begin``, never build them.
+
+Example::
+
+    with col.span("loss", kind=SpanKind.COMPUTE):   # a SpanContext
+        ...
+    h = col.comm_begin(op="all_reduce", group="dp:0", bytes=n)   # a CommHandle
+    work.wait(); h.end()
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from megascope.schema import SpanKind
+
+if TYPE_CHECKING:
+    from megascope.collectors.collector import Collector
+
+
+class _Noop:
+    """What a disabled collector hands out: a context manager, decorator and comm handle doing nothing."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> _Noop:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        return fn
+
+    def end(self) -> None:
+        pass
+
+
+NOOP = _Noop()
+
+
+class SpanContext:
+    """One timed span: ``with col.span(...):`` or ``@col.span(...)``. Closed even on exceptions."""
+
+    __slots__ = ("_col", "name", "kind", "stream", "label", "microbatch", "chunk", "_token", "_anchor", "_saved")
+
+    def __init__(self, col: Collector, name: str, kind: str, stream: Any, label: str,
+                 microbatch: int | None, chunk: int | None) -> None:
+        self._col = col
+        self.name = name
+        self.kind = kind
+        self.stream = stream  # a device stream to record on, or None for the current one
+        self.label = label
+        self.microbatch = microbatch
+        self.chunk = chunk
+        self._token: Any = None
+        self._anchor: Any = None
+        self._saved: tuple[int | None, int | None] = (None, None)
+
+    def __enter__(self) -> SpanContext:
+        col = self._col
+        self._saved = (col._microbatch, col._chunk)
+        if self.microbatch is not None:
+            col._microbatch = self.microbatch
+        if self.chunk is not None:
+            col._chunk = self.chunk
+        try:
+            self._anchor = col._timer.anchor
+            self._token = col._timer.stamp(self.stream)
+        except Exception:
+            col._internal_error("span start")
+            self._token = None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        col = self._col
+        col._microbatch, col._chunk = self._saved
+        token, self._token = self._token, None
+        col._close_span(token, self._anchor, self.stream, col._step, self.name, self.kind, self.label,
+                        self.microbatch if self.microbatch is not None else self._saved[0],
+                        self.chunk if self.chunk is not None else self._saved[1], None, None, None, None, None)
+
+    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        col, name, kind, stream, mb, chunk = self._col, self.name, self.kind, self.stream, self.microbatch, self.chunk
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            with col.span(name, kind=kind, microbatch=mb, chunk=chunk, stream=stream):
+                return fn(*args, **kwargs)
+
+        return timed
+
+
+class StepContext(SpanContext):
+    """A ``step`` span that also sets the collector's current step for everything inside."""
+
+    __slots__ = ("step", "_prev_step")
+
+    def __init__(self, col: Collector, step: int, label: str) -> None:
+        super().__init__(col, "step", SpanKind.STEP.value, None, label, None, None)
+        self.step = step
+        self._prev_step: int | None = None
+
+    def __enter__(self) -> StepContext:
+        col = self._col
+        self._prev_step = col._step
+        col._step = col._last_step = self.step
+        try:
+            col._timer.maybe_refresh()  # step boundaries are where a device tends to be idle
+        except Exception:
+            col._internal_error("anchor refresh")
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        self._col._step = self._prev_step
+
+
+class CommHandle:
+    """A communication span in flight: ``end()`` after the wait (idempotent); a context manager too.
+
+    Leaving the ``with`` block through an exception writes no completion: the call did not
+    complete, and the lone ``enqueued`` marker says so.
+    """
+
+    __slots__ = ("_col", "_token", "_anchor", "_done", "stream", "step", "name", "kind", "label", "group",
+                 "seq", "op", "bytes", "peer", "microbatch", "chunk")
+
+    def __init__(self, col: Collector, *, name: str, kind: str, label: str, group: str, seq: int, op: str,
+                 nbytes: int | None, peer: int | None, stream: Any) -> None:
+        self._col = col
+        self.name = name
+        self.kind = kind
+        self.label = label
+        self.group = group
+        self.seq = seq
+        self.op = op
+        self.bytes = nbytes
+        self.peer = peer
+        self.stream = stream
+        self.step = col._step
+        self.microbatch = col._microbatch
+        self.chunk = col._chunk
+        self._done = False
+        col._enqueue_marker(self)
+        try:
+            self._anchor = col._timer.anchor
+            self._token = col._timer.stamp(stream)
+        except Exception:
+            col._internal_error("comm start")
+            self._anchor = self._token = None
+
+    def end(self) -> None:
+        """The operation has completed (on GPU: call it after ``work.wait()``)."""
+        if self._done:
+            return
+        self._done = True
+        # The span belongs to the step it was issued in, even if its wait comes later.
+        self._col._close_span(self._token, self._anchor, self.stream, self.step, self.name, self.kind, self.label,
+                              self.microbatch, self.chunk, self.group, self.seq, self.op, self.bytes, self.peer)
+
+    def abandon(self) -> None:
+        """The operation failed: give the timer token back, write no completion."""
+        if not self._done:
+            self._done = True
+            self._col._timer.release(self._token)
+
+    def __enter__(self) -> CommHandle:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.end()
+        else:
+            self.abandon()

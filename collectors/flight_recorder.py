@@ -1,0 +1,140 @@
+"""Optional: copy torch's flight-recorder state into the markers table, from inside the job.
+
+Role in the data flow: a poller the writer thread runs each flush when ``CollectorConfig(
+flight_recorder=True)`` (or ``MEGASCOPE_FLIGHT_RECORDER=1``). It reads the in-process flight
+recorder (``torch._C._distributed_c10d._dump_fr_trace`` in torch >= 2.10, ``_dump_nccl_trace``
+before), and writes one marker per new state of each collective: ``enqueued`` (time created),
+``started`` and ``completed`` (NCCL with ``TORCH_NCCL_ENABLE_TIMING=1``; on gloo only retirement is
+visible, so ``completed`` carries the time the poller first saw it retired).
+
+The flight recorder numbers collectives with torch's own per-group counter, which differs from the
+collector's. To keep both trails readable, its markers use the group id ``fr:<group id>`` (the id
+given to :meth:`Collector.register_group`, else ``fr:pg:<torch group name>``), with the same kind
+and members in the groups table. Point-to-point entries are skipped (their peer is not recorded).
+
+Example::
+
+    col = Collector(CollectorConfig(run_dir=run, flight_recorder=True), rank=r, world_size=w)
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from typing import TYPE_CHECKING, Any
+
+from megascope.schema import CollectiveOp, MarkerState
+from megascope.topology import Group
+
+if TYPE_CHECKING:
+    from megascope.collectors.collector import Collector
+
+log = logging.getLogger(__name__)
+
+_OPS = {op.value for op in CollectiveOp}
+# Flight-recorder profiling names that differ from ours ("nccl:_allgather_base" and the like).
+_ALIASES = {
+    "allreduce": CollectiveOp.ALL_REDUCE.value,
+    "allgather": CollectiveOp.ALL_GATHER.value,
+    "_allgather_base": CollectiveOp.ALL_GATHER.value,
+    "allgather_into_tensor_coalesced": CollectiveOp.ALL_GATHER.value,
+    "reduce_scatter_tensor_coalesced": CollectiveOp.REDUCE_SCATTER.value,
+    "_reduce_scatter_base": CollectiveOp.REDUCE_SCATTER.value,
+    "reducescatter": CollectiveOp.REDUCE_SCATTER.value,
+    "alltoall": CollectiveOp.ALL_TO_ALL.value,
+    "alltoall_base": CollectiveOp.ALL_TO_ALL.value,
+    "all_to_all_single": CollectiveOp.ALL_TO_ALL.value,
+}
+_STATE_ORDER = {MarkerState.ENQUEUED.value: 0, MarkerState.STARTED.value: 1, MarkerState.COMPLETED.value: 2}
+
+
+def dump_function() -> Any:
+    """torch's flight-recorder dump function, or None where this torch has none."""
+    try:
+        import torch._C._distributed_c10d as c10d
+    except ImportError:
+        return None
+    return getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+
+
+def op_name(profiling_name: str) -> str:
+    """``"nccl:all_reduce"`` -> ``"all_reduce"``; unknown names -> ``"other"``."""
+    base = profiling_name.split(":", 1)[-1].strip().split(" ")[0]
+    if base in _OPS:
+        return base
+    return _ALIASES.get(base, CollectiveOp.OTHER.value)
+
+
+def entry_markers(entry: dict[str, Any], group: str, rank: int, now_ns: int) -> list[tuple[Any, ...]]:
+    """Marker rows (schema order) for every state one flight-recorder entry has reached."""
+    seq = entry.get("collective_seq_id")
+    if entry.get("is_p2p") or seq is None:
+        return []
+    op = op_name(str(entry.get("profiling_name", "")))
+    state = str(entry.get("state", "scheduled"))
+    rows = [(rank, group, int(seq), op, MarkerState.ENQUEUED.value, int(entry.get("time_created_ns") or now_ns),
+             None, None, None)]
+    started = entry.get("time_discovered_started_ns")
+    if started is not None or state in ("started", "completed"):
+        rows.append((rank, group, int(seq), op, MarkerState.STARTED.value, int(started or now_ns), None, None, None))
+    completed = entry.get("time_discovered_completed_ns")
+    if completed is not None or state == "completed" or entry.get("retired"):
+        rows.append((rank, group, int(seq), op, MarkerState.COMPLETED.value, int(completed or now_ns),
+                     None, None, None))
+    return rows
+
+
+class FlightRecorderPoller:
+    """Run by the writer thread: dump the flight recorder, queue markers for states not seen before."""
+
+    def __init__(self, collector: Collector) -> None:
+        self._col = collector
+        self._dump = dump_function()
+        # (torch group name, seq) -> highest state already written, bounded by pruning old seqs.
+        self._seen: dict[tuple[str, int], int] = {}
+        if self._dump is None:
+            log.warning("megascope collector: this torch has no flight-recorder dump; flight_recorder ignored")
+
+    def _group_for(self, pg_name: str) -> str:
+        col = self._col
+        group = col._groups_by_name.get(pg_name)
+        fr_id = f"fr:{group.id}" if group is not None else f"fr:pg:{pg_name}"
+        if fr_id not in col._groups:
+            members = group.members if group is not None else (col.rank,)
+            kind = group.kind if group is not None else "other"
+            col._add_group(Group(fr_id, kind, members))
+        return fr_id
+
+    def __call__(self) -> None:
+        if self._dump is None:
+            return
+        try:
+            raw = self._dump(includeCollectives=True, includeStackTraces=False, onlyActive=False)
+        except TypeError:  # older signatures take fewer keywords
+            raw = self._dump(includeCollectives=True, includeStackTraces=False)
+        dump = pickle.loads(raw)
+        now = time.time_ns()
+        sink = self._col._sink
+        latest: dict[str, int] = {}
+        for entry in dump.get("entries", ()):
+            pg = entry.get("process_group") or ("", "")
+            pg_name = str(pg[0] if isinstance(pg, list | tuple) else pg)
+            rows = entry_markers(entry, "", self._col.rank, now)
+            if not rows:
+                continue
+            seq = rows[0][2]
+            latest[pg_name] = max(latest.get(pg_name, seq), seq)
+            key = (pg_name, seq)
+            done = self._seen.get(key, -1)
+            group = self._group_for(pg_name)
+            for row in rows:
+                order = _STATE_ORDER[row[4]]
+                if order > done:
+                    sink.markers.put((row[0], group, *row[2:]))
+                    done = order
+            self._seen[key] = done
+        # Forget entries that fell out of the ring buffer long ago (the dump holds the newest ones).
+        if len(self._seen) > 4 * max(1, len(dump.get("entries", ()))) + 1024:
+            keep = {k: v for k, v in self._seen.items() if k[1] >= latest.get(k[0], 0) - 4096}
+            self._seen = keep

@@ -1,0 +1,187 @@
+"""Forward and backward spans for chosen submodules of any ``nn.Module``, through hooks.
+
+Role in the data flow: part of the in-job collector; it turns a model into spans without editing
+its code. Opt-in by name pattern, matched segment by segment on the dotted module name: ``*``
+matches one segment (``layers.*`` is ``layers.0`` but not ``layers.0.attn``), ``**`` any number
+of segments.
+
+How each span is taken:
+
+* forward: a forward pre-hook opens the span, a forward hook closes it;
+* backward: the forward hook registers a pre-hook on the output's ``grad_fn`` (the gradient of
+  the output is ready: this module's backward starts) and the pre-hook registers ``input.register_hook`` on the
+  first input tensor that requires grad (its gradient is ready: the backward ends). Module
+  ``full_backward`` hooks are avoided on purpose: they cost 10-30x more per call and break the
+  zero-bubble pipeline schedules of ``torch.distributed.pipelining``.
+
+A backward span carries the step, micro-batch and chunk of its forward. Modules whose inputs need
+no gradient (the first stage's token ids) get no backward span; neither does any call made under
+``torch.no_grad()``. Activation checkpointing re-runs forwards during backward: those show as extra
+forward spans.
+
+Example::
+
+    handles = instrument_module(model, ["layers.*"], collector=col)
+    ...
+    for h in handles:
+        h.remove()
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from megascope.collectors.collector import Collector
+
+from megascope.schema import SpanKind, Stream
+
+_FORWARD = SpanKind.FORWARD.value
+_BACKWARD = SpanKind.BACKWARD.value
+_COMPUTE = Stream.COMPUTE.value
+
+
+def _matches(segments: list[str], pattern: list[str]) -> bool:
+    if not pattern:
+        return not segments
+    head, rest = pattern[0], pattern[1:]
+    if head == "**":
+        return any(_matches(segments[i:], rest) for i in range(len(segments) + 1))
+    return bool(segments) and fnmatch.fnmatchcase(segments[0], head) and _matches(segments[1:], rest)
+
+
+def match_modules(names: Iterable[str], patterns: Sequence[str]) -> list[str]:
+    """The names matching any of ``patterns`` (dotted, ``*`` = within one segment, ``**`` = any segments)."""
+    split = [p.split(".") for p in patterns]
+    return [n for n in names if n and any(_matches(n.split("."), p) for p in split)]
+
+
+def _first_grad_tensor(value: Any) -> Any:
+    """The first tensor that requires grad in a (nested) tuple/list/dict of module inputs or outputs."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value if value.requires_grad else None
+    if isinstance(value, list | tuple):
+        for item in value:
+            found = _first_grad_tensor(item)
+            if found is not None:
+                return found
+    elif isinstance(value, dict):
+        for item in value.values():
+            found = _first_grad_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+class _ModuleTimer:
+    """The hooks of one module: a stack of open forward spans (a module may be re-entered)."""
+
+    __slots__ = ("col", "name", "_open")
+
+    def __init__(self, col: Collector, name: str) -> None:
+        self.col = col
+        self.name = name
+        self._open: list[tuple[Any, Any]] = []  # (forward span, backward span or None)
+
+    def pre(self, module: Any, args: Any) -> None:
+        col = self.col
+        if not col._active:
+            return
+        try:
+            forward = col.span(self.name, kind=_FORWARD)
+            backward = None
+            grad_input = _first_grad_tensor(args)
+            if grad_input is not None:
+                backward = _BackwardSpan(col, self.name)
+                # A hook on a leaf tensor outlives the graph: remove it once it has fired.
+                backward.input_hook = grad_input.register_hook(backward.on_input_grad)
+            forward.__enter__()
+            self._open.append((forward, backward))
+        except Exception:
+            col._internal_error("module forward pre-hook")
+
+    def post(self, module: Any, args: Any, output: Any) -> None:
+        if not self._open:
+            return
+        forward, backward = self._open.pop()
+        try:
+            forward.__exit__(None, None, None)
+            if backward is not None:
+                grad_output = _first_grad_tensor(output)
+                if grad_output is not None:
+                    # A pre-hook of the output's grad_fn runs after every tensor hook on the output,
+                    # among them the next module's "backward ended" hook: the spans then never overlap.
+                    if grad_output.grad_fn is not None:
+                        grad_output.grad_fn.register_prehook(backward.on_output_grad)
+                    else:
+                        backward.output_hook = grad_output.register_hook(backward.on_output_grad)
+        except Exception:
+            self.col._internal_error("module forward hook")
+
+
+class _BackwardSpan:
+    """One module call's backward: opened by the output-gradient hook, closed by the input-gradient one.
+
+    It stamps the timer directly instead of entering a span context: autograd may run these hooks
+    on its own thread, in an order that need not nest, so they must not touch the collector's
+    current step or micro-batch. Those come from the forward.
+    """
+
+    __slots__ = ("col", "name", "step", "microbatch", "chunk", "_token", "_anchor", "input_hook", "output_hook")
+
+    def __init__(self, col: Collector, name: str) -> None:
+        self.col = col
+        self.name = name
+        self.step = col._step
+        self.microbatch = col._microbatch
+        self.chunk = col._chunk
+        self._token: Any = None
+        self._anchor: Any = None
+        self.input_hook: Any = None
+        self.output_hook: Any = None
+
+    def on_output_grad(self, grad: Any) -> None:
+        col = self.col
+        if self.output_hook is not None:
+            self.output_hook.remove()
+            self.output_hook = None
+        if self._token is not None or not col._active:
+            return
+        try:
+            self._anchor = col._timer.anchor
+            self._token = col._timer.stamp(None)
+        except Exception:
+            col._internal_error("module backward hook")
+
+    def on_input_grad(self, grad: Any) -> None:
+        if self.input_hook is not None:
+            self.input_hook.remove()
+            self.input_hook = None
+        token, self._token = self._token, None
+        col = self.col
+        if token is None or not col._active:
+            return
+        col._close_span(token, self._anchor, None, self.step, self.name, _BACKWARD, _COMPUTE,
+                        self.microbatch, self.chunk, None, None, None, None, None)
+
+
+def instrument_module(model: Any, patterns: Sequence[str], collector: Collector, kind_prefix: str = "") -> list[Any]:
+    """Forward/backward spans for every submodule of ``model`` whose name matches ``patterns``.
+
+    Span names are ``kind_prefix + module name`` (e.g. ``"stage1." + "layers.3"``). Returns the
+    hook handles; ``handle.remove()`` undoes the instrumentation. A disabled collector adds no hooks.
+    """
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    if not collector._active:
+        return []
+    modules = dict(model.named_modules())
+    handles = []
+    for name in match_modules(modules, patterns):
+        timer = _ModuleTimer(collector, kind_prefix + name)
+        handles.append(modules[name].register_forward_pre_hook(timer.pre))
+        handles.append(modules[name].register_forward_hook(timer.post))
+    return handles

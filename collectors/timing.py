@@ -1,0 +1,191 @@
+"""Timestamps without stopping the device: host clock on CPU, pooled CUDA events on GPU.
+
+Role in the data flow: the :class:`~megascope.collectors.Collector` asks a timer for a *token* at
+the start and end of every span (``stamp``); the writer thread later asks whether a token is
+``ready`` and turns it into host wall-clock nanoseconds (``wall_ns``) through the :class:`Anchor`
+that was current when the span began. Both timers have the same four methods, so every code path
+above them runs the same on CPU (gloo tests) and on CUDA.
+
+* :class:`HostTimer`: a token is ``time.perf_counter_ns()``; an anchor pairs it with
+  ``time.time_ns()``, so NTP slewing of the wall clock is followed at every anchor refresh.
+* :class:`CudaTimer`: a token is a ``torch.cuda.Event(enable_timing=True)`` from a pool, recorded
+  on the stream doing the work. ``ready`` is ``Event.query()`` and ``wall_ns`` is
+  ``anchor.event.elapsed_time(token)``: neither waits for the device. An anchor is an event
+  recorded while the stream is idle (checked with ``Stream.query()``, a natural sync point such as
+  the host having just read the loss), paired with the host wall clock of that moment. A new one is
+  taken at most every ``anchor_interval_s`` and only when the stream is idle, so anchors never cost
+  a synchronization; between anchors the device clock's drift against the host clock accumulates
+  (``bench/collector_overhead.py`` measures it).
+
+Example::
+
+    timer = make_timer(torch.device("cpu"), anchor_interval_s=1.0)
+    anchor = timer.anchor
+    t0 = timer.stamp(None); ...; t1 = timer.stamp(None)
+    if timer.ready(t1):
+        start_ns, end_ns = timer.wall_ns(t0, anchor), timer.wall_ns(t1, anchor)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class Anchor:
+    """A moment known on both clocks: ``wall_ns`` on the host, ``mark`` on the timer's clock."""
+
+    __slots__ = ("wall_ns", "mark", "exact")
+
+    def __init__(self, wall_ns: int, mark: Any, exact: bool) -> None:
+        self.wall_ns = wall_ns
+        self.mark = mark  # perf_counter_ns (host) or a recorded CUDA event
+        # False when the stream was busy as the anchor was taken (only the very first CUDA anchor
+        # can be): its wall time is then the host time of the record call, earlier than the truth.
+        self.exact = exact
+
+
+class HostTimer:
+    """Timestamps from ``time.perf_counter_ns()``, mapped to wall clock through anchors."""
+
+    is_device = False
+
+    def __init__(self, *, anchor_interval_s: float = 1.0) -> None:
+        self._interval_ns = int(anchor_interval_s * 1e9)
+        self.anchor = self._take_anchor()
+        self.anchors_taken = 1
+
+    @staticmethod
+    def _take_anchor() -> Anchor:
+        # Midpoint of two wall reads around the perf read: error below ~100 ns.
+        w0 = time.time_ns()
+        mark = time.perf_counter_ns()
+        w1 = time.time_ns()
+        return Anchor((w0 + w1) // 2, mark, True)
+
+    def maybe_refresh(self) -> None:
+        """Take a new anchor if the current one is older than the anchor interval."""
+        if time.perf_counter_ns() - self.anchor.mark >= self._interval_ns:
+            self.anchor = self._take_anchor()
+            self.anchors_taken += 1
+
+    def stamp(self, stream: Any = None) -> int:
+        return time.perf_counter_ns()
+
+    def ready(self, token: Any) -> bool:
+        return True
+
+    def wall_ns(self, token: Any, anchor: Anchor) -> int:
+        return int(anchor.wall_ns + (token - anchor.mark))
+
+    def release(self, token: Any) -> None:
+        """Give a token back (a no-op for host stamps)."""
+
+    @property
+    def outstanding(self) -> int:
+        return 0
+
+
+class CudaTimer:
+    """Timestamps from pooled CUDA events on the stream doing the work; nothing synchronizes.
+
+    ``max_events`` bounds the events alive at once (pooled plus in flight); when the device runs
+    far behind the host and the pool is exhausted, ``stamp`` returns None and the caller drops the
+    span (and counts it) rather than grow without bound.
+    """
+
+    is_device = True
+
+    def __init__(self, device: Any, *, anchor_interval_s: float = 1.0, max_events: int = 200_000) -> None:
+        import torch
+
+        self._torch = torch
+        self.device = torch.device(device)
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self._interval_ns = int(anchor_interval_s * 1e9)
+        self._max_events = max_events
+        self._free: deque[Any] = deque()
+        self._created = 0
+        first = self._take_anchor(require_idle=False)
+        assert first is not None  # require_idle=False always returns an anchor
+        self.anchor: Anchor = first
+        self.anchors_taken = 1
+
+    def _new_event(self) -> Any:
+        if self._free:
+            return self._free.pop()
+        if self._created >= self._max_events:
+            return None
+        self._created += 1
+        return self._torch.cuda.Event(enable_timing=True)
+
+    def _take_anchor(self, *, require_idle: bool) -> Anchor | None:
+        stream = self._torch.cuda.current_stream(self.device)
+        idle = bool(stream.query())
+        if require_idle and not idle:
+            return None
+        # Anchor events are not pooled: pending spans keep them alive as long as they need them.
+        event = self._torch.cuda.Event(enable_timing=True)
+        w0 = time.time_ns()
+        event.record(stream)
+        w1 = time.time_ns()
+        return Anchor((w0 + w1) // 2, event, idle)
+
+    def maybe_refresh(self) -> None:
+        """Take a new anchor if the current one is old and the current stream is idle right now."""
+        if time.time_ns() - self.anchor.wall_ns < self._interval_ns:
+            return
+        anchor = self._take_anchor(require_idle=True)
+        if anchor is not None:
+            self.anchor = anchor
+            self.anchors_taken += 1
+
+    def stamp(self, stream: Any = None) -> Any:
+        event = self._new_event()
+        if event is None:
+            return None
+        if stream is None:
+            stream = self._torch.cuda.current_stream(self.device)
+        event.record(stream)
+        return event
+
+    def ready(self, token: Any) -> bool:
+        return bool(token.query())
+
+    def wall_ns(self, token: Any, anchor: Anchor) -> int:
+        # elapsed_time raises (never waits) if either event has not completed; callers ask ready().
+        return int(anchor.wall_ns + round(anchor.mark.elapsed_time(token) * 1e6))
+
+    def release(self, token: Any) -> None:
+        if token is not None:
+            self._free.append(token)
+
+    @property
+    def outstanding(self) -> int:
+        return self._created - len(self._free)
+
+
+Timer = HostTimer | CudaTimer
+
+
+def resolve_device(device: Any) -> Any:
+    """The torch.device a collector times: ``device`` itself, or CUDA's current device, or CPU."""
+    import torch
+
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def make_timer(device: Any, *, anchor_interval_s: float, max_events: int) -> Timer:
+    """The timer for ``device`` (a torch.device): events on CUDA, the host clock elsewhere."""
+    if getattr(device, "type", "cpu") == "cuda":
+        return CudaTimer(device, anchor_interval_s=anchor_interval_s, max_events=max_events)
+    return HostTimer(anchor_interval_s=anchor_interval_s)

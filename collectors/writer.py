@@ -1,0 +1,266 @@
+"""The writer thread: resolves finished spans and writes Parquet parts, atomically, every interval.
+
+Role in the data flow: the last in-job stage. Every ``flush_interval_s`` (and on ``flush()``,
+SIGTERM and exit) it
+
+1. turns pending spans whose timer tokens are ready into ``spans`` rows (and, for communication,
+   the ``completed`` marker), and pending tensor metrics whose copy has landed into ``metrics`` rows;
+2. writes each non-empty table as one new part through :func:`megascope.layout.write_part`
+   (temporary name + rename: a reader never sees half a file; a SIGKILL loses at most one interval);
+3. (re)writes the per-rank ``ranks``/``groups`` files and ``run.json`` when they changed.
+
+It runs on its own thread, so markers keep reaching the disk while the training thread is blocked
+inside a collective. A write that fails (unwritable directory, full disk) is logged, counted and
+retried at the next interval with the rows kept in memory up to the buffer capacity; it never
+raises into the training loop.
+
+Example::
+
+    writer = Writer(run_dir, rank=0, sink=sink, timer=timer, interval_s=1.0)
+    writer.start(); ...; writer.close(timeout_s=5.0)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from megascope.collectors.buffers import RowBuffer, rows_to_table
+from megascope.collectors.timing import Timer
+
+from megascope import layout, schema
+from megascope.schema import MarkerState, RunMeta
+
+log = logging.getLogger(__name__)
+
+# Tables written as a stream of parts, in the order they are flushed.
+_PART_TABLES = (("spans", schema.SPANS), ("markers", schema.MARKERS), ("metrics", schema.METRICS))
+_WARN_EVERY_S = 60.0
+
+
+class Sink:
+    """The queues the training thread fills and the writer drains, one per table plus the pending."""
+
+    def __init__(self, capacity: int) -> None:
+        self.spans = RowBuffer(capacity)
+        self.markers = RowBuffer(capacity)
+        self.metrics = RowBuffer(capacity)
+        # (start_token, end_token, anchor, step, name, kind, stream, microbatch, chunk, group, seq,
+        #  op, bytes, peer): spans closed on the host whose device events may still be running.
+        self.pending_spans = RowBuffer(capacity)
+        # (step, name, value | None, host_tensor | None, event | None, time_ns)
+        self.pending_metrics = RowBuffer(capacity)
+
+    def buffer(self, table: str) -> RowBuffer:
+        return getattr(self, table)  # type: ignore[no-any-return]
+
+    @property
+    def dropped(self) -> int:
+        return sum(b.dropped for b in (self.spans, self.markers, self.metrics, self.pending_spans, self.pending_metrics))
+
+
+def resolve_pending(sink: Sink, timer: Timer, rank: int) -> int:
+    """Move every pending span and metric whose device work has finished into its table queue.
+
+    Returns how many could not be resolved because of an error (they are dropped).
+    """
+    errors = 0
+    waiting: list[Any] = []
+    for item in sink.pending_spans.drain():
+        start, end, anchor = item[0], item[1], item[2]
+        try:
+            if not (timer.ready(end) and timer.ready(start)):
+                waiting.append(item)
+                continue
+            start_ns = timer.wall_ns(start, anchor)
+            end_ns = timer.wall_ns(end, anchor)
+        except Exception:  # a device error must not stop the writer: drop this span
+            errors += 1
+            log.debug("could not resolve span %s", item[4], exc_info=True)
+            timer.release(start)
+            timer.release(end)
+            continue
+        timer.release(start)
+        timer.release(end)
+        step, name, kind, stream, microbatch, chunk, group, seq, op, nbytes, peer = item[3:]
+        sink.spans.put(
+            (rank, step, name, kind, stream, start_ns, max(0, end_ns - start_ns), microbatch, chunk,
+             group, seq, op, nbytes, peer)
+        )
+        if group is not None and seq is not None:
+            sink.markers.put((rank, group, seq, op, MarkerState.COMPLETED.value, end_ns, step, nbytes, peer))
+    if waiting:
+        sink.pending_spans.push_front(waiting)
+
+    waiting = []
+    for step, name, value, host_tensor, event, time_ns in sink.pending_metrics.drain():
+        try:
+            # A device-to-host copy is done when the event recorded after it has completed.
+            if event is not None and not event.query():
+                waiting.append((step, name, value, host_tensor, event, time_ns))
+                continue
+            if host_tensor is not None:
+                value = float(host_tensor.item())  # host memory: no device access
+        except Exception:
+            errors += 1
+            log.debug("could not resolve metric %s", name, exc_info=True)
+            value = None
+        sink.metrics.put((rank, step, name, value, time_ns))
+    if waiting:
+        sink.pending_metrics.push_front(waiting)
+    return errors
+
+
+class Writer:
+    """Owns the background thread and the counters of what reached the disk."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        rank: int,
+        sink: Sink,
+        timer: Timer,
+        interval_s: float,
+        capacity: int,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.rank = rank
+        self.sink = sink
+        self.timer = timer
+        self.interval_s = interval_s
+        self.capacity = capacity
+        self.lock = threading.Lock()  # one flush at a time
+        self._static_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._static: dict[str, pa.Table] = {}  # ranks / groups: whole files, rewritten when changed
+        self._run_meta: RunMeta | None = None
+        self._retry: dict[str, pa.Table] = {}
+        self.pollers: list[Callable[[], None]] = []  # extra work each pass (flight recorder)
+        self.rows_written = {name: 0 for name, _ in _PART_TABLES}
+        self.parts_written = 0
+        self.write_errors = 0
+        self.rows_lost = 0  # rows given up after failed writes
+        self.internal_errors = 0
+        self._last_warning = -_WARN_EVERY_S
+
+    # ---------------------------------------------------------------- what to write
+    # These take only the small static lock, never the flush lock: the caller may be the training
+    # thread, or a poller running inside a flush.
+    def set_static(self, table: str, data: pa.Table) -> None:
+        with self._static_lock:
+            self._static[table] = data
+
+    def set_run_meta(self, meta: RunMeta) -> None:
+        with self._static_lock:
+            self._run_meta = meta
+
+    # ---------------------------------------------------------------- the thread
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name=f"megascope-writer-r{self.rank}", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.flush()
+
+    def flush(self, *, lock_timeout_s: float = -1) -> bool:
+        """One full pass; False if the lock could not be had within ``lock_timeout_s``."""
+        if not self.lock.acquire(timeout=lock_timeout_s):
+            return False
+        try:
+            self._flush_locked()
+        except Exception:  # the writer thread must survive anything
+            self.internal_errors += 1
+            log.warning("megascope collector: flush failed", exc_info=True)
+        finally:
+            self.lock.release()
+        return True
+
+    def close(self, *, timeout_s: float) -> None:
+        """Stop the thread, wait up to ``timeout_s`` for device events (never synchronizing), flush."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(self.interval_s, 1.0) + 5.0)
+        deadline = time.monotonic() + timeout_s
+        while len(self.sink.pending_spans) or len(self.sink.pending_metrics):
+            with self.lock:
+                self.internal_errors += resolve_pending(self.sink, self.timer, self.rank)
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(0.005)
+        self.flush()
+
+    # ---------------------------------------------------------------- one pass
+    def _flush_locked(self) -> None:
+        self.internal_errors += resolve_pending(self.sink, self.timer, self.rank)
+        for poll in self.pollers:
+            try:
+                poll()
+            except Exception:
+                self.internal_errors += 1
+                log.debug("poller failed", exc_info=True)
+        self._write_static()
+        for name, table_schema in _PART_TABLES:
+            self._write_rows(name, table_schema)
+
+    def _write_static(self) -> None:
+        with self._static_lock:
+            meta, self._run_meta = self._run_meta, None
+            static, self._static = self._static, {}
+        if meta is not None:
+            try:
+                layout.write_run_meta(self.run_dir, meta)
+            except Exception as exc:
+                self._failed("run.json", exc)
+                with self._static_lock:
+                    self._run_meta = self._run_meta or meta
+        for table, data in static.items():
+            try:
+                layout.write_part(self.run_dir, table, data, rank=self.rank)
+            except Exception as exc:
+                self._failed(table, exc)
+                with self._static_lock:
+                    self._static.setdefault(table, data)  # unless a newer version came meanwhile
+
+    def _write_rows(self, name: str, table_schema: pa.Schema) -> None:
+        rows = self.sink.buffer(name).drain()
+        retry = self._retry.pop(name, None)
+        if not rows and retry is None:
+            return
+        data = rows_to_table(rows, table_schema)
+        if retry is not None:
+            data = pa.concat_tables([retry, data])
+        try:
+            layout.write_part(self.run_dir, name, data, rank=self.rank)
+        except Exception as exc:
+            self._failed(name, exc)
+            if data.num_rows > self.capacity:  # keep the newest rows, bounded
+                self.rows_lost += data.num_rows - self.capacity
+                data = data.slice(data.num_rows - self.capacity)
+            self._retry[name] = data
+            return
+        self.rows_written[name] += data.num_rows
+        self.parts_written += 1
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self.write_errors += 1
+        now = time.monotonic()
+        if now - self._last_warning >= _WARN_EVERY_S:
+            self._last_warning = now
+            log.warning(
+                "megascope collector (rank %d): cannot write %s under %s (%s); training continues, "
+                "rows are kept in memory up to the buffer limit and retried (%d write errors so far)",
+                self.rank, what, self.run_dir, str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                self.write_errors,
+            )
+
+    @property
+    def pending_rows(self) -> int:
+        return sum(t.num_rows for t in self._retry.values())

@@ -1,0 +1,185 @@
+"""Build (once per run, again when it grows) the base tables every analysis reads.
+
+Role in the data flow: ``store`` gives views over the Parquet parts; this module turns them into
+the small derived tables of ``sql/base.sql`` in schema ``ms_cache``: rank places and clocks,
+communication instances and the (rank, step) time split. Analyses call :func:`prepare` first;
+it returns at once when the tables are current.
+
+Clock offsets are estimated here because every cross-host comparison needs them: members of a
+collective (and both ends of a pipeline send) finish together, so their completion times differ
+by their hosts' clock offsets. Pairwise host differences (medians, robust to jitter) are combined
+by least squares over the host graph, which links hosts that share no collective through chains
+of pipeline sends.
+
+Example::
+
+    from megascope.analysis.base import prepare
+    prepare(run.con)
+    run.con.sql("SELECT * FROM ms_cache.rank_step LIMIT 5")
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import duckdb
+import numpy as np
+import pandas as pd
+
+from megascope.analysis import _sql
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str], None] | None
+
+# Steps sampled for clock-offset estimation: enough samples per host, a bounded cost at any size.
+CLOCK_SAMPLE_STEPS = 8
+
+
+def _sample_steps(steps: list[int], count: int) -> list[int]:
+    if len(steps) <= count:
+        return steps
+    # Evenly spaced, skipping the first step (warm-up) when there is a choice.
+    pool = steps[1:] if len(steps) > count + 1 else steps
+    stride = len(pool) / count
+    return sorted({pool[int(i * stride)] for i in range(count)})
+
+
+def solve_offsets(hosts: list[str], pairs: pd.DataFrame) -> pd.DataFrame:
+    """Least-squares host offsets from pairwise clock differences.
+
+    ``pairs`` has host, ref_host, diff_ns (clock(host) - clock(ref_host)), mad_ns, samples. The
+    first host is the reference (offset 0). Hosts not linked to it by any chain of pairs keep
+    offset 0 and a NULL error. Returns host, offset_ns, error_ns, samples.
+    """
+    index = {h: i for i, h in enumerate(hosts)}
+    n = len(hosts)
+    out = pd.DataFrame({"host": hosts, "offset_ns": 0.0, "error_ns": math.nan, "samples": 0})
+    pairs = pairs[pairs["host"].isin(index) & pairs["ref_host"].isin(index)]
+    if n == 0 or pairs.empty:
+        return out
+    a = pairs["host"].map(index).to_numpy()
+    b = pairs["ref_host"].map(index).to_numpy()
+    # Weight by samples, capped: a pair seen a thousand times is not a thousand times surer
+    # once clock drift and transfer jitter dominate.
+    w = np.minimum(pairs["samples"].to_numpy(dtype=float), 64.0)
+    target = -pairs["diff_ns"].to_numpy(dtype=float)  # offset(host) - offset(ref_host)
+    # Normal equations of sum w (o_a - o_b - target)^2: a weighted graph Laplacian.
+    lap = np.zeros((n, n))
+    np.add.at(lap, (a, a), w)
+    np.add.at(lap, (b, b), w)
+    np.add.at(lap, (a, b), -w)
+    np.add.at(lap, (b, a), -w)
+    rhs = np.zeros(n)
+    np.add.at(rhs, a, w * target)
+    np.add.at(rhs, b, -w * target)
+    # Pin every connected component at one host (the reference host for its component) so the
+    # system is regular; offsets of components not holding the reference stay unknown.
+    parent = list(range(n))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for x, y in zip(a.tolist(), b.tolist(), strict=True):
+        parent[find(x)] = find(y)
+    roots = {find(i) for i in range(n)}
+    anchor = {r: min(i for i in range(n) if find(i) == r) for r in roots}
+    for i in anchor.values():
+        lap[i, i] += 1e6
+    offsets = np.linalg.solve(lap, rhs)
+    linked = np.array([find(i) == find(0) for i in range(n)])
+    offsets = np.where(linked, offsets - offsets[0], 0.0)
+    residual = np.abs(offsets[a] - offsets[b] - target)
+    edge_err = residual + 1.4826 * pairs["mad_ns"].to_numpy(dtype=float) / np.sqrt(np.maximum(w, 1.0))
+    err = np.full(n, math.nan)
+    samples = np.zeros(n, dtype=np.int64)
+    for ends in (a, b):
+        for i, e, k in zip(ends.tolist(), edge_err.tolist(), pairs["samples"].tolist(), strict=True):
+            err[i] = e if math.isnan(err[i]) else max(err[i], e)
+            samples[i] += int(k)
+    err[~linked] = math.nan
+    err[0] = 0.0 if linked.any() else math.nan
+    out["offset_ns"] = offsets
+    out["error_ns"] = err
+    out["samples"] = samples
+    return out
+
+
+def _clock_ranks(con: duckdb.DuckDBPyConnection) -> list[int]:
+    """Ranks whose spans suffice for clock offsets: every rank of the TP index that each host's
+    lowest rank has. Their collectives (DP, PP, world) and pipeline pairs are complete, every host
+    is covered, and only 1/tp of the partitions is read."""
+    rows = con.execute(
+        """
+        WITH firsts AS (SELECT host, arg_min(tp, rank) AS tp FROM ms_cache.rank_info GROUP BY host)
+        SELECT rank FROM ms_cache.rank_info
+        WHERE tp IS NULL OR tp IN (SELECT tp FROM firsts) ORDER BY rank
+        """
+    ).fetchall()
+    return [int(r) for (r,) in rows]
+
+
+def _estimate_offsets(con: duckdb.DuckDBPyConnection, steps: list[int]) -> pd.DataFrame:
+    ranks = _clock_ranks(con)
+    _sql.execute(con, "base", "clock_samples", steps=_sample_steps(steps, CLOCK_SAMPLE_STEPS) or [-1],
+                 ranks=_sql.Raw(", ".join(map(str, ranks)) or "NULL"))
+    hosts = [h for (h,) in con.execute("SELECT host FROM ms_cache.rank_info GROUP BY host ORDER BY min(rank)").fetchall()]
+    pairs = _sql.query_df(con, "base", "clock_pairs")
+    offsets = solve_offsets(hosts, pairs)
+    frame = offsets.assign(
+        offset_ns=offsets["offset_ns"].round().astype("int64"),
+        error_ns=np.ceil(offsets["error_ns"]).astype("Int64"),
+    )
+    con.register("_ms_offsets_df", frame)
+    con.execute(
+        "CREATE OR REPLACE TABLE ms_cache.clock_offsets AS "
+        "SELECT host::VARCHAR AS host, offset_ns::BIGINT AS offset_ns, error_ns::BIGINT AS error_ns, "
+        "samples::BIGINT AS samples FROM _ms_offsets_df"
+    )
+    con.unregister("_ms_offsets_df")
+    con.execute("DROP TABLE IF EXISTS ms_cache.clock_samples")
+    return offsets
+
+
+def _steps(con: duckdb.DuckDBPyConnection) -> list[int]:
+    """The run's steps, read from one rank's partition (the lowest rank with spans)."""
+    for (rank,) in con.execute("SELECT rank FROM ms_cache.rank_info ORDER BY rank LIMIT 4").fetchall():
+        steps = [int(x) for (x,) in _sql.execute(con, "base", "step_list", rank=int(rank)).fetchall()]
+        if steps:
+            return steps
+    return [int(x) for (x,) in con.execute("SELECT DISTINCT step FROM spans WHERE step IS NOT NULL ORDER BY 1").fetchall()]
+
+
+def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None) -> None:
+    """Build the base tables unless they are current for this run's files."""
+    # Cursors do not inherit the connection's settings; DuckDB's progress bar would go to stdout.
+    con.execute("SET enable_progress_bar = false")
+    with _sql.build_lock():
+        _sql.ensure_schema(con)
+        if _sql.cache_is_fresh(con, "base"):
+            return
+        say = progress or (lambda msg: None)
+        say("reading ranks")
+        _sql.execute(con, "base", "rank_info")
+        steps = _steps(con)
+        say("estimating clock offsets")
+        _estimate_offsets(con, steps)
+        _sql.execute(con, "base", "rank_clock")
+        say("matching collectives")
+        _sql.execute(con, "base", "inst")
+        say("splitting step time per rank")
+        probe = _sql.first(con.execute("SELECT min(rank) FROM ms_cache.rank_info"))
+        nested = [str(k) for (k,) in _sql.execute(con, "base", "nested_kinds", rank=int(probe[0]) if probe and probe[0] is not None else 0).fetchall()]
+        stages = _sql.first(con.execute("SELECT count(DISTINCT stage) FROM ms_cache.rank_info"))
+        # Groups whose members do the same work: TP and DP; with one stage every group.
+        peer_kinds = ["tp", "dp"] if stages and stages[0] > 1 else ["tp", "dp", "pp", "other"]
+        _sql.execute(con, "base", "rank_step", peer_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in peer_kinds) + "]::VARCHAR[]"),
+                     nested_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in nested if k.isalnum()) + "]::VARCHAR[]"))
+        _sql.execute(con, "base", "add_unknown_ranks")
+        _sql.mark_built(con, "base")
+        log.info("base tables built for %d steps", len(steps))

@@ -1,0 +1,242 @@
+"""Hang localization and per-rank state: who stopped the job, where in the mesh, and who waits.
+
+Role in the data flow: reads the ``markers`` trail (plus spans and heartbeats for last signs of
+life) through ``sql/hang.sql``; :func:`localize` is ``megascope localize --json`` and the report's
+``hang`` section, :func:`rank_states` colours the dashboard's topology page.
+
+How the root is found: in every group where some members are stuck inside call N and a member
+never entered N, the stuck members wait on the missing one. A missing member that is itself stuck
+in another group passes the blame on; following those edges ends at ranks that wait on nothing.
+Those are the suspects, ordered: silent ranks (no markers, spans or heartbeats near the end of
+the run) first, then by how many ranks wait on them.
+
+Example::
+
+    from megascope.analysis import localize
+    localize(run)["suspects"][0]   # {"rank": 5, "host": "node1", "coords": {...}, "group": "dp:1", ...}
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict, deque
+from typing import Any
+
+import duckdb
+import pandas as pd
+
+from megascope.analysis import _sql
+from megascope.analysis.base import prepare
+from megascope.schema import MESH_AXES
+from megascope.store import Run
+
+log = logging.getLogger(__name__)
+
+# A rank is silent when its last sign of life is this long before the run's last one, at least
+# SILENT_MIN_NS and at least SILENT_STEPS median steps (a rank a step behind is not silent).
+SILENT_MIN_NS = 1_000_000_000
+SILENT_STEPS = 2.0
+
+STATES = ("healthy", "slow", "waiting", "silent", "hung")
+
+
+def _median_step_ns(con: duckdb.DuckDBPyConnection) -> float:
+    row = _sql.first(con.execute("SELECT median(step_ns) FROM ms_cache.rank_step WHERE step_ns IS NOT NULL"))
+    return float(row[0]) if row and row[0] is not None else 0.0
+
+
+def _silent(activity: pd.DataFrame, median_step_ns: float) -> pd.Series:
+    seen = activity["last_seen_ns"]
+    if seen.notna().sum() == 0:
+        return pd.Series(False, index=activity.index)
+    threshold = max(SILENT_MIN_NS, SILENT_STEPS * median_step_ns)
+    return seen.isna() | (seen < seen.max() - threshold)
+
+
+def _finished(con: duckdb.DuckDBPyConnection) -> bool:
+    """Whether every rank wrote a step span for the run's last step (then nothing can be stuck)."""
+    row = _sql.first(con.execute(
+        """
+        WITH last AS (SELECT max(step) AS step FROM ms_cache.rank_step),
+        done AS (SELECT count(DISTINCT r.rank) AS n FROM ms_cache.rank_step r, last
+                 WHERE r.step = last.step AND r.step_ns IS NOT NULL)
+        SELECT done.n = (SELECT count(*) FROM ms_cache.rank_info) AND done.n > 0 FROM done
+        """
+    ))
+    return bool(row and row[0])
+
+
+def hang_tables(con: duckdb.DuckDBPyConnection) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(member_state, activity) frames, built after :func:`prepare`."""
+    prepare(con)
+    _sql.execute(con, "hang", "member_state", scan=not _finished(con))
+    members = con.execute("SELECT * FROM ms_cache.member_state WHERE missing OR stuck").df()
+    activity = _sql.query_df(con, "hang", "activity")
+    activity["silent"] = _silent(activity, _median_step_ns(con))
+    return members, activity
+
+
+Record = dict[str, Any]
+
+
+def _int_or_none(value: Any) -> int | None:
+    return None if value is None or pd.isna(value) else int(value)
+
+
+def _roots(members: list[Record]) -> tuple[list[tuple[int, str]], dict[int, int]]:
+    """Follow waiting ranks to the ranks they wait on; return (root (rank, group)), blocked counts."""
+    stuck = [m for m in members if m["stuck"]]
+    stuck_groups = {m["grp"] for m in stuck}
+    missing = [m for m in members if m["missing"] and m["grp"] in stuck_groups]
+    # The group where a missing rank was first waited for is where the job stopped: sequence
+    # numbers of different groups are not comparable, times (reference clock) are.
+    first_wait: dict[str, float] = {}
+    for m in stuck:
+        since = m["stuck_since_ns"]
+        since_f = float(since) if since is not None and not pd.isna(since) else math.inf
+        first_wait[m["grp"]] = min(first_wait.get(m["grp"], math.inf), since_f)
+    missing_by_group: dict[str, list[int]] = defaultdict(list)
+    for m in missing:
+        missing_by_group[m["grp"]].append(int(m["rank"]))
+    waits_on: dict[int, set[int]] = defaultdict(set)
+    for m in stuck:
+        for target in missing_by_group.get(m["grp"], []):
+            if target != m["rank"]:
+                waits_on[int(m["rank"])].add(target)
+    stuck_ranks = {int(m["rank"]) for m in stuck}
+    roots: list[tuple[int, str]] = []
+    seen: set[int] = set()
+    for m in sorted(missing, key=lambda m: (first_wait.get(m["grp"], math.inf), int(m["rank"]), m["grp"])):
+        rank = int(m["rank"])
+        # A missing member that is itself stuck elsewhere is a victim; the blame moves on.
+        if rank in stuck_ranks and waits_on.get(rank):
+            continue
+        if rank not in seen:
+            seen.add(rank)
+            roots.append((rank, str(m["grp"])))
+    if not roots:
+        # Everyone waits on everyone (a cycle): keep the missing members as they are.
+        for m in missing:
+            if int(m["rank"]) not in seen:
+                seen.add(int(m["rank"]))
+                roots.append((int(m["rank"]), str(m["grp"])))
+    # How many ranks wait, directly or through others, on each root.
+    waited_by: dict[int, set[int]] = defaultdict(set)
+    for waiter, targets in waits_on.items():
+        for t in targets:
+            waited_by[t].add(waiter)
+    blocked: dict[int, int] = {}
+    for rank, _ in roots:
+        reach: set[int] = set()
+        queue = deque([rank])
+        while queue:
+            node = queue.popleft()
+            for w in waited_by.get(node, ()):
+                if w not in reach and w != rank:
+                    reach.add(w)
+                    queue.append(w)
+        blocked[rank] = len(reach)
+    return roots, blocked
+
+
+def _suspect(rank: int, grp: str, state: Record | None, place: Record | None, axes: tuple[str, ...],
+             kind: str, waited_on_by: int, last_seen: Any) -> Record:
+    return {
+        "rank": rank,
+        "host": str(place["host"]) if place is not None else "unknown",
+        "coords": {a: int(place[a]) for a in axes if a in MESH_AXES and place is not None and not pd.isna(place.get(a))},
+        "group": grp,
+        "last_completed_seq": _int_or_none(state["last_done"]) if state else None,
+        "missing_seq": _int_or_none(state["missing_seq"]) if state and kind != "waiting" else None,
+        "state": kind,
+        "waited_on_by": waited_on_by,
+        "last_seen_ns": _int_or_none(last_seen),
+    }
+
+
+def localize(run: Run) -> dict[str, Any]:
+    """The ``megascope localize --json`` object: is the job hung, and who is behind it.
+
+    Keys: ``hung`` (bool), ``suspects`` (list of {rank, host, coords, group, last_completed_seq,
+    missing_seq, state, waited_on_by, last_seen_ns}, most likely first), ``waiting`` (ranks stuck
+    inside a call), ``stuck_groups`` (group, seq, members stuck, members missing), ``silent``
+    (ranks with no sign of life near the end), ``markers`` (whether the run has a marker trail).
+    """
+    con = run.cursor()
+    member_frame, activity = hang_tables(con)
+    members: list[Record] = [{str(k): v for k, v in m.items()} for m in member_frame.to_dict("records")]
+    row = _sql.first(con.execute("SELECT count(*) > 0 FROM markers"))
+    has_markers = bool(row and row[0])
+    places: dict[int, Record] = {
+        int(r["rank"]): {str(k): v for k, v in r.items()}
+        for r in con.execute("SELECT * FROM ms_cache.rank_info").df().to_dict("records")
+    }
+    last_seen = {int(r): v for r, v in zip(activity["rank"], activity["last_seen_ns"], strict=True)}
+    silent_ranks = sorted(int(r) for r in activity.loc[activity["silent"], "rank"])
+    axes = tuple(run.meta.mesh_axes)
+    stuck = [m for m in members if m["stuck"]]
+    state_of = {(m["grp"], int(m["rank"])): m for m in members}
+    roots, blocked = _roots(members)
+    suspects = [
+        _suspect(rank, grp, state_of.get((grp, rank)), places.get(rank), axes,
+                 "silent" if rank in silent_ranks else "hung", blocked.get(rank, 0), last_seen.get(rank))
+        for rank, grp in roots
+    ]
+    if stuck and not suspects:
+        # Every member entered the call and none finished: the fault is in the transfer itself.
+        firsts: dict[str, Record] = {}
+        for m in stuck:
+            firsts.setdefault(m["grp"], m)
+        suspects = [
+            _suspect(int(m["rank"]), str(m["grp"]), m, places.get(int(m["rank"])), axes, "waiting", 0,
+                     last_seen.get(int(m["rank"])))
+            for m in firsts.values()
+        ]
+    suspects.sort(key=lambda s: (s["state"] != "silent", -s["waited_on_by"], s["last_seen_ns"] or 0, s["rank"]))
+    by_group: dict[str, list[Record]] = defaultdict(list)
+    for m in stuck:
+        by_group[m["grp"]].append(m)
+    stuck_groups: list[dict[str, Any]] = [
+        {
+            "group": grp, "seq": max(int(m["stuck_seq"]) for m in ms),
+            "waiting": sorted(int(m["rank"]) for m in ms),
+            "missing": sorted(int(m["rank"]) for m in members if m["grp"] == grp and m["missing"]),
+        }
+        for grp, ms in sorted(by_group.items())
+    ]
+    stuck_groups.sort(key=lambda g: (-len(g["waiting"]), g["group"]))
+    return {
+        "hung": bool(stuck),
+        "suspects": suspects,
+        "waiting": sorted({int(m["rank"]) for m in stuck}),
+        "stuck_groups": stuck_groups[:50],
+        "stuck_group_count": len(stuck_groups),
+        "silent": silent_ranks,
+        "markers": has_markers,
+    }
+
+
+def rank_states(run: Run, *, stragglers_frame: pd.DataFrame | None = None,
+                hang: dict[str, Any] | None = None) -> pd.DataFrame:
+    """Per rank: rank, host, pp, dp, tp, state (healthy | slow | waiting | silent | hung).
+
+    ``hung`` marks the hang's root suspects, ``silent`` ranks with no sign of life near the end
+    (a silent root is ``silent``), ``waiting`` ranks stuck inside a call, ``slow`` stragglers.
+    Pass already computed ``stragglers_frame`` / ``hang`` to skip recomputing them.
+    """
+    from megascope.analysis.stragglers import stragglers
+
+    con = run.cursor()
+    prepare(con)
+    info = con.execute("SELECT rank, host, pp, dp, tp FROM ms_cache.rank_info ORDER BY rank").df()
+    hang = hang if hang is not None else localize(run)
+    slow = stragglers_frame if stragglers_frame is not None else stragglers(con)
+    state = pd.Series("healthy", index=info.index, dtype="object")
+    state[info["rank"].isin(set(slow["rank"]))] = "slow"
+    state[info["rank"].isin(set(hang["waiting"]))] = "waiting"
+    state[info["rank"].isin(set(hang["silent"]))] = "silent"
+    roots = {s["rank"] for s in hang["suspects"] if s["state"] == "hung"}
+    state[info["rank"].isin(roots)] = "hung"
+    out = info.assign(state=state)
+    return out

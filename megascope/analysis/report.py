@@ -1,0 +1,139 @@
+"""The post-mortem report: every analysis of a run in one JSON-ready dict.
+
+Role in the data flow: ``megascope report RUN [--json]`` prints it; the dashboard's overview reads
+it. The keys ``run``, ``mfu``, ``stragglers``, ``skew`` and ``hang`` are a contract
+(ARCHITECTURE.md); the rest (``clock``, ``bubbles``, ``exposed_comm``, ``whatif``, ``problems``)
+may grow.
+
+Example::
+
+    from megascope.store import open_run
+    from megascope.analysis import report
+    r = report(open_run("runs/demo"))
+    r["stragglers"][0]["cause"]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import duckdb
+import pandas as pd
+
+from megascope.analysis import _sql
+from megascope.analysis.base import prepare
+from megascope.analysis.hang import localize
+from megascope.analysis.pipeline import bubbles, exposed_comm
+from megascope.analysis.skew import skew_by_collective, skew_drift
+from megascope.analysis.stragglers import StragglerConfig, stragglers
+from megascope.analysis.timeline import mfu, mfu_drift
+from megascope.analysis.whatif import whatif
+from megascope.schema import MESH_AXES
+from megascope.store import Run
+
+
+def clock_offsets(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
+    """Per host: offset_ns (add it to the host's times to put them on the reference clock, the
+    clock of rank 0's host), error_ns (bound on the estimate; NULL without samples), samples
+    (collective completions used). Hosts in no multi-host collective keep offset 0."""
+    prepare(con)
+    return con.execute("SELECT host, offset_ns, error_ns, samples FROM ms_cache.clock_offsets ORDER BY host").df()
+
+
+def jsonable(value: Any) -> Any:
+    """Plain JSON types: NaN/NA -> None, numpy scalars -> Python numbers."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    if value is None or isinstance(value, str | bool):
+        return value
+    if hasattr(value, "item") and not isinstance(value, int | float):
+        value = value.item()
+    if isinstance(value, float):
+        return None if math.isnan(value) or math.isinf(value) else value
+    if value is pd.NA or value is pd.NaT:
+        return None
+    return value
+
+
+def _coords(row: Any, axes: tuple[str, ...]) -> dict[str, int]:
+    return {a: int(row[a]) for a in axes if a in MESH_AXES and pd.notna(row.get(a))}
+
+
+def _straggler_list(frame: pd.DataFrame, axes: tuple[str, ...]) -> list[dict[str, Any]]:
+    out = []
+    for _, row in frame.iterrows():
+        out.append({
+            "rank": int(row["rank"]), "host": row["host"], "coords": _coords(row, axes),
+            "phase": row["phase"], "slowdown": float(row["slowdown"]), "steps_slow_frac": float(row["steps_slow_frac"]),
+            "cause": row["cause"], "excess_ns": row["excess_ns"], "last_arrival_frac": row["last_arrival_frac"],
+            "late_at": row["late_at"], "steps": int(row["steps"]),
+        })
+    return out
+
+
+def report(run: Run, *, progress: Callable[[str], None] | None = None,
+           config: StragglerConfig | None = None, with_whatif: bool = True) -> dict[str, Any]:
+    """Analyse ``run`` and return the ``megascope report --json`` object."""
+    say = progress or (lambda msg: None)
+    con = run.cursor()
+    prepare(con, progress=say)
+    axes = tuple(run.meta.mesh_axes)
+    steps_row = _sql.first(con.execute("SELECT count(DISTINCT step), min(step), max(step) FROM ms_cache.rank_step"))
+    n_steps = int(steps_row[0]) if steps_row else 0
+    say("scoring stragglers")
+    slow = stragglers(con, config)
+    say("computing MFU")
+    per_step = mfu(con, run.meta)
+    drift = mfu_drift(per_step) if not per_step.empty else {"drifting": False}
+    median_step = float(per_step["step_time_ns"].median()) if not per_step.empty else None
+    say("measuring skew")
+    by_collective = skew_by_collective(con)
+    skew_drifts = skew_drift(con, step_time_ns=median_step)
+    say("localizing hangs")
+    hang = localize(run)
+    say("pipeline bubbles and exposed communication")
+    bubble_frame = bubbles(con)
+    exposed = exposed_comm(con)
+    offsets = clock_offsets(con)
+    whatif_result = None
+    causal = slow[slow["cause"] != "communication"] if not slow.empty else slow
+    if with_whatif and not causal.empty and not per_step.empty:
+        say("replaying steps without stragglers")
+        whatif_result = whatif(con, run.meta, ranks=[int(r) for r in causal["rank"]])
+    mesh = {a: int(run.meta.mesh_sizes.get(a, 1)) for a in axes} if run.meta.mesh_sizes else run.mesh.size
+    result = {
+        "run": {
+            "path": str(run.path), "source": run.meta.source, "run_id": run.meta.run_id,
+            "world_size": run.meta.world_size, "mesh": mesh, "steps": n_steps,
+            "first_step": steps_row[1] if steps_row else None, "last_step": steps_row[2] if steps_row else None,
+            "ranks_seen": int(_sql.first(con.execute("SELECT count(*) FROM ms_cache.rank_info"))[0]),  # type: ignore[index]
+            "step_time_ns": median_step,
+        },
+        "mfu": {
+            "mean": float(per_step["mfu"].mean()) if per_step["mfu"].notna().any() else None,
+            "tokens_per_s": float(per_step["tokens_per_s"].mean()) if per_step["tokens_per_s"].notna().any() else None,
+            "per_step": per_step[["step", "step_time_ns", "mfu", "tokens_per_s"]].to_dict("records"),
+            "drift": drift,
+        },
+        "stragglers": _straggler_list(slow, axes),
+        "skew": {
+            "collectives": by_collective.head(20).to_dict("records"),
+            "drift": skew_drifts,
+        },
+        "hang": hang,
+        "clock": {
+            "hosts": len(offsets),
+            "max_abs_offset_ns": int(offsets["offset_ns"].abs().max()) if not offsets.empty else 0,
+            "max_error_ns": int(offsets["error_ns"].max()) if offsets["error_ns"].notna().any() else None,
+            "offsets": offsets.head(64).to_dict("records"),
+        },
+        "bubbles": bubble_frame.to_dict("records"),
+        "exposed_comm": exposed.to_dict("records"),
+        "whatif": whatif_result,
+        "problems": list(run.problems),
+    }
+    return jsonable(result)

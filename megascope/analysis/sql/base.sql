@@ -1,0 +1,266 @@
+-- Base tables every analysis of megascope reads: each rank's place and clock, one row per
+-- communication instance, one row per (rank, step) with its time split by what it was doing.
+-- Built once per run (and rebuilt when the run grows) into schema ms_cache.
+--
+-- Cost: the spans are scanned twice (collective instances; per-rank-step sums), plus a sample of
+-- ranks for clock offsets; nothing joins millions of spans back to their instances.
+--
+-- Vocabulary used across the analysis modules:
+--   arrival      a communication span's start_ns: when the rank reached the collective / p2p op.
+--   instance     one collective call across its group (same "group", seq).
+--   xfer         an instance's transfer: completion minus its last member's arrival.
+--   wait         time a rank spent in communication beyond the transfer: waiting for the last
+--                member of a collective, or blocked in a pipeline receive. Not its fault.
+--   own          step time minus communication time: what the rank itself spent (compute, data
+--                loading, host work, idle gaps). In a synchronous job every rank's step time is
+--                equal, so own time is where a straggler differs from its peers.
+--   stage        the pipeline stage (pp coordinate, 0 without pipeline): ranks of one stage do the
+--                same work and are each other's peers.
+
+-- @statement rank_info
+-- One row per rank of the ranks table (ranks that wrote spans but no ranks row are added after
+-- rank_step, as 'unknown' hosts).
+-- @column rank   global rank
+-- @column host   host name from the ranks table
+-- @column pp, dp, tp  mesh coordinates as written (never recomputed here)
+-- @column stage  pp, or 0 when the run has no pipeline axis
+CREATE OR REPLACE TABLE ms_cache.rank_info AS
+SELECT rank, any_value(host) AS host, any_value(pp) AS pp, any_value(dp) AS dp, any_value(tp) AS tp,
+       coalesce(any_value(pp), 0) AS stage
+FROM ranks GROUP BY rank ORDER BY rank;
+
+-- @statement add_unknown_ranks
+-- Ranks seen in rank_step but missing from the ranks table.
+INSERT INTO ms_cache.rank_info
+SELECT DISTINCT r.rank, 'unknown', NULL, NULL, NULL, 0
+FROM ms_cache.rank_step r ANTI JOIN ms_cache.rank_info i USING (rank);
+
+-- @statement step_list
+-- The steps of one rank ({{rank}}; a cheap read of its partition), in order.
+SELECT DISTINCT step FROM spans WHERE rank = {{rank}} AND step IS NOT NULL ORDER BY step;
+
+-- @statement clock_samples
+-- Completion times of communication in the sampled steps {{steps}} on the sampled ranks
+-- ({{ranks}}: whole collectives and pipeline pairs of one TP index), for clock-offset estimation.
+-- Members of one collective finish together (within the last transfer), and so do the two ends of
+-- a pipeline send/receive, so their completion times disagree only by their hosts' clock offsets.
+-- Pipeline pairs matter: with TP inside a host and DP groups spanning few hosts, only they link
+-- the hosts of different stages.
+-- @column grp, seq  the instance ('p2p:S>R' for a point-to-point pair)
+-- @column rank, host  the member and its host
+-- @column end_ns    completion on the member host's clock
+CREATE OR REPLACE TABLE ms_cache.clock_samples AS
+SELECT CASE WHEN s.kind = 'collective' THEN s."group"
+            WHEN s.kind = 'send' THEN 'p2p:' || s.rank || '>' || s.peer
+            ELSE 'p2p:' || s.peer || '>' || s.rank END AS grp,
+       s.seq, s.rank, i.host, s.start_ns + s.dur_ns AS end_ns
+FROM spans s JOIN ms_cache.rank_info i USING (rank)
+WHERE s.rank IN ({{ranks}})
+  AND s.kind IN ('collective', 'send', 'recv') AND s.seq IS NOT NULL
+  AND (s.kind = 'collective' AND s."group" IS NOT NULL OR s.kind <> 'collective' AND s.peer IS NOT NULL)
+  AND list_contains({{steps}}, s.step);
+
+-- @statement clock_pairs
+-- Host-pair clock differences: in each instance spanning two or more hosts, every member's
+-- completion minus that of the instance's lowest rank; the median per (host, ref_host) pair.
+-- @column host, ref_host  the pair
+-- @column diff_ns   median of completion(host) - completion(ref_host): clock(host) - clock(ref_host)
+-- @column mad_ns    median absolute deviation of one sample around diff_ns
+-- @column samples   instances behind it
+WITH ref AS (
+    SELECT grp, seq, arg_min(host, rank) AS ref_host, arg_min(end_ns, rank) AS ref_end
+    FROM ms_cache.clock_samples GROUP BY grp, seq HAVING count(DISTINCT host) >= 2
+), d AS (
+    SELECT s.host, r.ref_host, s.end_ns - r.ref_end AS d
+    FROM ms_cache.clock_samples s JOIN ref r USING (grp, seq)
+    WHERE s.host <> r.ref_host
+), m AS (
+    SELECT host, ref_host, median(d) AS diff_ns, count(*) AS samples FROM d GROUP BY host, ref_host
+)
+SELECT m.host, m.ref_host, m.diff_ns, median(abs(d.d - m.diff_ns)) AS mad_ns, any_value(m.samples) AS samples
+FROM m JOIN d USING (host, ref_host)
+GROUP BY m.host, m.ref_host, m.diff_ns;
+
+-- @statement rank_clock
+-- Each rank's clock offset (that of its host): add offset_ns to its times.
+CREATE OR REPLACE TABLE ms_cache.rank_clock AS
+SELECT i.rank, i.host, i.stage, coalesce(o.offset_ns, 0)::BIGINT AS offset_ns
+FROM ms_cache.rank_info i LEFT JOIN ms_cache.clock_offsets o USING (host);
+
+-- @statement inst
+-- One row per collective instance, arrivals on the reference clock.
+-- @column grp, seq       the instance
+-- @column step           the step it belongs to (first member's)
+-- @column name, op       span name / collective op of its members
+-- @column group_kind     tp | dp | pp | world | other
+-- @column n              members that recorded it
+-- @column first_arrival_ns, last_arrival_ns, mean_arrival_ns  arrivals
+-- @column last_rank      the last member to arrive: the one the others waited for
+-- @column spread_ns      last minus first arrival
+-- @column xfer_ns        completion of the last member minus the last arrival: the transfer
+CREATE OR REPLACE TABLE ms_cache.inst AS
+WITH c AS (
+    SELECT s.rank, s.step, s.name, s.op, s."group" AS grp, s.seq,
+           s.start_ns + coalesce(k.offset_ns, 0) AS a, s.start_ns + coalesce(k.offset_ns, 0) + s.dur_ns AS e
+    FROM spans s LEFT JOIN ms_cache.rank_clock k USING (rank)
+    WHERE s.kind = 'collective' AND s."group" IS NOT NULL AND s.seq IS NOT NULL
+), g AS (
+    SELECT grp, seq, min(step) AS step, any_value(name) AS name, any_value(op) AS op, count(*) AS n,
+           min(a) AS first_arrival_ns, max(a) AS last_arrival_ns, avg(a)::BIGINT AS mean_arrival_ns,
+           arg_max(rank, a) AS last_rank, max(e) AS last_end_ns
+    FROM c GROUP BY grp, seq
+), kinds AS (SELECT "group", any_value(kind) AS kind FROM groups GROUP BY "group")
+SELECT g.*,
+       coalesce(kinds.kind, CASE WHEN split_part(g.grp, ':', 1) IN ('tp', 'dp', 'pp', 'world')
+                                 THEN split_part(g.grp, ':', 1) ELSE 'other' END) AS group_kind,
+       g.last_arrival_ns - g.first_arrival_ns AS spread_ns,
+       greatest(g.last_end_ns - g.last_arrival_ns, 0) AS xfer_ns
+FROM g LEFT JOIN kinds ON kinds."group" = g.grp;
+
+-- @statement rank_step
+-- One row per (rank, step): step time and what it was spent on.
+-- @column stage          pipeline stage
+-- @column step_ns        the rank's step span (NULL when it wrote none: an unfinished step)
+-- @column start_ns       start of the step on the reference clock
+-- @column extent_ns      last end minus first start of all its spans in the step
+-- @column forward_ns, backward_ns, optimizer_ns, compute_ns  compute kinds, summed
+-- @column data_ns, host_ns, other_ns                          data wait, host work, other
+-- @column compute_excl_ns  its own compute: top-level forward/backward spans (or all compute
+--                        spans), optimizer and other compute, minus the wait of collectives that
+--                        run inside compute spans (e.g. TP collectives inside "forward")
+-- @column comm_ns        summed communication spans
+-- @column coll_ns, recv_ns, send_ns  of which collectives, pipeline receives, pipeline sends
+-- @column wait_ns        time it waited for others: in each collective, the last member's arrival
+--                        minus its own (summed per group through the instances, no join back
+--                        to the spans; at most the extent of that group's spans in the step;
+--                        the whole duration where it missed instances), plus recv_ns
+--                        (blocked on the previous/next stage)
+-- @column xfer_ns        coll_ns minus its collective wait: the transfers themselves
+-- @column p2p_wait_ns    recv_ns: the pipeline bubble (a receive's own transfer is small)
+-- @column own_ns         step time (or extent) minus wait_ns: what is left is the rank's own
+--                        doing. Built on arrivals, not on span durations, so it holds when spans
+--                        nest (layers inside forward, collectives inside layers) and when
+--                        asynchronous collectives overlap compute and each other; a posted send
+--                        is not subtracted (the sender goes on computing)
+-- @column coll_count     collective instances it took part in (with >= 2 members recorded)
+-- @column coll_tp, coll_dp, coll_pp, coll_other  collectives by group kind
+-- @column last_tp, last_dp, last_pp, last_other  of which it arrived last
+-- @column last_count     their sum
+-- @column last_expected, last_var, last_peer  in groups of peers ({{peer_kinds}}: same stage),
+--                        last arrivals expected by chance (sum of 1/n), their variance, and seen
+CREATE OR REPLACE TABLE ms_cache.rank_step AS
+WITH lvl AS (
+    -- One scan of the spans, grouped by (rank, step, collective group): a group's collectives
+    -- are summed apart so that their wait can be bounded by their extent (below).
+    SELECT s.rank, s.step, CASE WHEN s.kind = 'collective' THEN s."group" END AS grp,
+           max(s.dur_ns) FILTER (WHERE s.kind = 'step') AS step_ns,
+           min(s.start_ns) FILTER (WHERE s.kind = 'step') AS step_start_raw,
+           min(s.start_ns) AS first_raw, max(s.start_ns + s.dur_ns) AS last_raw,
+           sum(s.dur_ns) FILTER (WHERE s.kind = 'forward') AS forward_ns,
+           sum(s.dur_ns) FILTER (WHERE s.kind = 'backward') AS backward_ns,
+           sum(s.dur_ns) FILTER (WHERE s.kind = 'optimizer') AS optimizer_ns,
+           sum(s.dur_ns) FILTER (WHERE s.kind = 'compute') AS compute_ns,
+           -- Top-level compute: spans named after their kind ("forward", "backward"); module
+           -- spans ("layers.3") nest inside them and would count the same time twice.
+           sum(s.dur_ns) FILTER (WHERE s.kind IN ('forward', 'backward') AND s.name IN ('forward', 'backward')) AS top_compute_ns,
+           sum(s.dur_ns) FILTER (WHERE s.kind = 'data') AS data_ns,
+           sum(s.dur_ns) FILTER (WHERE s.kind = 'host') AS host_ns,
+           sum(s.dur_ns) FILTER (WHERE s.kind = 'other') AS other_ns,
+           sum(s.dur_ns) FILTER (WHERE s.kind = 'collective') AS coll_ns,
+           sum(s.dur_ns) FILTER (WHERE s.kind = 'recv') AS recv_ns,
+           sum(s.dur_ns) FILTER (WHERE s.kind = 'send') AS send_ns,
+           -- Raw arrivals summed: with the instances' last arrivals this gives the wait (below).
+           sum(s.start_ns) FILTER (WHERE s.kind = 'collective') AS arrival_sum,
+           count(*) FILTER (WHERE s.kind = 'collective') AS coll_spans
+    FROM spans s
+    WHERE s.step IS NOT NULL
+    GROUP BY s.rank, s.step, grp
+), per_group AS (
+    SELECT grp, step, any_value(group_kind) AS group_kind, count(*) FILTER (WHERE n >= 2) AS instances,
+           count(*) AS all_instances, sum(last_arrival_ns) AS last_arrival_sum,
+           sum(1.0 / n) FILTER (WHERE n >= 2) AS last_expected, sum((1.0 / n) * (1 - 1.0 / n)) FILTER (WHERE n >= 2) AS last_var
+    FROM ms_cache.inst GROUP BY grp, step
+), lasts AS (
+    SELECT last_rank AS rank, step,
+           count(*) FILTER (WHERE group_kind = 'tp') AS last_tp,
+           count(*) FILTER (WHERE group_kind = 'dp') AS last_dp,
+           count(*) FILTER (WHERE group_kind = 'pp') AS last_pp,
+           count(*) FILTER (WHERE group_kind NOT IN ('tp', 'dp', 'pp')) AS last_other
+    FROM ms_cache.inst WHERE n >= 2 GROUP BY last_rank, step
+), waited AS (
+    SELECT l.*, coalesce(k.offset_ns, 0) AS offset_ns, coalesce(k.stage, 0) AS stage, p.group_kind, p.instances,
+           CASE WHEN p.all_instances = l.coll_spans THEN p.last_expected END AS last_expected,
+           CASE WHEN p.all_instances = l.coll_spans THEN p.last_var END AS last_var,
+           -- Wait in a group's collectives: the sum over its instances of (last arrival - own
+           -- arrival), no join back to the spans needed. Bounded by the extent of those spans:
+           -- asynchronous buckets overlap each other and must not count their wait twice.
+           -- Unknown membership (it missed instances of the group): the whole duration.
+           CASE WHEN l.grp IS NULL THEN 0
+                WHEN p.all_instances = l.coll_spans
+                THEN least((p.last_arrival_sum - l.arrival_sum - l.coll_spans * coalesce(k.offset_ns, 0))::BIGINT,
+                           l.last_raw - l.first_raw)
+                ELSE l.coll_ns END AS coll_wait
+    FROM lvl l
+    LEFT JOIN ms_cache.rank_clock k USING (rank)
+    LEFT JOIN per_group p ON p.grp = l.grp AND p.step = l.step
+), j AS (
+    SELECT rank, step, any_value(stage) AS stage, any_value(offset_ns) AS offset_ns,
+           max(step_ns) AS step_ns, min(step_start_raw) AS step_start_raw,
+           min(first_raw) AS first_raw, max(last_raw) AS last_raw,
+           sum(forward_ns) AS forward_ns, sum(backward_ns) AS backward_ns, sum(optimizer_ns) AS optimizer_ns,
+           sum(compute_ns) AS compute_ns, sum(data_ns) AS data_ns, sum(host_ns) AS host_ns,
+           sum(other_ns) AS other_ns, sum(top_compute_ns) AS top_compute_ns,
+           coalesce(sum(coll_wait) FILTER (WHERE list_contains({{nested_kinds}}, group_kind)), 0) AS nested_wait,
+           coalesce(sum(coll_ns), 0) AS coll_ns, coalesce(sum(recv_ns), 0) AS recv_ns,
+           coalesce(sum(send_ns), 0) AS send_ns, coalesce(sum(coll_wait), 0) AS coll_wait,
+           -- Chance of being last, counted where members are each other's peers (same stage).
+           coalesce(sum(last_expected) FILTER (WHERE list_contains({{peer_kinds}}, CASE WHEN group_kind IN ('tp', 'dp', 'pp') THEN group_kind ELSE 'other' END)), 0) AS last_expected,
+           coalesce(sum(last_var) FILTER (WHERE list_contains({{peer_kinds}}, CASE WHEN group_kind IN ('tp', 'dp', 'pp') THEN group_kind ELSE 'other' END)), 0) AS last_var,
+           coalesce(sum(instances) FILTER (WHERE group_kind = 'tp'), 0) AS coll_tp,
+           coalesce(sum(instances) FILTER (WHERE group_kind = 'dp'), 0) AS coll_dp,
+           coalesce(sum(instances) FILTER (WHERE group_kind = 'pp'), 0) AS coll_pp,
+           coalesce(sum(instances) FILTER (WHERE group_kind NOT IN ('tp', 'dp', 'pp')), 0) AS coll_other
+    FROM waited GROUP BY rank, step
+)
+SELECT j.rank, j.step, j.stage, j.step_ns,
+       coalesce(j.step_start_raw, j.first_raw) + j.offset_ns AS start_ns,
+       j.last_raw - j.first_raw AS extent_ns,
+       coalesce(j.forward_ns, 0) AS forward_ns, coalesce(j.backward_ns, 0) AS backward_ns,
+       coalesce(j.optimizer_ns, 0) AS optimizer_ns, coalesce(j.compute_ns, 0) AS compute_ns,
+       coalesce(j.data_ns, 0) AS data_ns, coalesce(j.host_ns, 0) AS host_ns, coalesce(j.other_ns, 0) AS other_ns,
+       -- Compute of the rank itself: top-level forward/backward (all compute spans where there
+       -- are none), minus the wait of collectives issued inside them ({{nested_kinds}}).
+       coalesce(j.top_compute_ns, coalesce(j.forward_ns, 0) + coalesce(j.backward_ns, 0))
+           + coalesce(j.compute_ns, 0) + coalesce(j.optimizer_ns, 0) - j.nested_wait AS compute_excl_ns,
+       j.coll_ns + j.recv_ns + j.send_ns AS comm_ns, j.coll_ns, j.recv_ns, j.send_ns,
+       greatest(j.coll_ns - j.coll_wait, 0) AS xfer_ns,
+       j.coll_wait + j.recv_ns AS wait_ns,
+       j.recv_ns AS p2p_wait_ns,
+       coalesce(j.step_ns, j.last_raw - j.first_raw) - j.coll_wait - j.recv_ns AS own_ns,
+       j.coll_tp + j.coll_dp + j.coll_pp + j.coll_other AS coll_count,
+       j.last_expected, j.last_var,
+       coalesce(CASE WHEN list_contains({{peer_kinds}}, 'tp') THEN l.last_tp ELSE 0 END
+                + CASE WHEN list_contains({{peer_kinds}}, 'dp') THEN l.last_dp ELSE 0 END
+                + CASE WHEN list_contains({{peer_kinds}}, 'pp') THEN l.last_pp ELSE 0 END
+                + CASE WHEN list_contains({{peer_kinds}}, 'other') THEN l.last_other ELSE 0 END, 0) AS last_peer,
+       j.coll_tp, j.coll_dp, j.coll_pp, j.coll_other,
+       coalesce(l.last_tp + l.last_dp + l.last_pp + l.last_other, 0) AS last_count,
+       coalesce(l.last_tp, 0) AS last_tp, coalesce(l.last_dp, 0) AS last_dp,
+       coalesce(l.last_pp, 0) AS last_pp, coalesce(l.last_other, 0) AS last_other
+FROM j LEFT JOIN lasts l ON l.rank = j.rank AND l.step = j.step;
+
+-- @statement nested_kinds
+-- Group kinds whose collectives start inside the rank's compute spans, probed on one rank's
+-- partition ({{rank}}): their wait is inside the compute spans' durations.
+WITH s AS (SELECT * FROM spans WHERE rank = {{rank}} AND step IS NOT NULL),
+c AS (SELECT step, start_ns AS s, start_ns + dur_ns AS e FROM s WHERE kind IN ('forward', 'backward', 'compute')),
+k AS (
+    SELECT row_number() OVER () AS id, step, start_ns,
+           CASE WHEN split_part("group", ':', 1) IN ('tp', 'dp', 'pp', 'world') THEN split_part("group", ':', 1)
+                ELSE 'other' END AS group_kind
+    FROM s WHERE kind = 'collective' AND "group" IS NOT NULL
+), inside AS (
+    SELECT DISTINCT k.id FROM k JOIN c ON k.step = c.step AND k.start_ns > c.s AND k.start_ns < c.e
+)
+SELECT group_kind FROM k LEFT JOIN inside i USING (id)
+GROUP BY group_kind HAVING count(i.id) >= 0.5 * count(*);

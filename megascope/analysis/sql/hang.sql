@@ -1,0 +1,79 @@
+-- Hang localization from the collective trail (markers): per process group, which member never
+-- entered the sequence number its peers entered, and which members are stuck inside a call.
+--
+-- A collective's members each write `enqueued` before the call blocks and `completed` after it
+-- returns. In a hang the members that reached call N sit between the two; the member that never
+-- reached N has no `enqueued` for it. Point-to-point calls form a two-member group per direction
+-- ('p2p:SENDER>RECEIVER', sequence counted per pair).
+
+-- @statement member_state
+-- One row per (group, member). The markers are read only when {{scan}} is true: a run whose
+-- every rank finished every step cannot be hung.
+-- @column grp          group id ('p2p:S>R' for point-to-point)
+-- @column rank         member
+-- @column last_enq     highest seq it enqueued (NULL: none)
+-- @column last_done    highest seq it completed (NULL: none)
+-- @column group_max_enq  highest seq any member enqueued
+-- @column missing      it never enqueued a seq that another member enqueued
+-- @column missing_seq  the first such seq
+-- @column stuck        it enqueued a seq it never completed
+-- @column stuck_seq    that seq
+-- @column stuck_since_ns  when it enqueued it (reference clock)
+CREATE OR REPLACE TABLE ms_cache.member_state AS
+WITH raw AS (
+    -- Aggregated on integer keys first; the p2p group name is built on the few result rows.
+    SELECT m.rank,
+           CASE WHEN m.op IN ('send', 'recv') AND m.peer IS NOT NULL THEN NULL ELSE m."group" END AS cgroup,
+           CASE WHEN m.peer IS NULL THEN NULL WHEN m.op = 'send' THEN m.rank WHEN m.op = 'recv' THEN m.peer END AS snd,
+           CASE WHEN m.peer IS NULL THEN NULL WHEN m.op = 'send' THEN m.peer WHEN m.op = 'recv' THEN m.rank END AS rcv,
+           max(m.seq) FILTER (WHERE m.state = 'enqueued') AS last_enq,
+           max(m.seq) FILTER (WHERE m.state = 'completed') AS last_done,
+           arg_max(m.time_ns, m.seq) FILTER (WHERE m.state = 'enqueued') AS last_enq_raw,
+           max(m.time_ns) AS last_marker_raw,
+           min(m.seq) FILTER (WHERE m.state = 'enqueued') AS first_enq
+    FROM markers m
+    WHERE {{scan}}
+    GROUP BY ALL
+), per AS (
+    SELECT coalesce(r.cgroup, 'p2p:' || r.snd || '>' || r.rcv) AS grp, r.rank, r.last_enq, r.last_done,
+           r.last_enq_raw + coalesce(k.offset_ns, 0) AS last_enq_ns,
+           r.last_marker_raw + coalesce(k.offset_ns, 0) AS last_marker_ns, r.first_enq
+    FROM raw r LEFT JOIN ms_cache.rank_clock k USING (rank)
+), members AS (
+    -- Declared members (groups table) that may have written nothing at all in the group.
+    SELECT DISTINCT g."group" AS grp, unnest(g.members) AS rank FROM groups g
+    WHERE g."group" IN (SELECT grp FROM per)
+), everyone AS (
+    SELECT grp, rank FROM per UNION SELECT grp, rank FROM members
+), first_seq AS (
+    SELECT grp, min(first_enq) AS min_seq FROM per GROUP BY grp
+), joined AS (
+    SELECT e.grp, e.rank, p.last_enq, p.last_done, p.last_enq_ns, p.last_marker_ns,
+           max(p.last_enq) OVER (PARTITION BY e.grp) AS group_max_enq, f.min_seq
+    FROM everyone e LEFT JOIN per p USING (grp, rank) LEFT JOIN first_seq f USING (grp)
+)
+SELECT grp, rank, last_enq, last_done, group_max_enq, last_marker_ns,
+       coalesce(last_enq < group_max_enq, group_max_enq IS NOT NULL) AS missing,
+       CASE WHEN last_enq IS NULL THEN min_seq WHEN last_enq < group_max_enq THEN last_enq + 1 END AS missing_seq,
+       coalesce(last_enq > coalesce(last_done, -9223372036854775807), false) AS stuck,
+       CASE WHEN last_enq > coalesce(last_done, -9223372036854775807) THEN last_enq END AS stuck_seq,
+       CASE WHEN last_enq > coalesce(last_done, -9223372036854775807) THEN last_enq_ns END AS stuck_since_ns
+FROM joined;
+
+-- @statement activity
+-- Each rank's last sign of life on the reference clock: markers, spans, its own heartbeats and
+-- its host's host-wide heartbeats.
+-- @column last_seen_ns  latest of those (NULL: never seen)
+WITH hb AS (
+    SELECT h.rank, h.host, max(h.time_ns) AS t FROM heartbeats h GROUP BY h.rank, h.host
+), by_rank AS (
+    SELECT k.rank, k.host,
+           (SELECT max(last_marker_ns) FROM ms_cache.member_state s WHERE s.rank = k.rank) AS marker_ns,
+           (SELECT max(r.start_ns + r.extent_ns) FROM ms_cache.rank_step r WHERE r.rank = k.rank) AS span_ns,
+           (SELECT max(hb.t) FROM hb WHERE hb.rank = k.rank) + k.offset_ns AS rank_hb_ns,
+           (SELECT max(hb.t) FROM hb WHERE hb.rank IS NULL AND hb.host = k.host) + k.offset_ns AS host_hb_ns
+    FROM ms_cache.rank_clock k
+)
+SELECT rank, host, marker_ns, span_ns, rank_hb_ns, host_hb_ns,
+       greatest(marker_ns, span_ns, rank_hb_ns, host_hb_ns) AS last_seen_ns
+FROM by_rank ORDER BY rank;

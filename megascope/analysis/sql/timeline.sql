@@ -1,0 +1,57 @@
+-- Per-step views over the base tables: step times, heat-map cells, MFU.
+
+-- @statement step_times
+-- One row per (rank, step) that has a step span (or, when the run has none, spans in a step).
+-- @column start_ns  step start on the reference clock (clock offsets applied)
+-- @column dur_ns    the step span's duration (or the extent of its spans)
+SELECT rank, step, start_ns, coalesce(step_ns, extent_ns) AS dur_ns
+FROM ms_cache.rank_step
+WHERE step_ns IS NOT NULL OR NOT {{has_step_spans}}
+ORDER BY rank, step;
+
+-- @statement heat_cells
+-- Heat-map cells of one phase ({{value}}): value per (rank, step), normalised by the median of the
+-- rank's peers (same pipeline stage) in that step, binned to at most {{rank_bins}} x {{step_bins}}.
+-- A bin shows its worst cell (largest norm): a 0.5% slow machine must survive downsampling.
+-- @column rank_bin, step_bin  bin indices (equal to rank and step position when not binned)
+-- @column rank, step          the worst cell's rank and step
+-- @column rank_lo, rank_hi, step_lo, step_hi  the bin's range
+-- @column value_ns, norm      the worst cell's value and value / peer median
+WITH v AS (
+    SELECT rank, step, stage, {{value}} AS value_ns
+    FROM ms_cache.rank_step
+    WHERE step_ns IS NOT NULL OR NOT {{has_step_spans}}
+), p AS (
+    SELECT stage, step, median(value_ns) AS med FROM v GROUP BY stage, step
+), steps AS (
+    SELECT step, (row_number() OVER (ORDER BY step) - 1) AS step_pos FROM (SELECT DISTINCT step FROM v)
+), ranks AS (
+    SELECT rank, (row_number() OVER (ORDER BY rank) - 1) AS rank_pos FROM (SELECT DISTINCT rank FROM v)
+), cells AS (
+    SELECT v.rank, v.step, v.value_ns,
+           CASE WHEN p.med > 0 THEN v.value_ns / p.med WHEN v.value_ns = 0 THEN 1.0 END AS norm,
+           r.rank_pos // {{rank_per_bin}} AS rank_bin, s.step_pos // {{step_per_bin}} AS step_bin
+    FROM v JOIN p USING (stage, step) JOIN steps s USING (step) JOIN ranks r USING (rank)
+), binned AS (
+    SELECT rank_bin, step_bin,
+           arg_max(rank, coalesce(norm, 0)) AS rank, arg_max(step, coalesce(norm, 0)) AS step,
+           min(rank) AS rank_lo, max(rank) AS rank_hi, min(step) AS step_lo, max(step) AS step_hi,
+           arg_max(value_ns, coalesce(norm, 0)) AS value_ns, max(norm) AS norm
+    FROM cells GROUP BY rank_bin, step_bin
+)
+SELECT b.rank_bin, b.step_bin, b.rank, b.step, b.rank_lo, b.rank_hi, b.step_lo, b.step_hi,
+       b.value_ns, b.norm, i.host, i.pp, i.dp, i.tp
+FROM binned b JOIN ms_cache.rank_info i USING (rank)
+ORDER BY b.rank_bin, b.step_bin;
+
+-- @statement step_summary
+-- One row per step: the job's step time (median over ranks of their step span) and how many
+-- ranks finished it.
+SELECT step, median(coalesce(step_ns, extent_ns))::BIGINT AS step_time_ns, count(*) AS ranks
+FROM ms_cache.rank_step
+WHERE step_ns IS NOT NULL OR NOT {{has_step_spans}}
+GROUP BY step ORDER BY step;
+
+-- @statement tokens_per_step
+-- Tokens per step from the metrics table (summed over ranks that logged "tokens").
+SELECT step, sum(value) AS tokens FROM metrics WHERE name = 'tokens' GROUP BY step ORDER BY step;

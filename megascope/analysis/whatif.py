@@ -1,0 +1,212 @@
+"""What-if: the step time and MFU the job would have if its stragglers ran at their peers' median.
+
+Role in the data flow: reads the base tables for a few sampled steps and replays each step
+through a model of its dependencies; the report's ``whatif`` section calls it.
+
+The model, per step: every rank runs a chain ``own work -> communication op -> own work -> ...``.
+Own segments are measured (arrival at op k minus completion of op k-1). A collective completes
+when its last member arrives plus its measured transfer time; a pipeline send/receive pair
+likewise. Replaying the measured segments reproduces the measured step (the model's baseline);
+replaying with each straggler's segments replaced by its stage peers' median segments gives the
+step time without stragglers. The answer is the measured step time scaled by
+``fixed / baseline``, so the model's own bias cancels. Because waits propagate through
+collectives and pipeline sends, this is not ``step - excess``: a straggler in a stage whose
+slack absorbs it saves nothing, one on the critical path saves all.
+
+Example::
+
+    from megascope.analysis import whatif
+    whatif(run.con, run.meta)["speedup"]
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import duckdb
+import numpy as np
+import pandas as pd
+
+from megascope.analysis import _sql
+from megascope.analysis.base import _sample_steps, prepare
+from megascope.schema import RunMeta
+
+log = logging.getLogger(__name__)
+
+WHATIF_SAMPLE_STEPS = 3
+# Replayed communication events at most (the replay is Python): fewer steps on huge runs.
+WHATIF_EVENT_BUDGET = 400_000
+
+
+def _simulate(rank_of_row: np.ndarray, inst_of_row: np.ndarray, own: np.ndarray, tail: dict[int, float],
+              xfer: np.ndarray, posted: np.ndarray, start: dict[int, float]) -> float:
+    """Replay one step; rows are ordered by (rank, op order). Returns the modeled step time.
+
+    ``posted`` rows (sends) contribute their arrival to the instance but do not block the rank.
+    """
+    ranks = list(dict.fromkeys(rank_of_row.tolist()))
+    bounds: dict[int, list[int]] = {}
+    for i, r in enumerate(rank_of_row.tolist()):
+        b = bounds.setdefault(r, [i, i])
+        b[1] = i + 1
+    n_inst = int(inst_of_row.max()) + 1 if len(inst_of_row) else 0
+    need = np.bincount(inst_of_row, minlength=n_inst).tolist()
+    inst_l, own_l, xfer_l, posted_l = inst_of_row.tolist(), own.tolist(), xfer.tolist(), posted.tolist()
+    count = [0] * n_inst
+    latest = [0.0] * n_inst
+    members: list[list[int]] = [[] for _ in range(n_inst)]
+    t = {r: float(start.get(r, 0.0)) for r in ranks}
+    ptr = {r: bounds[r][0] for r in ranks}
+    stack = list(reversed(ranks))
+    while stack:
+        r = stack.pop()
+        i = ptr[r]
+        if i >= bounds[r][1]:
+            continue
+        k = inst_l[i]
+        arrival = t[r] + own_l[i]
+        count[k] += 1
+        latest[k] = max(latest[k], arrival)
+        if posted_l[i]:
+            t[r] = arrival
+            ptr[r] += 1
+            stack.append(r)
+        else:
+            members[k].append(r)
+        if count[k] == need[k]:
+            done = latest[k] + xfer_l[k]
+            for m in members[k]:
+                t[m] = done
+                ptr[m] += 1
+                stack.append(m)
+    stuck = [r for r in ranks if ptr[r] < bounds[r][1]]
+    if stuck:
+        log.info("what-if replay: %d ranks never finished their chain", len(stuck))
+    return max(t[r] + tail.get(r, 0.0) - start.get(r, 0.0) for r in ranks) if ranks else 0.0
+
+
+def _float_map(series: pd.Series) -> dict[int, float]:
+    return {int(k): float(v) for k, v in series.items()}  # type: ignore[call-overload]
+
+
+def _steps_frame(con: duckdb.DuckDBPyConnection, steps: list[int]) -> pd.DataFrame:
+    """Communication spans of ``steps`` with instance keys, on the reference clock (one scan)."""
+    step_list = ", ".join(str(int(s)) for s in steps) or "NULL"
+    frame = con.execute(
+        f"""
+        WITH c AS (
+            SELECT s.step, s.rank, s.kind, s.kind = 'collective' AS is_coll,
+                   CASE WHEN s.kind = 'collective' THEN s."group" ELSE '' END AS grp, s.seq,
+                   CASE WHEN s.kind = 'collective' THEN -1 WHEN s.kind = 'send' THEN s.rank ELSE s.peer END AS sender,
+                   CASE WHEN s.kind = 'collective' THEN -1 WHEN s.kind = 'send' THEN s.peer ELSE s.rank END AS receiver,
+                   s.start_ns + k.offset_ns AS arrival_ns, s.start_ns + k.offset_ns + s.dur_ns AS end_ns,
+                   r.start_ns AS step_start_ns, r.start_ns + coalesce(r.step_ns, r.extent_ns) AS step_end_ns, r.stage
+            FROM spans s
+            JOIN ms_cache.rank_clock k USING (rank)
+            JOIN ms_cache.rank_step r ON r.rank = s.rank AND r.step = s.step
+            WHERE s.step IN ({step_list}) AND s.kind IN ('collective', 'send', 'recv') AND s.seq IS NOT NULL
+              AND (s.kind = 'collective' AND s."group" IS NOT NULL OR s.kind <> 'collective' AND s.peer IS NOT NULL)
+        )
+        SELECT step, rank, kind, arrival_ns, end_ns, step_start_ns, step_end_ns, stage,
+               (dense_rank() OVER (PARTITION BY step ORDER BY is_coll, grp, seq, sender, receiver) - 1) AS inst,
+               greatest(max(end_ns) OVER w - max(arrival_ns) OVER w, 0) AS xfer_ns
+        FROM c
+        WINDOW w AS (PARTITION BY step, is_coll, grp, seq, sender, receiver)
+        ORDER BY step, rank, arrival_ns, kind <> 'send', seq
+        """
+    ).df()
+    return frame
+
+
+def _segments(frame: pd.DataFrame) -> tuple[np.ndarray, pd.Series]:
+    """Own time before each op and after the last one, per rank.
+
+    After a send the rank went on at once, so the next segment starts at the send's arrival.
+    """
+    resume = frame["end_ns"].where(frame["kind"] != "send", frame["arrival_ns"])
+    prev_end = resume.groupby(frame["rank"]).shift(1)
+    start = prev_end.fillna(frame["step_start_ns"])
+    own = (frame["arrival_ns"] - start).clip(lower=0).to_numpy(dtype=float)
+    last = frame.assign(resume=resume).groupby("rank").tail(1).set_index("rank")
+    tail = (last["step_end_ns"] - last["resume"]).clip(lower=0).astype(float)
+    return own, tail
+
+
+def replay_step(frame: pd.DataFrame, fixed_ranks: set[int]) -> tuple[float, float]:
+    """(baseline, fixed) modeled step time of one step's communication frame, fixing ``fixed_ranks``."""
+    frame = frame.reset_index(drop=True)
+    if frame.empty:
+        return 0.0, 0.0
+    inst_of_row = frame["inst"].to_numpy(dtype=np.int64)
+    xfer_by_inst = np.zeros(int(inst_of_row.max()) + 1)
+    xfer_by_inst[inst_of_row] = frame["xfer_ns"].to_numpy(dtype=float)
+    own, tail = _segments(frame)
+    rank_arr = frame["rank"].to_numpy()
+    posted = (frame["kind"] == "send").to_numpy()
+    firsts = frame.groupby("rank")["step_start_ns"].first()
+    start = _float_map(firsts - firsts.min())
+    base = _simulate(rank_arr, inst_of_row, own, _float_map(tail), xfer_by_inst, posted, start)
+    if not fixed_ranks:
+        return base, base
+    frame = frame.assign(own=own, k=frame.groupby("rank").cumcount())
+    peers = frame[~frame["rank"].isin(fixed_ranks)]
+    peer_own = peers.groupby(["stage", "k"])["own"].median()
+    fixed_own = own.copy()
+    is_fixed = frame["rank"].isin(fixed_ranks).to_numpy()
+    keys = pd.MultiIndex.from_frame(frame.loc[is_fixed, ["stage", "k"]])
+    replacement = peer_own.reindex(keys).to_numpy()
+    fixed_own[is_fixed] = np.where(np.isnan(replacement), own[is_fixed], replacement)
+    stage_of = frame.groupby("rank")["stage"].first()
+    peer_tail = tail[~tail.index.isin(fixed_ranks)].groupby(stage_of).median()
+    fixed_tail = tail.copy()
+    for r in fixed_ranks:
+        if r in fixed_tail.index and stage_of.get(r) in peer_tail.index:
+            fixed_tail[r] = peer_tail[stage_of[r]]
+    fixed = _simulate(rank_arr, inst_of_row, fixed_own, _float_map(fixed_tail), xfer_by_inst, posted, start)
+    return base, fixed
+
+
+def whatif(con: duckdb.DuckDBPyConnection, meta: RunMeta, *, ranks: list[int] | None = None,
+           steps: list[int] | None = None) -> dict[str, Any]:
+    """Step time and MFU if ``ranks`` (default: the detected stragglers) ran at their peers' median.
+
+    Returns {ranks, steps_modeled, step_time_ns (measured median), modeled_baseline_ns,
+    modeled_fixed_ns, whatif_step_time_ns, speedup, mfu, whatif_mfu}.
+    """
+    from megascope.analysis.stragglers import stragglers
+    from megascope.analysis.timeline import mfu
+
+    prepare(con)
+    if ranks is None:
+        found = stragglers(con)
+        ranks = [int(r) for r, c in zip(found["rank"], found["cause"], strict=True) if c != "communication"]
+    per_step = mfu(con, meta)
+    measured = float(per_step["step_time_ns"].median()) if not per_step.empty else 0.0
+    mean_mfu = float(per_step["mfu"].mean()) if per_step["mfu"].notna().any() else None
+    if steps is None:
+        full = per_step[per_step["ranks"] == per_step["ranks"].max()]["step"].astype(int).tolist()
+        row = _sql.first(con.execute(
+            "SELECT sum(coll_count + 1) / nullif(count(DISTINCT step), 0) FROM ms_cache.rank_step"
+        ))
+        per_step_events = float(row[0]) if row and row[0] else 1.0
+        count = int(max(1, min(WHATIF_SAMPLE_STEPS, WHATIF_EVENT_BUDGET // max(per_step_events, 1.0))))
+        steps = _sample_steps(full, count)
+    base_total = fixed_total = 0.0
+    frames = _steps_frame(con, [int(s) for s in steps])
+    for _, frame in frames.groupby("step", sort=True):
+        base, fixed = replay_step(frame, set(ranks))
+        base_total += base
+        fixed_total += fixed
+    speedup = base_total / fixed_total if fixed_total > 0 else 1.0
+    return {
+        "ranks": ranks,
+        "steps_modeled": [int(s) for s in steps],
+        "step_time_ns": measured,
+        "modeled_baseline_ns": base_total / len(steps) if steps else None,
+        "modeled_fixed_ns": fixed_total / len(steps) if steps else None,
+        "whatif_step_time_ns": measured / speedup if speedup > 0 else measured,
+        "speedup": speedup,
+        "mfu": mean_mfu,
+        "whatif_mfu": mean_mfu * speedup if mean_mfu is not None else None,
+    }

@@ -1,0 +1,111 @@
+"""The columnar ``TracePacket`` layouts of the Perfetto export: slice begin, slice end, counter.
+
+Role in the data flow: :mod:`megascope.export.perfetto` groups a chunk's events by which optional
+fields they carry, builds one layout per group here and encodes it with
+:mod:`megascope.export.protowire`. Field numbers are those of Perfetto's ``trace_packet.proto`` and
+``track_event.proto``; the tests decode the output with the ``perfetto`` package's own classes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from megascope.export.protowire import Const, Fixed64, Message, Node, Varint, tag_bytes, varint_bytes
+
+U64 = npt.NDArray[np.uint64]
+
+SEQUENCE_ID = 1
+
+# TracePacket
+_TIMESTAMP = 8
+_SEQUENCE_ID_FIELD = 10
+_TRACK_EVENT = 11
+_SEQUENCE_FLAGS = 13
+SEQ_INCREMENTAL_STATE_CLEARED = 1
+SEQ_NEEDS_INCREMENTAL_STATE = 2
+# TrackEvent
+_CATEGORY_IIDS = 3
+_DEBUG_ANNOTATIONS = 4
+_TYPE = 9
+_NAME_IID = 10
+_TRACK_UUID = 11
+_DOUBLE_COUNTER_VALUE = 44
+_FLOW_IDS = 47
+_TERMINATING_FLOW_IDS = 48
+TYPE_SLICE_BEGIN = 1
+TYPE_SLICE_END = 2
+TYPE_COUNTER = 4
+# DebugAnnotation
+_ANN_NAME_IID = 1
+_ANN_INT = 4
+_ANN_STRING_IID = 17
+
+# Debug annotations a slice may carry: (name, interned name iid, is an interned string).
+ANNOTATIONS: tuple[tuple[str, int, bool], ...] = (
+    ("step", 1, False),
+    ("microbatch", 2, False),
+    ("chunk", 3, False),
+    ("group", 4, True),
+    ("seq", 5, False),
+    ("op", 6, True),
+    ("bytes", 7, False),
+    ("peer", 8, False),
+)
+
+
+def _varint_field(field: int, value: int) -> bytes:
+    return tag_bytes(field, 0) + varint_bytes(value)
+
+
+_SEQ_CONST = Const(_varint_field(_SEQUENCE_ID_FIELD, SEQUENCE_ID))
+_NEEDS_STATE = Const(_varint_field(_SEQUENCE_FLAGS, SEQ_NEEDS_INCREMENTAL_STATE))
+
+
+def _packet(ts: U64, event: list[Node], *, interned: bool) -> Node:
+    children: list[Node] = [Varint(_TIMESTAMP, ts), _SEQ_CONST, Message(_TRACK_EVENT, event)]
+    if interned:
+        children.append(_NEEDS_STATE)
+    return Message(1, children)  # Trace.packet
+
+
+def slice_begin(
+    ts: U64,
+    track: U64,
+    name_iid: U64,
+    category_iid: U64,
+    annotations: list[tuple[int, bool, U64]],
+    flow: U64 | None,
+) -> Node:
+    """``annotations``: (name iid, is interned string, values) for the annotations all rows carry."""
+    event: list[Node] = [Varint(_CATEGORY_IIDS, category_iid)]
+    for name, is_string, values in annotations:
+        event.append(Message(_DEBUG_ANNOTATIONS, [
+            Const(_varint_field(_ANN_NAME_IID, name)),
+            Varint(_ANN_STRING_IID if is_string else _ANN_INT, values),
+        ]))
+    event += [Const(_varint_field(_TYPE, TYPE_SLICE_BEGIN)), Varint(_NAME_IID, name_iid), Varint(_TRACK_UUID, track)]
+    if flow is not None:
+        event.append(Fixed64(_FLOW_IDS, flow))
+    return _packet(ts, event, interned=True)
+
+
+def slice_end(ts: U64, track: U64, terminating_flow: U64 | None) -> Node:
+    event: list[Node] = [Const(_varint_field(_TYPE, TYPE_SLICE_END)), Varint(_TRACK_UUID, track)]
+    if terminating_flow is not None:
+        event.append(Fixed64(_TERMINATING_FLOW_IDS, terminating_flow))
+    return _packet(ts, event, interned=False)
+
+
+def counter(ts: U64, track: U64, values: npt.NDArray[np.float64]) -> Node:
+    event: list[Node] = [
+        Const(_varint_field(_TYPE, TYPE_COUNTER)),
+        Varint(_TRACK_UUID, track),
+        Fixed64(_DOUBLE_COUNTER_VALUE, values.astype(np.float64)),
+    ]
+    return _packet(ts, event, interned=False)
+
+
+def int_annotation_values(values: npt.NDArray[np.int64]) -> U64:
+    """int64 annotation values as protobuf varints see them (two's complement)."""
+    return values.astype(np.int64).view(np.uint64)

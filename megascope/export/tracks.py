@@ -1,0 +1,138 @@
+"""Track ids, and the order in which slice begin/end events are written so that they nest.
+
+Role in the data flow: both exporters place each span on a track (rank, stream, lane) and write its
+begin and end in an order a trace viewer can rebuild slices from. A track is a stack: its slices must
+nest. Spans of one stream usually do (a step holds micro-batches, a micro-batch holds layers), but
+asynchronous communication (an ``isend`` in flight while the next ``irecv`` starts) can overlap
+partially; such spans move to extra lanes of the same stream (``comm #2``), found greedily, only on
+the tracks where the nesting check fails.
+
+The nesting check is vectorised: with events sorted per track by (time, end-before-begin, outer
+first), the stack height just before a span's end must be one more than it was just before its
+begin. If every span passes, the begin/end sequence is a valid bracket sequence (the first wrong pop
+would need a span whose height is off).
+
+Track ids are deterministic (``(rank + 1) << 24 | stream code << 8 | lane``), so the same run
+exports the same bytes.
+
+Example::
+
+    base = track_base(ranks, stream_codes(streams))
+    track, span_index, is_end = assign_lanes(base, start, end)
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import numpy.typing as npt
+
+I64 = npt.NDArray[np.int64]
+U64 = npt.NDArray[np.uint64]
+
+# Fixed codes for the streams megascope names; other streams hash into the space above 1024.
+_KNOWN_STREAMS = {"host": 1, "compute": 2, "comm": 3, "copy": 4}
+STEP_COUNTER_CODE = 8  # the per-rank "step time" counter track
+MAX_LANES = 255
+
+
+def stream_code(stream: str) -> int:
+    """A 16-bit code per stream name, fixed for known streams, stable for any other."""
+    if stream in _KNOWN_STREAMS:
+        return _KNOWN_STREAMS[stream]
+    if stream.startswith("cuda:") and stream[5:].isdigit() and int(stream[5:]) < 1000:
+        return 16 + int(stream[5:])
+    digest = int.from_bytes(hashlib.blake2b(stream.encode(), digest_size=4).digest(), "little")
+    return 1024 + digest % (65536 - 1024)
+
+
+def stream_sort_key(stream: str) -> tuple[int, str]:
+    """Display order of a rank's streams: host, compute, comm, copy, device streams, the rest."""
+    code = stream_code(stream)
+    return (code if code < 1024 else 1024, stream)
+
+
+def process_uuid(rank: int) -> int:
+    return (rank + 1) << 24
+
+
+def track_base(ranks: I64, codes: I64) -> U64:
+    """Track ids with lane 0, one per span."""
+    return ((ranks.astype(np.uint64) + np.uint64(1)) << np.uint64(24)) | (codes.astype(np.uint64) << np.uint64(8))
+
+
+def step_counter_uuid(rank: int) -> int:
+    return process_uuid(rank) | (STEP_COUNTER_CODE << 8)
+
+
+def event_order(track: U64, start: I64, end: I64) -> tuple[I64, npt.NDArray[np.bool_]]:
+    """The write order of the 2n begin/end events of n spans.
+
+    Returns ``(span_index, is_end)`` per event, sorted by track, then time; at equal times ends of
+    non-empty spans come first, then begins (outer before inner), then ends of empty spans; ends at
+    one time close inner spans first. Span ``i`` is "outer" to ``j`` when it sorts first by
+    (start, longer first, index).
+    """
+    n = len(track)
+    # rank spans outer-first within equal starts: by (track, start, -end, index)
+    span_rank = np.empty(n, dtype=np.int64)
+    span_rank[np.lexsort((np.arange(n), -end, start, track))] = np.arange(n)
+    idx = np.concatenate([np.arange(n), np.arange(n)])
+    is_end = np.concatenate([np.zeros(n, dtype=np.bool_), np.ones(n, dtype=np.bool_)])
+    ts = np.concatenate([start, end])
+    empty = end == start
+    kind = np.concatenate([np.ones(n, dtype=np.int8), np.where(empty, 2, 0).astype(np.int8)])
+    tie = np.concatenate([span_rank, -span_rank])
+    tracks = np.concatenate([track, track])
+    order = np.lexsort((tie, kind, ts, tracks))
+    return idx[order], is_end[order]
+
+
+def nesting_violations(track: U64, span_index: I64, is_end: npt.NDArray[np.bool_]) -> U64:
+    """Tracks whose slices do not nest; ``track`` per span, events as :func:`event_order` gives them."""
+    n = len(track)
+    delta = np.where(is_end, -1, 1).astype(np.int64)
+    before = np.cumsum(delta) - delta
+    depth = np.empty(n, dtype=np.int64)
+    depth[span_index[~is_end]] = before[~is_end]
+    end_ok = before[is_end] == depth[span_index[is_end]] + 1
+    bad_spans = span_index[is_end][~end_ok]
+    return np.unique(track[bad_spans])
+
+
+def _greedy_lanes(start: I64, end: I64) -> I64:
+    """Lanes for the spans of one track: each span goes to the first lane where it nests."""
+    order = np.lexsort((np.arange(len(start)), -end, start))
+    lanes = np.zeros(len(start), dtype=np.int64)
+    stacks: list[list[int]] = []
+    for i in order.tolist():
+        s, e = int(start[i]), int(end[i])
+        placed = False
+        for lane, stack in enumerate(stacks):
+            while stack and stack[-1] <= s:
+                stack.pop()
+            if not stack or stack[-1] >= e:
+                stack.append(e)
+                lanes[i] = min(lane, MAX_LANES)
+                placed = True
+                break
+        if not placed:
+            stacks.append([e])
+            lanes[i] = min(len(stacks) - 1, MAX_LANES)
+    return lanes
+
+
+def assign_lanes(base: U64, start: I64, end: I64) -> tuple[U64, I64, npt.NDArray[np.bool_]]:
+    """``base`` with a lane added where spans of one track overlap without nesting, and the
+    write order of the events on the final tracks (as :func:`event_order` gives it)."""
+    span_index, is_end = event_order(base, start, end)
+    bad = nesting_violations(base, span_index, is_end)
+    if len(bad) == 0:
+        return base, span_index, is_end
+    out = base.copy()
+    for track in bad.tolist():
+        rows = np.flatnonzero(base == np.uint64(track))
+        out[rows] = base[rows] | _greedy_lanes(start[rows], end[rows]).astype(np.uint64)
+    span_index, is_end = event_order(out, start, end)
+    return out, span_index, is_end

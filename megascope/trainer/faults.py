@@ -1,0 +1,117 @@
+"""Planted faults, done for real: a straggler computes more, a hung rank stops, a skewed rank pauses.
+
+Role in the data flow: ``loop.py`` builds one :class:`FaultPlan` per rank from the ``--inject``
+specs (grammar in :mod:`megascope.inject`); the run directory then records the fault the way a
+real incident would look, for the analyses to find.
+
+* ``straggler:rank=R,factor=F``: after each micro-batch's forward (backward) on rank R, extra
+  matrix multiplies over the stage's own weights and full-sequence activation shapes. Real compute
+  on the same device (no sleep, no communication). On GPU the extra work is FLOP-proportional:
+  ``F-1`` (``2(F-1)``) forward passes' worth of the stage's GEMMs, which dominate there (attention
+  and element-wise work are not repeated, so the factor is approximate). On CPU, where a small
+  model's time is mostly Python and framework overhead rather than GEMM FLOPs, the rank keeps
+  multiplying for ``F-1`` times the phase's measured duration, so the phase really takes F times
+  as long.
+* ``hang:rank=R,step=S``: rank R blocks before its next communication call in step S (a wait that
+  never returns) while its collector's writer thread keeps flushing the markers written so far. The
+  other ranks then block in collectives that time out after ``--collective-timeout`` seconds.
+* ``skew:rank=R,ms=M``: a host sleep of M ms just before the rank starts its data-parallel
+  gradient sync. That sync begins inside the step's last backward (bucket by bucket), so the
+  pause comes right before that backward, outside every span (like a GC pause, nothing labels it);
+  the rank arrives M ms late at its dp reduce-scatters and its TP peers wait for it.
+
+Example::
+
+    plan = FaultPlan(faults, rank=3, collector=col)
+    plan.set_step(step); plan.gate()        # blocks forever on the hung rank's step
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from megascope.inject import Faults
+
+log = logging.getLogger(__name__)
+
+
+class FaultPlan:
+    def __init__(self, faults: Faults, *, rank: int, collector: Any) -> None:
+        self.rank = rank
+        self.col = collector
+        self.factor = faults.straggler_factor(rank)
+        self.hang_step = faults.hang_step(rank)
+        self.skew_s = faults.skew_ms(rank) / 1000.0
+        self.step: int | None = None
+        self._burner: Callable[[str, float], None] | None = None
+
+    def set_step(self, step: int) -> None:
+        self.step = step
+
+    def gate(self) -> None:
+        """Runs before every communication call."""
+        if self.hang_step is not None and self.step == self.hang_step:
+            log.info("rank %d: planted hang before a collective in step %d", self.rank, self.step)
+            try:
+                self.col.flush()
+            except Exception:  # the hang must happen whatever the collector does
+                log.exception("flush before the planted hang failed")
+            while True:  # the markers written so far stay; the collector's thread keeps flushing
+                time.sleep(1.0)
+
+    def before_dp_sync(self) -> None:
+        if self.skew_s > 0:
+            time.sleep(self.skew_s)
+
+    def set_burner(self, burner: Callable[[str, float], None]) -> None:
+        self._burner = burner
+
+    def burn(self, phase: str, elapsed_s: float) -> None:
+        if self._burner is not None:
+            self._burner(phase, elapsed_s)
+
+
+class Burner:
+    """Extra GEMMs over the stage's weights, sized by FLOPs (``timed=False``) or by time (``timed=True``)."""
+
+    def __init__(self, weights: list[torch.Tensor], *, tokens: int, factor: float, autocast: Callable[[], Any],
+                 timed: bool = False) -> None:
+        self.weights = [w.detach() for w in weights]
+        self.factor = factor
+        self.autocast = autocast
+        self.timed = timed
+        device = self.weights[0].device
+        gen = torch.Generator(device="cpu").manual_seed(1234)
+        # One scratch input per distinct input width, shaped like the real full-sequence activation.
+        self.inputs = {w.shape[1]: torch.randn(tokens, w.shape[1], generator=gen).to(device) for w in self.weights}
+        self.tokens = tokens
+        self.sink: torch.Tensor | None = None
+
+    def __call__(self, phase: str, elapsed_s: float = 0.0) -> None:
+        """Extra work after ``phase`` ("forward" or "backward"), which itself took ``elapsed_s``."""
+        if self.timed:
+            deadline = time.perf_counter() + (self.factor - 1.0) * elapsed_s
+            with torch.no_grad(), self.autocast():
+                while time.perf_counter() < deadline:
+                    self._pass(self.tokens)
+            return
+        units = (self.factor - 1.0) * (2.0 if phase == "backward" else 1.0)
+        if units <= 0:
+            return
+        whole = math.floor(units)
+        partial = int(round((units - whole) * self.tokens))
+        with torch.no_grad(), self.autocast():
+            for _ in range(whole):
+                self._pass(self.tokens)
+            if partial:
+                self._pass(partial)
+
+    def _pass(self, rows: int) -> None:
+        for w in self.weights:
+            self.sink = self.inputs[w.shape[1]][:rows] @ w.t()  # kept so the work is not optimised away

@@ -1,0 +1,123 @@
+"""The trainer's view of the collector, plus the fault gate every collective passes through.
+
+Role in the data flow: every span, collective and metric of the trainer goes through
+``megascope.collectors`` (the in-job hook that writes the run directory). This module opens that
+collector for a rank and wraps its ``dist`` mirror in :class:`Comm`, which adds the two things the
+trainer needs around each communication call: the hang fault (a rank stops before its next
+collective) and the receive timeout gloo does not apply by itself to point-to-point waits.
+
+Example::
+
+    col = open_collector(cfg, rank=r, world_size=w, coords=..., groups=..., meta=meta)
+    comm = Comm(col, gate=fault_gate)
+    out = comm.all_gather_seq(x, tp)   # all-gather along dim 0, stamped as a tp collective
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+def open_collector(run_dir: Any, *, rank: int, world_size: int, coords: dict[str, int],
+                   groups: Sequence[Any], meta: Any, device: torch.device | None,
+                   flush_interval_s: float) -> Any:
+    """The rank's collector (rank 0 writes ``run.json`` from ``meta``)."""
+    from megascope.collectors import Collector, CollectorConfig
+
+    cfg = CollectorConfig(run_dir=run_dir, flush_interval_s=flush_interval_s,
+                          device=device if device is not None and device.type == "cuda" else None)
+    return Collector(cfg, rank=rank, world_size=world_size, coords=coords, groups=list(groups), meta=meta)
+
+
+def instrument_blocks(collector: Any, model: torch.nn.Module, names: list[str]) -> list[Any]:
+    """Forward/backward spans per named submodule (the transformer blocks)."""
+    from megascope.collectors import instrument_module
+
+    return list(instrument_module(model, patterns=names, collector=collector) or [])
+
+
+class Comm:
+    """Collectives and point-to-point calls of the trainer, through the collector's ``dist`` mirror.
+
+    ``gate`` runs before every communication call; the hang fault blocks there. Tensors are
+    exchanged along dim 0 so every buffer stays flat for gloo (which rejects stacked outputs).
+    """
+
+    def __init__(self, collector: Any, *, gate: Callable[[], None] | None = None,
+                 recv_timeout_s: float | None = None) -> None:
+        self.col = collector
+        self.dist = collector.dist
+        self._gate = gate
+        self._recv_timeout = timedelta(seconds=recv_timeout_s) if recv_timeout_s else None
+
+    def gate(self) -> None:
+        if self._gate is not None:
+            self._gate()
+
+    # --- collectives -----------------------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor, pg: Any, *, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+        self.gate()
+        self.dist.all_reduce(t, group=pg, op=op)
+        return t
+
+    def all_gather_seq(self, t: torch.Tensor, pg: Any, size: int) -> torch.Tensor:
+        """Concatenate every member's ``t`` along dim 0 (in group order)."""
+        self.gate()
+        t = t.contiguous()
+        out = torch.empty((t.shape[0] * size, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        self.dist.all_gather_single(out, t, group=pg)
+        return out
+
+    def reduce_scatter_seq(self, t: torch.Tensor, pg: Any, size: int) -> torch.Tensor:
+        """Sum over members, each keeping its 1/size slice of dim 0."""
+        self.gate()
+        t = t.contiguous()
+        out = torch.empty((t.shape[0] // size, *t.shape[1:]), dtype=t.dtype, device=t.device)
+        self.dist.reduce_scatter_single(out, t, group=pg, op=dist.ReduceOp.SUM)
+        return out
+
+    def reduce_scatter_async(self, out: torch.Tensor, inp: torch.Tensor, pg: Any) -> Any:
+        self.gate()
+        return self.dist.reduce_scatter_single(out, inp, group=pg, op=dist.ReduceOp.SUM, async_op=True)
+
+    def all_gather_async(self, out: torch.Tensor, inp: torch.Tensor, pg: Any) -> Any:
+        self.gate()
+        return self.dist.all_gather_single(out, inp, group=pg, async_op=True)
+
+    # --- point to point --------------------------------------------------------------------
+    def exchange(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
+                 pg: Any) -> None:
+        """Post every send and receive at once, then wait for all (Megatron's paired p2p).
+
+        Posting both directions before waiting is what keeps 1F1B deadlock-free when a send only
+        completes once its receiver has posted the matching receive (gloo and NCCL alike).
+        """
+        if not sends and not recvs:
+            return
+        self.gate()
+        works = [self.dist.isend(t.contiguous(), dst, group=pg) for t, dst in sends]
+        works += [self.dist.irecv(t, src, group=pg) for t, src in recvs]
+        for work in works:
+            if self._recv_timeout is not None and _accepts_timeout(work):
+                work.wait(timeout=self._recv_timeout)
+            else:
+                work.wait()
+
+
+def _accepts_timeout(work: Any) -> bool:
+    # torch's Work.wait takes a timeout; a wrapper may not. gloo applies the process-group timeout to
+    # p2p waits on its own, so dropping it only matters for backends that wait forever.
+    try:
+        import inspect
+
+        return "timeout" in inspect.signature(work.wait).parameters
+    except (TypeError, ValueError):
+        return True

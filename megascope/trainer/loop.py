@@ -1,0 +1,215 @@
+"""One rank of the bundled trainer: build the mesh, model stage, optimizer and data, then train.
+
+Role in the data flow: ``launch.py`` (``megascope train --nproc N``) or torchrun runs
+:func:`train_rank` once per process. Everything it does is stamped through the collector into the
+run directory: a ``step`` span per step, ``data`` wait, per-micro-batch ``forward``/``backward``
+per stage (and per block, via ``instrument_module``), every TP/PP/DP/world communication call,
+``optimizer``; and the metrics ``loss``, ``grad_norm``, ``lr`` and ``tokens`` per step. Rank 0
+writes ``run.json`` with model FLOPs and tokens per step, device name and peak FLOP/s.
+
+Nothing in the step waits for the device: loss and gradient norm stay tensors until the collector
+resolves them; the only host sync is the list of losses returned after the last step. Step times
+returned are host wall-clock between step ends (exact on CPU; on CUDA the host runs ahead of the
+device by a bounded launch queue, so they match device time only averaged over steady state).
+
+Example::
+
+    result = train_rank(cfg, rank=0, world_size=1, local_rank=0, init_method="file:///tmp/x")
+    result.losses, result.step_seconds
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megascope.schema import RunMeta, RunSource, SpanKind
+from megascope.topology import Mesh
+from megascope.trainer.config import TrainConfig
+from megascope.trainer.data import Prefetcher, Source, SyntheticLanguage, TokenFile
+from megascope.trainer.faults import Burner, FaultPlan
+from megascope.trainer.flops import model_flops_per_step, peak_flops
+from megascope.trainer.instrument import Comm, instrument_blocks, open_collector
+from megascope.trainer.model import GPTStage
+from megascope.trainer.parallel import ParallelState
+from megascope.trainer.pipeline import MicroBatch, StageIO, run_1f1b
+from megascope.trainer.tp import TPContext
+from megascope.trainer.zero import ShardedOptimizer, lr_at
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankResult:
+    losses: list[float]  # global loss per step (the same on every rank)
+    step_seconds: list[float]  # this rank's host time per step
+
+
+def pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def run_meta(cfg: TrainConfig, *, device: torch.device, start_ns: int) -> RunMeta:
+    """``run.json`` for this run (rank 0 writes it through the collector)."""
+    device_name, peak = peak_flops(device) if cfg.peak_flops is None else (
+        torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", cfg.peak_flops)
+    m = cfg.model
+    return RunMeta(
+        run_id=f"{cfg.out.name}-{start_ns}",
+        source=RunSource.TRAINER,
+        world_size=cfg.world_size,
+        mesh_sizes=cfg.mesh_sizes,
+        start_ns=start_ns,
+        model_flops_per_step=model_flops_per_step(m, tokens=cfg.tokens_per_step),
+        tokens_per_step=cfg.tokens_per_step,
+        device_name=device_name,
+        peak_flops_per_device=peak,
+        micro_batches=cfg.micro_batches,
+        config={
+            "model": {"layers": m.layers, "hidden": m.hidden, "heads": m.heads, "vocab": m.vocab,
+                      "seq_len": m.seq_len, "ffn_mult": m.ffn_mult, "parallel_block": m.parallel_block,
+                      "window": m.window},
+            "seed": cfg.seed, "global_batch": cfg.global_batch, "steps": cfg.steps,
+            "optimizer": cfg.optimizer, "lr": cfg.lr, "sequence_parallel": cfg.sequence_parallel,
+            "inject": cfg.faults.specs(), "collective_timeout_s": cfg.collective_timeout_s,
+            "data": str(cfg.data) if cfg.data else "synthetic",
+            "dtype": "bf16-autocast" if device.type == "cuda" else "fp32",
+        },
+    )
+
+
+def _source(cfg: TrainConfig) -> Source:
+    m = cfg.model
+    if cfg.data is not None:
+        return TokenFile(cfg.data, dtype=cfg.data_dtype, vocab=m.vocab, seq_len=m.seq_len, seed=cfg.seed)
+    return SyntheticLanguage(vocab=m.vocab, seq_len=m.seq_len, seed=cfg.seed)
+
+
+def train_rank(cfg: TrainConfig, *, rank: int, world_size: int, local_rank: int,
+               init_method: str | None = None) -> RankResult:
+    """Train this rank; returns the global loss of every step."""
+    if world_size != cfg.world_size:
+        raise ValueError(f"launched {world_size} ranks for a config of {cfg.world_size}")
+    device = pick_device(cfg, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=cfg.collective_timeout_s)
+    start_ns = time.time_ns()
+    meta = run_meta(cfg, device=device, start_ns=start_ns) if rank == 0 else None
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method,
+                            rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
+    try:
+        return _train(cfg, rank=rank, device=device, meta=meta, timeout=timeout)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, *, rank: int, device: torch.device, meta: RunMeta | None,
+           timeout: timedelta) -> RankResult:
+    mesh = Mesh.for_world(cfg.world_size, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
+    ps = ParallelState.build(mesh, rank, timeout=timeout)
+    col = open_collector(cfg.out, rank=rank, world_size=cfg.world_size, coords=ps.coords, groups=ps.groups(),
+                         meta=meta, device=device, flush_interval_s=cfg.flush_interval_s)
+    try:
+        ps.register(col)
+        return _loop(cfg, ps, col, device)
+    finally:
+        col.close()
+
+
+def _autocast(device: torch.device) -> Callable[[], Any]:
+    if device.type == "cuda":
+        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -> RankResult:
+    m = cfg.model
+    plan = FaultPlan(cfg.faults, rank=ps.rank, collector=col)
+    comm = Comm(col, gate=plan.gate, recv_timeout_s=cfg.collective_timeout_s)
+    tp = TPContext(comm=comm, pg=ps.tp.pg, size=ps.tp.size, index=ps.tp_index,
+                   sequence_parallel=cfg.sequence_parallel)
+    stage = GPTStage(m, tp, stage=ps.pp_index, stages=ps.pp.size, seed=cfg.seed, device=device)
+    if cfg.instrument_layers:
+        instrument_blocks(col, stage, [f"layers.{i}" for i in stage.layer_ids])
+    autocast = _autocast(device)
+    if plan.factor > 1.0:
+        plan.set_burner(Burner(stage.matmul_weights(), tokens=m.seq_len * cfg.micro_batch_size,
+                               factor=plan.factor, autocast=autocast, timed=device.type == "cpu"))
+    opt = ShardedOptimizer(stage, comm=comm, tp=ps.tp, dp=ps.dp, world=ps.world, dp_index=ps.dp_index,
+                           tp_index=ps.tp_index, sequence_parallel=cfg.sequence_parallel, optimizer=cfg.optimizer,
+                           lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
+                           bucket_mb=cfg.bucket_mb, device=device, collector=col)
+    members = ps.pp.members
+    seq_local = m.seq_len // ps.tp.size if cfg.sequence_parallel else m.seq_len
+    io = StageIO(comm=comm, pg=ps.pp.pg,
+                 prev=members[ps.pp_index - 1] if not ps.first_stage else None,
+                 next=members[ps.pp_index + 1] if not ps.last_stage else None,
+                 shape=(seq_local, cfg.micro_batch_size, m.hidden), device=device)
+
+    def before_last_backward() -> None:
+        # The DP gradient sync starts inside the last backward (bucket by bucket): the skew pause
+        # goes just before that backward, outside every span, as a real host hiccup would.
+        plan.before_dp_sync()
+        opt.arm()
+
+    local_batch = cfg.global_batch // ps.dp.size
+    rows = slice(ps.dp_index * local_batch, (ps.dp_index + 1) * local_batch)
+    loss_scale = 1.0 / (cfg.micro_batches * ps.dp.size)
+    counts_loss = ps.last_stage and ps.tp_index == 0
+    losses: list[torch.Tensor] = []
+    step_ends = [time.perf_counter()]
+    previous_step_done: torch.cuda.Event | None = None
+    with Prefetcher(_source(cfg), steps=range(cfg.steps), global_batch=cfg.global_batch, rows=rows,
+                    device=device) as data:
+        for step in range(cfg.steps):
+            plan.set_step(step)
+            lr = lr_at(step, base=cfg.lr, warmup=cfg.warmup_steps, total=cfg.steps)
+            with col.step(step):
+                with col.span("data", kind=SpanKind.DATA):
+                    batch = data.next()
+                micro = [MicroBatch(tokens=c[:, :-1].t(), targets=c[:, 1:].t())
+                         for c in batch.chunk(cfg.micro_batches, dim=0)]
+                loss = run_1f1b(stage, io, micro, stage_index=ps.pp_index, stages=ps.pp.size, collector=col,
+                                loss_scale=loss_scale, before_last_backward=before_last_backward, autocast=autocast,
+                                burn=plan.burn)
+                grad_norm, global_loss = opt.step(lr, loss if counts_loss else None)
+            if device.type == "cuda":
+                # Keep the host at most one step ahead of the device: the wait on the previous step's
+                # end (already done in the steady state) releases the GIL, so the collector's writer
+                # keeps flushing markers even when a peer hangs and the device stops. Left to run
+                # ahead, the host would block inside a kernel launch holding the GIL instead.
+                step_done = torch.cuda.Event()
+                step_done.record()
+                if previous_step_done is not None:
+                    previous_step_done.synchronize()
+                previous_step_done = step_done
+            col.metric("loss", global_loss, step=step)
+            col.metric("grad_norm", grad_norm, step=step)
+            col.metric("lr", lr, step=step)
+            col.metric("tokens", float(cfg.tokens_per_step), step=step)
+            losses.append(global_loss.detach())
+            step_ends.append(time.perf_counter())
+    return RankResult(losses=torch.stack(losses).tolist(),
+                      step_seconds=[b - a for a, b in zip(step_ends, step_ends[1:], strict=False)])
+
+
+def env_rank() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) from torchrun's environment, or None outside torchrun."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    rank = int(os.environ["RANK"])
+    return rank, int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", rank))
+

@@ -1,0 +1,275 @@
+"""The analysis engine on synthetic runs with planted faults, and on hand-built runs whose answer
+follows from the numbers in them."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+from megascope import analysis, layout, schema
+from megascope.analysis.base import prepare, solve_offsets
+from megascope.errors import ConfigError
+from megascope.inject import parse_injects
+from megascope.store import open_run
+from megascope.synth import SynthConfig, synth_run
+
+MS = 1_000_000
+
+
+def _synth(path: Path, *specs: str, ranks: int = 32, steps: int = 8, tp: int = 2, pp: int = 2, seed: int = 3) -> Path:
+    synth_run(path, SynthConfig(ranks=ranks, steps=steps, tp=tp, pp=pp, seed=seed,
+                                gpus_per_host=4, faults=parse_injects(specs)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("synth")
+    return {
+        "healthy": _synth(base / "healthy"),
+        "straggler": _synth(base / "straggler", "straggler:rank=13,factor=1.25"),
+        "skew": _synth(base / "skew", "skew:rank=6,ms=40"),
+        "hang": _synth(base / "hang", "hang:rank=22,step=5"),
+    }
+
+
+def test_healthy_run_has_no_findings(runs: dict[str, Path]) -> None:
+    run = open_run(runs["healthy"])
+    result = analysis.report(run)
+    assert result["stragglers"] == []
+    assert result["hang"]["hung"] is False and result["hang"]["suspects"] == []
+    assert result["run"]["world_size"] == 32 and result["run"]["steps"] == 8
+    assert set(analysis.rank_states(run)["state"]) == {"healthy"}
+
+
+def test_compute_straggler_is_named_with_place_and_cause(runs: dict[str, Path]) -> None:
+    run = open_run(runs["straggler"])
+    found = analysis.stragglers(run.con)
+    assert list(found["rank"]) == [13]
+    row = found.iloc[0]
+    expected = run.con.execute("SELECT host, pp, dp, tp FROM ranks WHERE rank = 13").fetchone()
+    assert (row["host"], row["pp"], row["dp"], row["tp"]) == expected
+    assert row["cause"] == "compute" and row["phase"] in ("forward", "backward")
+    # Own time is mostly compute, so the slowdown is close to the planted factor.
+    assert 1.15 < row["slowdown"] < 1.3
+    assert row["steps_slow_frac"] > 0.8
+    # Its TP peers wait for it: it is the last arriver of its TP collectives.
+    assert row["last_arrival_frac"] > 0.8
+
+
+def test_skew_is_a_host_cause_late_at_dp(runs: dict[str, Path]) -> None:
+    run = open_run(runs["skew"])
+    found = analysis.stragglers(run.con)
+    assert list(found["rank"]) == [6]
+    assert found.iloc[0]["cause"] == "host"
+    assert found.iloc[0]["late_at"] == "dp"
+    # 40 ms pause: the excess own time per step is about that.
+    assert 30 * MS < found.iloc[0]["excess_ns"] < 50 * MS
+
+
+def test_hang_root_and_states(runs: dict[str, Path]) -> None:
+    run = open_run(runs["hang"])
+    result = analysis.localize(run)
+    assert result["hung"] is True
+    top = result["suspects"][0]
+    expected = run.con.execute("SELECT host, pp, dp, tp FROM ranks WHERE rank = 22").fetchone()
+    assert top["rank"] == 22
+    assert (top["host"], top["coords"]["pp"], top["coords"]["dp"], top["coords"]["tp"]) == expected
+    assert top["missing_seq"] == top["last_completed_seq"] + 1
+    assert top["waited_on_by"] > 0
+    states = analysis.rank_states(run).set_index("rank")["state"]
+    assert states[22] == "hung"
+    assert (states.drop(22) == "waiting").sum() > 0
+    assert set(states) <= set(analysis.hang.STATES)
+
+
+def test_clock_offsets_recover_the_planted_ones(runs: dict[str, Path]) -> None:
+    run = open_run(runs["straggler"])
+    truth = run.meta.config["synth"]["clock_offsets_ns"]
+    est = analysis.clock_offsets(run.con).set_index("host")
+    for host, planted in truth.items():
+        # Offsets are what to add to a host's times; synth adds `planted` to the true time.
+        assert abs(est.at[host, "offset_ns"] + planted) <= max(2 * (est.at[host, "error_ns"] or 0), 50_000)
+    assert est["samples"].min() > 0
+
+
+def test_solve_offsets_links_hosts_through_chains() -> None:
+    # a-b measured, b-c measured, a-c never: c still gets its offset through b; d is unlinked.
+    pairs = pd.DataFrame({
+        "host": ["b", "c"], "ref_host": ["a", "b"], "diff_ns": [100.0, -30.0], "mad_ns": [1.0, 1.0],
+        "samples": [10, 10],
+    })
+    out = solve_offsets(["a", "b", "c", "d"], pairs).set_index("host")
+    assert out.at["a", "offset_ns"] == pytest.approx(0.0, abs=1e-6)
+    assert out.at["b", "offset_ns"] == pytest.approx(-100.0, abs=1e-3)
+    assert out.at["c", "offset_ns"] == pytest.approx(-70.0, abs=1e-3)
+    assert out.at["d", "offset_ns"] == 0.0 and np.isnan(out.at["d", "error_ns"])
+
+
+def test_heatmap_bins_keep_the_straggler(runs: dict[str, Path]) -> None:
+    run = open_run(runs["straggler"])
+    full = analysis.heatmap(run.con, phase="own")
+    assert len(full) == 32 * 8
+    assert full.groupby("rank")["norm"].median().idxmax() == 13
+    small = analysis.heatmap(run.con, phase="own", max_ranks=4, max_steps=2)
+    assert small["rank_bin"].nunique() == 4 and small["step_bin"].nunique() == 2
+    worst = small.loc[small["norm"].idxmax()]
+    assert worst["rank"] == 13 and worst["rank_lo"] <= 13 <= worst["rank_hi"]
+    with pytest.raises(ConfigError, match="phase"):
+        analysis.heatmap(run.con, phase="nope")
+
+
+def test_mfu_follows_run_json(runs: dict[str, Path]) -> None:
+    run = open_run(runs["healthy"])
+    per_step = analysis.mfu(run.con, run.meta)
+    meta = run.meta
+    assert meta.model_flops_per_step and meta.peak_flops_per_device
+    expected = meta.model_flops_per_step / (per_step["step_time_ns"] / 1e9 * meta.world_size * meta.peak_flops_per_device)
+    assert np.allclose(per_step["mfu"], expected)
+    assert (per_step["mfu"] > 0).all() and (per_step["mfu"] < 1).all()
+
+
+def test_whatif_gains_only_with_a_straggler(runs: dict[str, Path]) -> None:
+    slow = open_run(runs["straggler"])
+    fixed = analysis.whatif(slow.con, slow.meta)
+    assert fixed["ranks"] == [13]
+    assert fixed["speedup"] > 1.0
+    assert fixed["whatif_step_time_ns"] < fixed["step_time_ns"]
+    # The model replays the measured step closely.
+    assert abs(fixed["modeled_baseline_ns"] / fixed["step_time_ns"] - 1) < 0.1
+    healthy = open_run(runs["healthy"])
+    assert analysis.whatif(healthy.con, healthy.meta)["speedup"] == pytest.approx(1.0)
+
+
+def test_skew_instances_and_bubbles(runs: dict[str, Path]) -> None:
+    run = open_run(runs["skew"])
+    dp = analysis.skew(run.con, group_kind="dp")
+    assert set(dp["group_kind"]) == {"dp"}
+    rs = dp[dp["name"] == "dp.reduce_scatter"]
+    # The paused rank is last at its DP group's reduce-scatter, about 40 ms late.
+    ours = rs[rs["last_rank"] == 6]
+    assert len(ours) == 8 and (ours["spread_ns"] > 30 * MS).all()
+    assert len(analysis.skew(run.con, limit=5)) == 5
+    stages = analysis.bubbles(run.con)
+    assert list(stages["stage"]) == [0, 1]
+    assert ((stages["bubble_frac"] > 0) & (stages["bubble_frac"] < 1)).all()
+    exposed = analysis.exposed_comm(run.con)
+    assert {"tp", "dp", "p2p"} <= set(exposed["group_kind"])
+    assert ((exposed["exposed_frac"] >= 0) & (exposed["exposed_frac"] <= 1)).all()
+
+
+# --- hand-built runs: the answer follows from the numbers written -------------------------------
+
+
+def _span(rank: int, step: int, kind: str, start: int, dur: int, *, group: str | None = None,
+          seq: int | None = None, peer: int | None = None, name: str | None = None) -> dict[str, object]:
+    return {"rank": rank, "step": step, "name": name or kind, "kind": kind, "stream": "compute", "start_ns": start,
+            "dur_ns": dur, "microbatch": None, "chunk": None, "group": group, "seq": seq,
+            "op": "all_reduce" if kind == "collective" else kind if kind in ("send", "recv") else None,
+            "bytes": None, "peer": peer}
+
+
+def _hand_run(path: Path, spans: list[dict[str, object]], markers: list[dict[str, object]], world: int = 3,
+              hosts: tuple[str, ...] = ("h0", "h0", "h1")) -> Path:
+    layout.write_run_meta(path, schema.RunMeta(run_id="hand", source="synth", world_size=world,
+                                               mesh_sizes={"pp": 1, "dp": world, "tp": 1}))
+    for r in range(world):
+        layout.write_part(path, "ranks", pa.Table.from_pylist(
+            [{"rank": r, "host": hosts[r], "pp": 0, "dp": r, "tp": 0}], schema=schema.RANKS), rank=r)
+        layout.write_part(path, "groups", pa.Table.from_pylist(
+            [{"rank": r, "group": "dp:0", "kind": "dp", "group_rank": r, "members": list(range(world))}],
+            schema=schema.GROUPS), rank=r)
+        mine = [s for s in spans if s["rank"] == r]
+        if mine:
+            layout.write_part(path, "spans", pa.Table.from_pylist(mine, schema=schema.SPANS), rank=r)
+        mk = [m for m in markers if m["rank"] == r]
+        if mk:
+            layout.write_part(path, "markers", pa.Table.from_pylist(mk, schema=schema.MARKERS), rank=r)
+    return path
+
+
+def test_collective_arithmetic(tmp_path: Path) -> None:
+    # Three ranks, one step: compute 10/10/16 ms, then an all-reduce that completes at 17 ms.
+    spans = []
+    for r, compute in enumerate((10, 10, 16)):
+        spans += [
+            _span(r, 0, "step", 0, 17 * MS),
+            _span(r, 0, "forward", 0, compute * MS),
+            _span(r, 0, "collective", compute * MS, (17 - compute) * MS, group="dp:0", seq=1),
+        ]
+    run = open_run(_hand_run(tmp_path / "run", spans, []))
+    prepare(run.con)
+    inst = run.con.execute("SELECT n, last_rank, spread_ns, xfer_ns, group_kind FROM ms_cache.inst").fetchall()
+    assert inst == [(3, 2, 6 * MS, 1 * MS, "dp")]
+    steps = run.con.execute(
+        "SELECT rank, own_ns, wait_ns, xfer_ns, last_count FROM ms_cache.rank_step ORDER BY rank").fetchall()
+    # Own time is the step minus waiting for others; the transfer (1 ms) is everyone's own.
+    assert steps == [(0, 11 * MS, 6 * MS, 1 * MS, 0), (1, 11 * MS, 6 * MS, 1 * MS, 0), (2, 17 * MS, 0, 1 * MS, 1)]
+
+
+def test_hang_follows_waiters_to_the_root(tmp_path: Path) -> None:
+    # Rank 2 completed seq 1 and never entered seq 2; ranks 0 and 1 sit inside seq 2.
+    def marker(rank: int, seq: int, state: str, t: int) -> dict[str, object]:
+        return {"rank": rank, "group": "dp:0", "seq": seq, "op": "all_reduce", "state": state, "time_ns": t,
+                "step": seq, "bytes": None, "peer": None}
+
+    markers = [marker(r, 1, "enqueued", 10) for r in range(3)] + [marker(r, 1, "completed", 20) for r in range(3)]
+    markers += [marker(0, 2, "enqueued", 30), marker(1, 2, "enqueued", 31)]
+    run = open_run(_hand_run(tmp_path / "run", [], markers))
+    result = analysis.localize(run)
+    assert result["hung"] is True
+    assert result["waiting"] == [0, 1]
+    assert [(s["rank"], s["group"], s["last_completed_seq"], s["missing_seq"]) for s in result["suspects"]] == [
+        (2, "dp:0", 1, 2)]
+    assert result["suspects"][0]["host"] == "h1" and result["suspects"][0]["coords"] == {"pp": 0, "dp": 2, "tp": 0}
+    assert result["stuck_groups"] == [{"group": "dp:0", "seq": 2, "waiting": [0, 1], "missing": [2]}]
+
+
+def test_cache_follows_a_growing_run_and_serves_cursors(runs: dict[str, Path], tmp_path: Path) -> None:
+    spans = [_span(r, 0, "step", 0, 5 * MS) for r in range(3)]
+    path = _hand_run(tmp_path / "run", spans, [])
+    run = open_run(path)
+    assert len(analysis.step_times(run.con)) == 3
+    layout.write_part(path, "spans", pa.Table.from_pylist([_span(0, 1, "step", 5 * MS, 5 * MS)], schema=schema.SPANS),
+                      rank=0)
+    run.refresh()
+    assert len(analysis.step_times(run.con)) == 4
+    seen: list[int] = []
+    thread = threading.Thread(target=lambda: seen.append(len(analysis.step_times(run.cursor()))))
+    thread.start()
+    thread.join()
+    assert seen == [4]
+
+
+def test_drift_names_the_collective_and_the_rank(tmp_path: Path) -> None:
+    # Rank 2 reaches the gradient sync 1 ms later every step (a growing host delay, MegaScale's
+    # MFU-drift case); compute is the same for everyone, so step time grows with it.
+    spans = []
+    t0 = 0
+    for step in range(12):
+        late = step * MS
+        step_len = (20 + 2) * MS + late
+        for r in range(3):
+            arrive = t0 + 20 * MS + (late if r == 2 else 0)
+            spans += [
+                _span(r, step, "step", t0, step_len),
+                _span(r, step, "forward", t0, 20 * MS),
+                _span(r, step, "collective", arrive, t0 + step_len - arrive, group="dp:0", seq=step,
+                      name="dp.reduce_scatter"),
+            ]
+        t0 += step_len
+    run = open_run(_hand_run(tmp_path / "run", spans, []))
+    drift = analysis.skew_drift(run.con)
+    assert drift["drifting"] is True
+    top = drift["collectives"][0]
+    assert top["name"] == "dp.reduce_scatter" and top["group_kind"] == "dp"
+    assert [r["rank"] for r in top["ranks"]] == [2]
+    per_step = analysis.mfu(run.con, run.meta)
+    assert analysis.mfu_drift(per_step)["drifting"] is True
+    flat = per_step.assign(step_time_ns=22 * MS)
+    assert analysis.mfu_drift(flat)["drifting"] is False

@@ -1,0 +1,341 @@
+"""The in-job collector in one process (host clock): spans, steps, comm, metrics, hooks, failure modes."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from megascope.collectors import NOOP, Collector, CollectorConfig, instrument_module, match_modules
+from megascope.collectors.buffers import RowBuffer
+from megascope.collectors.flight_recorder import entry_markers, op_name
+
+from megascope.errors import ConfigError
+from megascope.schema import RunMeta, SpanKind
+from megascope.store import open_run
+from megascope.topology import Group
+
+
+def _collector(run: Path, **kw: object) -> Collector:
+    cfg = CollectorConfig(run_dir=run, flush_interval_s=0.05, device=torch.device("cpu"), handle_sigterm=False,
+                          **kw)  # type: ignore[arg-type]
+    return Collector(cfg, rank=0, world_size=1, coords={"pp": 0, "dp": 0, "tp": 0},
+                     meta=RunMeta(run_id="t", source="collector", world_size=1))
+
+
+def _spans(run: Path) -> list[dict]:
+    return open_run(run).con.sql("SELECT * FROM spans ORDER BY start_ns").df().to_dict("records")
+
+
+# ---------------------------------------------------------------------------------------- config
+def test_config_env_overrides_and_validation(tmp_path: Path) -> None:
+    cfg = CollectorConfig(run_dir=tmp_path / "a", flush_interval_s=1.0)
+    env = {"MEGASCOPE_DISABLE": "1", "MEGASCOPE_RUN_DIR": str(tmp_path / "b"), "MEGASCOPE_FLUSH_INTERVAL_S": "0.5",
+           "MEGASCOPE_MAX_BUFFERED_ROWS": "10", "MEGASCOPE_FLIGHT_RECORDER": "yes"}
+    got = cfg.with_env(env)
+    assert (got.enabled, got.run_dir, got.flush_interval_s, got.max_buffered_rows, got.flight_recorder) == (
+        False, tmp_path / "b", 0.5, 10, True)
+    assert cfg.with_env({}) is cfg
+    with pytest.raises(ConfigError, match="MEGASCOPE_FLUSH_INTERVAL_S"):
+        cfg.with_env({"MEGASCOPE_FLUSH_INTERVAL_S": "soon"})
+    with pytest.raises(ConfigError, match="MEGASCOPE_DISABLE"):
+        cfg.with_env({"MEGASCOPE_DISABLE": "maybe"})
+    with pytest.raises(ConfigError, match="flush_interval_s"):
+        CollectorConfig(run_dir=tmp_path, flush_interval_s=0)
+    with pytest.raises(ConfigError, match="max_buffered_rows"):
+        CollectorConfig(run_dir=tmp_path, max_buffered_rows=0)
+    with pytest.raises(TypeError):
+        CollectorConfig(tmp_path)  # type: ignore[misc]  # keyword-only
+
+
+# ---------------------------------------------------------------------------------------- spans
+def test_spans_steps_and_metrics_land_in_the_run(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    col = _collector(run)
+
+    @col.span("loss", kind=SpanKind.COMPUTE)
+    def loss_fn(y: torch.Tensor) -> torch.Tensor:
+        return y.pow(2).mean()
+
+    for step in range(3):
+        with col.step(step):
+            for mb in range(2):
+                with col.span("forward", kind=SpanKind.FORWARD, microbatch=mb):
+                    loss = loss_fn(torch.randn(8, 8, requires_grad=True))
+                    time.sleep(0.001)
+            with col.span("optimizer", kind=SpanKind.OPTIMIZER):
+                pass
+        col.metric("loss", loss)  # a tensor, after the step: belongs to the last step
+        col.metric("lr", 0.1 * (step + 1), step=step)
+    with col.span("after", kind="host"):
+        pass
+    col.close()
+    assert col.stats["rows_dropped"] == 0 and col.stats["write_errors"] == 0
+
+    spans = _spans(run)
+    steps = [s for s in spans if s["kind"] == "step"]
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    forwards = [s for s in spans if s["name"] == "forward"]
+    assert [(s["step"], s["microbatch"]) for s in forwards] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    losses = [s for s in spans if s["name"] == "loss"]
+    # The decorated function inherits the enclosing micro-batch and nests inside its forward.
+    assert [s["microbatch"] for s in losses] == [0, 1, 0, 1, 0, 1]
+    for fwd, inner in zip(forwards, losses, strict=True):
+        assert fwd["start_ns"] <= inner["start_ns"] and inner["start_ns"] + inner["dur_ns"] <= fwd["start_ns"] + fwd["dur_ns"]
+        assert fwd["dur_ns"] >= 1_000_000  # the 1 ms sleep
+    for step_span in steps:
+        inside = [s for s in spans if s["step"] == step_span["step"] and s["kind"] != "step"]
+        assert all(step_span["start_ns"] <= s["start_ns"] <= step_span["start_ns"] + step_span["dur_ns"] for s in inside)
+    after = [s for s in spans if s["name"] == "after"]
+    assert after[0]["step"] is None or after[0]["step"] != after[0]["step"]  # null outside any step
+    assert after[0]["stream"] == "host" and forwards[0]["stream"] == "compute"
+    # Wall clock: the spans happened during this test.
+    assert abs(spans[0]["start_ns"] - time.time_ns()) < 60e9
+
+    r = open_run(run)
+    metrics = r.con.sql("SELECT step, name, value FROM metrics ORDER BY name, step").fetchall()
+    assert [m[:2] for m in metrics] == [(0, "loss"), (1, "loss"), (2, "loss"), (0, "lr"), (1, "lr"), (2, "lr")]
+    assert metrics[3][2] == pytest.approx(0.1) and all(m[2] > 0 for m in metrics)
+    ranks = r.con.sql("SELECT rank, pp, dp, tp, device, pid FROM ranks").fetchall()
+    assert ranks[0][:5] == (0, 0, 0, 0, "cpu") and ranks[0][5] > 0
+    assert r.meta.run_id == "t" and r.problems == []
+
+
+def test_span_closes_on_exception_and_comm_failure_writes_no_completion(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    col = _collector(run)
+    with col.step(0):
+        with pytest.raises(ValueError), col.span("boom", kind=SpanKind.COMPUTE):
+            raise ValueError("user error passes through")
+        with pytest.raises(RuntimeError), col.comm(op="all_reduce", group="world", bytes=4):
+            raise RuntimeError("collective timed out")
+        with col.comm(op="all_reduce", group="world", bytes=4):
+            pass
+    col.close()
+    spans = _spans(run)
+    assert "boom" in {s["name"] for s in spans}
+    markers = open_run(run).con.sql("SELECT seq, state FROM markers ORDER BY seq, state").fetchall()
+    # seq 0 failed: enqueued only; seq 1 completed.
+    assert markers == [(0, "enqueued"), (1, "completed"), (1, "enqueued")]
+
+
+def test_comm_sequence_numbers_markers_and_async_handles(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    col = _collector(run)
+    col.register_group(None, Group("world", "world", (0,)))
+    with col.step(5):
+        for _ in range(3):
+            with col.comm(op="all_reduce", group="tp:0", bytes=128):
+                pass
+        h = col.comm_begin(op="reduce_scatter", group="dp:0", bytes=64)
+        with col.comm(op="all_reduce", group="dp:0", bytes=8):
+            pass
+        h.end()
+        h.end()  # idempotent
+        send = col.comm_begin(op="send", group="pp:0", kind=SpanKind.SEND, peer=1, bytes=16)
+        recv = col.comm_begin(op="recv", group="pp:0", kind=SpanKind.RECV, peer=1, bytes=16)
+        send2 = col.comm_begin(op="send", group="pp:0", kind=SpanKind.SEND, peer=1, bytes=16)
+        for x in (send, recv, send2):
+            x.end()
+    col.close()
+    rows = open_run(run).con.sql(
+        "SELECT name, kind, stream, \"group\", seq, op, bytes, peer, step, start_ns, dur_ns FROM spans "
+        "WHERE \"group\" IS NOT NULL ORDER BY start_ns").fetchall()
+    assert [(r[3], r[4], r[5]) for r in rows] == [
+        ("tp:0", 0, "all_reduce"), ("tp:0", 1, "all_reduce"), ("tp:0", 2, "all_reduce"),
+        ("dp:0", 0, "reduce_scatter"), ("dp:0", 1, "all_reduce"),
+        ("pp:0", 0, "send"), ("pp:0", 0, "recv"), ("pp:0", 1, "send"),
+    ]
+    assert rows[0][:3] == ("tp.all_reduce", "collective", "comm")
+    assert {r[8] for r in rows} == {5}
+    assert [r[7] for r in rows[5:]] == [1, 1, 1] and rows[5][1] == "send" and rows[6][1] == "recv"
+    rs, ar = rows[3], rows[4]  # the async reduce-scatter spans the all-reduce issued inside it
+    assert rs[9] <= ar[9] and ar[9] + ar[10] <= rs[9] + rs[10]
+    markers = open_run(run).con.sql(
+        "SELECT \"group\", seq, op, state, count(*) FROM markers GROUP BY ALL ORDER BY ALL").fetchall()
+    assert all(m[4] == 1 for m in markers) and len(markers) == 2 * len(rows)
+    groups = open_run(run).con.sql("SELECT \"group\", kind, members FROM groups").fetchall()
+    assert groups == [("world", "world", [0])]
+
+
+# ---------------------------------------------------------------------------------------- modules
+def test_match_modules_is_segment_aware() -> None:
+    names = ["", "embed", "layers", "layers.0", "layers.0.attn", "layers.0.attn.wq", "layers.1", "head"]
+    assert match_modules(names, ["layers.*"]) == ["layers.0", "layers.1"]
+    assert match_modules(names, ["layers.**"]) == ["layers", "layers.0", "layers.0.attn", "layers.0.attn.wq", "layers.1"]
+    assert match_modules(names, ["**.wq", "head"]) == ["layers.0.attn.wq", "head"]
+    assert match_modules(names, ["nope"]) == []
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = torch.nn.Linear(16, 16)
+        self.mlp = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(torch.relu(self.attn(x)))
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Block() for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_instrument_module_forward_and_backward_spans(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    col = _collector(run)
+    model = _Model(3)
+    handles = instrument_module(model, ["layers.*"], collector=col, kind_prefix="s0.")
+    assert len(handles) == 6
+    with col.step(0):
+        for mb in range(2):
+            with col.span("forward", kind=SpanKind.FORWARD, microbatch=mb):
+                out = model(torch.randn(4, 16, requires_grad=True))
+            with col.span("backward", kind=SpanKind.BACKWARD, microbatch=mb):
+                out.sum().backward()
+        with torch.no_grad():
+            model(torch.randn(4, 16))  # forward spans only: no graph, no backward
+    for h in handles:
+        h.remove()
+    with col.step(1):
+        model(torch.randn(4, 16, requires_grad=True)).sum().backward()  # hooks removed: nothing
+    col.close()
+    spans = [s for s in _spans(run) if s["name"].startswith("s0.")]
+    fwd = [(s["name"], s["microbatch"]) for s in spans if s["kind"] == "forward"]
+    bwd = [(s["name"], s["microbatch"]) for s in spans if s["kind"] == "backward"]
+    names = ["s0.layers.0", "s0.layers.1", "s0.layers.2"]
+    assert fwd == [(n, 0) for n in names] + [(n, 1) for n in names] + [(n, None) for n in names]
+    assert bwd == [(n, 0) for n in reversed(names)] + [(n, 1) for n in reversed(names)]
+    assert {s["step"] for s in spans} == {0}
+    by_key = {(s["name"], s["kind"], s["microbatch"]): s for s in spans}
+    for mb in (0, 1):
+        # Backward of layer 2 runs before layer 1's, and after the forward of the same micro-batch.
+        b2, b1 = by_key[("s0.layers.2", "backward", mb)], by_key[("s0.layers.1", "backward", mb)]
+        assert b2["start_ns"] + b2["dur_ns"] <= b1["start_ns"] + 1
+        assert by_key[("s0.layers.2", "forward", mb)]["start_ns"] < b2["start_ns"]
+
+
+# ---------------------------------------------------------------------------------------- failure modes
+def test_disabled_collector_is_a_noop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MEGASCOPE_DISABLE", "1")
+    run = tmp_path / "run"
+    col = _collector(run)
+    assert col.span("x") is NOOP and col.step(1) is NOOP and col.comm(op="all_reduce") is NOOP
+
+    @col.span("f")
+    def f() -> int:
+        return 3
+
+    with col.step(0), col.span("x"), col.comm(op="barrier") as h:
+        h.end()
+    col.metric("loss", 1.0, step=0)
+    assert f() == 3 and instrument_module(_Model(1), ["layers.*"], collector=col) == []
+    t = torch.ones(2)
+    col.flush()
+    col.close()
+    assert not run.exists() and col.stats["enabled"] is False and t.sum() == 2
+
+
+def test_unwritable_run_dir_does_not_stop_training(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    run = blocker / "run"  # mkdir fails: a file is in the way (works as root too, unlike chmod)
+    col = _collector(run, max_buffered_rows=50)
+    with caplog.at_level(logging.WARNING, logger="megascope.collectors"):
+        for step in range(40):
+            with col.step(step), col.span("forward", kind=SpanKind.FORWARD):
+                pass
+            col.metric("loss", float(step))
+        col.flush()
+        col.close()
+    stats = col.stats
+    assert stats["write_errors"] > 0 and stats["rows_written"] == 0
+    assert stats["rows_dropped"] > 0  # bounded: 80 span rows cannot all be kept in 50
+    assert any("cannot write" in rec.getMessage() for rec in caplog.records)
+    assert blocker.read_text() == "not a directory"
+
+
+def test_writer_retries_after_the_disk_comes_back(tmp_path: Path) -> None:
+    blocker = tmp_path / "run"
+    blocker.write_text("in the way")
+    col = _collector(blocker)
+    with col.step(0), col.span("forward", kind=SpanKind.FORWARD):
+        pass
+    col.flush()
+    assert col.stats["write_errors"] > 0
+    blocker.unlink()  # the directory can be created now
+    with col.step(1), col.span("forward", kind=SpanKind.FORWARD):
+        pass
+    col.close()
+    steps = sorted(s["step"] for s in _spans(blocker) if s["name"] == "forward")
+    assert steps == [0, 1]  # the rows of the failed write were kept and written later
+
+
+def test_row_buffer_is_bounded_and_counts_drops() -> None:
+    buf = RowBuffer(capacity=3)
+    assert [buf.put(i) for i in range(5)] == [True, True, True, False, False]
+    assert buf.dropped == 2 and buf.drain(limit=2) == [0, 1]
+    buf.push_front([9])
+    assert buf.drain() == [9, 2]
+
+
+def test_parts_are_written_while_the_job_runs(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    col = _collector(run)
+    with col.step(0):
+        with col.comm(op="all_reduce", group="world"):
+            pass
+        # The enqueued marker of a call in progress reaches the disk without any flush() call.
+        h = col.comm_begin(op="all_reduce", group="world")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and len(list((run / "markers").glob("rank=*/*.parquet"))) == 0:
+            time.sleep(0.02)
+        parts = list((run / "markers").glob("rank=*/*.parquet"))
+        states = [s for p in parts for s in pq.ParquetFile(p).read().column("state").to_pylist()]
+        h.end()
+    col.close()
+    assert "enqueued" in states
+
+
+# ---------------------------------------------------------------------------------------- flight recorder
+def test_flight_recorder_entries_become_markers() -> None:
+    assert op_name("nccl:all_reduce") == "all_reduce" and op_name("gloo:_allgather_base") == "all_gather"
+    assert op_name("nccl:weird_op") == "other"
+    done = {"collective_seq_id": 7, "profiling_name": "nccl:all_reduce", "state": "completed",
+            "time_created_ns": 100, "time_discovered_started_ns": 150, "time_discovered_completed_ns": 300}
+    rows = entry_markers(done, "fr:tp:0", 3, now_ns=999)
+    assert [(r[1], r[2], r[4], r[5]) for r in rows] == [
+        ("fr:tp:0", 7, "enqueued", 100), ("fr:tp:0", 7, "started", 150), ("fr:tp:0", 7, "completed", 300)]
+    gloo = {"collective_seq_id": 2, "profiling_name": "gloo:all_reduce", "state": "scheduled",
+            "time_created_ns": 100, "retired": True}
+    assert [(r[4], r[5]) for r in entry_markers(gloo, "g", 0, now_ns=999)] == [("enqueued", 100), ("completed", 999)]
+    stuck = dict(gloo, retired=False)
+    assert [r[4] for r in entry_markers(stuck, "g", 0, now_ns=999)] == ["enqueued"]
+    assert entry_markers({"collective_seq_id": 1, "is_p2p": True}, "g", 0, now_ns=1) == []
+
+
+def test_heartbeats_from_the_collector_join_its_rank_by_host(tmp_path: Path) -> None:
+    cfg = CollectorConfig(run_dir=tmp_path / "run", flush_interval_s=0.2, heartbeat_interval_s=0.1)
+    col = Collector(cfg, rank=0, world_size=1)
+    with col.step(0), col.span("forward", kind=SpanKind.FORWARD):
+        time.sleep(0.3)
+    col.close()
+    run = open_run(tmp_path / "run")
+    joined = run.con.execute("""
+        SELECT count(*), count(DISTINCT h.metric) FROM heartbeats h JOIN ranks r ON h.host = r.host
+        WHERE h.rank = 0
+    """).fetchone()
+    assert joined[0] > 0 and joined[1] > 3
+    # the collector's own counters ride along
+    assert run.con.execute("SELECT count(*) FROM heartbeats WHERE metric LIKE 'collector_%'").fetchone()[0] > 0
+    assert col.stats["rows_dropped"] == 0

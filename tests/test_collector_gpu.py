@@ -1,0 +1,114 @@
+"""The collector's CUDA path: pooled events, no device synchronization, wall-clock mapping (GPU machine only)."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from megascope.collectors import Collector, CollectorConfig, instrument_module
+
+from megascope.schema import RunMeta, SpanKind
+from megascope.store import open_run
+
+pytestmark = pytest.mark.gpu
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _collector(run: Path) -> Collector:
+    cfg = CollectorConfig(run_dir=run, flush_interval_s=0.2, device=torch.device("cuda"), handle_sigterm=False)
+    return Collector(cfg, rank=0, world_size=1, coords={"pp": 0, "dp": 0, "tp": 0},
+                     meta=RunMeta(run_id="gpu", source="collector", world_size=1))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, h: int) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(h, 4 * h)
+        self.down = torch.nn.Linear(4 * h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+@needs_cuda
+def test_cuda_spans_need_no_device_sync_and_map_to_wall_clock(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    col = _collector(run)
+    model = torch.nn.Sequential(*[_Block(512) for _ in range(4)]).cuda()
+    handles = instrument_module(model, ["*"], collector=col)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(256, 512, device="cuda", requires_grad=True)
+    torch.cuda.synchronize()
+    before_ns = time.time_ns()
+    losses = []
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing call in the loop raises
+    try:
+        for step in range(5):
+            with col.step(step):
+                with col.span("forward", kind=SpanKind.FORWARD, microbatch=0):
+                    loss = model(x).pow(2).mean()
+                with col.span("backward", kind=SpanKind.BACKWARD, microbatch=0):
+                    loss.backward()
+                with col.comm(op="all_reduce", group="world", bytes=4 * 512):
+                    g = torch.cat([p.grad.flatten() for p in model.parameters()])  # stands in for NCCL
+                    g.mul_(1.0)
+                with col.span("optimizer", kind=SpanKind.OPTIMIZER):
+                    opt.step()
+                    opt.zero_grad(set_to_none=False)
+            col.metric("loss", loss)  # a device tensor: copied asynchronously
+            losses.append(loss.detach().clone())
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    after_ns = time.time_ns()
+    for h in handles:
+        h.remove()
+    col.close()
+    assert col.stats["rows_dropped"] == 0 and col.stats["spans_pending"] == 0
+
+    r = open_run(run)
+    spans = r.con.sql("SELECT * FROM spans ORDER BY start_ns").df()
+    assert set(spans["kind"]) >= {"step", "forward", "backward", "collective", "optimizer"}
+    assert len(spans[spans["kind"] == "backward"]) == 5 * 4 + 5
+    # Device times mapped through the anchor fall inside the host's bracket (2 ms of tolerance).
+    assert spans["start_ns"].min() >= before_ns - 2_000_000
+    assert (spans["start_ns"] + spans["dur_ns"]).max() <= after_ns + 2_000_000
+    steps = spans[spans["kind"] == "step"].sort_values("step")
+    assert list(steps["step"]) == [0, 1, 2, 3, 4] and (steps["dur_ns"] > 0).all()
+    # Steps follow each other on the device: each begins after the previous ended (less 50 us of rounding).
+    ends = (steps["start_ns"] + steps["dur_ns"]).to_numpy()
+    assert (steps["start_ns"].to_numpy()[1:] >= ends[:-1] - 50_000).all()
+    metrics = r.con.sql("SELECT step, value FROM metrics WHERE name = 'loss' ORDER BY step").fetchall()
+    assert [s for s, _ in metrics] == [0, 1, 2, 3, 4]
+    assert [v for _, v in metrics] == pytest.approx([float(t) for t in losses], rel=1e-6)
+
+
+@needs_cuda
+def test_nccl_collectives_record_arrival_on_the_stream(tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        run = tmp_path / "run"
+        col = _collector(run)
+        t = torch.ones(1 << 20, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for step in range(3):
+                with col.step(step):
+                    col.dist.all_reduce(t)
+                    work = col.dist.all_reduce(t, async_op=True)
+                    work.wait()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        col.close()
+        rows = open_run(run).con.sql("""SELECT seq, state FROM markers ORDER BY seq, state""").fetchall()
+        assert rows == [(s, st) for s in range(6) for st in ("completed", "enqueued")]
+    finally:
+        dist.destroy_process_group()

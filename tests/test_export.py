@@ -1,0 +1,274 @@
+"""Perfetto export: decoded with the perfetto package's own protos and checked against the run."""
+
+from __future__ import annotations
+
+import io
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
+
+from megascope.errors import ConfigError
+from megascope.export import export_perfetto
+from megascope.export.protowire import Const, Fixed64, Message, Varint, encode
+from megascope.export.tracks import assign_lanes, event_order, nesting_violations
+from megascope.inject import parse_injects
+from megascope.store import open_run
+from megascope.synth import SynthConfig, synth_run
+
+STRAGGLER = 5
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("export") / "run"
+    synth_run(out, SynthConfig(ranks=16, steps=3, tp=2, pp=2, seed=3,
+                               faults=parse_injects([f"straggler:rank={STRAGGLER},factor=1.6"])))
+    return out
+
+
+def _spans(run_dir: Path, where: str = "TRUE") -> list[dict[str, Any]]:
+    run = open_run(run_dir)
+    return run.con.sql(f'SELECT * FROM spans WHERE {where}').to_arrow_table().to_pylist()
+
+
+class Decoded:
+    """A trace replayed the way a viewer does: interned names, tracks, slices from begin/end stacks."""
+
+    def __init__(self, data: bytes) -> None:
+        trace = pb.Trace()
+        trace.ParseFromString(data)
+        self.packets = list(trace.packet)
+        self.names: dict[int, str] = {}
+        self.strings: dict[int, str] = {}
+        self.ann_names: dict[int, str] = {}
+        self.tracks: dict[int, pb.TrackDescriptor] = {}
+        self.metadata: dict[str, str] = {}
+        self.slices: list[dict[str, Any]] = []
+        self.counters: dict[int, list[tuple[int, float]]] = defaultdict(list)
+        stacks: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        for p in self.packets:
+            for e in p.interned_data.event_names:
+                self.names[e.iid] = e.name
+            for e in p.interned_data.debug_annotation_names:
+                self.ann_names[e.iid] = e.name
+            for e in p.interned_data.debug_annotation_string_values:
+                self.strings[e.iid] = e.str.decode()
+            if p.HasField("track_descriptor"):
+                self.tracks[p.track_descriptor.uuid] = p.track_descriptor
+            for m in p.chrome_events.metadata:
+                self.metadata[m.name] = m.string_value
+            if not p.HasField("track_event"):
+                continue
+            ev = p.track_event
+            assert ev.track_uuid in self.tracks, "a descriptor must precede its track's events"
+            if ev.type == pb.TrackEvent.TYPE_SLICE_BEGIN:
+                args = {}
+                for a in ev.debug_annotations:
+                    key = self.ann_names[a.name_iid]
+                    args[key] = self.strings[a.string_value_iid] if a.HasField("string_value_iid") else a.int_value
+                stacks[ev.track_uuid].append({"name": self.names[ev.name_iid], "ts": p.timestamp,
+                                              "track": ev.track_uuid, "args": args, "flows": list(ev.flow_ids),
+                                              "terminating": []})
+            elif ev.type == pb.TrackEvent.TYPE_SLICE_END:
+                top = stacks[ev.track_uuid].pop()
+                top["dur"] = p.timestamp - top["ts"]
+                top["terminating"] = list(ev.terminating_flow_ids)
+                self.slices.append(top)
+            elif ev.type == pb.TrackEvent.TYPE_COUNTER:
+                self.counters[ev.track_uuid].append((p.timestamp, ev.double_counter_value))
+        assert not any(stacks.values()), "every begin has an end"
+
+    @property
+    def shift(self) -> int:
+        return int(self.metadata["megascope.time_shift_ns"])
+
+    def process_of(self, track_uuid: int) -> pb.TrackDescriptor:
+        desc = self.tracks[track_uuid]
+        while not desc.HasField("process"):
+            desc = self.tracks[desc.parent_uuid]
+        return desc
+
+    def rank_of(self, track_uuid: int) -> int:
+        return self.process_of(track_uuid).process.pid - 1
+
+
+def _export(run_dir: Path, **kwargs: Any) -> Decoded:
+    buf = io.BytesIO()
+    export_perfetto(run_dir, buf, **kwargs)
+    return Decoded(buf.getvalue())
+
+
+def test_protowire_layout_decodes_with_perfetto_protos() -> None:
+    rng = np.random.default_rng(0)
+    n = 500
+    ts = rng.integers(0, 2**62, n).astype(np.uint64)
+    uuid = rng.integers(1, 2**40, n).astype(np.uint64)
+    flow = rng.integers(0, 2**63, n).astype(np.uint64)
+    step = rng.integers(-5, 1000, n).astype(np.int64).view(np.uint64)
+    node = Message(1, [Varint(8, ts), Message(11, [
+        Message(4, [Const(b"\x08\x07"), Varint(4, step)]), Const(b"\x48\x01"), Varint(11, uuid), Fixed64(47, flow)])])
+    trace = pb.Trace()
+    trace.ParseFromString(encode(node, n).tobytes())
+    assert len(trace.packet) == n
+    for i in (0, 1, 77, n - 1):
+        p = trace.packet[i]
+        assert p.timestamp == ts[i]
+        assert p.track_event.track_uuid == uuid[i]
+        assert list(p.track_event.flow_ids) == [flow[i]]
+        assert p.track_event.debug_annotations[0].int_value == int(step.view(np.int64)[i])
+        assert p.track_event.type == pb.TrackEvent.TYPE_SLICE_BEGIN
+
+
+def test_every_span_is_one_slice_on_its_rank_and_stream(run_dir: Path) -> None:
+    trace = _export(run_dir)
+    spans = _spans(run_dir)
+    expected = Counter((s["rank"], s["name"], s["stream"], s["start_ns"] + trace.shift, s["dur_ns"]) for s in spans)
+    got = Counter()
+    for sl in trace.slices:
+        stream = trace.tracks[sl["track"]].name.split(" #")[0]
+        got[(trace.rank_of(sl["track"]), sl["name"], stream, sl["ts"], sl["dur"])] += 1
+    assert got == expected
+    # processes are named with host and mesh coordinates from the ranks table
+    ranks = {r["rank"]: r for r in open_run(run_dir).con.sql("SELECT * FROM ranks").to_arrow_table().to_pylist()}
+    proc = {d.process.pid - 1: d.process.process_name for d in trace.tracks.values() if d.HasField("process")}
+    assert set(proc) == set(ranks)
+    r = ranks[9]
+    assert proc[9].startswith(f"rank 9 · {r['host']} · pp={r['pp']} dp={r['dp']} tp={r['tp']}")
+    assert "straggler" not in proc[9]
+
+
+def test_slice_args_carry_the_span_columns(run_dir: Path) -> None:
+    trace = _export(run_dir, ranks=[2])
+    spans = {(s["name"], s["start_ns"] + trace.shift): s for s in _spans(run_dir, "rank = 2")}
+    seen_comm = 0
+    for sl in trace.slices:
+        span = spans[(sl["name"], sl["ts"])]
+        for key in ("step", "microbatch", "seq", "bytes", "peer", "group", "op"):
+            assert sl["args"].get(key) == span[key]
+        seen_comm += span["group"] is not None
+    assert seen_comm > 0
+
+
+def test_flows_link_collective_members_and_sends_to_receives(run_dir: Path) -> None:
+    trace = _export(run_dir)
+    by_flow: dict[int, set[int]] = defaultdict(set)
+    for sl in trace.slices:
+        for f in sl["flows"]:
+            by_flow[f].add(trace.rank_of(sl["track"]))
+    spans = _spans(run_dir)
+    instances: dict[tuple[str, int], set[int]] = defaultdict(set)
+    for s in spans:
+        if s["kind"] == "collective":
+            instances[(s["group"], s["seq"])].add(s["rank"])
+    member_sets = Counter(frozenset(v) for v in by_flow.values() if len(v) > 1)
+    assert member_sets == Counter(frozenset(v) for v in instances.values())
+    # each send's flow is terminated by exactly the matching receive's end
+    terminated = {f: trace.rank_of(sl["track"]) for sl in trace.slices for f in sl["terminating"]}
+    sends = [sl for sl in trace.slices if sl["name"] == "send"]
+    assert sends
+    for sl in sends:
+        (flow,) = sl["flows"]
+        assert terminated[flow] == sl["args"]["peer"]
+
+
+def test_same_run_same_bytes(run_dir: Path) -> None:
+    outputs = []
+    for _ in range(2):
+        buf = io.BytesIO()
+        export_perfetto(run_dir, buf, chunk_rows=300)  # several chunks
+        outputs.append(buf.getvalue())
+    assert outputs[0] == outputs[1]
+    # chunking changes the packing, never the content
+    small, whole = Decoded(outputs[0]), _export(run_dir)
+    key = lambda sl: (sl["track"], sl["ts"], sl["dur"], sl["name"])  # noqa: E731
+    assert sorted(map(key, small.slices)) == sorted(map(key, whole.slices))
+
+
+def test_selection_by_ranks_steps_and_window(run_dir: Path) -> None:
+    trace = _export(run_dir, ranks=[1, 6], steps=(1, 1))
+    want = Counter((s["rank"], s["name"], s["start_ns"] + trace.shift) for s in _spans(run_dir, "rank IN (1, 6) AND step = 1"))
+    assert Counter((trace.rank_of(sl["track"]), sl["name"], sl["ts"]) for sl in trace.slices) == want
+    spans = _spans(run_dir)
+    lo = min(s["start_ns"] for s in spans) + 50_000_000
+    hi = lo + 20_000_000
+    trace = _export(run_dir, window=(lo, hi))
+    want = Counter((s["rank"], s["start_ns"] + trace.shift)
+                   for s in spans if s["start_ns"] <= hi and s["start_ns"] + s["dur_ns"] >= lo)
+    assert Counter((trace.rank_of(sl["track"]), sl["ts"]) for sl in trace.slices) == want
+    with pytest.raises(ConfigError):
+        export_perfetto(run_dir, io.BytesIO(), ranks=[999])
+
+
+def test_around_stragglers_keeps_the_straggler_and_who_waits_for_it(run_dir: Path) -> None:
+    buf = io.BytesIO()
+    stats = export_perfetto(run_dir, buf, around_stragglers=True)
+    assert stats.stragglers[0] == STRAGGLER
+    trace = Decoded(buf.getvalue())
+    kept = {trace.rank_of(sl["track"]) for sl in trace.slices}
+    groups = {g["group"] for g in _spans(run_dir, f"rank = {STRAGGLER} AND kind = 'collective'")}
+    peers = {s["rank"] for s in _spans(run_dir) if s["group"] in groups}
+    assert STRAGGLER in kept and peers <= kept and len(kept) < 16
+    proc = {d.process.pid - 1: d.process.process_name for d in trace.tracks.values() if d.HasField("process")}
+    assert proc[STRAGGLER].endswith("straggler")
+
+
+def test_clock_offsets_from_the_analysis_are_applied_and_stated(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pandas as pd
+
+    import megascope.analysis as analysis
+
+    hosts = sorted({r["host"] for r in open_run(run_dir).con.sql("SELECT host FROM ranks").to_arrow_table().to_pylist()})
+    offsets = {h: (i + 1) * 1_000_000 for i, h in enumerate(hosts)}
+    frame = pd.DataFrame({"host": hosts, "offset_ns": [offsets[h] for h in hosts], "error_ns": 5_000, "samples": 10})
+    monkeypatch.setattr(analysis, "clock_offsets", lambda con: frame, raising=False)
+    trace = _export(run_dir, ranks=[0, 15])
+    host_of = {r["rank"]: r["host"] for r in open_run(run_dir).con.sql("SELECT * FROM ranks").to_arrow_table().to_pylist()}
+    want = Counter((s["rank"], s["start_ns"] + offsets[host_of[s["rank"]]] + trace.shift)
+                   for s in _spans(run_dir, "rank IN (0, 15)"))
+    assert Counter((trace.rank_of(sl["track"]), sl["ts"]) for sl in trace.slices) == want
+    assert trace.metadata["megascope.clock_correction"].startswith("analysis")
+    assert str(offsets[hosts[-1]]) in trace.metadata["megascope.clock_offsets_ns"]
+
+
+def test_uncorrected_clocks_are_stated(run_dir: Path) -> None:
+    trace = _export(run_dir, ranks=[0])
+    assert trace.metadata["megascope.clock_correction"].startswith("none")
+
+
+def test_step_time_counters_match_step_spans(run_dir: Path) -> None:
+    trace = _export(run_dir, ranks=[3])
+    steps = sorted((s["start_ns"] + trace.shift, s["dur_ns"] / 1e6) for s in _spans(run_dir, "rank = 3 AND kind = 'step'"))
+    (uuid,) = [u for u, d in trace.tracks.items() if d.name == "step time (ms)" and d.parent_uuid != 1 << 60]
+    got = sorted(trace.counters[uuid])
+    assert [t for t, _ in got] == [t for t, _ in steps]
+    assert [v for _, v in got] == pytest.approx([v for _, v in steps])
+    job = [u for u, d in trace.tracks.items() if d.name == "MFU (%)"]
+    assert job and all(0 < v < 100 for _, v in trace.counters[job[0]])
+
+
+def test_overlapping_spans_move_to_a_second_lane() -> None:
+    base = np.full(4, 1 << 24, dtype=np.uint64)
+    start = np.array([0, 1, 3, 20])
+    end = np.array([10, 5, 7, 25])
+    before, order, ends = base, *event_order(base, start, end)
+    assert len(nesting_violations(before, order, ends)) == 1
+    lanes, index, is_end = assign_lanes(base, start, end)
+    assert len(set(lanes.tolist())) == 2  # [3, 7) overlaps [1, 5) without nesting
+    assert len(nesting_violations(lanes, index, is_end)) == 0
+    nested, _, _ = assign_lanes(base, np.array([0, 1, 5, 20]), np.array([10, 5, 7, 25]))
+    assert set(nested.tolist()) == {1 << 24}  # touching and nested spans stay on one track
+
+
+def test_file_output_is_atomic_and_errors_are_export_errors(run_dir: Path, tmp_path: Path) -> None:
+    from megascope.errors import ExportError
+
+    out = tmp_path / "t.pftrace"
+    stats = export_perfetto(run_dir, out, steps=(0, 0))
+    assert out.stat().st_size == stats.bytes > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["t.pftrace"]
+    with pytest.raises(ExportError):
+        export_perfetto(run_dir, tmp_path / "missing" / "t.pftrace")

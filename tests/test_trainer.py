@@ -1,0 +1,174 @@
+"""The bundled trainer's single-process parts: config checks, model FLOPs, data, straggler work, CLI errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from torch.utils.flop_counter import FlopCounterMode
+
+from megascope.cli import main
+from megascope.errors import ConfigError
+from megascope.inject import parse_injects
+from megascope.trainer.config import ModelConfig, TrainConfig
+from megascope.trainer.data import Prefetcher, SyntheticLanguage, TokenFile
+from megascope.trainer.faults import Burner
+from megascope.trainer.flops import matmul_params, model_flops_per_step
+from megascope.trainer.model import GPTStage
+from megascope.trainer.tp import TPContext
+from megascope.trainer.zero import lr_at
+
+TINY = ModelConfig(layers=2, hidden=32, heads=4, vocab=64, seq_len=16)
+
+
+def _stage(cfg: ModelConfig, seed: int = 0) -> GPTStage:
+    tp = TPContext(comm=None, pg=None, size=1, index=0, sequence_parallel=True)
+    return GPTStage(cfg, tp, stage=0, stages=1, seed=seed, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"world_size": 4, "tp": 2, "pp": 2, "dp": 2}, "does not match world size 4"),
+        ({"world_size": 6, "tp": 4}, "not divisible by tp*pp"),
+        ({"world_size": 3, "pp": 3}, "layers are not divisible by 3 pipeline stages"),
+        ({"world_size": 8, "tp": 8}, "heads are not divisible"),
+        ({"world_size": 2, "dp": 2, "global_batch": 6, "micro_batches": 2}, "does not split into 2 data-parallel"),
+        ({"world_size": 2, "faults": parse_injects(["hang:rank=1,step=9"]), "steps": 5}, "past the last step"),
+        ({"world_size": 2, "faults": parse_injects(["skew:rank=2,ms=5"])}, "outside a job of 2 ranks"),
+    ],
+)
+def test_bad_configs_are_rejected_with_the_reason(tmp_path: Path, kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("*", r"\*")):
+        TrainConfig(out=tmp_path, model=TINY, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nproc", "4", "--tp", "2", "--pp", "2", "--dp", "2"], "does not match world size 4"),
+        (["--nproc", "2", "--pp", "2", "--layers", "3"], "3 layers are not divisible by 2 pipeline stages"),
+        (["--nproc", "2", "--inject", "slow:rank=1"], "unknown fault kind 'slow'"),
+        (["--nproc", "2", "--inject", "straggler:rank=0,factor=0.5"], "factor must be > 1"),
+    ],
+)
+def test_cli_bad_arguments_fail_in_one_line_before_any_rank_starts(tmp_path: Path, args: list[str],
+                                                                   message: str) -> None:
+    out = tmp_path / "run"
+    result = CliRunner().invoke(main, ["train", *args, "-o", str(out)])
+    assert result.exit_code == 1
+    assert message in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert not out.exists()  # nothing was started, nothing written
+
+
+def test_model_flops_match_counted_matmuls_plus_attention() -> None:
+    """The matmul part of the documented formula equals what torch's FLOP counter sees in one
+    forward+backward; the attention part is the documented 12*L*h*min(s, window) per token."""
+    for window in (None, 8):
+        cfg = ModelConfig(layers=2, hidden=32, heads=4, vocab=64, seq_len=16, window=window)
+        stage = _stage(cfg)
+        batch = 3
+        tokens = torch.randint(0, cfg.vocab, (cfg.seq_len, batch))
+        with FlopCounterMode(display=False) as counter:
+            stage(tokens, targets=tokens).mean().backward()
+        counted_mm = sum(v for op, v in counter.get_flop_counts()["Global"].items() if "mm" in str(op))
+        n_tokens = cfg.seq_len * batch
+        assert counted_mm == 6 * matmul_params(cfg) * n_tokens
+        context = cfg.seq_len if window is None else window
+        attention = 12 * cfg.layers * cfg.hidden * context * n_tokens
+        assert model_flops_per_step(cfg, tokens=n_tokens) == counted_mm + attention
+
+
+def test_model_start_depends_on_seed_only(tmp_path: Path) -> None:
+    a, b, c = _stage(TINY, seed=1), _stage(TINY, seed=1), _stage(TINY, seed=2)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters(), strict=True):
+        assert torch.equal(pa, pb), name
+        if pa.dim() >= 2:
+            assert not torch.equal(pa, pc), name
+
+
+def test_sliding_window_limits_what_attention_sees() -> None:
+    """With a window of 4, changing token 0 must not change the loss at positions >= 4+1 (two
+    layers widen the receptive field to 2*(4-1) positions), but does without a window."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 64, (16, 1))
+    changed = tokens.clone()
+    changed[0] = (changed[0] + 1) % 64
+    for window, far_unchanged in ((4, True), (None, False)):
+        stage = _stage(ModelConfig(layers=2, hidden=32, heads=4, vocab=64, seq_len=16, window=window))
+        with torch.no_grad():
+            base = stage(tokens, targets=tokens)
+            other = stage(changed, targets=tokens)
+        far = slice(2 * (4 - 1) + 1, 16)
+        assert torch.allclose(base[far], other[far]) == far_unchanged
+        assert not torch.allclose(base[0], other[0])
+
+
+def test_synthetic_language_is_seeded_and_learnable() -> None:
+    lang = SyntheticLanguage(vocab=64, seq_len=32, seed=3)
+    a = lang.batch(step=5, global_batch=8)
+    assert a.shape == (8, 33) and a.dtype == torch.long
+    assert torch.equal(a, SyntheticLanguage(vocab=64, seq_len=32, seed=3).batch(step=5, global_batch=8))
+    assert not torch.equal(a, lang.batch(step=6, global_batch=8))
+    # Structure: nearly every transition goes to one of the token's few successors.
+    prev, nxt = a[:, :-1].reshape(-1), a[:, 1:].reshape(-1)
+    hits = (lang.successors[prev] == nxt.unsqueeze(1)).any(dim=1).float().mean()
+    assert hits > 0.9
+
+
+def test_token_file_batches_are_slices_of_the_file(tmp_path: Path) -> None:
+    data = (np.arange(5000) % 300).astype(np.uint16)
+    path = tmp_path / "train.bin"
+    data.tofile(path)
+    src = TokenFile(path, dtype="uint16", vocab=300, seq_len=20, seed=0)
+    batch = src.batch(step=0, global_batch=4)
+    assert batch.shape == (4, 21)
+    for row in batch:
+        start = int(row[0])
+        # consecutive ids modulo 300, as written
+        assert torch.equal(row, torch.tensor([(start + i) % 300 for i in range(21)]))
+    with pytest.raises(ConfigError, match="outside the model's vocabulary"):
+        TokenFile(path, dtype="uint16", vocab=100, seq_len=20, seed=0).batch(step=0, global_batch=4)
+    with pytest.raises(ConfigError, match="fewer than one sequence"):
+        TokenFile(path, dtype="uint16", vocab=300, seq_len=6000, seed=0)
+
+
+def test_prefetcher_yields_this_ranks_rows_in_step_order() -> None:
+    lang = SyntheticLanguage(vocab=64, seq_len=8, seed=0)
+    with Prefetcher(lang, steps=range(3), global_batch=8, rows=slice(4, 8)) as data:
+        got = [data.next() for _ in range(3)]
+    for step, batch in enumerate(got):
+        assert torch.equal(batch, lang.batch(step, 8)[4:8])
+
+
+def test_straggler_burner_does_proportional_matmul_work() -> None:
+    stage = _stage(TINY)
+    tokens = TINY.seq_len * 2
+    forward_flops = 2 * matmul_params(TINY) * tokens  # one forward's GEMMs over these tokens
+    for factor, fwd_units in ((3.0, 2.0), (1.5, 0.5)):
+        burner = Burner(stage.matmul_weights(), tokens=tokens, factor=factor, autocast=torch.no_grad)
+        for phase, units in (("forward", fwd_units), ("backward", 2 * fwd_units)):
+            with FlopCounterMode(display=False) as counter:
+                burner(phase)
+            assert counter.get_total_flops() == pytest.approx(units * forward_flops, rel=0.02)
+
+
+def test_learning_rate_warms_up_then_decays() -> None:
+    lrs = [lr_at(s, base=1.0, warmup=2, total=10) for s in range(10)]
+    assert lrs[0] == 0.5 and lrs[1] == 1.0
+    assert all(a >= b for a, b in zip(lrs[1:], lrs[2:], strict=False))
+    assert lrs[-1] >= 0.1
+
+
+def test_timed_straggler_burner_computes_for_the_missing_time() -> None:
+    import time
+
+    burner = Burner(_stage(TINY).matmul_weights(), tokens=32, factor=3.0, autocast=torch.no_grad, timed=True)
+    t0 = time.perf_counter()
+    burner("forward", 0.05)
+    assert time.perf_counter() - t0 >= 2 * 0.05
+    assert burner.sink is not None  # it multiplied, it did not sleep

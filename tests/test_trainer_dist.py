@@ -1,0 +1,198 @@
+"""The bundled trainer on several gloo processes: every mesh trains the same model as one process,
+and planted faults leave their trace in the run directory.
+
+Tolerance for "the same loss": every layout computes the same sums in fp32, only in a different
+order (TP splits matmul reductions and the vocabulary softmax; DP sums gradients across ranks; the
+gradient norm is summed shard by shard). One reordered fp32 sum differs by a few ulps (~1e-7
+relative); a handful of AdamW steps at lr 3e-3 keep that at the 1e-6 level (measured: <=1e-6
+absolute on a loss of ~4). ``rtol=2e-5`` leaves 20x headroom yet is far below what any real
+sharding bug produces (a wrong slice, a missing all-reduce or a doubled gradient moves the loss in
+the second or third decimal within the first two steps).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from megascope.inject import parse_injects
+from megascope.store import open_run
+from megascope.trainer import ModelConfig, TrainConfig, TrainingError, train
+
+pytestmark = pytest.mark.dist
+
+MODEL = ModelConfig(layers=2, hidden=32, heads=4, vocab=64, seq_len=16)
+RTOL = 2e-5
+
+
+def _cfg(out: Path, tp: int = 1, pp: int = 1, dp: int = 1, **kw: object) -> TrainConfig:
+    base = dict(out=out, world_size=tp * pp * dp, tp=tp, pp=pp, dp=dp, steps=3, global_batch=8, micro_batches=2,
+                model=MODEL, collective_timeout_s=30.0, peak_flops=1e9, flush_interval_s=0.2)
+    base.update(kw)
+    return TrainConfig(**base)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    return train(_cfg(tmp_path_factory.mktemp("ref") / "run"), nproc=1).losses
+
+
+@pytest.mark.parametrize(("tp", "pp", "dp"), [(2, 2, 2), (1, 2, 1), (2, 1, 1), (1, 1, 2)],
+                         ids=lambda v: str(v))
+def test_every_mesh_matches_one_process(tmp_path: Path, reference: list[float], tp: int, pp: int, dp: int) -> None:
+    result = train(_cfg(tmp_path / "run", tp, pp, dp), nproc=tp * pp * dp)
+    assert result.losses == pytest.approx(reference, rel=RTOL)
+    assert reference[-1] < reference[0]  # it learns
+    run = open_run(result.out)
+    assert run.problems == []
+    assert run.meta.mesh_sizes == {"pp": pp, "dp": dp, "tp": tp}
+    # Every rank logged the same global loss per step.
+    logged = run.con.execute("SELECT step, min(value), max(value), count(*) FROM metrics WHERE name = 'loss' "
+                         "GROUP BY step ORDER BY step").fetchall()
+    assert [r[3] for r in logged] == [tp * pp * dp] * 3
+    assert [r[1] for r in logged] == pytest.approx(result.losses, rel=1e-6)
+    assert all(r[1] == r[2] for r in logged)
+    if tp * pp * dp == 8:
+        _check_3d_run_directory(run.con)
+
+
+def _check_3d_run_directory(con: object) -> None:
+    """A 2x2x2 run records every phase, every group, per-micro-batch and per-block spans."""
+    con = cast(Any, con)
+    kinds = {k for (k,) in con.execute("SELECT DISTINCT kind FROM spans").fetchall()}
+    assert {"step", "data", "forward", "backward", "collective", "send", "recv", "optimizer"} <= kinds
+    groups = {g for (g,) in con.execute("SELECT DISTINCT \"group\" FROM spans WHERE \"group\" IS NOT NULL").fetchall()}
+    assert {f"{axis}:{i}" for axis in ("tp", "pp", "dp") for i in range(4)} | {"world"} == groups
+    per_rank = con.execute("SELECT rank, count(*) FROM spans WHERE name = 'forward' GROUP BY rank").fetchall()
+    assert sorted(per_rank) == [(r, 3 * 2) for r in range(8)]  # 3 steps x 2 micro-batches
+    assert con.execute("SELECT count(DISTINCT name) FROM spans WHERE name LIKE 'layers.%'").fetchone() == (2,)
+    metrics = {m for (m,) in con.execute("SELECT DISTINCT name FROM metrics").fetchall()}
+    assert {"loss", "grad_norm", "lr", "tokens"} <= metrics
+    # Every collective instance has all its members (each member's arrival recorded).
+    incomplete = con.execute("""
+        SELECT s."group", s.seq, count(DISTINCT s.rank) AS n, any_value(len(g.members)) AS size
+        FROM spans s JOIN groups g ON g.rank = s.rank AND g."group" = s."group"
+        WHERE s.kind = 'collective' GROUP BY ALL HAVING n <> size""").fetchall()
+    assert incomplete == []
+
+
+def test_serial_block_plain_tp_window_and_lamb_match_one_process(tmp_path: Path) -> None:
+    model = replace(MODEL, parallel_block=False, window=6)
+    kw = {"model": model, "optimizer": "lamb", "sequence_parallel": False}
+    ref = train(_cfg(tmp_path / "ref", **kw), nproc=1).losses
+    got = train(_cfg(tmp_path / "tp", tp=2, **kw), nproc=2).losses
+    assert got == pytest.approx(ref, rel=RTOL)
+    assert ref[-1] < ref[0]
+
+
+def _self_compute(con: Any, rank: int) -> float:
+    """Forward+backward time of ``rank`` minus the communication inside it (its own compute)."""
+    return con.execute(f"""
+        WITH c AS (SELECT * FROM spans WHERE rank = {rank} AND kind IN ('forward', 'backward')
+                   AND name IN ('forward', 'backward') AND step > 0),
+             comm AS (SELECT * FROM spans WHERE rank = {rank} AND kind IN ('collective', 'send', 'recv'))
+        SELECT sum(c.dur_ns) - coalesce((SELECT sum(comm.dur_ns) FROM comm JOIN c ON comm.start_ns >= c.start_ns
+                AND comm.start_ns + comm.dur_ns <= c.start_ns + c.dur_ns), 0) FROM c""").fetchone()[0]
+
+
+def test_straggler_does_real_extra_compute(tmp_path: Path) -> None:
+    rank = 5
+    cfg = _cfg(tmp_path / "run", 2, 2, 2, steps=3, faults=parse_injects([f"straggler:rank={rank},factor=6"]),
+               )
+    run = open_run(train(cfg, nproc=8).out)
+    own = {r: _self_compute(run.con, r) for r in range(8)}
+    stage = run.con.execute(f"SELECT rank FROM ranks WHERE pp = (SELECT pp FROM ranks WHERE rank = {rank}) "
+                        f"AND rank <> {rank}").fetchall()
+    peers = sorted(own[r] for (r,) in stage)
+    assert own[rank] > 2.0 * peers[len(peers) // 2], own
+    assert run.meta.config["inject"] == [f"straggler:rank={rank},factor=6"]
+
+
+def test_skew_delays_the_ranks_arrival_at_the_dp_sync(tmp_path: Path) -> None:
+    rank, ms = 6, 300
+    cfg = _cfg(tmp_path / "run", 2, 2, 2, steps=3, faults=parse_injects([f"skew:rank={rank},ms={ms}"]))
+    run = open_run(train(cfg, nproc=8).out)
+    # First dp reduce-scatter of each step: the skewed rank arrives last, by about the pause.
+    gaps = run.con.execute(f"""
+        WITH first AS (SELECT rank, step, "group", min(seq) AS seq FROM spans
+                       WHERE op = 'reduce_scatter' AND "group" LIKE 'dp:%' GROUP BY ALL),
+             arr AS (SELECT s.rank, s.step, s.start_ns FROM spans s JOIN first f USING (rank, step, "group", seq)),
+             mine AS (SELECT g."group" FROM groups g WHERE g.rank = {rank} AND g.kind = 'dp')
+        SELECT a.step, max(CASE WHEN a.rank = {rank} THEN a.start_ns END)
+                       - max(CASE WHEN a.rank <> {rank} THEN a.start_ns END)
+        FROM arr a JOIN groups g ON g.rank = a.rank AND g."group" IN (SELECT "group" FROM mine)
+        GROUP BY a.step ORDER BY a.step""").fetchall()
+    assert len(gaps) == 3
+    # Step 0 carries one-time costs (first allocations, lazy initialisation) that differ between
+    # ranks by as much as the pause on a loaded machine; from step 1 on the pause stands out.
+    assert all(gap > 0.6 * ms * 1e6 for step, gap in gaps if step > 0), gaps
+
+
+def test_hang_times_out_the_job_and_leaves_the_trail(tmp_path: Path) -> None:
+    rank, step = 3, 1
+    cfg = _cfg(tmp_path / "run", 2, 2, 2, steps=3, collective_timeout_s=3.0,
+               faults=parse_injects([f"hang:rank={rank},step={step}"]))
+    with pytest.raises(TrainingError, match=r"collective timed out after 3 s \(--collective-timeout\)") as err:
+        train(cfg, nproc=8)
+    assert "\n" not in str(err.value)
+    run = open_run(cfg.out)
+    con = run.con
+    # The hung rank finished step 0 and completed nothing in the hang step.
+    assert con.execute(f"SELECT max(step) FROM spans WHERE rank = {rank} AND kind = 'step'").fetchone() == (step - 1,)
+    assert con.execute(f"SELECT count(*) FROM markers WHERE rank = {rank} AND step = {step} "
+                   "AND state = 'completed'").fetchone() == (0,)
+    # A peer entered a collective with the hung rank that the hung rank never entered.
+    waiting = con.execute(f"""
+        SELECT m."group", m.seq FROM markers m JOIN groups g ON g.rank = {rank} AND g."group" = m."group"
+        WHERE m.rank <> {rank} AND m.state = 'enqueued' AND NOT EXISTS (
+            SELECT 1 FROM markers c WHERE c.rank = m.rank AND c."group" = m."group" AND c.seq = m.seq
+              AND c.state = 'completed')
+          AND NOT EXISTS (SELECT 1 FROM markers h WHERE h.rank = {rank} AND h."group" = m."group" AND h.seq = m.seq)
+    """).fetchall()
+    assert waiting
+
+
+def test_runs_under_torchrun(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "megascope", "train", "--pp", "2",
+         "--steps", "2", "--layers", "2", "--hidden", "32", "--seq-len", "16", "--vocab", "64",
+         "--global-batch", "4", "--micro-batches", "2", "--collective-timeout", "60", "-o", str(out)],
+        capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "2 steps on 2 ranks (pp=2 dp=1 tp=1)" in proc.stdout
+    run = open_run(out)
+    assert run.con.execute("SELECT count(DISTINCT rank) FROM spans").fetchone() == (2,)
+
+
+def test_cli_trains_from_a_token_file(tmp_path: Path) -> None:
+    import numpy as np
+    from click.testing import CliRunner
+
+    from megascope.cli import main
+
+    data = tmp_path / "train.bin"
+    rng = np.random.default_rng(0)
+    # A learnable stream: a repeating pattern with occasional noise.
+    stream = np.tile(np.arange(40, dtype=np.uint32), 500)
+    stream[rng.random(stream.size) < 0.05] = 7
+    stream.tofile(data)
+    out = tmp_path / "run"
+    result = CliRunner().invoke(main, [
+        "train", "--nproc", "2", "--dp", "2", "--steps", "4", "--layers", "2", "--hidden", "32", "--vocab", "64",
+        "--seq-len", "16", "--global-batch", "8", "--micro-batches", "2", "--data", str(data),
+        "--data-dtype", "uint32", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "4 steps on 2 ranks (pp=1 dp=2 tp=1)" in result.output
+    run = open_run(out)
+    assert run.meta.config["data"] == str(data)
+    losses = [v for (v,) in run.con.execute(
+        "SELECT value FROM metrics WHERE name = 'loss' AND rank = 0 ORDER BY step").fetchall()]
+    assert len(losses) == 4 and losses[-1] < losses[0]
