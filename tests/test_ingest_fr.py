@@ -175,3 +175,26 @@ def test_real_nccl_hang_dumps(tmp_path: Path) -> None:
     waiting = con.execute(f"SELECT rank, state FROM markers WHERE seq = {first_gap} ORDER BY state").fetchall()
     assert waiting == [(0, "enqueued"), (0, "started")]
     assert run.meta.config["ingest"]["timed"] is True
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "flight-recorder-hang-2rank").is_dir(), reason="shared sample dumps not present")
+def test_localize_names_the_rank_that_never_entered(tmp_path: Path) -> None:
+    """End to end: the README's planted hang (rank 1 stops after collective 542)."""
+    analysis = pytest.importorskip("megascope.analysis")
+    if not hasattr(analysis, "localize"):
+        pytest.skip("analysis.localize not available")
+    ingest_flight_recorder(SHARED_DATA / "flight-recorder-hang-2rank", tmp_path / "run")
+    verdict = analysis.localize(open_run(tmp_path / "run"))
+    assert verdict["hung"]
+    top = verdict["suspects"][0]
+    assert (top["rank"], top["last_completed_seq"], top["missing_seq"]) == (1, 542, 543)
+
+
+def test_localize_ranks_a_silent_rank_first(tmp_path: Path) -> None:
+    analysis = pytest.importorskip("megascope.analysis")
+    if not hasattr(analysis, "localize"):
+        pytest.skip("analysis.localize not available")
+    _hung_job(tmp_path / "dumps", silent=3, hung=-1)
+    ingest_flight_recorder(tmp_path / "dumps", tmp_path / "run")
+    verdict = analysis.localize(open_run(tmp_path / "run"))
+    assert verdict["hung"] and verdict["suspects"][0]["rank"] == 3

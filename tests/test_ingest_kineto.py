@@ -321,3 +321,16 @@ def test_generated_3d_job_maps_megatron_groups(tmp_path: Path) -> None:
     top = con.execute(f"""SELECT s.rank FROM spans s JOIN ranks USING (rank) WHERE ranks.pp = {stage}
                       AND s.kind IN ('forward', 'backward') GROUP BY s.rank ORDER BY sum(s.dur_ns) DESC LIMIT 1""").fetchone()
     assert top == (truth["straggler_rank"],)
+
+
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="shared sample traces not present")
+@pytest.mark.parametrize(("sample", "planted"), [("kineto-cpu-4rank", 3), ("kineto-gpu-2rank", 0)])
+def test_report_names_the_planted_straggler(tmp_path: Path, sample: str, planted: int) -> None:
+    """End to end: ingest, then the analysis' report (planted ranks as the data README states)."""
+    analysis = pytest.importorskip("megascope.analysis")
+    if not hasattr(analysis, "report"):
+        pytest.skip("analysis.report not available")
+    ingest_kineto(SHARED_DATA / sample, tmp_path / "run")
+    report = analysis.report(open_run(tmp_path / "run"))
+    assert report["stragglers"] and report["stragglers"][0]["rank"] == planted
+    assert report["stragglers"][0]["cause"] == "compute"
