@@ -31,7 +31,7 @@ t2 = time.perf_counter()
 r = report(run)
 t3 = time.perf_counter()
 rows = run.con.execute("SELECT (SELECT count(*) FROM spans) + (SELECT count(*) FROM markers)").fetchone()[0]
-print(json.dumps({"open": t1 - t0, "base": t2 - t1, "rest": t3 - t2, "total": t3 - t0, "rows": rows,
+print("RESULT " + json.dumps({"open": t1 - t0, "base": t2 - t1, "rest": t3 - t2, "total": t3 - t0, "rows": rows,
                   "peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                   "found": [(s["rank"], s["cause"]) for s in r["stragglers"]]}))
 """
@@ -65,7 +65,7 @@ def main() -> None:
         run = ensure_run(args.dir, ranks, steps, args.tp, args.pp)
         proc = subprocess.run([sys.executable, "-c", CHILD, str(run), args.memory_limit],
                               capture_output=True, text=True, check=True)
-        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        r = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
         print(f"{ranks:>7,} {steps:>6,} {r['rows']:>12,} {r['open']:>7.1f} {r['base']:>7.1f} {r['rest']:>7.1f} "
               f"{r['total']:>8.1f} {r['rows'] / r['total']:>11,.0f} {r['peak_bytes'] / 2**20:>8,.0f}  {r['found']}",
               flush=True)

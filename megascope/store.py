@@ -235,6 +235,8 @@ def open_run(path: Path | str, *, threads: int | None = None, memory_limit: str 
     if memory_limit:
         config["memory_limit"] = memory_limit
     con = duckdb.connect(config=config)
+    # No progress bar: DuckDB draws it on stdout, where `--json` output goes.
+    con.execute("SET enable_progress_bar = false")
     run = Run(path=path, meta=meta, con=con)
     _create_views(run)
     if not any(run.files.values()):

@@ -19,6 +19,14 @@ from megascope.store import open_run
 from megascope.synth import SynthConfig, synth_run
 
 
+@pytest.fixture(autouse=True)
+def host_clocks_as_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Exact-time checks compare with the recorded clocks: no analysis offsets unless a test sets them."""
+    from megascope import analysis
+
+    monkeypatch.delattr(analysis, "clock_offsets", raising=False)
+
+
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("chrome") / "run"

@@ -157,6 +157,8 @@ def _steps(con: duckdb.DuckDBPyConnection) -> list[int]:
 
 def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None) -> None:
     """Build the base tables unless they are current for this run's files."""
+    # Cursors do not inherit the connection's settings; DuckDB's progress bar would go to stdout.
+    con.execute("SET enable_progress_bar = false")
     with _sql.build_lock():
         _sql.ensure_schema(con)
         if _sql.cache_is_fresh(con, "base"):

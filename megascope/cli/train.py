@@ -38,13 +38,15 @@ from megascope.cli.common import inject_option, out_run_option
               help="Seconds before a blocked collective fails the job.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--no-layer-spans", is_flag=True, help="No forward/backward spans per transformer block.")
+@click.option("--result-json", type=click.Path(path_type=Path, dir_okay=False), default=None,
+              help="Also write the loss and host seconds of every step here (for benchmarks).")
 @inject_option
 @out_run_option
 def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed: int, global_batch: int,
           micro_batches: int, layers: int, hidden: int, heads: int, vocab: int, seq_len: int, window: int | None,
           serial_block: bool, no_sequence_parallel: bool, optimizer: str, lr: float, data: Path | None,
           data_dtype: str, collective_timeout: float, device: str, no_layer_spans: bool,
-          injects: tuple[str, ...], out: Path) -> None:
+          result_json: Path | None, injects: tuple[str, ...], out: Path) -> None:
     """Train the bundled GPT on a TP x PP x DP mesh, fully instrumented, with optional planted faults."""
     from megascope.inject import parse_injects
     from megascope.trainer.config import ModelConfig, TrainConfig
@@ -61,6 +63,10 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
     from megascope.trainer.launch import train as run_training
 
     result = run_training(cfg, nproc=nproc)
+    if result_json is not None and int(os.environ.get("RANK", "0")) == 0:
+        import json
+
+        result_json.write_text(json.dumps({"losses": result.losses, "step_seconds": result.step_seconds}) + "\n")
     if int(os.environ.get("RANK", "0")) == 0:
         click.echo(f"{out}: {steps} steps on {world} ranks (pp={cfg.pp} dp={cfg.dp} tp={cfg.tp}), "
                    f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")

@@ -84,6 +84,10 @@ def failure_message(failures: dict[int, str], timeout_s: float, exited: str | No
     if failures:
         rank = min(failures)
         return f"training failed on rank {rank}: {failures[rank]}"
+    if exited and "SIGABRT" in exited:
+        # NCCL's watchdog aborts the process when a collective outlives its timeout.
+        return (f"training failed: {exited}: NCCL aborted it, most likely a collective timed out after "
+                f"{timeout_s:g} s (--collective-timeout) because a rank stopped answering (hung or dead)")
     return f"training failed: {exited or 'a rank exited'} without a message (killed? out of memory?)"
 
 
@@ -108,6 +112,10 @@ def train(cfg: TrainConfig, *, nproc: int | None = None) -> TrainResult:
 
         cfg = replace(cfg, peak_flops=measure_cpu_flops())
     start_method = "spawn" if pick_device(cfg, 0).type == "cuda" else "fork"
+    if start_method == "spawn":
+        # Growable segments keep the allocator from fragmenting between the pipeline's micro-batches
+        # (torchtitan sets the same); spawned ranks inherit it. A user's own setting wins.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     gc.collect()  # finalize the parent's garbage here, not in each forked rank
     with tempfile.TemporaryDirectory(prefix="megascope-train-") as scratch:
         init_file = os.path.join(scratch, "rendezvous")

@@ -171,6 +171,7 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -
     counts_loss = ps.last_stage and ps.tp_index == 0
     losses: list[torch.Tensor] = []
     step_ends = [time.perf_counter()]
+    previous_step_done: torch.cuda.Event | None = None
     with Prefetcher(_source(cfg), steps=range(cfg.steps), global_batch=cfg.global_batch, rows=rows,
                     device=device) as data:
         for step in range(cfg.steps):
@@ -185,6 +186,16 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -
                                 loss_scale=loss_scale, before_last_backward=before_last_backward, autocast=autocast,
                                 burn=plan.burn)
                 grad_norm, global_loss = opt.step(lr, loss if counts_loss else None)
+            if device.type == "cuda":
+                # Keep the host at most one step ahead of the device: the wait on the previous step's
+                # end (already done in the steady state) releases the GIL, so the collector's writer
+                # keeps flushing markers even when a peer hangs and the device stops. Left to run
+                # ahead, the host would block inside a kernel launch holding the GIL instead.
+                step_done = torch.cuda.Event()
+                step_done.record()
+                if previous_step_done is not None:
+                    previous_step_done.synchronize()
+                previous_step_done = step_done
             col.metric("loss", global_loss, step=step)
             col.metric("grad_norm", grad_norm, step=step)
             col.metric("lr", lr, step=step)

@@ -1,0 +1,332 @@
+"""``megascope ingest kineto``: torch.profiler traces (one Chrome-trace JSON per rank) -> a run directory.
+
+Role in the data flow: a foreign-trace writer. It reads each rank's ``.json`` / ``.json.gz`` as a
+stream (:mod:`~megascope.ingest.jsonstream`), keeps what matters
+(:mod:`~megascope.ingest.kineto_events`), maps it onto the schema
+(:mod:`~megascope.ingest.kineto_map`) and writes ordinary Parquet parts, so ``report``,
+``localize``, ``export`` and ``serve`` work on jobs that never ran megascope's collector.
+
+Order of work, so that a bad input costs nothing:
+
+1. read only the header of every file (rank, world size, process groups) and check the set: one
+   job (same world size, backend and process groups), no rank twice;
+2. map process groups to megascope groups and the mesh (:mod:`~megascope.ingest.groups`);
+3. parse the files, one process per file where cores allow, into a hidden staging directory;
+4. write ``ranks``, ``groups`` and ``run.json``, then rename the staging directory to ``-o``.
+
+Example::
+
+    from megascope.ingest import ingest_kineto
+    result = ingest_kineto("traces/", "runs/job42")
+    result.world_size, result.spans
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import re
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from megascope import layout
+from megascope.errors import IngestError
+from megascope.ingest.groups import GroupPlan, ProcessGroup, parse_ranks, plan_groups
+from megascope.ingest.jsonstream import TraceReader
+from megascope.ingest.kineto_events import collect
+from megascope.ingest.kineto_map import map_rank
+from megascope.ingest.runwriter import RankInfo, StagedRun, check_out_dir, write_rank_tables, write_rows
+from megascope.schema import RunMeta, RunSource
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int], None]
+_RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    """What an ingest wrote."""
+
+    run_dir: Path
+    source: str
+    world_size: int
+    ranks_found: list[int]
+    missing_ranks: list[int]
+    files: int
+    events: int
+    spans: int
+    markers: int
+    seconds: float
+    mesh: dict[str, int]
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Header:
+    path: Path
+    rank: int
+    world_size: int
+    backend: str | None
+    pgs: tuple[ProcessGroup, ...]
+    host: str | None
+    device_names: dict[int, str]
+
+
+def find_trace_files(src: Path) -> list[Path]:
+    """``src`` itself, or every ``*.json`` / ``*.json.gz`` below it (hidden files skipped)."""
+    src = Path(src)
+    if src.is_file():
+        return [src]
+    if not src.is_dir():
+        raise IngestError(f"{src}: no such file or directory")
+    files = sorted(
+        p for p in src.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(src).parts)
+        and (p.name.endswith(".json") or p.name.endswith(".json.gz"))
+    )
+    if not files:
+        raise IngestError(f"{src}: no Kineto traces (*.json or *.json.gz) found")
+    return files
+
+
+def _pg_list(info: dict[str, Any], path: Path) -> tuple[ProcessGroup, ...]:
+    out = []
+    for pg in info.get("pg_config") or []:
+        if not isinstance(pg, dict):
+            continue
+        try:
+            ranks = parse_ranks(pg.get("ranks", []))
+        except ValueError:
+            raise IngestError(f"{path}: distributedInfo.pg_config has unreadable ranks {pg.get('ranks')!r}") from None
+        out.append(ProcessGroup(str(pg.get("pg_name", "")), str(pg.get("pg_desc", "")), ranks))
+    return tuple(out)
+
+
+def read_header(path: Path, *, single: bool) -> _Header:
+    """Rank, world size and process groups of one trace, from the keys before its events."""
+    with TraceReader(path) as reader:
+        header = reader.read_header()
+    info = header.get("distributedInfo")
+    devices = {}
+    for prop in header.get("deviceProperties") or []:
+        if isinstance(prop, dict) and "id" in prop and "name" in prop:
+            devices[int(prop["id"])] = str(prop["name"])
+    host = header.get("host_name") if isinstance(header.get("host_name"), str) else None
+    if isinstance(info, dict) and "rank" in info:
+        try:
+            rank = int(info["rank"])
+            world = int(info.get("world_size", 0))
+        except (TypeError, ValueError):
+            raise IngestError(f"{path}: distributedInfo has a non-integer rank or world_size") from None
+        if world < 1:
+            raise IngestError(f"{path}: distributedInfo.world_size is missing or < 1")
+        return _Header(path, rank, world, info.get("backend"), _pg_list(info, path), host, devices)
+    match = _RANK_IN_NAME.search(path.name)
+    if single:
+        return _Header(path, 0, 1, None, (), host, devices)
+    if match:
+        raise IngestError(
+            f"{path}: no distributedInfo (rank, world size); profile with torch.distributed initialised"
+        )
+    raise IngestError(f"{path}: no distributedInfo, so its rank is unknown; not a rank's profiler trace?")
+
+
+def check_one_job(headers: list[_Header]) -> int:
+    """The world size of the job; an error naming the files if they are not one job's ranks."""
+    worlds = Counter(h.world_size for h in headers)
+    if len(worlds) > 1:
+        (w1, _), (w2, _) = worlds.most_common(2)
+        a = next(h for h in headers if h.world_size == w1)
+        b = next(h for h in headers if h.world_size == w2)
+        raise IngestError(f"mixed jobs: {a.path.name} has world size {w1} but {b.path.name} has {w2}")
+    backends = {h.backend for h in headers if h.backend}
+    if len(backends) > 1:
+        raise IngestError(f"mixed jobs: traces use different backends ({', '.join(sorted(backends))})")
+    world = headers[0].world_size
+    seen: dict[int, Path] = {}
+    for h in headers:
+        if not 0 <= h.rank < world:
+            raise IngestError(f"{h.path}: rank {h.rank} outside world size {world}")
+        if h.rank in seen:
+            raise IngestError(f"duplicate rank {h.rank}: {seen[h.rank].name} and {h.path.name}; pass one job's traces")
+        seen[h.rank] = h.path
+    names: dict[str, tuple[str, tuple[int, ...], Path]] = {}
+    for h in headers:
+        for pg in h.pgs:
+            known = names.get(pg.name)
+            if known is None:
+                names[pg.name] = (pg.desc, pg.ranks, h.path)
+            elif (known[0], known[1]) != (pg.desc, pg.ranks):
+                raise IngestError(
+                    f"mixed jobs: process group {pg.name!r} is {known[0]} {list(known[1])} in {known[2].name} "
+                    f"but {pg.desc} {list(pg.ranks)} in {h.path.name}"
+                )
+    return world
+
+
+def _pg_groups(header: _Header, plan: GroupPlan) -> dict[str, tuple[str, tuple[int, ...]]]:
+    out = {}
+    for pg in header.pgs:
+        gid = plan.id_for(pg.desc, pg.ranks)
+        if gid is not None:
+            out[pg.name] = (gid, pg.ranks)
+    return out
+
+
+def ingest_file(path: str, rank: int, stage: str, pg_groups: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, Any]:
+    """Parse one rank's trace and write its spans and markers into ``stage``. Runs in a worker."""
+    t0 = time.perf_counter()
+    events = collect(TraceReader(path))
+    tables = map_rank(events, rank=rank, pg_groups=pg_groups, path=path)
+    run_dir = Path(stage)
+    spans = write_rows(run_dir, "spans", tables.spans, rank)
+    markers = write_rows(run_dir, "markers", tables.markers, rank)
+    return {
+        "rank": rank,
+        "path": path,
+        "events": events.events,
+        "spans": spans,
+        "markers": markers,
+        "steps": tables.steps,
+        "start_ns": tables.start_ns,
+        "pid": events.pid,
+        "device_index": tables.device_index,
+        "stats": dict(tables.stats),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def _pool_context() -> Any:
+    # fork starts workers in milliseconds and the parent has no threads yet at this point.
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("fork" if "fork" in methods else None)
+
+
+def _run_files(
+    jobs: list[tuple[str, int, str, dict[str, tuple[str, tuple[int, ...]]]]],
+    workers: int,
+    progress: Progress | None,
+) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+    total = len(jobs)
+    if workers <= 1 or total == 1:
+        for job in jobs:
+            results.append(ingest_file(*job))
+            if progress:
+                progress(len(results), total)
+        return results
+    # pyarrow imports pandas on first array conversion (~0.5 s); do it once here so that forked
+    # workers inherit it instead of each paying for it.
+    pa.array([0])
+    with ProcessPoolExecutor(max_workers=workers, mp_context=_pool_context()) as pool:
+        pending: set[Future[dict[str, Any]]] = {pool.submit(ingest_file, *job) for job in jobs}
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            for fut in done:
+                exc = fut.exception()
+                if exc is not None:
+                    for other in pending:
+                        other.cancel()
+                    raise exc
+                results.append(fut.result())
+                if progress:
+                    progress(len(results), total)
+    return results
+
+
+def ingest_kineto(
+    src: Path | str,
+    out: Path | str,
+    *,
+    mesh: dict[str, int] | None = None,
+    workers: int | None = None,
+    progress: Progress | None = None,
+) -> IngestResult:
+    """Import torch.profiler traces under ``src`` (a file or a directory) as the run ``out``.
+
+    ``mesh`` (``{"tp": 2, "pp": 2, "dp": 2}``) says how ranks are laid out when the process-group
+    names do not; ``workers`` caps the parsing processes (default: one per core).
+    """
+    t0 = time.perf_counter()
+    src, out = Path(src), Path(out)
+    check_out_dir(out)
+    files = find_trace_files(src)
+    headers = [read_header(p, single=len(files) == 1) for p in files]
+    world = check_one_job(headers)
+    plan = plan_groups([pg for h in headers for pg in h.pgs], world_size=world, mesh=mesh)
+    n_workers = max(1, min(len(files), workers or os.cpu_count() or 1))
+    log.info("ingesting %d Kineto traces of a %d-rank job with %d workers", len(files), world, n_workers)
+    warnings: list[str] = []
+    with StagedRun(out) as stage:
+        jobs = [(str(h.path), h.rank, str(stage.path), _pg_groups(h, plan)) for h in headers]
+        results = _run_files(jobs, n_workers, progress)
+        by_rank = {h.rank: h for h in headers}
+        infos: dict[int, RankInfo] = {}
+        for r in results:
+            h = by_rank[r["rank"]]
+            dev = r["device_index"]
+            infos[r["rank"]] = RankInfo(
+                rank=r["rank"],
+                host=h.host or "unknown",
+                local_rank=dev,
+                pid=r["pid"],
+                device=f"cuda:{dev}" if dev is not None else "cpu",
+                device_name=h.device_names.get(dev) if dev is not None else None,
+                start_ns=r["start_ns"],
+            )
+            for what, count in r["stats"].items():
+                if what not in ("spans", "markers") and count:
+                    log.info("rank %d: %d %s", r["rank"], count, what)
+        missing = sorted(set(range(world)) - set(infos))
+        if missing:
+            warnings.append(f"{len(missing)} of {world} ranks have no trace: {', '.join(map(str, missing[:20]))}")
+        step_sets = {tuple(r["steps"]) for r in results}
+        if len(step_sets) > 1:
+            warnings.append("ranks recorded different ProfilerStep numbers; collective sequence numbers may not line up")
+        write_rank_tables(stage.path, plan, infos)
+        device_names = {i.device_name for i in infos.values() if i.device_name}
+        starts = [i.start_ns for i in infos.values() if i.start_ns is not None]
+        meta = RunMeta(
+            run_id=out.name,
+            source=RunSource.KINETO,
+            world_size=world,
+            mesh_sizes=plan.mesh_sizes,
+            start_ns=min(starts) if starts else None,
+            device_name=device_names.pop() if len(device_names) == 1 else None,
+            config={
+                "ingest": {
+                    "files": len(files),
+                    "backend": headers[0].backend,
+                    "mesh_from": plan.mesh_source,
+                    "expected_world_size": world,
+                    "missing_ranks": missing,
+                    "warnings": warnings,
+                }
+            },
+        )
+        layout.write_run_meta(stage.path, meta)
+    for w in warnings:
+        log.warning(w)
+    return IngestResult(
+        run_dir=out,
+        source=str(RunSource.KINETO),
+        world_size=world,
+        ranks_found=sorted(infos),
+        missing_ranks=missing,
+        files=len(files),
+        events=sum(r["events"] for r in results),
+        spans=sum(r["spans"] for r in results),
+        markers=sum(r["markers"] for r in results),
+        seconds=time.perf_counter() - t0,
+        mesh=dict(plan.mesh_sizes),
+        warnings=warnings,
+    )

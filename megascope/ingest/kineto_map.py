@@ -1,0 +1,530 @@
+"""Map one rank's collected Kineto events onto megascope spans and markers.
+
+Role in the data flow: after :mod:`megascope.ingest.kineto_events`, before the Parquet parts are
+written. The rules (docs/ingest.md has the user's view):
+
+* time: ``baseTimeNanoseconds + ts * 1000`` = epoch ns (older traces with absolute µs: base 0);
+* ``ProfilerStep#N`` -> a ``step`` span on stream ``host``; every other span takes the step whose
+  host range holds its launch (GPU work) or its start (host work);
+* GPU kernels, memcpy, memset -> spans on stream ``cuda:<stream id>``; their kind comes from the
+  top-level host op that launched them: a ``fwdbwd`` flow start (or nothing backward about it
+  before the backward) -> ``forward``, an autograd function / autograd thread / flow end ->
+  ``backward``, ``Optimizer.*`` -> ``optimizer``, ``enumerate(DataLoader)*`` -> ``data``, else
+  ``compute``;
+* CPU-only traces (no GPU activity): the top-level host ops themselves are the compute spans;
+* NCCL kernels -> ``collective`` / ``send`` / ``recv`` spans that start at the kernel's start (the
+  rank's arrival on the device) and end at its end, with op, bytes, group, seq and peer from the
+  ``record_param_comms`` that launched them (or the kernel's own arguments);
+* gloo: each ``c10d::*`` call (enqueue) is paired with the next ``gloo:*`` execution of the same op
+  on a worker thread; the span is the execution, the markers are enqueue -> execution end;
+* seq: the trace's ``Seq`` where present, else the call's order in its group on this rank
+  (1-based); p2p: the order per (sender, receiver) pair.
+
+Example::
+
+    tables = map_rank(events, rank=3, pg_groups={"0": ("world", (0, 1, 2, 3))})
+    tables.spans.num_rows, tables.markers.num_rows
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import re
+from collections import Counter, defaultdict, deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pyarrow as pa
+
+from megascope import schema
+from megascope.errors import IngestError
+from megascope.ingest.kineto_events import CommCall, RankEvents
+from megascope.schema import CollectiveOp, MarkerState, SpanKind, Stream
+
+log = logging.getLogger(__name__)
+
+_DTYPE_BYTES = {
+    "float": 4, "float32": 4, "double": 8, "float64": 8, "bfloat16": 2, "half": 2, "float16": 2,
+    "long": 8, "int64": 8, "int": 4, "int32": 4, "short": 2, "int16": 2, "byte": 1, "uint8": 1,
+    "char": 1, "int8": 1, "bool": 1, "complexfloat": 8, "complexdouble": 16,
+}
+_P2P_NAME = re.compile(r"(send|recv)\s+(\d+)\s*(?:->|<-)\s*(\d+)")
+_EPOCH_US = 1e15  # µs since the epoch are > 1e15 after 2001: an absolute (base-less) timestamp
+_BACKWARD_PREFIX = "autograd::engine::evaluate_function"
+
+
+def normalize_op(name: str) -> str:
+    """``c10d::allreduce_``, ``nccl:all_reduce``, ``_allgather_base``, ``allreduce`` -> a CollectiveOp."""
+    base = name.split("::")[-1].split(":")[-1].strip().split(" ")[0]
+    key = base.lower().replace("_", "")
+    if key.startswith("allreduce"):
+        return CollectiveOp.ALL_REDUCE
+    if key.startswith("allgather"):
+        return CollectiveOp.ALL_GATHER
+    if key.startswith(("reducescatter", "reducescattertensor")):
+        return CollectiveOp.REDUCE_SCATTER
+    if key.startswith("alltoall"):
+        return CollectiveOp.ALL_TO_ALL
+    for op in ("broadcast", "barrier", "send", "recv", "reduce", "gather", "scatter"):
+        if key.startswith(op):
+            return CollectiveOp(op)
+    return CollectiveOp.OTHER
+
+
+def dtype_bytes(dtype: object) -> int | None:
+    if not isinstance(dtype, str):
+        return None
+    return _DTYPE_BYTES.get(dtype.lower().replace("c10::", "").replace("torch.", ""))
+
+
+def _as_int(value: object) -> int | None:
+    try:
+        return int(value)  # type: ignore[call-overload, no-any-return]
+    except (TypeError, ValueError):
+        return None
+
+
+def base_time_ns(events: RankEvents, path: str) -> int:
+    """The epoch ns that ``ts == 0`` stands for."""
+    for source in (events.header, events.trailer):
+        value = source.get("baseTimeNanoseconds")
+        if isinstance(value, int | float):
+            return int(value)
+    if events.first_ts is not None and events.first_ts > _EPOCH_US:
+        return 0
+    raise IngestError(
+        f"{path}: no baseTimeNanoseconds and timestamps are not epoch microseconds; cannot place events in time"
+    )
+
+
+class _Steps:
+    """Step lookup by host time."""
+
+    def __init__(self, steps: list[tuple[int, float, float]]) -> None:
+        ordered = sorted(steps, key=lambda s: s[1])
+        self.starts = [s[1] for s in ordered]
+        self.ends = [s[1] + s[2] for s in ordered]
+        self.numbers = [s[0] for s in ordered]
+
+    def at(self, ts: float) -> int | None:
+        i = bisect.bisect_right(self.starts, ts) - 1
+        if i >= 0 and ts <= self.ends[i]:
+            return self.numbers[i]
+        return None
+
+
+@dataclass
+class _TopLevel:
+    starts: list[float]
+    ends: list[float]
+    names: list[str]
+    kinds: list[str]
+
+
+def _classify(name: str, tid_is_autograd: bool, has_fwd_flow: bool, has_bwd_flow: bool) -> str:
+    if name.startswith("Optimizer."):
+        return SpanKind.OPTIMIZER
+    if name.startswith("enumerate(DataLoader)"):
+        return SpanKind.DATA
+    if name.startswith(_BACKWARD_PREFIX) or tid_is_autograd or has_bwd_flow:
+        return SpanKind.BACKWARD
+    if has_fwd_flow:
+        return SpanKind.FORWARD
+    return SpanKind.COMPUTE
+
+
+def _flow_in(flows: list[float], start: float, end: float) -> bool:
+    i = bisect.bisect_left(flows, start)
+    return i < len(flows) and flows[i] <= end
+
+
+def top_level_ops(events: RankEvents) -> dict[int | str, _TopLevel]:
+    """Per thread, the host ops not nested in another op, each with its phase kind."""
+    out: dict[int | str, _TopLevel] = {}
+    for tid, ops in events.ops.items():
+        ops.sort(key=lambda o: (o[0], -o[1]))
+        autograd = "autograd" in events.thread_names.get(tid, "")
+        fwd = sorted(events.flow_fwd.get(tid, []))
+        bwd = sorted(events.flow_bwd.get(tid, []))
+        top = _TopLevel([], [], [], [])
+        current_end = float("-inf")
+        for start, end, name in ops:
+            if start < current_end:
+                continue
+            current_end = end
+            top.starts.append(start)
+            top.ends.append(end)
+            top.names.append(name)
+            top.kinds.append(_classify(name, autograd, _flow_in(fwd, start, end), _flow_in(bwd, start, end)))
+        out[tid] = top
+    return out
+
+
+def _containing(starts: list[float], ends: list[float], ts: float) -> int | None:
+    i = bisect.bisect_right(starts, ts) - 1
+    if i >= 0 and ts <= ends[i]:
+        return i
+    return None
+
+
+@dataclass
+class RankTables:
+    spans: pa.Table
+    markers: pa.Table
+    stats: Counter[str] = field(default_factory=Counter)
+    steps: list[int] = field(default_factory=list)
+    start_ns: int | None = None
+    device_index: int | None = None
+
+
+class _Columns:
+    def __init__(self, table_schema: pa.Schema) -> None:
+        self.schema = table_schema
+        self.cols: dict[str, list[Any]] = {f.name: [] for f in table_schema}
+
+    def add(self, **row: Any) -> None:
+        for name, values in self.cols.items():
+            values.append(row.get(name))
+
+    def table(self) -> pa.Table:
+        return pa.table(self.cols, schema=self.schema)
+
+
+@dataclass
+class _Comm:
+    """One communication call on this rank, resolved."""
+
+    ts: float  # enqueue (host)
+    tid: int | str
+    op: str
+    group: str | None
+    pg_ranks: tuple[int, ...]
+    nbytes: int | None
+    seq_hint: int | None
+    peer: int | None
+    step: int | None
+    exec_start: float | None = None  # device or worker execution
+    exec_end: float | None = None
+    stream: str = Stream.COMM
+    name: str = ""
+
+
+def map_rank(
+    events: RankEvents,
+    *,
+    rank: int,
+    pg_groups: Mapping[str, tuple[str, tuple[int, ...]]],
+    path: str = "",
+) -> RankTables:
+    """Spans and markers of one rank. ``pg_groups``: torch pg name -> (megascope group id, members)."""
+    base = base_time_ns(events, path)
+    stats: Counter[str] = Counter()
+
+    def ns(ts: float) -> int:
+        return base + int(round(ts * 1000.0))
+
+    steps = _Steps(events.steps)
+    top = top_level_ops(events)
+    spans = _Columns(schema.SPANS)
+    markers = _Columns(schema.MARKERS)
+
+    for number, ts, dur in events.steps:
+        spans.add(rank=rank, step=number, name=f"ProfilerStep#{number}", kind=SpanKind.STEP,
+                  stream=Stream.HOST, start_ns=ns(ts), dur_ns=int(round(dur * 1000.0)))
+
+    def launch_kind(tid: int | str, ts: float) -> str:
+        levels = top.get(tid)
+        if levels is not None:
+            i = _containing(levels.starts, levels.ends, ts)
+            if i is not None:
+                return levels.kinds[i]
+        return SpanKind.COMPUTE
+
+    # ---------------------------------------------------------------- compute
+    compute_device = [d for d in events.device if not d.name.startswith("nccl")]
+    device_index = Counter(d.device for d in events.device if d.device is not None).most_common(1)
+    if events.device:
+        for d in compute_device:
+            launch = events.runtime.get(d.correlation) if d.correlation is not None else None
+            if launch is not None:
+                kind = launch_kind(launch[0], launch[1])
+                step = steps.at(launch[1])
+            else:
+                kind, step = SpanKind.COMPUTE, None
+                stats["device events without a launch in the trace"] += 1
+            if d.cat != "kernel" and kind == SpanKind.COMPUTE:
+                kind = SpanKind.OTHER
+            spans.add(rank=rank, step=step, name=d.name, kind=kind, stream=f"cuda:{d.stream}",
+                      start_ns=ns(d.ts), dur_ns=int(round(d.dur * 1000.0)))
+        # Data loading shows only on the host; keep it as data spans.
+        for levels in top.values():
+            for start, end, name, kind in zip(levels.starts, levels.ends, levels.names, levels.kinds, strict=True):
+                if kind == SpanKind.DATA:
+                    spans.add(rank=rank, step=steps.at(start), name=name, kind=kind, stream=Stream.HOST,
+                              start_ns=ns(start), dur_ns=int(round((end - start) * 1000.0)))
+    else:
+        for levels in top.values():
+            for start, end, name, kind in zip(levels.starts, levels.ends, levels.names, levels.kinds, strict=True):
+                spans.add(rank=rank, step=steps.at(start), name=name, kind=kind, stream=Stream.HOST,
+                          start_ns=ns(start), dur_ns=int(round((end - start) * 1000.0)))
+
+    # ----------------------------------------------------------- communication
+    comms = _resolve_comms(events, rank=rank, pg_groups=pg_groups, steps=steps, stats=stats)
+    _assign_seq(comms, rank)
+    for c in comms:
+        if c.exec_start is None or c.exec_end is None:
+            stats["communication calls with no execution in the trace"] += 1
+            continue
+        kind = SpanKind.SEND if c.op == CollectiveOp.SEND else SpanKind.RECV if c.op == CollectiveOp.RECV else SpanKind.COLLECTIVE
+        start = max(c.exec_start, c.ts) if c.stream == Stream.COMM else c.exec_start
+        spans.add(rank=rank, step=c.step, name=c.name, kind=kind, stream=c.stream, start_ns=ns(start),
+                  dur_ns=max(0, int(round((c.exec_end - start) * 1000.0))), group=c.group, seq=c.seq_hint,
+                  op=c.op, bytes=c.nbytes, peer=c.peer)
+        if c.group is not None and c.seq_hint is not None:
+            common = dict(rank=rank, group=c.group, seq=c.seq_hint, op=c.op, step=c.step, bytes=c.nbytes, peer=c.peer)
+            markers.add(state=MarkerState.ENQUEUED, time_ns=ns(c.ts), **common)
+            markers.add(state=MarkerState.COMPLETED, time_ns=ns(c.exec_end), **common)
+    stats["spans"] = len(spans.cols["rank"])
+    stats["markers"] = len(markers.cols["rank"])
+    start_ns = ns(events.first_ts) if events.first_ts is not None else None
+    return RankTables(
+        spans=spans.table(),
+        markers=markers.table(),
+        stats=stats,
+        steps=sorted(s[0] for s in events.steps),
+        start_ns=start_ns,
+        device_index=_as_int(device_index[0][0]) if device_index else None,
+    )
+
+
+def _pg_of(args: dict[str, Any], pg_groups: Mapping[str, tuple[str, tuple[int, ...]]]) -> tuple[str | None, tuple[int, ...]]:
+    name = args.get("Process Group Name")
+    if name is not None and str(name) in pg_groups:
+        return pg_groups[str(name)]
+    return None, ()
+
+
+def _peer(call_name: str, op: str, args: dict[str, Any], rank: int, pg_ranks: tuple[int, ...]) -> int | None:
+    if op not in (CollectiveOp.SEND, CollectiveOp.RECV):
+        return None
+    direct = _as_int(args.get("Dst Rank" if op == CollectiveOp.SEND else "Src Rank"))
+    if direct is not None:
+        return direct
+    local = _as_int(args.get("Rank"))
+    if local is not None and 0 <= local < len(pg_ranks) and pg_ranks[local] != rank:
+        return pg_ranks[local]
+    match = _P2P_NAME.search(call_name)
+    if match:
+        a, b = int(match.group(2)), int(match.group(3))
+        if a == rank:
+            return b
+        if pg_ranks and a < len(pg_ranks) and pg_ranks[a] == rank and b < len(pg_ranks):
+            return pg_ranks[b]
+    return None
+
+
+def _resolve_comms(
+    events: RankEvents,
+    *,
+    rank: int,
+    pg_groups: Mapping[str, tuple[str, tuple[int, ...]]],
+    steps: _Steps,
+    stats: Counter[str],
+) -> list[_Comm]:
+    rpc = [c for c in events.comm_calls if c.source == "rpc"]
+    if rpc or any(d.name.startswith("nccl") for d in events.device):
+        return _nccl_comms(events, rpc, _Annotations(events.comm_calls), rank=rank, pg_groups=pg_groups, steps=steps, stats=stats)
+    return _gloo_comms(events, rank=rank, pg_groups=pg_groups, steps=steps, stats=stats)
+
+
+class _Annotations:
+    """``gloo:*`` / ``nccl:*`` annotations per thread, found by time."""
+
+    def __init__(self, calls: list[CommCall]) -> None:
+        per_tid: dict[int | str, list[CommCall]] = defaultdict(list)
+        for c in calls:
+            if c.source == "annot":
+                per_tid[c.tid].append(c)
+        self.names: dict[int | str, list[str]] = {}
+        self.starts: dict[int | str, list[float]] = {}
+        for tid, lst in per_tid.items():
+            lst.sort(key=lambda c: c.ts)
+            self.names[tid] = [c.name for c in lst]
+            self.starts[tid] = [c.ts for c in lst]
+
+    def first_in(self, tid: int | str, start: float, end: float) -> str | None:
+        starts = self.starts.get(tid)
+        if not starts:
+            return None
+        i = bisect.bisect_left(starts, start)
+        if i < len(starts) and starts[i] <= end:
+            return self.names[tid][i]
+        return None
+
+
+def _nccl_comms(
+    events: RankEvents,
+    rpc: list[CommCall],
+    annots: _Annotations,
+    *,
+    rank: int,
+    pg_groups: Mapping[str, tuple[str, tuple[int, ...]]],
+    steps: _Steps,
+    stats: Counter[str],
+) -> list[_Comm]:
+    by_tid: dict[int | str, list[int]] = defaultdict(list)
+    rpc.sort(key=lambda c: c.ts)
+    for i, c in enumerate(rpc):
+        by_tid[c.tid].append(i)
+    starts = {tid: [rpc[i].ts for i in idx] for tid, idx in by_tid.items()}
+    ends = {tid: [rpc[i].end for i in idx] for tid, idx in by_tid.items()}
+    comms: list[_Comm | None] = [None] * len(rpc)
+    extra: list[_Comm] = []
+
+    def make(call_name: str, args: dict[str, Any], ts: float, tid: int | str) -> _Comm:
+        op = normalize_op(str(args.get("Collective name") or call_name))
+        group, pg_ranks = _pg_of(args, pg_groups)
+        nelems = _as_int(args.get("In msg nelems"))
+        size = dtype_bytes(args.get("dtype"))
+        return _Comm(
+            ts=ts, tid=tid, op=op, group=group, pg_ranks=pg_ranks,
+            nbytes=nelems * size if nelems is not None and size is not None else None,
+            seq_hint=_as_int(args.get("Seq")),
+            peer=_peer(call_name, op, args, rank, pg_ranks), step=steps.at(ts),
+        )
+
+    for d in events.device:
+        if not d.name.startswith("nccl"):
+            continue
+        launch = events.runtime.get(d.correlation) if d.correlation is not None else None
+        if launch is None:
+            # Launched before the profiler's host window opened: no call, no step, no sequence.
+            stats["NCCL kernels launched outside the trace window (skipped)"] += 1
+            continue
+        tid, lts = launch
+        index = None
+        if tid in by_tid:
+            j = _containing(starts[tid], ends[tid], lts)
+            if j is not None:
+                index = by_tid[tid][j]
+        if index is None and d.comm_args:
+            comm = make(d.name, d.comm_args, lts, tid)
+            comm.name = annots.first_in(tid, lts - 50.0, lts) or comm.op
+            extra.append(comm)
+        elif index is None:
+            stats["NCCL kernels with no record_param_comms (skipped)"] += 1
+            continue
+        else:
+            known = comms[index]
+            if known is None:
+                call = rpc[index]
+                args = {**(d.comm_args or {}), **call.args}
+                known = make(call.name, args, call.ts, call.tid)
+                annot = annots.first_in(call.tid, call.ts, call.end)
+                known.name = annot or f"nccl:{known.op}"
+                if known.peer is None and annot:
+                    known.peer = _peer(annot, known.op, {}, rank, known.pg_ranks)
+                comms[index] = known
+            comm = known
+        comm.stream = f"cuda:{d.stream}"
+        comm.exec_start = d.ts if comm.exec_start is None else min(comm.exec_start, d.ts)
+        end = d.ts + d.dur
+        comm.exec_end = end if comm.exec_end is None else max(comm.exec_end, end)
+    # Calls whose kernel never showed up keep their place in the sequence but get no span.
+    resolved = []
+    for i, maybe in enumerate(comms):
+        if maybe is None:
+            call = rpc[i]
+            maybe = make(call.name, call.args, call.ts, call.tid)
+        resolved.append(maybe)
+    resolved.extend(extra)
+    resolved.sort(key=lambda c: c.ts)
+    return resolved
+
+
+def _host_bytes(args: dict[str, Any]) -> int | None:
+    """Message size from a gloo annotation's (or c10d op's) first input; None if the dtype is unknown."""
+    dims = args.get("Input Dims")
+    types = args.get("Input type")
+    if not isinstance(dims, list) or not dims or not isinstance(types, list) or not types:
+        return None
+    first = dims[0]
+    # c10d ops take a TensorList: [[d0, d1]] inside the first argument.
+    if isinstance(first, list) and first and isinstance(first[0], list):
+        first = first[0]
+    if not isinstance(first, list) or not all(isinstance(d, int) for d in first):
+        return None
+    size = dtype_bytes(types[0])
+    if size is None:
+        return None
+    n = 1
+    for d in first:
+        n *= d
+    return n * size
+
+
+def _gloo_comms(
+    events: RankEvents,
+    *,
+    rank: int,
+    pg_groups: Mapping[str, tuple[str, tuple[int, ...]]],
+    steps: _Steps,
+    stats: Counter[str],
+) -> list[_Comm]:
+    calls = sorted((c for c in events.comm_calls if c.source == "c10d"), key=lambda c: c.ts)
+    execs: dict[str, deque[CommCall]] = defaultdict(deque)
+    for c in sorted((c for c in events.comm_calls if c.source == "annot" and c.name.startswith("gloo:")), key=lambda c: c.ts):
+        execs[normalize_op(c.name)].append(c)
+    # gloo events do not name their process group: attribute to the only group, if there is one.
+    distinct = {v for v in pg_groups.values()}
+    group, pg_ranks = next(iter(distinct)) if len(distinct) == 1 else (None, ())
+    if len(distinct) > 1 and calls:
+        stats["gloo calls with an unknown process group (several groups)"] += len(calls)
+    comms = []
+    for call in calls:
+        op = normalize_op(call.name)
+        if op == CollectiveOp.OTHER:
+            continue
+        queue = execs.get(op)
+        # An execution that started before this call belongs to a call outside the trace window.
+        while queue and queue[0].ts < call.ts - 1.0:
+            queue.popleft()
+            stats["gloo executions without an enqueue in the trace (skipped)"] += 1
+        execution = queue.popleft() if queue else None
+        peer = None
+        if op in (CollectiveOp.SEND, CollectiveOp.RECV):
+            concrete = call.args.get("Concrete Inputs")
+            local = _as_int(concrete[2]) if isinstance(concrete, list) and len(concrete) > 2 else None
+            if local is not None:
+                peer = pg_ranks[local] if pg_ranks and 0 <= local < len(pg_ranks) else local
+        args = execution.args if execution is not None else call.args
+        comm = _Comm(ts=call.ts, tid=call.tid, op=op, group=group, pg_ranks=pg_ranks,
+                     nbytes=_host_bytes(args) if execution is not None else _host_bytes(call.args),
+                     seq_hint=None, peer=peer, step=steps.at(call.ts), name=execution.name if execution else call.name)
+        if execution is not None:
+            comm.exec_start, comm.exec_end = execution.ts, execution.end
+        comms.append(comm)
+    for queue in execs.values():
+        stats["gloo executions without an enqueue in the trace (skipped)"] += len(queue)
+    return comms
+
+
+def _assign_seq(comms: list[_Comm], rank: int) -> None:
+    """Seq per group for collectives, per (sender, receiver) pair for p2p, where the trace has none."""
+    per_group: Counter[str] = Counter()
+    per_pair: Counter[tuple[int, int]] = Counter()
+    for c in comms:
+        if c.op in (CollectiveOp.SEND, CollectiveOp.RECV):
+            if c.peer is None:
+                c.seq_hint = None
+                continue
+            pair = (rank, c.peer) if c.op == CollectiveOp.SEND else (c.peer, rank)
+            per_pair[pair] += 1
+            c.seq_hint = per_pair[pair]
+        elif c.group is not None:
+            per_group[c.group] += 1
+            if c.seq_hint is None:
+                c.seq_hint = per_group[c.group]
+

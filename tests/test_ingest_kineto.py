@@ -1,0 +1,336 @@
+"""Kineto ingest: the streamed reader, the mapping onto the schema, bad inputs, and the real samples."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from ingest_fixtures import BASE_NS, GEN_KINETO, SHARED_DATA, gpu_trace, write_trace
+
+from megascope.cli import main
+from megascope.errors import IngestError
+from megascope.ingest import ingest_kineto
+from megascope.ingest.groups import ProcessGroup, axis_from_desc, parse_mesh_spec, plan_groups
+from megascope.ingest.jsonstream import TraceReader
+from megascope.store import open_run
+
+# ------------------------------------------------------------------------------ reader
+
+
+@pytest.mark.parametrize("chunk", [64, 1000, 1 << 20])
+@pytest.mark.parametrize("suffix", [".json", ".json.gz"])
+def test_reader_yields_every_event_and_trailing_keys(tmp_path: Path, chunk: int, suffix: str) -> None:
+    trace = gpu_trace(0, 2)
+    # Strings holding "}," and nested objects must not confuse the batch cut.
+    trace["traceEvents"].insert(3, {"ph": "X", "cat": "cpu_op", "name": "odd },{ name", "ts": 1.0, "dur": 1.0,
+                                    "pid": 1, "tid": 1, "args": {"nested": {"a": [{"b": 1}, {"c": "},"}]}}})
+    path = write_trace(tmp_path / f"r0{suffix}", trace)
+    reader = TraceReader(path, chunk_chars=chunk)
+    header = reader.read_header()
+    events = [e for batch in reader.iter_batches() for e in batch]
+    assert events == trace["traceEvents"]
+    assert header["distributedInfo"]["rank"] == 0
+    assert reader.trailer == {"traceName": "rank0", "baseTimeNanoseconds": BASE_NS}
+
+
+def test_reader_compact_json_without_separator_spaces(tmp_path: Path) -> None:
+    trace = gpu_trace(1, 2, steps=40)
+    for e in trace["traceEvents"]:
+        if e.get("cat") == "kernel":  # real kernel names hold "}," (lambda types): not a separator
+            e["name"] += "<{lambda(float)#1}, at::detail::Array<char*, 2> >"
+    path = tmp_path / "r1.json"
+    path.write_text(json.dumps(trace, separators=(",", ":")))
+    events = [e for b in TraceReader(path, chunk_chars=100).iter_batches() for e in b]
+    assert events == trace["traceEvents"]
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"[1, 2, 3]", "not a JSON object"),
+        (b'{"schemaVersion": 1}', "no traceEvents"),
+        (b'{"traceEvents": [{"ph": "X", "ts": 1}, {"ph": ', "truncated"),
+        (b'{"traceEvents": [{"ph": "X", "ts": 1}, oops]}', "malformed"),
+        (b"\xff\xfe\x00garbage", "UTF-8"),
+    ],
+)
+def test_reader_bad_json_is_one_clear_error(tmp_path: Path, content: bytes, message: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_bytes(content)
+    with pytest.raises(IngestError, match=message):
+        for _ in TraceReader(path).iter_batches():
+            pass
+
+
+def test_reader_truncated_gzip(tmp_path: Path) -> None:
+    path = write_trace(tmp_path / "r0.json.gz", gpu_trace(0, 2, steps=20))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(IngestError, match="truncated or corrupt gzip"):
+        for _ in TraceReader(path).iter_batches():
+            pass
+
+
+# ----------------------------------------------------------------------------- groups
+
+
+def test_group_names_map_to_axes() -> None:
+    assert axis_from_desc("TENSOR_MODEL_PARALLEL_GROUP") == "tp"
+    assert axis_from_desc("PIPELINE_MODEL_PARALLEL_GROUP") == "pp"
+    assert axis_from_desc("DATA_PARALLEL_GROUP") == "dp"
+    assert axis_from_desc("mesh_tp") == "tp"
+    assert axis_from_desc("MODEL_PARALLEL_GROUP") is None
+    assert axis_from_desc("DATA_MODULO_EXPERT_PARALLEL_GROUP") is None
+    assert parse_mesh_spec("tp=2, pp=2,dp=2") == {"tp": 2, "pp": 2, "dp": 2}
+
+
+def test_plan_coordinates_come_from_group_membership() -> None:
+    # Megatron order on 8 ranks: tp fastest, then dp, then pp (tp=2, dp=2, pp=2).
+    pgs = [ProcessGroup("0", "default_pg", tuple(range(8)))]
+    n = 1
+    for t in range(2):
+        for p in range(2):
+            pgs.append(ProcessGroup(str(n), "DATA_PARALLEL_GROUP", (t + 4 * p, t + 2 + 4 * p)))
+            n += 1
+    for d in range(2):
+        for p in range(2):
+            pgs.append(ProcessGroup(str(n), "TENSOR_MODEL_PARALLEL_GROUP", (2 * d + 4 * p, 2 * d + 4 * p + 1)))
+            n += 1
+    plan = plan_groups(pgs, world_size=8)
+    assert plan.mesh_sizes == {"pp": 1 * 2, "dp": 2, "tp": 2}
+    for rank in range(8):
+        assert plan.coords[rank] == {"tp": rank % 2, "dp": (rank // 2) % 2, "pp": rank // 4}
+    assert plan.id_for("TENSOR_MODEL_PARALLEL_GROUP", (6, 7)) == "tp:3"
+
+
+# ------------------------------------------------------------------------ mapping
+
+
+def _write_job(src: Path, world: int, *, slow_rank: int | None = None, gz: bool = True) -> None:
+    src.mkdir(parents=True, exist_ok=True)
+    for rank in range(world):
+        write_trace(src / f"rank{rank}.pt.trace.json{'.gz' if gz else ''}", gpu_trace(rank, world, slow_rank=slow_rank))
+
+
+def test_gpu_trace_maps_onto_the_schema(tmp_path: Path) -> None:
+    world = 3
+    _write_job(tmp_path / "src", world, slow_rank=1)
+    result = ingest_kineto(tmp_path / "src", tmp_path / "run", workers=1)
+    assert result.world_size == world and result.missing_ranks == []
+    run = open_run(tmp_path / "run")
+    assert run.problems == []
+    con = run.con
+    for rank in range(world):
+        trace = gpu_trace(rank, world, slow_rank=1)
+        ev = trace["traceEvents"]
+        kernels = sorted((e for e in ev if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+        rows = con.execute(
+            "SELECT name, kind, stream, start_ns, dur_ns, step, seq, op, bytes, \"group\" FROM spans "
+            "WHERE rank = ? AND stream LIKE 'cuda:%' ORDER BY start_ns", [rank]).fetchall()
+        # collective spans are named after the collective, compute spans after the kernel
+        assert [r[0] for r in rows] == [
+            "nccl:all_reduce" if k["name"].startswith("nccl") else k["name"] for k in kernels]
+        for row, k in zip(rows, kernels, strict=True):
+            assert row[3] == BASE_NS + round(k["ts"] * 1000)
+            assert row[4] == round(k["dur"] * 1000)
+            assert row[2] == f"cuda:{k['args']['stream']}"
+        kinds = {r[0]: r[1] for r in rows}
+        assert kinds == {"gemm_fwd": "forward", "gemm_bwd": "backward", "nccl:all_reduce": "collective"}
+        comm = [r for r in rows if r[1] == "collective"]
+        assert [r[6] for r in comm] == [1, 2, 3]
+        assert {(r[7], r[8], r[9]) for r in comm} == {("all_reduce", 2048, "world")}
+        assert [r[5] for r in comm] == [5, 6, 7]
+        steps = con.execute("SELECT step FROM spans WHERE rank = ? AND kind = 'step' ORDER BY step", [rank]).fetchall()
+        assert [s[0] for s in steps] == [5, 6, 7]
+    # Markers: enqueued at record_param_comms, completed at the kernel's end, for every collective.
+    counts = con.execute("SELECT state, count(*) FROM markers GROUP BY state ORDER BY state").fetchall()
+    assert counts == [("completed", 9), ("enqueued", 9)]
+    # The slow rank arrives last at every all-reduce, and its peers' collectives hold the wait.
+    last = con.execute("""
+        SELECT seq, arg_max(rank, start_ns) FROM spans WHERE kind = 'collective' GROUP BY seq ORDER BY seq
+    """).fetchall()
+    assert [r[1] for r in last] == [1, 1, 1]
+    groups = con.execute("SELECT rank, \"group\", kind, members FROM groups ORDER BY rank").fetchall()
+    assert groups == [(r, "world", "world", [0, 1, 2]) for r in range(world)]
+    ranks = con.execute("SELECT rank, device, device_name, dp FROM ranks ORDER BY rank").fetchall()
+    assert ranks == [(r, "cuda:0", "Test GPU", r) for r in range(world)]
+    assert run.meta.source == "kineto" and run.meta.mesh_sizes == {"pp": 1, "dp": 3, "tp": 1}
+
+
+def test_parallel_and_serial_ingest_agree(tmp_path: Path) -> None:
+    _write_job(tmp_path / "src", 2, gz=False)
+    ingest_kineto(tmp_path / "src", tmp_path / "a", workers=1)
+    ingest_kineto(tmp_path / "src", tmp_path / "b", workers=2)
+    q = "SELECT * FROM spans ORDER BY rank, start_ns, name"
+    assert open_run(tmp_path / "a").con.execute(q).fetchall() == open_run(tmp_path / "b").con.execute(q).fetchall()
+
+
+def test_missing_rank_is_recorded(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for rank in (0, 2):
+        write_trace(src / f"rank{rank}.json", gpu_trace(rank, 3))
+    result = ingest_kineto(src, tmp_path / "run", workers=1)
+    assert result.missing_ranks == [1]
+    run = open_run(tmp_path / "run")
+    assert run.meta.config["ingest"]["missing_ranks"] == [1]
+    assert any("wrote no spans or markers: 1" in p for p in run.problems)
+    assert run.con.execute("SELECT count(*) FROM ranks").fetchone() == (3,)
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("duplicate", "duplicate rank 1"),
+        ("mixed", "mixed jobs"),
+        ("truncated", "truncated or corrupt gzip"),
+        ("notjson", "not a JSON object"),
+        ("empty", "no Kineto traces"),
+    ],
+)
+def test_bad_inputs_fail_cleanly_and_write_nothing(tmp_path: Path, case: str, message: str) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    if case != "empty":
+        write_trace(src / "rank0.json.gz", gpu_trace(0, 2, steps=30))
+        write_trace(src / "rank1.json.gz", gpu_trace(1, 2, steps=30))
+    if case == "duplicate":
+        write_trace(src / "rank1-copy.json", gpu_trace(1, 2))
+    elif case == "mixed":
+        write_trace(src / "other.json", gpu_trace(2, 4))
+    elif case == "truncated":
+        data = (src / "rank1.json.gz").read_bytes()
+        (src / "rank1.json.gz").write_bytes(data[: len(data) // 2])
+    elif case == "notjson":
+        (src / "rank1.json.gz").write_bytes(gzip.compress(b"<html>not json</html>"))
+    out = tmp_path / "run"
+    with pytest.raises(IngestError, match=message):
+        ingest_kineto(src, out, workers=2)
+    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    result = CliRunner().invoke(main, ["ingest", "kineto", str(src), "-o", str(out)])
+    assert result.exit_code == 1
+    assert "Traceback" not in result.output
+    assert result.output.strip().splitlines()[-1].startswith("Error: ")
+
+
+def test_refuses_to_overwrite_a_run(tmp_path: Path) -> None:
+    _write_job(tmp_path / "src", 2)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "keep.txt").write_text("mine")
+    with pytest.raises(IngestError, match="not empty"):
+        ingest_kineto(tmp_path / "src", tmp_path / "run")
+    assert (tmp_path / "run" / "keep.txt").read_text() == "mine"
+
+
+def test_cli_json_summary(tmp_path: Path) -> None:
+    _write_job(tmp_path / "src", 2)
+    result = CliRunner().invoke(main, ["ingest", "kineto", str(tmp_path / "src"), "-o", str(tmp_path / "run"),
+                                       "--json", "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output.strip().splitlines()[-1])
+    assert summary["world_size"] == 2 and summary["ranks_found"] == [0, 1] and summary["spans"] > 0
+
+
+# -------------------------------------------------------------------- real traces
+
+
+def _last_arrivers(con: object) -> dict[int, int]:
+    rows = con.execute(  # type: ignore[attr-defined]
+        """SELECT last, count(*) FROM (
+               SELECT "group", seq, arg_max(rank, start_ns) AS last, count(*) AS n FROM spans
+               WHERE kind = 'collective' GROUP BY ALL) WHERE n > 1 GROUP BY last"""
+    ).fetchall()
+    return dict(rows)
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "kineto-cpu-4rank").is_dir(), reason="shared sample traces not present")
+def test_real_cpu_gloo_traces(tmp_path: Path) -> None:
+    src = SHARED_DATA / "kineto-cpu-4rank"
+    ingest_kineto(src, tmp_path / "run")
+    run = open_run(tmp_path / "run")
+    con = run.con
+    assert run.meta.world_size == 4 and run.problems == []
+    # One collective span per gloo:all_reduce execution, seqs aligned across ranks.
+    for path in sorted(src.glob("*.json.gz")):
+        trace = json.loads(gzip.decompress(path.read_bytes()))
+        rank = trace["distributedInfo"]["rank"]
+        n_exec = sum(1 for e in trace["traceEvents"] if e.get("name") == "gloo:all_reduce")
+        n_steps = sum(1 for e in trace["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#"))
+        got = con.execute("SELECT count(*), min(seq), max(seq) FROM spans WHERE rank = ? AND kind = 'collective'",
+                          [rank]).fetchone()
+        assert got == (n_exec, 1, n_exec)
+        assert con.execute("SELECT count(*) FROM spans WHERE rank = ? AND kind = 'step'", [rank]).fetchone() == (n_steps,)
+    sizes = con.execute("SELECT DISTINCT count(*) FROM spans WHERE kind = 'collective' GROUP BY seq").fetchall()
+    assert sizes == [(4,)]
+    # The planted compute straggler arrives last at most all-reduces.
+    arrivals = _last_arrivers(con)
+    worst = max(arrivals, key=lambda r: arrivals[r])
+    compute = con.execute("""SELECT rank FROM spans WHERE kind IN ('forward', 'compute') GROUP BY rank
+                         ORDER BY sum(dur_ns) DESC LIMIT 1""").fetchone()
+    assert compute is not None and worst == compute[0]
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "kineto-gpu-2rank").is_dir(), reason="shared sample traces not present")
+def test_real_gpu_nccl_traces(tmp_path: Path) -> None:
+    ingest_kineto(SHARED_DATA / "kineto-gpu-2rank", tmp_path / "run")
+    run = open_run(tmp_path / "run")
+    con = run.con
+    assert con.execute("SELECT DISTINCT device_name FROM ranks").fetchall() == [("NVIDIA H200",)]
+    # every recorded all-reduce of the window has a kernel on both ranks, with the same seq
+    assert con.execute("SELECT DISTINCT count(*) FROM spans WHERE kind = 'collective' GROUP BY seq").fetchall() == [(2,)]
+    assert con.execute("SELECT DISTINCT op FROM spans WHERE kind = 'collective'").fetchall() == [("all_reduce",)]
+    kinds = {k for (k,) in con.execute("SELECT DISTINCT kind FROM spans").fetchall()}
+    assert {"forward", "backward", "optimizer", "collective", "step"} <= kinds
+    # the extra GEMMs: one rank's forward kernels take longer, and that rank arrives last
+    fwd = dict(con.execute("SELECT rank, sum(dur_ns) FROM spans WHERE kind = 'forward' GROUP BY rank").fetchall())
+    arrivals = _last_arrivers(con)
+    slow = max(fwd, key=lambda r: fwd[r])
+    assert max(arrivals, key=lambda r: arrivals[r]) == slow
+
+
+@pytest.mark.skipif(not GEN_KINETO.is_file(), reason="shared trace generator not present")
+def test_generated_3d_job_maps_megatron_groups(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    truth_out = subprocess.run(
+        [sys.executable, str(GEN_KINETO), "--out", str(src), "--ranks", "8", "--steps", "3", "--tp", "2",
+         "--pp", "2", "--kernels-per-step", "40", "--straggler-rank", "5", "--straggler-slowdown", "0.5", "--gzip"],
+        capture_output=True, text=True, check=True).stdout
+    truth = json.loads(truth_out.strip().splitlines()[-1])
+    ingest_kineto(src, tmp_path / "run")
+    run = open_run(tmp_path / "run")
+    con = run.con
+    assert run.meta.mesh_sizes == {"pp": 2, "dp": 2, "tp": 2}
+    coords = con.execute("SELECT rank, tp, dp, pp FROM ranks ORDER BY rank").fetchall()
+    assert coords == [(r, r % 2, (r // 2) % 2, r // 4) for r in range(8)]
+    groups = {g for (g,) in con.execute("SELECT DISTINCT \"group\" FROM spans WHERE \"group\" IS NOT NULL").fetchall()}
+    assert {"tp:0", "dp:0", "pp:0"} <= groups
+    # p2p: every send has the matching recv (same pair, same seq) on its peer
+    unmatched = con.execute("""
+        SELECT count(*) FROM spans s WHERE s.kind = 'send' AND NOT EXISTS (
+            SELECT 1 FROM spans r WHERE r.kind = 'recv' AND r.rank = s.peer AND r.peer = s.rank AND r.seq = s.seq)
+    """).fetchone()
+    assert unmatched == (0,) and con.execute("SELECT count(*) FROM spans WHERE kind = 'send'").fetchone()[0] > 0
+    # the straggler's compute is the longest among its pipeline stage
+    stage = truth["straggler_coords_tp_dp_pp"][2]
+    top = con.execute(f"""SELECT s.rank FROM spans s JOIN ranks USING (rank) WHERE ranks.pp = {stage}
+                      AND s.kind IN ('forward', 'backward') GROUP BY s.rank ORDER BY sum(s.dur_ns) DESC LIMIT 1""").fetchone()
+    assert top == (truth["straggler_rank"],)
+
+
+@pytest.mark.skipif(not SHARED_DATA.is_dir(), reason="shared sample traces not present")
+@pytest.mark.parametrize(("sample", "planted"), [("kineto-cpu-4rank", 3), ("kineto-gpu-2rank", 0)])
+def test_report_names_the_planted_straggler(tmp_path: Path, sample: str, planted: int) -> None:
+    """End to end: ingest, then the analysis' report (planted ranks as the data README states)."""
+    analysis = pytest.importorskip("megascope.analysis")
+    if not hasattr(analysis, "report"):
+        pytest.skip("analysis.report not available")
+    ingest_kineto(SHARED_DATA / sample, tmp_path / "run")
+    report = analysis.report(open_run(tmp_path / "run"))
+    assert report["stragglers"] and report["stragglers"][0]["rank"] == planted
+    assert report["stragglers"][0]["cause"] == "compute"
