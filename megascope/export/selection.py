@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import pandas as pd
 
 from megascope.errors import ConfigError, ExportError
 from megascope.store import Run
@@ -178,10 +179,10 @@ def _clock_offsets(run: Run) -> tuple[dict[str, tuple[int, int | None]], str]:
     offsets: dict[str, tuple[int, int | None]] = {}
     for row in frame.itertuples(index=False):
         offset = getattr(row, "offset_ns", None)
-        if offset is None or offset != offset:  # NaN: host without an estimate
+        if offset is None or pd.isna(offset):  # host without an estimate
             continue
         error = getattr(row, "error_ns", None)
-        offsets[str(row.host)] = (int(offset), None if error is None or error != error else int(error))
+        offsets[str(row.host)] = (int(offset), None if error is None or pd.isna(error) else int(error))
     return offsets, "analysis (megascope.analysis.clock_offsets)"
 
 
