@@ -280,3 +280,16 @@ def test_file_output_is_atomic_and_errors_are_export_errors(run_dir: Path, tmp_p
     assert [p.name for p in tmp_path.iterdir()] == ["t.pftrace"]
     with pytest.raises(ExportError):
         export_perfetto(run_dir, tmp_path / "missing" / "t.pftrace")
+
+
+def test_single_host_run_exports_with_analysis_offsets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One host: the analysis has no offset error to give (NA); the export still states its clocks."""
+    from megascope import analysis
+    from megascope.analysis.report import clock_offsets
+
+    monkeypatch.setattr(analysis, "clock_offsets", clock_offsets, raising=False)
+    out = tmp_path / "one-host"
+    synth_run(out, SynthConfig(ranks=4, steps=2, tp=2, gpus_per_host=8))
+    trace = _export(out)
+    assert trace.slices
+    assert trace.metadata["megascope.clock_correction"].startswith("analysis")
