@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
@@ -126,20 +127,30 @@ def _check_part(path: Path, table: str) -> str | None:
     return None
 
 
-def _scan(run: Run, table: str) -> list[Path]:
+@dataclass
+class _Parts:
+    """The readable parts of one table and how to read them."""
+
+    files: list[Path]
+    whole: bool  # every file the glob matches is readable: views may use the glob itself
+    uniform: bool  # every file has the same columns: no union_by_name (which reads every footer per query)
+
+
+def _scan(run: Run, table: str) -> _Parts:
     """Finished parts of ``table``: checked cheaply as a whole, file by file only on failure."""
     files = sorted(run.path.glob(layout.table_glob(table)))
     if not files:
-        return []
-    probe = ", ".join(_sql_str(str(f)) for f in files)
+        return _Parts([], True, True)
     required = _required_columns(table)
     try:
+        # The glob, not a list of every path: one statement stays small at 100k+ files.
         rows = run.con.execute(
-            f"SELECT file_name, list(name) FROM parquet_schema([{probe}]) GROUP BY file_name"
+            "SELECT file_name, list(name ORDER BY name) FROM parquet_schema(?) GROUP BY file_name",
+            [str(run.path / layout.table_glob(table))],
         ).fetchall()
         bad = {Path(name) for name, cols in rows if not required <= set(cols)}
-        if not bad:
-            return files
+        if not bad and len(rows) >= len(files):
+            return _Parts(files, True, len({tuple(cols) for _, cols in rows}) == 1)
     except duckdb.Error:
         pass
     good = []
@@ -150,12 +161,22 @@ def _scan(run: Run, table: str) -> list[Path]:
         elif problem not in run.problems:
             run.problems.append(problem)
             log.warning(problem)
-    return good
+    return _Parts(good, len(good) == len(files), False)
 
 
 def _create_views(run: Run) -> None:
+    _create_table_views(run)
+    # The table views read through globs and do not change as parts arrive; this one does, so that
+    # anything keyed on the views' definitions (the analysis' derived tables) sees new data.
+    digest = hashlib.sha1("\n".join(str(f) for t in TABLES for f in run.files[t]).encode()).hexdigest()
+    counts = ", ".join(f"{len(run.files[t])} AS {t}" for t in TABLES)
+    run.con.execute(f"CREATE OR REPLACE VIEW store_parts AS SELECT '{digest}' AS digest, {counts}")
+
+
+def _create_table_views(run: Run) -> None:
     for table, schema in TABLES.items():
-        files = _scan(run, table)
+        parts = _scan(run, table)
+        files = parts.files
         run.files[table] = files
         if not files:
             # A typed empty view in SQL, not a registered Arrow table: registrations are local to
@@ -163,17 +184,22 @@ def _create_views(run: Run) -> None:
             nulls = ", ".join(f'CAST(NULL AS {_DUCK_TYPES[str(f.type)]}) AS "{f.name}"' for f in schema)
             run.con.execute(f"CREATE OR REPLACE VIEW {table} AS SELECT {nulls} WHERE false")
             continue
-        file_list = ", ".join(_sql_str(str(f)) for f in files)
+        # Read through the glob when every part is good (new parts of a live run then show up without
+        # a refresh, and the view stays small at 100k+ files); through the list of good parts otherwise.
+        if parts.whole:
+            source = _sql_str(str(run.path / layout.table_glob(table)))
+        else:
+            source = "[" + ", ".join(_sql_str(str(f)) for f in files) + "]"
         hive = _HIVE_TYPES.get(table)
-        hive_opts = f", hive_partitioning=true, hive_types={{'{hive}': INTEGER}}" if hive else ", hive_partitioning=false"
+        options = f", hive_partitioning=true, hive_types={{'{hive}': INTEGER}}" if hive else ", hive_partitioning=false"
+        if not parts.uniform:
+            options += ", union_by_name=true"
         # Columns in schema order, each cast to its declared type, so that a writer's older file or
         # a missing nullable column still reads as the schema says.
         casts = []
         described = {
             name: typ
-            for name, typ, *_ in run.con.execute(
-                f"DESCRIBE SELECT * FROM read_parquet([{file_list}], union_by_name=true{hive_opts})"
-            ).fetchall()
+            for name, typ, *_ in run.con.execute(f"DESCRIBE SELECT * FROM read_parquet({source}{options})").fetchall()
         }
         for f in schema:
             duck_type = _DUCK_TYPES[str(f.type)]
@@ -182,8 +208,7 @@ def _create_views(run: Run) -> None:
             else:
                 casts.append(f'CAST(NULL AS {duck_type}) AS "{f.name}"')
         run.con.execute(
-            f"CREATE OR REPLACE VIEW {table} AS SELECT {', '.join(casts)} "
-            f"FROM read_parquet([{file_list}], union_by_name=true{hive_opts})"
+            f"CREATE OR REPLACE VIEW {table} AS SELECT {', '.join(casts)} FROM read_parquet({source}{options})"
         )
 
 

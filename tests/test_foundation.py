@@ -200,3 +200,15 @@ def test_inject_grammar() -> None:
             parse_inject(bad)
     with pytest.raises(ConfigError, match="outside a job of 4"):
         parse_injects(["hang:rank=9,step=1"]).validate(4)
+
+
+def test_new_parts_show_without_refresh_and_change_the_parts_view(tmp_path: Path) -> None:
+    """Views read through globs when every part is good; ``store_parts`` tells what was seen."""
+    run_dir = make_run(tmp_path)
+    run = open_run(run_dir)
+    before = run.con.execute("SELECT digest, spans FROM store_parts").fetchone()
+    layout.write_part(run_dir, "spans", _spans(0, 2), rank=0)
+    assert run.con.execute("SELECT count(*) FROM spans").fetchone() == (14,)  # live data, no refresh
+    run.refresh()
+    after = run.con.execute("SELECT digest, spans FROM store_parts").fetchone()
+    assert after[1] == before[1] + 1 and after[0] != before[0]
