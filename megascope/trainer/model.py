@@ -174,6 +174,11 @@ class GPTStage(nn.Module):
             return x
         assert self.ln_f is not None and self.lm_head is not None and targets is not None
         logits = self.lm_head(self.tp.enter(self.ln_f(x)))
+        if not self.tp.active:
+            # The whole vocabulary is here: torch's fused cross-entropy makes fewer passes over the
+            # [tokens, vocab] logits than the vocab-parallel form, and computes the same loss.
+            flat = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
+            return flat.view_as(targets)
         return vocab_parallel_cross_entropy(logits, targets, self.tp, self.tp.index * logits.shape[-1])
 
     def matmul_weights(self) -> list[torch.Tensor]:
