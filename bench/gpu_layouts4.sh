@@ -12,7 +12,7 @@ STEPS=${STEPS:-15}
 WORK=$(mktemp -d)
 RUNS="$WORK/layouts4"
 mkdir -p "$RUNS" "$OUT"
-BIG=(--layers 24 --hidden 2048 --heads 16 --seq-len 2048 --vocab 50304 --global-batch 16 --micro-batches 4)
+BIG=(--layers 24 --hidden 2048 --heads 16 --seq-len 2048 --vocab 50304 --global-batch 16 --micro-batches 4 --lr 3e-4)
 SMALL=(--layers 8 --hidden 1024 --heads 8 --seq-len 1024 --vocab 32768 --global-batch 16 --micro-batches 4)
 
 train() {  # name mode args...

@@ -12,7 +12,7 @@ PY=${PYTHON:-python3}
 STEPS=${STEPS:-20}
 REPEATS=${REPEATS:-2}
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
-MODEL=(--layers 24 --hidden 2048 --heads 16 --seq-len 2048 --vocab 50304)
+MODEL=(--layers 24 --hidden 2048 --heads 16 --seq-len 2048 --vocab 50304 --lr 3e-4)
 RUNS="$OUT/runs"
 mkdir -p "$RUNS"
 
@@ -30,8 +30,8 @@ train() {  # name gpus collector(on|off) extra-args...
 }
 
 for r in $(seq "$REPEATS"); do
-  train "1gpu-r$r" 1 on --global-batch 8 --micro-batches 2
-  train "1gpu-r$r" 1 off --global-batch 8 --micro-batches 2
+  train "1gpu-r$r" 1 on --global-batch 8 --micro-batches 1
+  train "1gpu-r$r" 1 off --global-batch 8 --micro-batches 1
 done
 if [ "$NGPU" -ge 2 ]; then
   for layout in tp pp dp; do
