@@ -1,10 +1,13 @@
 """Data parallelism with a sharded optimizer (ZeRO-1): bucketed reduce-scatter during backward,
 optimizer step on this rank's shard, all-gather of the updated parameters.
 
-Role in the data flow: ``loop.py`` builds one :class:`ShardedOptimizer` per rank. Gradients of
-each micro-batch are accumulated (by ``post_accumulate_grad`` hooks) into flat fp32 buffers cut
-into buckets; during the *last* micro-batch's backward, each bucket is reduce-scattered over the dp
-group as soon as its last gradient arrives, so the sync overlaps the rest of the backward pass.
+Role in the data flow: ``loop.py`` builds one :class:`ShardedOptimizer` per rank. Each parameter's
+``.grad`` is a view into a flat fp32 buffer cut into buckets, so autograd accumulates every
+micro-batch's gradient straight into the bucket (no copy, no per-step gradient allocation; torch
+DDP's ``gradient_as_bucket_view``). During the *last* micro-batch's backward, a
+``post_accumulate_grad`` hook counts each bucket's parameters and reduce-scatters the bucket over the
+dp group as soon as it is full, so the sync overlaps the rest of the backward pass (``overlap=False``
+issues every bucket after the backward instead, the "before" of the overlap measurement).
 Every reduce-scatter, all-gather and all-reduce goes through the collector (``dp:*``, ``tp:*``,
 ``world`` groups).
 
@@ -16,7 +19,9 @@ Each bucket's length is a multiple of dp; rank k of the dp group owns the k-th s
 bucket. Two buffers keep weight decay off norms (1-D parameters). Under sequence parallelism the
 gradients of TP-replicated parameters are summed over the tp group before the dp sync. The global
 gradient norm counts every logical element once (replicated parameters on tp rank 0 only) and
-travels with the loss in one ``world`` all-reduce per step.
+travels with the loss in one ``world`` all-reduce per step. It is one fused ``_foreach_norm`` over
+the counted ranges (no temporaries the size of the model), and clipping rides on the fused AdamW
+kernel's gradient scale instead of a separate pass over the gradients.
 
 Optimizers: AdamW (fused ``torch.optim.AdamW`` on the flat shard on CUDA, the same update written
 out on CPU) and LAMB (hand-written;
@@ -49,6 +54,7 @@ class _Bucket:
     start: int
     end: int
     params: int  # how many parameters must report before the bucket is ready
+    shard_start: int  # where this bucket's slice starts in a dp rank's shard of the buffer
     replicated: list[tuple[int, int]] = field(default_factory=list)  # TP-replicated (start, end) ranges
     ready: int = 0
     work: Any = None
@@ -76,7 +82,8 @@ class FlatBuffer:
                 return
             pad = (-(offset - bucket_start)) % dp
             offset += pad
-            self.buckets.append(_Bucket(bucket_start, offset, len(current)))
+            shard_start = self.buckets[-1].shard_start + self.buckets[-1].size // dp if self.buckets else 0
+            self.buckets.append(_Bucket(bucket_start, offset, len(current), shard_start))
             bucket_start = offset
             current = []
 
@@ -97,6 +104,12 @@ class FlatBuffer:
             p.data = view
             if getattr(p, "tp_replicated", False):
                 self.buckets[b].replicated.append((start, start + p.numel()))
+        self.attach_grads()
+
+    def attach_grads(self) -> None:
+        """Point every ``p.grad`` at its slice of ``grad_flat``: autograd then adds into it in place."""
+        for p in self.params:
+            p.grad = self.grad_view(p)
 
     def grad_view(self, p: nn.Parameter) -> torch.Tensor:
         start, _ = self.offsets[id(p)]
@@ -117,8 +130,9 @@ class ShardedOptimizer:
     def __init__(self, model: nn.Module, *, comm: Comm | None, tp: Axis, dp: Axis, world: Axis,
                  dp_index: int, tp_index: int, sequence_parallel: bool, optimizer: str, lr: float,
                  weight_decay: float, grad_clip: float, bucket_mb: float, device: torch.device,
-                 collector: Any) -> None:
+                 collector: Any, overlap: bool = True) -> None:
         self.comm = comm
+        self.overlap = overlap
         self.tp, self.dp, self.world = tp, dp, world
         self.dp_index = dp_index
         self.sync_tp = sequence_parallel and tp.size > 1
@@ -135,9 +149,12 @@ class ShardedOptimizer:
                         for ps in (decay, no_decay) if ps]
         self.weight_decays = [weight_decay if ps is decay else 0.0 for ps in (decay, no_decay) if ps]
         self._armed = False
-        # Master shards: this rank's slice of each buffer, as one flat fp32 parameter per buffer.
+        # Master shards: this rank's slice of each buffer, as one flat fp32 parameter per buffer, and
+        # the reduced gradient of that slice (the reduce-scatters write straight into it).
         self.masters: list[nn.Parameter] = []
-        self.norm_weights: list[torch.Tensor] = []
+        self.grad_shards: list[torch.Tensor] = []
+        self.norm_ranges: list[list[tuple[int, int]]] = []  # per buffer: shard ranges counted in the norm
+        self._norm_weights: list[torch.Tensor] | None = None  # LAMB only, built on first use
         self.segments: list[tuple[torch.Tensor, int]] = []  # LAMB: element -> parameter index
         for buf in self.buffers:
             slices = buf.shard_slices(dp_index)
@@ -145,11 +162,13 @@ class ShardedOptimizer:
                 # Without data parallelism the shard is the whole buffer: update the parameters in
                 # place instead of keeping (and copying back) a second fp32 copy.
                 master = buf.param_flat
+                self.grad_shards.append(buf.grad_flat)
             else:
                 master = torch.cat([buf.param_flat[s:e] for s, e in slices]).clone()
+                self.grad_shards.append(torch.zeros_like(master))
             self.masters.append(nn.Parameter(master))
-            self.norm_weights.append(self._norm_weight(buf, slices, tp_index, device))
-            self.segments.append(self._segment_ids(buf, slices, device))
+            self.norm_ranges.append(self._counted_ranges(buf, slices, tp_index))
+            self.segments.append(self._segment_ids(buf, slices, device) if optimizer == "lamb" else (master, 0))
         for buf in self.buffers:
             for p in buf.params:
                 p.register_post_accumulate_grad_hook(self._make_hook(buf, p))
@@ -163,15 +182,37 @@ class ShardedOptimizer:
         self.opt_step = 0
 
     # --- shard bookkeeping -------------------------------------------------------------------
-    def _norm_weight(self, buf: FlatBuffer, slices: list[tuple[int, int]], tp_index: int,
-                     device: torch.device) -> torch.Tensor:
-        """1 for shard elements this rank counts in the global norm, 0 for replicated copies on tp>0."""
-        full = torch.ones(buf.numel, device=device)
-        if tp_index > 0:
-            for bucket in buf.buckets:
-                for s, e in bucket.replicated:
-                    full[s:e] = 0.0
-        return torch.cat([full[s:e] for s, e in slices])
+    @staticmethod
+    def _counted_ranges(buf: FlatBuffer, slices: list[tuple[int, int]], tp_index: int) -> list[tuple[int, int]]:
+        """Ranges of the shard (in shard coordinates) this rank counts in the global norm: all of it,
+        except, on tp ranks > 0, the TP-replicated parameters (tp rank 0 counts them once)."""
+        skip = sorted(r for bucket in buf.buckets for r in bucket.replicated) if tp_index > 0 else []
+        out: list[tuple[int, int]] = []
+        base = 0
+        for s, e in slices:
+            cursor = s
+            for rs, re_ in skip:
+                lo, hi = max(rs, s), min(re_, e)
+                if lo >= hi:
+                    continue
+                if lo > cursor:
+                    out.append((base + cursor - s, base + lo - s))
+                cursor = max(cursor, hi)
+            if cursor < e:
+                out.append((base + cursor - s, base + e - s))
+            base += e - s
+        return out
+
+    def _norm_weight(self, i: int) -> torch.Tensor:
+        """1 for the shard elements of buffer ``i`` counted in the norm, 0 elsewhere (LAMB's trust ratios)."""
+        if self._norm_weights is None:
+            self._norm_weights = []
+            for master, ranges in zip(self.masters, self.norm_ranges, strict=True):
+                w = torch.zeros(master.numel(), device=master.device)
+                for s, e in ranges:
+                    w[s:e] = 1.0
+                self._norm_weights.append(w)
+        return self._norm_weights[i]
 
     def _segment_ids(self, buf: FlatBuffer, slices: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, int]:
         ids = torch.full((buf.numel,), len(buf.params), dtype=torch.long, device=device)  # padding: extra id
@@ -182,16 +223,13 @@ class ShardedOptimizer:
 
     # --- gradient sync -----------------------------------------------------------------------
     def _make_hook(self, buf: FlatBuffer, p: nn.Parameter) -> Callable[[torch.Tensor], None]:
-        view = buf.grad_view(p)
         bucket = buf.buckets[buf.offsets[id(p)][1]]
 
         def hook(param: torch.Tensor) -> None:
-            assert param.grad is not None
-            view.add_(param.grad)
-            param.grad = None
+            # Autograd has already added this micro-batch's gradient into the bucket (p.grad is a view).
             if self._armed:
                 bucket.ready += 1
-                if bucket.ready == bucket.params:
+                if bucket.ready == bucket.params and self.overlap:
                     self._launch(buf, bucket)
 
         return hook
@@ -207,32 +245,29 @@ class ShardedOptimizer:
                 self.comm.all_reduce(buf.grad_flat[s:e], self.tp.pg)
         if self.dp.size > 1:
             assert self.comm is not None
+            # Into this bucket's slice of the reduced-gradient shard: a separate buffer (an output
+            # aliasing the input is not something gloo promises to handle), and no concatenation later.
             chunk = bucket.size // self.dp.size
-            # A separate output: an output aliasing the input is not something gloo promises to handle.
-            out = torch.empty(chunk, dtype=buf.grad_flat.dtype, device=buf.grad_flat.device)
-            work = self.comm.reduce_scatter_async(out, buf.grad_flat[bucket.start:bucket.end], self.dp.pg)
-            bucket.work = (work, out)
+            out = self.grad_shards[self.buffers.index(buf)][bucket.shard_start:bucket.shard_start + chunk]
+            bucket.work = self.comm.reduce_scatter_async(out, buf.grad_flat[bucket.start:bucket.end], self.dp.pg)
 
     def _finish_sync(self) -> list[torch.Tensor]:
         """Wait for every bucket; return each buffer's reduced gradient shard."""
         self._armed = False
-        shards = []
         for buf in self.buffers:
-            pieces = []
-            for bucket, (s, e) in zip(buf.buckets, buf.shard_slices(self.dp_index), strict=True):
+            for bucket in buf.buckets:
                 if bucket.ready != bucket.params:
                     raise RuntimeError(f"gradient bucket [{bucket.start}, {bucket.end}) never filled "
                                        f"({bucket.ready}/{bucket.params} parameters reported)")
+                if not self.overlap:
+                    self._launch(buf, bucket)
+        for buf in self.buffers:
+            for bucket in buf.buckets:
                 bucket.ready = 0
                 if bucket.work is not None:
-                    work, out = bucket.work
-                    work.wait()
+                    bucket.work.wait()
                     bucket.work = None
-                    pieces.append(out)
-                else:
-                    pieces.append(buf.grad_flat[s:e])
-            shards.append(buf.grad_flat if self.dp.size == 1 else torch.cat(pieces))
-        return shards
+        return self.grad_shards
 
     # --- the step ------------------------------------------------------------------------------
     def step(self, lr: float, loss: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,8 +281,9 @@ class ShardedOptimizer:
             grads = self._finish_sync()
         device = self.masters[0].device
         stats = torch.zeros(2, device=device)
-        for g, w in zip(grads, self.norm_weights, strict=True):
-            stats[0] += (g.square() * w).sum()
+        pieces = [g[s:e] for g, ranges in zip(grads, self.norm_ranges, strict=True) for s, e in ranges]
+        if pieces:
+            stats[0] = torch.stack(torch._foreach_norm(pieces)).square().sum()
         if loss is not None:
             stats[1] += loss.float()
         if self.comm is not None and self.world.size > 1:
@@ -256,15 +292,21 @@ class ShardedOptimizer:
         clip = (self.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0) if self.grad_clip > 0 else torch.ones((), device=device)
         with self.col.span("optimizer", kind=SpanKind.OPTIMIZER):
             for master, g in zip(self.masters, grads, strict=True):
-                master.grad = g.mul_(clip)  # g is this step's own buffer (zeroed or replaced next step)
+                master.grad = g
             if self.inner is not None:
                 for group in self.inner.param_groups:
                     group["lr"] = lr
+                # The fused kernel divides each gradient by this scale as it reads it: clipping
+                # without a pass of its own over the gradients.
+                self.inner.grad_scale = 1.0 / clip  # type: ignore[attr-defined]
                 self.inner.step()
-            elif self.kind == "adamw":
-                self._adamw(lr)
             else:
-                self._lamb(lr)
+                for g in grads:
+                    g.mul_(clip)
+                if self.kind == "adamw":
+                    self._adamw(lr)
+                else:
+                    self._lamb(lr)
             for master in self.masters:
                 master.grad = None
         self._gather_params()
@@ -306,8 +348,9 @@ class ShardedOptimizer:
         self.opt_step += 1
         t = self.opt_step
         b1, b2 = betas
-        for master, (m, v), wd, (seg, nseg), w in zip(self.masters, self.moments, self.weight_decays,
-                                                     self.segments, self.norm_weights, strict=True):
+        for i, (master, (m, v), wd, (seg, nseg)) in enumerate(zip(self.masters, self.moments, self.weight_decays,
+                                                                  self.segments, strict=True)):
+            w = self._norm_weight(i)
             g = master.grad
             assert g is not None
             m.mul_(b1).add_(g, alpha=1 - b1)
