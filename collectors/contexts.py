@@ -46,6 +46,9 @@ class _Noop:
 
 NOOP = _Noop()
 
+# Name suffix of the span that times the wait on an asynchronous communication call.
+WAIT_SUFFIX = ":wait"
+
 
 class SpanContext:
     """One timed span: ``with col.span(...):`` or ``@col.span(...)``. Closed even on exceptions."""
@@ -132,7 +135,7 @@ class CommHandle:
     complete, and the lone ``enqueued`` marker says so.
     """
 
-    __slots__ = ("_col", "_token", "_anchor", "_done", "stream", "step", "name", "kind", "label", "group",
+    __slots__ = ("_col", "_token", "_anchor", "_done", "_wait", "stream", "step", "name", "kind", "label", "group",
                  "seq", "op", "bytes", "peer", "microbatch", "chunk")
 
     def __init__(self, col: Collector, *, name: str, kind: str, label: str, group: str, seq: int, op: str,
@@ -151,6 +154,7 @@ class CommHandle:
         self.microbatch = col._microbatch
         self.chunk = col._chunk
         self._done = False
+        self._wait: Any = None
         col._enqueue_marker(self)
         try:
             self._anchor = col._timer.anchor
@@ -158,6 +162,20 @@ class CommHandle:
         except Exception:
             col._internal_error("comm start")
             self._anchor = self._token = None
+
+    def waiting(self) -> None:
+        """The caller starts waiting for an asynchronous operation (just before ``work.wait()``).
+
+        ``end()`` then also writes a ``<name>:wait`` span (kind ``other``, same seq, op and peer, no group)
+        from here to completion: the part of the operation that compute did not hide. On GPU it is
+        stamped on the same stream, so it is the time that stream stalled.
+        """
+        if self._done or self._wait is not None:
+            return
+        try:
+            self._wait = self._col._timer.stamp(self.stream)
+        except Exception:
+            self._col._internal_error("comm wait")
 
     def end(self) -> None:
         """The operation has completed (on GPU: call it after ``work.wait()``)."""
@@ -167,12 +185,18 @@ class CommHandle:
         # The span belongs to the step it was issued in, even if its wait comes later.
         self._col._close_span(self._token, self._anchor, self.stream, self.step, self.name, self.kind, self.label,
                               self.microbatch, self.chunk, self.group, self.seq, self.op, self.bytes, self.peer)
+        if self._wait is not None:
+            # No group: a span with a group is a communication span to every query of the run.
+            self._col._close_span(self._wait, self._anchor, self.stream, self.step, f"{self.name}{WAIT_SUFFIX}",
+                                  "other", self.label, self.microbatch, self.chunk, None, self.seq, self.op,
+                                  None, self.peer)
 
     def abandon(self) -> None:
         """The operation failed: give the timer token back, write no completion."""
         if not self._done:
             self._done = True
             self._col._timer.release(self._token)
+            self._col._timer.release(self._wait)
 
     def __enter__(self) -> CommHandle:
         return self

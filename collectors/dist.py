@@ -3,7 +3,8 @@
 Role in the data flow: part of the in-job collector. Each call records the rank's arrival (and an
 ``enqueued`` marker) just before launching the real torch.distributed call, and its completion when
 the call returns (blocking form) or when the returned work's ``wait()`` returns (``async_op=True``,
-``isend``/``irecv``, ``batch_isend_irecv``). Return values are those of torch.distributed, with
+``isend``/``irecv``, ``batch_isend_irecv``); an asynchronous call also gets a ``<name>:wait`` span
+from the ``wait()`` call to completion, the part of it that compute did not hide. Return values are those of torch.distributed, with
 work objects wrapped so that ``wait()`` also ends the span. The megascope group id comes from
 :meth:`Collector.register_group`; bytes are what this rank contributes.
 
@@ -48,6 +49,9 @@ class TimedWork:
         self._handle = handle
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
+        waiting = getattr(self._handle, "waiting", None)
+        if waiting is not None:
+            waiting()
         result = self._work.wait(*args, **kwargs)
         self._handle.end()
         return result

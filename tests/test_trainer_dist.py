@@ -196,3 +196,31 @@ def test_cli_trains_from_a_token_file(tmp_path: Path) -> None:
     losses = [v for (v,) in run.con.execute(
         "SELECT value FROM metrics WHERE name = 'loss' AND rank = 0 ORDER BY step").fetchall()]
     assert len(losses) == 4 and losses[-1] < losses[0]
+
+
+def test_overlap_is_what_the_exposed_comm_analysis_sees(tmp_path: Path, reference: list[float]) -> None:
+    """With DP overlap the gradient reduce-scatters run under the backward pass (most of each one is
+    hidden); with ``overlap`` off for dp they are issued after it and waited on at once (almost
+    nothing hidden). Both compute the same loss; every asynchronous call leaves its wait span."""
+    from megascope.analysis import exposed_comm
+
+    def dp_rs(overlap: frozenset[str]) -> tuple[list[float], Any]:
+        cfg = _cfg(tmp_path / "-".join(sorted(overlap) or ["none"]), tp=2, pp=2, dp=2, bucket_mb=0.004,
+                   model=replace(MODEL, layers=4), overlap=overlap)
+        result = train(cfg, nproc=8)
+        run = open_run(result.out)
+        waits = {n for (n,) in run.con.execute("SELECT DISTINCT name FROM spans WHERE name LIKE '%:wait'").fetchall()}
+        assert {"dp.reduce_scatter:wait", "dp.all_gather:wait"} <= waits
+        if "pp" in overlap:
+            assert {"pp.send:wait", "pp.recv:wait"} <= waits
+        if "tp" in overlap:
+            assert {"tp.all_gather:wait", "tp.reduce_scatter:wait"} <= waits
+        rows = exposed_comm(run.con, steps=[1, 2]).set_index(["group_kind", "name"])
+        return result.losses, rows.loc[("dp", "dp.reduce_scatter")]
+
+    on_losses, on = dp_rs(frozenset({"tp", "pp", "dp"}))
+    off_losses, off = dp_rs(frozenset())
+    assert on_losses == pytest.approx(off_losses, rel=RTOL)
+    assert on["exposed_ns"] + on["overlapped_ns"] == on["comm_ns"]
+    assert on["overlapped_ns"] / on["comm_ns"] > 0.3
+    assert off["overlapped_ns"] / off["comm_ns"] < 0.1

@@ -37,6 +37,11 @@ from megascope.cli.common import inject_option, out_run_option
 @click.option("--collective-timeout", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
               help="Seconds before a blocked collective fails the job.")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--no-overlap", "no_overlap", type=click.Choice(["tp", "pp", "dp", "all"]), multiple=True,
+              help="Wait for this dimension's communication where it is issued instead of overlapping it "
+                   "with compute (repeatable; the baseline of an overlap measurement).")
+@click.option("--bucket-mb", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True,
+              help="Gradient bucket size of the data-parallel reduce-scatter.")
 @click.option("--no-layer-spans", is_flag=True, help="No forward/backward spans per transformer block.")
 @click.option("--result-json", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Also write the loss and host seconds of every step here (for benchmarks).")
@@ -45,11 +50,12 @@ from megascope.cli.common import inject_option, out_run_option
 def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed: int, global_batch: int,
           micro_batches: int, layers: int, hidden: int, heads: int, vocab: int, seq_len: int, window: int | None,
           serial_block: bool, no_sequence_parallel: bool, optimizer: str, lr: float, data: Path | None,
-          data_dtype: str, collective_timeout: float, device: str, no_layer_spans: bool,
+          data_dtype: str, collective_timeout: float, device: str, no_overlap: tuple[str, ...], bucket_mb: float,
+          no_layer_spans: bool,
           result_json: Path | None, injects: tuple[str, ...], out: Path) -> None:
     """Train the bundled GPT on a TP x PP x DP mesh, fully instrumented, with optional planted faults."""
     from megascope.inject import parse_injects
-    from megascope.trainer.config import ModelConfig, TrainConfig
+    from megascope.trainer.config import OVERLAP_DIMS, ModelConfig, TrainConfig
 
     world = nproc if nproc is not None else int(os.environ.get("WORLD_SIZE", "1"))
     model = ModelConfig(layers=layers, hidden=hidden, heads=heads, vocab=vocab, seq_len=seq_len,
@@ -58,7 +64,8 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
                       global_batch=global_batch, micro_batches=micro_batches, model=model, optimizer=optimizer,
                       lr=lr, sequence_parallel=not no_sequence_parallel, data=data, data_dtype=data_dtype,
                       faults=parse_injects(injects), collective_timeout_s=collective_timeout, device=device,
-                      instrument_layers=not no_layer_spans)
+                      instrument_layers=not no_layer_spans, bucket_mb=bucket_mb,
+                      overlap=frozenset() if "all" in no_overlap else frozenset(OVERLAP_DIMS) - set(no_overlap))
     # Only now, with every argument checked, does anything start.
     from megascope.trainer.launch import train as run_training
 

@@ -21,6 +21,8 @@ from pathlib import Path
 from megascope.errors import ConfigError, MegascopeError
 from megascope.inject import Faults
 
+OVERLAP_DIMS = ("tp", "pp", "dp")
+
 
 class TrainingError(MegascopeError):
     """A rank of the bundled trainer failed (a collective timed out, a rank crashed)."""
@@ -88,6 +90,10 @@ class TrainConfig:
     grad_clip: float = 1.0
     sequence_parallel: bool = True
     bucket_mb: float = 4.0  # gradient bucket size for the overlapped data-parallel reduce-scatter
+    # Which parallel dimensions overlap their communication with compute: "tp" (column-parallel
+    # gather / input-gradient collective under GEMMs), "pp" (sends left in flight), "dp" (gradient
+    # reduce-scatter during the backward pass). Dropping one gives the "before" of its overlap.
+    overlap: frozenset[str] = frozenset(OVERLAP_DIMS)
     data: Path | None = None  # a flat uint16/uint32 token file; None = the synthetic language
     data_dtype: str = "uint16"
     faults: Faults = field(default_factory=Faults)
@@ -143,6 +149,9 @@ class TrainConfig:
             raise ConfigError(f"unknown device {self.device!r} (auto, cpu, cuda)")
         if self.collective_timeout_s <= 0:
             raise ConfigError(f"--collective-timeout must be > 0, got {self.collective_timeout_s}")
+        unknown = set(self.overlap) - set(OVERLAP_DIMS)
+        if unknown:
+            raise ConfigError(f"unknown overlap dimension(s) {', '.join(sorted(unknown))} (known: tp, pp, dp)")
         if self.bucket_mb <= 0:
             raise ConfigError(f"gradient bucket size must be > 0 MB, got {self.bucket_mb}")
         self.faults.validate(self.world_size, self.steps)

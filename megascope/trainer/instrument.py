@@ -92,24 +92,34 @@ class Comm:
         self.gate()
         return self.dist.all_gather_single(out, inp, group=pg, async_op=True)
 
+    def all_reduce_async(self, t: torch.Tensor, pg: Any) -> Any:
+        self.gate()
+        return self.dist.all_reduce(t, group=pg, op=dist.ReduceOp.SUM, async_op=True)
+
     # --- point to point --------------------------------------------------------------------
     def exchange(self, sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
-                 pg: Any) -> None:
-        """Post every send and receive at once, then wait for all (Megatron's paired p2p).
+                 pg: Any, *, wait_sends: bool = True) -> list[Any]:
+        """Post every send and receive at once, then wait for the receives (and the sends, unless
+        ``wait_sends`` is False: then their works are returned, to be waited on later).
 
         Posting both directions before waiting is what keeps 1F1B deadlock-free when a send only
         completes once its receiver has posted the matching receive (gloo and NCCL alike).
         """
         if not sends and not recvs:
-            return
+            return []
         self.gate()
-        works = [self.dist.isend(t.contiguous(), dst, group=pg) for t, dst in sends]
-        works += [self.dist.irecv(t, src, group=pg) for t, src in recvs]
-        for work in works:
-            if self._recv_timeout is not None and _accepts_timeout(work):
-                work.wait(timeout=self._recv_timeout)
-            else:
-                work.wait()
+        send_works = [self.dist.isend(t.contiguous(), dst, group=pg) for t, dst in sends]
+        recv_works = [self.dist.irecv(t, src, group=pg) for t, src in recvs]
+        for work in recv_works + (send_works if wait_sends else []):
+            self.wait(work)
+        return [] if wait_sends else send_works
+
+    def wait(self, work: Any) -> None:
+        """Wait for a point-to-point work, with the receive timeout where the backend has none."""
+        if self._recv_timeout is not None and _accepts_timeout(work):
+            work.wait(timeout=self._recv_timeout)
+        else:
+            work.wait()
 
 
 def _accepts_timeout(work: Any) -> bool:

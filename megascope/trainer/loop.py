@@ -83,6 +83,7 @@ def run_meta(cfg: TrainConfig, *, device: torch.device, start_ns: int) -> RunMet
             "seed": cfg.seed, "global_batch": cfg.global_batch, "steps": cfg.steps,
             "optimizer": cfg.optimizer, "lr": cfg.lr, "sequence_parallel": cfg.sequence_parallel,
             "inject": cfg.faults.specs(), "collective_timeout_s": cfg.collective_timeout_s,
+            "overlap": sorted(cfg.overlap), "bucket_mb": cfg.bucket_mb,
             "data": str(cfg.data) if cfg.data else "synthetic",
             "dtype": "bf16-autocast" if device.type == "cuda" else "fp32",
         },
@@ -140,7 +141,7 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -
     plan = FaultPlan(cfg.faults, rank=ps.rank, collector=col)
     comm = Comm(col, gate=plan.gate, recv_timeout_s=cfg.collective_timeout_s)
     tp = TPContext(comm=comm, pg=ps.tp.pg, size=ps.tp.size, index=ps.tp_index,
-                   sequence_parallel=cfg.sequence_parallel)
+                   sequence_parallel=cfg.sequence_parallel, overlap="tp" in cfg.overlap)
     stage = GPTStage(m, tp, stage=ps.pp_index, stages=ps.pp.size, seed=cfg.seed, device=device)
     if cfg.instrument_layers:
         instrument_blocks(col, stage, [f"layers.{i}" for i in stage.layer_ids])
@@ -151,13 +152,13 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -
     opt = ShardedOptimizer(stage, comm=comm, tp=ps.tp, dp=ps.dp, world=ps.world, dp_index=ps.dp_index,
                            tp_index=ps.tp_index, sequence_parallel=cfg.sequence_parallel, optimizer=cfg.optimizer,
                            lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
-                           bucket_mb=cfg.bucket_mb, device=device, collector=col)
+                           bucket_mb=cfg.bucket_mb, device=device, collector=col, overlap="dp" in cfg.overlap)
     members = ps.pp.members
     seq_local = m.seq_len // ps.tp.size if cfg.sequence_parallel else m.seq_len
     io = StageIO(comm=comm, pg=ps.pp.pg,
                  prev=members[ps.pp_index - 1] if not ps.first_stage else None,
                  next=members[ps.pp_index + 1] if not ps.last_stage else None,
-                 shape=(seq_local, cfg.micro_batch_size, m.hidden), device=device)
+                 shape=(seq_local, cfg.micro_batch_size, m.hidden), device=device, overlap="pp" in cfg.overlap)
 
     def before_last_backward() -> None:
         # The DP gradient sync starts inside the last backward (bucket by bucket): the skew pause

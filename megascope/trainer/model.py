@@ -63,13 +63,17 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: the full sequence ``[s, b, hidden]``; returns this rank's partial projection."""
-        s, b, _ = x.shape
-        qkv = self.qkv(x).view(s, b, self.heads, 3, self.head_dim)
+        return self.attend(self.qkv(x))
+
+    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        """From this rank's ``qkv`` projection ``[s, b, 3 * hidden / tp]`` to its partial output projection."""
+        s, b, _ = qkv.shape
+        qkv = qkv.view(s, b, self.heads, 3, self.head_dim)
         q, k, v = (qkv[:, :, :, i].permute(1, 2, 0, 3) for i in range(3))  # [b, heads, s, d]
         if self.window is None or self.window >= s:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            pos = torch.arange(s, device=x.device)
+            pos = torch.arange(s, device=qkv.device)
             dist = pos.view(-1, 1) - pos.view(1, -1)
             mask = (dist >= 0) & (dist < self.window)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -83,7 +87,11 @@ class MLP(nn.Module):
         self.fc2 = RowParallelLinear(cfg.ffn_hidden, cfg.hidden, tp, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+        return self.fc2(self.act(self.fc1(x)))
+
+    @staticmethod
+    def act(h: torch.Tensor) -> torch.Tensor:
+        return F.gelu(h, approximate="tanh")
 
 
 class Block(nn.Module):
@@ -101,12 +109,20 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tp = self.tp
+        attn, mlp = self.attn, self.mlp
         if self.parallel:
-            y = tp.enter(self.ln1(x))
-            return x + tp.exit(self.attn(y) + self.mlp(y))
+            # One entry for both branches (one gather, one cast); the MLP's output GEMM adds the
+            # attention's partial output in its epilogue (addmm) instead of a separate pass.
+            qkv, h = tp.column_in(self.ln1(x), [attn.qkv.weight, mlp.fc1.weight])
+            a = attn.attend(qkv)
+            h = mlp.act(h)
+            partial = torch.addmm(a.flatten(0, 1), h.flatten(0, 1), mlp.fc2.weight.t()).view_as(a)
+            return x + tp.exit(partial)
         assert self.ln2 is not None
-        x = x + tp.exit(self.attn(tp.enter(self.ln1(x))))
-        return x + tp.exit(self.mlp(tp.enter(self.ln2(x))))
+        (qkv,) = tp.column_in(self.ln1(x), [attn.qkv.weight])
+        x = x + tp.exit(attn.attend(qkv))
+        (h,) = tp.column_in(self.ln2(x), [mlp.fc1.weight])
+        return x + tp.exit(mlp.fc2(mlp.act(h)))
 
 
 class GPTStage(nn.Module):
@@ -173,7 +189,7 @@ class GPTStage(nn.Module):
         if not self.last:
             return x
         assert self.ln_f is not None and self.lm_head is not None and targets is not None
-        logits = self.lm_head(self.tp.enter(self.ln_f(x)))
+        (logits,) = self.tp.column_in(self.ln_f(x), [self.lm_head.weight])
         if not self.tp.active:
             # The whole vocabulary is here: torch's fused cross-entropy makes fewer passes over the
             # [tokens, vocab] logits than the vocab-parallel form, and computes the same loss.

@@ -9,6 +9,9 @@ Written by hand rather than with ``torch.distributed.pipelining``: the schedule 
 the collector a direct span per micro-batch phase and per transfer, and needs no metadata-inference
 forward on the first step. Blocking ``send``/``recv`` pairs deadlock on gloo, so every transfer
 posts both directions first and then waits (as Megatron's ``send_forward_recv_backward`` does).
+Sends are asynchronous: the stage waits only for what it receives and goes on computing while its
+sends drain; they are waited on at the end of the schedule (:meth:`StageIO.drain`). With
+``overlap=False`` every send is waited on where it is posted (the "before" of the overlap measurement).
 
 Schedule per stage ``p`` of ``P`` with ``M`` micro-batches: ``min(P-p-1, M)`` warm-up forwards, then
 one-forward-one-backward until every forward is done, then the remaining backwards.
@@ -19,7 +22,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,6 +42,8 @@ class StageIO:
     next: int | None  # global rank of the next stage (None on the last)
     shape: tuple[int, ...]  # the hidden state crossing a stage boundary: [seq/tp, micro_batch, hidden]
     device: torch.device
+    overlap: bool = True  # leave sends in flight until drain()
+    _in_flight: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
 
     def _buf(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=torch.float32, device=self.device)
@@ -46,7 +51,16 @@ class StageIO:
     def _exchange(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]]) -> None:
         if sends or recvs:
             assert self.comm is not None
-            self.comm.exchange(sends, recvs, self.pg)
+            works = self.comm.exchange(sends, recvs, self.pg, wait_sends=not self.overlap)
+            if works:  # keep each sent tensor alive until its send is waited on
+                self._in_flight.extend(zip(works, (t for t, _ in sends), strict=True))
+
+    def drain(self) -> None:
+        """Wait for every send still in flight."""
+        for work, _ in self._in_flight:
+            assert self.comm is not None
+            self.comm.wait(work)
+        self._in_flight.clear()
 
     def recv_forward(self) -> torch.Tensor | None:
         if self.prev is None:
@@ -149,4 +163,5 @@ def run_1f1b(stage: GPTStage, io: StageIO, batches: list[MicroBatch], *, stage_i
             inp = io.send_backward_recv_forward(in_grad)
     for _ in range(warmup):
         io.send_backward(backward(io.recv_backward()))
+    io.drain()
     return torch.stack(losses).sum() if losses else None

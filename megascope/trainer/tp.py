@@ -18,6 +18,20 @@ split of dim 0, i.e. a flat contiguous buffer for gloo and NCCL alike.
 
 Parameters replicated across TP ranks (norms, position embedding) see only their sequence shard
 under SP; their gradients are summed over the TP group before the data-parallel sync (``zero.py``).
+
+Entering a TP region and the column-parallel GEMMs that read the entered input are one autograd
+function (:meth:`TPContext.column_in`), which is where communication overlaps compute:
+
+* the input is cast to the autocast dtype *before* it is gathered (bf16 on the wire, not fp32), and
+  cast once for every GEMM that reads it (the parallel block's qkv and fc1 share one cast);
+* forward (SP): the all-gather runs asynchronously while the GEMMs multiply the rows this rank
+  already holds; the other rows follow once the gather lands;
+* backward: the input gradient (``dY1 W1 + dY2 W2``, one output) is reduce-scattered (SP) or
+  all-reduced asynchronously while the weight-gradient GEMMs run (Megatron's overlap of the
+  input-gradient collective with the weight gradient).
+
+``overlap=False`` waits for each collective where it is issued: the "before" of the overlap
+measurement.
 """
 
 from __future__ import annotations
@@ -42,6 +56,7 @@ class TPContext:
     size: int
     index: int
     sequence_parallel: bool
+    overlap: bool = True  # overlap TP collectives with GEMMs inside column_in
 
     @property
     def active(self) -> bool:
@@ -58,6 +73,12 @@ class TPContext:
         if not self.active:
             return x
         return (_ScatterSeq if self.sequence_parallel else _ReduceFromTP).apply(x, self)
+
+    def column_in(self, x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``tp.enter(x)`` followed by ``F.linear(., w)`` for each column-parallel ``w``, as one op that
+        overlaps its communication with the GEMMs (see the module docstring). Outputs are in the
+        autocast dtype when autocast is on, like ``F.linear``'s."""
+        return list(_ColumnIn.apply(x, self, *weights))
 
     def local_seq(self, seq_len: int) -> slice:
         """The positions this rank holds between blocks."""
@@ -93,6 +114,82 @@ class _ScatterSeq(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         tp: TPContext = ctx.tp
         return tp._comm().all_gather_seq(grad, tp.pg, tp.size), None
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> None:
+    """``out = a @ w.T`` over the leading dims, written in place (``out`` contiguous)."""
+    torch.mm(a.reshape(-1, a.shape[-1]), w.t(), out=out.view(-1, out.shape[-1]))
+
+
+class _ColumnIn(torch.autograd.Function):
+    """Enter the TP region (gather / copy) and apply column-parallel weights, overlapped."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, tp: TPContext, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        cdt = _compute_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):
+            xc = x.to(cdt).contiguous()
+            ws = [w.to(cdt) for w in weights]
+            gather = tp.active and tp.sequence_parallel
+            rows = xc.shape[0]
+            full_rows = rows * tp.size if gather else rows
+            outs = [torch.empty((full_rows, *xc.shape[1:-1], w.shape[0]), dtype=cdt, device=x.device) for w in ws]
+            if gather:
+                full = torch.empty((full_rows, *xc.shape[1:]), dtype=cdt, device=x.device)
+                work = tp._comm().all_gather_async(full, xc, tp.pg)
+                if not tp.overlap:
+                    work.wait()
+                mine = slice(tp.index * rows, (tp.index + 1) * rows)
+                for out, w in zip(outs, ws, strict=True):
+                    _mm_into(out[mine], xc, w)  # rows already here, while the gather runs
+                if tp.overlap:
+                    work.wait()
+                for part in (slice(0, mine.start), slice(mine.stop, full_rows)):
+                    if part.stop > part.start:
+                        for out, w in zip(outs, ws, strict=True):
+                            _mm_into(out[part], full[part], w)
+            else:
+                full = xc
+                for out, w in zip(outs, ws, strict=True):
+                    _mm_into(out, xc, w)
+        ctx.tp = tp
+        ctx.x_dtype = x.dtype
+        ctx.save_for_backward(full, *ws)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        tp: TPContext = ctx.tp
+        full, *ws = ctx.saved_tensors
+        with torch.autocast(full.device.type, enabled=False):
+            gs = [None if g is None else g.to(full.dtype).reshape(-1, g.shape[-1]) for g in grads]
+            dx: torch.Tensor | None = None
+            for g, w in zip(gs, ws, strict=True):
+                if g is not None:
+                    dx = torch.mm(g, w) if dx is None else torch.addmm(dx, g, w, out=dx)
+            assert dx is not None, "no gradient reached a column-parallel input"
+            dx = dx.view(full.shape)
+            out, work = dx, None
+            if tp.active:
+                if tp.sequence_parallel:
+                    out = torch.empty((full.shape[0] // tp.size, *full.shape[1:]), dtype=dx.dtype, device=dx.device)
+                    work = tp._comm().reduce_scatter_async(out, dx, tp.pg)
+                else:
+                    work = tp._comm().all_reduce_async(dx, tp.pg)
+                if not tp.overlap:
+                    work.wait()
+            # The weight gradients run while the input gradient's collective is in flight.
+            flat_in = full.reshape(-1, full.shape[-1])
+            dws = [None if g is None else torch.mm(g.t(), flat_in) for g in gs]
+            if work is not None and tp.overlap:
+                work.wait()
+        return (out.to(ctx.x_dtype), None, *dws)
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -18,30 +18,79 @@ GROUP BY stage ORDER BY stage;
 
 -- @statement exposed
 -- One row per (group kind, span name) of communication in steps {{steps}} of sampled ranks.
--- @column comm_ns       summed communication time
--- @column overlapped_ns of which the same rank was running compute spans (another stream)
+-- A call waited on asynchronously has a "<name>:wait" span (same rank, seq, op, peer) from the
+-- wait to completion: that part is exposed. Its hidden part is the time from issue to the wait
+-- that the rank spent in compute (outermost compute spans) and not stalled inside it (in another
+-- wait or in a blocking call); host gaps between launches hide nothing. A call
+-- without a wait span blocked where it was issued (the collector's blocking form) or ran on a
+-- stream of its own (Kineto kernels): its hidden part is what leaf compute spans of the rank
+-- cover (a leaf encloses no communication span, so a block that merely contains a blocking
+-- collective does not hide it).
+-- @column comm_ns       summed communication time (issue to completion)
+-- @column overlapped_ns of which compute ran on the rank (hidden)
 -- @column exposed_ns    comm_ns - overlapped_ns: communication nothing hid
 -- @column exposed_frac  exposed_ns / comm_ns
 WITH c AS (
-    SELECT row_number() OVER () AS id, rank, step, name, kind, "group",
+    SELECT row_number() OVER () AS id, rank, step, name, kind, "group", seq, op, peer,
            start_ns AS s, start_ns + dur_ns AS e, dur_ns
     FROM spans
     WHERE rank IN ({{ranks}}) AND kind IN ('collective', 'send', 'recv') AND list_contains({{steps}}, step)
+), w AS (
+    SELECT rank, step, seq, op, peer, left(name, length(name) - 5) AS name, start_ns AS s, start_ns + dur_ns AS e
+    FROM spans
+    WHERE rank IN ({{ranks}}) AND kind = 'other' AND name LIKE '%:wait' AND seq IS NOT NULL
+      AND list_contains({{steps}}, step)
+), cw AS (
+    SELECT c.*, w.s AS wait_s, least(w.e - w.s, c.dur_ns) AS wait_ns
+    FROM c LEFT JOIN w ON c.rank = w.rank AND c.seq = w.seq AND c.op = w.op AND c.name = w.name
+                      AND c.peer IS NOT DISTINCT FROM w.peer
+), stalls AS (
+    SELECT rank, step, s, e FROM w
+    UNION ALL
+    SELECT rank, step, s, e FROM cw WHERE wait_ns IS NULL
 ), p AS (
     SELECT rank, step, start_ns AS s, start_ns + dur_ns AS e
+    FROM spans q
+    WHERE rank IN ({{ranks}}) AND kind IN ('forward', 'backward', 'optimizer', 'compute') AND list_contains({{steps}}, step)
+      AND NOT EXISTS (SELECT 1 FROM c WHERE c.rank = q.rank AND c.step = q.step
+                      AND c.s >= q.start_ns AND c.e <= q.start_ns + q.dur_ns)
+), o_sync AS (
+    SELECT cw.id, sum(least(cw.e, p.e) - greatest(cw.s, p.s)) AS ov
+    FROM cw JOIN p ON cw.rank = p.rank AND cw.step = p.step AND p.s < cw.e AND p.e > cw.s
+    WHERE cw.wait_ns IS NULL
+    GROUP BY cw.id
+), comp AS (
+    SELECT DISTINCT rank, step, start_ns AS s, start_ns + dur_ns AS e
     FROM spans
     WHERE rank IN ({{ranks}}) AND kind IN ('forward', 'backward', 'optimizer', 'compute') AND list_contains({{steps}}, step)
-), o AS (
-    SELECT c.id, sum(least(c.e, p.e) - greatest(c.s, p.s)) AS ov
-    FROM c JOIN p ON c.rank = p.rank AND c.step = p.step AND p.s < c.e AND p.e > c.s
-    GROUP BY c.id
+), top AS (
+    SELECT * FROM comp q
+    WHERE NOT EXISTS (SELECT 1 FROM comp r WHERE r.rank = q.rank AND r.step = q.step AND r.s <= q.s AND r.e >= q.e
+                      AND (r.s < q.s OR r.e > q.e))
+), stalls_in AS (
+    SELECT DISTINCT t.rank, t.s, t.e FROM stalls t
+    JOIN top p ON t.rank = p.rank AND t.step = p.step AND t.s >= p.s AND t.e <= p.e
+), a AS (
+    SELECT id, rank, s, wait_s FROM cw WHERE wait_ns IS NOT NULL
+), o_async AS (
+    SELECT a.id,
+           coalesce((SELECT sum(least(a.wait_s, p.e) - greatest(a.s, p.s)) FROM top p
+                     WHERE p.rank = a.rank AND p.s < a.wait_s AND p.e > a.s), 0)
+         - coalesce((SELECT sum(least(a.wait_s, t.e) - greatest(a.s, t.s)) FROM stalls_in t
+                     WHERE t.rank = a.rank AND t.s < a.wait_s AND t.e > a.s), 0) AS computed
+    FROM a
+), x AS (
+    SELECT cw.*, CASE WHEN cw.wait_ns IS NOT NULL
+                      THEN greatest(0, least(coalesce(oa.computed, 0), cw.dur_ns - cw.wait_ns))
+                      ELSE least(coalesce(os.ov, 0), cw.dur_ns) END AS hidden_ns
+    FROM cw LEFT JOIN o_sync os USING (id) LEFT JOIN o_async oa USING (id)
 )
-SELECT CASE WHEN c.kind <> 'collective' THEN 'p2p'
-            WHEN split_part(c."group", ':', 1) IN ('tp', 'dp', 'pp', 'world') THEN split_part(c."group", ':', 1)
+SELECT CASE WHEN kind <> 'collective' THEN 'p2p'
+            WHEN split_part("group", ':', 1) IN ('tp', 'dp', 'pp', 'world') THEN split_part("group", ':', 1)
             ELSE 'other' END AS group_kind,
-       c.name, count(*) AS spans, sum(c.dur_ns) AS comm_ns,
-       sum(least(coalesce(o.ov, 0), c.dur_ns)) AS overlapped_ns,
-       sum(c.dur_ns - least(coalesce(o.ov, 0), c.dur_ns)) AS exposed_ns,
-       sum(c.dur_ns - least(coalesce(o.ov, 0), c.dur_ns)) / nullif(sum(c.dur_ns), 0) AS exposed_frac
-FROM c LEFT JOIN o USING (id)
+       name, count(*) AS spans, sum(dur_ns) AS comm_ns,
+       sum(hidden_ns) AS overlapped_ns,
+       sum(dur_ns - hidden_ns) AS exposed_ns,
+       sum(dur_ns - hidden_ns) / nullif(sum(dur_ns), 0) AS exposed_frac
+FROM x
 GROUP BY ALL ORDER BY exposed_ns DESC;
