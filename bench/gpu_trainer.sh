@@ -1,46 +1,83 @@
 #!/usr/bin/env bash
 # Bundled trainer on 1-2 GPUs against the plain PyTorch baseline (bench/gpu_baseline.py), same shape:
 # a ~1.3B GPT (24 layers, hidden 2048, 16 heads, sequence 2048, vocabulary 50304), bf16 autocast.
-# Every trainer layout runs with the collector on and off (MEGASCOPE_DISABLE=1), interleaved and
-# repeated; the table at the end gives median step time, tokens/s and MFU (run.json's FLOPs / step
-# time / GPUs / peak) per layout and the collector's step-time overhead.
 #
-#   OUT=/tmp/o bash bench/gpu_trainer.sh        # needs torch with CUDA (1 GPU minimum); run gpu_setup.sh first
+# Parts (PARTS, default all three; each is one machine call's worth of work, ~8 minutes):
+#   1gpu       baseline, then the trainer on 1 GPU with the collector on and off (interleaved,
+#              REPEATS times), then the baseline again: trainer vs baseline in the same call
+#   overlap    2 GPUs, TP=2, PP=2, DP=2: every overlap on, then every overlap off (--no-overlap all),
+#              collector on in both: exposed communication before/after from megascope's analysis
+#   collector  2 GPUs, each layout with the collector on and off (MEGASCOPE_DISABLE=1), interleaved
+# The table at the end (bench/gpu_trainer_table.py) gives median step time, tokens/s and MFU per
+# layout (run.json's FLOPs / step time / GPUs / peak), megascope's own MFU for the same runs, the
+# collector's step-time overhead, and exposed communication per group kind and overlap setting.
+#
+#   OUT=/tmp/o PARTS="1gpu" bash bench/gpu_trainer.sh     # torch with CUDA; run gpu_setup.sh first
 set -uo pipefail
 OUT=${OUT:-runs/gpu-bench}
 PY=${PYTHON:-python3}
 STEPS=${STEPS:-20}
 REPEATS=${REPEATS:-2}
+PARTS=${PARTS:-1gpu overlap collector}
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 MODEL=(--layers 24 --hidden 2048 --heads 16 --seq-len 2048 --vocab 50304 --lr 3e-4)
 RUNS="$OUT/runs"
 mkdir -p "$RUNS"
 
-echo "== baseline (plain PyTorch, 1 GPU, batch 8)"
-CUDA_VISIBLE_DEVICES=0 $PY bench/gpu_baseline.py --layers 24 --hidden 2048 --heads 16 --seq 2048 --vocab 50304 \
-  --batch 8 --steps "$STEPS" | tee "$OUT/baseline.json"
+baseline() {  # tag
+  echo "== baseline $1 (plain PyTorch, 1 GPU, batch 8)"
+  CUDA_VISIBLE_DEVICES=0 $PY bench/gpu_baseline.py --layers 24 --hidden 2048 --heads 16 --seq 2048 --vocab 50304 \
+    --batch 8 --steps "$STEPS" | tee -a "$OUT/baseline.json"
+}
 
 train() {  # name gpus collector(on|off) extra-args...
   local name=$1 gpus=$2 mode=$3; shift 3
   local env=(); [ "$mode" = off ] && env=(MEGASCOPE_DISABLE=1)
   local devices; devices=$(seq -s, 0 $((gpus - 1)))
-  echo "== $name ($gpus GPU, collector $mode)"
-  env "${env[@]}" CUDA_VISIBLE_DEVICES="$devices" timeout 300 $PY -m megascope train --nproc "$gpus" "${MODEL[@]}" \
-    --steps "$STEPS" "$@" --result-json "$RUNS/$name-$mode.json" -o "$RUNS/$name-$mode" > "$RUNS/$name-$mode.log" 2>&1 || { echo "failed:"; tail -3 "$RUNS/$name-$mode.log"; }
+  echo "== $name ($gpus GPU, collector $mode) $*"
+  env "${env[@]}" CUDA_VISIBLE_DEVICES="$devices" timeout 200 $PY -m megascope train --nproc "$gpus" "${MODEL[@]}" \
+    --steps "$STEPS" "$@" --result-json "$RUNS/$name-$mode.json" -o "$RUNS/$name-$mode" > "$RUNS/$name-$mode.log" 2>&1 \
+    || { echo "failed:"; tail -3 "$RUNS/$name-$mode.log"; }
 }
 
-for r in $(seq "$REPEATS"); do
-  train "1gpu-r$r" 1 on --global-batch 8 --micro-batches 1
-  train "1gpu-r$r" 1 off --global-batch 8 --micro-batches 1
-done
-if [ "$NGPU" -ge 2 ]; then
-  for layout in tp pp dp; do
-    for r in $(seq "$REPEATS"); do
-      train "2gpu-$layout-r$r" 2 on --$layout 2 --global-batch 16 --micro-batches 4
-      train "2gpu-$layout-r$r" 2 off --$layout 2 --global-batch 16 --micro-batches 4
-    done
-  done
-fi
+layout_args() {  # tp|pp|dp -> the 2-GPU arguments (PP gets 8 micro-batches: a 1/9 bubble instead of 1/5)
+  case $1 in
+    pp) echo "--pp 2 --global-batch 16 --micro-batches 8" ;;
+    *) echo "--$1 2 --global-batch 16 --micro-batches 4" ;;
+  esac
+}
 
+for part in $PARTS; do
+  case $part in
+    1gpu)
+      baseline before
+      for r in $(seq "$REPEATS"); do
+        train "1gpu-r$r" 1 on --global-batch 8 --micro-batches 1
+        train "1gpu-r$r" 1 off --global-batch 8 --micro-batches 1
+      done
+      baseline after ;;
+    overlap)
+      [ "$NGPU" -ge 2 ] || { echo "overlap needs 2 GPUs"; continue; }
+      for layout in tp pp dp; do
+        # shellcheck disable=SC2046
+        train "2gpu-$layout-r0" 2 on $(layout_args $layout)
+        # shellcheck disable=SC2046
+        train "2gpu-$layout-nooverlap-r0" 2 on $(layout_args $layout) --no-overlap all
+      done ;;
+    collector)
+      [ "$NGPU" -ge 2 ] || { echo "collector needs 2 GPUs"; continue; }
+      for layout in tp pp dp; do
+        for r in $(seq "$REPEATS"); do
+          # shellcheck disable=SC2046
+          train "2gpu-$layout-r$r" 2 on $(layout_args $layout)
+          # shellcheck disable=SC2046
+          train "2gpu-$layout-r$r" 2 off $(layout_args $layout)
+        done
+      done ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
+
+touch "$OUT/baseline.json"
 $PY bench/gpu_trainer_table.py "$RUNS" "$OUT/baseline.json" | tee "$OUT/table.txt"
 tar czf "$OUT/trainer-runs.tar.gz" -C "$OUT" runs && rm -rf "$RUNS"

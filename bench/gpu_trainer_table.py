@@ -1,9 +1,13 @@
-"""Table of the GPU trainer benchmark: per layout, collector on/off, median step time and MFU.
+"""Table of the GPU trainer benchmark (bench/gpu_trainer.sh).
 
-Step times come from the trainer's own result (rank 0's host clock between step ends, which on a
-GPU equals device time in the steady state) so that runs with the collector off, which write no
-spans, are measured the same way as runs with it on. MFU = run.json's model FLOPs per step / step
-time / GPUs / peak.
+Per layout and collector setting: median step time, tokens/s and MFU. Step times come from the
+trainer's own result (rank 0's host clock between step ends, which on a GPU equals device time in
+the steady state) so that runs with the collector off, which write no spans, are measured the same
+way as runs with it on. MFU = run.json's model FLOPs per step / step time / GPUs / peak.
+
+For runs with the collector on, also megascope's own post-mortem MFU (``analysis.mfu``, from the
+recorded step spans) next to it, and the communication left exposed per step and rank, by group
+kind, from ``analysis.exposed_comm`` (every rank, steps after the warm-up).
 
     python bench/gpu_trainer_table.py RUNS_DIR BASELINE_JSON
 """
@@ -20,10 +24,30 @@ from pathlib import Path
 WARMUP = 3  # steps left out of the medians (allocator, NCCL and kernel warm-up)
 
 
+def _megascope_view(run_dir: Path) -> tuple[float, dict[str, tuple[float, float]]] | None:
+    """(megascope's median MFU after the warm-up, {group kind: (exposed ms, comm ms) per rank-step})."""
+    try:
+        from megascope.analysis import exposed_comm, mfu
+        from megascope.store import open_run
+    except ImportError:
+        return None
+    run = open_run(run_dir)
+    per_step = mfu(run.con, run.meta)
+    steps = [int(s) for s in per_step["step"] if s >= WARMUP]
+    med = float(per_step[per_step["step"] >= WARMUP]["mfu"].median())
+    ex = exposed_comm(run.con, steps=steps)
+    n = max(1, len(steps) * run.meta.world_size)
+    kinds: dict[str, tuple[float, float]] = {}
+    for kind, rows in ex.groupby("group_kind"):
+        kinds[str(kind)] = (float(rows["exposed_ns"].sum()) / n / 1e6, float(rows["comm_ns"].sum()) / n / 1e6)
+    return med, kinds
+
+
 def main() -> None:
     runs, baseline_path = Path(sys.argv[1]), Path(sys.argv[2])
     groups: dict[tuple[str, str], list[float]] = defaultdict(list)
     meta: dict[str, dict] = {}
+    dirs: dict[str, list[Path]] = defaultdict(list)
     for result in sorted(runs.glob("*.json")):
         m = re.match(r"(.+)-r\d+-(on|off)$", result.stem)
         if not m:
@@ -34,26 +58,47 @@ def main() -> None:
         run_json = runs / result.stem / "run.json"  # the collector (on) writes it
         if run_json.exists():
             meta[layout] = json.loads(run_json.read_text())
-    lines = [line for line in baseline_path.read_text().splitlines() if line.startswith("{")]
-    base = json.loads(lines[-1]) if lines else None
-    print(f"{'layout':<12} {'collector':<9} {'steps':>5} {'step ms':>9} {'tokens/s':>10} {'MFU':>6}")
-    if base:
-        print(f"{'baseline':<12} {'-':<9} {'':>5} {base['step_s_median'] * 1e3:>9.1f} {base['tokens_per_s']:>10,.0f} "
-              f"{base['mfu']:>6.1%}")
+            dirs[layout].append(runs / result.stem)
+    bases = [json.loads(line) for line in baseline_path.read_text().splitlines() if line.startswith("{")]
+    print(f"{'layout':<22} {'collector':<9} {'steps':>5} {'step ms':>9} {'tokens/s':>10} {'MFU':>6} {'megascope MFU':>13}")
+    for i, base in enumerate(bases):
+        print(f"{'baseline #' + str(i + 1):<22} {'-':<9} {'':>5} {base['step_s_median'] * 1e3:>9.1f} "
+              f"{base['tokens_per_s']:>10,.0f} {base['mfu']:>6.1%}")
+    views = {layout: [v for d in ds if (v := _megascope_view(d)) is not None] for layout, ds in dirs.items()}
+    mfus: dict[str, float] = {}
     for (layout, mode), steps in sorted(groups.items()):
         if layout not in meta:
             continue
         run = meta[layout]
         gpus = run["world_size"]
         med = statistics.median(steps)
-        mfu = run["model_flops_per_step"] / med / gpus / run["peak_flops_per_device"]
-        print(f"{layout:<12} {mode:<9} {len(steps):>5} {med * 1e3:>9.1f} {run['tokens_per_step'] / med:>10,.0f} {mfu:>6.1%}")
+        mfus[f"{layout}-{mode}"] = mfu = run["model_flops_per_step"] / med / gpus / run["peak_flops_per_device"]
+        own = f"{statistics.median(v[0] for v in views[layout]):.1%}" if mode == "on" and views.get(layout) else "-"
+        print(f"{layout:<22} {mode:<9} {len(steps):>5} {med * 1e3:>9.1f} {run['tokens_per_step'] / med:>10,.0f} "
+              f"{mfu:>6.1%} {own:>13}")
     print()
+    if bases:
+        base_mfu = statistics.median(b["mfu"] for b in bases)
+        for key in ("1gpu-on", "1gpu-off"):
+            if key in mfus:
+                print(f"trainer {key} vs baseline (median of {len(bases)}): {mfus[key] / base_mfu - 1:+.2%} MFU")
     for layout in sorted(meta):
         on, off = groups.get((layout, "on")), groups.get((layout, "off"))
         if on and off:
             print(f"collector overhead {layout}: {statistics.median(on) / statistics.median(off) - 1:+.2%} "
                   f"(median step {statistics.median(on) * 1e3:.1f} vs {statistics.median(off) * 1e3:.1f} ms)")
+    print()
+    print("communication per rank and step, ms exposed / ms issued-to-completion (megascope exposed_comm)")
+    kinds = sorted({k for vs in views.values() for v in vs for k in v[1]})
+    print(f"{'layout':<22} " + " ".join(f"{k:>15}" for k in kinds) + f" {'exposed/step':>13}")
+    for layout, vs in sorted(views.items()):
+        if not vs:
+            continue
+        v = vs[0]
+        med_step = statistics.median(groups[(layout, "on")]) * 1e3 if groups.get((layout, "on")) else float("nan")
+        cells = [f"{v[1][k][0]:7.1f} / {v[1][k][1]:5.1f}" if k in v[1] else f"{'-':>15}" for k in kinds]
+        total = sum(e for e, _ in v[1].values())
+        print(f"{layout:<22} " + " ".join(cells) + f" {total / med_step:>13.1%}")
 
 
 if __name__ == "__main__":

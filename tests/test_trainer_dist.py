@@ -221,6 +221,7 @@ def test_overlap_is_what_the_exposed_comm_analysis_sees(tmp_path: Path, referenc
     on_losses, on = dp_rs(frozenset({"tp", "pp", "dp"}))
     off_losses, off = dp_rs(frozenset())
     assert on_losses == pytest.approx(off_losses, rel=RTOL)
-    assert on["exposed_ns"] + on["overlapped_ns"] == on["comm_ns"]
+    assert on["exposed_ns"] + on["overlapped_ns"] <= on["comm_ns"]
+    assert off["exposed_ns"] + off["overlapped_ns"] <= off["comm_ns"]
     assert on["overlapped_ns"] / on["comm_ns"] > 0.3
     assert off["overlapped_ns"] / off["comm_ns"] < 0.1

@@ -19,16 +19,18 @@ GROUP BY stage ORDER BY stage;
 -- @statement exposed
 -- One row per (group kind, span name) of communication in steps {{steps}} of sampled ranks.
 -- A call waited on asynchronously has a "<name>:wait" span (same rank, seq, op, peer) from the
--- wait to completion: that part is exposed. Its hidden part is the time from issue to the wait
--- that the rank spent in compute (outermost compute spans) and not stalled inside it (in another
--- wait or in a blocking call); host gaps between launches hide nothing. A call
--- without a wait span blocked where it was issued (the collector's blocking form) or ran on a
--- stream of its own (Kineto kernels): its hidden part is what leaf compute spans of the rank
--- cover (a leaf encloses no communication span, so a block that merely contains a blocking
--- collective does not hide it).
--- @column comm_ns       summed communication time (issue to completion)
--- @column overlapped_ns of which compute ran on the rank (hidden)
--- @column exposed_ns    comm_ns - overlapped_ns: communication nothing hid
+-- wait to completion: that stall is its exposed time. Its overlapped time is the part of issue ->
+-- wait that the rank spent in compute (outermost compute spans) and not stalled inside it (in a
+-- wait or a blocking call); the rest of its span was in flight while the rank waited on something
+-- else or sat in host gaps, neither hidden by compute nor its own stall. So exposed_ns adds up, over
+-- calls, to the time the rank stalled on communication. A call without a wait span blocked where it
+-- was issued (the collector's blocking form) or ran on a stream of its own (Kineto kernels): its
+-- overlapped part is what leaf compute spans of the rank cover (a leaf encloses no communication
+-- span, so a block that merely contains a blocking collective does not hide it), the rest is exposed.
+-- @column comm_ns       summed communication time, issue to completion (concurrent asynchronous
+--                       calls each count their whole span, so this can exceed the step)
+-- @column overlapped_ns of which the rank was computing (hidden)
+-- @column exposed_ns    of which the rank stalled on the call (its wait, or the blocking call)
 -- @column exposed_frac  exposed_ns / comm_ns
 WITH c AS (
     SELECT row_number() OVER () AS id, rank, step, name, kind, "group", seq, op, peer,
@@ -80,9 +82,11 @@ WITH c AS (
                      WHERE t.rank = a.rank AND t.s < a.wait_s AND t.e > a.s), 0) AS computed
     FROM a
 ), x AS (
-    SELECT cw.*, CASE WHEN cw.wait_ns IS NOT NULL
-                      THEN greatest(0, least(coalesce(oa.computed, 0), cw.dur_ns - cw.wait_ns))
-                      ELSE least(coalesce(os.ov, 0), cw.dur_ns) END AS hidden_ns
+    SELECT cw.*,
+           CASE WHEN cw.wait_ns IS NOT NULL THEN greatest(0, least(coalesce(oa.computed, 0), cw.dur_ns - cw.wait_ns))
+                ELSE least(coalesce(os.ov, 0), cw.dur_ns) END AS hidden_ns,
+           CASE WHEN cw.wait_ns IS NOT NULL THEN cw.wait_ns
+                ELSE cw.dur_ns - least(coalesce(os.ov, 0), cw.dur_ns) END AS stall_ns
     FROM cw LEFT JOIN o_sync os USING (id) LEFT JOIN o_async oa USING (id)
 )
 SELECT CASE WHEN kind <> 'collective' THEN 'p2p'
@@ -90,7 +94,7 @@ SELECT CASE WHEN kind <> 'collective' THEN 'p2p'
             ELSE 'other' END AS group_kind,
        name, count(*) AS spans, sum(dur_ns) AS comm_ns,
        sum(hidden_ns) AS overlapped_ns,
-       sum(dur_ns - hidden_ns) AS exposed_ns,
-       sum(dur_ns - hidden_ns) / nullif(sum(dur_ns), 0) AS exposed_frac
+       sum(stall_ns) AS exposed_ns,
+       sum(stall_ns) / nullif(sum(dur_ns), 0) AS exposed_frac
 FROM x
 GROUP BY ALL ORDER BY exposed_ns DESC;
