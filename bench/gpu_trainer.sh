@@ -38,6 +38,8 @@ train() {  # name gpus collector(on|off) extra-args...
   env "${env[@]}" CUDA_VISIBLE_DEVICES="$devices" timeout 200 $PY -m megascope train --nproc "$gpus" "${MODEL[@]}" \
     --steps "$STEPS" "$@" --result-json "$RUNS/$name-$mode.json" -o "$RUNS/$name-$mode" > "$RUNS/$name-$mode.log" 2>&1 \
     || { echo "failed:"; tail -3 "$RUNS/$name-$mode.log"; }
+  # Step times so far, in one small file: what a call cut off at its time limit still brings back.
+  tar czf "$OUT/results-so-far.tar.gz" -C "$OUT" runs --exclude='runs/*/*' 2>/dev/null || true
 }
 
 layout_args() {  # tp|pp|dp -> the 2-GPU arguments (PP gets 8 micro-batches: a 1/9 bubble instead of 1/5)
