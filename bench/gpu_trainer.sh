@@ -19,6 +19,7 @@ PY=${PYTHON:-python3}
 STEPS=${STEPS:-20}
 REPEATS=${REPEATS:-2}
 PARTS=${PARTS:-1gpu overlap collector}
+LAYOUTS=${LAYOUTS:-tp pp dp}  # the 2-GPU layouts to run
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 MODEL=(--layers 24 --hidden 2048 --heads 16 --seq-len 2048 --vocab 50304 --lr 3e-4)
 RUNS="$OUT/runs"
@@ -60,7 +61,7 @@ for part in $PARTS; do
       baseline after ;;
     overlap)
       [ "$NGPU" -ge 2 ] || { echo "overlap needs 2 GPUs"; continue; }
-      for layout in tp pp dp; do
+      for layout in $LAYOUTS; do
         # shellcheck disable=SC2046
         train "2gpu-$layout-r0" 2 on $(layout_args $layout)
         # shellcheck disable=SC2046
@@ -68,7 +69,7 @@ for part in $PARTS; do
       done ;;
     collector)
       [ "$NGPU" -ge 2 ] || { echo "collector needs 2 GPUs"; continue; }
-      for layout in tp pp dp; do
+      for layout in $LAYOUTS; do
         for r in $(seq "$REPEATS"); do
           # shellcheck disable=SC2046
           train "2gpu-$layout-r$r" 2 on $(layout_args $layout)
