@@ -212,6 +212,35 @@ def test_collective_arithmetic(tmp_path: Path) -> None:
     assert steps == [(0, 11 * MS, 6 * MS, 1 * MS, 0), (1, 11 * MS, 6 * MS, 1 * MS, 0), (2, 17 * MS, 0, 1 * MS, 1)]
 
 
+def test_exposed_communication_arithmetic(tmp_path: Path) -> None:
+    """One rank, one 100 ms step, every figure follows from the spans written:
+    - a blocking TP collective inside a block (40-45 ms): the block encloses it but does not hide it;
+    - an asynchronous DP reduce-scatter issued at 10 ms, waited on from 70 to 80 ms: exposed 10 ms,
+      overlapped = backward 10-60 ms less the 5 ms stalled in the TP collective = 45 ms;
+    - a receive (85-95 ms) and a send (88-98 ms) without wait spans, overlapping each other, outside
+      compute: exposed as their union, 10 + 3 ms, not 10 + 10."""
+    def comm(kind: str, start: int, dur: int, name: str, group: str, seq: int, op: str) -> dict[str, object]:
+        return {**_span(0, 0, kind, start * MS, dur * MS, group=group, seq=seq, name=name), "op": op}
+
+    spans = [
+        _span(0, 0, "step", 0, 100 * MS),
+        _span(0, 0, "backward", 0, 60 * MS),
+        _span(0, 0, "backward", 0, 30 * MS, name="layers.1"),
+        _span(0, 0, "backward", 30 * MS, 30 * MS, name="layers.0"),
+        comm("collective", 40, 5, "tp.reduce_scatter", "tp:0", 0, "reduce_scatter"),
+        comm("collective", 10, 70, "dp.reduce_scatter", "dp:0", 0, "reduce_scatter"),
+        {**_span(0, 0, "other", 70 * MS, 10 * MS, seq=0, name="dp.reduce_scatter:wait"), "op": "reduce_scatter"},
+        {**comm("recv", 85, 10, "pp.recv", "pp:0", 0, "recv"), "peer": 1},
+        {**comm("send", 88, 10, "pp.send", "pp:0", 0, "send"), "peer": 1},
+    ]
+    run = open_run(_hand_run(tmp_path / "run", spans, [], world=1, hosts=("h0",)))
+    got = analysis.exposed_comm(run.con, steps=[0]).set_index("name")
+    assert got.loc["tp.reduce_scatter", ["comm_ns", "overlapped_ns", "exposed_ns"]].tolist() == [5 * MS, 0, 5 * MS]
+    assert got.loc["dp.reduce_scatter", ["comm_ns", "overlapped_ns", "exposed_ns"]].tolist() == [70 * MS, 45 * MS, 10 * MS]
+    assert got.loc["pp.recv", "exposed_ns"] + got.loc["pp.send", "exposed_ns"] == 13 * MS
+    assert got["exposed_ns_per_rank_step"].sum() == (5 + 10 + 13) * MS
+
+
 def test_hang_follows_waiters_to_the_root(tmp_path: Path) -> None:
     # Rank 2 completed seq 1 and never entered seq 2; ranks 0 and 1 sit inside seq 2.
     def marker(rank: int, seq: int, state: str, t: int) -> dict[str, object]:

@@ -31,10 +31,11 @@ def bubbles(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
 
 
 def exposed_comm(con: duckdb.DuckDBPyConnection, *, steps: list[int] | None = None) -> pd.DataFrame:
-    """Per (group_kind, name): spans, comm_ns, overlapped_ns, exposed_ns, exposed_frac.
+    """Per (group_kind, name): spans, comm_ns, overlapped_ns, exposed_ns, exposed_frac, and
+    exposed_ns_per_rank_step (exposed_ns over the sampled rank-steps: the stall one rank sees per step).
 
     ``steps`` defaults to up to three steps spread over the run; up to 4 ranks per pipeline stage
-    are sampled.
+    are sampled. Definitions in ``sql/pipeline.sql``.
     """
     prepare(con)
     if steps is None:
@@ -45,5 +46,11 @@ def exposed_comm(con: duckdb.DuckDBPyConnection, *, steps: list[int] | None = No
         f"SELECT rank FROM (SELECT rank, row_number() OVER (PARTITION BY stage ORDER BY hash(rank)) AS k "
         f"FROM ms_cache.rank_info) WHERE k <= {EXPOSED_RANKS_PER_STAGE} ORDER BY rank"
     ).fetchall()]
-    return _sql.query_df(con, "pipeline", "exposed", steps=[int(s) for s in steps] or [-1],
-                         ranks=_sql.Raw(", ".join(map(str, ranks)) or "NULL"))
+    step_list = [int(s) for s in steps] or [-1]
+    rank_list = ", ".join(map(str, ranks)) or "NULL"
+    df = _sql.query_df(con, "pipeline", "exposed", steps=step_list, ranks=_sql.Raw(rank_list))
+    ((rank_steps,),) = con.execute(
+        f"SELECT count(*) FROM ms_cache.rank_step WHERE rank IN ({rank_list}) AND list_contains(?, step)",
+        [step_list]).fetchall()
+    df["exposed_ns_per_rank_step"] = df["exposed_ns"].astype(float) / rank_steps if rank_steps else float("nan")
+    return df

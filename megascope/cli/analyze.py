@@ -98,6 +98,17 @@ def _print_report(r: dict[str, Any]) -> None:
     if r["bubbles"] and len(r["bubbles"]) > 1:
         click.echo("")
         click.echo("PIPELINE BUBBLES  " + "  ".join(f"pp{b['stage']}: {100 * (b['bubble_frac'] or 0):.0f}%" for b in r["bubbles"]))
+    exposed: dict[str, float] = {}
+    for row in r.get("exposed_comm") or []:
+        per = row.get("exposed_ns_per_rank_step")
+        if per is not None and per == per:  # not NaN
+            exposed[row["group_kind"]] = exposed.get(row["group_kind"], 0.0) + float(per)
+    if exposed:
+        step_ns = run.get("step_time_ns")
+        share = (lambda ns: f" ({100 * ns / step_ns:.1f}%)") if step_ns else (lambda ns: "")
+        click.echo("")
+        click.echo("EXPOSED COMM per rank-step  " + "  ".join(
+            f"{kind}: {_ms(ns)}{share(ns)}" for kind, ns in sorted(exposed.items(), key=lambda kv: -kv[1])))
     clock = r["clock"]
     if clock["hosts"] > 1:
         err = clock.get("max_error_ns")

@@ -42,10 +42,17 @@ WITH c AS (
     FROM spans
     WHERE rank IN ({{ranks}}) AND kind = 'other' AND name LIKE '%:wait' AND seq IS NOT NULL
       AND list_contains({{steps}}, step)
-), cw AS (
-    SELECT c.*, w.s AS wait_s, least(w.e - w.s, c.dur_ns) AS wait_ns
+), cw0 AS (
+    SELECT c.*, w.s AS wait_s, CASE WHEN w.s IS NOT NULL THEN least(w.e - w.s, c.dur_ns) END AS wait_ns
     FROM c LEFT JOIN w ON c.rank = w.rank AND c.seq = w.seq AND c.op = w.op AND c.name = w.name
                       AND c.peer IS NOT DISTINCT FROM w.peer
+), cw AS (
+    -- Calls without a wait span that overlap each other (several in flight on their own streams,
+    -- or an older recording's asynchronous calls): each counts only from where the ones that
+    -- started before it end (eff_s), so their exposed time adds up to the union, not more.
+    SELECT *, greatest(s, coalesce(max(e) FILTER (WHERE wait_ns IS NULL) OVER (
+               PARTITION BY rank ORDER BY s, id ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), s)) AS eff_s
+    FROM cw0
 ), stalls AS (
     SELECT rank, step, s, e FROM w
     UNION ALL
@@ -57,9 +64,9 @@ WITH c AS (
       AND NOT EXISTS (SELECT 1 FROM c WHERE c.rank = q.rank AND c.step = q.step
                       AND c.s >= q.start_ns AND c.e <= q.start_ns + q.dur_ns)
 ), o_sync AS (
-    SELECT cw.id, sum(least(cw.e, p.e) - greatest(cw.s, p.s)) AS ov
-    FROM cw JOIN p ON cw.rank = p.rank AND cw.step = p.step AND p.s < cw.e AND p.e > cw.s
-    WHERE cw.wait_ns IS NULL
+    SELECT cw.id, sum(least(cw.e, p.e) - greatest(cw.eff_s, p.s)) AS ov
+    FROM cw JOIN p ON cw.rank = p.rank AND cw.step = p.step AND p.s < cw.e AND p.e > cw.eff_s
+    WHERE cw.wait_ns IS NULL AND cw.eff_s < cw.e
     GROUP BY cw.id
 ), comp AS (
     SELECT DISTINCT rank, step, start_ns AS s, start_ns + dur_ns AS e
@@ -86,7 +93,7 @@ WITH c AS (
            CASE WHEN cw.wait_ns IS NOT NULL THEN greatest(0, least(coalesce(oa.computed, 0), cw.dur_ns - cw.wait_ns))
                 ELSE least(coalesce(os.ov, 0), cw.dur_ns) END AS hidden_ns,
            CASE WHEN cw.wait_ns IS NOT NULL THEN cw.wait_ns
-                ELSE cw.dur_ns - least(coalesce(os.ov, 0), cw.dur_ns) END AS stall_ns
+                ELSE greatest(0, cw.e - cw.eff_s - coalesce(os.ov, 0)) END AS stall_ns
     FROM cw LEFT JOIN o_sync os USING (id) LEFT JOIN o_async oa USING (id)
 )
 SELECT CASE WHEN kind <> 'collective' THEN 'p2p'
