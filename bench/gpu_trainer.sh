@@ -8,10 +8,11 @@
 #   overlap    2 GPUs, TP=2, PP=2, DP=2: every overlap on, then every overlap off (--no-overlap all),
 #              collector on in both: exposed communication before/after from megascope's analysis
 #   collector  2 GPUs, each layout with the collector on and off (MEGASCOPE_DISABLE=1), interleaved
-#   tpsched    2 GPUs, TP=2 collector on and off with NCCL on a high-priority stream and one hardware
-#              launch queue (TORCH_NCCL_HIGH_PRIORITY=1 CUDA_DEVICE_MAX_CONNECTIONS=1): the test of
-#              whether tp2's slow runs with the collector on come from the overlapped all-gather's
-#              kernel waiting behind GEMMs for SMs (docs/benchmarks.md); not part of the default
+#   tpsched    2 GPUs, TP=2, collector on and off under three settings, to find why tp2 is slower with the
+#              collector on (docs/benchmarks.md): NCCL on a high-priority stream (tpprio,
+#              TORCH_NCCL_HIGH_PRIORITY=1); no wait spans, one device event less per asynchronous call
+#              (tpnowait, MEGASCOPE_WAIT_SPANS=0); one hardware launch queue (tp1conn,
+#              CUDA_DEVICE_MAX_CONNECTIONS=1). Not part of the default.
 # The table at the end (bench/gpu_trainer_table.py) gives median step time, tokens/s and MFU per
 # layout (run.json's FLOPs / step time / GPUs / peak), megascope's own MFU for the same runs, the
 # collector's step-time overhead, and exposed communication per group kind and overlap setting.
@@ -85,9 +86,17 @@ for part in $PARTS; do
       [ "$NGPU" -ge 2 ] || { echo "tpsched needs 2 GPUs"; continue; }
       for r in $(seq "$REPEATS"); do
         # shellcheck disable=SC2046
-        TORCH_NCCL_HIGH_PRIORITY=1 CUDA_DEVICE_MAX_CONNECTIONS=1 train "2gpu-tpsched-r$r" 2 on $(layout_args tp)
+        TORCH_NCCL_HIGH_PRIORITY=1 train "2gpu-tpprio-r$r" 2 on $(layout_args tp)
         # shellcheck disable=SC2046
-        TORCH_NCCL_HIGH_PRIORITY=1 CUDA_DEVICE_MAX_CONNECTIONS=1 train "2gpu-tpsched-r$r" 2 off $(layout_args tp)
+        TORCH_NCCL_HIGH_PRIORITY=1 train "2gpu-tpprio-r$r" 2 off $(layout_args tp)
+        # shellcheck disable=SC2046
+        MEGASCOPE_WAIT_SPANS=0 train "2gpu-tpnowait-r$r" 2 on $(layout_args tp)
+        # shellcheck disable=SC2046
+        train "2gpu-tpnowait-r$r" 2 off $(layout_args tp)
+        # shellcheck disable=SC2046
+        CUDA_DEVICE_MAX_CONNECTIONS=1 train "2gpu-tp1conn-r$r" 2 on $(layout_args tp)
+        # shellcheck disable=SC2046
+        CUDA_DEVICE_MAX_CONNECTIONS=1 train "2gpu-tp1conn-r$r" 2 off $(layout_args tp)
       done ;;
     *) echo "unknown part $part" ;;
   esac

@@ -11,6 +11,7 @@ script wrote, so an operator can switch the collector off or move its output wit
 ``MEGASCOPE_MAX_BUFFERED_ROWS=N``     ``max_buffered_rows``
 ``MEGASCOPE_FLIGHT_RECORDER=1``       ``flight_recorder=True``
 ``MEGASCOPE_HEARTBEAT_S=5``           ``heartbeat_interval_s`` (0 turns it off)
+``MEGASCOPE_WAIT_SPANS=0``            ``wait_spans=False``
 ====================================  ===========================================
 
 Example::
@@ -78,6 +79,10 @@ class CollectorConfig:
     # Host, GPU and NIC heartbeats every this many seconds from a sampler thread (None: off).
     # Silence is data: the analysis flags a rank whose heartbeats stop.
     heartbeat_interval_s: float | None = None
+    # A "<name>:wait" span for every wait on an asynchronous communication call (one more device
+    # event per call, on the waiting stream). It is what tells exposed from overlapped
+    # communication; off, asynchronous calls are analysed like blocking ones.
+    wait_spans: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "run_dir", Path(self.run_dir))
@@ -113,4 +118,6 @@ class CollectorConfig:
         if "MEGASCOPE_HEARTBEAT_S" in env:
             seconds = _env_number("MEGASCOPE_HEARTBEAT_S", env["MEGASCOPE_HEARTBEAT_S"], float)
             changes["heartbeat_interval_s"] = seconds if seconds > 0 else None
+        if "MEGASCOPE_WAIT_SPANS" in env:
+            changes["wait_spans"] = _env_bool("MEGASCOPE_WAIT_SPANS", env["MEGASCOPE_WAIT_SPANS"])
         return dataclasses.replace(self, **changes) if changes else self

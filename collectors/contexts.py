@@ -170,7 +170,7 @@ class CommHandle:
         from here to completion: the part of the operation that compute did not hide. On GPU it is
         stamped on the same stream, so it is the time that stream stalled.
         """
-        if self._done or self._wait is not None:
+        if self._done or self._wait is not None or not self._col.config.wait_spans:
             return
         try:
             self._wait = self._col._timer.stamp(self.stream)

@@ -34,10 +34,10 @@ def _spans(run: Path) -> list[dict]:
 def test_config_env_overrides_and_validation(tmp_path: Path) -> None:
     cfg = CollectorConfig(run_dir=tmp_path / "a", flush_interval_s=1.0)
     env = {"MEGASCOPE_DISABLE": "1", "MEGASCOPE_RUN_DIR": str(tmp_path / "b"), "MEGASCOPE_FLUSH_INTERVAL_S": "0.5",
-           "MEGASCOPE_MAX_BUFFERED_ROWS": "10", "MEGASCOPE_FLIGHT_RECORDER": "yes"}
+           "MEGASCOPE_MAX_BUFFERED_ROWS": "10", "MEGASCOPE_FLIGHT_RECORDER": "yes", "MEGASCOPE_WAIT_SPANS": "0"}
     got = cfg.with_env(env)
-    assert (got.enabled, got.run_dir, got.flush_interval_s, got.max_buffered_rows, got.flight_recorder) == (
-        False, tmp_path / "b", 0.5, 10, True)
+    assert (got.enabled, got.run_dir, got.flush_interval_s, got.max_buffered_rows, got.flight_recorder,
+            got.wait_spans) == (False, tmp_path / "b", 0.5, 10, True, False)
     assert cfg.with_env({}) is cfg
     with pytest.raises(ConfigError, match="MEGASCOPE_FLUSH_INTERVAL_S"):
         cfg.with_env({"MEGASCOPE_FLUSH_INTERVAL_S": "soon"})
@@ -159,6 +159,37 @@ def test_comm_sequence_numbers_markers_and_async_handles(tmp_path: Path) -> None
     assert all(m[4] == 1 for m in markers) and len(markers) == 2 * len(rows)
     groups = open_run(run).con.sql("SELECT \"group\", kind, members FROM groups").fetchall()
     assert groups == [("world", "world", [0])]
+
+
+@pytest.mark.parametrize("wait_spans", [True, False])
+def test_waiting_on_an_async_call_writes_its_wait_span(tmp_path: Path, wait_spans: bool) -> None:
+    """wait() on an asynchronous call: the call's span runs from issue to completion and a
+    "<name>:wait" span (no group, same seq/op/peer) from the wait to completion, unless switched off."""
+    class Work:
+        def wait(self) -> bool:
+            time.sleep(0.02)  # the transfer still running when the caller starts waiting
+            return True
+
+    from megascope.collectors.dist import TimedWork
+
+    run = tmp_path / "run"
+    col = Collector(CollectorConfig(run_dir=run, flush_interval_s=0.05, wait_spans=wait_spans), rank=0, world_size=1)
+    with col.step(0):
+        work = TimedWork(Work(), col.comm_begin(op="reduce_scatter", group="dp:0", bytes=64))
+        time.sleep(0.03)  # compute issued after the call
+        assert work.wait() is True
+    col.close()
+    rows = open_run(run).con.sql(
+        'SELECT name, kind, "group", seq, op, dur_ns FROM spans WHERE name LIKE \'dp.%\' ORDER BY name').fetchall()
+    call = rows[0]
+    assert call[:5] == ("dp.reduce_scatter", "collective", "dp:0", 0, "reduce_scatter")
+    assert call[5] >= 50_000_000
+    if not wait_spans:
+        assert len(rows) == 1
+        return
+    wait = rows[1]
+    assert wait[:5] == ("dp.reduce_scatter:wait", "other", None, 0, "reduce_scatter")
+    assert 20_000_000 <= wait[5] < call[5] - 25_000_000
 
 
 # ---------------------------------------------------------------------------------------- modules
