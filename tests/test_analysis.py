@@ -241,6 +241,50 @@ def test_exposed_communication_arithmetic(tmp_path: Path) -> None:
     assert got["exposed_ns_per_rank_step"].sum() == (5 + 10 + 13) * MS
 
 
+def test_pipeline_neighbour_of_a_straggler_is_not_named(tmp_path: Path) -> None:
+    """Two stages of two TP ranks, 8 steps of 100 ms. Rank 3 computes 60 ms where its TP peer
+    computes 30: the straggler. Rank 1 receives from it, so its receive waits 50 ms where rank 0's
+    waits 30, and it reaches the stage's TP collective 5 ms after its receive ends: last every step,
+    and 50 ms of own time against rank 0's 47 (1.06x). Its excess over rank 0 is explained by the
+    longer receive (20 ms >= 3 ms), so only rank 3 is named."""
+    spans: list[dict[str, object]] = []
+    for k in range(8):
+        t = k * 100 * MS
+
+        def at(rank: int, kind: str, start: int, end: int, k: int = k, t: int = t, **kw: object) -> None:
+            spans.append(_span(rank, k, kind, t + start * MS, (end - start) * MS, **kw))
+
+        for r in range(4):
+            at(r, "step", 0, 100)
+        for r, recv_end, arrive in ((0, 50, 52), (1, 70, 75)):  # stage 0
+            at(r, "forward", 0, 20)
+            at(r, "recv", 20, recv_end, seq=k, peer=r + 2, group="pp:0")
+            at(r, "collective", arrive, 77, group="tp:0", seq=k)
+            at(r, "backward", 77, 100)
+        for r, compute in ((2, 30), (3, 60)):  # stage 1: rank 3 is slow
+            at(r, "forward", 0, compute)
+            at(r, "collective", compute, 62, group="tp:1", seq=k)
+            at(r, "backward", 62, 100)
+    path = tmp_path / "run"
+    layout.write_run_meta(path, schema.RunMeta(run_id="pp", source="synth", world_size=4,
+                                               mesh_sizes={"pp": 2, "dp": 1, "tp": 2}))
+    for r in range(4):
+        layout.write_part(path, "ranks", pa.Table.from_pylist(
+            [{"rank": r, "host": f"h{r}", "pp": r // 2, "dp": 0, "tp": r % 2}], schema=schema.RANKS), rank=r)
+        layout.write_part(path, "groups", pa.Table.from_pylist(
+            [{"rank": r, "group": f"tp:{r // 2}", "kind": "tp", "group_rank": r % 2, "members": [r // 2 * 2, r // 2 * 2 + 1]}],
+            schema=schema.GROUPS), rank=r)
+        layout.write_part(path, "spans", pa.Table.from_pylist([x for x in spans if x["rank"] == r], schema=schema.SPANS),
+                          rank=r)
+    run = open_run(path)
+    named = analysis.stragglers(run.con)
+    assert named["rank"].tolist() == [3]
+    scores = run.con.execute("SELECT rank, median_slowdown, median_ex_recv_ns, median_ex_own_ns, last_z "
+                             "FROM ms_cache.rank_scores WHERE rank = 1").fetchone()
+    # Rank 1 is what the rule is for: slower and last every step, but its receive explains it.
+    assert scores[1] == pytest.approx(50 / 47) and scores[2] == 20 * MS and scores[3] == 3 * MS and scores[4] >= 3
+
+
 def test_hang_follows_waiters_to_the_root(tmp_path: Path) -> None:
     # Rank 2 completed seq 1 and never entered seq 2; ranks 0 and 1 sit inside seq 2.
     def marker(rank: int, seq: int, state: str, t: int) -> dict[str, object]:

@@ -19,7 +19,8 @@ CREATE OR REPLACE MACRO ms_cache.loo(n, s, x, med) AS
 -- @column base_own_ns peer baseline of own time
 -- @column z_own       robust z-score of own time: (own - median) / max(1.4826 MAD, {{rel_floor}} median)
 -- @column slowdown    own / baseline own
--- @column ex_*_ns     excess over the peer baseline, per kind of own time
+-- @column ex_*_ns     excess over the peer baseline, per kind of own time (ex_recv_ns: of its
+--                     pipeline receive wait)
 -- @column xfer_ratio  transfer time / peer baseline transfer time
 CREATE OR REPLACE TABLE ms_cache.peer_step AS
 WITH rs AS (
@@ -35,7 +36,8 @@ WITH rs AS (
            median(compute_excl_ns) AS med_cx, sum(compute_excl_ns) AS sum_cx,
            median(data_ns) AS med_data, sum(data_ns) AS sum_data,
            median(host_ns) AS med_host, sum(host_ns) AS sum_host,
-           median(xfer_ns) AS med_xfer, sum(xfer_ns) AS sum_xfer
+           median(xfer_ns) AS med_xfer, sum(xfer_ns) AS sum_xfer,
+           median(recv_ns) AS med_recv, sum(recv_ns) AS sum_recv
     FROM rs GROUP BY stage, step
 ), m AS (
     SELECT rs.stage, rs.step, median(abs(rs.own_ns - p.med_own)) AS mad_own,
@@ -54,6 +56,7 @@ SELECT rs.rank, rs.step, rs.stage, p.n, rs.own_ns, rs.step_ns, rs.xfer_ns, rs.wa
        rs.compute_excl_ns - ms_cache.loo(p.n, p.sum_cx, rs.compute_excl_ns, p.med_cx) AS ex_compute_excl_ns,
        rs.data_ns - ms_cache.loo(p.n, p.sum_data, rs.data_ns, p.med_data) AS ex_data_ns,
        rs.host_ns - ms_cache.loo(p.n, p.sum_host, rs.host_ns, p.med_host) AS ex_host_ns,
+       rs.recv_ns - ms_cache.loo(p.n, p.sum_recv, rs.recv_ns, p.med_recv) AS ex_recv_ns,
        (rs.xfer_ns - p.med_xfer) / greatest(1.4826 * m.mad_xfer, {{rel_floor}} * abs(p.med_xfer), 1) AS z_xfer,
        rs.xfer_ns / nullif(ms_cache.loo(p.n, p.sum_xfer, rs.xfer_ns, p.med_xfer), 0) AS xfer_ratio,
        rs.coll_count, rs.last_count, rs.last_expected, rs.last_var, rs.last_peer, rs.coll_tp, rs.coll_dp, rs.coll_pp, rs.coll_other, rs.last_tp, rs.last_dp, rs.last_pp, rs.last_other
@@ -71,6 +74,8 @@ FROM rs JOIN p USING (stage, step) JOIN m USING (stage, step);
 -- transfer time is slow by the same rules (a bad link: normal arrival, slow transfers).
 -- @column steps, slow_steps, strict_steps, comm_slow_steps  counted steps
 -- @column median_slowdown  median slowdown over all its steps
+-- @column median_ex_recv_ns, median_ex_own_ns  median excess of pipeline receive wait and of own
+--                       time over the peer baseline, over all its steps
 -- @column slowdown      median slowdown over its slow steps
 -- @column ex_*_ns       median excess over its slow steps
 -- @column sigma         the run's noise
@@ -115,6 +120,9 @@ SELECT rank, any_value(stage) AS stage, count(*) AS steps, any_value(sigma) AS s
        median(ex_data_ns) FILTER (WHERE slow) AS ex_data_ns,
        median(ex_host_ns) FILTER (WHERE slow) AS ex_host_ns,
        median(base_own_ns) AS base_own_ns,
+       -- Over all its steps: a pipeline neighbour of a slow stage waits longer in its receives and
+       -- then arrives late at its own stage's collectives; that excess is not its own.
+       median(ex_recv_ns) AS median_ex_recv_ns, median(ex_own_ns) AS median_ex_own_ns,
        sum(last_count) / nullif(sum(coll_count), 0) AS last_arrival_frac,
        -- Arrival orders within a step are correlated (one delay makes a rank last at many
        -- collectives), so the test is over steps: a t-statistic of the per-step excess.
@@ -135,6 +143,8 @@ FROM f GROUP BY rank;
 --     median slowdowns; with fewer than five ranks it cannot be told from the straggler and is 0).
 -- Persistent mild slowness is found on quiet runs, only gross slowness on noisy ones. Or: it is
 -- the last arriver of its collectives {{last_z}} standard deviations above chance, and slower.
+-- Either way, not a rank whose excess over its peers is explained by longer pipeline receives
+-- (a neighbour of a slow stage).
 WITH sys AS (
     SELECT CASE WHEN count(*) >= 5 THEN coalesce(1.4826 * mad(ln(median_slowdown)), 0) ELSE 0 END AS sys
     FROM ms_cache.rank_scores WHERE median_slowdown > 0
@@ -148,7 +158,10 @@ SELECT s.*, i.host, i.pp, i.dp, i.tp, sys.sys,
                                                    exp({{z}} * sqrt(pow(1.25 * s.sigma, 2) / s.steps + pow(sys.sys, 2))))))
            -- The last to arrive among its peers, far more often than chance, with longer own
            -- time: the straggler even when noise hides the size of its slowdown.
-           OR (s.last_z >= {{last_z}} AND s.median_slowdown >= {{min_slowdown}}), false) AS straggler
+           OR (s.last_z >= {{last_z}} AND s.median_slowdown >= {{min_slowdown}}), false)
+       -- Not when its pipeline receives waited longer than its peers' by at least as much as its
+       -- own time exceeds theirs: it is late because its neighbour stage is (that rank is named).
+       AND NOT coalesce(s.median_ex_recv_ns > 0 AND s.median_ex_recv_ns >= s.median_ex_own_ns, false) AS straggler
 FROM ms_cache.rank_scores s JOIN ms_cache.rank_info i USING (rank), sys
 WHERE s.steps >= {{min_steps}}
   AND (s.slow_steps / s.steps >= {{min_frac}} OR s.comm_slow_steps / s.steps >= {{min_frac}}
