@@ -200,7 +200,8 @@ def test_cli_trains_from_a_token_file(tmp_path: Path) -> None:
 
 def test_overlap_is_what_the_exposed_comm_analysis_sees(tmp_path: Path, reference: list[float]) -> None:
     """With DP overlap the gradient reduce-scatters run under the backward pass (part of each one is
-    hidden); with ``overlap`` off they are issued after it and waited on at once (nothing hidden).
+    hidden) and the parameter all-gathers under the next forward; with ``overlap`` off both are
+    waited on where they are issued (nothing hidden).
     Both compute the same loss; every asynchronous call leaves its wait span."""
     from megascope.analysis import exposed_comm
 
@@ -216,11 +217,13 @@ def test_overlap_is_what_the_exposed_comm_analysis_sees(tmp_path: Path, referenc
         if "tp" in overlap:
             assert {"tp.all_gather:wait", "tp.reduce_scatter:wait"} <= waits
         rows = exposed_comm(run.con, steps=[1, 2]).set_index(["group_kind", "name"])
-        return result.losses, rows.loc[("dp", "dp.reduce_scatter")]
+        return result.losses, rows.loc[("dp", "dp.reduce_scatter")], rows.loc[("dp", "dp.all_gather")]
 
-    on_losses, on = dp_rs(frozenset({"tp", "pp", "dp"}))
-    off_losses, off = dp_rs(frozenset())
+    on_losses, on, on_ag = dp_rs(frozenset({"tp", "pp", "dp"}))
+    off_losses, off, off_ag = dp_rs(frozenset())
     assert on_losses == pytest.approx(off_losses, rel=RTOL)
+    # The parameter all-gathers: left in flight under the next step's forward, or waited at once.
+    assert off_ag["overlapped_ns"] == 0 and on_ag["overlapped_ns"] > 0
     assert on["exposed_ns"] + on["overlapped_ns"] <= on["comm_ns"]
     assert off["exposed_ns"] + off["overlapped_ns"] <= off["comm_ns"]
     # Off, every reduce-scatter is issued and waited on after the backward pass: no compute under it.

@@ -153,6 +153,15 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -
                            tp_index=ps.tp_index, sequence_parallel=cfg.sequence_parallel, optimizer=cfg.optimizer,
                            lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
                            bucket_mb=cfg.bucket_mb, device=device, collector=col, overlap="dp" in cfg.overlap)
+    # The parameter all-gathers after each step overlap the next forward: each watched module
+    # waits for its own buckets. The stage's own forward reads the embeddings; ln_f's hook also
+    # covers the output layer, which the stage multiplies by directly.
+    first_reads = [p for p in (stage.pos, stage.embed.weight if stage.embed is not None else None) if p is not None]
+    opt.watch(stage, first_reads)
+    for block in stage.layers.values():
+        opt.watch(block)
+    if stage.ln_f is not None and stage.lm_head is not None:
+        opt.watch(stage.ln_f, [*stage.ln_f.parameters(), stage.lm_head.weight])
     members = ps.pp.members
     seq_local = m.seq_len // ps.tp.size if cfg.sequence_parallel else m.seq_len
     io = StageIO(comm=comm, pg=ps.pp.pg,
@@ -203,6 +212,7 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -
             col.metric("tokens", float(cfg.tokens_per_step), step=step)
             losses.append(global_loss.detach())
             step_ends.append(time.perf_counter())
+    opt.wait_params()
     return RankResult(losses=torch.stack(losses).tolist(),
                       step_seconds=[b - a for a, b in zip(step_ends, step_ends[1:], strict=False)])
 

@@ -1,5 +1,6 @@
 """Data parallelism with a sharded optimizer (ZeRO-1): bucketed reduce-scatter during backward,
-optimizer step on this rank's shard, all-gather of the updated parameters.
+optimizer step on this rank's shard, all-gather of the updated parameters (left in flight: the
+next step's forward waits for each bucket just before the first module that reads it).
 
 Role in the data flow: ``loop.py`` builds one :class:`ShardedOptimizer` per rank. Each parameter's
 ``.grad`` is a view into a flat fp32 buffer cut into buckets, so autograd accumulates every
@@ -149,6 +150,11 @@ class ShardedOptimizer:
                         for ps in (decay, no_decay) if ps]
         self.weight_decays = [weight_decay if ps is decay else 0.0 for ps in (decay, no_decay) if ps]
         self._armed = False
+        # Parameter all-gathers left in flight after the step, by id(bucket); forward pre-hooks of
+        # the watched modules wait for them (watch()).
+        self._param_gathers: dict[int, Any] = {}
+        self._users: list[Any] = []
+        self._watched: set[int] = set()
         # Master shards: this rank's slice of each buffer, as one flat fp32 parameter per buffer, and
         # the reduced gradient of that slice (the reduce-scatters write straight into it).
         self.masters: list[nn.Parameter] = []
@@ -315,17 +321,47 @@ class ShardedOptimizer:
         return grad_norm, stats[1]
 
     def _gather_params(self) -> None:
+        """All-gather the updated parameters, bucket by bucket. With overlap and ``watch()``ed
+        modules, the gathers are left in flight (launched in forward order) and each is waited on
+        by the first forward that reads its bucket; otherwise they are waited on here."""
         if self.dp.size == 1:
             return  # the optimizer updated the parameters in place
-        works = []
+        assert self.comm is not None
+        deferred = self.overlap and bool(self._users)
         for buf, master in zip(self.buffers, self.masters, strict=True):
-            offset = 0
-            for bucket in buf.buckets:
+            # Buckets hold parameters in reverse definition order: launch the last bucket (the
+            # first layers) first, so the forward that waits for it waits least.
+            for bucket in reversed(buf.buckets):
                 chunk = bucket.size // self.dp.size
-                piece = master.detach()[offset:offset + chunk]
-                offset += chunk
-                assert self.comm is not None
-                works.append(self.comm.all_gather_async(buf.param_flat[bucket.start:bucket.end], piece, self.dp.pg))
+                piece = master.detach()[bucket.shard_start:bucket.shard_start + chunk]
+                work = self.comm.all_gather_async(buf.param_flat[bucket.start:bucket.end], piece, self.dp.pg)
+                if deferred and id(bucket) in self._watched:
+                    self._param_gathers[id(bucket)] = work
+                else:
+                    work.wait()
+
+    def watch(self, module: nn.Module, params: list[nn.Parameter] | None = None) -> None:
+        """Before ``module``'s forward, wait for the parameter all-gathers of ``params`` (default:
+        its own parameters). Register the modules whose forward first reads each parameter; a
+        parameter no watched module covers is waited for by ``wait_params()``."""
+        where = {id(p): (buf, buf.buckets[buf.offsets[id(p)][1]]) for buf in self.buffers for p in buf.params}
+        needed = [where[id(p)][1] for p in (params if params is not None else module.parameters()) if id(p) in where]
+        if not needed:
+            return
+        buckets = list({id(b): b for b in needed}.values())
+        self._users.append(module.register_forward_pre_hook(lambda *_: self._wait_buckets(buckets)))
+        self._watched.update(id(b) for b in buckets)
+
+    def _wait_buckets(self, buckets: list[_Bucket]) -> None:
+        for bucket in buckets:
+            work = self._param_gathers.pop(id(bucket), None)
+            if work is not None:
+                work.wait()
+
+    def wait_params(self) -> None:
+        """Wait for every parameter all-gather still in flight (the end of training, or a caller
+        that reads the parameters outside a watched forward)."""
+        works, self._param_gathers = list(self._param_gathers.values()), {}
         for work in works:
             work.wait()
 
