@@ -162,6 +162,8 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -
         opt.watch(block)
     if stage.ln_f is not None and stage.lm_head is not None:
         opt.watch(stage.ln_f, [*stage.ln_f.parameters(), stage.lm_head.weight])
+    if ps.dp.size > 1 and (missing := opt.unwatched(stage)):
+        raise RuntimeError(f"parameters read before any forward waits for their all-gather: {', '.join(missing)}")
     members = ps.pp.members
     seq_local = m.seq_len // ps.tp.size if cfg.sequence_parallel else m.seq_len
     io = StageIO(comm=comm, pg=ps.pp.pg,

@@ -155,6 +155,7 @@ class ShardedOptimizer:
         self._param_gathers: dict[int, Any] = {}
         self._users: list[Any] = []
         self._watched: set[int] = set()
+        self._watched_params: set[int] = set()
         # Master shards: this rank's slice of each buffer, as one flat fp32 parameter per buffer, and
         # the reduced gradient of that slice (the reduce-scatters write straight into it).
         self.masters: list[nn.Parameter] = []
@@ -328,9 +329,10 @@ class ShardedOptimizer:
             return  # the optimizer updated the parameters in place
         assert self.comm is not None
         deferred = self.overlap and bool(self._users)
-        for buf, master in zip(self.buffers, self.masters, strict=True):
-            # Buckets hold parameters in reverse definition order: launch the last bucket (the
-            # first layers) first, so the forward that waits for it waits least.
+        # The small buffer of 1-D parameters (norms) first: every block needs some of it. Within a
+        # buffer, buckets hold parameters in reverse definition order: launch the last bucket (the
+        # first layers) first, so the forward that waits for it waits least.
+        for buf, master in reversed(list(zip(self.buffers, self.masters, strict=True))):
             for bucket in reversed(buf.buckets):
                 chunk = bucket.size // self.dp.size
                 piece = master.detach()[bucket.shard_start:bucket.shard_start + chunk]
@@ -342,15 +344,22 @@ class ShardedOptimizer:
 
     def watch(self, module: nn.Module, params: list[nn.Parameter] | None = None) -> None:
         """Before ``module``'s forward, wait for the parameter all-gathers of ``params`` (default:
-        its own parameters). Register the modules whose forward first reads each parameter; a
-        parameter no watched module covers is waited for by ``wait_params()``."""
+        its own parameters). Every parameter must be covered by a module whose forward runs before
+        it is read: only buckets with a watched parameter are left in flight, and a bucket is
+        waited on by the first watched forward that needs it."""
         where = {id(p): (buf, buf.buckets[buf.offsets[id(p)][1]]) for buf in self.buffers for p in buf.params}
-        needed = [where[id(p)][1] for p in (params if params is not None else module.parameters()) if id(p) in where]
+        chosen = [p for p in (params if params is not None else module.parameters()) if id(p) in where]
+        self._watched_params.update(id(p) for p in chosen)
+        needed = [where[id(p)][1] for p in chosen]
         if not needed:
             return
         buckets = list({id(b): b for b in needed}.values())
         self._users.append(module.register_forward_pre_hook(lambda *_: self._wait_buckets(buckets)))
         self._watched.update(id(b) for b in buckets)
+
+    def unwatched(self, model: nn.Module) -> list[str]:
+        """Names of ``model``'s trained parameters no ``watch()`` covers (should be none)."""
+        return [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in self._watched_params]
 
     def _wait_buckets(self, buckets: list[_Bucket]) -> None:
         for bucket in buckets:
