@@ -156,6 +156,7 @@ class ShardedOptimizer:
         self._users: list[Any] = []
         self._watched: set[int] = set()
         self._watched_params: set[int] = set()
+        self._bucket_of: dict[int, _Bucket] = {}  # id(param) -> its bucket, built on the first watch()
         # Master shards: this rank's slice of each buffer, as one flat fp32 parameter per buffer, and
         # the reduced gradient of that slice (the reduce-scatters write straight into it).
         self.masters: list[nn.Parameter] = []
@@ -347,10 +348,11 @@ class ShardedOptimizer:
         its own parameters). Every parameter must be covered by a module whose forward runs before
         it is read: only buckets with a watched parameter are left in flight, and a bucket is
         waited on by the first watched forward that needs it."""
-        where = {id(p): (buf, buf.buckets[buf.offsets[id(p)][1]]) for buf in self.buffers for p in buf.params}
-        chosen = [p for p in (params if params is not None else module.parameters()) if id(p) in where]
+        if not self._bucket_of:
+            self._bucket_of = {id(p): buf.buckets[buf.offsets[id(p)][1]] for buf in self.buffers for p in buf.params}
+        chosen = [p for p in (params if params is not None else module.parameters()) if id(p) in self._bucket_of]
         self._watched_params.update(id(p) for p in chosen)
-        needed = [where[id(p)][1] for p in chosen]
+        needed = [self._bucket_of[id(p)] for p in chosen]
         if not needed:
             return
         buckets = list({id(b): b for b in needed}.values())

@@ -57,21 +57,19 @@ WITH c AS (
     SELECT rank, step, s, e FROM w
     UNION ALL
     SELECT rank, step, s, e FROM cw WHERE wait_ns IS NULL
-), p AS (
-    SELECT rank, step, start_ns AS s, start_ns + dur_ns AS e
-    FROM spans q
+), comp AS (
+    SELECT DISTINCT rank, step, start_ns AS s, start_ns + dur_ns AS e
+    FROM spans
     WHERE rank IN ({{ranks}}) AND kind IN ('forward', 'backward', 'optimizer', 'compute') AND list_contains({{steps}}, step)
-      AND NOT EXISTS (SELECT 1 FROM c WHERE c.rank = q.rank AND c.step = q.step
-                      AND c.s >= q.start_ns AND c.e <= q.start_ns + q.dur_ns)
+), p AS (
+    -- Leaf compute: encloses no communication span.
+    SELECT * FROM comp q
+    WHERE NOT EXISTS (SELECT 1 FROM c WHERE c.rank = q.rank AND c.step = q.step AND c.s >= q.s AND c.e <= q.e)
 ), o_sync AS (
     SELECT cw.id, sum(least(cw.e, p.e) - greatest(cw.eff_s, p.s)) AS ov
     FROM cw JOIN p ON cw.rank = p.rank AND cw.step = p.step AND p.s < cw.e AND p.e > cw.eff_s
     WHERE cw.wait_ns IS NULL AND cw.eff_s < cw.e
     GROUP BY cw.id
-), comp AS (
-    SELECT DISTINCT rank, step, start_ns AS s, start_ns + dur_ns AS e
-    FROM spans
-    WHERE rank IN ({{ranks}}) AND kind IN ('forward', 'backward', 'optimizer', 'compute') AND list_contains({{steps}}, step)
 ), top AS (
     SELECT * FROM comp q
     WHERE NOT EXISTS (SELECT 1 FROM comp r WHERE r.rank = q.rank AND r.step = q.step AND r.s <= q.s AND r.e >= q.e
