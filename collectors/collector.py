@@ -114,7 +114,8 @@ class Collector:
             return
         self.device = resolve_device(config.device)
         self._timer: Timer = make_timer(
-            self.device, anchor_interval_s=config.anchor_interval_s, max_events=2 * config.max_buffered_rows + 64
+            self.device, anchor_interval_s=config.anchor_interval_s, max_events=2 * config.max_buffered_rows + 64,
+            clock=config.clock,
         )
         self._sink = Sink(config.max_buffered_rows)
         self._writer = Writer(

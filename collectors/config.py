@@ -12,6 +12,7 @@ script wrote, so an operator can switch the collector off or move its output wit
 ``MEGASCOPE_FLIGHT_RECORDER=1``       ``flight_recorder=True``
 ``MEGASCOPE_HEARTBEAT_S=5``           ``heartbeat_interval_s`` (0 turns it off)
 ``MEGASCOPE_WAIT_SPANS=0``            ``wait_spans=False``
+``MEGASCOPE_CLOCK=host``              ``clock`` (``device``, ``side-stream`` or ``host``)
 ====================================  ===========================================
 
 Example::
@@ -31,6 +32,7 @@ from typing import Any
 
 from megascope.errors import ConfigError
 
+CLOCKS = ("device", "side-stream", "host")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -83,6 +85,13 @@ class CollectorConfig:
     # event per call, on the waiting stream). It is what tells exposed from overlapped
     # communication; off, asynchronous calls are analysed like blocking ones.
     wait_spans: bool = True
+    # How a GPU rank timestamps. "device" records a timing event on the stream doing the work.
+    # "side-stream" records a timing-free marker there and the timing event on a private stream
+    # made to wait for it, so no timing event sits between the work's kernels (three API calls per
+    # stamp instead of one). "host" records no device event at all, so spans say when the host
+    # issued work, not when the device ran it (for telling the collector's host cost from its
+    # device cost). CPU ranks always use the host clock.
+    clock: str = "device"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "run_dir", Path(self.run_dir))
@@ -94,6 +103,8 @@ class CollectorConfig:
             raise ConfigError(f"anchor_interval_s must be > 0, got {self.anchor_interval_s}")
         if self.close_timeout_s < 0:
             raise ConfigError(f"close_timeout_s must be >= 0, got {self.close_timeout_s}")
+        if self.clock not in CLOCKS:
+            raise ConfigError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
         if self.heartbeat_interval_s is not None and not self.heartbeat_interval_s > 0:
             raise ConfigError(f"heartbeat_interval_s must be > 0 or None, got {self.heartbeat_interval_s}")
 
@@ -120,4 +131,6 @@ class CollectorConfig:
             changes["heartbeat_interval_s"] = seconds if seconds > 0 else None
         if "MEGASCOPE_WAIT_SPANS" in env:
             changes["wait_spans"] = _env_bool("MEGASCOPE_WAIT_SPANS", env["MEGASCOPE_WAIT_SPANS"])
+        if "MEGASCOPE_CLOCK" in env:
+            changes["clock"] = env["MEGASCOPE_CLOCK"].strip().lower()
         return dataclasses.replace(self, **changes) if changes else self

@@ -9,7 +9,9 @@ above them runs the same on CPU (gloo tests) and on CUDA.
 * :class:`HostTimer`: a token is ``time.perf_counter_ns()``; an anchor pairs it with
   ``time.time_ns()``, so NTP slewing of the wall clock is followed at every anchor refresh.
 * :class:`CudaTimer`: a token is a ``torch.cuda.Event(enable_timing=True)`` from a pool, recorded
-  on the stream doing the work. ``ready`` is ``Event.query()`` and ``wall_ns`` is
+  on the stream doing the work, or (``side_stream``, clock ``side-stream``) on a private stream made to
+  wait for a timing-free marker on the work's stream, so that no timing event sits between the
+  work's kernels. ``ready`` is ``Event.query()`` and ``wall_ns`` is
   ``anchor.event.elapsed_time(token)``: neither waits for the device. An anchor is an event
   recorded while the stream is idle (checked with ``Stream.query()``, a natural sync point such as
   the host having just read the loss), paired with the host wall clock of that moment. A new one is
@@ -100,13 +102,31 @@ class CudaTimer:
 
     is_device = True
 
-    def __init__(self, device: Any, *, anchor_interval_s: float = 1.0, max_events: int = 200_000) -> None:
+    def __init__(self, device: Any, *, anchor_interval_s: float = 1.0, max_events: int = 200_000,
+                 side_stream: bool = False) -> None:
         import torch
 
         self._torch = torch
+        # side_stream: the timing event goes on a private stream made to wait for a timing-free
+        # marker recorded on the work's stream (one private stream per work stream, so stamps of
+        # different streams never wait for each other). A stream that waits for an event waits for
+        # the marker's record at the time of the wait, so one marker is re-recorded for every stamp.
+        self._side: dict[int, Any] | None = {} if side_stream else None
+        # The hot path avoids building a Stream object per stamp (torch.cuda.current_stream does):
+        # the current stream's raw handle keys a cache of Stream objects, and the event is recorded
+        # (and queried, and timed) through the C methods. Both are private torch APIs; without them,
+        # the public calls.
+        self._raw_current = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._streams: dict[int, Any] = {}
+        base = getattr(torch._C, "_CudaEventBase", None)
+        self._record: Any = getattr(base, "record", None) or torch.cuda.Event.record
+        self._query: Any = getattr(base, "query", None) or torch.cuda.Event.query
+        self._elapsed: Any = getattr(base, "elapsed_time", None) or torch.cuda.Event.elapsed_time
+        self._marker: Any = torch.cuda.Event(enable_timing=False) if side_stream else None
         self.device = torch.device(device)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self._index = self.device.index
         self._interval_ns = int(anchor_interval_s * 1e9)
         self._max_events = max_events
         self._free: deque[Any] = deque()
@@ -150,16 +170,32 @@ class CudaTimer:
         if event is None:
             return None
         if stream is None:
-            stream = self._torch.cuda.current_stream(self.device)
-        event.record(stream)
+            stream = self._current_stream()
+        if self._side is not None:
+            side = self._side.get(stream.cuda_stream)
+            if side is None:
+                side = self._side[stream.cuda_stream] = self._torch.cuda.Stream(self.device)
+            self._marker.record(stream)
+            side.wait_event(self._marker)
+            stream = side
+        self._record(event, stream)
         return event
 
+    def _current_stream(self) -> Any:
+        if self._raw_current is None:
+            return self._torch.cuda.current_stream(self.device)
+        raw = self._raw_current(self._index)
+        stream = self._streams.get(raw)
+        if stream is None:
+            stream = self._streams[raw] = self._torch.cuda.current_stream(self.device)
+        return stream
+
     def ready(self, token: Any) -> bool:
-        return bool(token.query())
+        return bool(self._query(token))
 
     def wall_ns(self, token: Any, anchor: Anchor) -> int:
         # elapsed_time raises (never waits) if either event has not completed; callers ask ready().
-        return int(anchor.wall_ns + round(anchor.mark.elapsed_time(token) * 1e6))
+        return int(anchor.wall_ns + round(self._elapsed(anchor.mark, token) * 1e6))
 
     def release(self, token: Any) -> None:
         if token is not None:
@@ -184,8 +220,9 @@ def resolve_device(device: Any) -> Any:
     return torch.device("cpu")
 
 
-def make_timer(device: Any, *, anchor_interval_s: float, max_events: int) -> Timer:
-    """The timer for ``device`` (a torch.device): events on CUDA, the host clock elsewhere."""
-    if getattr(device, "type", "cpu") == "cuda":
-        return CudaTimer(device, anchor_interval_s=anchor_interval_s, max_events=max_events)
+def make_timer(device: Any, *, anchor_interval_s: float, max_events: int, clock: str = "device") -> Timer:
+    """The timer for ``device`` (a torch.device): events on CUDA unless ``clock`` is ``host``."""
+    if getattr(device, "type", "cpu") == "cuda" and clock != "host":
+        return CudaTimer(device, anchor_interval_s=anchor_interval_s, max_events=max_events,
+                         side_stream=clock == "side-stream")
     return HostTimer(anchor_interval_s=anchor_interval_s)

@@ -74,10 +74,18 @@ def resolve_pending(sink: Sink, timer: Timer, rank: int) -> int:
     for item in sink.pending_spans.drain():
         start, end, anchor = item[0], item[1], item[2]
         try:
-            if not (timer.ready(end) and timer.ready(start)):
+            if not timer.ready(end):
                 waiting.append(item)
                 continue
-            start_ns = timer.wall_ns(start, anchor)
+            # The start was recorded earlier, almost always on the same stream, so it is done too:
+            # asking costs a device call per span. Where it is not done, timing it raises; ask then.
+            try:
+                start_ns = timer.wall_ns(start, anchor)
+            except Exception:
+                if timer.ready(start):
+                    raise
+                waiting.append(item)
+                continue
             end_ns = timer.wall_ns(end, anchor)
         except Exception:  # a device error must not stop the writer: drop this span
             errors += 1

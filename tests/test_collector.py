@@ -34,10 +34,13 @@ def _spans(run: Path) -> list[dict]:
 def test_config_env_overrides_and_validation(tmp_path: Path) -> None:
     cfg = CollectorConfig(run_dir=tmp_path / "a", flush_interval_s=1.0)
     env = {"MEGASCOPE_DISABLE": "1", "MEGASCOPE_RUN_DIR": str(tmp_path / "b"), "MEGASCOPE_FLUSH_INTERVAL_S": "0.5",
-           "MEGASCOPE_MAX_BUFFERED_ROWS": "10", "MEGASCOPE_FLIGHT_RECORDER": "yes", "MEGASCOPE_WAIT_SPANS": "0"}
+           "MEGASCOPE_MAX_BUFFERED_ROWS": "10", "MEGASCOPE_FLIGHT_RECORDER": "yes", "MEGASCOPE_WAIT_SPANS": "0",
+           "MEGASCOPE_CLOCK": "Side-Stream"}
     got = cfg.with_env(env)
     assert (got.enabled, got.run_dir, got.flush_interval_s, got.max_buffered_rows, got.flight_recorder,
-            got.wait_spans) == (False, tmp_path / "b", 0.5, 10, True, False)
+            got.wait_spans, got.clock) == (False, tmp_path / "b", 0.5, 10, True, False, "side-stream")
+    with pytest.raises(ConfigError, match="clock must be one of device, side-stream, host"):
+        cfg.with_env({"MEGASCOPE_CLOCK": "gpu"})
     assert cfg.with_env({}) is cfg
     with pytest.raises(ConfigError, match="MEGASCOPE_FLUSH_INTERVAL_S"):
         cfg.with_env({"MEGASCOPE_FLUSH_INTERVAL_S": "soon"})
@@ -190,6 +193,48 @@ def test_waiting_on_an_async_call_writes_its_wait_span(tmp_path: Path, wait_span
     wait = rows[1]
     assert wait[:5] == ("dp.reduce_scatter:wait", "other", None, 0, "reduce_scatter")
     assert 20_000_000 <= wait[5] < call[5] - 25_000_000
+
+
+def test_writer_resolves_a_span_only_when_both_stamps_are_done() -> None:
+    """The writer asks the device only whether a span's end is done; a start that is not (a span
+    whose stamps went to different streams) keeps the span pending, and a device error drops it."""
+    from megascope.collectors.timing import Anchor
+    from megascope.collectors.writer import Sink, resolve_pending
+
+    class Token:
+        def __init__(self, ns: int, done: bool = True, broken: bool = False) -> None:
+            self.ns, self.done, self.broken = ns, done, broken
+
+    class FakeDeviceTimer:
+        def __init__(self) -> None:
+            self.queries = 0
+
+        def ready(self, token: Token) -> bool:
+            self.queries += 1
+            return token.done
+
+        def wall_ns(self, token: Token, anchor: Anchor) -> int:
+            if not token.done or token.broken:
+                raise RuntimeError("device not ready" if not token.done else "device error")
+            return anchor.wall_ns + token.ns
+
+        def release(self, token: Token) -> None:
+            pass
+
+    def item(start: Token, end: Token, name: str) -> tuple:
+        return (start, end, Anchor(1_000, None, True), 0, name, "compute", "compute", None, None, None, None,
+                None, None, None)
+
+    sink, timer = Sink(16), FakeDeviceTimer()
+    late_start = Token(10, done=False)
+    sink.pending_spans.put(item(Token(10), Token(30), "done"))
+    sink.pending_spans.put(item(late_start, Token(40), "start-pending"))
+    sink.pending_spans.put(item(Token(10), Token(50, done=False), "end-pending"))
+    sink.pending_spans.put(item(Token(10, broken=True), Token(60), "broken"))
+    assert resolve_pending(sink, timer, rank=3) == 1  # the broken one, dropped
+    assert [(r[0], r[2], r[5], r[6]) for r in sink.spans.drain()] == [(3, "done", 1_010, 20)]
+    assert timer.queries == 4 + 2  # one per end, and a start only where timing it failed (2)
+    assert [i[4] for i in sink.pending_spans.drain()] == ["start-pending", "end-pending"]
 
 
 # ---------------------------------------------------------------------------------------- modules

@@ -18,8 +18,9 @@ pytestmark = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-def _collector(run: Path) -> Collector:
-    cfg = CollectorConfig(run_dir=run, flush_interval_s=0.2, device=torch.device("cuda"), handle_sigterm=False)
+def _collector(run: Path, clock: str = "device") -> Collector:
+    cfg = CollectorConfig(run_dir=run, flush_interval_s=0.2, device=torch.device("cuda"), handle_sigterm=False,
+                          clock=clock)
     return Collector(cfg, rank=0, world_size=1, coords={"pp": 0, "dp": 0, "tp": 0},
                      meta=RunMeta(run_id="gpu", source="collector", world_size=1))
 
@@ -35,9 +36,10 @@ class _Block(torch.nn.Module):
 
 
 @needs_cuda
-def test_cuda_spans_need_no_device_sync_and_map_to_wall_clock(tmp_path: Path) -> None:
+@pytest.mark.parametrize("clock", ["device", "side-stream"])
+def test_cuda_spans_need_no_device_sync_and_map_to_wall_clock(tmp_path: Path, clock: str) -> None:
     run = tmp_path / "run"
-    col = _collector(run)
+    col = _collector(run, clock)
     model = torch.nn.Sequential(*[_Block(512) for _ in range(4)]).cuda()
     handles = instrument_module(model, ["*"], collector=col)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -85,6 +87,34 @@ def test_cuda_spans_need_no_device_sync_and_map_to_wall_clock(tmp_path: Path) ->
     metrics = r.con.sql("SELECT step, value FROM metrics WHERE name = 'loss' ORDER BY step").fetchall()
     assert [s for s, _ in metrics] == [0, 1, 2, 3, 4]
     assert [v for _, v in metrics] == pytest.approx([float(t) for t in losses], rel=1e-6)
+
+
+@needs_cuda
+@pytest.mark.parametrize("clock", ["device", "side-stream"])
+def test_a_span_times_the_device_work_inside_it(tmp_path: Path, clock: str) -> None:
+    """A span around ~20 ms of GEMMs, issued while the device is still busy with ~20 ms before it,
+    lasts what the GEMMs take on the device (timed by plain CUDA events), not the host's issue time."""
+    run = tmp_path / "run"
+    col = _collector(run, clock)
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(3):
+        a @ a  # warm-up
+    ref0, ref1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    with col.step(0):
+        for _ in range(20):
+            a @ a  # queued work ahead of the span
+        ref0.record()
+        with col.span("gemms", kind=SpanKind.COMPUTE):
+            for _ in range(20):
+                a @ a
+        ref1.record()
+    torch.cuda.synchronize()
+    col.close()
+    dur_ns = open_run(run).con.sql("SELECT dur_ns FROM spans WHERE name = 'gemms'").fetchall()[0][0]
+    ref_ns = ref0.elapsed_time(ref1) * 1e6
+    assert ref_ns > 5e6  # the GEMMs take real time
+    assert dur_ns == pytest.approx(ref_ns, rel=0.05)
 
 
 @needs_cuda
