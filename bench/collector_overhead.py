@@ -4,14 +4,18 @@ One command, prints tables, writes ``$OUT/collector_overhead.json`` when ``OUT``
 
     python bench/collector_overhead.py                 # CPU part; GPU part too when CUDA is there
     python bench/collector_overhead.py --gpu-only --repeats 7 --drift-s 60
+    python bench/collector_overhead.py --gpu-only --span-cost-only     # host cost per span by clock
 
 CPU part: the host cost of one span, comm span (with its markers) and metric, and of module hooks,
 each against a bare loop in the same process (medians of repeats).
 
-GPU part (needs one CUDA device; NCCL world of one for real collective kernels): a ~1B-parameter
-bf16 MLP-block model, forward+backward+AdamW, one all-reduce per block's gradients. Configurations,
-interleaved in every repeat: no collector; a disabled collector; the collector with per-layer
-forward/backward spans and per-collective spans. Reports the median step time of each and the
+GPU part (needs one CUDA device): first the host CPU time of one empty span under each clock
+(``device``, ``side-stream``, ``host``, and ``device`` through torch's public event API only),
+on the training thread and in the writer. Then, in an NCCL
+world of one (real collective kernels), a ~1B-parameter bf16 MLP-block model,
+forward+backward+AdamW, one all-reduce per block's gradients. Configurations, interleaved in every
+repeat: no collector; a disabled collector; the collector with per-layer forward/backward spans
+and per-collective spans. Reports the median step time of each and the
 overhead, the device synchronizations seen by ``torch.cuda.set_sync_debug_mode("warn")`` with and
 without the collector, and the drift of the device clock against the host wall clock from one
 anchor (how far apart anchors may be).
@@ -230,6 +234,54 @@ def _drift(seconds: float, model: Any, opt: Any, x: Any) -> list[dict[str, float
     return out
 
 
+def bench_gpu_spans(n: int, repeats: int) -> dict[str, dict[str, float]]:
+    """Host cost of one empty span on a CUDA device under each clock: the training thread's CPU time
+    per span, and the writer's (resolving the span's two events and writing it), timed by flushing on
+    this thread."""
+    from megascope.collectors.config import CLOCKS
+
+    tmp = Path(tempfile.mkdtemp(prefix="megascope-bench-spans-"))
+    out: dict[str, dict[str, float]] = {}
+    for variant in (*CLOCKS, "device-public-api"):
+        clock = variant.removesuffix("-public-api")
+        col = Collector(CollectorConfig(run_dir=tmp / variant, device=torch.device("cuda"), clock=clock,
+                                        max_buffered_rows=2 * n * (repeats + 1), flush_interval_s=3600.0,
+                                        handle_sigterm=False), rank=0, world_size=1)
+        if variant != clock:  # the timer as it was before its private-API hot path: the baseline
+            timer: Any = col._timer
+            timer._raw_current = None
+            timer._record, timer._query = torch.cuda.Event.record, torch.cuda.Event.query
+            timer._elapsed = torch.cuda.Event.elapsed_time
+
+        def span_on(k: int, col: Collector = col) -> None:
+            for _ in range(k):
+                with col.span("x", kind=SpanKind.COMPUTE):
+                    pass
+
+        # Events come back to the pool when the writer resolves their spans: a flush before every
+        # sample, as the background writer does in a job, so that no sample creates events.
+        with col.step(0):
+            span_on(n)  # fills the pool
+            samples = []
+            for _ in range(repeats):
+                torch.cuda.synchronize()
+                col.flush()
+                t0 = time.thread_time_ns()
+                span_on(n)
+                samples.append((time.thread_time_ns() - t0) / n / 1e3)
+            per_span = statistics.median(samples)
+            torch.cuda.synchronize()
+            col.flush()
+            span_on(n)
+            torch.cuda.synchronize()
+            t0 = time.thread_time_ns()
+            col.flush()
+            writer = (time.thread_time_ns() - t0) / n / 1e3
+        col.close()
+        out[variant] = {"span_us": per_span, "writer_per_span_us": writer}
+    return out
+
+
 def bench_gpu(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -272,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--gpu-only", action="store_true")
     parser.add_argument("--cpu-only", action="store_true")
+    parser.add_argument("--span-cost-only", action="store_true", help="GPU: only the host cost per span by clock")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=8)  # 8 x 2 x 4096 x 16384 = 1.07 B parameters
     parser.add_argument("--tokens", type=int, default=8192)
@@ -287,6 +340,12 @@ def main(argv: list[str] | None = None) -> int:
                ["what", "us per call"],
                [[k.removesuffix("_us"), f"{v:.2f}"] for k, v in cpu.items() if k.endswith("_us")])
     if not args.cpu_only and torch.cuda.is_available():
+        spans = bench_gpu_spans(args.n // 5, args.repeats)
+        result["gpu_span_cost"] = spans
+        _table(f"CUDA device: host CPU time per empty span by clock (median of {args.repeats} x {args.n // 5})",
+               ["clock", "training thread us", "writer us"],
+               [[k, f"{v['span_us']:.2f}", f"{v['writer_per_span_us']:.2f}"] for k, v in spans.items()])
+    if not args.cpu_only and torch.cuda.is_available() and not args.span_cost_only:
         gpu = bench_gpu(args)
         result["gpu"] = gpu
         med = gpu["step_ms_median"]
@@ -298,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
                [[k, v] for k, v in gpu["syncs_in_3_steps"].items()])
         _table("Device clock vs host wall clock from one anchor", ["after s", "error us", "bracket us", "ppm"],
                [[d["after_s"], d["error_us"], d["bracket_us"], d["ppm"]] for d in gpu["drift"]])
-    elif not args.cpu_only:
+    elif not args.cpu_only and not torch.cuda.is_available():
         print("\n(no CUDA device: GPU part skipped)")
 
     out = os.environ.get("OUT")

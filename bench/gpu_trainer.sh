@@ -8,11 +8,10 @@
 #   overlap    2 GPUs, TP=2, PP=2, DP=2: every overlap on, then every overlap off (--no-overlap all),
 #              collector on in both: exposed communication before/after from megascope's analysis
 #   collector  2 GPUs, each layout with the collector on and off (MEGASCOPE_DISABLE=1), interleaved
-#   tpsched    2 GPUs, TP=2, collector on and off under three settings, to find why tp2 is slower with the
-#              collector on (docs/benchmarks.md): NCCL on a high-priority stream (tpprio,
-#              TORCH_NCCL_HIGH_PRIORITY=1); no wait spans, one device event less per asynchronous call
-#              (tpnowait, MEGASCOPE_WAIT_SPANS=0); one hardware launch queue (tp1conn,
-#              CUDA_DEVICE_MAX_CONNECTIONS=1). Not part of the default.
+#   tpsched    2 GPUs, TP=2: collector off, on, then on under each of TPVARIANTS (one environment
+#              variable each: the device clock, the host clock, no flush during the run, no wait
+#              spans, NCCL on a high-priority stream), to find why tp2 is slower with the collector on
+#              (docs/benchmarks.md). Not part of the default.
 # The table at the end (bench/gpu_trainer_table.py) gives median step time, tokens/s and MFU per
 # layout (run.json's FLOPs / step time / GPUs / peak), megascope's own MFU for the same runs, the
 # collector's step-time overhead, and exposed communication per group kind and overlap setting.
@@ -25,6 +24,9 @@ STEPS=${STEPS:-20}
 REPEATS=${REPEATS:-2}
 PARTS=${PARTS:-1gpu overlap collector}
 LAYOUTS=${LAYOUTS:-tp pp dp}  # the 2-GPU layouts to run
+# tpsched: collector-on variants of tp2, each tag:VAR=value (one variable each)
+TPVARIANTS=${TPVARIANTS:-device:MEGASCOPE_CLOCK=device host:MEGASCOPE_CLOCK=host \
+  noflush:MEGASCOPE_FLUSH_INTERVAL_S=600 nowait:MEGASCOPE_WAIT_SPANS=0 prio:TORCH_NCCL_HIGH_PRIORITY=1}
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 MODEL=(--layers 24 --hidden 2048 --heads 16 --seq-len 2048 --vocab 50304 --lr 3e-4)
 RUNS="$OUT/runs"
@@ -39,8 +41,9 @@ baseline() {  # tag
 train() {  # name gpus collector(on|off) extra-args...
   local name=$1 gpus=$2 mode=$3; shift 3
   local env=(); [ "$mode" = off ] && env=(MEGASCOPE_DISABLE=1)
+  [ -n "${EXTRA_ENV:-}" ] && env+=("$EXTRA_ENV")
   local devices; devices=$(seq -s, 0 $((gpus - 1)))
-  echo "== $name ($gpus GPU, collector $mode) $*"
+  echo "== $name ($gpus GPU, collector $mode ${EXTRA_ENV:-}) $*"
   env "${env[@]}" CUDA_VISIBLE_DEVICES="$devices" timeout 200 $PY -m megascope train --nproc "$gpus" "${MODEL[@]}" \
     --steps "$STEPS" "$@" --result-json "$RUNS/$name-$mode.json" -o "$RUNS/$name-$mode" > "$RUNS/$name-$mode.log" 2>&1 \
     || { echo "failed:"; tail -3 "$RUNS/$name-$mode.log"; }
@@ -86,17 +89,13 @@ for part in $PARTS; do
       [ "$NGPU" -ge 2 ] || { echo "tpsched needs 2 GPUs"; continue; }
       for r in $(seq "$REPEATS"); do
         # shellcheck disable=SC2046
-        TORCH_NCCL_HIGH_PRIORITY=1 train "2gpu-tpprio-r$r" 2 on $(layout_args tp)
+        train "2gpu-tp-r$r" 2 off $(layout_args tp)
         # shellcheck disable=SC2046
-        TORCH_NCCL_HIGH_PRIORITY=1 train "2gpu-tpprio-r$r" 2 off $(layout_args tp)
-        # shellcheck disable=SC2046
-        MEGASCOPE_WAIT_SPANS=0 train "2gpu-tpnowait-r$r" 2 on $(layout_args tp)
-        # shellcheck disable=SC2046
-        train "2gpu-tpnowait-r$r" 2 off $(layout_args tp)
-        # shellcheck disable=SC2046
-        CUDA_DEVICE_MAX_CONNECTIONS=1 train "2gpu-tp1conn-r$r" 2 on $(layout_args tp)
-        # shellcheck disable=SC2046
-        CUDA_DEVICE_MAX_CONNECTIONS=1 train "2gpu-tp1conn-r$r" 2 off $(layout_args tp)
+        train "2gpu-tp-r$r" 2 on $(layout_args tp)
+        for variant in $TPVARIANTS; do  # tag:VAR=value, collector on
+          # shellcheck disable=SC2046
+          EXTRA_ENV="${variant#*:}" train "2gpu-tp${variant%%:*}-r$r" 2 on $(layout_args tp)
+        done
       done ;;
     *) echo "unknown part $part" ;;
   esac

@@ -82,11 +82,19 @@ def main() -> None:
         for key in ("1gpu-on", "1gpu-off"):
             if key in mfus:
                 print(f"trainer {key} vs baseline (median of {len(bases)}): {mfus[key] / base_mfu - 1:+.2%} MFU")
+    offs = sorted((layout for layout, mode in groups if mode == "off"), key=len, reverse=True)
     for layout in sorted(meta):
-        on, off = groups.get((layout, "on")), groups.get((layout, "off"))
+        on = groups.get((layout, "on"))
+        # A variant run (e.g. "2gpu-tphost", collector on only) is compared with its layout's "off".
+        base = next((b for b in offs if b == layout or (layout.startswith(b) and layout[len(b)] != "-")), None)
+        off = groups.get((base, "off")) if base else None
         if on and off:
-            print(f"collector overhead {layout}: {statistics.median(on) / statistics.median(off) - 1:+.2%} "
-                  f"(median step {statistics.median(on) * 1e3:.1f} vs {statistics.median(off) * 1e3:.1f} ms)")
+            label = layout if base == layout else f"{layout} vs {base} off"
+            mean_on, mean_off = statistics.fmean(on), statistics.fmean(off)
+            print(f"collector overhead {label}: median {statistics.median(on) / statistics.median(off) - 1:+.2%} "
+                  f"({statistics.median(on) * 1e3:.1f} vs {statistics.median(off) * 1e3:.1f} ms), "
+                  f"mean {mean_on / mean_off - 1:+.2%} ({mean_on * 1e3:.1f} vs {mean_off * 1e3:.1f} ms); "
+                  f"steps on {min(on) * 1e3:.0f}-{max(on) * 1e3:.0f}, off {min(off) * 1e3:.0f}-{max(off) * 1e3:.0f} ms")
     print()
     print("communication per rank and step, ms exposed / ms issued-to-completion (megascope exposed_comm)")
     kinds = sorted({k for vs in views.values() for v in vs for k in v[1]})
