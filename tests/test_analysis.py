@@ -175,12 +175,13 @@ def _span(rank: int, step: int, kind: str, start: int, dur: int, *, group: str |
 
 
 def _hand_run(path: Path, spans: list[dict[str, object]], markers: list[dict[str, object]], world: int = 3,
-              hosts: tuple[str, ...] = ("h0", "h0", "h1")) -> Path:
+              hosts: tuple[str, ...] = ("h0", "h0", "h1"), devices: tuple[str | None, ...] | None = None) -> Path:
     layout.write_run_meta(path, schema.RunMeta(run_id="hand", source="synth", world_size=world,
                                                mesh_sizes={"pp": 1, "dp": world, "tp": 1}))
     for r in range(world):
         layout.write_part(path, "ranks", pa.Table.from_pylist(
-            [{"rank": r, "host": hosts[r], "pp": 0, "dp": r, "tp": 0}], schema=schema.RANKS), rank=r)
+            [{"rank": r, "host": hosts[r], "pp": 0, "dp": r, "tp": 0, "device": devices[r] if devices else None}],
+            schema=schema.RANKS), rank=r)
         layout.write_part(path, "groups", pa.Table.from_pylist(
             [{"rank": r, "group": "dp:0", "kind": "dp", "group_rank": r, "members": list(range(world))}],
             schema=schema.GROUPS), rank=r)
@@ -239,6 +240,37 @@ def test_exposed_communication_arithmetic(tmp_path: Path) -> None:
     assert got.loc["dp.reduce_scatter", ["comm_ns", "overlapped_ns", "exposed_ns"]].tolist() == [70 * MS, 45 * MS, 10 * MS]
     assert got.loc["pp.recv", "exposed_ns"] + got.loc["pp.send", "exposed_ns"] == 13 * MS
     assert got["exposed_ns_per_rank_step"].sum() == (5 + 10 + 13) * MS
+
+
+def test_host_lead_names_the_rank_whose_device_waited_for_its_host(tmp_path: Path) -> None:
+    """Three ranks, 40 all-reduces in one step. The host issues each call at t; the device reaches it
+    10 ms later on rank 0 (a queue of work ahead), on rank 1 10 ms later for 30 calls but 0.1 ms
+    later for 10 (the device had run dry), and rank 2 is timed by the host clock (left out)."""
+    spans, markers = [], []
+    for r in range(3):
+        spans.append(_span(r, 0, "step", 0, 1000 * MS))
+        for i in range(40):
+            issue = (20 * i) * MS
+            lead = 100_000 if (r == 1 and i % 4 == 0) else 10 * MS
+            spans.append(_span(r, 0, "collective", issue + lead, MS, group="dp:0", seq=i))
+            markers.append({"rank": r, "group": "dp:0", "seq": i, "op": "all_reduce", "state": "enqueued",
+                            "time_ns": issue, "step": 0, "bytes": None, "peer": None})
+    run = open_run(_hand_run(tmp_path / "run", spans, markers, devices=("cuda:0", "cuda:1", "cpu")))
+    got = analysis.host_lead(run.con, steps=[0]).set_index("rank")
+    assert list(got.index) == [0, 1]
+    assert got.loc[0, ["calls", "lead_p50_ns", "starved_frac"]].tolist() == [40, 10 * MS, 0.0]
+    assert got.loc[1, "starved_frac"] == 0.25 and got.loc[1, "lead_p10_ns"] == 100_000
+    lead = analysis.report(run, with_whatif=False)["host_lead"]
+    assert [x["rank"] for x in lead["host_bound"]] == [1]
+    from click.testing import CliRunner
+
+    from megascope.cli import main
+
+    out = CliRunner().invoke(main, ["report", str(tmp_path / "run"), "--no-whatif", "-q"])
+    assert out.exit_code == 0, out.output
+    assert "host-bound: rank 1: the device was idle at 25% of 40 calls (lead p10 0.1 ms)" in out.output
+    plain = open_run(_hand_run(tmp_path / "cpu", spans, markers))  # no device recorded: nothing to say
+    assert analysis.host_lead(plain.con, steps=[0]).empty
 
 
 def test_pipeline_neighbour_of_a_straggler_is_not_named(tmp_path: Path) -> None:

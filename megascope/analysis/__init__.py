@@ -16,7 +16,7 @@ Example::
 """
 
 from megascope.analysis.hang import localize, rank_states
-from megascope.analysis.pipeline import bubbles, exposed_comm
+from megascope.analysis.pipeline import bubbles, exposed_comm, host_lead
 from megascope.analysis.report import clock_offsets, report
 from megascope.analysis.skew import skew, skew_by_collective, skew_drift
 from megascope.analysis.stragglers import StragglerConfig, stragglers
@@ -30,6 +30,7 @@ __all__ = [
     "clock_offsets",
     "exposed_comm",
     "heatmap",
+    "host_lead",
     "localize",
     "mfu",
     "mfu_drift",

@@ -1,4 +1,4 @@
-"""Pipeline bubbles per stage and exposed communication per group kind.
+"""Pipeline bubbles per stage, exposed communication per group kind, and how far hosts run ahead.
 
 Role in the data flow: thin functions over ``sql/pipeline.sql``; the report and the dashboard
 show them. Exposed communication needs an interval join of communication against compute spans,
@@ -9,6 +9,7 @@ Example::
     from megascope.analysis import bubbles, exposed_comm
     bubbles(run.con)          # stage, bubble_frac, ...
     exposed_comm(run.con)     # group_kind, name, exposed_frac, ...
+    host_lead(run.con)        # rank, lead_p10_ns, starved_frac: host-bound ranks
 """
 
 from __future__ import annotations
@@ -22,6 +23,22 @@ from megascope.analysis.timeline import _has_step_spans
 
 EXPOSED_SAMPLE_STEPS = 3
 EXPOSED_RANKS_PER_STAGE = 4
+# A call whose span starts within this of its issue found the device idle (launch latency is ~10 us).
+HOST_STARVED_NS = 500_000
+
+
+def _sample(con: duckdb.DuckDBPyConnection, steps: list[int] | None) -> tuple[list[int], str]:
+    """(steps, SQL list of ranks): ``steps`` or up to three spread over the run, and up to four
+    ranks per pipeline stage spread by hash (every stage, many hosts), so joins read few partitions."""
+    prepare(con)
+    if steps is None:
+        all_steps = [int(s) for (s,) in con.execute("SELECT DISTINCT step FROM ms_cache.rank_step ORDER BY step").fetchall()]
+        steps = _sample_steps(all_steps, EXPOSED_SAMPLE_STEPS)
+    ranks = [int(r) for (r,) in con.execute(
+        f"SELECT rank FROM (SELECT rank, row_number() OVER (PARTITION BY stage ORDER BY hash(rank)) AS k "
+        f"FROM ms_cache.rank_info) WHERE k <= {EXPOSED_RANKS_PER_STAGE} ORDER BY rank"
+    ).fetchall()]
+    return [int(s) for s in steps] or [-1], ", ".join(map(str, ranks)) or "NULL"
 
 
 def bubbles(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
@@ -37,20 +54,22 @@ def exposed_comm(con: duckdb.DuckDBPyConnection, *, steps: list[int] | None = No
     ``steps`` defaults to up to three steps spread over the run; up to 4 ranks per pipeline stage
     are sampled. Definitions in ``sql/pipeline.sql``.
     """
-    prepare(con)
-    if steps is None:
-        all_steps = [int(s) for (s,) in con.execute("SELECT DISTINCT step FROM ms_cache.rank_step ORDER BY step").fetchall()]
-        steps = _sample_steps(all_steps, EXPOSED_SAMPLE_STEPS)
-    # A spread sample of ranks (every stage, many hosts): the overlap join reads only their partitions.
-    ranks = [int(r) for (r,) in con.execute(
-        f"SELECT rank FROM (SELECT rank, row_number() OVER (PARTITION BY stage ORDER BY hash(rank)) AS k "
-        f"FROM ms_cache.rank_info) WHERE k <= {EXPOSED_RANKS_PER_STAGE} ORDER BY rank"
-    ).fetchall()]
-    step_list = [int(s) for s in steps] or [-1]
-    rank_list = ", ".join(map(str, ranks)) or "NULL"
+    step_list, rank_list = _sample(con, steps)
     df = _sql.query_df(con, "pipeline", "exposed", steps=step_list, ranks=_sql.Raw(rank_list))
     ((rank_steps,),) = con.execute(
         f"SELECT count(*) FROM ms_cache.rank_step WHERE rank IN ({rank_list}) AND list_contains(?, step)",
         [step_list]).fetchall()
     df["exposed_ns_per_rank_step"] = df["exposed_ns"].astype(float) / rank_steps if rank_steps else float("nan")
     return df
+
+
+def host_lead(con: duckdb.DuckDBPyConnection, *, steps: list[int] | None = None,
+              ranks: list[int] | None = None) -> pd.DataFrame:
+    """Per device-timed rank: calls, lead_p10_ns, lead_p50_ns, starved_frac: how far the host ran
+    ahead of the device at each communication call (``sql/pipeline.sql``). Sampled like
+    :func:`exposed_comm`, or the given ``ranks``. Empty for host-timed runs."""
+    step_list, rank_list = _sample(con, steps)
+    if ranks is not None:
+        rank_list = ", ".join(str(int(r)) for r in ranks) or "NULL"
+    return _sql.query_df(con, "pipeline", "host_lead", steps=step_list, ranks=_sql.Raw(rank_list),
+                         starved_ns=HOST_STARVED_NS)

@@ -109,6 +109,16 @@ def _print_report(r: dict[str, Any]) -> None:
         click.echo("")
         click.echo("EXPOSED COMM per rank-step  " + "  ".join(
             f"{kind}: {_ms(ns)}{share(ns)}" for kind, ns in sorted(exposed.items(), key=lambda kv: -kv[1])))
+    lead = r.get("host_lead") or {}
+    if lead.get("ranks"):
+        rows = lead["ranks"]
+        click.echo("")
+        click.echo(f"HOST LEAD (host ahead of device at each call, {len(rows)} device-timed ranks sampled)  "
+                   f"p10 as low as {_ms(min(x['lead_p10_ns'] for x in rows))}, "
+                   f"median {_ms(sorted(x['lead_p50_ns'] for x in rows)[len(rows) // 2])}")
+        for x in lead.get("host_bound") or []:
+            click.echo(f"  host-bound: rank {x['rank']}: the device was idle at {100 * x['starved_frac']:.0f}% of "
+                       f"{x['calls']} calls (lead p10 {_ms(x['lead_p10_ns'])}); host time is step time there")
     clock = r["clock"]
     if clock["hosts"] > 1:
         err = clock.get("max_error_ns")

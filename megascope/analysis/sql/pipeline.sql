@@ -103,3 +103,31 @@ SELECT CASE WHEN kind <> 'collective' THEN 'p2p'
        sum(stall_ns) / nullif(sum(dur_ns), 0) AS exposed_frac
 FROM x
 GROUP BY ALL ORDER BY exposed_ns DESC;
+
+-- @statement host_lead
+-- One row per sampled rank timed on a device (ranks.device 'cuda...'), over steps {{steps}}: how far
+-- the host ran ahead of the device. For every communication call, the lead is from its enqueued
+-- marker (the host's clock when the call was issued) to its span's start (when the device reached
+-- it). A device kept busy has queued work between the two; a lead near zero means the device had
+-- run dry and waited for the host to issue more: a host-bound rank (Python, the data loader, the
+-- launch queue), whose every extra host microsecond is device time lost, and under tensor
+-- parallelism the peers' time too. Host-timed ranks (CPU) are left out: their lead is zero by
+-- construction.
+-- @column rank
+-- @column calls          communication calls with both an enqueued marker and a span
+-- @column lead_p10_ns    10th percentile of the lead
+-- @column lead_p50_ns    median lead
+-- @column starved_frac   share of calls with a lead under {{starved_ns}} ns: the device was idle,
+--                        waiting for the host, when the call was issued
+SELECT s.rank, count(*) AS calls,
+       quantile_cont(s.start_ns - m.time_ns, 0.1) AS lead_p10_ns,
+       quantile_cont(s.start_ns - m.time_ns, 0.5) AS lead_p50_ns,
+       avg(CASE WHEN s.start_ns - m.time_ns < {{starved_ns}} THEN 1.0 ELSE 0.0 END) AS starved_frac
+FROM spans s
+JOIN markers m ON m.rank = s.rank AND m."group" = s."group" AND m.seq = s.seq
+                  AND m.op IS NOT DISTINCT FROM s.op AND m.peer IS NOT DISTINCT FROM s.peer
+                  AND m.state = 'enqueued'
+JOIN ranks r ON r.rank = s.rank
+WHERE s.rank IN ({{ranks}}) AND list_contains({{steps}}, s.step) AND s.kind IN ('collective', 'send', 'recv')
+  AND r.device LIKE 'cuda%'
+GROUP BY s.rank ORDER BY s.rank;
