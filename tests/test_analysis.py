@@ -175,8 +175,9 @@ def _span(rank: int, step: int, kind: str, start: int, dur: int, *, group: str |
 
 
 def _hand_run(path: Path, spans: list[dict[str, object]], markers: list[dict[str, object]], world: int = 3,
-              hosts: tuple[str, ...] = ("h0", "h0", "h1"), devices: tuple[str | None, ...] | None = None) -> Path:
-    layout.write_run_meta(path, schema.RunMeta(run_id="hand", source="synth", world_size=world,
+              hosts: tuple[str, ...] = ("h0", "h0", "h1"), devices: tuple[str | None, ...] | None = None,
+              source: str = "synth") -> Path:
+    layout.write_run_meta(path, schema.RunMeta(run_id="hand", source=source, world_size=world,
                                                mesh_sizes={"pp": 1, "dp": world, "tp": 1}))
     for r in range(world):
         layout.write_part(path, "ranks", pa.Table.from_pylist(
@@ -255,7 +256,8 @@ def test_host_lead_names_the_rank_whose_device_waited_for_its_host(tmp_path: Pat
             spans.append(_span(r, 0, "collective", issue + lead, MS, group="dp:0", seq=i))
             markers.append({"rank": r, "group": "dp:0", "seq": i, "op": "all_reduce", "state": "enqueued",
                             "time_ns": issue, "step": 0, "bytes": None, "peer": None})
-    run = open_run(_hand_run(tmp_path / "run", spans, markers, devices=("cuda:0", "cuda:1", "cpu")))
+    run = open_run(_hand_run(tmp_path / "run", spans, markers, devices=("cuda:0", "cuda:1", "cpu"),
+                             source="collector"))
     got = analysis.host_lead(run.con, steps=[0]).set_index("rank")
     assert list(got.index) == [0, 1]
     assert got.loc[0, ["calls", "lead_p50_ns", "starved_frac"]].tolist() == [40, 10 * MS, 0.0]
@@ -271,6 +273,9 @@ def test_host_lead_names_the_rank_whose_device_waited_for_its_host(tmp_path: Pat
     assert "host-bound: rank 1: the device was idle at 25% of 40 calls (lead p10 0.1 ms)" in out.output
     plain = open_run(_hand_run(tmp_path / "cpu", spans, markers))  # no device recorded: nothing to say
     assert analysis.host_lead(plain.con, steps=[0]).empty
+    # A synthetic run has no host clock apart from its device's: the report leaves it out.
+    synth = open_run(_hand_run(tmp_path / "synth", spans, markers, devices=("cuda:0", "cuda:1", "cpu")))
+    assert analysis.report(synth, with_whatif=False)["host_lead"]["ranks"] == []
 
 
 def test_pipeline_neighbour_of_a_straggler_is_not_named(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ from megascope.analysis.skew import skew_by_collective, skew_drift
 from megascope.analysis.stragglers import StragglerConfig, stragglers
 from megascope.analysis.timeline import mfu, mfu_drift
 from megascope.analysis.whatif import whatif
-from megascope.schema import MESH_AXES
+from megascope.schema import MESH_AXES, RunSource
 from megascope.store import Run
 
 
@@ -98,7 +98,8 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
     say("pipeline bubbles and exposed communication")
     bubble_frame = bubbles(con)
     exposed = exposed_comm(con)
-    lead = host_lead(con)
+    # A synthetic run stamps issue and start alike: it has no host to be ahead of its device.
+    lead = host_lead(con) if run.meta.source != RunSource.SYNTH else pd.DataFrame()
     offsets = clock_offsets(con)
     whatif_result = None
     causal = slow[slow["cause"] != "communication"] if not slow.empty else slow
