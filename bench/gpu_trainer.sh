@@ -9,7 +9,7 @@
 #              collector on in both: exposed communication before/after from megascope's analysis
 #   collector  2 GPUs, each layout with the collector on and off (MEGASCOPE_DISABLE=1), interleaved
 #   tpsched    2 GPUs, TP=2: collector off, on, then on under each of TPVARIANTS (one environment
-#              variable each: the device clock, the host clock, no flush during the run, no wait
+#              variable each: the side-stream clock, the host clock, no flush during the run, no wait
 #              spans, NCCL on a high-priority stream), to find why tp2 is slower with the collector on
 #              (docs/benchmarks.md). Not part of the default.
 # The table at the end (bench/gpu_trainer_table.py) gives median step time, tokens/s and MFU per
@@ -25,7 +25,7 @@ REPEATS=${REPEATS:-2}
 PARTS=${PARTS:-1gpu overlap collector}
 LAYOUTS=${LAYOUTS:-tp pp dp}  # the 2-GPU layouts to run
 # tpsched: collector-on variants of tp2, each tag:VAR=value (one variable each)
-TPVARIANTS=${TPVARIANTS:-device:MEGASCOPE_CLOCK=device host:MEGASCOPE_CLOCK=host \
+TPVARIANTS=${TPVARIANTS:-side:MEGASCOPE_CLOCK=side-stream host:MEGASCOPE_CLOCK=host \
   noflush:MEGASCOPE_FLUSH_INTERVAL_S=600 nowait:MEGASCOPE_WAIT_SPANS=0 prio:TORCH_NCCL_HIGH_PRIORITY=1}
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 MODEL=(--layers 24 --hidden 2048 --heads 16 --seq-len 2048 --vocab 50304 --lr 3e-4)
