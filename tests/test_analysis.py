@@ -10,15 +10,16 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pytest
+from click.testing import CliRunner
+from hand_runs import MS, hand_run, host_bound_run, span
 
 from megascope import analysis, layout, schema
 from megascope.analysis.base import prepare, solve_offsets
+from megascope.cli import main
 from megascope.errors import ConfigError
 from megascope.inject import parse_injects
 from megascope.store import open_run
 from megascope.synth import SynthConfig, synth_run
-
-MS = 1_000_000
 
 
 def _synth(path: Path, *specs: str, ranks: int = 32, steps: int = 8, tp: int = 2, pp: int = 2, seed: int = 3) -> Path:
@@ -166,45 +167,16 @@ def test_skew_instances_and_bubbles(runs: dict[str, Path]) -> None:
 # --- hand-built runs: the answer follows from the numbers written -------------------------------
 
 
-def _span(rank: int, step: int, kind: str, start: int, dur: int, *, group: str | None = None,
-          seq: int | None = None, peer: int | None = None, name: str | None = None) -> dict[str, object]:
-    return {"rank": rank, "step": step, "name": name or kind, "kind": kind, "stream": "compute", "start_ns": start,
-            "dur_ns": dur, "microbatch": None, "chunk": None, "group": group, "seq": seq,
-            "op": "all_reduce" if kind == "collective" else kind if kind in ("send", "recv") else None,
-            "bytes": None, "peer": peer}
-
-
-def _hand_run(path: Path, spans: list[dict[str, object]], markers: list[dict[str, object]], world: int = 3,
-              hosts: tuple[str, ...] = ("h0", "h0", "h1"), devices: tuple[str | None, ...] | None = None,
-              source: str = "synth") -> Path:
-    layout.write_run_meta(path, schema.RunMeta(run_id="hand", source=source, world_size=world,
-                                               mesh_sizes={"pp": 1, "dp": world, "tp": 1}))
-    for r in range(world):
-        layout.write_part(path, "ranks", pa.Table.from_pylist(
-            [{"rank": r, "host": hosts[r], "pp": 0, "dp": r, "tp": 0, "device": devices[r] if devices else None}],
-            schema=schema.RANKS), rank=r)
-        layout.write_part(path, "groups", pa.Table.from_pylist(
-            [{"rank": r, "group": "dp:0", "kind": "dp", "group_rank": r, "members": list(range(world))}],
-            schema=schema.GROUPS), rank=r)
-        mine = [s for s in spans if s["rank"] == r]
-        if mine:
-            layout.write_part(path, "spans", pa.Table.from_pylist(mine, schema=schema.SPANS), rank=r)
-        mk = [m for m in markers if m["rank"] == r]
-        if mk:
-            layout.write_part(path, "markers", pa.Table.from_pylist(mk, schema=schema.MARKERS), rank=r)
-    return path
-
-
 def test_collective_arithmetic(tmp_path: Path) -> None:
     # Three ranks, one step: compute 10/10/16 ms, then an all-reduce that completes at 17 ms.
     spans = []
     for r, compute in enumerate((10, 10, 16)):
         spans += [
-            _span(r, 0, "step", 0, 17 * MS),
-            _span(r, 0, "forward", 0, compute * MS),
-            _span(r, 0, "collective", compute * MS, (17 - compute) * MS, group="dp:0", seq=1),
+            span(r, 0, "step", 0, 17 * MS),
+            span(r, 0, "forward", 0, compute * MS),
+            span(r, 0, "collective", compute * MS, (17 - compute) * MS, group="dp:0", seq=1),
         ]
-    run = open_run(_hand_run(tmp_path / "run", spans, []))
+    run = open_run(hand_run(tmp_path / "run", spans, []))
     prepare(run.con)
     inst = run.con.execute("SELECT n, last_rank, spread_ns, xfer_ns, group_kind FROM ms_cache.inst").fetchall()
     assert inst == [(3, 2, 6 * MS, 1 * MS, "dp")]
@@ -222,20 +194,20 @@ def test_exposed_communication_arithmetic(tmp_path: Path) -> None:
     - a receive (85-95 ms) and a send (88-98 ms) without wait spans, overlapping each other, outside
       compute: exposed as their union, 10 + 3 ms, not 10 + 10."""
     def comm(kind: str, start: int, dur: int, name: str, group: str, seq: int, op: str) -> dict[str, object]:
-        return {**_span(0, 0, kind, start * MS, dur * MS, group=group, seq=seq, name=name), "op": op}
+        return {**span(0, 0, kind, start * MS, dur * MS, group=group, seq=seq, name=name), "op": op}
 
     spans = [
-        _span(0, 0, "step", 0, 100 * MS),
-        _span(0, 0, "backward", 0, 60 * MS),
-        _span(0, 0, "backward", 0, 30 * MS, name="layers.1"),
-        _span(0, 0, "backward", 30 * MS, 30 * MS, name="layers.0"),
+        span(0, 0, "step", 0, 100 * MS),
+        span(0, 0, "backward", 0, 60 * MS),
+        span(0, 0, "backward", 0, 30 * MS, name="layers.1"),
+        span(0, 0, "backward", 30 * MS, 30 * MS, name="layers.0"),
         comm("collective", 40, 5, "tp.reduce_scatter", "tp:0", 0, "reduce_scatter"),
         comm("collective", 10, 70, "dp.reduce_scatter", "dp:0", 0, "reduce_scatter"),
-        {**_span(0, 0, "other", 70 * MS, 10 * MS, seq=0, name="dp.reduce_scatter:wait"), "op": "reduce_scatter"},
+        {**span(0, 0, "other", 70 * MS, 10 * MS, seq=0, name="dp.reduce_scatter:wait"), "op": "reduce_scatter"},
         {**comm("recv", 85, 10, "pp.recv", "pp:0", 0, "recv"), "peer": 1},
         {**comm("send", 88, 10, "pp.send", "pp:0", 0, "send"), "peer": 1},
     ]
-    run = open_run(_hand_run(tmp_path / "run", spans, [], world=1, hosts=("h0",)))
+    run = open_run(hand_run(tmp_path / "run", spans, [], world=1, hosts=("h0",)))
     got = analysis.exposed_comm(run.con, steps=[0]).set_index("name")
     assert got.loc["tp.reduce_scatter", ["comm_ns", "overlapped_ns", "exposed_ns"]].tolist() == [5 * MS, 0, 5 * MS]
     assert got.loc["dp.reduce_scatter", ["comm_ns", "overlapped_ns", "exposed_ns"]].tolist() == [70 * MS, 45 * MS, 10 * MS]
@@ -244,37 +216,22 @@ def test_exposed_communication_arithmetic(tmp_path: Path) -> None:
 
 
 def test_host_lead_names_the_rank_whose_device_waited_for_its_host(tmp_path: Path) -> None:
-    """Three ranks, 40 all-reduces in one step. The host issues each call at t; the device reaches it
-    10 ms later on rank 0 (a queue of work ahead), on rank 1 10 ms later for 30 calls but 0.1 ms
-    later for 10 (the device had run dry), and rank 2 is timed by the host clock (left out)."""
-    spans, markers = [], []
-    for r in range(3):
-        spans.append(_span(r, 0, "step", 0, 1000 * MS))
-        for i in range(40):
-            issue = (20 * i) * MS
-            lead = 100_000 if (r == 1 and i % 4 == 0) else 10 * MS
-            spans.append(_span(r, 0, "collective", issue + lead, MS, group="dp:0", seq=i))
-            markers.append({"rank": r, "group": "dp:0", "seq": i, "op": "all_reduce", "state": "enqueued",
-                            "time_ns": issue, "step": 0, "bytes": None, "peer": None})
-    run = open_run(_hand_run(tmp_path / "run", spans, markers, devices=("cuda:0", "cuda:1", "cpu"),
-                             source="collector"))
+    """host_bound_run: rank 1's device reached a quarter of its calls 0.1 ms after the host issued
+    them (it had run dry), rank 0's always 10 ms after; rank 2 is host-timed and left out."""
+    run = open_run(host_bound_run(tmp_path / "run"))
     got = analysis.host_lead(run.con, steps=[0]).set_index("rank")
     assert list(got.index) == [0, 1]
     assert got.loc[0, ["calls", "lead_p50_ns", "starved_frac"]].tolist() == [40, 10 * MS, 0.0]
     assert got.loc[1, "starved_frac"] == 0.25 and got.loc[1, "lead_p10_ns"] == 100_000
     lead = analysis.report(run, with_whatif=False)["host_lead"]
     assert [x["rank"] for x in lead["host_bound"]] == [1]
-    from click.testing import CliRunner
-
-    from megascope.cli import main
-
     out = CliRunner().invoke(main, ["report", str(tmp_path / "run"), "--no-whatif", "-q"])
     assert out.exit_code == 0, out.output
     assert "host-bound: rank 1: the device was idle at 25% of 40 calls (lead p10 0.1 ms)" in out.output
-    plain = open_run(_hand_run(tmp_path / "cpu", spans, markers))  # no device recorded: nothing to say
+    plain = open_run(host_bound_run(tmp_path / "cpu", devices=None))  # no device recorded: nothing to say
     assert analysis.host_lead(plain.con, steps=[0]).empty
     # A synthetic run has no host clock apart from its device's: the report leaves it out.
-    synth = open_run(_hand_run(tmp_path / "synth", spans, markers, devices=("cuda:0", "cuda:1", "cpu")))
+    synth = open_run(host_bound_run(tmp_path / "synth", source="synth"))
     assert analysis.report(synth, with_whatif=False)["host_lead"]["ranks"] == []
 
 
@@ -289,7 +246,7 @@ def test_pipeline_neighbour_of_a_straggler_is_not_named(tmp_path: Path) -> None:
         t = k * 100 * MS
 
         def at(rank: int, kind: str, start: int, end: int, k: int = k, t: int = t, **kw: object) -> None:
-            spans.append(_span(rank, k, kind, t + start * MS, (end - start) * MS, **kw))
+            spans.append(span(rank, k, kind, t + start * MS, (end - start) * MS, **kw))
 
         for r in range(4):
             at(r, "step", 0, 100)
@@ -330,7 +287,7 @@ def test_hang_follows_waiters_to_the_root(tmp_path: Path) -> None:
 
     markers = [marker(r, 1, "enqueued", 10) for r in range(3)] + [marker(r, 1, "completed", 20) for r in range(3)]
     markers += [marker(0, 2, "enqueued", 30), marker(1, 2, "enqueued", 31)]
-    run = open_run(_hand_run(tmp_path / "run", [], markers))
+    run = open_run(hand_run(tmp_path / "run", [], markers))
     result = analysis.localize(run)
     assert result["hung"] is True
     assert result["waiting"] == [0, 1]
@@ -341,11 +298,11 @@ def test_hang_follows_waiters_to_the_root(tmp_path: Path) -> None:
 
 
 def test_cache_follows_a_growing_run_and_serves_cursors(runs: dict[str, Path], tmp_path: Path) -> None:
-    spans = [_span(r, 0, "step", 0, 5 * MS) for r in range(3)]
-    path = _hand_run(tmp_path / "run", spans, [])
+    spans = [span(r, 0, "step", 0, 5 * MS) for r in range(3)]
+    path = hand_run(tmp_path / "run", spans, [])
     run = open_run(path)
     assert len(analysis.step_times(run.con)) == 3
-    layout.write_part(path, "spans", pa.Table.from_pylist([_span(0, 1, "step", 5 * MS, 5 * MS)], schema=schema.SPANS),
+    layout.write_part(path, "spans", pa.Table.from_pylist([span(0, 1, "step", 5 * MS, 5 * MS)], schema=schema.SPANS),
                       rank=0)
     run.refresh()
     assert len(analysis.step_times(run.con)) == 4
@@ -367,13 +324,13 @@ def test_drift_names_the_collective_and_the_rank(tmp_path: Path) -> None:
         for r in range(3):
             arrive = t0 + 20 * MS + (late if r == 2 else 0)
             spans += [
-                _span(r, step, "step", t0, step_len),
-                _span(r, step, "forward", t0, 20 * MS),
-                _span(r, step, "collective", arrive, t0 + step_len - arrive, group="dp:0", seq=step,
+                span(r, step, "step", t0, step_len),
+                span(r, step, "forward", t0, 20 * MS),
+                span(r, step, "collective", arrive, t0 + step_len - arrive, group="dp:0", seq=step,
                       name="dp.reduce_scatter"),
             ]
         t0 += step_len
-    run = open_run(_hand_run(tmp_path / "run", spans, []))
+    run = open_run(hand_run(tmp_path / "run", spans, []))
     drift = analysis.skew_drift(run.con)
     assert drift["drifting"] is True
     top = drift["collectives"][0]

@@ -16,7 +16,7 @@ Example::
 """
 
 from megascope.analysis.hang import localize, rank_states
-from megascope.analysis.pipeline import bubbles, exposed_comm, host_lead
+from megascope.analysis.pipeline import bubbles, exposed_comm, host_lead, host_lead_summary
 from megascope.analysis.report import clock_offsets, report
 from megascope.analysis.skew import skew, skew_by_collective, skew_drift
 from megascope.analysis.stragglers import StragglerConfig, stragglers
@@ -31,6 +31,7 @@ __all__ = [
     "exposed_comm",
     "heatmap",
     "host_lead",
+    "host_lead_summary",
     "localize",
     "mfu",
     "mfu_drift",

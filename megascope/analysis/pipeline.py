@@ -9,10 +9,13 @@ Example::
     from megascope.analysis import bubbles, exposed_comm
     bubbles(run.con)          # stage, bubble_frac, ...
     exposed_comm(run.con)     # group_kind, name, exposed_frac, ...
-    host_lead(run.con)        # rank, lead_p10_ns, starved_frac: host-bound ranks
+    host_lead(run.con)        # rank, lead_p10_ns, starved_frac
+    host_lead_summary(run)    # the same for the report, host-bound ranks named
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import pandas as pd
@@ -20,6 +23,10 @@ import pandas as pd
 from megascope.analysis import _sql
 from megascope.analysis.base import _sample_steps, prepare
 from megascope.analysis.timeline import _has_step_spans
+from megascope.schema import RunSource
+
+if TYPE_CHECKING:
+    from megascope.store import Run
 
 EXPOSED_SAMPLE_STEPS = 3
 EXPOSED_RANKS_PER_STAGE = 4
@@ -73,3 +80,24 @@ def host_lead(con: duckdb.DuckDBPyConnection, *, steps: list[int] | None = None,
         rank_list = ", ".join(str(int(r)) for r in ranks) or "NULL"
     return _sql.query_df(con, "pipeline", "host_lead", steps=step_list, ranks=_sql.Raw(rank_list),
                          starved_ns=HOST_STARVED_NS)
+
+
+# The report and the dashboard name a rank host-bound when its device was idle at this share of
+# its calls, over at least this many calls.
+HOST_BOUND_FRAC = 0.05
+HOST_BOUND_MIN_CALLS = 20
+
+
+def host_lead_summary(run: Run) -> dict[str, Any]:
+    """``{ranks, host_bound, starved_ns}``: :func:`host_lead` of the sampled ranks (least lead first,
+    at most 64) and the host-bound ones among them. Synthetic runs stamp issue and start alike, with
+    no host ahead of a device: they get empty lists."""
+    lead = host_lead(run.con) if run.meta.source != RunSource.SYNTH else pd.DataFrame()
+    if lead.empty:
+        return {"ranks": [], "host_bound": [], "starved_ns": HOST_STARVED_NS}
+    bound = lead[(lead["starved_frac"] >= HOST_BOUND_FRAC) & (lead["calls"] >= HOST_BOUND_MIN_CALLS)]
+    return {
+        "ranks": lead.sort_values(["starved_frac", "lead_p10_ns"], ascending=[False, True]).head(64).to_dict("records"),
+        "host_bound": bound.sort_values("starved_frac", ascending=False).to_dict("records"),
+        "starved_ns": HOST_STARVED_NS,
+    }

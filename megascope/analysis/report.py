@@ -25,12 +25,12 @@ import pandas as pd
 from megascope.analysis import _sql
 from megascope.analysis.base import prepare
 from megascope.analysis.hang import localize
-from megascope.analysis.pipeline import HOST_STARVED_NS, bubbles, exposed_comm, host_lead
+from megascope.analysis.pipeline import bubbles, exposed_comm, host_lead_summary
 from megascope.analysis.skew import skew_by_collective, skew_drift
 from megascope.analysis.stragglers import StragglerConfig, stragglers
 from megascope.analysis.timeline import mfu, mfu_drift
 from megascope.analysis.whatif import whatif
-from megascope.schema import MESH_AXES, RunSource
+from megascope.schema import MESH_AXES
 from megascope.store import Run
 
 
@@ -98,8 +98,7 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
     say("pipeline bubbles and exposed communication")
     bubble_frame = bubbles(con)
     exposed = exposed_comm(con)
-    # A synthetic run stamps issue and start alike: it has no host to be ahead of its device.
-    lead = host_lead(con) if run.meta.source != RunSource.SYNTH else pd.DataFrame()
+    lead = host_lead_summary(run)
     offsets = clock_offsets(con)
     whatif_result = None
     causal = slow[slow["cause"] != "communication"] if not slow.empty else slow
@@ -135,26 +134,9 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
         },
         "bubbles": bubble_frame.to_dict("records"),
         "exposed_comm": exposed.to_dict("records"),
-        "host_lead": _host_lead(lead),
+        "host_lead": lead,
         "whatif": whatif_result,
         "problems": list(run.problems),
     }
     return jsonable(result)
 
-
-# A rank whose device found itself idle at this share of its calls (and at least this many calls
-# seen) is named host-bound in the report.
-HOST_BOUND_FRAC = 0.05
-HOST_BOUND_MIN_CALLS = 20
-
-
-def _host_lead(lead: pd.DataFrame) -> dict[str, Any]:
-    """The report's view of host_lead: every sampled rank, and the host-bound ones first."""
-    if lead.empty:
-        return {"ranks": [], "host_bound": [], "starved_ns": HOST_STARVED_NS}
-    bound = lead[(lead["starved_frac"] >= HOST_BOUND_FRAC) & (lead["calls"] >= HOST_BOUND_MIN_CALLS)]
-    return {
-        "ranks": lead.sort_values(["starved_frac", "lead_p10_ns"], ascending=[False, True]).head(64).to_dict("records"),
-        "host_bound": bound.sort_values("starved_frac", ascending=False).to_dict("records"),
-        "starved_ns": HOST_STARVED_NS,
-    }

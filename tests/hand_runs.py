@@ -1,0 +1,58 @@
+"""Hand-built run directories for tests: every figure an analysis returns follows from the rows written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+
+from megascope import layout, schema
+
+MS = 1_000_000
+
+
+def span(rank: int, step: int, kind: str, start: int, dur: int, *, group: str | None = None,
+          seq: int | None = None, peer: int | None = None, name: str | None = None) -> dict[str, object]:
+    return {"rank": rank, "step": step, "name": name or kind, "kind": kind, "stream": "compute", "start_ns": start,
+            "dur_ns": dur, "microbatch": None, "chunk": None, "group": group, "seq": seq,
+            "op": "all_reduce" if kind == "collective" else kind if kind in ("send", "recv") else None,
+            "bytes": None, "peer": peer}
+
+
+def hand_run(path: Path, spans: list[dict[str, object]], markers: list[dict[str, object]], world: int = 3,
+              hosts: tuple[str, ...] = ("h0", "h0", "h1"), devices: tuple[str | None, ...] | None = None,
+              source: str = "synth") -> Path:
+    layout.write_run_meta(path, schema.RunMeta(run_id="hand", source=source, world_size=world,
+                                               mesh_sizes={"pp": 1, "dp": world, "tp": 1}))
+    for r in range(world):
+        layout.write_part(path, "ranks", pa.Table.from_pylist(
+            [{"rank": r, "host": hosts[r], "pp": 0, "dp": r, "tp": 0, "device": devices[r] if devices else None}],
+            schema=schema.RANKS), rank=r)
+        layout.write_part(path, "groups", pa.Table.from_pylist(
+            [{"rank": r, "group": "dp:0", "kind": "dp", "group_rank": r, "members": list(range(world))}],
+            schema=schema.GROUPS), rank=r)
+        mine = [s for s in spans if s["rank"] == r]
+        if mine:
+            layout.write_part(path, "spans", pa.Table.from_pylist(mine, schema=schema.SPANS), rank=r)
+        mk = [m for m in markers if m["rank"] == r]
+        if mk:
+            layout.write_part(path, "markers", pa.Table.from_pylist(mk, schema=schema.MARKERS), rank=r)
+    return path
+
+
+def host_bound_run(path: Path, *, devices: tuple[str | None, ...] | None = ("cuda:0", "cuda:1", "cpu"),
+                   source: str = "collector") -> Path:
+    """Three ranks, 40 all-reduces in one 1 s step. The host issues call i at 20i ms; the device
+    reaches it 10 ms later on rank 0 (queued work ahead of it) and on rank 1 too, except every
+    fourth call, reached 0.1 ms after issue (the device had run dry); rank 2 is timed by the host
+    clock ("cpu")."""
+    spans, markers = [], []
+    for r in range(3):
+        spans.append(span(r, 0, "step", 0, 1000 * MS))
+        for i in range(40):
+            issue = (20 * i) * MS
+            lead = 100_000 if (r == 1 and i % 4 == 0) else 10 * MS
+            spans.append(span(r, 0, "collective", issue + lead, MS, group="dp:0", seq=i))
+            markers.append({"rank": r, "group": "dp:0", "seq": i, "op": "all_reduce", "state": "enqueued",
+                            "time_ns": issue, "step": 0, "bytes": None, "peer": None})
+    return hand_run(path, spans, markers, devices=devices, source=source)
