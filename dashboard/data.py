@@ -2,7 +2,7 @@
 
 Role in the data flow: every number on a page or on ``/metrics`` comes through here, from
 :mod:`megascope.analysis` (MFU, stragglers, states, hang suspects, heat-maps, what-if, bubbles,
-clock offsets) or from :mod:`megascope.dashboard.queries` (raw rows). Each function takes a
+host lead, clock offsets) or from :mod:`megascope.dashboard.queries` (raw rows). Each function takes a
 :class:`~megascope.dashboard.runs.ServedRun` and returns a frame or dict shared by all callers
 until new data arrives. ``WARM`` lists the results the watcher precomputes after each refresh.
 
@@ -62,6 +62,10 @@ def _compute_offsets(run: Run) -> pd.DataFrame:
 
 def _compute_bubbles(run: Run) -> pd.DataFrame:
     return _analysis().bubbles(run.con)
+
+
+def _compute_host_lead(run: Run) -> dict[str, Any]:
+    return dict(_analysis().host_lead_summary(run))
 
 
 def _compute_skew(run: Run) -> pd.DataFrame:
@@ -133,6 +137,11 @@ def clock_offsets(served: ServedRun) -> pd.DataFrame:
 
 def bubbles(served: ServedRun) -> pd.DataFrame:
     return served.result(("bubbles",), _compute_bubbles)
+
+
+def host_lead(served: ServedRun) -> dict[str, Any]:
+    """``{ranks, host_bound, starved_ns}``: how far hosts ran ahead of their devices (analysis.host_lead_summary)."""
+    return served.result(("host_lead",), _compute_host_lead)
 
 
 def skew(served: ServedRun) -> pd.DataFrame:

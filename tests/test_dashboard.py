@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from click.testing import CliRunner
+from hand_runs import host_bound_run
 from megascope.dashboard import create_app, registry_of
 from megascope.dashboard import data as dash_data
 from megascope.dashboard.replay import replay_run
@@ -213,6 +214,28 @@ def test_dashboard_numbers_are_the_analysis_numbers(runs: dict[str, Path]) -> No
     assert dash_data.focus_rank(hang) == 6
     peers = dash_data.peers(straggler, 5)
     assert peers[0] == 5 and set(peers) == {4, 5, 7}  # its TP group (4, 5) and DP peer (7)
+
+
+def test_overview_names_a_host_bound_rank(tmp_path: Path) -> None:
+    """The overview's alerts carry the report's host-bound ranks, each linked to its timeline; the
+    synth runs (no host clock apart from the device's) have none."""
+    from megascope.dashboard.pages.overview import alerts
+
+    app = create_app([host_bound_run(tmp_path / "hostbound")], start_watcher=False)
+    served = registry_of(app).get("hostbound")
+    assert served is not None
+    assert dash_data.host_lead(served) == analysis.report(open_run(tmp_path / "hostbound"),
+                                                          with_whatif=False)["host_lead"]
+    text = [str(a) for a in alerts(served) if "alert-host" in str(a)]
+    assert len(text) == 1 and "Host-bound: rank 1" in text[0] and "at 25% of 40 calls" in text[0]
+    assert "/run/hostbound/timeline?ranks=1" in text[0]
+
+
+def test_synth_runs_have_no_host_bound_alert(runs: dict[str, Path]) -> None:
+    from megascope.dashboard.pages.overview import host_bound_alerts
+
+    served = registry_of(create_app([runs["straggler"]], start_watcher=False)).get("straggler")
+    assert served is not None and host_bound_alerts(served) == []
 
 
 def test_timeline_waits_come_from_the_last_arrival(runs: dict[str, Path]) -> None:

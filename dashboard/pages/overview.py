@@ -1,7 +1,7 @@
 """Overview page: MFU, step time, tokens/s and loss over steps, with alerts for what needs a person.
 
 Alerts, most urgent first: a hang (with the suspect rank, host and coordinates), stragglers (rank,
-cause, slowdown) and skew growth. Every number comes from :mod:`megascope.analysis` via
+cause, slowdown), host-bound ranks (devices waiting for their hosts) and skew growth. Every number comes from :mod:`megascope.analysis` via
 :mod:`megascope.dashboard.data`; the figure from :mod:`megascope.figures.overview`.
 """
 
@@ -63,13 +63,34 @@ def alerts(served: ServedRun) -> list[Any]:
     if len(frame) > 5:
         out.append(html.Div(f"... and {len(frame) - 5} more stragglers", className="alert alert-straggler"))
     try:
+        out.extend(host_bound_alerts(served))
+    except Exception as exc:  # noqa: BLE001 - the other alerts still matter when this analysis fails
+        log.warning("run %s: host lead analysis failed: %s", served.id, exc)
+    try:
         for line in data.skew_alerts(served):
             out.append(html.Div(line, className="alert alert-skew"))
     except Exception as exc:  # noqa: BLE001 - the other alerts still matter when skew analysis fails
         log.warning("run %s: skew analysis failed: %s", served.id, exc)
         out.append(html.Div(f"skew analysis unavailable: {type(exc).__name__}: {exc}", className="alert alert-skew"))
     if not out:
-        out.append(html.Div("No stragglers, skew growth or hang found.", className="alert alert-ok"))
+        out.append(html.Div("No stragglers, host-bound ranks, skew growth or hang found.", className="alert alert-ok"))
+    return out
+
+
+def host_bound_alerts(served: ServedRun, limit: int = 3) -> list[Any]:
+    """One line per host-bound rank (its device idle, waiting for the host, at 5% or more of its
+    calls), linked to its timeline."""
+    bound = data.host_lead(served).get("host_bound") or []
+    out: list[Any] = []
+    for row in bound[:limit]:
+        rank = int(row["rank"])
+        text = (f"Host-bound: rank {rank}: its device sat idle, waiting for the host, at "
+                f"{100 * float(row['starved_frac']):.0f}% of {int(row['calls'])} calls (host lead p10 "
+                f"{float(row['lead_p10_ns']) / 1e6:.1f} ms); host time there is step time")
+        out.append(html.Div([text, " ", dcc.Link("timeline", href=routes.href(served.id, "timeline", ranks=[rank]))],
+                            className="alert alert-host"))
+    if len(bound) > limit:
+        out.append(html.Div(f"... and {len(bound) - limit} more host-bound ranks", className="alert alert-host"))
     return out
 
 
