@@ -128,6 +128,6 @@ JOIN markers m ON m.rank = s.rank AND m."group" = s."group" AND m.seq = s.seq
                   AND m.op IS NOT DISTINCT FROM s.op AND m.peer IS NOT DISTINCT FROM s.peer
                   AND m.state = 'enqueued'
 JOIN ranks r ON r.rank = s.rank
-WHERE s.rank IN ({{ranks}}) AND list_contains({{steps}}, s.step) AND s.kind IN ('collective', 'send', 'recv')
-  AND r.device LIKE 'cuda%'
+WHERE s.rank IN ({{ranks}}) AND m.rank IN ({{ranks}}) AND list_contains({{steps}}, s.step)
+  AND r.rank IN ({{ranks}}) AND s.kind IN ('collective', 'send', 'recv') AND r.device LIKE 'cuda%'
 GROUP BY s.rank ORDER BY s.rank;
