@@ -6,8 +6,10 @@ the steady state) so that runs with the collector off, which write no spans, are
 way as runs with it on. MFU = run.json's model FLOPs per step / step time / GPUs / peak.
 
 For runs with the collector on, also megascope's own post-mortem MFU (``analysis.mfu``, from the
-recorded step spans) next to it, and the communication left exposed per step and rank, by group
-kind, from ``analysis.exposed_comm`` (every rank, steps after the warm-up).
+recorded step spans) next to it; how host-bound each run was (``analysis.host_lead``: the worst
+rank's share of calls at which its device sat idle waiting for the host); and the communication
+left exposed per step and rank, by group kind, from ``analysis.exposed_comm`` (every rank, steps
+after the warm-up).
 
     python bench/gpu_trainer_table.py RUNS_DIR BASELINE_JSON
 """
@@ -24,10 +26,11 @@ from pathlib import Path
 WARMUP = 3  # steps left out of the medians (allocator, NCCL and kernel warm-up)
 
 
-def _megascope_view(run_dir: Path) -> tuple[float, dict[str, tuple[float, float]]] | None:
-    """(megascope's median MFU after the warm-up, {group kind: (exposed ms, comm ms) per rank-step})."""
+def _megascope_view(run_dir: Path) -> tuple[float, dict[str, tuple[float, float]], float | None] | None:
+    """(megascope's median MFU after the warm-up, {group kind: (exposed ms, comm ms) per rank-step},
+    the largest share of calls at which a rank's device waited for its host (analysis.host_lead))."""
     try:
-        from megascope.analysis import exposed_comm, mfu
+        from megascope.analysis import exposed_comm, host_lead, mfu
         from megascope.store import open_run
     except ImportError:
         return None
@@ -40,7 +43,8 @@ def _megascope_view(run_dir: Path) -> tuple[float, dict[str, tuple[float, float]
     kinds: dict[str, tuple[float, float]] = {}
     for kind, rows in ex.groupby("group_kind"):
         kinds[str(kind)] = (float(rows["exposed_ns"].sum()) / n / 1e6, float(rows["comm_ns"].sum()) / n / 1e6)
-    return med, kinds
+    lead = host_lead(run.con, steps=steps)
+    return med, kinds, float(lead["starved_frac"].max()) if len(lead) else None
 
 
 def main() -> None:
@@ -60,7 +64,8 @@ def main() -> None:
             meta[layout] = json.loads(run_json.read_text())
             dirs[layout].append(runs / result.stem)
     bases = [json.loads(line) for line in baseline_path.read_text().splitlines() if line.startswith("{")]
-    print(f"{'layout':<22} {'collector':<9} {'steps':>5} {'step ms':>9} {'tokens/s':>10} {'MFU':>6} {'megascope MFU':>13}")
+    print(f"{'layout':<22} {'collector':<9} {'steps':>5} {'step ms':>9} {'tokens/s':>10} {'MFU':>6} {'megascope MFU':>13} "
+          f"{'host-bound':>12}")
     for i, base in enumerate(bases):
         print(f"{'baseline #' + str(i + 1):<22} {'-':<9} {'':>5} {base['step_s_median'] * 1e3:>9.1f} "
               f"{base['tokens_per_s']:>10,.0f} {base['mfu']:>6.1%}")
@@ -73,9 +78,12 @@ def main() -> None:
         gpus = run["world_size"]
         med = statistics.median(steps)
         mfus[f"{layout}-{mode}"] = mfu = run["model_flops_per_step"] / med / gpus / run["peak_flops_per_device"]
-        own = f"{statistics.median(v[0] for v in views[layout]):.1%}" if mode == "on" and views.get(layout) else "-"
+        on_views = views.get(layout) if mode == "on" else None
+        own = f"{statistics.median(v[0] for v in on_views):.1%}" if on_views else "-"
+        # Per run: the worst rank's share of calls at which its device sat idle waiting for the host.
+        bound = "/".join(f"{100 * v[2]:.0f}%" for v in on_views if v[2] is not None) if on_views else ""
         print(f"{layout:<22} {mode:<9} {len(steps):>5} {med * 1e3:>9.1f} {run['tokens_per_step'] / med:>10,.0f} "
-              f"{mfu:>6.1%} {own:>13}")
+              f"{mfu:>6.1%} {own:>13} {bound or '-':>12}")
     print()
     if bases:
         base_mfu = statistics.median(b["mfu"] for b in bases)
