@@ -92,8 +92,8 @@ def test_cuda_spans_need_no_device_sync_and_map_to_wall_clock(tmp_path: Path, cl
 @needs_cuda
 @pytest.mark.parametrize("clock", ["device", "side-stream"])
 def test_a_span_times_the_device_work_inside_it(tmp_path: Path, clock: str) -> None:
-    """A span around ~20 ms of GEMMs, issued while the device is still busy with ~20 ms before it,
-    lasts what the GEMMs take on the device (timed by plain CUDA events), not the host's issue time."""
+    """A span around 20 GEMMs, issued while the device is still busy with 20 more before it, lasts
+    what its GEMMs take on the device (timed by plain CUDA events), not the host's issue time."""
     run = tmp_path / "run"
     col = _collector(run, clock)
     a = torch.randn(4096, 4096, device="cuda")

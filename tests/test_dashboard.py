@@ -217,8 +217,7 @@ def test_dashboard_numbers_are_the_analysis_numbers(runs: dict[str, Path]) -> No
 
 
 def test_overview_names_a_host_bound_rank(tmp_path: Path) -> None:
-    """The overview's alerts carry the report's host-bound ranks, each linked to its timeline; the
-    synth runs (no host clock apart from the device's) have none."""
+    """The overview's alerts carry the report's host-bound ranks, each linked to its timeline."""
     from megascope.dashboard.pages.overview import alerts
 
     app = create_app([host_bound_run(tmp_path / "hostbound")], start_watcher=False)
