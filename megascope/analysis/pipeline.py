@@ -34,18 +34,20 @@ EXPOSED_RANKS_PER_STAGE = 4
 HOST_STARVED_NS = 500_000
 
 
-def _sample(con: duckdb.DuckDBPyConnection, steps: list[int] | None) -> tuple[list[int], str]:
-    """(steps, SQL list of ranks): ``steps`` or up to three spread over the run, and up to four
-    ranks per pipeline stage spread by hash (every stage, many hosts), so joins read few partitions."""
+def _sample(con: duckdb.DuckDBPyConnection, steps: list[int] | None,
+            ranks: list[int] | None = None) -> tuple[list[int], str]:
+    """(steps, SQL list of ranks): ``steps`` or up to three spread over the run, and ``ranks`` or up
+    to four per pipeline stage spread by hash (every stage, many hosts), so joins read few partitions."""
     prepare(con)
     if steps is None:
         all_steps = [int(s) for (s,) in con.execute("SELECT DISTINCT step FROM ms_cache.rank_step ORDER BY step").fetchall()]
         steps = _sample_steps(all_steps, EXPOSED_SAMPLE_STEPS)
-    ranks = [int(r) for (r,) in con.execute(
-        f"SELECT rank FROM (SELECT rank, row_number() OVER (PARTITION BY stage ORDER BY hash(rank)) AS k "
-        f"FROM ms_cache.rank_info) WHERE k <= {EXPOSED_RANKS_PER_STAGE} ORDER BY rank"
-    ).fetchall()]
-    return [int(s) for s in steps] or [-1], ", ".join(map(str, ranks)) or "NULL"
+    if ranks is None:
+        ranks = [int(r) for (r,) in con.execute(
+            f"SELECT rank FROM (SELECT rank, row_number() OVER (PARTITION BY stage ORDER BY hash(rank)) AS k "
+            f"FROM ms_cache.rank_info) WHERE k <= {EXPOSED_RANKS_PER_STAGE} ORDER BY rank"
+        ).fetchall()]
+    return [int(s) for s in steps] or [-1], ", ".join(str(int(r)) for r in ranks) or "NULL"
 
 
 def bubbles(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
@@ -75,9 +77,7 @@ def host_lead(con: duckdb.DuckDBPyConnection, *, steps: list[int] | None = None,
     """Per device-timed rank: calls, lead_p10_ns, lead_p50_ns, starved_frac: how far the host ran
     ahead of the device at each communication call (``sql/pipeline.sql``). Sampled like
     :func:`exposed_comm`, or the given ``ranks``. Empty for host-timed runs."""
-    step_list, rank_list = _sample(con, steps)
-    if ranks is not None:
-        rank_list = ", ".join(str(int(r)) for r in ranks) or "NULL"
+    step_list, rank_list = _sample(con, steps, ranks)
     return _sql.query_df(con, "pipeline", "host_lead", steps=step_list, ranks=_sql.Raw(rank_list),
                          starved_ns=HOST_STARVED_NS)
 
