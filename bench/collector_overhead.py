@@ -7,7 +7,10 @@ One command, prints tables, writes ``$OUT/collector_overhead.json`` when ``OUT``
     python bench/collector_overhead.py --gpu-only --span-cost-only     # host cost per span by clock
 
 CPU part: the host cost of one span, comm span (with its markers) and metric, and of module hooks,
-each against a bare loop in the same process (medians of repeats).
+each against a bare loop in the same process (medians of repeats). Then the writer stall: how long
+one background pass of the writer keeps a stand-in training thread (Python work, then a wait that
+releases the interpreter lock, like a blocked kernel launch) from running, paced and unpaced (also
+on CUDA, with device events).
 
 GPU part (needs one CUDA device): first the host CPU time of one empty span under each clock
 (``device``, ``side-stream``, ``host``, and ``device`` through torch's public event API only),
@@ -29,6 +32,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from datetime import timedelta
@@ -282,6 +286,74 @@ def bench_gpu_spans(n: int, repeats: int) -> dict[str, dict[str, float]]:
     return out
 
 
+def _launch_loop(done: threading.Event) -> list[float]:
+    """A stand-in training thread until ``done``: 10 us of Python (holding the interpreter lock),
+    then a wait without it (a kernel launch blocked on a full launch queue). Returns the gaps
+    between iterations in ms."""
+    gaps, last = [], time.perf_counter()
+    while not done.is_set():
+        until = time.perf_counter_ns() + 10_000
+        while time.perf_counter_ns() < until:
+            pass
+        time.sleep(0.00005)
+        now = time.perf_counter()
+        gaps.append((now - last) * 1e3)
+        last = now
+    return gaps
+
+
+def bench_writer_stall(device: Any, spans: int, repeats: int) -> dict[str, dict[str, float]]:
+    """How long the writer's background pass over ``spans`` spans stalls a training thread, paced
+    (the default duty) and unpaced (duty 1). A gap over 1 ms in the stand-in loop (normally ~0.1 ms)
+    is a stall: the thread wanted the interpreter lock and the writer had it."""
+    tmp = Path(tempfile.mkdtemp(prefix="megascope-bench-stall-"))
+    out: dict[str, dict[str, float]] = {}
+    for duty in (1.0, CollectorConfig(run_dir=tmp).writer_duty):
+        col = Collector(CollectorConfig(run_dir=tmp / f"duty{duty}", device=device, writer_duty=duty,
+                                        max_buffered_rows=8 * spans, flush_interval_s=3600.0, handle_sigterm=False),
+                        rank=0, world_size=1)
+        rows: dict[str, list[float]] = {"pass_ms": [], "stalled_ms": [], "longest_gap_ms": [], "writer_cpu_ms": []}
+        for rep in range(repeats + 1):  # the first fills the event pool and is left out
+            with col.step(rep):
+                for _ in range(spans):
+                    with col.span("x", kind=SpanKind.COMPUTE):
+                        pass
+            if getattr(device, "type", "cpu") == "cuda":
+                torch.cuda.synchronize()
+            done = threading.Event()
+            cpu = [0]
+
+            def writer_pass(col: Collector = col, done: threading.Event = done, cpu: list[int] = cpu) -> None:
+                t0 = time.thread_time_ns()
+                col._writer.flush(paced=True)
+                cpu[0] = time.thread_time_ns() - t0
+                done.set()
+
+            thread = threading.Thread(target=writer_pass)
+            t0 = time.perf_counter()
+            thread.start()
+            gaps = _launch_loop(done)
+            wall = (time.perf_counter() - t0) * 1e3
+            thread.join()
+            if rep:
+                rows["pass_ms"].append(wall)
+                rows["stalled_ms"].append(sum(g for g in gaps if g > 1.0))
+                rows["longest_gap_ms"].append(max(gaps, default=0.0))
+                rows["writer_cpu_ms"].append(cpu[0] / 1e6)
+        col.close()
+        out[f"duty {duty:g}"] = {k: statistics.median(v) for k, v in rows.items()}
+    return out
+
+
+def _stall_table(device: Any, spans: int, repeats: int, result: dict[str, Any]) -> None:
+    stall = bench_writer_stall(device, spans, repeats)
+    result[f"writer_stall_{getattr(device, 'type', 'cpu')}"] = stall
+    _table(f"Writer pass over {spans} spans ({device}) next to a stand-in training thread (median of {repeats})",
+           ["writer", "writer CPU ms", "pass ms", "training thread stalled ms", "longest gap ms"],
+           [[k, f"{v['writer_cpu_ms']:.1f}", f"{v['pass_ms']:.1f}", f"{v['stalled_ms']:.1f}",
+             f"{v['longest_gap_ms']:.2f}"] for k, v in stall.items()])
+
+
 def bench_gpu(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -325,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-only", action="store_true")
     parser.add_argument("--cpu-only", action="store_true")
     parser.add_argument("--span-cost-only", action="store_true", help="GPU: only the host cost per span by clock")
+    parser.add_argument("--stall-spans", type=int, default=20_000,
+                        help="spans in the writer-stall pass (CPU; a quarter of it on CUDA)")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=8)  # 8 x 2 x 4096 x 16384 = 1.07 B parameters
     parser.add_argument("--tokens", type=int, default=8192)
@@ -339,12 +413,14 @@ def main(argv: list[str] | None = None) -> int:
         _table(f"CPU time of the training thread per call (median of {args.repeats} x {args.n}, bare loop subtracted)",
                ["what", "us per call"],
                [[k.removesuffix("_us"), f"{v:.2f}"] for k, v in cpu.items() if k.endswith("_us")])
+        _stall_table(torch.device("cpu"), args.stall_spans, args.repeats, result)
     if not args.cpu_only and torch.cuda.is_available():
         spans = bench_gpu_spans(args.n // 5, args.repeats)
         result["gpu_span_cost"] = spans
         _table(f"CUDA device: host CPU time per empty span by clock (median of {args.repeats} x {args.n // 5})",
                ["clock", "training thread us", "writer us"],
                [[k, f"{v['span_us']:.2f}", f"{v['writer_per_span_us']:.2f}"] for k, v in spans.items()])
+        _stall_table(torch.device("cuda"), args.stall_spans // 4, args.repeats, result)
     if not args.cpu_only and torch.cuda.is_available() and not args.span_cost_only:
         gpu = bench_gpu(args)
         result["gpu"] = gpu

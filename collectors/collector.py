@@ -95,8 +95,8 @@ class Collector:
         self.world_size = world_size if world_size is not None else _env_int("WORLD_SIZE") or 1
         self.coords = dict(coords or {})
         self.enabled = config.enabled
-        self._active = False
-        self._closed = False
+        self._active = False  # recording: open and not paused (what every hot path checks)
+        self._open = False  # started and not closed
         self._step: int | None = None
         self._last_step: int | None = None
         self._microbatch: int | None = None
@@ -120,7 +120,7 @@ class Collector:
         self._sink = Sink(config.max_buffered_rows)
         self._writer = Writer(
             config.run_dir, rank=self.rank, sink=self._sink, timer=self._timer,
-            interval_s=config.flush_interval_s, capacity=config.max_buffered_rows,
+            interval_s=config.flush_interval_s, capacity=config.max_buffered_rows, duty=config.writer_duty,
         )
         self.start_ns = time.time_ns()
         self._writer.set_static("ranks", rows_to_table([self._rank_row()], RANKS))
@@ -136,7 +136,7 @@ class Collector:
             from megascope.collectors.flight_recorder import FlightRecorderPoller
 
             self._writer.pollers.append(FlightRecorderPoller(self))
-        self._active = True
+        self._active = self._open = True
         self._writer.start()
         if config.heartbeat_interval_s:
             from megascope.collectors.heartbeat import HeartbeatSampler
@@ -193,7 +193,7 @@ class Collector:
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         # Write what is ready without waiting on the device, then let the signal do what it did before.
-        if self._active:
+        if self._open:
             self._writer.flush(lock_timeout_s=2.0)
         prev = self._prev_sigterm
         if callable(prev):
@@ -429,24 +429,47 @@ class Collector:
 
     def mark_sync_point(self) -> None:
         """Tell the collector the host just waited for the device (e.g. after ``loss.item()``)."""
-        if self._active:
+        if self._open:
             try:
                 self._timer.maybe_refresh()
             except Exception:
                 self._internal_error("anchor refresh")
 
     # ------------------------------------------------------------------ lifecycle
+    def pause(self) -> None:
+        """Record nothing until :meth:`resume`: spans, steps, communication calls and metrics are no-ops.
+
+        What was recorded before is still resolved and written. For leaving stretches of a job out
+        (and for measuring what the collector costs, in the same process). Call it between steps,
+        with no span or asynchronous call open.
+        """
+        if self._open:
+            self._active = False
+
+    def resume(self) -> None:
+        """Record again after :meth:`pause`."""
+        if self._open:
+            self._active = True
+
+    @property
+    def paused(self) -> bool:
+        return self._open and not self._active
+
+    @property
+    def recording(self) -> bool:
+        """Open, enabled and not paused."""
+        return self._active
+
     def flush(self) -> None:
         """Resolve what is ready and write it now (blocks until written; never waits on the device)."""
-        if self._active:
+        if self._open:
             self._writer.flush()
 
     def close(self) -> None:
         """Flush everything (waiting up to ``close_timeout_s`` for device events) and stop the writer."""
-        if not self._active:
+        if not self._open:
             return
-        self._active = False
-        self._closed = True
+        self._active = self._open = False
         try:
             atexit.unregister(self._atexit)
             if self._sigterm_installed and signal.getsignal(signal.SIGTERM) == self._on_sigterm:

@@ -13,6 +13,7 @@ script wrote, so an operator can switch the collector off or move its output wit
 ``MEGASCOPE_HEARTBEAT_S=5``           ``heartbeat_interval_s`` (0 turns it off)
 ``MEGASCOPE_WAIT_SPANS=0``            ``wait_spans=False``
 ``MEGASCOPE_CLOCK=host``              ``clock`` (``device``, ``side-stream`` or ``host``)
+``MEGASCOPE_WRITER_DUTY=0.25``        ``writer_duty`` (1 turns the writer's pacing off)
 ====================================  ===========================================
 
 Example::
@@ -92,6 +93,11 @@ class CollectorConfig:
     # issued work, not when the device ran it (for telling the collector's host cost from its
     # device cost). CPU ranks always use the host clock.
     clock: str = "device"
+    # The writer thread's largest share of the interpreter lock while it works in the background:
+    # it works in half-millisecond slices and sleeps between them (1: never sleeps). The training
+    # thread launches the device's work from Python; a writer holding the lock for tens of
+    # milliseconds at a stretch would stall it that long.
+    writer_duty: float = 0.25
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "run_dir", Path(self.run_dir))
@@ -103,6 +109,8 @@ class CollectorConfig:
             raise ConfigError(f"anchor_interval_s must be > 0, got {self.anchor_interval_s}")
         if self.close_timeout_s < 0:
             raise ConfigError(f"close_timeout_s must be >= 0, got {self.close_timeout_s}")
+        if not 0 < self.writer_duty <= 1:
+            raise ConfigError(f"writer_duty must be in (0, 1], got {self.writer_duty}")
         if self.clock not in CLOCKS:
             raise ConfigError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
         if self.heartbeat_interval_s is not None and not self.heartbeat_interval_s > 0:
@@ -133,4 +141,6 @@ class CollectorConfig:
             changes["wait_spans"] = _env_bool("MEGASCOPE_WAIT_SPANS", env["MEGASCOPE_WAIT_SPANS"])
         if "MEGASCOPE_CLOCK" in env:
             changes["clock"] = env["MEGASCOPE_CLOCK"].strip().lower()
+        if "MEGASCOPE_WRITER_DUTY" in env:
+            changes["writer_duty"] = _env_number("MEGASCOPE_WRITER_DUTY", env["MEGASCOPE_WRITER_DUTY"], float)
         return dataclasses.replace(self, **changes) if changes else self

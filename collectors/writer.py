@@ -10,9 +10,16 @@ SIGTERM and exit) it
 3. (re)writes the per-rank ``ranks``/``groups`` files and ``run.json`` when they changed.
 
 It runs on its own thread, so markers keep reaching the disk while the training thread is blocked
-inside a collective. A write that fails (unwritable directory, full disk) is logged, counted and
-retried at the next interval with the rows kept in memory up to the buffer capacity; it never
-raises into the training loop.
+inside a collective. In the background it is paced (:class:`Pacer`): it works in slices of half a
+millisecond and sleeps between them, so that it holds the interpreter lock for at most
+``writer_duty`` of the time. Unpaced, a pass over a second's spans holds the lock for tens of
+milliseconds at a stretch, and a training thread that launches work from Python stops launching for
+that long: on a job whose host runs only a few tens of milliseconds ahead of its device, that is
+device time lost. An explicit ``flush()`` (and ``close()``) is never paced.
+
+A write that fails (unwritable directory, full disk) is logged, counted and retried at the next
+interval with the rows kept in memory up to the buffer capacity; it never raises into the training
+loop.
 
 Example::
 
@@ -41,6 +48,7 @@ log = logging.getLogger(__name__)
 # Tables written as a stream of parts, in the order they are flushed.
 _PART_TABLES = (("spans", schema.SPANS), ("markers", schema.MARKERS), ("metrics", schema.METRICS))
 _WARN_EVERY_S = 60.0
+_PACED_CHUNK_ROWS = 256  # rows turned into Arrow at a time between a paced pass's ticks
 
 
 class Sink:
@@ -64,44 +72,96 @@ class Sink:
         return sum(b.dropped for b in (self.spans, self.markers, self.metrics, self.pending_spans, self.pending_metrics))
 
 
-def resolve_pending(sink: Sink, timer: Timer, rank: int) -> int:
+class Pacer:
+    """Keeps a background thread's share of the interpreter lock at most ``duty``.
+
+    The thread calls :meth:`tick` between small units of work; once a slice of ``slice_s`` has
+    passed since the last pause, ``tick`` sleeps ``slice_s * (1 - duty) / duty`` (sleeping releases
+    the lock, so a waiting thread takes it at once). ``duty`` 1 never sleeps. While ``hurry`` is set
+    (another thread waits for this work to finish) it does not pause.
+    """
+
+    def __init__(self, duty: float, *, slice_s: float = 0.0005, clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        if not 0 < duty <= 1:
+            raise ValueError(f"duty must be in (0, 1], got {duty}")
+        self.duty = duty
+        self.slice_s = slice_s
+        self.pause_s = slice_s * (1 - duty) / duty
+        self._clock = clock
+        self._sleep = sleep
+        self._since = clock()
+        self.hurry = False
+        self.pauses = 0
+        self.paused_s = 0.0
+
+    def begin(self) -> None:
+        """Start a pass: a full slice before the first pause."""
+        self._since = self._clock()
+
+    def tick(self) -> None:
+        if self.pause_s <= 0 or self.hurry:
+            return
+        now = self._clock()
+        if now - self._since >= self.slice_s:
+            self._sleep(self.pause_s)
+            self.pauses += 1
+            self.paused_s += self.pause_s
+            self._since = self._clock()
+
+
+def _resolve_span(sink: Sink, timer: Timer, rank: int, item: Any, waiting: list[Any]) -> int:
+    """One pending span into the spans queue (1 if it had to be dropped, after a device error)."""
+    start, end, anchor = item[0], item[1], item[2]
+    try:
+        if not timer.ready(end):
+            waiting.append(item)
+            return 0
+        # The start was recorded earlier, almost always on the same stream, so it is done too:
+        # asking costs a device call per span. Where it is not done, timing it raises; ask then.
+        try:
+            start_ns = timer.wall_ns(start, anchor)
+        except Exception:
+            if timer.ready(start):
+                raise
+            waiting.append(item)
+            return 0
+        end_ns = timer.wall_ns(end, anchor)
+    except Exception:  # a device error must not stop the writer: drop this span
+        log.debug("could not resolve span %s", item[4], exc_info=True)
+        timer.release(start)
+        timer.release(end)
+        return 1
+    timer.release(start)
+    timer.release(end)
+    step, name, kind, stream, microbatch, chunk, group, seq, op, nbytes, peer = item[3:]
+    sink.spans.put(
+        (rank, step, name, kind, stream, start_ns, max(0, end_ns - start_ns), microbatch, chunk,
+         group, seq, op, nbytes, peer)
+    )
+    if group is not None and seq is not None:
+        sink.markers.put((rank, group, seq, op, MarkerState.COMPLETED.value, end_ns, step, nbytes, peer))
+    return 0
+
+
+def resolve_pending(sink: Sink, timer: Timer, rank: int, pacer: Pacer | None = None) -> int:
     """Move every pending span and metric whose device work has finished into its table queue.
 
-    Returns how many could not be resolved because of an error (they are dropped).
+    Returns how many could not be resolved because of an error (they are dropped). ``pacer`` is
+    ticked after every span.
     """
     errors = 0
     waiting: list[Any] = []
-    for item in sink.pending_spans.drain():
-        start, end, anchor = item[0], item[1], item[2]
-        try:
-            if not timer.ready(end):
-                waiting.append(item)
-                continue
-            # The start was recorded earlier, almost always on the same stream, so it is done too:
-            # asking costs a device call per span. Where it is not done, timing it raises; ask then.
-            try:
-                start_ns = timer.wall_ns(start, anchor)
-            except Exception:
-                if timer.ready(start):
-                    raise
-                waiting.append(item)
-                continue
-            end_ns = timer.wall_ns(end, anchor)
-        except Exception:  # a device error must not stop the writer: drop this span
-            errors += 1
-            log.debug("could not resolve span %s", item[4], exc_info=True)
-            timer.release(start)
-            timer.release(end)
-            continue
-        timer.release(start)
-        timer.release(end)
-        step, name, kind, stream, microbatch, chunk, group, seq, op, nbytes, peer = item[3:]
-        sink.spans.put(
-            (rank, step, name, kind, stream, start_ns, max(0, end_ns - start_ns), microbatch, chunk,
-             group, seq, op, nbytes, peer)
-        )
-        if group is not None and seq is not None:
-            sink.markers.put((rank, group, seq, op, MarkerState.COMPLETED.value, end_ns, step, nbytes, peer))
+    tick = pacer.tick if pacer is not None else None
+    left = len(sink.pending_spans)  # what is there now: spans added meanwhile wait for the next pass
+    while left > 0:
+        # Paced, even taking the items out is done a chunk at a time (it holds the interpreter too).
+        items = sink.pending_spans.drain(_PACED_CHUNK_ROWS if tick is not None else left)
+        left -= len(items)
+        for item in items:
+            if tick is not None:
+                tick()
+            errors += _resolve_span(sink, timer, rank, item, waiting)
     if waiting:
         sink.pending_spans.push_front(waiting)
 
@@ -136,6 +196,7 @@ class Writer:
         timer: Timer,
         interval_s: float,
         capacity: int,
+        duty: float = 1.0,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.rank = rank
@@ -143,6 +204,9 @@ class Writer:
         self.timer = timer
         self.interval_s = interval_s
         self.capacity = capacity
+        # Background passes are paced unless the spans waiting exceed a quarter of the capacity:
+        # a writer that falls that far behind catches up at full speed rather than drop rows.
+        self.pacer = Pacer(duty)
         self.lock = threading.Lock()  # one flush at a time
         self._static_lock = threading.Lock()
         self._stop = threading.Event()
@@ -176,14 +240,26 @@ class Writer:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
-            self.flush()
+            self.flush(paced=True)
 
-    def flush(self, *, lock_timeout_s: float = -1) -> bool:
-        """One full pass; False if the lock could not be had within ``lock_timeout_s``."""
-        if not self.lock.acquire(timeout=lock_timeout_s):
+    def flush(self, *, lock_timeout_s: float = -1, paced: bool = False) -> bool:
+        """One full pass; False if the lock could not be had within ``lock_timeout_s``.
+
+        ``paced`` (the writer thread's own passes): sleep between slices of work, see :class:`Pacer`.
+        """
+        if not paced:
+            self.pacer.hurry = True  # a paced pass in progress finishes at full speed
+        acquired = self.lock.acquire(timeout=lock_timeout_s)
+        if not paced:
+            self.pacer.hurry = False
+        if not acquired:
             return False
         try:
-            self._flush_locked()
+            pacer = None
+            if paced and self.pacer.pause_s > 0 and len(self.sink.pending_spans) < self.capacity // 4:
+                pacer = self.pacer
+                pacer.begin()
+            self._flush_locked(pacer)
         except Exception:  # the writer thread must survive anything
             self.internal_errors += 1
             log.warning("megascope collector: flush failed", exc_info=True)
@@ -194,6 +270,7 @@ class Writer:
     def close(self, *, timeout_s: float) -> None:
         """Stop the thread, wait up to ``timeout_s`` for device events (never synchronizing), flush."""
         self._stop.set()
+        self.pacer.hurry = True
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(self.interval_s, 1.0) + 5.0)
         deadline = time.monotonic() + timeout_s
@@ -206,8 +283,8 @@ class Writer:
         self.flush()
 
     # ---------------------------------------------------------------- one pass
-    def _flush_locked(self) -> None:
-        self.internal_errors += resolve_pending(self.sink, self.timer, self.rank)
+    def _flush_locked(self, pacer: Pacer | None = None) -> None:
+        self.internal_errors += resolve_pending(self.sink, self.timer, self.rank, pacer)
         for poll in self.pollers:
             try:
                 poll()
@@ -216,7 +293,7 @@ class Writer:
                 log.debug("poller failed", exc_info=True)
         self._write_static()
         for name, table_schema in _PART_TABLES:
-            self._write_rows(name, table_schema)
+            self._write_rows(name, table_schema, pacer)
 
     def _write_static(self) -> None:
         with self._static_lock:
@@ -237,12 +314,22 @@ class Writer:
                 with self._static_lock:
                     self._static.setdefault(table, data)  # unless a newer version came meanwhile
 
-    def _write_rows(self, name: str, table_schema: pa.Schema) -> None:
-        rows = self.sink.buffer(name).drain()
+    def _write_rows(self, name: str, table_schema: pa.Schema, pacer: Pacer | None = None) -> None:
+        buffer = self.sink.buffer(name)
         retry = self._retry.pop(name, None)
-        if not rows and retry is None:
-            return
-        data = rows_to_table(rows, table_schema)
+        if pacer is None or len(buffer) <= _PACED_CHUNK_ROWS:
+            rows = buffer.drain()
+            if not rows and retry is None:
+                return
+            data = rows_to_table(rows, table_schema)
+        else:  # taking rows out and turning them into Arrow hold the interpreter lock: a chunk at a time
+            chunks = []
+            for _ in range(0, len(buffer), _PACED_CHUNK_ROWS):
+                pacer.tick()
+                chunks.append(rows_to_table(buffer.drain(_PACED_CHUNK_ROWS), table_schema))
+            data = pa.concat_tables(chunks)
+        if pacer is not None:
+            pacer.tick()
         if retry is not None:
             data = pa.concat_tables([retry, data])
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
@@ -35,10 +36,16 @@ def test_config_env_overrides_and_validation(tmp_path: Path) -> None:
     cfg = CollectorConfig(run_dir=tmp_path / "a", flush_interval_s=1.0)
     env = {"MEGASCOPE_DISABLE": "1", "MEGASCOPE_RUN_DIR": str(tmp_path / "b"), "MEGASCOPE_FLUSH_INTERVAL_S": "0.5",
            "MEGASCOPE_MAX_BUFFERED_ROWS": "10", "MEGASCOPE_FLIGHT_RECORDER": "yes", "MEGASCOPE_WAIT_SPANS": "0",
-           "MEGASCOPE_CLOCK": "Side-Stream"}
+           "MEGASCOPE_CLOCK": "Side-Stream", "MEGASCOPE_WRITER_DUTY": "0.5"}
     got = cfg.with_env(env)
     assert (got.enabled, got.run_dir, got.flush_interval_s, got.max_buffered_rows, got.flight_recorder,
-            got.wait_spans, got.clock) == (False, tmp_path / "b", 0.5, 10, True, False, "side-stream")
+            got.wait_spans, got.clock, got.writer_duty) == (False, tmp_path / "b", 0.5, 10, True, False,
+                                                             "side-stream", 0.5)
+    for duty in ("0", "1.5"):
+        with pytest.raises(ConfigError, match="writer_duty must be in"):
+            cfg.with_env({"MEGASCOPE_WRITER_DUTY": duty})
+    with pytest.raises(ConfigError, match="MEGASCOPE_WRITER_DUTY"):
+        cfg.with_env({"MEGASCOPE_WRITER_DUTY": "low"})
     with pytest.raises(ConfigError, match="clock must be one of device, side-stream, host"):
         cfg.with_env({"MEGASCOPE_CLOCK": "gpu"})
     assert cfg.with_env({}) is cfg
@@ -235,6 +242,88 @@ def test_writer_resolves_a_span_only_when_both_stamps_are_done() -> None:
     assert [(r[0], r[2], r[5], r[6]) for r in sink.spans.drain()] == [(3, "done", 1_010, 20)]
     assert timer.queries == 4 + 2  # one per end, and a start only where timing it failed (2)
     assert [i[4] for i in sink.pending_spans.drain()] == ["start-pending", "end-pending"]
+
+
+class _FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.sleeps: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def _slow_host_timer(clock: _FakeClock, cost_s: float) -> Any:
+    """A host timer whose every ``ready`` call takes ``cost_s`` of the fake clock."""
+    from megascope.collectors.timing import HostTimer
+
+    class SlowTimer(HostTimer):
+        def ready(self, token: Any) -> bool:
+            clock.now += cost_s
+            return True
+
+    return SlowTimer()
+
+
+def _pending_span(timer: Any, i: int) -> tuple:
+    return (timer.stamp(), timer.stamp(), timer.anchor, 0, f"s{i}", "compute", "compute", None, None, None,
+            None, None, None, None)
+
+
+def test_paced_writer_sleeps_between_slices_and_not_when_hurried() -> None:
+    """Paced, the writer sleeps after each half-millisecond slice of work so that it holds the
+    interpreter at most ``duty`` of the time; hurried (someone waits for the flush) it does not."""
+    from megascope.collectors.writer import Pacer, Sink, resolve_pending
+
+    clock = _FakeClock()
+    timer = _slow_host_timer(clock, 0.0001)  # 0.1 ms per span
+    pacer = Pacer(0.25, slice_s=0.0005, clock=lambda: clock.now, sleep=clock.sleep)
+    assert pacer.pause_s == pytest.approx(0.0015)
+    sink = Sink(100)
+    for i in range(20):
+        sink.pending_spans.put(_pending_span(timer, i))
+    pacer.begin()
+    assert resolve_pending(sink, timer, rank=0, pacer=pacer) == 0
+    assert len(sink.spans) == 20
+    # 2 ms of work in 0.5 ms slices: a pause after each of the first three slices.
+    assert clock.sleeps == pytest.approx([0.0015] * 3) and pacer.pauses == 3
+    work = 20 * 0.0001
+    assert work / (work + sum(clock.sleeps)) == pytest.approx(2.0 / 6.5)
+
+    clock.sleeps.clear()
+    for i in range(20):
+        sink.pending_spans.put(_pending_span(timer, i))
+    pacer.hurry = True
+    resolve_pending(sink, timer, rank=0, pacer=pacer)
+    assert clock.sleeps == [] and len(sink.spans) == 40
+    assert Pacer(1.0).pause_s == 0.0
+    with pytest.raises(ValueError, match="duty"):
+        Pacer(0.0)
+
+
+def test_background_passes_are_paced_unless_far_behind(tmp_path: Path) -> None:
+    """The writer thread's own passes pace themselves; an explicit flush does not, nor a pass that
+    finds a quarter of the span capacity waiting (it catches up at full speed instead)."""
+    from megascope.collectors.writer import Sink, Writer
+
+    clock = _FakeClock()
+    timer = _slow_host_timer(clock, 0.0002)
+    sink = Sink(400)
+    writer = Writer(tmp_path, rank=0, sink=sink, timer=timer, interval_s=60.0, capacity=400, duty=0.5)
+    writer.pacer._clock, writer.pacer._sleep = (lambda: clock.now), clock.sleep
+    for paced, spans, pauses in ((True, 50, True), (False, 50, False), (True, 100, False)):
+        clock.sleeps.clear()
+        for i in range(spans):
+            sink.pending_spans.put(_pending_span(timer, i))
+        assert writer.flush(paced=paced)
+        assert len(sink.pending_spans) == 0 and (len(clock.sleeps) > 0) == pauses, (paced, spans)
+    assert writer.rows_written["spans"] == 200
+    assert len(_parquet_rows(tmp_path)) == 200
+
+
+def _parquet_rows(run_dir: Path) -> list[Any]:
+    return [r for p in sorted((run_dir / "spans").glob("rank=*/*.parquet")) for r in pq.read_table(p).to_pylist()]
 
 
 # ---------------------------------------------------------------------------------------- modules
