@@ -12,6 +12,11 @@
 #              variable each: the side-stream clock, the host clock, no flush during the run, no wait
 #              spans, NCCL on a high-priority stream), to find why tp2 is slower with the collector on
 #              (docs/benchmarks.md). Not part of the default.
+#   ab         the collector's cost inside one process (megascope train --collector-ab AB_BLOCK): it
+#              records blocks of AB_BLOCK steps and is paused for the blocks between, so recorded and
+#              unrecorded steps share NCCL communicators, memory layout and clocks; per AB_LAYOUTS
+#              (1gpu tp pp dp), REPEATS runs each, plus tp under each of ABVARIANTS (default: the
+#              writer unpaced). Not part of the default.
 # The table at the end (bench/gpu_trainer_table.py) gives median step time, tokens/s and MFU per
 # layout (run.json's FLOPs / step time / GPUs / peak), megascope's own MFU for the same runs, the
 # collector's step-time overhead, and exposed communication per group kind and overlap setting.
@@ -27,6 +32,9 @@ LAYOUTS=${LAYOUTS:-tp pp dp}  # the 2-GPU layouts to run
 # tpsched: collector-on variants of tp2, each tag:VAR=value (one variable each)
 TPVARIANTS=${TPVARIANTS:-side:MEGASCOPE_CLOCK=side-stream host:MEGASCOPE_CLOCK=host \
   noflush:MEGASCOPE_FLUSH_INTERVAL_S=600 nowait:MEGASCOPE_WAIT_SPANS=0 prio:TORCH_NCCL_HIGH_PRIORITY=1}
+AB_BLOCK=${AB_BLOCK:-6}
+AB_LAYOUTS=${AB_LAYOUTS:-1gpu tp pp dp}
+ABVARIANTS=${ABVARIANTS:-unpaced:MEGASCOPE_WRITER_DUTY=1}
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 MODEL=(--layers 24 --hidden 2048 --heads 16 --seq-len 2048 --vocab 50304 --lr 3e-4)
 RUNS="$OUT/runs"
@@ -38,9 +46,10 @@ baseline() {  # tag
     --batch 8 --steps "$STEPS" | tee -a "$OUT/baseline.json"
 }
 
-train() {  # name gpus collector(on|off) extra-args...
+train() {  # name gpus collector(on|off|ab) extra-args...
   local name=$1 gpus=$2 mode=$3; shift 3
   local env=(); [ "$mode" = off ] && env=(MEGASCOPE_DISABLE=1)
+  [ "$mode" = ab ] && set -- "$@" --collector-ab "$AB_BLOCK"
   [ -n "${EXTRA_ENV:-}" ] && env+=("$EXTRA_ENV")
   local devices; devices=$(seq -s, 0 $((gpus - 1)))
   echo "== $name ($gpus GPU, collector $mode ${EXTRA_ENV:-}) $*"
@@ -53,6 +62,7 @@ train() {  # name gpus collector(on|off) extra-args...
 
 layout_args() {  # tp|pp|dp -> the 2-GPU arguments (PP gets 8 micro-batches: a 1/9 bubble instead of 1/5)
   case $1 in
+    1gpu) echo "--global-batch 8 --micro-batches 1" ;;
     pp) echo "--pp 2 --global-batch 16 --micro-batches 8" ;;
     *) echo "--$1 2 --global-batch 16 --micro-batches 4" ;;
   esac
@@ -95,6 +105,20 @@ for part in $PARTS; do
         for variant in $TPVARIANTS; do  # tag:VAR=value, collector on
           # shellcheck disable=SC2046
           EXTRA_ENV="${variant#*:}" train "2gpu-tp${variant%%:*}-r$r" 2 on $(layout_args tp)
+        done
+      done ;;
+    ab)
+      for r in $(seq "$REPEATS"); do
+        for layout in $AB_LAYOUTS; do
+          gpus=2; name="2gpu-$layout"; [ "$layout" = 1gpu ] && { gpus=1; name=1gpu; }
+          [ "$NGPU" -ge "$gpus" ] || { echo "$layout needs $gpus GPUs"; continue; }
+          # shellcheck disable=SC2046
+          train "$name-r$r" "$gpus" ab $(layout_args "$layout")
+        done
+        for variant in $ABVARIANTS; do  # tag:VAR=value, tp only
+          [ "$NGPU" -ge 2 ] || continue
+          # shellcheck disable=SC2046
+          EXTRA_ENV="${variant#*:}" train "2gpu-tp${variant%%:*}-r$r" 2 ab $(layout_args tp)
         done
       done ;;
     *) echo "unknown part $part" ;;

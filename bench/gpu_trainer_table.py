@@ -11,6 +11,10 @@ rank's share of calls at which its device sat idle waiting for the host); and th
 left exposed per step and rank, by group kind, from ``analysis.exposed_comm`` (every rank, steps
 after the warm-up).
 
+Runs made with ``--collector-ab`` (``*-ab.json``) get their own table: per run, recorded vs
+unrecorded steps of the same process (``megascope.trainer.ab.ab_cost``), the cost without and with
+the boundary flushes charged, and per layout the median over runs.
+
     python bench/gpu_trainer_table.py RUNS_DIR BASELINE_JSON
 """
 
@@ -115,6 +119,35 @@ def main() -> None:
         cells = [f"{v[1][k][0]:7.1f} / {v[1][k][1]:5.1f}" if k in v[1] else f"{'-':>15}" for k in kinds]
         total = sum(e for e, _ in v[1].values())
         print(f"{layout:<22} " + " ".join(cells) + f" {total / med_step:>13.1%}")
+    ab_table(runs)
+
+
+def ab_table(runs: Path) -> None:
+    from megascope.trainer.ab import ab_cost
+
+    by_layout: dict[str, list[dict[str, float]]] = defaultdict(list)
+    rows = []
+    for result in sorted(runs.glob("*-ab.json")):
+        m = re.match(r"(.+)-r(\d+)-ab$", result.stem)
+        record = json.loads(result.read_text())
+        if not m or "collector_on" not in record:
+            continue
+        cost = ab_cost(record["step_seconds"], record["collector_on"], record["ab_flush_seconds"], warmup=WARMUP)
+        by_layout[m.group(1)].append(cost)
+        rows.append((m.group(1), m.group(2), cost))
+    if not rows:
+        return
+    print()
+    print("collector A/B in one process (recorded vs paused blocks; first step of each block left out)")
+    print(f"{'layout':<22} {'run':>3} {'steps on/off':>12} {'on ms':>8} {'off ms':>8} {'flush ms/step':>13} "
+          f"{'cost mean':>10} {'cost median':>11} {'cost charged':>12}")
+    for layout, run, c in rows:
+        print(f"{layout:<22} {run:>3} {c['on_steps']:>5}/{c['off_steps']:<6} {c['on_mean_s'] * 1e3:>8.1f} "
+              f"{c['off_mean_s'] * 1e3:>8.1f} {c['flush_per_step_s'] * 1e3:>13.2f} {c['cost']:>+10.2%} "
+              f"{c['cost_median']:>+11.2%} {c['cost_charged']:>+12.2%}")
+    for layout, costs in sorted(by_layout.items()):
+        print(f"{layout:<22} median of {len(costs)} runs: cost {statistics.median(c['cost'] for c in costs):+.2%}, "
+              f"charged {statistics.median(c['cost_charged'] for c in costs):+.2%}")
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ def test_bad_configs_are_rejected_with_the_reason(tmp_path: Path, kwargs: dict, 
         (["--nproc", "2", "--pp", "2", "--layers", "3"], "3 layers are not divisible by 2 pipeline stages"),
         (["--nproc", "2", "--inject", "slow:rank=1"], "unknown fault kind 'slow'"),
         (["--nproc", "2", "--inject", "straggler:rank=0,factor=0.5"], "factor must be > 1"),
+        (["--nproc", "1", "--collector-ab", "1"], "--collector-ab needs blocks of at least 2 steps"),
     ],
 )
 def test_cli_bad_arguments_fail_in_one_line_before_any_rank_starts(tmp_path: Path, args: list[str],
@@ -63,6 +64,25 @@ def test_cli_bad_arguments_fail_in_one_line_before_any_rank_starts(tmp_path: Pat
     assert message in result.output
     assert len(result.output.strip().splitlines()) == 1
     assert not out.exists()  # nothing was started, nothing written
+
+
+def test_ab_cost_compares_blocks_without_their_first_steps_and_charges_the_flushes() -> None:
+    from megascope.trainer.ab import ab_cost
+
+    on = [True, True, False, False, True, True, False, False]
+    seconds = [9.0, 1.0, 5.0, 0.9, 5.0, 1.1, 5.0, 0.8]  # every first step of a block is left out
+    got = ab_cost(seconds, on, [0.2, 0.2], warmup=0)  # two flushes, each after 2 recorded steps
+    assert (got["on_steps"], got["off_steps"]) == (2, 2)
+    assert got["on_mean_s"] == pytest.approx(1.05) and got["off_mean_s"] == pytest.approx(0.85)
+    assert got["flush_per_step_s"] == pytest.approx(0.1)
+    assert got["cost"] == pytest.approx(1.05 / 0.85 - 1)
+    assert got["cost_charged"] == pytest.approx(1.15 / 0.85 - 1)
+    assert ab_cost(seconds, on, [0.2, 0.2], warmup=2)["on_steps"] == 1  # step 1 is warm-up: step 5 only
+    assert ab_cost(seconds, on, [0.2, 0.2], warmup=2)["on_mean_s"] == pytest.approx(1.1)
+    with pytest.raises(ValueError, match="recorded and unrecorded"):
+        ab_cost(seconds, on, [], warmup=6)
+    with pytest.raises(ValueError, match="on/off flags"):
+        ab_cost(seconds, on[:-1], [], warmup=0)
 
 
 def test_model_flops_match_counted_matmuls_plus_attention() -> None:

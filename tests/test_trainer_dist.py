@@ -172,6 +172,34 @@ def test_runs_under_torchrun(tmp_path: Path) -> None:
     assert run.con.execute("SELECT count(DISTINCT rank) FROM spans").fetchone() == (2,)
 
 
+def test_collector_ab_pauses_the_collector_for_every_other_block(tmp_path: Path) -> None:
+    """--collector-ab 2: steps 0-1 and 4-5 recorded, 2-3 not; the result says which were, and the
+    training itself is what it is without the A/B."""
+    import json
+
+    from click.testing import CliRunner
+
+    from megascope.cli import main
+
+    out, result_json = tmp_path / "ab", tmp_path / "ab.json"
+    result = CliRunner().invoke(main, [
+        "train", "--nproc", "2", "--dp", "2", "--steps", "6", "--layers", "2", "--hidden", "32", "--heads", "4",
+        "--vocab", "64", "--seq-len", "16", "--global-batch", "8", "--micro-batches", "2", "--lr", "3e-3",
+        "--collector-ab", "2", "--result-json", str(result_json), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result_json.read_text())
+    assert record["collector_on"] == [True, True, False, False, True, True]
+    assert len(record["ab_flush_seconds"]) == 1 and len(record["step_seconds"]) == 6
+    plain = train(_cfg(tmp_path / "plain", dp=2, steps=6), nproc=2)
+    assert record["losses"] == pytest.approx(plain.losses, rel=1e-6)
+    run = open_run(out)
+    assert run.problems == []
+    for table in ("spans", "metrics"):
+        steps = run.con.execute(f"SELECT DISTINCT rank, step FROM {table} ORDER BY rank, step").fetchall()
+        assert steps == [(r, s) for r in (0, 1) for s in (0, 1, 4, 5)], table
+    assert plain.collector_on is None and plain.ab_flush_seconds is None
+
+
 def test_cli_trains_from_a_token_file(tmp_path: Path) -> None:
     import numpy as np
     from click.testing import CliRunner

@@ -43,6 +43,9 @@ from megascope.cli.common import inject_option, out_run_option
 @click.option("--bucket-mb", type=click.FloatRange(min=0, min_open=True), default=4.0, show_default=True,
               help="Gradient bucket size of the data-parallel reduce-scatter.")
 @click.option("--no-layer-spans", is_flag=True, help="No forward/backward spans per transformer block.")
+@click.option("--collector-ab", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Measure the collector's cost in this run: it records blocks of this many steps and "
+                   "is paused for the blocks between (0: always on; see --result-json).")
 @click.option("--result-json", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Also write the loss and host seconds of every step here (for benchmarks).")
 @inject_option
@@ -51,7 +54,7 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
           micro_batches: int, layers: int, hidden: int, heads: int, vocab: int, seq_len: int, window: int | None,
           serial_block: bool, no_sequence_parallel: bool, optimizer: str, lr: float, data: Path | None,
           data_dtype: str, collective_timeout: float, device: str, no_overlap: tuple[str, ...], bucket_mb: float,
-          no_layer_spans: bool,
+          no_layer_spans: bool, collector_ab: int,
           result_json: Path | None, injects: tuple[str, ...], out: Path) -> None:
     """Train the bundled GPT on a TP x PP x DP mesh, fully instrumented, with optional planted faults."""
     from megascope.inject import parse_injects
@@ -64,7 +67,7 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
                       global_batch=global_batch, micro_batches=micro_batches, model=model, optimizer=optimizer,
                       lr=lr, sequence_parallel=not no_sequence_parallel, data=data, data_dtype=data_dtype,
                       faults=parse_injects(injects), collective_timeout_s=collective_timeout, device=device,
-                      instrument_layers=not no_layer_spans, bucket_mb=bucket_mb,
+                      instrument_layers=not no_layer_spans, bucket_mb=bucket_mb, collector_ab=collector_ab,
                       overlap=frozenset() if "all" in no_overlap else frozenset(OVERLAP_DIMS) - set(no_overlap))
     # Only now, with every argument checked, does anything start.
     from megascope.trainer.launch import train as run_training
@@ -73,7 +76,10 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
     if result_json is not None and int(os.environ.get("RANK", "0")) == 0:
         import json
 
-        result_json.write_text(json.dumps({"losses": result.losses, "step_seconds": result.step_seconds}) + "\n")
+        record: dict[str, object] = {"losses": result.losses, "step_seconds": result.step_seconds}
+        if result.collector_on is not None:
+            record.update(collector_on=result.collector_on, ab_flush_seconds=result.ab_flush_seconds)
+        result_json.write_text(json.dumps(record) + "\n")
     if int(os.environ.get("RANK", "0")) == 0:
         click.echo(f"{out}: {steps} steps on {world} ranks (pp={cfg.pp} dp={cfg.dp} tp={cfg.tp}), "
                    f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")

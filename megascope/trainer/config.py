@@ -101,6 +101,9 @@ class TrainConfig:
     device: str = "auto"  # "auto", "cpu", "cuda"
     instrument_layers: bool = True  # forward/backward spans per transformer block
     flush_interval_s: float = 1.0
+    # Steps per block of the collector A/B: the collector records blocks of this many steps and is
+    # paused for the blocks between (0: always on). What the collector costs, measured in one process.
+    collector_ab: int = 0
     peak_flops: float | None = None  # per device; None = table (CUDA) or a short measurement (CPU)
 
     def __post_init__(self) -> None:
@@ -154,6 +157,8 @@ class TrainConfig:
             raise ConfigError(f"unknown overlap dimension(s) {', '.join(sorted(unknown))} (known: tp, pp, dp)")
         if self.bucket_mb <= 0:
             raise ConfigError(f"gradient bucket size must be > 0 MB, got {self.bucket_mb}")
+        if self.collector_ab < 0 or self.collector_ab == 1:
+            raise ConfigError(f"--collector-ab needs blocks of at least 2 steps (or 0: off), got {self.collector_ab}")
         self.faults.validate(self.world_size, self.steps)
 
     @property

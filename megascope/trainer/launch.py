@@ -42,6 +42,8 @@ class TrainResult:
     out: Path
     losses: list[float]  # global loss per step
     step_seconds: list[float]  # rank 0's host time per step (see loop.py on CUDA)
+    collector_on: list[bool] | None = None  # --collector-ab: whether the collector recorded each step
+    ab_flush_seconds: list[float] | None = None  # --collector-ab: host seconds of each boundary flush
 
 
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")  # gloo's "[.../pair.cc:553] "
@@ -102,7 +104,8 @@ def train(cfg: TrainConfig, *, nproc: int | None = None) -> TrainResult:
         except Exception as exc:
             msg = _one_line(exc)
             raise TrainingError(failure_message({rank: msg}, cfg.collective_timeout_s)) from None
-        return TrainResult(cfg.out, result.losses, result.step_seconds)
+        return TrainResult(cfg.out, result.losses, result.step_seconds, result.collector_on,
+                           result.ab_flush_seconds)
     nproc = nproc or 1
     if cfg.peak_flops is None and pick_device(cfg, 0).type == "cpu":
         # Measured once here rather than in 8 ranks fighting over the same cores.
@@ -139,4 +142,5 @@ def train(cfg: TrainConfig, *, nproc: int | None = None) -> TrainResult:
         finally:
             spawn_log.setLevel(previous)
         data = json.loads(Path(scratch, "result.json").read_text())
-    return TrainResult(cfg.out, data["losses"], data["step_seconds"])
+    return TrainResult(cfg.out, data["losses"], data["step_seconds"], data.get("collector_on"),
+                       data.get("ab_flush_seconds"))

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from megascope.schema import RunMeta, RunSource, SpanKind
 from megascope.topology import Mesh
+from megascope.trainer.ab import ab_switch
 from megascope.trainer.config import TrainConfig
 from megascope.trainer.data import Prefetcher, Source, SyntheticLanguage, TokenFile
 from megascope.trainer.faults import Burner, FaultPlan
@@ -52,6 +53,10 @@ log = logging.getLogger(__name__)
 class RankResult:
     losses: list[float]  # global loss per step (the same on every rank)
     step_seconds: list[float]  # this rank's host time per step
+    # --collector-ab: whether the collector recorded each step, and the host seconds of each
+    # flush that ended a recorded block (megascope.trainer.ab).
+    collector_on: list[bool] | None = None
+    ab_flush_seconds: list[float] | None = None
 
 
 def pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
@@ -183,10 +188,17 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -
     counts_loss = ps.last_stage and ps.tp_index == 0
     losses: list[torch.Tensor] = []
     step_ends = [time.perf_counter()]
+    ab_on: list[bool] = []
+    ab_flushes: list[float] = []
     previous_step_done: torch.cuda.Event | None = None
     with Prefetcher(_source(cfg), steps=range(cfg.steps), global_batch=cfg.global_batch, rows=rows,
                     device=device) as data:
         for step in range(cfg.steps):
+            if cfg.collector_ab:
+                flushed = ab_switch(col, step, cfg.collector_ab, device)
+                if flushed is not None:
+                    ab_flushes.append(flushed)
+                ab_on.append(col.recording)
             plan.set_step(step)
             lr = lr_at(step, base=cfg.lr, warmup=cfg.warmup_steps, total=cfg.steps)
             with col.step(step):
@@ -216,7 +228,9 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -
             step_ends.append(time.perf_counter())
     opt.wait_params()
     return RankResult(losses=torch.stack(losses).tolist(),
-                      step_seconds=[b - a for a, b in zip(step_ends, step_ends[1:], strict=False)])
+                      step_seconds=[b - a for a, b in zip(step_ends, step_ends[1:], strict=False)],
+                      collector_on=ab_on if cfg.collector_ab else None,
+                      ab_flush_seconds=ab_flushes if cfg.collector_ab else None)
 
 
 def env_rank() -> tuple[int, int, int] | None:
