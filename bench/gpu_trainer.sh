@@ -15,8 +15,9 @@
 #   ab         the collector's cost inside one process (megascope train --collector-ab AB_BLOCK): it
 #              records blocks of AB_BLOCK steps and is paused for the blocks between, so recorded and
 #              unrecorded steps share NCCL communicators, memory layout and clocks; per AB_LAYOUTS
-#              (1gpu tp pp dp), REPEATS runs each, plus tp under each of ABVARIANTS (default: the
-#              writer unpaced). Not part of the default.
+#              (1gpu tp pp dp), REPEATS runs each, plus tp under each of ABVARIANTS (tag:VAR=value
+#              for one environment variable, tag:--flag for one trainer flag; default: the writer
+#              unpaced). Not part of the default.
 # The table at the end (bench/gpu_trainer_table.py) gives median step time, tokens/s and MFU per
 # layout (run.json's FLOPs / step time / GPUs / peak), megascope's own MFU for the same runs, the
 # collector's step-time overhead, and exposed communication per group kind and overlap setting.
@@ -34,7 +35,7 @@ TPVARIANTS=${TPVARIANTS:-side:MEGASCOPE_CLOCK=side-stream host:MEGASCOPE_CLOCK=h
   noflush:MEGASCOPE_FLUSH_INTERVAL_S=600 nowait:MEGASCOPE_WAIT_SPANS=0 prio:TORCH_NCCL_HIGH_PRIORITY=1}
 AB_BLOCK=${AB_BLOCK:-6}
 AB_LAYOUTS=${AB_LAYOUTS:-1gpu tp pp dp}
-ABVARIANTS=${ABVARIANTS:-unpaced:MEGASCOPE_WRITER_DUTY=1}
+ABVARIANTS=${ABVARIANTS:-unpaced:MEGASCOPE_WRITER_DUTY=1}  # e.g. host:MEGASCOPE_CLOCK=host nolayers:--no-layer-spans
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 MODEL=(--layers 24 --hidden 2048 --heads 16 --seq-len 2048 --vocab 50304 --lr 3e-4)
 RUNS="$OUT/runs"
@@ -115,10 +116,16 @@ for part in $PARTS; do
           # shellcheck disable=SC2046
           train "$name-r$r" "$gpus" ab $(layout_args "$layout")
         done
-        for variant in $ABVARIANTS; do  # tag:VAR=value, tp only
+        for variant in $ABVARIANTS; do  # tag:VAR=value or tag:--flag, tp only
           [ "$NGPU" -ge 2 ] || continue
-          # shellcheck disable=SC2046
-          EXTRA_ENV="${variant#*:}" train "2gpu-tp${variant%%:*}-r$r" 2 ab $(layout_args tp)
+          setting=${variant#*:}
+          if [ "${setting#--}" != "$setting" ]; then
+            # shellcheck disable=SC2046
+            train "2gpu-tp${variant%%:*}-r$r" 2 ab $(layout_args tp) "$setting"
+          else
+            # shellcheck disable=SC2046
+            EXTRA_ENV="$setting" train "2gpu-tp${variant%%:*}-r$r" 2 ab $(layout_args tp)
+          fi
         done
       done ;;
     *) echo "unknown part $part" ;;
