@@ -439,9 +439,10 @@ class Collector:
     def pause(self) -> None:
         """Record nothing until :meth:`resume`: spans, steps, communication calls and metrics are no-ops.
 
-        What was recorded before is still resolved and written. For leaving stretches of a job out
-        (and for measuring what the collector costs, in the same process). Call it between steps,
-        with no span or asynchronous call open.
+        What was recorded before is still resolved and written, and a span or asynchronous call
+        begun before the pause is recorded when it ends. For leaving stretches of a job out, and
+        for measuring what the collector costs inside one process (``megascope train
+        --collector-ab``). Call it between steps.
         """
         if self._open:
             self._active = False

@@ -114,6 +114,40 @@ def test_spans_steps_and_metrics_land_in_the_run(tmp_path: Path) -> None:
     assert r.meta.run_id == "t" and r.problems == []
 
 
+def test_a_paused_collector_records_nothing_until_resumed(tmp_path: Path) -> None:
+    """Paused: steps, spans, calls and metrics are no-ops, but what began before the pause is
+    recorded when it ends, and close() while paused still writes everything."""
+    run = tmp_path / "run"
+    col = _collector(run)
+    with col.step(0):
+        with col.span("kept"):
+            pass
+        open_call = col.comm_begin(op="all_reduce", group="world")
+    col.pause()
+    assert col.paused and not col.recording
+    open_call.end()  # begun before the pause: still recorded
+    with col.step(1):
+        with col.span("dropped"):
+            pass
+        with col.comm(op="all_reduce", group="world"):
+            pass
+        col.metric("loss", 1.0)
+    col.resume()
+    assert col.recording
+    with col.step(2), col.span("kept-again"):
+        pass
+    col.pause()
+    col.close()
+    assert not col.paused and not col.recording
+    rows = _spans(run)
+    assert [(r["name"], r["step"]) for r in rows if r["kind"] != "step"] == [
+        ("kept", 0), ("world.all_reduce", 0), ("kept-again", 2)]
+    assert sorted(r["step"] for r in rows if r["kind"] == "step") == [0, 2]
+    con = open_run(run).con
+    assert con.execute("SELECT count(*) FROM metrics").fetchone() == (0,)
+    assert con.execute("SELECT DISTINCT seq FROM markers").fetchall() == [(0,)]
+
+
 def test_span_closes_on_exception_and_comm_failure_writes_no_completion(tmp_path: Path) -> None:
     run = tmp_path / "run"
     col = _collector(run)
