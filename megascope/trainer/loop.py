@@ -8,7 +8,8 @@ per stage (and per block, via ``instrument_module``), every TP/PP/DP/world commu
 writes ``run.json`` with model FLOPs and tokens per step, device name and peak FLOP/s.
 
 Nothing in the step waits for the device: loss and gradient norm stay tensors until the collector
-resolves them; the only host sync is the list of losses returned after the last step. Step times
+resolves them; the only host sync is the list of losses returned after the last step (and, with
+``--collector-ab``, one at every block boundary: :mod:`megascope.trainer.ab`). Step times
 returned are host wall-clock between step ends (exact on CPU; on CUDA the host runs ahead of the
 device by a bounded launch queue, so they match device time only averaged over steady state).
 
