@@ -40,7 +40,13 @@ class _Noop:
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         return fn
 
+    def waiting(self) -> None:
+        pass
+
     def end(self) -> None:
+        pass
+
+    def abandon(self) -> None:
         pass
 
 

@@ -4,9 +4,10 @@ Role in the data flow: part of the in-job collector. Each call records the rank'
 ``enqueued`` marker) just before launching the real torch.distributed call, and its completion when
 the call returns (blocking form) or when the returned work's ``wait()`` returns (``async_op=True``,
 ``isend``/``irecv``, ``batch_isend_irecv``); an asynchronous call also gets a ``<name>:wait`` span
-from the ``wait()`` call to completion, the part of it that compute did not hide. Return values are those of torch.distributed, with
-work objects wrapped so that ``wait()`` also ends the span. The megascope group id comes from
-:meth:`Collector.register_group`; bytes are what this rank contributes.
+from the ``wait()`` call to completion, the part of it that compute did not hide. Return values are
+those of torch.distributed, with work objects wrapped so that ``wait()`` also ends the span. The
+megascope group id comes from :meth:`Collector.register_group`; bytes are what this rank
+contributes.
 
 Example::
 
@@ -49,9 +50,7 @@ class TimedWork:
         self._handle = handle
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
-        waiting = getattr(self._handle, "waiting", None)
-        if waiting is not None:
-            waiting()
+        self._handle.waiting()
         result = self._work.wait(*args, **kwargs)
         self._handle.end()
         return result
@@ -81,9 +80,7 @@ class DistMirror:
         try:
             result = call()
         except BaseException:
-            handle_abandon = getattr(handle, "abandon", None)
-            if handle_abandon is not None:
-                handle_abandon()
+            handle.abandon()
             raise
         if async_op:
             return TimedWork(result, handle) if result is not None else result
@@ -178,7 +175,7 @@ class DistMirror:
             works = self._dist.batch_isend_irecv(p2p_op_list)
         except BaseException:
             for h in handles:
-                getattr(h, "abandon", lambda: None)()
+                h.abandon()
             raise
         if len(works) != len(handles):
             # A backend that returns one work for the whole batch: it ends every span.

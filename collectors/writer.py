@@ -93,7 +93,6 @@ class Pacer:
         self._since = clock()
         self.hurry = False
         self.pauses = 0
-        self.paused_s = 0.0
 
     def begin(self) -> None:
         """Start a pass: a full slice before the first pause."""
@@ -106,7 +105,6 @@ class Pacer:
         if now - self._since >= self.slice_s:
             self._sleep(self.pause_s)
             self.pauses += 1
-            self.paused_s += self.pause_s
             self._since = self._clock()
 
 
