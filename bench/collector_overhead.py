@@ -14,7 +14,8 @@ on CUDA, with device events).
 
 GPU part (needs one CUDA device): first the host CPU time of one empty span under each clock
 (``device``, ``side-stream``, ``host``, and ``device`` through torch's public event API only),
-on the training thread and in the writer. Then, in an NCCL
+on the training thread and in the writer, and the device time a timing event adds between two
+kernels when the host is far ahead (so the figure is the device's alone). Then, in an NCCL
 world of one (real collective kernels), a ~1B-parameter bf16 MLP-block model,
 forward+backward+AdamW, one all-reduce per block's gradients. Configurations, interleaved in every
 repeat: no collector; a disabled collector; the collector with per-layer forward/backward spans
@@ -286,6 +287,69 @@ def bench_gpu_spans(n: int, repeats: int) -> dict[str, dict[str, float]]:
     return out
 
 
+def bench_event_device_cost(repeats: int, iters: int = 300) -> dict[str, dict[str, float]]:
+    """Device time the collector's stamps add between kernels, with the host far ahead of the device.
+
+    A ``torch.cuda._sleep`` kernel first holds the stream while the host queues ``iters`` kernels
+    (fewer than the launch queue holds), each inside a span of the given clock (two stamps), so the
+    figure is the device's alone: device microseconds per kernel, and per stamp against the bare
+    chain. "1 timing event" records one raw timing event per kernel; "plain event" one event
+    without timing (what the side-stream clock leaves on the work stream).
+    """
+    from megascope.collectors.timing import CudaTimer
+
+    x = torch.randn(8 << 20, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    kernels: dict[str, Any] = {
+        "elementwise 8M bf16": lambda: x.mul_(1.0),
+        "mm 1024 bf16": lambda: torch.mm(a, a),
+        "mm 4096 bf16": lambda: torch.mm(b, b),
+    }
+    timers = {"span, device clock": CudaTimer("cuda"), "span, side-stream clock": CudaTimer("cuda", side_stream=True)}
+    timed = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    plain = [torch.cuda.Event(enable_timing=False) for _ in range(iters)]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def chain(kernel: Any, variant: str) -> float:
+        timer = timers.get(variant)
+        tokens: list[Any] = []
+        torch.cuda.synchronize()
+        torch.cuda._sleep(50_000_000)  # ~25 ms at ~2 GHz: the host queues everything meanwhile
+        start.record()
+        for i in range(iters):
+            if timer is not None:
+                tokens.append(timer.stamp())
+            kernel()
+            if timer is not None:
+                tokens.append(timer.stamp())
+            elif variant == "1 timing event":
+                timed[i].record()
+            elif variant == "plain event":
+                plain[i].record()
+        end.record()
+        end.synchronize()
+        for token in tokens:
+            timer.release(token)  # type: ignore[union-attr]
+        return start.elapsed_time(end) * 1e3 / iters
+
+    variants = ("bare", "1 timing event", "plain event", *timers)
+    out: dict[str, dict[str, float]] = {}
+    for name, kernel in kernels.items():
+        for v in variants:  # warm-up, and the timers' event pools
+            chain(kernel, v)
+        samples: dict[str, list[float]] = {v: [] for v in variants}
+        for _ in range(repeats):
+            for v in variants:
+                samples[v].append(chain(kernel, v))
+        med = {v: statistics.median(s) for v, s in samples.items()}
+        out[name] = {"bare": med["bare"]}
+        for v in variants[1:]:
+            per = 1 if v in ("1 timing event", "plain event") else 2
+            out[name][v] = (med[v] - med["bare"]) / per
+    return out
+
+
 def _launch_loop(done: threading.Event) -> list[float]:
     """A stand-in training thread until ``done``: 10 us of Python (holding the interpreter lock),
     then a wait without it (a kernel launch blocked on a full launch queue). Returns the gaps
@@ -421,6 +485,12 @@ def main(argv: list[str] | None = None) -> int:
                ["clock", "training thread us", "writer us"],
                [[k, f"{v['span_us']:.2f}", f"{v['writer_per_span_us']:.2f}"] for k, v in spans.items()])
         _stall_table(torch.device("cuda"), args.stall_spans // 4, args.repeats, result)
+        events = bench_event_device_cost(max(args.repeats, 5))
+        result["gpu_event_device_cost"] = events
+        _table("CUDA device: device us each stamp adds between kernels, host far ahead "
+               f"(median of {max(args.repeats, 5)} chains of 300 kernels)",
+               ["kernel", "bare kernel us", *list(next(iter(events.values())))[1:]],
+               [[k, *(f"{v:.2f}" for v in d.values())] for k, d in events.items()])
     if not args.cpu_only and torch.cuda.is_available() and not args.span_cost_only:
         gpu = bench_gpu(args)
         result["gpu"] = gpu

@@ -321,7 +321,10 @@ class Collector:
 
     def _close_span(self, token: Any, anchor: Any, stream: Any, step: int | None, name: str, kind: str, label: str,
                     microbatch: int | None, chunk: int | None, group: str | None, seq: int | None,
-                    op: str | None, nbytes: int | None, peer: int | None) -> None:
+                    op: str | None, nbytes: int | None, peer: int | None, wait: Any = None) -> None:
+        """Stamp the end and queue the span for the writer. ``wait``: the stamp where the caller
+        began waiting for this communication call; the writer then also writes its wait span,
+        which ends at the same stamp."""
         timer = self._timer
         try:
             end = timer.stamp(stream)
@@ -331,13 +334,15 @@ class Collector:
         if token is None or end is None:  # timer exhausted or failed: drop, keep the pool whole
             timer.release(token)
             timer.release(end)
+            timer.release(wait)
             self._sink.pending_spans.dropped += 1
             return
         if not self._sink.pending_spans.put(
-            (token, end, anchor, step, name, kind, label, microbatch, chunk, group, seq, op, nbytes, peer)
+            (token, end, anchor, step, name, kind, label, microbatch, chunk, group, seq, op, nbytes, peer, wait)
         ):
             timer.release(token)
             timer.release(end)
+            timer.release(wait)
 
     # ------------------------------------------------------------------ communication
     def _next_seq(self, key: Any) -> int:

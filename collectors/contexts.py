@@ -188,14 +188,11 @@ class CommHandle:
         if self._done:
             return
         self._done = True
-        # The span belongs to the step it was issued in, even if its wait comes later.
+        # The span belongs to the step it was issued in, even if its wait comes later. The wait
+        # span ends where the operation does: it shares the end stamp (one device event fewer).
         self._col._close_span(self._token, self._anchor, self.stream, self.step, self.name, self.kind, self.label,
-                              self.microbatch, self.chunk, self.group, self.seq, self.op, self.bytes, self.peer)
-        if self._wait is not None:
-            # No group: a span with a group is a communication span to every query of the run.
-            self._col._close_span(self._wait, self._anchor, self.stream, self.step, f"{self.name}{WAIT_SUFFIX}",
-                                  "other", self.label, self.microbatch, self.chunk, None, self.seq, self.op,
-                                  None, self.peer)
+                              self.microbatch, self.chunk, self.group, self.seq, self.op, self.bytes, self.peer,
+                              self._wait)
 
     def abandon(self) -> None:
         """The operation failed: give the timer token back, write no completion."""

@@ -123,6 +123,7 @@ class CudaTimer:
         self._query: Any = getattr(base, "query", None) or torch.cuda.Event.query
         self._elapsed: Any = getattr(base, "elapsed_time", None) or torch.cuda.Event.elapsed_time
         self._marker: Any = torch.cuda.Event(enable_timing=False) if side_stream else None
+        self._wait: Any = getattr(base, "wait", None) or torch.cuda.Event.wait
         self.device = torch.device(device)
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -175,8 +176,8 @@ class CudaTimer:
             side = self._side.get(stream.cuda_stream)
             if side is None:
                 side = self._side[stream.cuda_stream] = self._torch.cuda.Stream(self.device)
-            self._marker.record(stream)
-            side.wait_event(self._marker)
+            self._record(self._marker, stream)
+            self._wait(self._marker, side)  # side.wait_event(marker), without its Python layers
             stream = side
         self._record(event, stream)
         return event

@@ -38,10 +38,11 @@ from typing import Any
 
 import pyarrow as pa
 from megascope.collectors.buffers import RowBuffer, rows_to_table
+from megascope.collectors.contexts import WAIT_SUFFIX
 from megascope.collectors.timing import Timer
 
 from megascope import layout, schema
-from megascope.schema import MarkerState, RunMeta
+from megascope.schema import MarkerState, RunMeta, SpanKind
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +110,9 @@ class Pacer:
 
 
 def _resolve_span(sink: Sink, timer: Timer, rank: int, item: Any, waiting: list[Any]) -> int:
-    """One pending span into the spans queue (1 if it had to be dropped, after a device error)."""
-    start, end, anchor = item[0], item[1], item[2]
+    """One pending span (and its wait span, if it has one) into the spans queue; 1 if it had to be
+    dropped after a device error."""
+    start, end, anchor, wait = item[0], item[1], item[2], item[14]
     try:
         if not timer.ready(end):
             waiting.append(item)
@@ -119,24 +121,29 @@ def _resolve_span(sink: Sink, timer: Timer, rank: int, item: Any, waiting: list[
         # asking costs a device call per span. Where it is not done, timing it raises; ask then.
         try:
             start_ns = timer.wall_ns(start, anchor)
+            wait_ns = None if wait is None else timer.wall_ns(wait, anchor)
         except Exception:
-            if timer.ready(start):
+            if timer.ready(start) and (wait is None or timer.ready(wait)):
                 raise
             waiting.append(item)
             return 0
         end_ns = timer.wall_ns(end, anchor)
     except Exception:  # a device error must not stop the writer: drop this span
         log.debug("could not resolve span %s", item[4], exc_info=True)
-        timer.release(start)
-        timer.release(end)
+        for token in (start, end, wait):
+            timer.release(token)
         return 1
-    timer.release(start)
-    timer.release(end)
-    step, name, kind, stream, microbatch, chunk, group, seq, op, nbytes, peer = item[3:]
+    for token in (start, end, wait):
+        timer.release(token)
+    step, name, kind, stream, microbatch, chunk, group, seq, op, nbytes, peer = item[3:14]
     sink.spans.put(
         (rank, step, name, kind, stream, start_ns, max(0, end_ns - start_ns), microbatch, chunk,
          group, seq, op, nbytes, peer)
     )
+    if wait_ns is not None:
+        # No group: a span with a group is a communication span to every query of the run.
+        sink.spans.put((rank, step, f"{name}{WAIT_SUFFIX}", SpanKind.OTHER.value, stream, wait_ns,
+                        max(0, end_ns - wait_ns), microbatch, chunk, None, seq, op, None, peer))
     if group is not None and seq is not None:
         sink.markers.put((rank, group, seq, op, MarkerState.COMPLETED.value, end_ns, step, nbytes, peer))
     return 0

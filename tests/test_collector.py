@@ -224,7 +224,8 @@ def test_waiting_on_an_async_call_writes_its_wait_span(tmp_path: Path, wait_span
         assert work.wait() is True
     col.close()
     rows = open_run(run).con.sql(
-        'SELECT name, kind, "group", seq, op, dur_ns FROM spans WHERE name LIKE \'dp.%\' ORDER BY name').fetchall()
+        'SELECT name, kind, "group", seq, op, dur_ns, start_ns FROM spans WHERE name LIKE \'dp.%\' ORDER BY name'
+    ).fetchall()
     call = rows[0]
     assert call[:5] == ("dp.reduce_scatter", "collective", "dp:0", 0, "reduce_scatter")
     assert call[5] >= 50_000_000
@@ -234,6 +235,7 @@ def test_waiting_on_an_async_call_writes_its_wait_span(tmp_path: Path, wait_span
     wait = rows[1]
     assert wait[:5] == ("dp.reduce_scatter:wait", "other", None, 0, "reduce_scatter")
     assert 20_000_000 <= wait[5] < call[5] - 25_000_000
+    assert wait[6] + wait[5] == call[6] + call[5]  # one end stamp, shared
 
 
 def test_writer_resolves_a_span_only_when_both_stamps_are_done() -> None:
@@ -264,7 +266,7 @@ def test_writer_resolves_a_span_only_when_both_stamps_are_done() -> None:
 
     def item(start: Token, end: Token, name: str) -> tuple:
         return (start, end, Anchor(1_000, None, True), 0, name, "compute", "compute", None, None, None, None,
-                None, None, None)
+                None, None, None, None)
 
     sink, timer = Sink(16), FakeDeviceTimer()
     late_start = Token(10, done=False)
@@ -302,7 +304,7 @@ def _slow_host_timer(clock: _FakeClock, cost_s: float) -> Any:
 
 def _pending_span(timer: Any, i: int) -> tuple:
     return (timer.stamp(), timer.stamp(), timer.anchor, 0, f"s{i}", "compute", "compute", None, None, None,
-            None, None, None, None)
+            None, None, None, None, None)
 
 
 def test_paced_writer_sleeps_between_slices_and_not_when_hurried() -> None:
