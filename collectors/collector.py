@@ -32,6 +32,7 @@ in :attr:`Collector.stats`.
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import signal
@@ -146,6 +147,10 @@ class Collector:
                 config.run_dir, rank=self.rank, host=socket.gethostname(), interval_s=config.heartbeat_interval_s,
                 stats_fn=lambda: self.stats, log_path=os.environ.get("MEGASCOPE_LOG_PATH"),
             ).start()
+        self._gc_watch: _GcWatch | None = None
+        if config.gc_span_min_ms is not None:
+            self._gc_watch = _GcWatch(self, int(config.gc_span_min_ms * 1e6))
+            gc.callbacks.append(self._gc_watch)
         self._install_exit_hooks()
 
     # ------------------------------------------------------------------ setup helpers
@@ -482,6 +487,8 @@ class Collector:
                 signal.signal(signal.SIGTERM, self._prev_sigterm)
         except Exception:
             pass
+        if self._gc_watch is not None and self._gc_watch in gc.callbacks:
+            gc.callbacks.remove(self._gc_watch)
         if self._heartbeat is not None:
             self._heartbeat.stop()
         self._writer.close(timeout_s=self.config.close_timeout_s)
@@ -513,5 +520,36 @@ class Collector:
             "parts_written": w.parts_written,
             "internal_errors": self._internal_errors + w.internal_errors,
             "anchors_taken": self._timer.anchors_taken,
+            "gc_spans": self._gc_watch.recorded if self._gc_watch is not None else 0,
             "device": str(self.device),
         }
+
+
+class _GcWatch:
+    """A ``gc.callbacks`` entry: a host span for every collection of at least ``min_ns``.
+
+    A collection runs on whichever thread allocated last (the training thread or the writer) and
+    holds the interpreter throughout, so every thread of the rank stops for its length. Collections
+    never overlap one another, so one start time is enough.
+    """
+
+    __slots__ = ("_col", "_min_ns", "_t0", "recorded")
+
+    def __init__(self, col: Collector, min_ns: int) -> None:
+        self._col = weakref.ref(col)
+        self._min_ns = min_ns
+        self._t0 = 0
+        self.recorded = 0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter_ns()
+            return
+        dur = time.perf_counter_ns() - self._t0
+        col = self._col()
+        if dur < self._min_ns or col is None or not col._active:
+            return
+        end = time.time_ns()
+        if col._sink.spans.put((col.rank, col._step, f"gc.gen{info.get('generation', 2)}", SpanKind.HOST.value,
+                                Stream.HOST.value, end - dur, dur, None, None, None, None, None, None, None)):
+            self.recorded += 1

@@ -14,6 +14,7 @@ script wrote, so an operator can switch the collector off or move its output wit
 ``MEGASCOPE_WAIT_SPANS=0``            ``wait_spans=False``
 ``MEGASCOPE_CLOCK=host``              ``clock`` (``device``, ``side-stream`` or ``host``)
 ``MEGASCOPE_WRITER_DUTY=0.25``        ``writer_duty`` (1 turns the writer's pacing off)
+``MEGASCOPE_GC_SPAN_MS=1``            ``gc_span_min_ms`` (a negative value turns GC spans off)
 ====================================  ===========================================
 
 Example::
@@ -98,6 +99,10 @@ class CollectorConfig:
     # thread launches the device's work from Python; a writer holding the lock for tens of
     # milliseconds at a stretch would stall it that long.
     writer_duty: float = 0.25
+    # A host span ("gc.gen0/1/2", kind host) for every garbage collection of the interpreter that
+    # takes at least this many milliseconds (None: none). A full collection stops every thread
+    # of the rank for tens of milliseconds, long enough to make one rank a straggler.
+    gc_span_min_ms: float | None = 1.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "run_dir", Path(self.run_dir))
@@ -113,6 +118,8 @@ class CollectorConfig:
             raise ConfigError(f"writer_duty must be in (0, 1], got {self.writer_duty}")
         if self.clock not in CLOCKS:
             raise ConfigError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
+        if self.gc_span_min_ms is not None and self.gc_span_min_ms < 0:
+            raise ConfigError(f"gc_span_min_ms must be >= 0 or None, got {self.gc_span_min_ms}")
         if self.heartbeat_interval_s is not None and not self.heartbeat_interval_s > 0:
             raise ConfigError(f"heartbeat_interval_s must be > 0 or None, got {self.heartbeat_interval_s}")
 
@@ -143,4 +150,7 @@ class CollectorConfig:
             changes["clock"] = env["MEGASCOPE_CLOCK"].strip().lower()
         if "MEGASCOPE_WRITER_DUTY" in env:
             changes["writer_duty"] = _env_number("MEGASCOPE_WRITER_DUTY", env["MEGASCOPE_WRITER_DUTY"], float)
+        if "MEGASCOPE_GC_SPAN_MS" in env:
+            ms = _env_number("MEGASCOPE_GC_SPAN_MS", env["MEGASCOPE_GC_SPAN_MS"], float)
+            changes["gc_span_min_ms"] = ms if ms >= 0 else None
         return dataclasses.replace(self, **changes) if changes else self

@@ -540,3 +540,38 @@ def test_heartbeats_from_the_collector_join_its_rank_by_host(tmp_path: Path) -> 
     # the collector's own counters ride along
     assert run.con.execute("SELECT count(*) FROM heartbeats WHERE metric LIKE 'collector_%'").fetchone()[0] > 0
     assert col.stats["rows_dropped"] == 0
+
+
+@pytest.mark.parametrize("min_ms", [0.0, None])
+def test_garbage_collections_become_host_spans(tmp_path: Path, min_ms: float | None) -> None:
+    """Every collection of the interpreter at least gc_span_min_ms long is a host span of the step
+    it stopped; None records none, and a closed collector leaves gc.callbacks as it found it."""
+    import gc
+
+    callbacks = list(gc.callbacks)
+    run = tmp_path / "run"
+    col = Collector(CollectorConfig(run_dir=run, gc_span_min_ms=min_ms), rank=0, world_size=1)
+    with col.step(4):
+        t0 = time.time_ns()
+        gc.collect()
+        t1 = time.time_ns()
+    col.close()
+    assert gc.callbacks == callbacks
+    rows = open_run(run).con.sql(
+        "SELECT name, kind, stream, step, start_ns, dur_ns FROM spans WHERE name LIKE 'gc.%'").fetchall()
+    if min_ms is None:
+        assert rows == [] and col.stats["gc_spans"] == 0
+        return
+    full = [r for r in rows if r[0] == "gc.gen2"]
+    assert len(full) == 1 and col.stats["gc_spans"] == len(rows)
+    name, kind, stream, step, start, dur = full[0]
+    assert (kind, stream, step) == ("host", "host", 4)
+    assert t0 <= start and start + dur <= t1 + 1_000_000 and dur > 0
+
+
+def test_gc_span_threshold_from_the_environment() -> None:
+    cfg = CollectorConfig(run_dir=Path("r"))
+    assert cfg.with_env({"MEGASCOPE_GC_SPAN_MS": "5"}).gc_span_min_ms == 5.0
+    assert cfg.with_env({"MEGASCOPE_GC_SPAN_MS": "-1"}).gc_span_min_ms is None
+    with pytest.raises(ConfigError):
+        CollectorConfig(run_dir=Path("r"), gc_span_min_ms=-2.0)

@@ -66,6 +66,28 @@ def test_cli_bad_arguments_fail_in_one_line_before_any_rank_starts(tmp_path: Pat
     assert not out.exists()  # nothing was started, nothing written
 
 
+def test_manual_gc_freezes_disables_and_collects_on_the_same_steps_everywhere() -> None:
+    import gc
+
+    from megascope.trainer.loop import manual_gc
+
+    assert gc.isenabled()
+    with manual_gc(0) as collect_now:
+        assert gc.isenabled() and gc.get_freeze_count() == 0
+        assert not any(collect_now(s) for s in range(10))
+    with manual_gc(3) as collect_now:
+        assert not gc.isenabled() and gc.get_freeze_count() > 0
+        assert [s for s in range(10) if collect_now(s)] == [3, 6, 9]
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_cli_rejects_a_negative_gc_interval(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["train", "--nproc", "1", "--gc-interval", "-1", "-o", str(tmp_path / "r")])
+    assert result.exit_code != 0 and "--gc-interval" in result.output and "Traceback" not in result.output
+    with pytest.raises(ConfigError, match="--gc-interval must be >= 0"):
+        TrainConfig(out=tmp_path / "r", world_size=1, gc_interval=-1)
+
+
 def test_ab_cost_compares_blocks_without_their_first_steps_and_charges_the_flushes() -> None:
     from megascope.trainer.ab import ab_cost
 

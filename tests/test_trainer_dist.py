@@ -174,7 +174,7 @@ def test_runs_under_torchrun(tmp_path: Path) -> None:
 
 def test_collector_ab_pauses_the_collector_for_every_other_block(tmp_path: Path) -> None:
     """--collector-ab 2: steps 0-1 and 4-5 recorded, 2-3 not; the result says which were, and the
-    training itself is what it is without the A/B."""
+    training itself is what it is without the A/B (or with the garbage collector run by hand)."""
     import json
 
     from click.testing import CliRunner
@@ -185,7 +185,8 @@ def test_collector_ab_pauses_the_collector_for_every_other_block(tmp_path: Path)
     result = CliRunner().invoke(main, [
         "train", "--nproc", "2", "--dp", "2", "--steps", "6", "--layers", "2", "--hidden", "32", "--heads", "4",
         "--vocab", "64", "--seq-len", "16", "--global-batch", "8", "--micro-batches", "2", "--lr", "3e-3",
-        "--collector-ab", "2", "--result-json", str(result_json), "-o", str(out)])
+        "--collector-ab", "2", "--gc-interval", "2", "--result-json", str(result_json), "-o", str(out)],
+        env={"MEGASCOPE_GC_SPAN_MS": "0"})
     assert result.exit_code == 0, result.output
     record = json.loads(result_json.read_text())
     assert record["collector_on"] == [True, True, False, False, True, True]
@@ -195,9 +196,15 @@ def test_collector_ab_pauses_the_collector_for_every_other_block(tmp_path: Path)
     run = open_run(out)
     assert run.problems == []
     for table in ("spans", "metrics"):
-        steps = run.con.execute(f"SELECT DISTINCT rank, step FROM {table} ORDER BY rank, step").fetchall()
+        # (Setup's own automatic collections are recorded too, outside every step.)
+        steps = run.con.execute(f"SELECT DISTINCT rank, step FROM {table} WHERE step IS NOT NULL "
+                                "ORDER BY rank, step").fetchall()
         assert steps == [(r, s) for r in (0, 1) for s in (0, 1, 4, 5)], table
     assert plain.collector_on is None and plain.ab_flush_seconds is None
+    # --gc-interval 2: full collections at steps 2 and 4 on both ranks; step 2 was not recorded.
+    gcs = run.con.execute("SELECT DISTINCT rank, step FROM spans WHERE name LIKE 'gc.%' AND step IS NOT NULL "
+                          "ORDER BY ALL").fetchall()
+    assert gcs == [(0, 4), (1, 4)]
 
 
 def test_cli_trains_from_a_token_file(tmp_path: Path) -> None:

@@ -46,6 +46,9 @@ from megascope.cli.common import inject_option, out_run_option
 @click.option("--collector-ab", type=click.IntRange(min=0), default=0, show_default=True,
               help="Measure the collector's cost in this run: it records blocks of this many steps and "
                    "is paused for the blocks between (0: always on; see --result-json).")
+@click.option("--gc-interval", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Run Python's garbage collector by hand every this many steps, on every rank at the "
+                   "same step, instead of whenever one rank's allocations trigger it (0: automatic).")
 @click.option("--result-json", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Also write the loss and host seconds of every step here (for benchmarks).")
 @inject_option
@@ -54,7 +57,7 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
           micro_batches: int, layers: int, hidden: int, heads: int, vocab: int, seq_len: int, window: int | None,
           serial_block: bool, no_sequence_parallel: bool, optimizer: str, lr: float, data: Path | None,
           data_dtype: str, collective_timeout: float, device: str, no_overlap: tuple[str, ...], bucket_mb: float,
-          no_layer_spans: bool, collector_ab: int,
+          no_layer_spans: bool, collector_ab: int, gc_interval: int,
           result_json: Path | None, injects: tuple[str, ...], out: Path) -> None:
     """Train the bundled GPT on a TP x PP x DP mesh, fully instrumented, with optional planted faults."""
     from megascope.inject import parse_injects
@@ -68,6 +71,7 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
                       lr=lr, sequence_parallel=not no_sequence_parallel, data=data, data_dtype=data_dtype,
                       faults=parse_injects(injects), collective_timeout_s=collective_timeout, device=device,
                       instrument_layers=not no_layer_spans, bucket_mb=bucket_mb, collector_ab=collector_ab,
+                      gc_interval=gc_interval,
                       overlap=frozenset() if "all" in no_overlap else frozenset(OVERLAP_DIMS) - set(no_overlap))
     # Only now, with every argument checked, does anything start.
     from megascope.trainer.launch import train as run_training

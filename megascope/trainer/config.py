@@ -104,6 +104,9 @@ class TrainConfig:
     # Steps per block of the collector A/B: the collector records blocks of this many steps and is
     # paused for the blocks between (0: always on). What the collector costs, measured in one process.
     collector_ab: int = 0
+    # Python's garbage collector by hand: frozen after setup, off, and run in full every this many
+    # steps on every rank at the same step (0: automatic, whenever a rank's allocations trigger it).
+    gc_interval: int = 0
     peak_flops: float | None = None  # per device; None = table (CUDA) or a short measurement (CPU)
 
     def __post_init__(self) -> None:
@@ -159,6 +162,8 @@ class TrainConfig:
             raise ConfigError(f"gradient bucket size must be > 0 MB, got {self.bucket_mb}")
         if self.collector_ab < 0 or self.collector_ab == 1:
             raise ConfigError(f"--collector-ab needs blocks of at least 2 steps (or 0: off), got {self.collector_ab}")
+        if self.gc_interval < 0:
+            raise ConfigError(f"--gc-interval must be >= 0, got {self.gc_interval}")
         self.faults.validate(self.world_size, self.steps)
 
     @property

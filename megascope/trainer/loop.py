@@ -22,10 +22,11 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -192,7 +193,7 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -
     ab_on: list[bool] = []
     ab_flushes: list[float] = []
     previous_step_done: torch.cuda.Event | None = None
-    with Prefetcher(_source(cfg), steps=range(cfg.steps), global_batch=cfg.global_batch, rows=rows,
+    with manual_gc(cfg.gc_interval) as collect_now, Prefetcher(_source(cfg), steps=range(cfg.steps), global_batch=cfg.global_batch, rows=rows,
                     device=device) as data:
         for step in range(cfg.steps):
             if cfg.collector_ab:
@@ -203,6 +204,8 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -
             plan.set_step(step)
             lr = lr_at(step, base=cfg.lr, warmup=cfg.warmup_steps, total=cfg.steps)
             with col.step(step):
+                if collect_now(step):
+                    gc.collect()  # the collector records it as a gc.gen2 host span
                 with col.span("data", kind=SpanKind.DATA):
                     batch = data.next()
                 micro = [MicroBatch(tokens=c[:, :-1].t(), targets=c[:, 1:].t())
@@ -232,6 +235,32 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -
                       step_seconds=[b - a for a, b in zip(step_ends, step_ends[1:], strict=False)],
                       collector_on=ab_on if cfg.collector_ab else None,
                       ab_flush_seconds=ab_flushes if cfg.collector_ab else None)
+
+
+@contextlib.contextmanager
+def manual_gc(interval: int) -> Iterator[Callable[[int], bool]]:
+    """Python's garbage collector by hand for the length of the block (``interval`` > 0).
+
+    Automatic collection starts whenever a rank's allocations cross a threshold, so each rank
+    stops for its own full collections at its own moments, and in a synchronous job every other
+    rank waits (Megatron's ``--manual-gc`` and torchtitan's GC interval do this for the same
+    reason). Here what exists after setup is frozen (never scanned again), automatic collection
+    is off, and the block gets ``collect_now(step)``: true every ``interval`` steps, the same
+    steps on every rank. ``interval`` 0 leaves the collector automatic and ``collect_now`` false.
+    """
+    if interval <= 0:
+        yield lambda step: False
+        return
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield lambda step: step > 0 and step % interval == 0
+    finally:
+        gc.unfreeze()
+        if was_enabled:
+            gc.enable()
 
 
 def env_rank() -> tuple[int, int, int] | None:
