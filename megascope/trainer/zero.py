@@ -249,8 +249,14 @@ class ShardedOptimizer:
     def _launch(self, buf: FlatBuffer, bucket: _Bucket) -> None:
         if self.sync_tp and bucket.replicated:
             assert self.comm is not None
-            for s, e in bucket.replicated:
-                self.comm.all_reduce(buf.grad_flat[s:e], self.tp.pg)
+            parts = [buf.grad_flat[s:e] for s, e in bucket.replicated]
+            if len(parts) == 1:
+                self.comm.all_reduce(parts[0], self.tp.pg)
+            else:
+                # One collective for the bucket's norms and biases, not one each: a small all-reduce
+                # costs its launch and latency whatever its size.
+                packed = self.comm.all_reduce(torch.cat(parts), self.tp.pg)
+                torch._foreach_copy_(parts, list(packed.split([p.numel() for p in parts])))
         if self.dp.size > 1:
             assert self.comm is not None
             # Into this bucket's slice of the reduced-gradient shard: a separate buffer (an output
