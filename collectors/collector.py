@@ -67,6 +67,8 @@ _COMM_KINDS = frozenset({SpanKind.COLLECTIVE.value, SpanKind.SEND.value, SpanKin
 _HOST_KINDS = frozenset({SpanKind.HOST.value, SpanKind.DATA.value})
 _KINDS = frozenset(k.value for k in SpanKind)
 _ENQUEUED = MarkerState.ENQUEUED.value
+_SEND = SpanKind.SEND.value
+_RECV = SpanKind.RECV.value
 
 __all__ = ["NOOP", "Collector"]
 
@@ -103,6 +105,7 @@ class Collector:
         self._microbatch: int | None = None
         self._chunk: int | None = None
         self._seqs: dict[Any, int] = {}
+        self._comm_specs: dict[Any, tuple[str, str, Any, str, str]] = {}
         self._groups: dict[str, Group] = {}
         self._groups_by_pg: dict[Any, Group] = {}
         self._groups_by_name: dict[str, Group] = {}  # torch group_name -> Group (flight recorder)
@@ -369,24 +372,36 @@ class Collector:
         if not self._active:
             return NOOP
         try:
-            kind_s = self._kind(kind)
-            op_s = str(op.value if isinstance(op, CollectiveOp) else op)
-            if kind_s == SpanKind.SEND.value:
+            # What depends only on (op, kind, group, name) is worked out once: a trainer issues
+            # hundreds of calls per step from a handful of call sites.
+            key = (op, kind, group, name) if stream is None else None
+            spec = self._comm_specs.get(key) if key is not None else None
+            if spec is None:
+                spec = self._comm_spec(op, group, kind, stream, name)
+                if key is not None and len(self._comm_specs) < 4096:
+                    self._comm_specs[key] = spec
+            kind_s, op_s, record_on, label, name = spec
+            if kind_s == _SEND:
                 seq = self._next_seq((group, self.rank, peer))
-            elif kind_s == SpanKind.RECV.value:
+            elif kind_s == _RECV:
                 seq = self._next_seq((group, peer, self.rank))
             else:
                 seq = self._next_seq(group)
-            if group not in self._groups and group == GroupKind.WORLD.value:
-                self._add_group(self._fallback_group(None))
-            record_on, label = self._label(kind_s, stream)
-            if name is None:
-                name = f"{group.split(':', 1)[0]}.{op_s}"
             return CommHandle(self, name=name, kind=kind_s, label=label, group=group, seq=seq, op=op_s,
                               nbytes=None if bytes is None else int(bytes), peer=peer, stream=record_on)
         except Exception:
             self._internal_error("comm begin")
             return NOOP
+
+    def _comm_spec(self, op: CollectiveOp | str, group: str, kind: SpanKind | str, stream: Any,
+                   name: str | None) -> tuple[str, str, Any, str, str]:
+        """(kind, op, stream to record on, stream label, span name) of a communication call."""
+        kind_s = self._kind(kind)
+        op_s = str(op.value if isinstance(op, CollectiveOp) else op)
+        if group not in self._groups and group == GroupKind.WORLD.value:
+            self._add_group(self._fallback_group(None))
+        record_on, label = self._label(kind_s, stream)
+        return kind_s, op_s, record_on, label, name if name is not None else f"{group.split(':', 1)[0]}.{op_s}"
 
     def comm(self, op: CollectiveOp | str, group: str = "world", bytes: int | None = None,
              kind: SpanKind | str = SpanKind.COLLECTIVE, peer: int | None = None, stream: Any = None,
