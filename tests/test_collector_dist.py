@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import gc
 import os
 import signal
 import time
@@ -36,8 +38,15 @@ def _collector(rank: int, world: int, run: Path, mesh: Mesh, **kw: Any) -> Colle
     return Collector(cfg, rank=rank, world_size=world, coords=mesh.coords(rank), meta=meta)
 
 
+def _frozen_child(fn: Any, *args: Any) -> Any:
+    gc.freeze()  # a forked child must never finalize what it inherited (DuckDB objects crash)
+    return fn(*args)
+
+
 def _launch(fn: Any, nprocs: int, args: tuple[Any, ...], *, join: bool = True) -> Any:
-    return tmp_mp.start_processes(fn, args=args, nprocs=nprocs, start_method="fork", join=join)
+    gc.collect()
+    return tmp_mp.start_processes(functools.partial(_frozen_child, fn), args=args, nprocs=nprocs,
+                                  start_method="fork", join=join)
 
 
 # ---------------------------------------------------------------------------------------- agreement

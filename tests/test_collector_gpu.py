@@ -73,7 +73,8 @@ def test_cuda_spans_need_no_device_sync_and_map_to_wall_clock(tmp_path: Path, cl
     assert col.stats["rows_dropped"] == 0 and col.stats["spans_pending"] == 0
 
     r = open_run(run)
-    spans = r.con.sql("SELECT * FROM spans ORDER BY start_ns").df()
+    # The device-timed spans (the interpreter's garbage collections are host spans, some from setup).
+    spans = r.con.sql("SELECT * FROM spans WHERE name NOT LIKE 'gc.%' ORDER BY start_ns").df()
     assert set(spans["kind"]) >= {"step", "forward", "backward", "collective", "optimizer"}
     assert len(spans[spans["kind"] == "backward"]) == 5 * 4 + 5
     # Device times mapped through the anchor fall inside the host's bracket (2 ms of tolerance).

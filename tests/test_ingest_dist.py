@@ -19,6 +19,9 @@ STEPS = 5  # 1 wait + 1 warmup + 3 recorded
 
 
 def _job(rank: int, init_file: str, trace_dir: str, fr_dir: str) -> None:
+    import gc
+
+    gc.freeze()  # a forked child must never finalize what it inherited (DuckDB objects crash)
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -77,6 +80,9 @@ def test_real_gloo_job_slow_rank_and_hang(tmp_path: Path) -> None:
     dumps = tmp_path / "dumps"
     traces.mkdir()
     dumps.mkdir()
+    import gc
+
+    gc.collect()
     mp.start_processes(_job, args=(str(tmp_path / "init"), str(traces), str(dumps)), nprocs=WORLD,
                        start_method="fork", join=True)
     for p in dumps.glob(".done*"):

@@ -28,6 +28,7 @@ Example::
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -121,6 +122,7 @@ def run_diagnose(cfg: DiagnoseConfig) -> dict[str, Any] | None:
             return _rank_main(0, 1, 0, init, cfg, result)
         cuda = _backend(cfg, torch) == "nccl"
         # CUDA cannot be used in a forked child once the parent touched it; gloo ranks fork fast.
+        gc.collect()  # the parent's garbage is finalized here, not in each forked rank
         torch.multiprocessing.start_processes(
             _spawned, args=(world, init, cfg, result), nprocs=world, join=True,
             start_method="spawn" if cuda else "fork")
@@ -149,6 +151,7 @@ def _backend(cfg: DiagnoseConfig, torch: Any) -> str:
 
 
 def _spawned(rank: int, world: int, init: str, cfg: DiagnoseConfig, result: Path) -> None:
+    gc.freeze()  # a forked rank never finalizes what it inherited (see trainer/launch.py)
     _rank_main(rank, world, rank, init, cfg, result)
 
 

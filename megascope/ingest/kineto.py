@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import os
@@ -227,7 +228,11 @@ def _run_files(
     # pyarrow imports pandas on first array conversion (~0.5 s); do it once here so that forked
     # workers inherit it instead of each paying for it.
     pa.array([0])
-    with ProcessPoolExecutor(max_workers=workers, mp_context=_pool_context()) as pool:
+    # A forked worker must never finalize what it inherited (a DuckDB connection torn down without
+    # its threads crashes the worker): the parent's garbage is collected here, and each worker
+    # freezes what it starts with so that its own collections never look at it.
+    gc.collect()
+    with ProcessPoolExecutor(max_workers=workers, mp_context=_pool_context(), initializer=gc.freeze) as pool:
         pending: set[Future[dict[str, Any]]] = {pool.submit(ingest_file, *job) for job in jobs}
         while pending:
             done, pending = wait(pending, return_when=FIRST_EXCEPTION)
