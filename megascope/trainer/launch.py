@@ -119,10 +119,6 @@ def train(cfg: TrainConfig, *, nproc: int | None = None) -> TrainResult:
         # Growable segments keep the allocator from fragmenting between the pipeline's micro-batches
         # (torchtitan sets the same); spawned ranks inherit it. A user's own setting wins.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        # A 4x deeper CUDA launch queue: the host may run further ahead of the device before a
-        # launch blocks, so a host hiccup (a collection, a busy neighbour) no longer starves it.
-        # tp2 ran 7% faster with it (docs/benchmarks.md). Drivers that do not know it ignore it.
-        os.environ.setdefault("CUDA_SCALE_LAUNCH_QUEUES", "4x")
     gc.collect()  # finalize the parent's garbage here, not in each forked rank
     with tempfile.TemporaryDirectory(prefix="megascope-train-") as scratch:
         init_file = os.path.join(scratch, "rendezvous")
