@@ -292,9 +292,12 @@ def bench_event_device_cost(repeats: int, iters: int = 300) -> dict[str, dict[st
 
     A ``torch.cuda._sleep`` kernel first holds the stream while the host queues ``iters`` kernels
     (fewer than the launch queue holds), each inside a span of the given clock (two stamps), so the
-    figure is the device's alone: device microseconds per kernel, and per stamp against the bare
-    chain. "1 timing event" records one raw timing event per kernel; "plain event" one event
-    without timing (what the side-stream clock leaves on the work stream).
+    figure is the device's alone: device microseconds per stamp against the bare chain. "1 timing
+    event" records one raw timing event per kernel; "plain event" one event without timing (what
+    the side-stream clock leaves on the work stream). The "fork" and "join" rows place one stamp
+    where a collective puts a cross-stream dependency anyway: before the event a communication
+    stream waits for (a launch), and after waiting for a communication stream's event (``wait()``);
+    their cost is against the chain with the dependency and without the stamp.
     """
     from megascope.collectors.timing import CudaTimer
 
@@ -307,19 +310,29 @@ def bench_event_device_cost(repeats: int, iters: int = 300) -> dict[str, dict[st
         "mm 4096 bf16": lambda: torch.mm(b, b),
     }
     timers = {"span, device clock": CudaTimer("cuda"), "span, side-stream clock": CudaTimer("cuda", side_stream=True)}
+    device_timer = timers["span, device clock"]
     timed = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     plain = [torch.cuda.Event(enable_timing=False) for _ in range(iters)]
+    comm = torch.cuda.Stream()
+    comm_done = torch.cuda.Event(enable_timing=False)
+    comm_done.record(comm)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def chain(kernel: Any, variant: str) -> float:
         timer = timers.get(variant)
         tokens: list[Any] = []
+        main = torch.cuda.current_stream()
         torch.cuda.synchronize()
         torch.cuda._sleep(50_000_000)  # ~25 ms at ~2 GHz: the host queues everything meanwhile
         start.record()
         for i in range(iters):
             if timer is not None:
                 tokens.append(timer.stamp())
+            if variant.startswith("fork"):
+                if variant.endswith("stamp"):
+                    tokens.append(device_timer.stamp())
+                plain[i].record(main)
+                comm.wait_event(plain[i])
             kernel()
             if timer is not None:
                 tokens.append(timer.stamp())
@@ -327,13 +340,17 @@ def bench_event_device_cost(repeats: int, iters: int = 300) -> dict[str, dict[st
                 timed[i].record()
             elif variant == "plain event":
                 plain[i].record()
+            elif variant.startswith("join"):
+                main.wait_event(comm_done)
+                if variant.endswith("stamp"):
+                    tokens.append(device_timer.stamp())
         end.record()
         end.synchronize()
         for token in tokens:
-            timer.release(token)  # type: ignore[union-attr]
+            (timer or device_timer).release(token)
         return start.elapsed_time(end) * 1e3 / iters
 
-    variants = ("bare", "1 timing event", "plain event", *timers)
+    variants = ("bare", "1 timing event", "plain event", *timers, "fork", "fork + stamp", "join", "join + stamp")
     out: dict[str, dict[str, float]] = {}
     for name, kernel in kernels.items():
         for v in variants:  # warm-up, and the timers' event pools
@@ -344,9 +361,12 @@ def bench_event_device_cost(repeats: int, iters: int = 300) -> dict[str, dict[st
                 samples[v].append(chain(kernel, v))
         med = {v: statistics.median(s) for v, s in samples.items()}
         out[name] = {"bare": med["bare"]}
-        for v in variants[1:]:
-            per = 1 if v in ("1 timing event", "plain event") else 2
-            out[name][v] = (med[v] - med["bare"]) / per
+        for v in ("1 timing event", "plain event", *timers):
+            out[name][v] = (med[v] - med["bare"]) / (2 if v in timers else 1)
+        out[name]["fork (no stamp)"] = med["fork"] - med["bare"]
+        out[name]["stamp at a fork"] = med["fork + stamp"] - med["fork"]
+        out[name]["join (no stamp)"] = med["join"] - med["bare"]
+        out[name]["stamp at a join"] = med["join + stamp"] - med["join"]
     return out
 
 
