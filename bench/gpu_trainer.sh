@@ -35,7 +35,7 @@ TPVARIANTS=${TPVARIANTS:-side:MEGASCOPE_CLOCK=side-stream host:MEGASCOPE_CLOCK=h
   noflush:MEGASCOPE_FLUSH_INTERVAL_S=600 nowait:MEGASCOPE_WAIT_SPANS=0 prio:TORCH_NCCL_HIGH_PRIORITY=1}
 AB_BLOCK=${AB_BLOCK:-6}
 AB_LAYOUTS=${AB_LAYOUTS:-1gpu tp pp dp}
-ABVARIANTS=${ABVARIANTS:-unpaced:MEGASCOPE_WRITER_DUTY=1}  # e.g. host:MEGASCOPE_CLOCK=host nolayers:--no-layer-spans
+ABVARIANTS=${ABVARIANTS:-unpaced:MEGASCOPE_WRITER_DUTY=1}  # e.g. host:MEGASCOPE_CLOCK=host all:--layer-spans=all
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 MODEL=(--layers 24 --hidden 2048 --heads 16 --seq-len 2048 --vocab 50304 --lr 3e-4)
 RUNS="$OUT/runs"

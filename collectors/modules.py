@@ -30,7 +30,7 @@ Example::
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
 from megascope.collectors.collector import Collector
@@ -79,16 +79,23 @@ def _first_grad_tensor(value: Any) -> Any:
 class _ModuleTimer:
     """The hooks of one module: a stack of open forward spans (a module may be re-entered)."""
 
-    __slots__ = ("col", "name", "_open")
+    __slots__ = ("col", "name", "microbatches", "_open")
 
-    def __init__(self, col: Collector, name: str) -> None:
+    def __init__(self, col: Collector, name: str, microbatches: Container[int] | None = None) -> None:
         self.col = col
         self.name = name
+        self.microbatches = microbatches
         self._open: list[tuple[Any, Any]] = []  # (forward span, backward span or None)
+
+    def _timed(self, microbatch: int | None) -> bool:
+        # The micro-batch is the same at both hooks of one call: the caller sets it around the call.
+        return self.microbatches is None or microbatch is None or microbatch in self.microbatches
 
     def pre(self, module: Any, args: Any) -> None:
         col = self.col
         if not col._active:
+            return
+        if not self._timed(col._microbatch):
             return
         try:
             forward = col.span(self.name, kind=_FORWARD)
@@ -104,7 +111,7 @@ class _ModuleTimer:
             col._internal_error("module forward pre-hook")
 
     def post(self, module: Any, args: Any, output: Any) -> None:
-        if not self._open:
+        if not self._open or not self._timed(self.col._microbatch):
             return
         forward, backward = self._open.pop()
         try:
@@ -168,11 +175,16 @@ class _BackwardSpan:
                         self.microbatch, self.chunk, None, None, None, None, None)
 
 
-def instrument_module(model: Any, patterns: Sequence[str], collector: Collector, kind_prefix: str = "") -> list[Any]:
+def instrument_module(model: Any, patterns: Sequence[str], collector: Collector, kind_prefix: str = "",
+                      microbatches: Container[int] | None = None) -> list[Any]:
     """Forward/backward spans for every submodule of ``model`` whose name matches ``patterns``.
 
     Span names are ``kind_prefix + module name`` (e.g. ``"stage1." + "layers.3"``). Returns the
     hook handles; ``handle.remove()`` undoes the instrumentation. A disabled collector adds no hooks.
+    ``microbatches``: time only the calls made inside these micro-batches (the collector's current
+    one; calls outside any micro-batch are always timed). Every span costs device time (a timing
+    event stops the stream for ~2 us), so a job with many micro-batches may time its layers in
+    one of them: ``microbatches={0}``.
     """
     if isinstance(patterns, str):
         patterns = [patterns]
@@ -181,7 +193,7 @@ def instrument_module(model: Any, patterns: Sequence[str], collector: Collector,
     modules = dict(model.named_modules())
     handles = []
     for name in match_modules(modules, patterns):
-        timer = _ModuleTimer(collector, kind_prefix + name)
+        timer = _ModuleTimer(collector, kind_prefix + name, microbatches)
         handles.append(modules[name].register_forward_pre_hook(timer.pre))
         handles.append(modules[name].register_forward_hook(timer.post))
     return handles

@@ -426,6 +426,28 @@ def test_instrument_module_forward_and_backward_spans(tmp_path: Path) -> None:
         assert by_key[("s0.layers.2", "forward", mb)]["start_ns"] < b2["start_ns"]
 
 
+
+def test_instrument_module_in_chosen_microbatches_only(tmp_path: Path) -> None:
+    """microbatches={1}: forward and backward spans of micro-batch 1 only, plus calls made outside
+    any micro-batch; the other micro-batches get no hook at all (no backward span either)."""
+    run = tmp_path / "run"
+    col = _collector(run)
+    model = _Model(2)
+    instrument_module(model, ["layers.*"], collector=col, microbatches={1})
+    with col.step(0):
+        for mb in range(3):
+            with col.span("forward", kind=SpanKind.FORWARD, microbatch=mb):
+                out = model(torch.randn(4, 16, requires_grad=True))
+            with col.span("backward", kind=SpanKind.BACKWARD, microbatch=mb):
+                out.sum().backward()
+        model(torch.randn(4, 16))
+    col.close()
+    spans = [(s["name"], s["kind"], s["microbatch"]) for s in _spans(run) if s["name"].startswith("layers.")]
+    names = ["layers.0", "layers.1"]
+    assert sorted(spans, key=str) == sorted(
+        [(n, "forward", 1) for n in names] + [(n, "backward", 1) for n in names]
+        + [(n, "forward", None) for n in names], key=str)
+
 # ---------------------------------------------------------------------------------------- failure modes
 def test_disabled_collector_is_a_noop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MEGASCOPE_DISABLE", "1")

@@ -201,6 +201,10 @@ def test_collector_ab_pauses_the_collector_for_every_other_block(tmp_path: Path)
                                 "ORDER BY rank, step").fetchall()
         assert steps == [(r, s) for r in (0, 1) for s in (0, 1, 4, 5)], table
     assert plain.collector_on is None and plain.ab_flush_seconds is None
+    # Per-layer spans in the first micro-batch of each step only (--layer-spans first, the default).
+    layer_mbs = run.con.execute("SELECT DISTINCT kind, microbatch FROM spans WHERE name LIKE 'layers.%' "
+                                "ORDER BY ALL").fetchall()
+    assert layer_mbs == [("backward", 0), ("forward", 0)]
     # --gc-interval 2: full collections at steps 2 and 4 on both ranks; step 2 was not recorded.
     gcs = run.con.execute("SELECT DISTINCT rank, step FROM spans WHERE name LIKE 'gc.%' AND step IS NOT NULL "
                           "ORDER BY ALL").fetchall()

@@ -22,6 +22,7 @@ from megascope.errors import ConfigError, MegascopeError
 from megascope.inject import Faults
 
 OVERLAP_DIMS = ("tp", "pp", "dp")
+LAYER_SPANS = ("all", "first", "none")
 
 
 class TrainingError(MegascopeError):
@@ -99,7 +100,10 @@ class TrainConfig:
     faults: Faults = field(default_factory=Faults)
     collective_timeout_s: float = 60.0
     device: str = "auto"  # "auto", "cpu", "cuda"
-    instrument_layers: bool = True  # forward/backward spans per transformer block
+    # Forward/backward spans per transformer block: in every micro-batch ("all"), in the first of
+    # each step only ("first": the per-layer picture at a quarter of the device time on 4
+    # micro-batches), or none.
+    layer_spans: str = "first"
     flush_interval_s: float = 1.0
     # Steps per block of the collector A/B: the collector records blocks of this many steps and is
     # paused for the blocks between (0: always on). What the collector costs, measured in one process.
@@ -162,6 +166,8 @@ class TrainConfig:
             raise ConfigError(f"gradient bucket size must be > 0 MB, got {self.bucket_mb}")
         if self.collector_ab < 0 or self.collector_ab == 1:
             raise ConfigError(f"--collector-ab needs blocks of at least 2 steps (or 0: off), got {self.collector_ab}")
+        if self.layer_spans not in LAYER_SPANS:
+            raise ConfigError(f"unknown --layer-spans {self.layer_spans!r} (known: {', '.join(LAYER_SPANS)})")
         if self.gc_interval < 0:
             raise ConfigError(f"--gc-interval must be >= 0, got {self.gc_interval}")
         self.faults.validate(self.world_size, self.steps)

@@ -37,11 +37,13 @@ def open_collector(run_dir: Any, *, rank: int, world_size: int, coords: dict[str
     return Collector(cfg, rank=rank, world_size=world_size, coords=coords, groups=list(groups), meta=meta)
 
 
-def instrument_blocks(collector: Any, model: torch.nn.Module, names: list[str]) -> list[Any]:
-    """Forward/backward spans per named submodule (the transformer blocks)."""
+def instrument_blocks(collector: Any, model: torch.nn.Module, names: list[str],
+                      microbatches: set[int] | None = None) -> list[Any]:
+    """Forward/backward spans per named submodule (the transformer blocks), in ``microbatches`` only
+    when given."""
     from megascope.collectors import instrument_module
 
-    return list(instrument_module(model, patterns=names, collector=collector) or [])
+    return list(instrument_module(model, patterns=names, collector=collector, microbatches=microbatches) or [])
 
 
 class Comm:

@@ -150,8 +150,9 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -
     tp = TPContext(comm=comm, pg=ps.tp.pg, size=ps.tp.size, index=ps.tp_index,
                    sequence_parallel=cfg.sequence_parallel, overlap="tp" in cfg.overlap)
     stage = GPTStage(m, tp, stage=ps.pp_index, stages=ps.pp.size, seed=cfg.seed, device=device)
-    if cfg.instrument_layers:
-        instrument_blocks(col, stage, [f"layers.{i}" for i in stage.layer_ids])
+    if cfg.layer_spans != "none":
+        instrument_blocks(col, stage, [f"layers.{i}" for i in stage.layer_ids],
+                          microbatches={0} if cfg.layer_spans == "first" else None)
     autocast = _autocast(device)
     if plan.factor > 1.0:
         plan.set_burner(Burner(stage.matmul_weights(), tokens=m.seq_len * cfg.micro_batch_size,
