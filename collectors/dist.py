@@ -49,9 +49,11 @@ class TimedWork:
         self._work = work
         self._handle = handle
 
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
+    def wait(self, timeout: Any = None) -> Any:
+        """``Work.wait``, ``timeout`` passed on only when given (a timeout makes some backends, NCCL
+        among them, block the calling thread until the operation completes)."""
         self._handle.waiting()
-        result = self._work.wait(*args, **kwargs)
+        result = self._work.wait() if timeout is None else self._work.wait(timeout)
         self._handle.end()
         return result
 
@@ -186,8 +188,8 @@ class DistMirror:
 class _BatchWork(TimedWork):
     __slots__ = ()
 
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        result = self._work.wait(*args, **kwargs)
+    def wait(self, timeout: Any = None) -> Any:
+        result = self._work.wait() if timeout is None else self._work.wait(timeout)
         for h in self._handle:
             h.end()
         return result

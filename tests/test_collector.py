@@ -597,3 +597,30 @@ def test_gc_span_threshold_from_the_environment() -> None:
     assert cfg.with_env({"MEGASCOPE_GC_SPAN_MS": "-1"}).gc_span_min_ms is None
     with pytest.raises(ConfigError):
         CollectorConfig(run_dir=Path("r"), gc_span_min_ms=-2.0)
+
+
+def test_timed_work_passes_a_timeout_on_only_when_given(tmp_path: Path) -> None:
+    """Recorded or not, a wait behaves the same: TimedWork takes Work.wait's timeout and passes it on
+    only when given (NCCL blocks the host in a wait with a timeout, so none must appear unasked)."""
+    from datetime import timedelta
+
+    from megascope.collectors.dist import TimedWork
+
+    from megascope.trainer.instrument import _accepts_timeout
+
+    class Work:
+        def __init__(self) -> None:
+            self.calls: list[tuple[Any, ...]] = []
+
+        def wait(self, *args: Any) -> bool:
+            self.calls.append(args)
+            return True
+
+    col = Collector(CollectorConfig(run_dir=tmp_path / "run"), rank=0, world_size=1)
+    work = Work()
+    with col.step(0):
+        assert TimedWork(work, col.comm_begin(op="recv", kind="recv", peer=1)).wait() is True
+        TimedWork(work, col.comm_begin(op="recv", kind="recv", peer=1)).wait(timedelta(seconds=3))
+    col.close()
+    assert work.calls == [(), (timedelta(seconds=3),)]
+    assert _accepts_timeout(TimedWork(work, NOOP)) and not _accepts_timeout(work)  # no parameter: none passed

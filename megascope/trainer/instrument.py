@@ -125,8 +125,8 @@ class Comm:
 
 
 def _accepts_timeout(work: Any) -> bool:
-    # torch's Work.wait takes a timeout; a wrapper may not. gloo applies the process-group timeout to
-    # p2p waits on its own, so dropping it only matters for backends that wait forever.
+    # torch's Work.wait takes a timeout (its signature cannot be read: assumed), and so does the
+    # collector's TimedWork; another wrapper may not, and then waits without one.
     try:
         import inspect
 

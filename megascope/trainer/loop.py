@@ -146,7 +146,10 @@ def _autocast(device: torch.device) -> Callable[[], Any]:
 def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -> RankResult:
     m = cfg.model
     plan = FaultPlan(cfg.faults, rank=ps.rank, collector=col)
-    comm = Comm(col, gate=plan.gate, recv_timeout_s=cfg.collective_timeout_s)
+    # A receive timeout for gloo, which does not apply one to point-to-point waits by itself. Not on
+    # NCCL: there a wait with a timeout blocks the host until the transfer completes (a device
+    # sync at every pipeline receive), and NCCL's watchdog already enforces the group's timeout.
+    comm = Comm(col, gate=plan.gate, recv_timeout_s=cfg.collective_timeout_s if device.type == "cpu" else None)
     tp = TPContext(comm=comm, pg=ps.tp.pg, size=ps.tp.size, index=ps.tp_index,
                    sequence_parallel=cfg.sequence_parallel, overlap="tp" in cfg.overlap)
     stage = GPTStage(m, tp, stage=ps.pp_index, stages=ps.pp.size, seed=cfg.seed, device=device)
