@@ -109,10 +109,15 @@ class Pacer:
             self._since = self._clock()
 
 
+_OTHER = SpanKind.OTHER.value
+_COMPLETED = MarkerState.COMPLETED.value
+
+
 def _resolve_span(sink: Sink, timer: Timer, rank: int, item: Any, waiting: list[Any]) -> int:
     """One pending span (and its wait span, if it has one) into the spans queue; 1 if it had to be
-    dropped after a device error."""
-    start, end, anchor, wait = item[0], item[1], item[2], item[14]
+    dropped after a device error. Runs once per span in the writer, holding the interpreter: kept
+    to plain local operations."""
+    start, end, anchor, step, name, kind, stream, microbatch, chunk, group, seq, op, nbytes, peer, wait = item
     try:
         if not timer.ready(end):
             waiting.append(item)
@@ -129,23 +134,23 @@ def _resolve_span(sink: Sink, timer: Timer, rank: int, item: Any, waiting: list[
             return 0
         end_ns = timer.wall_ns(end, anchor)
     except Exception:  # a device error must not stop the writer: drop this span
-        log.debug("could not resolve span %s", item[4], exc_info=True)
+        log.debug("could not resolve span %s", name, exc_info=True)
         for token in (start, end, wait):
             timer.release(token)
         return 1
-    for token in (start, end, wait):
-        timer.release(token)
-    step, name, kind, stream, microbatch, chunk, group, seq, op, nbytes, peer = item[3:14]
-    sink.spans.put(
-        (rank, step, name, kind, stream, start_ns, max(0, end_ns - start_ns), microbatch, chunk,
-         group, seq, op, nbytes, peer)
-    )
+    release = timer.release
+    release(start)
+    release(end)
+    put = sink.spans.put
+    put((rank, step, name, kind, stream, start_ns, end_ns - start_ns if end_ns > start_ns else 0, microbatch,
+         chunk, group, seq, op, nbytes, peer))
     if wait_ns is not None:
+        release(wait)
         # No group: a span with a group is a communication span to every query of the run.
-        sink.spans.put((rank, step, f"{name}{WAIT_SUFFIX}", SpanKind.OTHER.value, stream, wait_ns,
-                        max(0, end_ns - wait_ns), microbatch, chunk, None, seq, op, None, peer))
+        put((rank, step, name + WAIT_SUFFIX, _OTHER, stream, wait_ns, end_ns - wait_ns if end_ns > wait_ns else 0,
+             microbatch, chunk, None, seq, op, None, peer))
     if group is not None and seq is not None:
-        sink.markers.put((rank, group, seq, op, MarkerState.COMPLETED.value, end_ns, step, nbytes, peer))
+        sink.markers.put((rank, group, seq, op, _COMPLETED, end_ns, step, nbytes, peer))
     return 0
 
 
