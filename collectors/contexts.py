@@ -17,10 +17,11 @@ Example::
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from megascope.schema import SpanKind
+from megascope.schema import COLLECTOR_STAMPS_METRIC, SpanKind
 
 if TYPE_CHECKING:
     from megascope.collectors.collector import Collector
@@ -111,12 +112,13 @@ class SpanContext:
 class StepContext(SpanContext):
     """A ``step`` span that also sets the collector's current step for everything inside."""
 
-    __slots__ = ("step", "_prev_step")
+    __slots__ = ("step", "_prev_step", "_stamps")
 
     def __init__(self, col: Collector, step: int, label: str) -> None:
         super().__init__(col, "step", SpanKind.STEP.value, None, label, None, None)
         self.step = step
         self._prev_step: int | None = None
+        self._stamps = 0
 
     def __enter__(self) -> StepContext:
         col = self._col
@@ -126,12 +128,18 @@ class StepContext(SpanContext):
             col._timer.maybe_refresh()  # step boundaries are where a device tends to be idle
         except Exception:
             col._internal_error("anchor refresh")
+        self._stamps = col._timer.stamps
         super().__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
-        self._col._step = self._prev_step
+        col = self._col
+        col._step = self._prev_step
+        # The collector's own footprint: every stamp of the step is a timing event on a device
+        # clock, which costs the device ~2 us (docs/collector.md).
+        col._sink.metrics.put((col.rank, self.step, COLLECTOR_STAMPS_METRIC, float(col._timer.stamps - self._stamps),
+                               time.time_ns()))
 
 
 class CommHandle:

@@ -60,6 +60,7 @@ class HostTimer:
         self._interval_ns = int(anchor_interval_s * 1e9)
         self.anchor = self._take_anchor()
         self.anchors_taken = 1
+        self.stamps = 0  # stamps taken so far (the collector reports them per step)
 
     @staticmethod
     def _take_anchor() -> Anchor:
@@ -76,6 +77,7 @@ class HostTimer:
             self.anchors_taken += 1
 
     def stamp(self, stream: Any = None) -> int:
+        self.stamps += 1
         return time.perf_counter_ns()
 
     def ready(self, token: Any) -> bool:
@@ -136,6 +138,7 @@ class CudaTimer:
         assert first is not None  # require_idle=False always returns an anchor
         self.anchor: Anchor = first
         self.anchors_taken = 1
+        self.stamps = 0  # timing events recorded so far (the collector reports them per step)
 
     def _new_event(self) -> Any:
         if self._free:
@@ -180,6 +183,7 @@ class CudaTimer:
             self._wait(self._marker, side)  # side.wait_event(marker), without its Python layers
             stream = side
         self._record(event, stream)
+        self.stamps += 1
         return event
 
     def _current_stream(self) -> Any:

@@ -155,6 +155,9 @@ class HeartbeatMetric(enum.StrEnum):
 
 
 COLLECTOR_METRIC_PREFIX = "collector_"
+# A ``metrics`` row per rank and step: how many stamps the collector took in the step (two per span,
+# one per wait span). On a device clock each is a timing event that costs the device ~2 us.
+COLLECTOR_STAMPS_METRIC = "collector_stamps"
 
 
 class DiagnosticTest(enum.StrEnum):

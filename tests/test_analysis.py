@@ -340,3 +340,29 @@ def test_drift_names_the_collective_and_the_rank(tmp_path: Path) -> None:
     assert analysis.mfu_drift(per_step)["drifting"] is True
     flat = per_step.assign(step_time_ns=22 * MS)
     assert analysis.mfu_drift(flat)["drifting"] is False
+
+
+def test_collector_footprint_estimates_device_time_from_the_stamps_per_step() -> None:
+    """The median of collector_stamps over rank-steps; on CUDA ranks times ~2 us each against the
+    step; on CPU ranks the count alone; nothing for runs without the metric."""
+    import duckdb
+
+    from megascope.analysis.report import STAMP_DEVICE_NS, collector_footprint
+
+    con = duckdb.connect()
+    metrics = pd.DataFrame({"rank": [0, 0, 1, 1, 1], "step": [0, 1, 0, 1, 1],
+                            "name": ["collector_stamps"] * 4 + ["loss"], "value": [1000.0, 1200.0, 1100.0, 9.0, 2.5]})
+    ranks = pd.DataFrame({"rank": [0, 1], "device": ["cuda:0", "cuda:1"]})
+    con.register("metrics", metrics)
+    con.register("ranks", ranks)
+    got = collector_footprint(con, step_time_ns=400e6)
+    assert got["stamps_per_step"] == 1050.0  # median of 1000, 1200, 1100, 9
+    assert got["device_ns_per_step_est"] == 1050.0 * STAMP_DEVICE_NS
+    assert got["share_of_step_est"] == pytest.approx(1050.0 * STAMP_DEVICE_NS / 400e6)
+    con.unregister("ranks")
+    con.register("ranks", pd.DataFrame({"rank": [0, 1], "device": ["cpu", "cpu"]}))
+    cpu = collector_footprint(con, step_time_ns=400e6)
+    assert cpu["stamps_per_step"] == 1050.0 and cpu["device_ns_per_step_est"] is None
+    con.unregister("metrics")
+    con.register("metrics", metrics[metrics["name"] == "loss"])
+    assert collector_footprint(con, step_time_ns=None) == {"stamps_per_step": None}

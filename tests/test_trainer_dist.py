@@ -209,6 +209,12 @@ def test_collector_ab_pauses_the_collector_for_every_other_block(tmp_path: Path)
     gcs = run.con.execute("SELECT DISTINCT rank, step FROM spans WHERE name LIKE 'gc.%' AND step IS NOT NULL "
                           "ORDER BY ALL").fetchall()
     assert gcs == [(0, 4), (1, 4)]
+    # The collector's own footprint: its stamps per recorded step, summed up by the report.
+    stamps = run.con.execute("SELECT DISTINCT step FROM metrics WHERE name = 'collector_stamps' "
+                             "ORDER BY step").fetchall()
+    assert stamps == [(0,), (1,), (4,), (5,)]
+    report = CliRunner().invoke(main, ["report", str(out)])
+    assert report.exit_code == 0 and "stamps a rank-step" in report.output, report.output
 
 
 def test_cli_trains_from_a_token_file(tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ from megascope.analysis.skew import skew_by_collective, skew_drift
 from megascope.analysis.stragglers import StragglerConfig, stragglers
 from megascope.analysis.timeline import mfu, mfu_drift
 from megascope.analysis.whatif import whatif
-from megascope.schema import MESH_AXES
+from megascope.schema import COLLECTOR_STAMPS_METRIC, MESH_AXES
 from megascope.store import Run
 
 
@@ -57,6 +57,30 @@ def jsonable(value: Any) -> Any:
     if value is pd.NA or value is pd.NaT:
         return None
     return value
+
+
+# Device time one timing event costs between short kernels (1.7-2.9 us measured on H100s,
+# docs/benchmarks.md): what the report multiplies the collector's stamps by.
+STAMP_DEVICE_NS = 2_000
+
+
+def collector_footprint(con: duckdb.DuckDBPyConnection, step_time_ns: float | None) -> dict[str, Any]:
+    """What the collector itself cost the run, as far as its own records tell: the median number of
+    stamps per rank and step and, on CUDA ranks, an estimate of their device time (each stamp is a
+    timing event, ~2 us of the device). Empty (``stamps_per_step`` None) for runs without them."""
+    row = _sql.first(con.execute("SELECT median(value), count(*) FROM metrics WHERE name = ?",
+                                 [COLLECTOR_STAMPS_METRIC]))
+    if not row or not row[1] or row[0] is None:
+        return {"stamps_per_step": None}
+    cuda = _sql.first(con.execute("SELECT count(*) FROM ranks WHERE device LIKE 'cuda%'"))
+    stamps = float(row[0])
+    device_ns = stamps * STAMP_DEVICE_NS if cuda and cuda[0] else None
+    return {
+        "stamps_per_step": stamps,
+        "device_ns_per_step_est": device_ns,
+        "share_of_step_est": device_ns / step_time_ns if device_ns is not None and step_time_ns else None,
+        "ns_per_stamp_assumed": STAMP_DEVICE_NS,
+    }
 
 
 def _coords(row: Any, axes: tuple[str, ...]) -> dict[str, int]:
@@ -135,6 +159,7 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
         "bubbles": bubble_frame.to_dict("records"),
         "exposed_comm": exposed.to_dict("records"),
         "host_lead": lead,
+        "collector": collector_footprint(con, median_step),
         "whatif": whatif_result,
         "problems": list(run.problems),
     }

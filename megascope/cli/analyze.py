@@ -119,6 +119,16 @@ def _print_report(r: dict[str, Any]) -> None:
         for x in lead.get("host_bound") or []:
             click.echo(f"  host-bound: rank {x['rank']}: the device was idle at {100 * x['starved_frac']:.0f}% of "
                        f"{x['calls']} calls (lead p10 {_ms(x['lead_p10_ns'])}); host time is step time there")
+    footprint = r.get("collector") or {}
+    if footprint.get("stamps_per_step") is not None:
+        line = f"COLLECTOR {footprint['stamps_per_step']:,.0f} stamps a rank-step"
+        if footprint.get("device_ns_per_step_est") is not None:
+            frac = footprint.get("share_of_step_est")
+            line += (f", about {_ms(footprint['device_ns_per_step_est'])} of device time"
+                     + ("" if frac is None else f" ({100 * frac:.2f}% of a step)")
+                     + f" at ~{footprint['ns_per_stamp_assumed'] / 1e3:g} us each")
+        click.echo("")
+        click.echo(line)
     clock = r["clock"]
     if clock["hosts"] > 1:
         err = clock.get("max_error_ns")
