@@ -79,6 +79,14 @@ def test_manual_gc_freezes_disables_and_collects_on_the_same_steps_everywhere() 
         assert not gc.isenabled() and gc.get_freeze_count() > 0
         assert [s for s in range(10) if collect_now(s)] == [3, 6, 9]
     assert gc.isenabled() and gc.get_freeze_count() == 0
+    # A process that had frozen objects before (a forked rank) keeps them frozen.
+    gc.freeze()
+    try:
+        with manual_gc(2):
+            assert not gc.isenabled()
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
 
 
 def test_cli_rejects_a_negative_gc_interval(tmp_path: Path) -> None:

@@ -73,8 +73,8 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
                       global_batch=global_batch, micro_batches=micro_batches, model=model, optimizer=optimizer,
                       lr=lr, sequence_parallel=not no_sequence_parallel, data=data, data_dtype=data_dtype,
                       faults=parse_injects(injects), collective_timeout_s=collective_timeout, device=device,
-                      layer_spans="none" if no_layer_spans else layer_spans, bucket_mb=bucket_mb, collector_ab=collector_ab,
-                      gc_interval=gc_interval,
+                      layer_spans="none" if no_layer_spans else layer_spans, bucket_mb=bucket_mb,
+                      collector_ab=collector_ab, gc_interval=gc_interval,
                       overlap=frozenset() if "all" in no_overlap else frozenset(OVERLAP_DIMS) - set(no_overlap))
     # Only now, with every argument checked, does anything start.
     from megascope.trainer.launch import train as run_training

@@ -197,8 +197,9 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -
     ab_on: list[bool] = []
     ab_flushes: list[float] = []
     previous_step_done: torch.cuda.Event | None = None
-    with manual_gc(cfg.gc_interval) as collect_now, Prefetcher(_source(cfg), steps=range(cfg.steps), global_batch=cfg.global_batch, rows=rows,
-                    device=device) as data:
+    prefetch = Prefetcher(_source(cfg), steps=range(cfg.steps), global_batch=cfg.global_batch, rows=rows,
+                          device=device)
+    with manual_gc(cfg.gc_interval) as collect_now, prefetch as data:
         for step in range(cfg.steps):
             if cfg.collector_ab:
                 flushed = ab_switch(col, step, cfg.collector_ab, device)
@@ -251,18 +252,21 @@ def manual_gc(interval: int) -> Iterator[Callable[[int], bool]]:
     reason). Here what exists after setup is frozen (never scanned again), automatic collection
     is off, and the block gets ``collect_now(step)``: true every ``interval`` steps, the same
     steps on every rank. ``interval`` 0 leaves the collector automatic and ``collect_now`` false.
+    Afterwards collection is automatic again; the freeze is undone only if nothing was frozen
+    before (a forked rank freezes what it inherited and must never collect it).
     """
     if interval <= 0:
         yield lambda step: False
         return
-    was_enabled = gc.isenabled()
+    was_enabled, was_frozen = gc.isenabled(), gc.get_freeze_count() > 0
     gc.collect()
     gc.freeze()
     gc.disable()
     try:
         yield lambda step: step > 0 and step % interval == 0
     finally:
-        gc.unfreeze()
+        if not was_frozen:
+            gc.unfreeze()
         if was_enabled:
             gc.enable()
 
