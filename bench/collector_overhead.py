@@ -10,7 +10,8 @@ CPU part: the host cost of one span, comm span (with its markers) and metric, an
 each against a bare loop in the same process (medians of repeats). Then the writer stall: how long
 one background pass of the writer keeps a stand-in training thread (Python work, then a wait that
 releases the interpreter lock, like a blocked kernel launch) from running, paced and unpaced (also
-on CUDA, with device events).
+on CUDA, with device events). Then the Python garbage collections that spans set off in a
+process with a million other objects alive, against a disabled collector.
 
 GPU part (needs one CUDA device): first the host CPU time of one empty span under each clock
 (``device``, ``side-stream``, ``host``, and ``device`` through torch's public event API only),
@@ -231,7 +232,7 @@ def _drift(seconds: float, model: Any, opt: Any, x: Any) -> list[dict[str, float
         probe.record()
         probe.synchronize()
         w1 = time.time_ns()
-        predicted = timer.wall_ns(probe, anchor)
+        predicted = anchor.wall_ns + round(anchor.mark.elapsed_time(probe) * 1e6)  # what wall_ns computes
         err_us = (predicted - (w0 + w1) / 2) / 1e3
         elapsed = (w1 - anchor.wall_ns) / 1e9
         out.append({"after_s": round(elapsed, 1), "error_us": round(err_us, 1),
@@ -429,6 +430,54 @@ def bench_writer_stall(device: Any, spans: int, repeats: int) -> dict[str, dict[
     return out
 
 
+def bench_gc_churn(spans: int, heap_objects: int) -> dict[str, dict[str, float]]:
+    """Python garbage collections the collector's spans set off in a process with a job-sized heap.
+
+    ``heap_objects`` long-lived objects stand in for a training process (torch, the model, the
+    autograd machinery), then ``spans`` empty spans go through a collector with its writer in the
+    background, 1,000 a step. A span lives as Python objects until written, about a second, so it
+    outlives the young generations and counts towards the next full collection, which scans the
+    whole heap and stops every thread. Returns collections and milliseconds per generation, with
+    the collector disabled as the baseline.
+    """
+    import gc
+
+    heap = [{"i": i} for i in range(heap_objects)]
+    gc.collect()
+    out: dict[str, dict[str, float]] = {}
+    for variant in ("disabled", "enabled"):
+        tmp = Path(tempfile.mkdtemp(prefix="megascope-bench-gc-"))
+        col = Collector(CollectorConfig(run_dir=tmp, flush_interval_s=0.2, handle_sigterm=False,
+                                        enabled=variant == "enabled", gc_span_min_ms=None), rank=0, world_size=1)
+        counts = {0: [0, 0], 1: [0, 0], 2: [0, 0]}
+        started = [0]
+
+        def watch(phase: str, info: dict[str, Any], counts: dict[int, list[int]] = counts,
+                  started: list[int] = started) -> None:
+            if phase == "start":
+                started[0] = time.perf_counter_ns()
+            else:
+                counts[info["generation"]][0] += 1
+                counts[info["generation"]][1] += time.perf_counter_ns() - started[0]
+
+        gc.collect()
+        gc.callbacks.append(watch)
+        try:
+            for step in range(spans // 1000):
+                with col.step(step):
+                    for _ in range(1000):
+                        with col.span("layers.3", kind=SpanKind.FORWARD, microbatch=0):
+                            pass
+                time.sleep(0.005)  # the rest of a step: the writer runs meanwhile
+        finally:
+            gc.callbacks.remove(watch)
+        col.close()
+        out[variant] = {f"gen{g}_{what}": (n if what == "collections" else ns / 1e6)
+                        for g, (n, ns) in counts.items() for what in ("collections", "ms")}
+    del heap
+    return out
+
+
 def _stall_table(device: Any, spans: int, repeats: int, result: dict[str, Any]) -> None:
     stall = bench_writer_stall(device, spans, repeats)
     result[f"writer_stall_{getattr(device, 'type', 'cpu')}"] = stall
@@ -483,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--span-cost-only", action="store_true", help="GPU: only the host cost per span by clock")
     parser.add_argument("--stall-spans", type=int, default=20_000,
                         help="spans in the writer-stall pass (CPU; a quarter of it on CUDA)")
+    parser.add_argument("--gc-spans", type=int, default=200_000, help="CPU: spans in the garbage-collection count")
+    parser.add_argument("--gc-heap", type=int, default=1_000_000, help="CPU: other live objects during that count")
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=8)  # 8 x 2 x 4096 x 16384 = 1.07 B parameters
     parser.add_argument("--tokens", type=int, default=8192)
@@ -498,6 +549,12 @@ def main(argv: list[str] | None = None) -> int:
                ["what", "us per call"],
                [[k.removesuffix("_us"), f"{v:.2f}"] for k, v in cpu.items() if k.endswith("_us")])
         _stall_table(torch.device("cpu"), args.stall_spans, args.repeats, result)
+        churn = bench_gc_churn(args.gc_spans, args.gc_heap)
+        result["gc_churn"] = churn
+        _table(f"Python garbage collections during {args.gc_spans:,} spans, {args.gc_heap:,} other objects alive",
+               ["collector", "gen0 n", "gen1 n", "gen2 (full) n", "gen2 ms"],
+               [[k, int(v["gen0_collections"]), int(v["gen1_collections"]), int(v["gen2_collections"]),
+                 f"{v['gen2_ms']:.0f}"] for k, v in churn.items()])
     if not args.cpu_only and torch.cuda.is_available():
         spans = bench_gpu_spans(args.n // 5, args.repeats)
         result["gpu_span_cost"] = spans

@@ -83,7 +83,7 @@ class SpanContext:
         if self.chunk is not None:
             col._chunk = self.chunk
         try:
-            self._anchor = col._timer.anchor
+            self._anchor = col._timer.anchor_ref
             self._token = col._timer.stamp(self.stream)
         except Exception:
             col._internal_error("span start")
@@ -171,7 +171,7 @@ class CommHandle:
         self._wait: Any = None
         col._enqueue_marker(self)
         try:
-            self._anchor = col._timer.anchor
+            self._anchor = col._timer.anchor_ref
             self._token = col._timer.stamp(stream)
         except Exception:
             col._internal_error("comm start")

@@ -158,7 +158,7 @@ class _BackwardSpan:
         if self._token is not None or not col._active:
             return
         try:
-            self._anchor = col._timer.anchor
+            self._anchor = col._timer.anchor_ref
             self._token = col._timer.stamp(None)
         except Exception:
             col._internal_error("module backward hook")

@@ -8,7 +8,7 @@ above them runs the same on CPU (gloo tests) and on CUDA.
 
 * :class:`HostTimer`: a token is ``time.perf_counter_ns()``; an anchor pairs it with
   ``time.time_ns()``, so NTP slewing of the wall clock is followed at every anchor refresh.
-* :class:`CudaTimer`: a token is a ``torch.cuda.Event(enable_timing=True)`` from a pool, recorded
+* :class:`CudaTimer`: a token is the number of a ``torch.cuda.Event(enable_timing=True)`` in a pool, recorded
   on the stream doing the work, or (``side_stream``, clock ``side-stream``) on a private stream made to
   wait for a timing-free marker on the work's stream, so that no timing event sits between the
   work's kernels. ``ready`` is ``Event.query()`` and ``wall_ns`` is
@@ -19,13 +19,18 @@ above them runs the same on CPU (gloo tests) and on CUDA.
   a synchronization; between anchors the device clock's drift against the host clock accumulates
   (``bench/collector_overhead.py`` measures it).
 
+A pending span refers to its anchor by number (``anchor_ref``) and holds its stamps as plain
+integers, so it holds no object Python's garbage collector must track: the collector's queue of
+spans waiting for the device then never counts towards the interpreter's full collections, which
+stop every thread of the rank. Timers keep their last ``ANCHOR_SLOTS`` anchors.
+
 Example::
 
     timer = make_timer(torch.device("cpu"), anchor_interval_s=1.0)
-    anchor = timer.anchor
+    ref = timer.anchor_ref
     t0 = timer.stamp(None); ...; t1 = timer.stamp(None)
     if timer.ready(t1):
-        start_ns, end_ns = timer.wall_ns(t0, anchor), timer.wall_ns(t1, anchor)
+        start_ns, end_ns = timer.wall_ns(t0, ref), timer.wall_ns(t1, ref)
 """
 
 from __future__ import annotations
@@ -38,10 +43,15 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+# Anchors a pending span may still refer to. A timer takes at most one a second, so a span may
+# wait over an hour for its device events before its anchor is gone (it is then dropped, counted).
+ANCHOR_SLOTS = 4096
+
+
 class Anchor:
     """A moment known on both clocks: ``wall_ns`` on the host, ``mark`` on the timer's clock."""
 
-    __slots__ = ("wall_ns", "mark", "exact")
+    __slots__ = ("wall_ns", "mark", "exact", "ref")
 
     def __init__(self, wall_ns: int, mark: Any, exact: bool) -> None:
         self.wall_ns = wall_ns
@@ -49,17 +59,48 @@ class Anchor:
         # False when the stream was busy as the anchor was taken (only the very first CUDA anchor
         # can be): its wall time is then the host time of the record call, earlier than the truth.
         self.exact = exact
+        self.ref = -1  # its number in the timer that took it
 
 
-class HostTimer:
+class _Anchors:
+    """The last ``ANCHOR_SLOTS`` anchors of a timer by number; ``anchor`` is the current one."""
+
+    anchor: Anchor
+    anchor_ref: int
+
+    def _init_anchors(self, first: Anchor) -> None:
+        self._ring: list[Anchor | None] = [None] * ANCHOR_SLOTS
+        self._next_ref = 0
+        self.anchors_taken = 0
+        self._install(first)
+
+    def _install(self, anchor: Anchor) -> None:
+        anchor.ref = self._next_ref
+        self._next_ref += 1
+        self._ring[anchor.ref % ANCHOR_SLOTS] = anchor
+        self.anchor = anchor
+        self.anchor_ref = anchor.ref
+        self.anchors_taken += 1
+
+    def anchor_of(self, ref: int | Anchor) -> Anchor:
+        """The anchor numbered ``ref`` (an :class:`Anchor` passes through); LookupError once it is
+        no longer kept."""
+        if isinstance(ref, Anchor):
+            return ref
+        anchor = self._ring[ref % ANCHOR_SLOTS]
+        if anchor is None or anchor.ref != ref:
+            raise LookupError(f"clock anchor {ref} is no longer kept")
+        return anchor
+
+
+class HostTimer(_Anchors):
     """Timestamps from ``time.perf_counter_ns()``, mapped to wall clock through anchors."""
 
     is_device = False
 
     def __init__(self, *, anchor_interval_s: float = 1.0) -> None:
         self._interval_ns = int(anchor_interval_s * 1e9)
-        self.anchor = self._take_anchor()
-        self.anchors_taken = 1
+        self._init_anchors(self._take_anchor())
         self.stamps = 0  # stamps taken so far (the collector reports them per step)
 
     @staticmethod
@@ -73,8 +114,7 @@ class HostTimer:
     def maybe_refresh(self) -> None:
         """Take a new anchor if the current one is older than the anchor interval."""
         if time.perf_counter_ns() - self.anchor.mark >= self._interval_ns:
-            self.anchor = self._take_anchor()
-            self.anchors_taken += 1
+            self._install(self._take_anchor())
 
     def stamp(self, stream: Any = None) -> int:
         self.stamps += 1
@@ -83,8 +123,9 @@ class HostTimer:
     def ready(self, token: Any) -> bool:
         return True
 
-    def wall_ns(self, token: Any, anchor: Anchor) -> int:
-        return int(anchor.wall_ns + (token - anchor.mark))
+    def wall_ns(self, token: Any, anchor: int | Anchor) -> int:
+        a = self.anchor_of(anchor)
+        return int(a.wall_ns + (token - a.mark))
 
     def release(self, token: Any) -> None:
         """Give a token back (a no-op for host stamps)."""
@@ -94,12 +135,12 @@ class HostTimer:
         return 0
 
 
-class CudaTimer:
+class CudaTimer(_Anchors):
     """Timestamps from pooled CUDA events on the stream doing the work; nothing synchronizes.
 
     ``max_events`` bounds the events alive at once (pooled plus in flight); when the device runs
     far behind the host and the pool is exhausted, ``stamp`` returns None and the caller drops the
-    span (and counts it) rather than grow without bound.
+    span (and counts it) rather than grow without bound. A token is the event's index in the pool.
     """
 
     is_device = True
@@ -132,21 +173,22 @@ class CudaTimer:
         self._index = self.device.index
         self._interval_ns = int(anchor_interval_s * 1e9)
         self._max_events = max_events
-        self._free: deque[Any] = deque()
+        self._events: list[Any] = []  # the pool; a token is an index into it
+        self._free: deque[int] = deque()
         self._created = 0
         first = self._take_anchor(require_idle=False)
         assert first is not None  # require_idle=False always returns an anchor
-        self.anchor: Anchor = first
-        self.anchors_taken = 1
+        self._init_anchors(first)
         self.stamps = 0  # timing events recorded so far (the collector reports them per step)
 
-    def _new_event(self) -> Any:
+    def _new_event(self) -> int | None:
         if self._free:
             return self._free.pop()
         if self._created >= self._max_events:
             return None
         self._created += 1
-        return self._torch.cuda.Event(enable_timing=True)
+        self._events.append(self._torch.cuda.Event(enable_timing=True))
+        return len(self._events) - 1
 
     def _take_anchor(self, *, require_idle: bool) -> Anchor | None:
         stream = self._torch.cuda.current_stream(self.device)
@@ -166,12 +208,11 @@ class CudaTimer:
             return
         anchor = self._take_anchor(require_idle=True)
         if anchor is not None:
-            self.anchor = anchor
-            self.anchors_taken += 1
+            self._install(anchor)
 
-    def stamp(self, stream: Any = None) -> Any:
-        event = self._new_event()
-        if event is None:
+    def stamp(self, stream: Any = None) -> int | None:
+        token = self._new_event()
+        if token is None:
             return None
         if stream is None:
             stream = self._current_stream()
@@ -182,9 +223,9 @@ class CudaTimer:
             self._record(self._marker, stream)
             self._wait(self._marker, side)  # side.wait_event(marker), without its Python layers
             stream = side
-        self._record(event, stream)
+        self._record(self._events[token], stream)
         self.stamps += 1
-        return event
+        return token
 
     def _current_stream(self) -> Any:
         if self._raw_current is None:
@@ -195,14 +236,15 @@ class CudaTimer:
             stream = self._streams[raw] = self._torch.cuda.current_stream(self.device)
         return stream
 
-    def ready(self, token: Any) -> bool:
-        return bool(self._query(token))
+    def ready(self, token: int) -> bool:
+        return bool(self._query(self._events[token]))
 
-    def wall_ns(self, token: Any, anchor: Anchor) -> int:
+    def wall_ns(self, token: int, anchor: int | Anchor) -> int:
         # elapsed_time raises (never waits) if either event has not completed; callers ask ready().
-        return int(anchor.wall_ns + round(self._elapsed(anchor.mark, token) * 1e6))
+        a = self.anchor_of(anchor)
+        return int(a.wall_ns + round(self._elapsed(a.mark, self._events[token]) * 1e6))
 
-    def release(self, token: Any) -> None:
+    def release(self, token: int | None) -> None:
         if token is not None:
             self._free.append(token)
 

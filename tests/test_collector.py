@@ -630,3 +630,86 @@ def test_timed_work_passes_a_timeout_on_only_when_given(tmp_path: Path) -> None:
     col.close()
     assert work.calls == [(), (timedelta(seconds=3),)]
     assert _accepts_timeout(TimedWork(work, NOOP)) and not _accepts_timeout(work)  # no parameter: none passed
+
+
+class _FakeCudaEvent:
+    """torch.cuda.Event's surface, on the host clock: recorded = done, times in milliseconds."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        self.t: int | None = None
+
+    def record(self, stream: Any = None) -> None:
+        self.t = time.perf_counter_ns()
+
+    def query(self) -> bool:
+        return self.t is not None
+
+    def elapsed_time(self, other: _FakeCudaEvent) -> float:
+        assert self.t is not None and other.t is not None
+        return (other.t - self.t) / 1e6
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Stream:
+        cuda_stream = 7
+
+        def query(self) -> bool:
+            return True
+
+    stream = Stream()
+    monkeypatch.setattr(torch.cuda, "Event", _FakeCudaEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch._C, "_CudaEventBase", None, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", None, raising=False)
+
+
+@pytest.mark.parametrize("side_stream", [False, True])
+def test_cuda_timer_tokens_are_pool_indices_and_anchors_are_kept_by_number(monkeypatch: pytest.MonkeyPatch,
+                                                                           side_stream: bool) -> None:
+    """The CUDA timer's stamps are indices into its event pool and spans name their anchor by
+    number: what a pending span holds is plain integers. Released indices are reused, the pool is
+    bounded, and an anchor too old to be kept is an error, not a wrong time."""
+    from megascope.collectors import timing
+
+    _fake_cuda(monkeypatch)
+    timer = timing.CudaTimer("cuda", max_events=3, anchor_interval_s=0.0, side_stream=side_stream)
+    ref = timer.anchor_ref
+    t0 = timer.stamp()
+    time.sleep(0.002)
+    t1 = timer.stamp()
+    assert isinstance(t0, int) and isinstance(t1, int) and timer.ready(t1) and timer.stamps == 2
+    start, end = timer.wall_ns(t0, ref), timer.wall_ns(t1, ref)
+    assert 2_000_000 <= end - start < 1_000_000_000 and abs(start - time.time_ns()) < 1e9
+    assert timer.stamp() is not None and timer.stamp() is None  # 3 events at most
+    timer.release(t0)
+    assert timer.stamp() == t0  # reused
+    for _ in range(timing.ANCHOR_SLOTS):
+        timer.maybe_refresh()
+    assert timer.anchor_ref == ref + timing.ANCHOR_SLOTS
+    with pytest.raises(LookupError):
+        timer.wall_ns(t1, ref)
+    assert abs(timer.wall_ns(t1, timer.anchor_ref) - end) < 1_000_000  # any kept anchor gives the same time
+
+
+def test_pending_spans_hold_nothing_the_garbage_collector_tracks(tmp_path: Path) -> None:
+    """A span waiting for the writer is a tuple of plain values, which the garbage collector stops
+    tracking at its first pass: the collector's queue never adds to the interpreter's full
+    collections."""
+    import gc
+
+    col = Collector(CollectorConfig(run_dir=tmp_path / "run", flush_interval_s=3600.0), rank=0, world_size=1)
+    with col.step(0):
+        with col.span("x"):
+            pass
+        handle = col.comm_begin(op="all_reduce", group="world")
+        handle.waiting()
+        handle.end()
+    gc.collect()
+    pending = list(col._sink.pending_spans._rows)
+    assert len(pending) == 3 and not any(gc.is_tracked(item) for item in pending)
+    col.close()
