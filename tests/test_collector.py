@@ -398,6 +398,15 @@ class _Model(torch.nn.Module):
         return x
 
 
+def _forward_backward(col: Collector, model: torch.nn.Module, *, microbatches: int) -> None:
+    """Forward and backward of each micro-batch inside the collector's top-level spans."""
+    for mb in range(microbatches):
+        with col.span("forward", kind=SpanKind.FORWARD, microbatch=mb):
+            out = model(torch.randn(4, 16, requires_grad=True))
+        with col.span("backward", kind=SpanKind.BACKWARD, microbatch=mb):
+            out.sum().backward()
+
+
 def test_instrument_module_forward_and_backward_spans(tmp_path: Path) -> None:
     run = tmp_path / "run"
     col = _collector(run)
@@ -405,11 +414,7 @@ def test_instrument_module_forward_and_backward_spans(tmp_path: Path) -> None:
     handles = instrument_module(model, ["layers.*"], collector=col, kind_prefix="s0.")
     assert len(handles) == 6
     with col.step(0):
-        for mb in range(2):
-            with col.span("forward", kind=SpanKind.FORWARD, microbatch=mb):
-                out = model(torch.randn(4, 16, requires_grad=True))
-            with col.span("backward", kind=SpanKind.BACKWARD, microbatch=mb):
-                out.sum().backward()
+        _forward_backward(col, model, microbatches=2)
         with torch.no_grad():
             model(torch.randn(4, 16))  # forward spans only: no graph, no backward
     for h in handles:
@@ -441,11 +446,7 @@ def test_instrument_module_in_chosen_microbatches_only(tmp_path: Path) -> None:
     model = _Model(2)
     instrument_module(model, ["layers.*"], collector=col, microbatches={1})
     with col.step(0):
-        for mb in range(3):
-            with col.span("forward", kind=SpanKind.FORWARD, microbatch=mb):
-                out = model(torch.randn(4, 16, requires_grad=True))
-            with col.span("backward", kind=SpanKind.BACKWARD, microbatch=mb):
-                out.sum().backward()
+        _forward_backward(col, model, microbatches=3)
         model(torch.randn(4, 16))
     col.close()
     spans = [(s["name"], s["kind"], s["microbatch"]) for s in _spans(run) if s["name"].startswith("layers.")]
