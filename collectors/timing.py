@@ -8,7 +8,7 @@ above them runs the same on CPU (gloo tests) and on CUDA.
 
 * :class:`HostTimer`: a token is ``time.perf_counter_ns()``; an anchor pairs it with
   ``time.time_ns()``, so NTP slewing of the wall clock is followed at every anchor refresh.
-* :class:`CudaTimer`: a token is the number of a ``torch.cuda.Event(enable_timing=True)`` in a pool, recorded
+* :class:`CudaTimer`: a token is the key of a ``torch.cuda.Event(enable_timing=True)`` in a pool, recorded
   on the stream doing the work, or (``side_stream``, clock ``side-stream``) on a private stream made to
   wait for a timing-free marker on the work's stream, so that no timing event sits between the
   work's kernels. ``ready`` is ``Event.query()`` and ``wall_ns`` is
@@ -35,6 +35,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -140,7 +141,7 @@ class CudaTimer(_Anchors):
 
     ``max_events`` bounds the events alive at once (pooled plus in flight); when the device runs
     far behind the host and the pool is exhausted, ``stamp`` returns None and the caller drops the
-    span (and counts it) rather than grow without bound. A token is the event's index in the pool.
+    span (and counts it) rather than grow without bound. A token is the event's key in the pool.
     """
 
     is_device = True
@@ -173,22 +174,26 @@ class CudaTimer(_Anchors):
         self._index = self.device.index
         self._interval_ns = int(anchor_interval_s * 1e9)
         self._max_events = max_events
-        self._events: list[Any] = []  # the pool; a token is an index into it
+        # The pool: a token is a key of it. Keys come from a counter, whose next() no two threads
+        # can share (a backward hook may stamp from autograd's thread).
+        self._events: dict[int, Any] = {}
+        self._keys = itertools.count()
         self._free: deque[int] = deque()
-        self._created = 0
         first = self._take_anchor(require_idle=False)
         assert first is not None  # require_idle=False always returns an anchor
         self._init_anchors(first)
         self.stamps = 0  # timing events recorded so far (the collector reports them per step)
 
     def _new_event(self) -> int | None:
-        if self._free:
+        try:
             return self._free.pop()
-        if self._created >= self._max_events:
+        except IndexError:
+            pass
+        if len(self._events) >= self._max_events:
             return None
-        self._created += 1
-        self._events.append(self._torch.cuda.Event(enable_timing=True))
-        return len(self._events) - 1
+        key = next(self._keys)
+        self._events[key] = self._torch.cuda.Event(enable_timing=True)
+        return key
 
     def _take_anchor(self, *, require_idle: bool) -> Anchor | None:
         stream = self._torch.cuda.current_stream(self.device)
@@ -250,7 +255,7 @@ class CudaTimer(_Anchors):
 
     @property
     def outstanding(self) -> int:
-        return self._created - len(self._free)
+        return len(self._events) - len(self._free)
 
 
 Timer = HostTimer | CudaTimer

@@ -714,3 +714,33 @@ def test_pending_spans_hold_nothing_the_garbage_collector_tracks(tmp_path: Path)
     pending = list(col._sink.pending_spans._rows)
     assert len(pending) == 3 and not any(gc.is_tracked(item) for item in pending)
     col.close()
+
+
+def test_cuda_timer_never_hands_one_event_to_two_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stamps from two threads at once (a backward hook runs on autograd's thread) get distinct
+    events, with the interpreter switching threads as often as it can."""
+    import sys
+    import threading
+
+    from megascope.collectors import timing
+
+    _fake_cuda(monkeypatch)
+    timer = timing.CudaTimer("cuda")
+    got: list[list[Any]] = [[], []]
+
+    def stamp_many(out: list[Any]) -> None:
+        for _ in range(3000):
+            out.append(timer.stamp())
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=stamp_many, args=(out,)) for out in got]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    tokens = got[0] + got[1]
+    assert None not in tokens and len(set(tokens)) == len(tokens) == 6000 == timer.outstanding
