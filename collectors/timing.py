@@ -200,7 +200,7 @@ class CudaTimer(_Anchors):
         idle = bool(stream.query())
         if require_idle and not idle:
             return None
-        # Anchor events are not pooled: pending spans keep them alive as long as they need them.
+        # Anchor events are not pooled: the timer keeps its last ANCHOR_SLOTS anchors alive.
         event = self._torch.cuda.Event(enable_timing=True)
         w0 = time.time_ns()
         event.record(stream)
