@@ -366,3 +366,24 @@ def test_collector_footprint_estimates_device_time_from_the_stamps_per_step() ->
     con.unregister("metrics")
     con.register("metrics", metrics[metrics["name"] == "loss"])
     assert collector_footprint(con, step_time_ns=None) == {"stamps_per_step": None}
+
+
+def test_gc_pauses_inside_steps_per_rank(tmp_path: Path) -> None:
+    """gc.* host spans inside steps add up per rank; a collection outside any step is not counted,
+    and other host spans are not collections."""
+    spans = []
+    for r in range(3):
+        for step in range(2):
+            spans.append(span(r, step, "step", step * 100 * MS, 100 * MS))
+    spans += [span(1, 0, "host", 10 * MS, 40 * MS, name="gc.gen2"), span(1, 1, "host", 110 * MS, 2 * MS, name="gc.gen0"),
+              span(2, 1, "host", 150 * MS, 5 * MS, name="gc.gen1"), span(0, 0, "host", 20 * MS, 9 * MS, name="checkpoint")]
+    outside = span(0, 0, "host", 250 * MS, 70 * MS, name="gc.gen2")
+    outside["step"] = None
+    run = open_run(hand_run(tmp_path / "run", spans + [outside], []))
+    got = analysis.report(run, with_whatif=False)["gc"]
+    assert got["ranks_with_gc"] == 2 and got["ranks"] == 3 and got["total_ns"] == 47 * MS
+    assert got["top"] == [{"rank": 1, "steps": 2, "total_ns": 42 * MS, "max_step_ns": 40 * MS},
+                          {"rank": 2, "steps": 1, "total_ns": 5 * MS, "max_step_ns": 5 * MS}]
+    out = CliRunner().invoke(main, ["report", str(tmp_path / "run"), "--no-whatif", "-q"])
+    assert out.exit_code == 0, out.output
+    assert "GC PAUSES inside steps: 2 of 3 ranks, 47.0 ms in all; longest: rank 1, 42.0 ms over 2 steps" in out.output

@@ -83,6 +83,25 @@ def collector_footprint(con: duckdb.DuckDBPyConnection, step_time_ns: float | No
     }
 
 
+def gc_pauses(con: duckdb.DuckDBPyConnection, *, top: int = 8) -> dict[str, Any]:
+    """Python garbage collections inside steps (the collector's ``gc.*`` host spans): how many
+    ranks stopped for them, for how long in all, and the ``top`` ranks that stopped longest. A
+    collection stops every thread of its rank, and in a synchronous job the others wait."""
+    totals = _sql.first(con.execute(
+        "SELECT count(DISTINCT rank) FILTER (WHERE gc_ns > 0), coalesce(sum(gc_ns), 0), count(DISTINCT rank) "
+        "FROM ms_cache.rank_step"))
+    ranks = con.execute(
+        "SELECT rank, count(*) FILTER (WHERE gc_ns > 0) AS steps, sum(gc_ns) AS total_ns, max(gc_ns) AS max_step_ns "
+        "FROM ms_cache.rank_step GROUP BY rank HAVING sum(gc_ns) > 0 ORDER BY total_ns DESC, rank LIMIT ?",
+        [top]).fetchall()
+    return {
+        "ranks_with_gc": int(totals[0]) if totals else 0,
+        "ranks": int(totals[2]) if totals else 0,
+        "total_ns": int(totals[1]) if totals else 0,
+        "top": [{"rank": int(r), "steps": int(n), "total_ns": int(t), "max_step_ns": int(m)} for r, n, t, m in ranks],
+    }
+
+
 def _coords(row: Any, axes: tuple[str, ...]) -> dict[str, int]:
     return {a: int(row[a]) for a in axes if a in MESH_AXES and pd.notna(row.get(a))}
 
@@ -160,6 +179,7 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
         "exposed_comm": exposed.to_dict("records"),
         "host_lead": lead,
         "collector": collector_footprint(con, median_step),
+        "gc": gc_pauses(con),
         "whatif": whatif_result,
         "problems": list(run.problems),
     }

@@ -119,6 +119,13 @@ def _print_report(r: dict[str, Any]) -> None:
         for x in lead.get("host_bound") or []:
             click.echo(f"  host-bound: rank {x['rank']}: the device was idle at {100 * x['starved_frac']:.0f}% of "
                        f"{x['calls']} calls (lead p10 {_ms(x['lead_p10_ns'])}); host time is step time there")
+    pauses = r.get("gc") or {}
+    if pauses.get("total_ns"):
+        worst = pauses["top"][0]
+        click.echo("")
+        click.echo(f"GC PAUSES inside steps: {pauses['ranks_with_gc']} of {pauses['ranks']} ranks, "
+                   f"{_ms(pauses['total_ns'])} in all; longest: rank {worst['rank']}, {_ms(worst['total_ns'])} "
+                   f"over {worst['steps']} steps (at most {_ms(worst['max_step_ns'])} in one)")
     footprint = r.get("collector") or {}
     if footprint.get("stamps_per_step") is not None:
         line = f"COLLECTOR {footprint['stamps_per_step']:,.0f} stamps a rank-step"

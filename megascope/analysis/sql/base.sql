@@ -125,6 +125,7 @@ FROM g LEFT JOIN kinds ON kinds."group" = g.grp;
 -- @column extent_ns      last end minus first start of all its spans in the step
 -- @column forward_ns, backward_ns, optimizer_ns, compute_ns  compute kinds, summed
 -- @column data_ns, host_ns, other_ns                          data wait, host work, other
+-- @column gc_ns          of host_ns, Python garbage collections (the collector's gc.* spans)
 -- @column compute_excl_ns  its own compute: top-level forward/backward spans (or all compute
 --                        spans), optimizer and other compute, minus the wait of collectives that
 --                        run inside compute spans (e.g. TP collectives inside "forward")
@@ -165,6 +166,7 @@ WITH lvl AS (
            sum(s.dur_ns) FILTER (WHERE s.kind IN ('forward', 'backward') AND s.name IN ('forward', 'backward')) AS top_compute_ns,
            sum(s.dur_ns) FILTER (WHERE s.kind = 'data') AS data_ns,
            sum(s.dur_ns) FILTER (WHERE s.kind = 'host') AS host_ns,
+           sum(s.dur_ns) FILTER (WHERE s.kind = 'host' AND starts_with(s.name, 'gc.')) AS gc_ns,
            sum(s.dur_ns) FILTER (WHERE s.kind = 'other') AS other_ns,
            sum(s.dur_ns) FILTER (WHERE s.kind = 'collective') AS coll_ns,
            sum(s.dur_ns) FILTER (WHERE s.kind = 'recv') AS recv_ns,
@@ -208,7 +210,7 @@ WITH lvl AS (
            max(step_ns) AS step_ns, min(step_start_raw) AS step_start_raw,
            min(first_raw) AS first_raw, max(last_raw) AS last_raw,
            sum(forward_ns) AS forward_ns, sum(backward_ns) AS backward_ns, sum(optimizer_ns) AS optimizer_ns,
-           sum(compute_ns) AS compute_ns, sum(data_ns) AS data_ns, sum(host_ns) AS host_ns,
+           sum(compute_ns) AS compute_ns, sum(data_ns) AS data_ns, sum(host_ns) AS host_ns, sum(gc_ns) AS gc_ns,
            sum(other_ns) AS other_ns, sum(top_compute_ns) AS top_compute_ns,
            coalesce(sum(coll_wait) FILTER (WHERE list_contains({{nested_kinds}}, group_kind)), 0) AS nested_wait,
            coalesce(sum(coll_ns), 0) AS coll_ns, coalesce(sum(recv_ns), 0) AS recv_ns,
@@ -227,7 +229,8 @@ SELECT j.rank, j.step, j.stage, j.step_ns,
        j.last_raw - j.first_raw AS extent_ns,
        coalesce(j.forward_ns, 0) AS forward_ns, coalesce(j.backward_ns, 0) AS backward_ns,
        coalesce(j.optimizer_ns, 0) AS optimizer_ns, coalesce(j.compute_ns, 0) AS compute_ns,
-       coalesce(j.data_ns, 0) AS data_ns, coalesce(j.host_ns, 0) AS host_ns, coalesce(j.other_ns, 0) AS other_ns,
+       coalesce(j.data_ns, 0) AS data_ns, coalesce(j.host_ns, 0) AS host_ns, coalesce(j.gc_ns, 0) AS gc_ns,
+       coalesce(j.other_ns, 0) AS other_ns,
        -- Compute of the rank itself: top-level forward/backward (all compute spans where there
        -- are none), minus the wait of collectives issued inside them ({{nested_kinds}}).
        coalesce(j.top_compute_ns, coalesce(j.forward_ns, 0) + coalesce(j.backward_ns, 0))
