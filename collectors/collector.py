@@ -44,7 +44,7 @@ from typing import Any
 
 from megascope.collectors.buffers import rows_to_table
 from megascope.collectors.config import CollectorConfig
-from megascope.collectors.contexts import NOOP, CommHandle, SpanContext, StepContext
+from megascope.collectors.contexts import NOOP, CommHandle, SpanContext, StepContext, StepLevel
 from megascope.collectors.timing import Timer, make_timer, resolve_device
 from megascope.collectors.writer import Sink, Writer
 
@@ -105,11 +105,14 @@ class Collector:
         self._microbatch: int | None = None
         self._chunk: int | None = None
         self._seqs: dict[Any, int] = {}
-        self._comm_specs: dict[Any, tuple[str, str, Any, str, str]] = {}
+        self._comm_specs: dict[Any, tuple[str, str, Any, str, str, bool]] = {}
+        self._sample_mbs = frozenset(config.comm_sample_microbatches)
+        self._sampled_calls: dict[str, int] = {}  # group -> calls this step, where comm_sample_kinds applies
         self._groups: dict[str, Group] = {}
         self._groups_by_pg: dict[Any, Group] = {}
         self._groups_by_name: dict[str, Group] = {}  # torch group_name -> Group (flight recorder)
         self._internal_errors = 0
+        self._untimed_calls = 0  # communication calls left untimed by comm_sample_kinds
         self._warned: set[str] = set()
         self._dist: Any = None
         self._heartbeat: Any = None
@@ -352,6 +355,21 @@ class Collector:
             timer.release(end)
             timer.release(wait)
 
+    def _close_untimed(self, stream: Any, step: int | None, group: str, seq: int, op: str, nbytes: int | None,
+                       peer: int | None) -> None:
+        """An untimed communication call has been waited for: queue its completion for the writer,
+        read from a timing-free event."""
+        try:
+            mark = self._timer.mark(stream)
+        except Exception:
+            self._internal_error("comm mark")
+            mark = None
+        if mark is None:
+            self._sink.pending_marks.dropped += 1
+        elif not self._sink.pending_marks.put((mark, step, group, seq, op, nbytes, peer)):
+            self._timer.release_mark(mark)
+        self._untimed_calls += 1
+
     # ------------------------------------------------------------------ communication
     def _next_seq(self, key: Any) -> int:
         seq = self._seqs.get(key, 0)
@@ -380,7 +398,11 @@ class Collector:
                 spec = self._comm_spec(op, group, kind, stream, name)
                 if key is not None and len(self._comm_specs) < 4096:
                     self._comm_specs[key] = spec
-            kind_s, op_s, record_on, label, name = spec
+            kind_s, op_s, record_on, label, name, sampled = spec
+            timed = True
+            if sampled:
+                self._sampled_calls[group] = self._sampled_calls.get(group, 0) + 1
+                timed = self._microbatch is None or self._microbatch in self._sample_mbs
             if kind_s == _SEND:
                 seq = self._next_seq((group, self.rank, peer))
             elif kind_s == _RECV:
@@ -388,20 +410,33 @@ class Collector:
             else:
                 seq = self._next_seq(group)
             return CommHandle(self, name=name, kind=kind_s, label=label, group=group, seq=seq, op=op_s,
-                              nbytes=None if bytes is None else int(bytes), peer=peer, stream=record_on)
+                              nbytes=None if bytes is None else int(bytes), peer=peer, stream=record_on,
+                              timed=timed)
         except Exception:
             self._internal_error("comm begin")
             return NOOP
 
     def _comm_spec(self, op: CollectiveOp | str, group: str, kind: SpanKind | str, stream: Any,
-                   name: str | None) -> tuple[str, str, Any, str, str]:
-        """(kind, op, stream to record on, stream label, span name) of a communication call."""
+                   name: str | None) -> tuple[str, str, Any, str, str, bool]:
+        """(kind, op, stream to record on, stream label, span name, timed in sampled micro-batches
+        only) of a communication call."""
         kind_s = self._kind(kind)
         op_s = str(op.value if isinstance(op, CollectiveOp) else op)
         if group not in self._groups and group == GroupKind.WORLD.value:
             self._add_group(self._fallback_group(None))
         record_on, label = self._label(kind_s, stream)
-        return kind_s, op_s, record_on, label, name if name is not None else f"{group.split(':', 1)[0]}.{op_s}"
+        known = self._groups.get(group)
+        group_kind = known.kind if known is not None else group.split(":", 1)[0]
+        return (kind_s, op_s, record_on, label, name if name is not None else f"{group.split(':', 1)[0]}.{op_s}",
+                group_kind in self.config.comm_sample_kinds)
+
+    def step_level(self) -> Any:
+        """A ``with`` block whose communication calls belong to the step rather than to the
+        micro-batch being run: a gradient sync that a backward hook launches, say. Their spans get
+        no micro-batch, and ``comm_sample_kinds`` always times them."""
+        if not self._active:
+            return NOOP
+        return StepLevel(self)
 
     def comm(self, op: CollectiveOp | str, group: str = "world", bytes: int | None = None,
              kind: SpanKind | str = SpanKind.COLLECTIVE, peer: int | None = None, stream: Any = None,
@@ -536,6 +571,7 @@ class Collector:
             "internal_errors": self._internal_errors + w.internal_errors,
             "anchors_taken": self._timer.anchors_taken,
             "gc_spans": self._gc_watch.recorded if self._gc_watch is not None else 0,
+            "untimed_calls": self._untimed_calls,
             "device": str(self.device),
         }
 

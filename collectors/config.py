@@ -15,6 +15,7 @@ script wrote, so an operator can switch the collector off or move its output wit
 ``MEGASCOPE_CLOCK=host``              ``clock`` (``device``, ``side-stream`` or ``host``)
 ``MEGASCOPE_WRITER_DUTY=0.25``        ``writer_duty`` (1 turns the writer's pacing off)
 ``MEGASCOPE_GC_SPAN_MS=1``            ``gc_span_min_ms`` (a negative value turns GC spans off)
+``MEGASCOPE_COMM_SAMPLE=tp``          ``comm_sample_kinds`` (comma-separated; ``none`` times every call)
 ====================================  ===========================================
 
 Example::
@@ -103,6 +104,15 @@ class CollectorConfig:
     # takes at least this many milliseconds (None: none). A full collection stops every thread
     # of the rank for tens of milliseconds, long enough to make one rank a straggler.
     gc_span_min_ms: float | None = 1.0
+    # Communication calls on groups of these kinds (say ("tp",)) are timed only inside the
+    # micro-batches listed in comm_sample_microbatches, and outside any micro-batch. The others
+    # keep their enqueued and completed markers, so hang localization still sees every call, but
+    # get no span: their completion is read from a timing-free event, which costs the device
+    # nothing measurable, where a timed call costs it two or three timing events of ~2 us each.
+    # A tp2 job with four micro-batches issues ~400 TP calls a step. The analysis reads from the
+    # markers how many calls of each kind were timed (megascope.analysis.exposed_comm).
+    comm_sample_kinds: tuple[str, ...] = ()
+    comm_sample_microbatches: tuple[int, ...] = (0,)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "run_dir", Path(self.run_dir))
@@ -120,6 +130,11 @@ class CollectorConfig:
             raise ConfigError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
         if self.gc_span_min_ms is not None and self.gc_span_min_ms < 0:
             raise ConfigError(f"gc_span_min_ms must be >= 0 or None, got {self.gc_span_min_ms}")
+        kinds = self.comm_sample_kinds
+        object.__setattr__(self, "comm_sample_kinds", (kinds,) if isinstance(kinds, str) else tuple(map(str, kinds)))
+        object.__setattr__(self, "comm_sample_microbatches", tuple(int(m) for m in self.comm_sample_microbatches))
+        if any(m < 0 for m in self.comm_sample_microbatches):
+            raise ConfigError(f"comm_sample_microbatches must be >= 0, got {self.comm_sample_microbatches}")
         if self.heartbeat_interval_s is not None and not self.heartbeat_interval_s > 0:
             raise ConfigError(f"heartbeat_interval_s must be > 0 or None, got {self.heartbeat_interval_s}")
 
@@ -153,4 +168,7 @@ class CollectorConfig:
         if "MEGASCOPE_GC_SPAN_MS" in env:
             ms = _env_number("MEGASCOPE_GC_SPAN_MS", env["MEGASCOPE_GC_SPAN_MS"], float)
             changes["gc_span_min_ms"] = ms if ms >= 0 else None
+        if "MEGASCOPE_COMM_SAMPLE" in env:
+            kinds = [k.strip() for k in env["MEGASCOPE_COMM_SAMPLE"].split(",") if k.strip()]
+            changes["comm_sample_kinds"] = () if kinds in ([], ["none"]) else tuple(kinds)
         return dataclasses.replace(self, **changes) if changes else self

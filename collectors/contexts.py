@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from megascope.schema import COLLECTOR_STAMPS_METRIC, SpanKind
+from megascope.schema import COLLECTOR_CALLS_METRIC, COLLECTOR_STAMPS_METRIC, SpanKind
 
 if TYPE_CHECKING:
     from megascope.collectors.collector import Collector
@@ -129,6 +129,7 @@ class StepContext(SpanContext):
         except Exception:
             col._internal_error("anchor refresh")
         self._stamps = col._timer.stamps
+        col._sampled_calls.clear()
         super().__enter__()
         return self
 
@@ -138,8 +139,30 @@ class StepContext(SpanContext):
         col._step = self._prev_step
         # The collector's own footprint: every stamp of the step is a timing event on a device
         # clock, which costs the device ~2 us (docs/collector.md).
+        now = time.time_ns()
         col._sink.metrics.put((col.rank, self.step, COLLECTOR_STAMPS_METRIC, float(col._timer.stamps - self._stamps),
-                               time.time_ns()))
+                               now))
+        if col._sampled_calls:  # groups timed in some micro-batches only: how many calls there were
+            for group, calls in col._sampled_calls.items():
+                col._sink.metrics.put((col.rank, self.step, COLLECTOR_CALLS_METRIC + group, float(calls), now))
+            col._sampled_calls.clear()
+
+
+class StepLevel:
+    """``with col.step_level():`` calls inside belong to the step, not to the micro-batch running."""
+
+    __slots__ = ("_col", "_saved")
+
+    def __init__(self, col: Collector) -> None:
+        self._col = col
+        self._saved: int | None = None
+
+    def __enter__(self) -> StepLevel:
+        self._saved, self._col._microbatch = self._col._microbatch, None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._col._microbatch = self._saved
 
 
 class CommHandle:
@@ -149,11 +172,11 @@ class CommHandle:
     complete, and the lone ``enqueued`` marker says so.
     """
 
-    __slots__ = ("_col", "_token", "_anchor", "_done", "_wait", "stream", "step", "name", "kind", "label", "group",
-                 "seq", "op", "bytes", "peer", "microbatch", "chunk")
+    __slots__ = ("_col", "_token", "_anchor", "_done", "_wait", "_timed", "stream", "step", "name", "kind", "label",
+                 "group", "seq", "op", "bytes", "peer", "microbatch", "chunk")
 
     def __init__(self, col: Collector, *, name: str, kind: str, label: str, group: str, seq: int, op: str,
-                 nbytes: int | None, peer: int | None, stream: Any) -> None:
+                 nbytes: int | None, peer: int | None, stream: Any, timed: bool = True) -> None:
         self._col = col
         self.name = name
         self.kind = kind
@@ -169,7 +192,11 @@ class CommHandle:
         self.chunk = col._chunk
         self._done = False
         self._wait: Any = None
+        self._timed = timed
         col._enqueue_marker(self)
+        if not timed:  # markers only (config.comm_sample_kinds)
+            self._anchor = self._token = None
+            return
         try:
             self._anchor = col._timer.anchor_ref
             self._token = col._timer.stamp(stream)
@@ -184,7 +211,7 @@ class CommHandle:
         from here to completion: the part of the operation that compute did not hide. On GPU it is
         stamped on the same stream, so it is the time that stream stalled.
         """
-        if self._done or self._wait is not None or not self._col.config.wait_spans:
+        if self._done or self._wait is not None or not self._timed or not self._col.config.wait_spans:
             return
         try:
             self._wait = self._col._timer.stamp(self.stream)
@@ -196,6 +223,9 @@ class CommHandle:
         if self._done:
             return
         self._done = True
+        if not self._timed:
+            self._col._close_untimed(self.stream, self.step, self.group, self.seq, self.op, self.bytes, self.peer)
+            return
         # The span belongs to the step it was issued in, even if its wait comes later. The wait
         # span ends where the operation does: it shares the end stamp (one device event fewer).
         self._col._close_span(self._token, self._anchor, self.stream, self.step, self.name, self.kind, self.label,

@@ -131,6 +131,17 @@ class HostTimer(_Anchors):
     def release(self, token: Any) -> None:
         """Give a token back (a no-op for host stamps)."""
 
+    def mark(self, stream: Any = None) -> int:
+        """A completion mark: on the host, work is done when its call returns, so the mark is the
+        wall-clock time of that moment."""
+        return time.time_ns()
+
+    def mark_done(self, mark: Any) -> bool:
+        return True
+
+    def release_mark(self, mark: Any) -> None:
+        """Give a mark back (a no-op on the host)."""
+
     @property
     def outstanding(self) -> int:
         return 0
@@ -179,6 +190,10 @@ class CudaTimer(_Anchors):
         self._events: dict[int, Any] = {}
         self._keys = itertools.count()
         self._free: deque[int] = deque()
+        # Timing-free events (``mark``): they tell that work is done, not when, and cost the device
+        # nothing measurable where a timing event costs it microseconds.
+        self._marks: dict[int, Any] = {}
+        self._free_marks: deque[int] = deque()
         first = self._take_anchor(require_idle=False)
         assert first is not None  # require_idle=False always returns an anchor
         self._init_anchors(first)
@@ -252,6 +267,26 @@ class CudaTimer(_Anchors):
     def release(self, token: int | None) -> None:
         if token is not None:
             self._free.append(token)
+
+    def mark(self, stream: Any = None) -> int | None:
+        """A timing-free event recorded on ``stream`` (default: the current one), for ``mark_done``;
+        None when ``max_events`` marks are in flight."""
+        try:
+            key = self._free_marks.pop()
+        except IndexError:
+            if len(self._marks) >= self._max_events:
+                return None
+            key = next(self._keys)
+            self._marks[key] = self._torch.cuda.Event(enable_timing=False)
+        self._record(self._marks[key], self._current_stream() if stream is None else stream)
+        return key
+
+    def mark_done(self, mark: int) -> bool:
+        return bool(self._query(self._marks[mark]))
+
+    def release_mark(self, mark: int | None) -> None:
+        if mark is not None:
+            self._free_marks.append(mark)
 
     @property
     def outstanding(self) -> int:

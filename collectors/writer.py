@@ -62,6 +62,9 @@ class Sink:
         # (start_token, end_token, anchor, step, name, kind, stream, microbatch, chunk, group, seq,
         #  op, bytes, peer): spans closed on the host whose device events may still be running.
         self.pending_spans = RowBuffer(capacity)
+        # (mark, step, group, seq, op, bytes, peer): untimed communication calls whose completion
+        # is still to be seen (config.comm_sample_kinds).
+        self.pending_marks = RowBuffer(capacity)
         # (step, name, value | None, host_tensor | None, event | None, time_ns)
         self.pending_metrics = RowBuffer(capacity)
 
@@ -70,7 +73,8 @@ class Sink:
 
     @property
     def dropped(self) -> int:
-        return sum(b.dropped for b in (self.spans, self.markers, self.metrics, self.pending_spans, self.pending_metrics))
+        return sum(b.dropped for b in (self.spans, self.markers, self.metrics, self.pending_spans, self.pending_marks,
+                                       self.pending_metrics))
 
 
 class Pacer:
@@ -174,6 +178,24 @@ def resolve_pending(sink: Sink, timer: Timer, rank: int, pacer: Pacer | None = N
             errors += _resolve_span(sink, timer, rank, item, waiting)
     if waiting:
         sink.pending_spans.push_front(waiting)
+
+    # Untimed calls: a completed marker. On the host the mark is the completion time; on a device,
+    # the time the writer first sees its event done (up to one flush interval late: hang
+    # localization reads which calls completed, not when).
+    marks = sink.pending_marks.drain()
+    now = time.time_ns() if marks and timer.is_device else None
+    for i, (mark, step, group, seq, op, nbytes, peer) in enumerate(marks):
+        try:
+            if not timer.mark_done(mark):
+                # Marks are recorded in call order, mostly on one stream: the rest are later.
+                sink.pending_marks.push_front(marks[i:])
+                break
+        except Exception:
+            errors += 1
+            log.debug("could not resolve the completion of %s %s", group, seq, exc_info=True)
+            continue
+        timer.release_mark(mark)
+        sink.markers.put((rank, group, seq, op, _COMPLETED, mark if now is None else now, step, nbytes, peer))
 
     waiting = []
     for step, name, value, host_tensor, event, time_ns in sink.pending_metrics.drain():
@@ -284,7 +306,7 @@ class Writer:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(self.interval_s, 1.0) + 5.0)
         deadline = time.monotonic() + timeout_s
-        while len(self.sink.pending_spans) or len(self.sink.pending_metrics):
+        while len(self.sink.pending_spans) or len(self.sink.pending_marks) or len(self.sink.pending_metrics):
             with self.lock:
                 self.internal_errors += resolve_pending(self.sink, self.timer, self.rank)
             if time.monotonic() >= deadline:

@@ -158,6 +158,10 @@ COLLECTOR_METRIC_PREFIX = "collector_"
 # A ``metrics`` row per rank and step: how many stamps the collector took in the step (two per span,
 # one per wait span). On a device clock each is a timing event that costs the device ~2 us.
 COLLECTOR_STAMPS_METRIC = "collector_stamps"
+# ``collector_calls:<group>``: a ``metrics`` row per rank, step and group whose communication the
+# collector times in some micro-batches only (CollectorConfig.comm_sample_kinds): the calls issued on
+# it in the step, timed or not. The analysis counts the timed ones' waits for all of them.
+COLLECTOR_CALLS_METRIC = "collector_calls:"
 
 
 class DiagnosticTest(enum.StrEnum):

@@ -211,6 +211,62 @@ def test_comm_sequence_numbers_markers_and_async_handles(tmp_path: Path) -> None
     assert groups == [("world", "world", [0])]
 
 
+def test_sampled_group_kinds_are_timed_in_the_listed_microbatches_and_keep_every_marker(tmp_path: Path) -> None:
+    """comm_sample_kinds: calls on tp groups get a span in micro-batch 0, outside micro-batches and
+    under step_level() only; every call keeps its enqueued and completed markers and its sequence
+    number, and the step's metric says how many tp calls there were. Other kinds are all timed."""
+    from megascope.schema import COLLECTOR_CALLS_METRIC
+
+    run = tmp_path / "run"
+    col = _collector(run, comm_sample_kinds=("tp",))
+    for step in range(2):
+        with col.step(step):
+            for mb in range(3):
+                with col.span("forward", kind=SpanKind.FORWARD, microbatch=mb):
+                    with col.comm(op="all_gather", group="tp:0", bytes=64):
+                        pass
+                    handle = col.comm_begin(op="reduce_scatter", group="tp:0", bytes=64)
+                    handle.waiting()
+                    handle.end()
+                    with col.comm(op="reduce_scatter", group="dp:0", bytes=32):
+                        pass
+            # A gradient sync, once a step, launched from the last micro-batch's backward:
+            with col.span("backward", kind=SpanKind.BACKWARD, microbatch=2), col.step_level(), \
+                    col.comm(op="all_reduce", group="tp:0", bytes=16):
+                pass
+            with col.comm(op="all_reduce", group="tp:0", bytes=8):
+                pass
+    col.close()
+    con = open_run(run).con
+    timed = con.sql("""SELECT step, "group", seq, op, microbatch FROM spans WHERE "group" IS NOT NULL
+                       ORDER BY step, "group", seq""").fetchall()
+    tp = [(step, seq, op, mb) for step, group, seq, op, mb in timed if group == "tp:0"]
+    assert tp == [(s, 8 * s + k, op, mb) for s in range(2)
+                  for k, op, mb in ((0, "all_gather", 0), (1, "reduce_scatter", 0), (6, "all_reduce", None),
+                                    (7, "all_reduce", None))]
+    assert [(step, seq, mb) for step, group, seq, _, mb in timed if group == "dp:0"] == [
+        (s, 3 * s + mb, mb) for s in range(2) for mb in range(3)]
+    waits = con.sql("SELECT name, microbatch FROM spans WHERE name LIKE '%:wait'").fetchall()
+    assert waits == [("tp.reduce_scatter:wait", 0)] * 2
+    markers = con.sql("""SELECT state, list(seq ORDER BY seq) FROM markers WHERE "group" = 'tp:0'
+                         GROUP BY state ORDER BY state""").fetchall()
+    assert markers == [("completed", list(range(16))), ("enqueued", list(range(16)))]
+    calls = con.sql(f"SELECT step, value FROM metrics WHERE name = '{COLLECTOR_CALLS_METRIC}tp:0' ORDER BY step")
+    assert calls.fetchall() == [(0, 8.0), (1, 8.0)]
+    assert col.stats["untimed_calls"] == 8
+
+
+def test_comm_sample_kinds_from_the_environment_and_checked() -> None:
+    cfg = CollectorConfig(run_dir=Path("r"))
+    assert cfg.with_env({"MEGASCOPE_COMM_SAMPLE": "tp, dp"}).comm_sample_kinds == ("tp", "dp")
+    assert cfg.with_env({"MEGASCOPE_COMM_SAMPLE": "none"}).comm_sample_kinds == ()
+    sampled = CollectorConfig(run_dir=Path("r"), comm_sample_kinds="tp")  # type: ignore[arg-type]
+    assert sampled.comm_sample_kinds == ("tp",)
+    assert sampled.with_env({"MEGASCOPE_COMM_SAMPLE": ""}).comm_sample_kinds == ()
+    with pytest.raises(ConfigError, match="comm_sample_microbatches"):
+        CollectorConfig(run_dir=Path("r"), comm_sample_microbatches=(-1,))
+
+
 @pytest.mark.parametrize("wait_spans", [True, False])
 def test_waiting_on_an_async_call_writes_its_wait_span(tmp_path: Path, wait_spans: bool) -> None:
     """wait() on an asynchronous call: the call's span runs from issue to completion and a
@@ -695,6 +751,30 @@ def test_cuda_timer_tokens_are_pool_indices_and_anchors_are_kept_by_number(monke
     with pytest.raises(LookupError):
         timer.wall_ns(t1, ref)
     assert abs(timer.wall_ns(t1, timer.anchor_ref) - end) < 1_000_000  # any kept anchor gives the same time
+
+
+def test_cuda_timer_marks_are_timing_free_pooled_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mark (the completion of an untimed call) is a timing-free event from its own pool: it
+    takes no stamp, is reused once released, and the pool is bounded like the stamps'."""
+    from megascope.collectors import timing
+
+    events: list[bool] = []
+
+    class Event(_FakeCudaEvent):
+        def __init__(self, enable_timing: bool = False) -> None:
+            super().__init__(enable_timing)
+            events.append(enable_timing)
+
+    _fake_cuda(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    timer = timing.CudaTimer("cuda", max_events=2)
+    events.clear()  # the first anchor's
+    m0, m1 = timer.mark(), timer.mark()
+    assert isinstance(m0, int) and m0 != m1 and timer.mark() is None
+    assert events == [False, False] and timer.stamps == 0
+    assert timer.mark_done(m0) and timer.mark_done(m1)
+    timer.release_mark(m0)
+    assert timer.mark() == m0 and events == [False, False]
 
 
 def test_pending_spans_hold_nothing_the_garbage_collector_tracks(tmp_path: Path) -> None:
