@@ -41,7 +41,8 @@ def whatif_cards(result: dict[str, Any], *, n_stragglers: int) -> list[Any]:
     out = [card("stragglers", str(n_stragglers), f"fixing ranks {ranks}", kind="bad")]
     if step and fixed:
         out.append(card("step time", f"{step / 1e6:.1f} -> {fixed / 1e6:.1f} ms",
-                        f"x{float(result.get('speedup') or 1):.3f} if they ran at their peers' median"))
+                        f"x{float(result.get('speedup') or 1):.3f} if they ran at their peers' median"
+                        + (" (at least: some calls untimed)" if result.get("lower_bound") else "")))
     if mfu is not None and fixed_mfu is not None:
         out.append(card("MFU gain", f"{100 * (fixed_mfu - mfu):+.1f} pts", f"{100 * mfu:.1f}% -> {100 * fixed_mfu:.1f}%",
                         kind="bad" if fixed_mfu - mfu > 0.005 else ""))

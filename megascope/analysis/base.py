@@ -29,6 +29,7 @@ import numpy as np
 import pandas as pd
 
 from megascope.analysis import _sql
+from megascope.schema import COLLECTOR_CALLS_METRIC
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,8 @@ def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None) -> Non
         stages = _sql.first(con.execute("SELECT count(DISTINCT stage) FROM ms_cache.rank_info"))
         # Groups whose members do the same work: TP and DP; with one stage every group.
         peer_kinds = ["tp", "dp"] if stages and stages[0] > 1 else ["tp", "dp", "pp", "other"]
-        _sql.execute(con, "base", "rank_step", peer_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in peer_kinds) + "]::VARCHAR[]"),
+        _sql.execute(con, "base", "rank_step", calls_prefix=_sql.Raw(COLLECTOR_CALLS_METRIC),
+                     calls_prefix_len=len(COLLECTOR_CALLS_METRIC), peer_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in peer_kinds) + "]::VARCHAR[]"),
                      nested_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in nested if k.isalnum()) + "]::VARCHAR[]"))
         _sql.execute(con, "base", "add_unknown_ranks")
         _sql.mark_built(con, "base")

@@ -57,8 +57,11 @@ def bubbles(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
 
 
 def exposed_comm(con: duckdb.DuckDBPyConnection, *, steps: list[int] | None = None) -> pd.DataFrame:
-    """Per (group_kind, name): spans, comm_ns, overlapped_ns, exposed_ns, exposed_frac, and
-    exposed_ns_per_rank_step (exposed_ns over the sampled rank-steps: the stall one rank sees per step).
+    """Per (group_kind, name): op, spans, comm_ns, overlapped_ns, exposed_ns, exposed_frac, calls,
+    exposed_all_ns; exposed_ns_per_rank_step (exposed_ns over the sampled rank-steps: the stall one
+    rank sees per step); timed_frac (spans / calls: below 1 where the collector timed a group kind's
+    calls in some micro-batches only); and exposed_ns_per_rank_step_all, the same stall estimated
+    for every call issued (untimed calls counted at the mean of timed calls of their op and size).
 
     ``steps`` defaults to up to three steps spread over the run; up to 4 ranks per pipeline stage
     are sampled. Definitions in ``sql/pipeline.sql``.
@@ -69,6 +72,9 @@ def exposed_comm(con: duckdb.DuckDBPyConnection, *, steps: list[int] | None = No
         f"SELECT count(*) FROM ms_cache.rank_step WHERE rank IN ({rank_list}) AND list_contains(?, step)",
         [step_list]).fetchall()
     df["exposed_ns_per_rank_step"] = df["exposed_ns"].astype(float) / rank_steps if rank_steps else float("nan")
+    df["timed_frac"] = (df["spans"] / df["calls"]).clip(upper=1.0)
+    df["exposed_ns_per_rank_step_all"] = (df["exposed_all_ns"].astype(float) / rank_steps if rank_steps
+                                          else float("nan"))
     return df
 
 

@@ -30,7 +30,7 @@ import pandas as pd
 
 from megascope.analysis import _sql
 from megascope.analysis.base import _sample_steps, prepare
-from megascope.schema import RunMeta
+from megascope.schema import COLLECTOR_CALLS_METRIC, RunMeta
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,10 @@ def whatif(con: duckdb.DuckDBPyConnection, meta: RunMeta, *, ranks: list[int] | 
     """Step time and MFU if ``ranks`` (default: the detected stragglers) ran at their peers' median.
 
     Returns {ranks, steps_modeled, step_time_ns (measured median), modeled_baseline_ns,
-    modeled_fixed_ns, whatif_step_time_ns, speedup, mfu, whatif_mfu}.
+    modeled_fixed_ns, whatif_step_time_ns, speedup, mfu, whatif_mfu, lower_bound}. ``lower_bound``:
+    some communication calls were not timed (the collector timed a group's calls in some
+    micro-batches only), so the replay cannot free the waits behind them and the speedup is a
+    lower bound.
     """
     from megascope.analysis.stragglers import stragglers
     from megascope.analysis.timeline import mfu
@@ -199,6 +202,9 @@ def whatif(con: duckdb.DuckDBPyConnection, meta: RunMeta, *, ranks: list[int] | 
         base_total += base
         fixed_total += fixed
     speedup = base_total / fixed_total if fixed_total > 0 else 1.0
+    # Calls the collector left untimed (CollectorConfig.comm_sample_kinds) are no sync points of
+    # the replay: the waits behind them count as the waiting ranks' own work, and the fix saves less.
+    row = _sql.first(con.execute("SELECT count(*) FROM metrics WHERE starts_with(name, ?)", [COLLECTOR_CALLS_METRIC]))
     return {
         "ranks": ranks,
         "steps_modeled": [int(s) for s in steps],
@@ -209,4 +215,5 @@ def whatif(con: duckdb.DuckDBPyConnection, meta: RunMeta, *, ranks: list[int] | 
         "speedup": speedup,
         "mfu": mean_mfu,
         "whatif_mfu": mean_mfu * speedup if mean_mfu is not None else None,
+        "lower_bound": bool(row and row[0]),
     }

@@ -129,7 +129,9 @@ FROM g LEFT JOIN kinds ON kinds."group" = g.grp;
 -- @column compute_excl_ns  its own compute: top-level forward/backward spans (or all compute
 --                        spans), optimizer and other compute, minus the wait of collectives that
 --                        run inside compute spans (e.g. TP collectives inside "forward")
--- @column comm_ns        summed communication spans
+-- @column comm_ns        summed communication spans. Where the collector timed a group's calls
+--                        in some micro-batches only (metric collector_calls:<group>), that
+--                        group's time and wait count the untimed calls at the timed ones' mean
 -- @column coll_ns, recv_ns, send_ns  of which collectives, pipeline receives, pipeline sends
 -- @column wait_ns        time it waited for others: in each collective, the last member's arrival
 --                        minus its own (summed per group through the instances, no join back
@@ -189,20 +191,31 @@ WITH lvl AS (
            count(*) FILTER (WHERE group_kind = 'pp') AS last_pp,
            count(*) FILTER (WHERE group_kind NOT IN ('tp', 'dp', 'pp')) AS last_other
     FROM ms_cache.inst WHERE n >= 2 GROUP BY last_rank, step
+), sampled AS (
+    -- Groups whose calls the collector timed in some micro-batches only: the calls issued per
+    -- rank-step (metric collector_calls:<group>). The timed calls' wait and time stand for all.
+    SELECT rank, step, substr(name, {{calls_prefix_len}} + 1) AS grp, max(value) AS calls
+    FROM metrics WHERE starts_with(name, '{{calls_prefix}}') AND step IS NOT NULL
+    GROUP BY ALL
+), lvl_s AS (
+    SELECT l.*, CASE WHEN sm.calls > l.coll_spans AND l.coll_spans > 0 THEN sm.calls / l.coll_spans ELSE 1.0 END AS scale
+    FROM lvl l LEFT JOIN sampled sm ON sm.rank = l.rank AND sm.step = l.step AND sm.grp = l.grp
 ), waited AS (
-    SELECT l.*, coalesce(k.offset_ns, 0) AS offset_ns, coalesce(k.stage, 0) AS stage, p.group_kind, p.instances,
+    SELECT l.* REPLACE ((l.coll_ns * l.scale)::BIGINT AS coll_ns),
+           coalesce(k.offset_ns, 0) AS offset_ns, coalesce(k.stage, 0) AS stage, p.group_kind, p.instances,
            CASE WHEN p.all_instances = l.coll_spans THEN p.last_expected END AS last_expected,
            CASE WHEN p.all_instances = l.coll_spans THEN p.last_var END AS last_var,
            -- Wait in a group's collectives: the sum over its instances of (last arrival - own
            -- arrival), no join back to the spans needed. Bounded by the extent of those spans:
            -- asynchronous buckets overlap each other and must not count their wait twice.
            -- Unknown membership (it missed instances of the group): the whole duration.
-           CASE WHEN l.grp IS NULL THEN 0
-                WHEN p.all_instances = l.coll_spans
-                THEN least((p.last_arrival_sum - l.arrival_sum - l.coll_spans * coalesce(k.offset_ns, 0))::BIGINT,
-                           l.last_raw - l.first_raw)
-                ELSE l.coll_ns END AS coll_wait
-    FROM lvl l
+           -- Calls left untimed (sampled): counted at the timed ones' mean (scale).
+           (CASE WHEN l.grp IS NULL THEN 0
+                 WHEN p.all_instances = l.coll_spans
+                 THEN least((p.last_arrival_sum - l.arrival_sum - l.coll_spans * coalesce(k.offset_ns, 0))::BIGINT,
+                            l.last_raw - l.first_raw)
+                 ELSE l.coll_ns END * l.scale)::BIGINT AS coll_wait
+    FROM lvl_s l
     LEFT JOIN ms_cache.rank_clock k USING (rank)
     LEFT JOIN per_group p ON p.grp = l.grp AND p.step = l.step
 ), j AS (

@@ -32,8 +32,15 @@ GROUP BY stage ORDER BY stage;
 -- @column overlapped_ns of which the rank was computing (hidden)
 -- @column exposed_ns    of which the rank stalled on the call (its wait, or the blocking call)
 -- @column exposed_frac  exposed_ns / comm_ns
+-- @column op            the calls' operation (all_gather, send, ...)
+-- @column calls         calls issued (enqueued markers), timed or not; the spans where a run has
+--                       no markers. A collector told to time a group kind's calls in some
+--                       micro-batches only (CollectorConfig.comm_sample_kinds, the trainer's
+--                       --tp-comm-spans first) leaves the others with their markers alone.
+-- @column exposed_all_ns exposed_ns estimated for every call issued: the calls of one (group kind,
+--                       op, bytes) are counted at the mean stall of the timed ones
 WITH c AS (
-    SELECT row_number() OVER () AS id, rank, step, name, kind, "group", seq, op, peer,
+    SELECT row_number() OVER () AS id, rank, step, name, kind, "group", seq, op, peer, bytes,
            start_ns AS s, start_ns + dur_ns AS e, dur_ns
     FROM spans
     WHERE rank IN ({{ranks}}) AND kind IN ('collective', 'send', 'recv') AND list_contains({{steps}}, step)
@@ -93,15 +100,37 @@ WITH c AS (
            CASE WHEN cw.wait_ns IS NOT NULL THEN cw.wait_ns
                 ELSE greatest(0, cw.e - cw.eff_s - coalesce(os.ov, 0)) END AS stall_ns
     FROM cw LEFT JOIN o_sync os USING (id) LEFT JOIN o_async oa USING (id)
+), xb AS (
+    SELECT CASE WHEN kind <> 'collective' THEN 'p2p'
+                WHEN split_part("group", ':', 1) IN ('tp', 'dp', 'pp', 'world') THEN split_part("group", ':', 1)
+                ELSE 'other' END AS group_kind,
+           name, op, bytes, count(*) AS spans, sum(dur_ns) AS comm_ns, sum(hidden_ns) AS hidden_ns,
+           sum(stall_ns) AS stall_ns
+    FROM x GROUP BY ALL
+), issued AS (
+    -- Every call issued, timed or not: its enqueued marker (once, whatever else wrote markers).
+    SELECT CASE WHEN op IN ('send', 'recv') THEN 'p2p'
+                WHEN split_part("group", ':', 1) IN ('tp', 'dp', 'pp', 'world') THEN split_part("group", ':', 1)
+                ELSE 'other' END AS group_kind,
+           op, bytes, count(*) AS calls
+    FROM (SELECT DISTINCT rank, "group", seq, op, peer, bytes FROM markers
+          WHERE rank IN ({{ranks}}) AND state = 'enqueued' AND list_contains({{steps}}, step))
+    GROUP BY ALL
+), est AS (
+    -- Calls of one (group kind, op, size) are alike: the untimed ones are counted at the timed
+    -- ones' mean.
+    SELECT xb.*, greatest(coalesce(i.calls, 0), sum(xb.spans) OVER (PARTITION BY xb.group_kind, xb.op, xb.bytes))
+               / sum(xb.spans) OVER (PARTITION BY xb.group_kind, xb.op, xb.bytes) AS scale
+    FROM xb LEFT JOIN issued i ON i.group_kind = xb.group_kind AND i.op IS NOT DISTINCT FROM xb.op
+                               AND i.bytes IS NOT DISTINCT FROM xb.bytes
 )
-SELECT CASE WHEN kind <> 'collective' THEN 'p2p'
-            WHEN split_part("group", ':', 1) IN ('tp', 'dp', 'pp', 'world') THEN split_part("group", ':', 1)
-            ELSE 'other' END AS group_kind,
-       name, count(*) AS spans, sum(dur_ns) AS comm_ns,
+SELECT group_kind, name, any_value(op) AS op, sum(spans)::BIGINT AS spans, sum(comm_ns) AS comm_ns,
        sum(hidden_ns) AS overlapped_ns,
        sum(stall_ns) AS exposed_ns,
-       sum(stall_ns) / nullif(sum(dur_ns), 0) AS exposed_frac
-FROM x
+       sum(stall_ns) / nullif(sum(comm_ns), 0) AS exposed_frac,
+       round(sum(spans * scale))::BIGINT AS calls,
+       sum(stall_ns * scale) AS exposed_all_ns
+FROM est
 GROUP BY ALL ORDER BY exposed_ns DESC;
 
 -- @statement host_lead
