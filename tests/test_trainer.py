@@ -39,6 +39,7 @@ def _stage(cfg: ModelConfig, seed: int = 0) -> GPTStage:
         ({"world_size": 2, "dp": 2, "global_batch": 6, "micro_batches": 2}, "does not split into 2 data-parallel"),
         ({"world_size": 2, "faults": parse_injects(["hang:rank=1,step=9"]), "steps": 5}, "past the last step"),
         ({"world_size": 2, "faults": parse_injects(["skew:rank=2,ms=5"])}, "outside a job of 2 ranks"),
+        ({"world_size": 1, "tp_comm_spans": "some"}, "unknown --tp-comm-spans 'some'"),
     ],
 )
 def test_bad_configs_are_rejected_with_the_reason(tmp_path: Path, kwargs: dict, message: str) -> None:

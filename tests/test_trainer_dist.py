@@ -276,3 +276,31 @@ def test_overlap_is_what_the_exposed_comm_analysis_sees(tmp_path: Path, referenc
     # On, the early buckets run under the rest of the backward pass (how much of each span that is
     # depends on this machine's load; that some of it is, does not).
     assert on["overlapped_ns"] > 1_000_000 and on["overlapped_ns"] / on["comm_ns"] > 0.05
+
+
+def test_tp_calls_timed_in_the_first_microbatch_still_find_the_straggler(tmp_path: Path) -> None:
+    """The default --tp-comm-spans first: TP calls get spans in micro-batch 0 (and the once-a-step
+    gradient sync) only, yet every call keeps its markers, the waits of the untimed ones are
+    counted at the timed ones' mean, and the straggler alone is named, not its TP peer."""
+    from megascope.analysis import exposed_comm, stragglers
+
+    rank = 1
+    cfg = _cfg(tmp_path / "run", tp=2, dp=2, steps=6, global_batch=16, micro_batches=4,
+               faults=parse_injects([f"straggler:rank={rank},factor=3"]))
+    run = open_run(train(cfg, nproc=4).out)
+    assert run.meta.config["tp_comm_spans"] == "first"
+    con = run.con
+    mbs = {mb for (mb,) in con.execute("""SELECT DISTINCT microbatch FROM spans
+                                          WHERE "group" LIKE 'tp:%' AND kind = 'collective'""").fetchall()}
+    assert mbs == {0, None}
+    (issued, done, timed), = con.execute("""SELECT count(*) FILTER (WHERE m.state = 'enqueued'),
+        count(*) FILTER (WHERE m.state = 'completed'),
+        (SELECT count(*) FROM spans WHERE "group" LIKE 'tp:%' AND kind = 'collective')
+        FROM markers m WHERE m."group" LIKE 'tp:%'""").fetchall()
+    assert issued == done and 3 * timed < issued
+    calls = con.execute("SELECT sum(value) FROM metrics WHERE name LIKE 'collector_calls:tp:%'").fetchone()[0]
+    assert calls == issued
+    found = stragglers(con)
+    assert found["rank"].tolist() == [rank]
+    tp = exposed_comm(con).query("group_kind == 'tp'")
+    assert (tp["timed_frac"] < 0.5).all() and (tp["exposed_all_ns"] > tp["exposed_ns"]).all()

@@ -46,6 +46,9 @@ from megascope.cli.common import inject_option, out_run_option
               help="Forward/backward spans per transformer block: in every micro-batch, in the first of each "
                    "step, or none (each span costs the device ~2 us).")
 @click.option("--no-layer-spans", is_flag=True, help="Same as --layer-spans none.")
+@click.option("--tp-comm-spans", type=click.Choice(["all", "first"]), default="first", show_default=True,
+              help="Spans of the TP collectives in every micro-batch, or in the first of each step only (the "
+                   "others keep their enqueued/completed markers; each span costs the device 2-3 timing events).")
 @click.option("--collector-ab", type=click.IntRange(min=0), default=0, show_default=True,
               help="Measure the collector's cost in this run: it records blocks of this many steps and "
                    "is paused for the blocks between (0: always on; see --result-json).")
@@ -60,7 +63,7 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
           micro_batches: int, layers: int, hidden: int, heads: int, vocab: int, seq_len: int, window: int | None,
           serial_block: bool, no_sequence_parallel: bool, optimizer: str, lr: float, data: Path | None,
           data_dtype: str, collective_timeout: float, device: str, no_overlap: tuple[str, ...], bucket_mb: float,
-          layer_spans: str, no_layer_spans: bool, collector_ab: int, gc_interval: int,
+          layer_spans: str, no_layer_spans: bool, tp_comm_spans: str, collector_ab: int, gc_interval: int,
           result_json: Path | None, injects: tuple[str, ...], out: Path) -> None:
     """Train the bundled GPT on a TP x PP x DP mesh, fully instrumented, with optional planted faults."""
     from megascope.inject import parse_injects
@@ -73,7 +76,8 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
                       global_batch=global_batch, micro_batches=micro_batches, model=model, optimizer=optimizer,
                       lr=lr, sequence_parallel=not no_sequence_parallel, data=data, data_dtype=data_dtype,
                       faults=parse_injects(injects), collective_timeout_s=collective_timeout, device=device,
-                      layer_spans="none" if no_layer_spans else layer_spans, bucket_mb=bucket_mb,
+                      layer_spans="none" if no_layer_spans else layer_spans, tp_comm_spans=tp_comm_spans,
+                      bucket_mb=bucket_mb,
                       collector_ab=collector_ab, gc_interval=gc_interval,
                       overlap=frozenset() if "all" in no_overlap else frozenset(OVERLAP_DIMS) - set(no_overlap))
     # Only now, with every argument checked, does anything start.

@@ -23,6 +23,7 @@ from megascope.inject import Faults
 
 OVERLAP_DIMS = ("tp", "pp", "dp")
 LAYER_SPANS = ("all", "first", "none")
+TP_COMM_SPANS = ("all", "first")
 
 
 class TrainingError(MegascopeError):
@@ -104,6 +105,10 @@ class TrainConfig:
     # each step only ("first": the per-layer picture at a quarter of the device time on 4
     # micro-batches), or none.
     layer_spans: str = "first"
+    # Spans of the TP collectives: in every micro-batch ("all") or in the first of each step only
+    # ("first"; the others keep their enqueued/completed markers, so hang localization sees every
+    # call). tp2 with four micro-batches issues ~400 TP calls a step, two or three timing events each.
+    tp_comm_spans: str = "first"
     flush_interval_s: float = 1.0
     # Steps per block of the collector A/B: the collector records blocks of this many steps and is
     # paused for the blocks between (0: always on). What the collector costs, measured in one process.
@@ -168,6 +173,8 @@ class TrainConfig:
             raise ConfigError(f"--collector-ab needs blocks of at least 2 steps (or 0: off), got {self.collector_ab}")
         if self.layer_spans not in LAYER_SPANS:
             raise ConfigError(f"unknown --layer-spans {self.layer_spans!r} (known: {', '.join(LAYER_SPANS)})")
+        if self.tp_comm_spans not in TP_COMM_SPANS:
+            raise ConfigError(f"unknown --tp-comm-spans {self.tp_comm_spans!r} (known: {', '.join(TP_COMM_SPANS)})")
         if self.gc_interval < 0:
             raise ConfigError(f"--gc-interval must be >= 0, got {self.gc_interval}")
         self.faults.validate(self.world_size, self.steps)

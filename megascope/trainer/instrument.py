@@ -28,12 +28,14 @@ log = logging.getLogger(__name__)
 
 def open_collector(run_dir: Any, *, rank: int, world_size: int, coords: dict[str, int],
                    groups: Sequence[Any], meta: Any, device: torch.device | None,
-                   flush_interval_s: float) -> Any:
-    """The rank's collector (rank 0 writes ``run.json`` from ``meta``)."""
+                   flush_interval_s: float, sampled_comm: Sequence[str] = ()) -> Any:
+    """The rank's collector (rank 0 writes ``run.json`` from ``meta``). Communication on groups of
+    the ``sampled_comm`` kinds is timed in the first micro-batch of each step only."""
     from megascope.collectors import Collector, CollectorConfig
 
     cfg = CollectorConfig(run_dir=run_dir, flush_interval_s=flush_interval_s,
-                          device=device if device is not None and device.type == "cuda" else None)
+                          device=device if device is not None and device.type == "cuda" else None,
+                          comm_sample_kinds=tuple(sampled_comm), comm_sample_microbatches=(0,))
     return Collector(cfg, rank=rank, world_size=world_size, coords=coords, groups=list(groups), meta=meta)
 
 

@@ -250,13 +250,16 @@ class ShardedOptimizer:
         if self.sync_tp and bucket.replicated:
             assert self.comm is not None
             parts = [buf.grad_flat[s:e] for s, e in bucket.replicated]
-            if len(parts) == 1:
-                self.comm.all_reduce(parts[0], self.tp.pg)
-            else:
-                # One collective for the bucket's norms and biases, not one each: a small all-reduce
-                # costs its launch and latency whatever its size.
-                packed = self.comm.all_reduce(torch.cat(parts), self.tp.pg)
-                torch._foreach_copy_(parts, list(packed.split([p.numel() for p in parts])))
+            # Once a step, though launched from the last micro-batch's backward: a step-level call,
+            # timed even where the TP calls of later micro-batches are not (--tp-comm-spans first).
+            with self.comm.col.step_level():
+                if len(parts) == 1:
+                    self.comm.all_reduce(parts[0], self.tp.pg)
+                else:
+                    # One collective for the bucket's norms and biases, not one each: a small
+                    # all-reduce costs its launch and latency whatever its size.
+                    packed = self.comm.all_reduce(torch.cat(parts), self.tp.pg)
+                    torch._foreach_copy_(parts, list(packed.split([p.numel() for p in parts])))
         if self.dp.size > 1:
             assert self.comm is not None
             # Into this bucket's slice of the reduced-gradient shard: a separate buffer (an output
