@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -118,63 +119,63 @@ def test_a_span_times_the_device_work_inside_it(tmp_path: Path, clock: str) -> N
     assert dur_ns == pytest.approx(ref_ns, rel=0.05)
 
 
-@needs_cuda
-def test_nccl_collectives_record_arrival_on_the_stream(tmp_path: Path) -> None:
+@pytest.fixture
+def nccl_world(tmp_path: Path) -> Iterator[None]:
+    """A one-rank NCCL process group for the test's duration."""
     import torch.distributed as dist
 
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1,
                             timeout=timedelta(seconds=60))
     try:
-        run = tmp_path / "run"
-        col = _collector(run)
-        t = torch.ones(1 << 20, device="cuda")
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            for step in range(3):
-                with col.step(step):
-                    col.dist.all_reduce(t)
-                    work = col.dist.all_reduce(t, async_op=True)
-                    work.wait()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        col.close()
-        rows = open_run(run).con.sql("""SELECT seq, state FROM markers ORDER BY seq, state""").fetchall()
-        assert rows == [(s, st) for s in range(6) for st in ("completed", "enqueued")]
+        yield
     finally:
         dist.destroy_process_group()
 
 
 @needs_cuda
-def test_nccl_calls_left_untimed_keep_their_markers_and_cost_no_timing_event(tmp_path: Path) -> None:
-    import torch.distributed as dist
-
-    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1,
-                            timeout=timedelta(seconds=60))
+def test_nccl_collectives_record_arrival_on_the_stream(tmp_path: Path, nccl_world: None) -> None:
+    run = tmp_path / "run"
+    col = _collector(run)
+    t = torch.ones(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
     try:
-        run = tmp_path / "run"
-        col = _collector(run, sample=("world",))
-        t = torch.ones(1 << 20, device="cuda")
-        torch.cuda.synchronize()
-        stamps = []
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            for step in range(2):
-                with col.step(step):
-                    for mb in range(3):
-                        with col.span("forward", kind=SpanKind.FORWARD, microbatch=mb):
-                            before = col._timer.stamps
-                            col.dist.all_reduce(t)
-                            col.dist.all_reduce(t, async_op=True).wait()
-                            stamps.append(col._timer.stamps - before)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        col.close()
-        assert stamps == [5, 0, 0] * 2  # blocking 2, asynchronous 3 (its wait shares the end)
-        con = open_run(run).con
-        assert con.sql("SELECT DISTINCT microbatch FROM spans WHERE \"group\" IS NOT NULL").fetchall() == [(0,)]
-        done = con.sql("SELECT seq FROM markers WHERE state = 'completed' ORDER BY seq").fetchall()
-        assert done == [(s,) for s in range(12)]
-        assert col.stats["untimed_calls"] == 8
+        for step in range(3):
+            with col.step(step):
+                col.dist.all_reduce(t)
+                work = col.dist.all_reduce(t, async_op=True)
+                work.wait()
     finally:
-        dist.destroy_process_group()
+        torch.cuda.set_sync_debug_mode(0)
+    col.close()
+    rows = open_run(run).con.sql("""SELECT seq, state FROM markers ORDER BY seq, state""").fetchall()
+    assert rows == [(s, st) for s in range(6) for st in ("completed", "enqueued")]
+
+
+@needs_cuda
+def test_nccl_calls_left_untimed_keep_their_markers_and_cost_no_timing_event(tmp_path: Path,
+                                                                            nccl_world: None) -> None:
+    run = tmp_path / "run"
+    col = _collector(run, sample=("world",))
+    t = torch.ones(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    stamps = []
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(2):
+            with col.step(step):
+                for mb in range(3):
+                    with col.span("forward", kind=SpanKind.FORWARD, microbatch=mb):
+                        before = col._timer.stamps
+                        col.dist.all_reduce(t)
+                        col.dist.all_reduce(t, async_op=True).wait()
+                        stamps.append(col._timer.stamps - before)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    col.close()
+    assert stamps == [5, 0, 0] * 2  # blocking 2, asynchronous 3 (its wait shares the end)
+    con = open_run(run).con
+    assert con.sql("SELECT DISTINCT microbatch FROM spans WHERE \"group\" IS NOT NULL").fetchall() == [(0,)]
+    done = con.sql("SELECT seq FROM markers WHERE state = 'completed' ORDER BY seq").fetchall()
+    assert done == [(s,) for s in range(12)]
+    assert col.stats["untimed_calls"] == 8
