@@ -279,14 +279,14 @@ def test_overlap_is_what_the_exposed_comm_analysis_sees(tmp_path: Path, referenc
 
 
 def test_tp_calls_timed_in_the_first_microbatch_still_find_the_straggler(tmp_path: Path) -> None:
-    """The default --tp-comm-spans first: TP calls get spans in micro-batch 0 (and the once-a-step
+    """--tp-comm-spans first (the default on CUDA): TP calls get spans in micro-batch 0 (and the once-a-step
     gradient sync) only, yet every call keeps its markers, the waits of the untimed ones are
     counted at the timed ones' mean, and the straggler alone is named, not its TP peer."""
     from megascope.analysis import exposed_comm, stragglers
 
     rank = 1
     cfg = _cfg(tmp_path / "run", tp=2, dp=2, steps=6, global_batch=16, micro_batches=4,
-               faults=parse_injects([f"straggler:rank={rank},factor=3"]))
+               faults=parse_injects([f"straggler:rank={rank},factor=3"]), tp_comm_spans="first")
     run = open_run(train(cfg, nproc=4).out)
     assert run.meta.config["tp_comm_spans"] == "first"
     con = run.con

@@ -23,7 +23,7 @@ from megascope.inject import Faults
 
 OVERLAP_DIMS = ("tp", "pp", "dp")
 LAYER_SPANS = ("all", "first", "none")
-TP_COMM_SPANS = ("all", "first")
+TP_COMM_SPANS = ("auto", "all", "first")
 
 
 class TrainingError(MegascopeError):
@@ -107,8 +107,10 @@ class TrainConfig:
     layer_spans: str = "first"
     # Spans of the TP collectives: in every micro-batch ("all") or in the first of each step only
     # ("first"; the others keep their enqueued/completed markers, so hang localization sees every
-    # call). tp2 with four micro-batches issues ~400 TP calls a step, two or three timing events each.
-    tp_comm_spans: str = "first"
+    # call). tp2 with four micro-batches issues ~400 TP calls a step, two or three timing events
+    # each. "auto": first on CUDA, where each timing event costs the device ~2 us; all on CPU, where
+    # a stamp is a host clock read that costs no more than the untimed call's bookkeeping.
+    tp_comm_spans: str = "auto"
     flush_interval_s: float = 1.0
     # Steps per block of the collector A/B: the collector records blocks of this many steps and is
     # paused for the blocks between (0: always on). What the collector costs, measured in one process.
@@ -178,6 +180,10 @@ class TrainConfig:
         if self.gc_interval < 0:
             raise ConfigError(f"--gc-interval must be >= 0, got {self.gc_interval}")
         self.faults.validate(self.world_size, self.steps)
+
+    def sampled_tp(self, device_type: str) -> bool:
+        """Whether TP calls are timed in the first micro-batch only, on a device of this type."""
+        return self.tp_comm_spans == "first" or (self.tp_comm_spans == "auto" and device_type == "cuda")
 
     @property
     def micro_batch_size(self) -> int:

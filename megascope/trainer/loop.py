@@ -91,7 +91,7 @@ def run_meta(cfg: TrainConfig, *, device: torch.device, start_ns: int) -> RunMet
             "optimizer": cfg.optimizer, "lr": cfg.lr, "sequence_parallel": cfg.sequence_parallel,
             "inject": cfg.faults.specs(), "collective_timeout_s": cfg.collective_timeout_s,
             "overlap": sorted(cfg.overlap), "bucket_mb": cfg.bucket_mb,
-            "layer_spans": cfg.layer_spans, "tp_comm_spans": cfg.tp_comm_spans,
+            "layer_spans": cfg.layer_spans, "tp_comm_spans": "first" if cfg.sampled_tp(device.type) else "all",
             "data": str(cfg.data) if cfg.data else "synthetic",
             "dtype": "bf16-autocast" if device.type == "cuda" else "fp32",
         },
@@ -131,7 +131,7 @@ def _train(cfg: TrainConfig, *, rank: int, device: torch.device, meta: RunMeta |
     ps = ParallelState.build(mesh, rank, timeout=timeout)
     col = open_collector(cfg.out, rank=rank, world_size=cfg.world_size, coords=ps.coords, groups=ps.groups(),
                          meta=meta, device=device, flush_interval_s=cfg.flush_interval_s,
-                         sampled_comm=("tp",) if cfg.tp_comm_spans == "first" else ())
+                         sampled_comm=("tp",) if cfg.sampled_tp(device.type) else ())
     try:
         ps.register(col)
         return _loop(cfg, ps, col, device)
