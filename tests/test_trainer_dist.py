@@ -134,10 +134,14 @@ def test_skew_delays_the_ranks_arrival_at_the_dp_sync(tmp_path: Path) -> None:
     assert all(gap > 0.6 * ms * 1e6 for step, gap in gaps if step > 0), gaps
 
 
-def test_hang_times_out_the_job_and_leaves_the_trail(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tp_spans", ["all", "first"])
+def test_hang_times_out_the_job_and_leaves_the_trail(tmp_path: Path, tp_spans: str) -> None:
+    """Also when TP calls are timed in the first micro-batch only: every call keeps its markers."""
+    from megascope.analysis import localize
+
     rank, step = 3, 1
     cfg = _cfg(tmp_path / "run", 2, 2, 2, steps=3, collective_timeout_s=3.0,
-               faults=parse_injects([f"hang:rank={rank},step={step}"]))
+               faults=parse_injects([f"hang:rank={rank},step={step}"]), tp_comm_spans=tp_spans)
     with pytest.raises(TrainingError, match=r"collective timed out after 3 s \(--collective-timeout\)") as err:
         train(cfg, nproc=8)
     assert "\n" not in str(err.value)
@@ -156,6 +160,8 @@ def test_hang_times_out_the_job_and_leaves_the_trail(tmp_path: Path) -> None:
           AND NOT EXISTS (SELECT 1 FROM markers h WHERE h.rank = {rank} AND h."group" = m."group" AND h.seq = m.seq)
     """).fetchall()
     assert waiting
+    found = localize(run)
+    assert found["hung"] and found["suspects"][0]["rank"] == rank
 
 
 def test_runs_under_torchrun(tmp_path: Path) -> None:
