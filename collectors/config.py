@@ -109,8 +109,9 @@ class CollectorConfig:
     # keep their enqueued and completed markers, so hang localization still sees every call, but
     # get no span: their completion is read from a timing-free event, which costs the device
     # nothing measurable, where a timed call costs it two or three timing events of ~2 us each.
-    # A tp2 job with four micro-batches issues ~400 TP calls a step. The analysis reads from the
-    # markers how many calls of each kind were timed (megascope.analysis.exposed_comm).
+    # A tp2 job with four micro-batches issues ~400 TP calls a step. Each step gets a
+    # collector_calls:<group> metric (the calls issued on a sampled group), and the analysis counts
+    # the untimed calls at the timed ones' mean.
     comm_sample_kinds: tuple[str, ...] = ()
     comm_sample_microbatches: tuple[int, ...] = (0,)
 

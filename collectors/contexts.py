@@ -169,7 +169,8 @@ class CommHandle:
     """A communication span in flight: ``end()`` after the wait (idempotent); a context manager too.
 
     Leaving the ``with`` block through an exception writes no completion: the call did not
-    complete, and the lone ``enqueued`` marker says so.
+    complete, and the lone ``enqueued`` marker says so. An untimed handle (``timed=False``,
+    config.comm_sample_kinds) writes its markers and no span.
     """
 
     __slots__ = ("_col", "_token", "_anchor", "_done", "_wait", "_timed", "stream", "step", "name", "kind", "label",

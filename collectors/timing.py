@@ -3,8 +3,10 @@
 Role in the data flow: the :class:`~megascope.collectors.Collector` asks a timer for a *token* at
 the start and end of every span (``stamp``); the writer thread later asks whether a token is
 ``ready`` and turns it into host wall-clock nanoseconds (``wall_ns``) through the :class:`Anchor`
-that was current when the span began. Both timers have the same four methods, so every code path
-above them runs the same on CPU (gloo tests) and on CUDA.
+that was current when the span began. A *mark* (``mark``, ``mark_done``, ``release_mark``) only
+says that the work before it is done, not when: the completion of a communication call left
+untimed. Both timers have the same methods, so every code path above them runs the same on CPU
+(gloo tests) and on CUDA.
 
 * :class:`HostTimer`: a token is ``time.perf_counter_ns()``; an anchor pairs it with
   ``time.time_ns()``, so NTP slewing of the wall clock is followed at every anchor refresh.
