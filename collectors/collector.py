@@ -425,10 +425,10 @@ class Collector:
         if group not in self._groups and group == GroupKind.WORLD.value:
             self._add_group(self._fallback_group(None))
         record_on, label = self._label(kind_s, stream)
+        prefix = group.split(":", 1)[0]
         known = self._groups.get(group)
-        group_kind = known.kind if known is not None else group.split(":", 1)[0]
-        return (kind_s, op_s, record_on, label, name if name is not None else f"{group.split(':', 1)[0]}.{op_s}",
-                group_kind in self.config.comm_sample_kinds)
+        sampled = (known.kind if known is not None else prefix) in self.config.comm_sample_kinds
+        return kind_s, op_s, record_on, label, name if name is not None else f"{prefix}.{op_s}", sampled
 
     def step_level(self) -> Any:
         """A ``with`` block whose communication calls belong to the step rather than to the

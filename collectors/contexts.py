@@ -142,10 +142,9 @@ class StepContext(SpanContext):
         now = time.time_ns()
         col._sink.metrics.put((col.rank, self.step, COLLECTOR_STAMPS_METRIC, float(col._timer.stamps - self._stamps),
                                now))
-        if col._sampled_calls:  # groups timed in some micro-batches only: how many calls there were
-            for group, calls in col._sampled_calls.items():
-                col._sink.metrics.put((col.rank, self.step, COLLECTOR_CALLS_METRIC + group, float(calls), now))
-            col._sampled_calls.clear()
+        # Groups timed in some micro-batches only: how many calls there were (reset at step entry).
+        for group, calls in col._sampled_calls.items():
+            col._sink.metrics.put((col.rank, self.step, COLLECTOR_CALLS_METRIC + group, float(calls), now))
 
 
 class StepLevel:
