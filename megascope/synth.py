@@ -45,7 +45,7 @@ import numpy as np
 import pyarrow as pa
 
 from megascope import layout
-from megascope.errors import ConfigError
+from megascope.errors import ConfigError, OutputError
 from megascope.inject import Faults
 from megascope.schema import (
     GROUPS,
@@ -487,70 +487,80 @@ def synth_run(out: Path | str, cfg: SynthConfig, *, progress: Callable[[int, int
     ``out`` is either absent or whole. An existing non-empty ``out`` is refused, never overwritten.
     """
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"{out}: already exists and is not empty; choose another --out or remove it")
+    layout.check_new_run_dir(out)
     t0 = time.perf_counter()
     tmp = out.with_name(f".{out.name}.synth-{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     stats = SynthStats(path=out)
     try:
-        sim = _Sim(cfg)
-        mrng = np.random.default_rng(cfg.seed + 1)
-        with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-            stats.files += _static_tables(sim, tmp, pool)
-            clock = np.zeros(sim.shape)
-            metric_tables = []
-            for s in range(cfg.steps):
-                clock = sim.step(s, clock)
-                table = _metrics(sim, s, clock, mrng)
-                if table is not None:
-                    metric_tables.append(table)
-                hung = not np.isfinite(clock).all()
-                last_step = hung or s == cfg.steps - 1
-                if sim.spans.rows + sim.markers.rows >= cfg.chunk_rows or last_step:
-                    spans = _span_table(sim.spans.take(), sim.group_names)
-                    markers = _marker_table(sim.markers.take(), sim.group_names)
-                    stats.spans += spans.num_rows
-                    stats.markers += markers.num_rows
-                    stats.files += _write_by_rank(pool, tmp, "spans", spans)
-                    stats.files += _write_by_rank(pool, tmp, "markers", markers)
-                if progress:
-                    progress(s + 1, cfg.steps)
-                if hung:
-                    stats.hung_at_step = s
-                    break
-            if metric_tables:
-                metrics = pa.concat_tables(metric_tables)
-                stats.metrics = metrics.num_rows
-                stats.files += _write_by_rank(pool, tmp, "metrics", metrics)
-        meta = RunMeta(
-            run_id=f"synth-{cfg.ranks}r-{cfg.steps}s-seed{cfg.seed}",
-            source=RunSource.SYNTH,
-            world_size=cfg.ranks,
-            mesh_axes=sim.mesh.axes,
-            mesh_sizes=sim.mesh.size,
-            start_ns=EPOCH_NS,
-            model_flops_per_step=model_flops_per_step(cfg),
-            tokens_per_step=cfg.dp * cfg.m * cfg.micro_batch_size * cfg.seq_len,
-            device_name=SYNTH_DEVICE,
-            peak_flops_per_device=SYNTH_PEAK_FLOPS,
-            micro_batches=cfg.m,
-            config={
-                "synth": {
-                    "seed": cfg.seed,
-                    "gpus_per_host": cfg.gpus_per_host,
-                    "injects": cfg.faults.specs(),
-                    "clock_offsets_ns": {f"node{h:05d}": int(o) for h, o in enumerate(sim.host_offsets)},
-                }
-            },
-        )
-        layout.write_run_meta(tmp, meta)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        stats = _simulate(cfg, tmp, stats, progress)
+        layout.check_new_run_dir(out)  # still new: nothing appeared there while we worked
         if out.exists():
             out.rmdir()  # empty, checked above
         os.replace(tmp, out)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputError(f"{exc.filename or out}: cannot write ({exc.strerror or exc})") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def _simulate(cfg: SynthConfig, tmp: Path, stats: SynthStats, progress: Callable[[int, int], None] | None) -> SynthStats:
+    """Simulate ``cfg`` into the staging directory ``tmp``."""
+    sim = _Sim(cfg)
+    mrng = np.random.default_rng(cfg.seed + 1)
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
+        stats.files += _static_tables(sim, tmp, pool)
+        clock = np.zeros(sim.shape)
+        metric_tables = []
+        for s in range(cfg.steps):
+            clock = sim.step(s, clock)
+            table = _metrics(sim, s, clock, mrng)
+            if table is not None:
+                metric_tables.append(table)
+            hung = not np.isfinite(clock).all()
+            last_step = hung or s == cfg.steps - 1
+            if sim.spans.rows + sim.markers.rows >= cfg.chunk_rows or last_step:
+                spans = _span_table(sim.spans.take(), sim.group_names)
+                markers = _marker_table(sim.markers.take(), sim.group_names)
+                stats.spans += spans.num_rows
+                stats.markers += markers.num_rows
+                stats.files += _write_by_rank(pool, tmp, "spans", spans)
+                stats.files += _write_by_rank(pool, tmp, "markers", markers)
+            if progress:
+                progress(s + 1, cfg.steps)
+            if hung:
+                stats.hung_at_step = s
+                break
+        if metric_tables:
+            metrics = pa.concat_tables(metric_tables)
+            stats.metrics = metrics.num_rows
+            stats.files += _write_by_rank(pool, tmp, "metrics", metrics)
+    meta = RunMeta(
+        run_id=f"synth-{cfg.ranks}r-{cfg.steps}s-seed{cfg.seed}",
+        source=RunSource.SYNTH,
+        world_size=cfg.ranks,
+        mesh_axes=sim.mesh.axes,
+        mesh_sizes=sim.mesh.size,
+        start_ns=EPOCH_NS,
+        model_flops_per_step=model_flops_per_step(cfg),
+        tokens_per_step=cfg.dp * cfg.m * cfg.micro_batch_size * cfg.seq_len,
+        device_name=SYNTH_DEVICE,
+        peak_flops_per_device=SYNTH_PEAK_FLOPS,
+        micro_batches=cfg.m,
+        config={
+            "steps": cfg.steps,  # what run state compares the last step with
+            "synth": {
+                "seed": cfg.seed,
+                "gpus_per_host": cfg.gpus_per_host,
+                "injects": cfg.faults.specs(),
+                "clock_offsets_ns": {f"node{h:05d}": int(o) for h, o in enumerate(sim.host_offsets)},
+            }
+        },
+    )
+    layout.write_run_meta(tmp, meta)
     return stats

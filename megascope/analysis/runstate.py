@@ -1,0 +1,372 @@
+"""Run state: is a run running, stalled, hung, finished or failed? One rule for every reader.
+
+Role in the data flow: reads a :class:`~megascope.store.Run` (base tables, the newest marker parts
+of each rank, file times) and returns a JSON-ready dict. The dashboard's header, Overview,
+Topology and ``/metrics`` show it, and ``megascope localize`` declares a hang only when it says
+``hung``: a collective still in flight is not a hang, and a run that finished never reads hung.
+
+The rule, in order:
+
+1. **finished**: every rank wrote a step span for the last step (``config.steps - 1`` from
+   ``run.json`` when known, else the highest step any rank reached, once no call is in flight and
+   no progress came for ``stall_after_s``).
+2. **running**: some rank made progress (a completed collective or p2p call, or a span ending)
+   less than ``stall_after_s`` ago. Before the first progress: running until ``hang_after_s``
+   after the last write.
+3. **stalled**: no progress on any rank for ``stall_after_s`` but less than ``hang_after_s``.
+4. **hung**: no progress on any rank for ``hang_after_s`` and at least one call was entered and
+   never completed (the collective trail shows who is waiting and on whom).
+5. **failed**: no progress for ``hang_after_s``, not finished, and no call in flight: the job
+   stopped (exited, was killed, crashed between calls) before its last step.
+
+``hang_after_s`` is the job's collective timeout (``config.collective_timeout_s`` in
+``run.json``) when known: the time after which the job itself gives up on a call. Otherwise a few
+flush intervals and step times. ``stall_after_s`` defaults to three flush intervals or two
+median steps, whichever is longer.
+
+Progress time is read from the data (host wall clocks), so a run written long ago is judged by
+when it stopped, not by when its files were copied. This assumes the job's hosts and the reader
+agree on the time within the stall threshold (NTP); a reader that watches a live run can pass
+``last_write_ns``, when it last saw new data arrive, which bounds the idle time whatever the clocks
+say.
+
+Example::
+
+    from megascope.analysis.runstate import run_state
+    state = run_state(run)
+    state["state"], state["reason"]      # ("hung", "no progress on any rank for 75 s ...")
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+from megascope import layout
+from megascope.analysis import _sql
+from megascope.analysis.base import prepare
+from megascope.store import Run
+
+log = logging.getLogger(__name__)
+
+STATES = ("running", "stalled", "hung", "finished", "failed")
+
+# The collector's default flush interval: a live rank's data is at most this old on disk.
+DEFAULT_FLUSH_S = 1.0
+# Stalled after this many flush intervals (or STALL_STEPS median steps) without progress.
+STALL_FLUSHES = 3.0
+STALL_STEPS = 2.0
+# Without a collective timeout in run.json: hung after this many flush intervals or median steps.
+HANG_FLUSHES = 10.0
+HANG_STEPS = 4.0
+# Newest marker parts read per rank for the last progress (a stuck rank's newest part may hold
+# only the call it entered; the one before holds its last completion).
+NEWEST_PARTS = 2
+
+_PROGRESS_TABLES = ("spans", "markers", "metrics")
+
+
+def _config_float(config: Mapping[str, Any], key: str) -> float | None:
+    value = config.get(key)
+    try:
+        number = float(value) if value is not None else None
+    except (TypeError, ValueError):
+        return None
+    return number if number is not None and number > 0 else None
+
+
+def _expected_steps(config: Mapping[str, Any]) -> int | None:
+    value = config.get("steps")
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
+
+
+def newest_write_ns(path: Path) -> int | None:
+    """The newest modification time (ns) of the progress tables' partition directories and parts.
+
+    A part is renamed into ``spans/rank=N/``, which moves that directory's time: one stat per
+    partition, no file read. Heartbeats are left out on purpose: a sampler thread keeps writing
+    them while every rank is blocked in a hang.
+    """
+    newest: int | None = None
+    for table in _PROGRESS_TABLES:
+        base = path / table
+        try:
+            entries = list(os.scandir(base))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                mtime = entry.stat().st_mtime_ns
+            except OSError:
+                continue
+            newest = mtime if newest is None or mtime > newest else newest
+    return newest
+
+
+def _newest_parts(run: Run, table: str, count: int) -> list[Path]:
+    by_dir: dict[Path, list[Path]] = {}
+    for f in run.files.get(table, []):
+        by_dir.setdefault(f.parent, []).append(f)
+    # Part names start with their write time, so the name order is the write order.
+    return [p for files in by_dir.values() for p in sorted(files, key=lambda p: p.name)[-count:]]
+
+
+def _last_completion_ns(con: duckdb.DuckDBPyConnection, run: Run) -> int | None:
+    """Newest completed-call marker of any rank, from each rank's newest parts."""
+    parts = _newest_parts(run, "markers", NEWEST_PARTS)
+    if not parts:
+        return None
+    files = ", ".join("'" + str(p).replace("'", "''") + "'" for p in parts)
+    try:
+        row = _sql.first(con.execute(
+            f"SELECT max(time_ns) FROM read_parquet([{files}], union_by_name=true) WHERE state = 'completed'"
+        ))
+    except duckdb.Error as exc:  # a part replaced under us: the spans still tell
+        log.info("run state: newest markers unreadable: %s", exc)
+        return None
+    return int(row[0]) if row and row[0] is not None else None
+
+
+def _in_flight(con: duckdb.DuckDBPyConnection) -> int:
+    """Calls some rank entered and never completed (per rank, group and p2p direction)."""
+    row = _sql.first(con.execute(
+        """
+        SELECT count(*) FROM (
+            SELECT rank, "group", peer, op IN ('send', 'recv') AS p2p,
+                   max(seq) FILTER (WHERE state = 'enqueued') AS entered,
+                   max(seq) FILTER (WHERE state = 'completed') AS done
+            FROM markers GROUP BY ALL
+        ) WHERE entered > coalesce(done, -9223372036854775807)
+        """
+    ))
+    return int(row[0]) if row and row[0] is not None else 0
+
+
+def _step_facts(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
+    """Ranks, their last finished step, the run's median step and newest span end (reference clock)."""
+    row = _sql.first(con.execute(
+        """
+        WITH ranks_all AS (SELECT DISTINCT rank FROM ms_cache.rank_info),
+        done AS (SELECT rank, max(step) AS last FROM ms_cache.rank_step WHERE step_ns IS NOT NULL GROUP BY rank)
+        SELECT (SELECT count(*) FROM ranks_all),
+               (SELECT max(last) FROM done),
+               (SELECT min(coalesce(d.last, -1)) FROM ranks_all a LEFT JOIN done d USING (rank)),
+               (SELECT count(*) FROM done WHERE last = (SELECT max(last) FROM done)),
+               (SELECT median(step_ns) FROM ms_cache.rank_step WHERE step_ns IS NOT NULL),
+               (SELECT max(start_ns + extent_ns) FROM ms_cache.rank_step),
+               (SELECT max(step) FROM ms_cache.rank_step)
+        """
+    ))
+    assert row is not None
+    ranks, last, slowest, at_last, median_step, span_end, reached = row
+    return {
+        "ranks": int(ranks or 0),
+        "last_step": None if last is None else int(last),
+        "slowest_last_step": None if slowest is None or slowest < 0 else int(slowest),
+        "ranks_at_last_step": int(at_last or 0),
+        "median_step_s": float(median_step) / 1e9 if median_step is not None else None,
+        "last_span_end_ns": None if span_end is None else int(span_end),
+        "reached_step": None if reached is None else int(reached),
+    }
+
+
+def thresholds(median_step_s: float | None, *, collective_timeout_s: float | None = None,
+               flush_interval_s: float | None = None, stall_after_s: float | None = None,
+               hang_after_s: float | None = None) -> tuple[float, float, str]:
+    """(stall_after_s, hang_after_s, where the hang threshold comes from)."""
+    flush_s = flush_interval_s or DEFAULT_FLUSH_S
+    step_s = median_step_s or 0.0
+    if hang_after_s is not None:
+        source = "as asked"
+    elif collective_timeout_s is not None:
+        hang_after_s, source = collective_timeout_s, "the collective timeout"
+    elif HANG_FLUSHES * flush_s >= HANG_STEPS * step_s:
+        hang_after_s, source = HANG_FLUSHES * flush_s, f"{HANG_FLUSHES:.0f} flush intervals"
+    else:
+        hang_after_s, source = HANG_STEPS * step_s, f"{HANG_STEPS:.0f} median steps"
+    if stall_after_s is None:
+        stall_after_s = max(STALL_FLUSHES * flush_s, STALL_STEPS * step_s)
+    return float(min(stall_after_s, hang_after_s)), float(hang_after_s), source
+
+
+def _age_s(now_ns: int, then_ns: int | None) -> float | None:
+    return None if then_ns is None else max(0.0, (now_ns - then_ns) / 1e9)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f} h"
+    return f"{seconds / 86400:.0f} days"
+
+
+def run_facts(run: Run, *, hang: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What :func:`decide` needs from the data, computed once per version of the run's files.
+
+    ``hang`` as in :func:`run_state`. Keys: ranks, last_step, slowest_last_step,
+    ranks_at_last_step, median_step_s, last_progress_ns, last_data_ns, in_flight, suspects,
+    expected_steps, collective_timeout_s, flush_interval_s, meta_mtime_ns.
+    """
+    con = run.cursor()
+    try:
+        prepare(con)
+        facts = _step_facts(con)
+        completion = _last_completion_ns(con, run)
+        if hang is not None:
+            in_flight = len(hang.get("waiting") or [])
+        else:
+            in_flight = _in_flight(con) if run.files.get("markers") else 0
+    finally:
+        con.close()
+    config = run.meta.config or {}
+    candidates = [t for t in (completion, facts.pop("last_span_end_ns")) if t is not None]
+    facts.update(
+        last_progress_ns=max(candidates) if candidates else None,
+        last_data_ns=newest_write_ns(run.path),
+        meta_mtime_ns=_mtime_ns(run.path / layout.RUN_JSON),
+        in_flight=in_flight,
+        suspects=[dict(s) for s in (hang or {}).get("suspects") or []],
+        expected_steps=_expected_steps(config),
+        collective_timeout_s=_config_float(config, "collective_timeout_s"),
+        flush_interval_s=_config_float(config, "flush_interval_s"),
+    )
+    return facts
+
+
+def run_state(run: Run, *, now_ns: int | None = None, stall_after_s: float | None = None,
+              hang_after_s: float | None = None, hang: Mapping[str, Any] | None = None,
+              last_write_ns: int | None = None) -> dict[str, Any]:
+    """The run's state by the rule of this module's docstring, as a JSON-ready dict.
+
+    Arguments (all optional):
+
+    * ``now_ns``: the reader's wall clock (``time.time_ns()`` when None); tests pass a fixed one.
+    * ``stall_after_s`` / ``hang_after_s``: override the thresholds (``hang_after_s`` defaults to
+      ``run.json``'s ``config.collective_timeout_s``, else ten flush intervals or four median steps).
+    * ``hang``: a :func:`megascope.analysis.localize` result already computed; its ``waiting``
+      list says which ranks are inside a call and its first suspect becomes the ``culprit``.
+      Without it the markers are scanned here for calls in flight and ``culprit`` stays None.
+      run_state never calls ``localize`` itself, so ``localize`` may call run_state.
+    * ``last_write_ns``: the reader's wall-clock time when it last saw new spans, markers or
+      metrics arrive (a live dashboard knows it); it bounds the idle time from above.
+
+    Keys of the result:
+
+    * ``state``: running | stalled | hung | finished | failed; ``reason``: one line saying why.
+    * ``hung``: ``state == "hung"`` (what ``localize``'s ``hung`` must be).
+    * ``last_step``: highest step some rank finished (None before any); ``expected_steps``: from
+      ``run.json`` (None when unknown); ``ranks``, ``ranks_at_last_step``.
+    * ``last_progress_ns``: host wall clock of the newest completed call or span end on any rank;
+      ``progress_age_s``: now minus that (None when there is no progress yet).
+    * ``last_data_ns``: newest modification time of the spans/markers/metrics directories;
+      ``last_data_age_s``: now minus that.
+    * ``idle_s``: the idle time the rule used; ``stall_after_s``, ``hang_after_s``,
+      ``hang_after_source``: the thresholds and where the hang threshold came from.
+    * ``in_flight``: calls entered and not completed (ranks waiting, when ``hang`` is given).
+    * ``culprit``: the first hang suspect (``rank, host, coords, group, missing_seq, ...``) when
+      the state is hung and ``hang`` names one, else None.
+    """
+    return decide(run_facts(run, hang=hang), now_ns=now_ns, stall_after_s=stall_after_s,
+                  hang_after_s=hang_after_s, last_write_ns=last_write_ns)
+
+
+def decide(facts: Mapping[str, Any], *, now_ns: int | None = None, stall_after_s: float | None = None,
+           hang_after_s: float | None = None, last_write_ns: int | None = None) -> dict[str, Any]:
+    """:func:`run_state` from :func:`run_facts`: cheap, so a live reader calls it on every look
+    (idle time grows while the files stay the same)."""
+    now = time.time_ns() if now_ns is None else int(now_ns)
+    stall_s, hang_s, source = thresholds(
+        facts.get("median_step_s"), collective_timeout_s=facts.get("collective_timeout_s"),
+        flush_interval_s=facts.get("flush_interval_s"), stall_after_s=stall_after_s, hang_after_s=hang_after_s)
+    last_progress = facts.get("last_progress_ns")
+    if last_progress is not None and last_progress > now + int(stall_s * 1e9):
+        # Timestamps from the future: the clocks disagree (or an importer's time base is not the
+        # wall clock). Fall back on the files' times.
+        last_progress = None
+    last_data = facts.get("last_data_ns")
+    progress_age = _age_s(now, last_progress)
+    data_age = _age_s(now, last_data)
+    idle = progress_age if progress_age is not None else data_age
+    if idle is None:
+        idle = _age_s(now, facts.get("meta_mtime_ns")) or 0.0
+    seen_age = _age_s(now, last_write_ns)
+    if seen_age is not None:
+        idle = min(idle, seen_age)
+
+    expected = facts.get("expected_steps")
+    ranks, last, in_flight = int(facts.get("ranks") or 0), facts.get("last_step"), int(facts.get("in_flight") or 0)
+    everyone_done = ranks > 0 and last is not None and facts.get("slowest_last_step") == last
+    if expected is not None:
+        finished = everyone_done and last == expected - 1
+    else:
+        # Without a step count, a live job is not finished until it goes quiet with nothing in flight.
+        finished = everyone_done and in_flight == 0 and idle >= stall_s
+
+    step_text = f"step {last}" if last is not None else "no finished step"
+    of_text = f" of {expected - 1}" if expected is not None else ""
+    culprit: dict[str, Any] | None = None
+    if finished:
+        state = "finished"
+        reason = f"every rank ({ranks}) finished its last step ({last}{of_text})"
+    elif last_progress is None and idle < hang_s:
+        state, reason = "running", "no step finished yet; waiting for the first data"
+    elif idle < stall_s:
+        state = "running"
+        reason = f"progress {_duration(idle)} ago; last finished {step_text}{of_text}"
+    elif idle < hang_s:
+        state = "stalled"
+        waiting = f"; {in_flight} call(s) in flight" if in_flight else ""
+        reason = (f"no progress on any rank for {_duration(idle)} (a hang is declared after "
+                  f"{_duration(hang_s)}, {source}){waiting}")
+    elif in_flight:
+        state = "hung"
+        suspects = list(facts.get("suspects") or [])
+        culprit = dict(suspects[0]) if suspects else None
+        who = ""
+        if culprit and culprit.get("missing_seq") is not None:
+            who = f"; rank {culprit['rank']} never entered {culprit.get('group', '?')} seq {culprit['missing_seq']}"
+        elif culprit:
+            who = f"; rank {culprit['rank']} stuck in {culprit.get('group', '?')}"
+        reason = (f"no progress on any rank for {_duration(idle)} (>= {_duration(hang_s)}, {source}) with "
+                  f"{in_flight} call(s) never completed{who}")
+    else:
+        state = "failed"
+        reason = (f"stopped at {step_text}{of_text} with no call in flight and no progress for "
+                  f"{_duration(idle)}: the job exited or was killed before its last step")
+    return {
+        "state": state,
+        "reason": reason,
+        "hung": state == "hung",
+        "last_step": last,
+        "expected_steps": expected,
+        "ranks": ranks,
+        "ranks_at_last_step": int(facts.get("ranks_at_last_step") or 0),
+        "last_progress_ns": last_progress,
+        "progress_age_s": progress_age,
+        "last_data_ns": last_data,
+        "last_data_age_s": data_age,
+        "idle_s": idle,
+        "stall_after_s": stall_s,
+        "hang_after_s": hang_s,
+        "hang_after_source": source,
+        "in_flight": in_flight,
+        "culprit": culprit,
+    }
+
+
+def _mtime_ns(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return None
