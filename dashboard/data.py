@@ -52,6 +52,11 @@ def _compute_hang(run: Run) -> dict[str, Any]:
     return dict(_analysis().localize(run))
 
 
+# What a page shows of the hang analysis while the run is not hung: nothing.
+_NO_HANG: dict[str, Any] = {"hung": False, "suspects": [], "waiting": [], "stuck_groups": [], "stuck_group_count": 0,
+                            "silent": []}
+
+
 def _compute_whatif(run: Run) -> dict[str, Any]:
     return dict(_analysis().whatif(run.con, run.meta))
 
@@ -91,10 +96,22 @@ def stragglers(served: ServedRun) -> pd.DataFrame:
 
 
 def rank_states(served: ServedRun) -> pd.DataFrame:
-    """``rank, host, pp, dp, tp, state`` (analysis.rank_states, reusing the cached stragglers and hang)."""
-    slow, hung = stragglers(served), hang(served)
-    return served.result(("rank_states",),
-                         lambda run: _analysis().rank_states(run, stragglers_frame=slow, hang=hung))
+    """``rank, host, pp, dp, tp, state`` (analysis.rank_states, reusing the cached stragglers and hang).
+
+    Waiting, silent and hung ranks are marked only while the run state is hung (calls in flight
+    of a running job are not a hang).
+    """
+    slow, shown = stragglers(served), hang(served)
+
+    def compute(run: Run) -> pd.DataFrame:
+        states = _analysis().rank_states(run, stragglers_frame=slow, hang=shown)
+        if shown["hung"] and shown.get("suspects"):
+            # The culprit is drawn as the culprit, even where it also went silent (it stopped).
+            culprit = int(shown["suspects"][0]["rank"])
+            states.loc[states["rank"] == culprit, "state"] = "hung"
+        return states
+
+    return served.result(("rank_states", bool(shown["hung"])), compute)
 
 
 def skew_drift(served: ServedRun) -> dict[str, Any]:
@@ -122,9 +139,32 @@ def skew_alerts(served: ServedRun) -> list[str]:
     return lines
 
 
-def hang(served: ServedRun) -> dict[str, Any]:
-    """``{hung, suspects, ...}`` (analysis.localize)."""
+def localized(served: ServedRun) -> dict[str, Any]:
+    """``{hung, suspects, waiting, ...}`` as analysis.localize finds it in the data, whatever the run state."""
     return served.result(("hang",), _compute_hang)
+
+
+def run_facts(served: ServedRun) -> dict[str, Any]:
+    """The data behind the run state (analysis.runstate.run_facts), once per generation."""
+    from megascope.analysis.runstate import run_facts as facts
+
+    found = localized(served)
+    return served.result(("run_facts",), lambda run: facts(run, hang=found))
+
+
+def run_state(served: ServedRun) -> dict[str, Any]:
+    """``{state, reason, last_data_age_s, culprit, ...}`` now (analysis.runstate): recomputed on
+    every call from the cached facts, because a run goes from stalled to hung without new data."""
+    from megascope.analysis.runstate import decide
+
+    return decide(run_facts(served), last_write_ns=served.progress_seen_ns)
+
+
+def hang(served: ServedRun) -> dict[str, Any]:
+    """``{hung, suspects, ...}`` (analysis.localize) when the run state is hung; else no hang at all."""
+    if served.run is None or not run_state(served)["hung"]:
+        return dict(_NO_HANG)
+    return localized(served)
 
 
 def whatif(served: ServedRun) -> dict[str, Any]:
@@ -178,7 +218,7 @@ def query(served: ServedRun, key: tuple[Any, ...], fn: Callable[[Run], Any]) -> 
 
 
 # Precomputed by the watcher after each refresh: what the overview, topology and /metrics need.
-WARM: list[Callable[[ServedRun], Any]] = [per_step, hang, stragglers, rank_states, loss]
+WARM: list[Callable[[ServedRun], Any]] = [per_step, localized, run_facts, stragglers, rank_states, loss]
 
 
 def empty_stragglers() -> pd.DataFrame:

@@ -15,6 +15,7 @@ RUN_SELECT = "run-select"
 NAV = "nav"
 PAGE = "page"
 STATUS = "status"  # "live: step 41, 8 ranks" line in the header
+RUN_STATE = "run-state"  # the run state badge in the header: running, stalled, hung, finished, failed
 PROBLEMS = "problems"
 
 # Overview

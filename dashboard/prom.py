@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import flask
 from megascope.dashboard import data
@@ -24,6 +25,13 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 log = logging.getLogger(__name__)
+
+
+def _label(value: Any) -> str:
+    """A coordinate as a label value ("" when the run has no such axis)."""
+    if value is None or (isinstance(value, float) and value != value):
+        return ""
+    return str(int(value))
 
 
 class RunsCollector(Collector):
@@ -36,6 +44,8 @@ class RunsCollector(Collector):
         return []  # no collect() at registration time: that would analyse every run on start-up
 
     def collect(self) -> Iterator[Metric]:
+        from megascope.analysis.runstate import STATES
+
         labels = ["run"]
         up = GaugeMetricFamily("megascope_run_up", "1 when the run directory could be read and analysed", labels=labels)
         last_step = GaugeMetricFamily("megascope_last_step", "Last step with timings", labels=labels)
@@ -49,7 +59,17 @@ class RunsCollector(Collector):
                                   "Slowdown of the worst straggler against its peers (1 when none)", labels=labels)
         hung = GaugeMetricFamily("megascope_hung", "1 when the run is hung (a collective some members never entered)",
                                  labels=labels)
-        families = [up, last_step, mfu, mfu_mean, step_time, tokens, stragglers, worst, hung]
+        state_family = GaugeMetricFamily("megascope_run_state", "1 for the run's current state (running, stalled, "
+                                         "hung, finished, failed), 0 for the others", labels=["run", "state"])
+        data_age = GaugeMetricFamily("megascope_last_data_age_seconds",
+                                     "Seconds since spans, markers or metrics were last written", labels=labels)
+        culprit = GaugeMetricFamily("megascope_hang_culprit", "1 for the rank the hang analysis names, while hung",
+                                    labels=["run", "rank", "host", "pp", "dp", "tp", "group"])
+        worst_rank = GaugeMetricFamily("megascope_straggler_worst",
+                                       "Slowdown of the worst straggler, labelled with its place and cause",
+                                       labels=["run", "rank", "host", "pp", "dp", "tp", "cause"])
+        families = [up, last_step, mfu, mfu_mean, step_time, tokens, stragglers, worst, hung, state_family,
+                    data_age, culprit, worst_rank]
         for served in self.registry:
             label = [served.id]
             if served.run is None:
@@ -58,7 +78,7 @@ class RunsCollector(Collector):
             try:
                 per_step = data.per_step(served)
                 frame = data.stragglers(served)
-                hang = data.hang(served)
+                state = data.run_state(served)
             except Exception as exc:  # noqa: BLE001 - one bad run must not break the scrape of the others
                 log.warning("metrics for run %s: %s", served.id, exc)
                 up.add_metric(label, 0)
@@ -75,7 +95,22 @@ class RunsCollector(Collector):
                     mfu_mean.add_metric(label, float(per_step["mfu"].mean()))
             stragglers.add_metric(label, len(frame))
             worst.add_metric(label, float(frame["slowdown"].max()) if len(frame) else 1.0)
-            hung.add_metric(label, 1.0 if hang.get("hung") else 0.0)
+            hung.add_metric(label, 1.0 if state["hung"] else 0.0)
+            for name in STATES:
+                state_family.add_metric([served.id, name], 1.0 if state["state"] == name else 0.0)
+            if state.get("last_data_age_s") is not None:
+                data_age.add_metric(label, float(state["last_data_age_s"]))
+            suspect = state.get("culprit")
+            if state["hung"] and suspect:
+                coords = suspect.get("coords") or {}
+                culprit.add_metric([served.id, str(suspect["rank"]), str(suspect.get("host", "")),
+                                    *(_label(coords.get(a)) for a in ("pp", "dp", "tp")),
+                                    str(suspect.get("group") or "")], 1.0)
+            if len(frame):
+                top = frame.iloc[0]
+                worst_rank.add_metric([served.id, str(int(top["rank"])), str(top.get("host", "")),
+                                       *(_label(top.get(a)) for a in ("pp", "dp", "tp")), str(top.get("cause", ""))],
+                                      float(top["slowdown"]))
         yield from families
 
 
@@ -85,4 +120,5 @@ def install_metrics_route(server: flask.Flask, registry: RunRegistry) -> None:
 
     @server.route("/metrics")
     def _metrics() -> flask.Response:
-        return flask.Response(generate_latest(prom_registry), mimetype=CONTENT_TYPE_LATEST)
+        # content_type, not mimetype: flask would append a second charset to CONTENT_TYPE_LATEST.
+        return flask.Response(generate_latest(prom_registry), content_type=CONTENT_TYPE_LATEST)

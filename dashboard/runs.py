@@ -40,6 +40,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _ID_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+# Tables whose new parts mean the job made progress (heartbeats keep coming during a hang).
+_PROGRESS_TABLES = frozenset({"spans", "markers", "metrics"})
 # A directory written to this recently may still change within the same mtime tick; look again.
 _SETTLE_NS = 2_000_000_000
 
@@ -76,6 +78,9 @@ class ServedRun:
     generation: int = 0
     error: str | None = None  # why the run cannot be opened right now, for the page to say
     last_change_s: float = field(default_factory=time.monotonic)
+    # Wall clock when a poll last saw new spans, markers or metrics arrive (None: not while served).
+    # It bounds the run state's idle time, whatever the job's host clocks say.
+    progress_seen_ns: int | None = None
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _cache: dict[tuple[Any, ...], tuple[int, Any]] = field(default_factory=dict, repr=False)
     _mtimes: dict[Path, int] = field(default_factory=dict, repr=False)
@@ -119,6 +124,9 @@ class ServedRun:
             self._settling = any(now_ns - m < _SETTLE_NS for m in marks.values())
             if not changed and self.run is not None:
                 return False
+            if self._mtimes and any(marks.get(p) != self._mtimes.get(p) for p in marks
+                                    if p.parent.name in _PROGRESS_TABLES or p.name in _PROGRESS_TABLES):
+                self.progress_seen_ns = now_ns
             self._mtimes = marks
             if self.run is None:
                 if (self.path / layout.RUN_JSON).exists():

@@ -13,15 +13,17 @@ Example::
 
 from __future__ import annotations
 
-import time
+import logging
 from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
 from dash import Dash, Input, Output, State, dcc, html, no_update
-from megascope.dashboard import ids, routes
+from megascope.dashboard import data, ids, routes
 from megascope.dashboard.components import notice
 from megascope.dashboard.runs import RunRegistry, ServedRun
+
+log = logging.getLogger(__name__)
 
 
 def layout(registry: RunRegistry) -> html.Div:
@@ -66,18 +68,47 @@ def nav(registry: RunRegistry, served: ServedRun, page: str) -> list[Any]:
     return links
 
 
-def status_line(served: ServedRun) -> str:
+def age_text(seconds: float | None) -> str:
+    """``"4 s"``, ``"12 min"``, ``"3 h"``, ``"5 days"``: how long ago, as a person reads it."""
+    if seconds is None:
+        return "never"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f} h"
+    return f"{seconds / 86400:.0f} days"
+
+
+def run_state_or_none(served: ServedRun) -> dict[str, Any] | None:
+    """The run state, or None while the run cannot be analysed (the pages say why)."""
     if served.run is None:
-        return f"{served.id}: {served.error or 'waiting for data'}"
+        return None
+    try:
+        return data.run_state(served)
+    except Exception as exc:  # noqa: BLE001 - the header must render whatever the analysis says
+        log.info("run %s: run state unavailable: %s", served.id, exc)
+        return None
+
+
+def status_line(served: ServedRun) -> list[Any]:
+    """The header: run id, size, mesh, last step, the run state and the age of the newest data."""
+    if served.run is None:
+        return [f"{served.id}: {served.error or 'waiting for data'}"]
     meta = served.run.meta
     mesh = " x ".join(f"{a}{meta.mesh_sizes[a]}" for a in meta.mesh_axes if a in meta.mesh_sizes)
     parts = [served.id, f"{meta.world_size} ranks", mesh]
-    per_step = served.cached(("per_step",))
-    if per_step is not None and len(per_step):
-        parts.append(f"last step {int(per_step['step'].max())}")
-    age = time.monotonic() - served.last_change_s
-    parts.append(f"new data {age:.0f} s ago" if age < 120 else "no new data")
-    return " · ".join(p for p in parts if p)
+    state = run_state_or_none(served)
+    if state is not None and state.get("last_step") is not None:
+        parts.append(f"last step {state['last_step']}")
+    if state is not None:
+        parts.append(f"data written {age_text(state.get('last_data_age_s'))} ago")
+    text = " · ".join(p for p in parts if p)
+    if state is None:
+        return [text]
+    return [html.Span(state["state"], id=ids.RUN_STATE, title=state["reason"],
+                      className=f"run-state run-state-{state['state']}"), " ", text]
 
 
 def register(app: Dash, registry: RunRegistry, pages: Mapping[str, ModuleType]) -> None:
@@ -104,11 +135,13 @@ def register(app: Dash, registry: RunRegistry, pages: Mapping[str, ModuleType]) 
         Output(ids.GENERATION, "data"), Output(ids.STATUS, "children"),
         Input(ids.TICK, "n_intervals"), Input(ids.URL, "pathname"), State(ids.GENERATION, "data"),
     )
-    def tick(_n: int | None, pathname: str | None, current: dict[str, Any] | None) -> tuple[Any, str]:
+    def tick(_n: int | None, pathname: str | None, current: dict[str, Any] | None) -> tuple[Any, Any]:
         served, _page = resolve(registry, pathname)
         if served is None:
             return no_update, ""
-        latest = {"run": served.id, "gen": served.generation}
+        # The state is part of it: a run goes from stalled to hung without new data, and pages must redraw.
+        state = run_state_or_none(served)
+        latest = {"run": served.id, "gen": served.generation, "state": state["state"] if state else None}
         return (no_update if latest == current else latest), status_line(served)
 
 

@@ -48,6 +48,12 @@ def _metric(text: str, name: str, run: str) -> float:
     return float(match.group(1))
 
 
+def _samples(text: str, name: str) -> list[dict[str, str]]:
+    """The label sets of every sample of metric ``name`` (labels in any order)."""
+    return [dict(re.findall(r'(\w+)="([^"]*)"', labels))
+            for labels in re.findall(rf"^{name}\{{([^}}]*)\}} \S+$", text, re.M)]
+
+
 # ------------------------------------------------------------------------------------ URLs
 
 
@@ -273,6 +279,41 @@ def test_metrics_endpoint(runs: dict[str, Path]) -> None:
     assert _metric(text, "megascope_hung", "straggler") == 0
     assert _metric(text, "megascope_hung", "hang") == 1
     assert _metric(text, "megascope_run_up", "hang") == 1
+
+
+def test_metrics_carry_the_run_state_and_the_culprit(runs: dict[str, Path]) -> None:
+    app = create_app([runs["straggler"], runs["hang"]], start_watcher=False)
+    response = app.server.test_client().get("/metrics")
+    assert response.headers["Content-Type"].count("charset") == 1
+    text = response.get_data(as_text=True)
+    states = dict(re.findall(r'^megascope_run_state\{run="hang",state="(\w+)"\} (\S+)$', text, re.M))
+    assert set(states) == {"running", "stalled", "hung", "finished", "failed"}
+    assert {k for k, v in states.items() if float(v) == 1.0} == {"hung"}
+    assert re.search(r'^megascope_run_state\{run="straggler",state="finished"\} 1\.0$', text, re.M)
+    culprits = _samples(text, "megascope_hang_culprit")
+    assert [(c["run"], c["rank"], c["pp"], c["dp"], c["tp"]) for c in culprits] == [("hang", "6", "1", "1", "0")]
+    assert culprits[0]["host"] and culprits[0]["group"]
+    assert _metric(text, "megascope_last_data_age_seconds", "hang") >= 0
+    worst = [w for w in _samples(text, "megascope_straggler_worst") if w["run"] == "straggler"]
+    assert len(worst) == 1 and worst[0]["rank"] == "5" and worst[0]["cause"] == "compute"
+
+
+def test_a_live_run_with_calls_in_flight_shows_no_hang(runs: dict[str, Path], tmp_path: Path) -> None:
+    # The hung run replayed up to its hang, with times shifted to now: exactly what a healthy live
+    # job looks like between two flushes (calls entered, not yet completed).
+    live = tmp_path / "live"
+    replay_run(runs["hang"], live, step_interval_s=0.0)
+    app = create_app([live], start_watcher=False)
+    served = registry_of(app).get("live")
+    assert served is not None
+    assert dash_data.localized(served)["waiting"], "the replay should leave calls in flight"
+    state = dash_data.run_state(served)
+    assert state["state"] == "running" and not state["hung"]
+    assert dash_data.hang(served)["hung"] is False and dash_data.hang(served)["suspects"] == []
+    assert set(dash_data.rank_states(served)["state"]) <= {"healthy", "slow"}
+    text = app.server.test_client().get("/metrics").get_data(as_text=True)
+    assert _metric(text, "megascope_hung", "live") == 0
+    assert re.search(r'^megascope_run_state\{run="live",state="running"\} 1\.0$', text, re.M)
 
 
 # ------------------------------------------------------------------------------------ replay, CLI

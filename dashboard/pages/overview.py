@@ -15,7 +15,7 @@ from dash import Dash, Input, Output, dcc, html, no_update
 from megascope.dashboard import data, ids, routes
 from megascope.dashboard.components import card, contained, notice
 from megascope.dashboard.runs import RunRegistry, ServedRun
-from megascope.dashboard.shell import served_from
+from megascope.dashboard.shell import age_text, served_from
 
 from megascope.figures.overview import step_series_figure
 
@@ -41,7 +41,12 @@ def coords_text(coords: Any) -> str:
 def alerts(served: ServedRun) -> list[Any]:
     """The alert lines of a run, most urgent first; each links to the page that explains it."""
     out: list[Any] = []
+    state = data.run_state(served)
     hang = data.hang(served)
+    if state["state"] == "stalled":
+        out.append(html.Div(f"STALLED: {state['reason']}", className="alert alert-stalled", id="overview-stalled"))
+    elif state["state"] == "failed":
+        out.append(html.Div(f"FAILED: {state['reason']}", className="alert alert-failed", id="overview-failed"))
     if hang.get("hung"):
         suspects = hang.get("suspects") or []
         if suspects:
@@ -73,7 +78,8 @@ def alerts(served: ServedRun) -> list[Any]:
         log.warning("run %s: skew analysis failed: %s", served.id, exc)
         out.append(html.Div(f"skew analysis unavailable: {type(exc).__name__}: {exc}", className="alert alert-skew"))
     if not out:
-        out.append(html.Div("No stragglers, host-bound ranks, skew growth or hang found.", className="alert alert-ok"))
+        out.append(html.Div(f"No stragglers, host-bound ranks, skew growth or hang found; the run is {state['state']}.",
+                            className="alert alert-ok"))
     return out
 
 
@@ -94,14 +100,20 @@ def host_bound_alerts(served: ServedRun, limit: int = 3) -> list[Any]:
     return out
 
 
+# Card colour per run state: a finished or running run is good news, the rest needs a person.
+STATE_KIND = {"running": "good", "finished": "good", "stalled": "warn", "hung": "bad", "failed": "bad"}
+
+
 def cards(served: ServedRun, per_step: pd.DataFrame) -> list[Any]:
+    state = data.run_state(served)
+    state_card = card("state", state["state"], f"data written {age_text(state.get('last_data_age_s'))} ago",
+                      kind=STATE_KIND.get(state["state"], ""))
     if per_step.empty:
-        return [card("steps", "0", "no completed step yet")]
+        return [card("steps", "0", "no completed step yet"), state_card]
     last = per_step.iloc[-1]
     mfu = per_step["mfu"].dropna()
     step_ms = per_step["step_time_ns"].dropna() / 1e6
     tokens = per_step["tokens_per_s"].dropna() if "tokens_per_s" in per_step else pd.Series(dtype=float)
-    hang = data.hang(served)
     n_stragglers = len(data.stragglers(served))
     return [
         card("MFU", f"{100 * mfu.mean():.1f} %" if len(mfu) else "n/a",
@@ -111,7 +123,7 @@ def cards(served: ServedRun, per_step: pd.DataFrame) -> list[Any]:
         card("tokens/s", f"{tokens.mean():,.0f}" if len(tokens) else "n/a", "mean over steps"),
         card("steps", f"{int(last['step']) + 1}", f"{len(per_step)} with timings"),
         card("stragglers", str(n_stragglers), "", kind="bad" if n_stragglers else "good"),
-        card("state", "HUNG" if hang.get("hung") else "running", "", kind="bad" if hang.get("hung") else "good"),
+        state_card,
     ]
 
 
