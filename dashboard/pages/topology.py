@@ -19,7 +19,7 @@ from megascope.dashboard.pages.overview import coords_text
 from megascope.dashboard.runs import RunRegistry, ServedRun
 from megascope.dashboard.shell import served_from
 
-from megascope.figures.topology import STATES, topology_figure
+from megascope.figures.topology import STATES, rank_at, topology_figure
 
 SUSPECT_COLUMNS = ("rank", "host", "coords", "group", "last_completed_seq", "missing_seq")
 
@@ -45,7 +45,10 @@ def banner(served: ServedRun, states: pd.DataFrame, hang: dict[str, Any]) -> lis
     if hang.get("hung"):
         return [html.Div("HANG: progress stopped but no suspect was named", className="alert alert-hang"),
                 html.Div(summary, className="hint")]
-    return [html.Div(summary or "no ranks reported yet", className="hint")]
+    state = data.run_state(served)
+    lines = [html.Div(f"{state['state'].upper()}: {state['reason']}", className=f"alert alert-{state['state']}",
+                     id="topology-state")] if state["state"] in ("stalled", "failed") else []
+    return [*lines, html.Div(summary or "no ranks reported yet", className="hint")]
 
 
 def register(app: Dash, registry: RunRegistry) -> None:
@@ -62,12 +65,14 @@ def register(app: Dash, registry: RunRegistry) -> None:
         states = data.rank_states(served)
         hang = data.hang(served)
         suspects = list(hang.get("suspects") or []) if hang.get("hung") else []
-        figure = data.figure(served, ("topology",), lambda: topology_figure(states, suspects=suspects[:3]))
+        figure = data.figure(served, ("topology", bool(hang.get("hung"))),
+                             lambda: topology_figure(states, suspects=suspects[:3]))
         suspect_table = None
         if suspects:
             frame = pd.DataFrame(suspects)
-            suspect_table = [html.H3("Hang suspects, most likely first"),
-                             table(frame, id="suspect-table", columns=[c for c in SUSPECT_COLUMNS if c in frame])]
+            suspect_table = [html.H3("Hang suspects, most likely first (a rank opens its timeline)"),
+                             table(frame, id="suspect-table", columns=[c for c in SUSPECT_COLUMNS if c in frame],
+                                   links={"rank": lambda row: timeline_href(served, int(row["rank"]))})]
         return figure, suspect_table, banner(served, states, hang)
 
     @app.callback(
@@ -78,9 +83,28 @@ def register(app: Dash, registry: RunRegistry) -> None:
         served = served_from(registry, generation)
         if not click or not click.get("points") or served is None or served.run is None:
             return no_update, no_update
-        custom = click["points"][0].get("customdata")
-        if not isinstance(custom, list) or not custom or int(custom[0]) < 0:
+        rank = clicked_rank(click["points"][0], data.rank_states(served))
+        if rank is None:
             return no_update, no_update
-        rank = int(custom[0])
         return routes.href(served.id, "timeline"), "?" + routes.selection_query(
             data.peers(served, rank), data.default_steps(served))
+
+
+def clicked_rank(point: dict[str, Any], states: pd.DataFrame) -> int | None:
+    """The rank of a clicked grid cell: from its customdata when the browser sends it, else from
+    the cell's position (plotly leaves customdata out of heat-map click events)."""
+    custom = point.get("customdata")
+    try:
+        if isinstance(custom, list | tuple) and custom and int(custom[0]) >= 0:
+            return int(custom[0])
+        if point.get("x") is None or point.get("y") is None:
+            return None
+        return rank_at(states, float(point["x"]), float(point["y"]))
+    except (TypeError, ValueError):
+        return None
+
+
+def timeline_href(served: ServedRun, rank: int) -> str:
+    """The timeline of ``rank`` beside its peers at the step the run stopped (or its last step)."""
+    steps = data.default_steps(served)
+    return routes.href(served.id, "timeline") + "?" + routes.selection_query(data.peers(served, rank), steps)

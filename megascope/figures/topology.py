@@ -72,6 +72,13 @@ def grid_positions(states: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, Any]]:
     return frame, geometry
 
 
+def rank_at(states: pd.DataFrame, x: float, y: float) -> int | None:
+    """The rank drawn at grid cell (``x``, ``y``) of :func:`topology_figure` (a click's point), or None."""
+    frame, _geo = grid_positions(states)
+    hit = frame[(frame["x"] == int(round(x))) & (frame["y"] == int(round(y)))]
+    return int(hit["rank"].iloc[0]) if len(hit) else None
+
+
 def topology_figure(states: pd.DataFrame, *, suspects: Sequence[dict[str, Any]] = (),
                     title: str | None = None) -> go.Figure:
     """The grid; ``suspects`` (dicts with at least ``rank``) are ringed and labelled."""
@@ -102,6 +109,9 @@ def topology_figure(states: pd.DataFrame, *, suspects: Sequence[dict[str, Any]] 
             colorscale=_discrete_colorscale(), showscale=False, xgap=1 if width <= 200 else 0,
             ygap=1 if height <= 100 else 0, hoverongaps=False,
             hovertemplate="rank %{customdata[0]} · %{customdata[3]}<br>%{customdata[1]}<br>%{customdata[2]}<extra></extra>",
+            # Rank numbers on the cells while they are big enough to hold them.
+            text=np.where(rank_grid >= 0, rank_grid.astype(str), ""), texttemplate="%{text}" if width * height <= 512 else "",
+            textfont={"size": 11, "color": "#fff"},
         )
     )
     # A legend for the discrete colours: empty scatter traces that only draw legend entries.
@@ -122,10 +132,21 @@ def topology_figure(states: pd.DataFrame, *, suspects: Sequence[dict[str, Any]] 
                 marker={"symbol": "circle-open", "size": 22, "color": "#111", "line": {"width": 3}},
                 hoverinfo="skip",
             ))
+    # Stages across the top; TP index of each column along the bottom where columns are few enough
+    # to read; DP row numbers down the side (every few rows on tall grids).
     fig.update_xaxes(tickvals=geo["stage_centres"], ticktext=[f"pp {p}" for p in range(geo["pp_size"])],
                      showgrid=False, zeroline=False, range=[-0.5, width - 0.5], side="top")
-    fig.update_yaxes(title_text="dp" if geo["folds"] == 1 else f"dp (folded x{geo['folds']})",
-                     showgrid=False, zeroline=False, range=[height - 0.5, -0.5])
+    if width <= 64:
+        columns = frame.drop_duplicates("x").sort_values("x")
+        fig.add_trace(go.Scatter(x=columns["x"], y=[height - 0.5 + 0.45] * len(columns), mode="text",
+                                 text=[f"tp{int(t)}" for t in columns["tp"]], textposition="bottom center",
+                                 textfont={"size": 11, "color": "#555"}, hoverinfo="skip", showlegend=False,
+                                 cliponaxis=False))
+    step = max(1, math.ceil(height / 32))
+    rows = list(range(0, height, step))
+    fig.update_yaxes(title_text="dp" if geo["folds"] == 1 else f"dp (folded x{geo['folds']}: row + {height} x fold)",
+                     tickvals=rows, ticktext=[str(r) for r in rows],
+                     showgrid=False, zeroline=False, range=[height - 0.5 + (1.0 if width <= 64 else 0.0), -0.5])
     cell = max(4, min(28, 700 // max(height, 1)))
     fig.update_layout(
         title=title, height=min(900, max(260, cell * height + 140)), plot_bgcolor=_MISSING_COLOUR,
