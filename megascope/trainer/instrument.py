@@ -25,6 +25,10 @@ import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 
+# Host, GPU and NIC heartbeats every 5 s (about 0.3 ms of a sampler thread per sample, measured in
+# docs/benchmarks.md), so node health has data; MEGASCOPE_HEARTBEAT_S=0 turns them off.
+HEARTBEAT_S = 5.0
+
 
 def open_collector(run_dir: Any, *, rank: int, world_size: int, coords: dict[str, int],
                    groups: Sequence[Any], meta: Any, device: torch.device | None,
@@ -35,7 +39,8 @@ def open_collector(run_dir: Any, *, rank: int, world_size: int, coords: dict[str
 
     cfg = CollectorConfig(run_dir=run_dir, flush_interval_s=flush_interval_s,
                           device=device if device is not None and device.type == "cuda" else None,
-                          comm_sample_kinds=tuple(sampled_comm), comm_sample_microbatches=(0,))
+                          comm_sample_kinds=tuple(sampled_comm), comm_sample_microbatches=(0,),
+                          heartbeat_interval_s=HEARTBEAT_S)
     return Collector(cfg, rank=rank, world_size=world_size, coords=coords, groups=list(groups), meta=meta)
 
 
