@@ -29,3 +29,7 @@ class IngestError(MegascopeError):
 
 class ExportError(MegascopeError):
     """An export could not be written."""
+
+
+class OutputError(MegascopeError):
+    """An output path would overwrite, or write into, data that is already there (a run, a file)."""

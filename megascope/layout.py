@@ -36,6 +36,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from megascope.errors import OutputError
 from megascope.schema import TABLES, RunMeta
 
 RUN_JSON = "run.json"
@@ -47,6 +48,9 @@ HOST_PARTITIONED = frozenset({"heartbeats"})
 UNPARTITIONED = frozenset({"diagnostics"})
 
 _counter = itertools.count()
+# prepare_run_dir's write test; under torchrun several ranks may run it at once, so it never counts
+# as content.
+_PROBE = ".megascope-probe-"
 _HOST_SAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -92,6 +96,104 @@ def table_glob(table: str) -> str:
     if table in HOST_PARTITIONED:
         return f"{table}/host=*/*.parquet"
     return f"{table}/*.parquet"
+
+
+def is_run_dir(path: Path) -> bool:
+    """True if ``path`` holds a run: its ``run.json``, or one of its tables' folders (a run being written,
+    or one whose ``run.json`` was lost)."""
+    path = Path(path)
+    if (path / RUN_JSON).exists():
+        return True
+    return any(next((path / table).glob("rank=*"), None) is not None for table in ("spans", "markers", "ranks", "metrics"))
+
+
+def enclosing_run(path: Path | str) -> Path | None:
+    """The run directory that ``path`` is or lies inside of (symbolic links followed), else None."""
+    real = Path(os.path.realpath(path))
+    for candidate in (real, *real.parents):
+        if candidate.is_dir() and is_run_dir(candidate):
+            return candidate
+    return None
+
+
+def check_new_run_dir(out: Path | str) -> None:
+    """Refuse ``out`` as a new run directory unless it is absent or an empty directory outside any run.
+
+    megascope never writes into an existing run or a directory with anything in it: the new parts
+    would mix with the old ones and ``run.json`` would be replaced.
+    """
+    out = Path(out)
+    if out.exists() or out.is_symlink():
+        if not out.is_dir():
+            raise OutputError(f"{out}: exists and is not a directory; choose a new -o directory")
+        if any(not e.name.startswith(_PROBE) for e in out.iterdir()):
+            what = " (a run directory)" if is_run_dir(out) else ""
+            raise OutputError(f"{out}: already exists and is not empty{what}; megascope writes a new run only "
+                              "into a new or empty directory: choose another -o")
+    outer = enclosing_run(out.parent)
+    if outer is not None:
+        raise OutputError(f"{out}: inside the run directory {outer}; choose a path outside it")
+
+
+def prepare_run_dir(out: Path | str) -> Path:
+    """Check ``out`` (:func:`check_new_run_dir`), create it and make sure it can be written.
+
+    A read-only or full filesystem is found here, in one line, before a job starts.
+    """
+    out = Path(out)
+    check_new_run_dir(out)
+    probe = out / f"{_PROBE}{os.getpid()}.tmp"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"0")
+    except OSError as exc:
+        raise OutputError(f"{exc.filename or out}: cannot write ({exc.strerror or exc})") from None
+    finally:
+        probe.unlink(missing_ok=True)
+    return out
+
+
+def _inside(path: Path, runs: tuple[Path | str, ...]) -> Path | None:
+    real = Path(os.path.realpath(path))
+    found = enclosing_run(real if real.is_dir() else real.parent)
+    if found is not None:
+        return found
+    for run in runs:
+        run_real = Path(os.path.realpath(run))
+        if real == run_real or run_real in real.parents:
+            return Path(run)
+    return None
+
+
+def check_output_file(path: Path | str, *, replace: bool = False, runs: tuple[Path | str, ...] = ()) -> Path:
+    """Refuse an output file (an export, a heat-map) that would land inside a run directory (an existing
+    one, or one of ``runs`` about to be written), or replace an existing file unless ``replace``."""
+    path = Path(path)
+    outer = _inside(path, runs)
+    if outer is not None:
+        raise OutputError(f"{path}: inside the run directory {outer}; write it outside the run")
+    if path.is_dir():
+        raise OutputError(f"{path}: is a directory; give a file name")
+    if (path.exists() or path.is_symlink()) and not replace:
+        raise OutputError(f"{path}: already exists; pass --force to replace it, or choose another -o")
+    return path
+
+
+def check_output_dir(path: Path | str, *, replace: bool = False) -> Path:
+    """Refuse an output directory of files (``export chrome --split-ranks``) that is or lies inside a run
+    directory, or that already holds something unless ``replace`` (which then replaces same-named files)."""
+    path = Path(path)
+    outer = _inside(path, ())
+    if outer is not None:
+        raise OutputError(f"{path}: inside the run directory {outer}; write exports outside the run")
+    if path.exists() or path.is_symlink():
+        if not path.is_dir():
+            raise OutputError(f"{path}: exists and is not a directory")
+        if not replace and any(path.iterdir()):
+            raise OutputError(f"{path}: not empty; pass --force to replace files of the same name in it, "
+                              "or choose another -o")
+    return path
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -19,6 +19,7 @@ import click
 from megascope import __version__
 from megascope.errors import MegascopeError
 
+log = logging.getLogger(__name__)
 
 class MegascopeGroup(click.Group):
     """A click group that turns library errors into one-line messages, never tracebacks."""
@@ -27,12 +28,30 @@ class MegascopeGroup(click.Group):
         try:
             return super().invoke(ctx)
         except MegascopeError as exc:
-            raise click.ClickException(str(exc)) from None
+            raise click.ClickException(one_line(str(exc))) from None
         except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
+            click.echo("Error: interrupted", err=True)
             sys.exit(130)
         except BrokenPipeError:
             sys.exit(0)
+        except OSError as exc:
+            # The machine said no (read-only or full filesystem, permissions, a busy mount point):
+            # something the user can act on, named with its path.
+            where = f"{exc.filename}: " if exc.filename else ""
+            raise click.ClickException(one_line(f"{where}{exc.strerror or exc}")) from None
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit):
+            raise
+        except Exception as exc:
+            # A bug, but the user still gets one line; -vv logs the traceback for the report.
+            log.debug("unexpected error", exc_info=True)
+            raise click.ClickException(one_line(
+                f"internal error: {type(exc).__name__}: {exc} (a bug in megascope; -vv shows where)")) from None
+
+
+def one_line(message: str) -> str:
+    """``message`` on one line, so that an error is always one line on stderr."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    return " ".join(lines) if lines else "unknown error"
 
 
 @click.group(cls=MegascopeGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -7,6 +7,7 @@ stderr; a bad run directory is one line on stderr and exit status 1.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -206,18 +207,19 @@ def localize(run_dir: Path, as_json: bool) -> None:
         click.echo(f"silent ranks (no sign of life near the end): {shown}")
 
 
-def _png_from_html(html: Path, png: Path, width: int, height: int) -> None:
+def _png_from_html(html: Path, png: Path, width: int, height: int, shown: Path | None = None) -> None:
+    name = shown or png
     browser = next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
     if browser is None:
-        raise ExportError(f"{png}: PNG needs Chromium installed (write .html instead)")
+        raise ExportError(f"{name}: PNG needs Chromium installed (write .html instead)")
     cmd = [browser, "--headless", "--disable-gpu", "--no-sandbox", "--hide-scrollbars",
            f"--window-size={width},{height}", "--virtual-time-budget=10000", f"--screenshot={png}", html.as_uri()]
     try:
         proc = subprocess.run(cmd, capture_output=True, timeout=120, check=False)
     except subprocess.TimeoutExpired:
-        raise ExportError(f"{png}: the browser took too long to render the heat-map") from None
+        raise ExportError(f"{name}: the browser took too long to render the heat-map") from None
     if proc.returncode != 0 or not png.exists():
-        raise ExportError(f"{png}: the browser could not render the heat-map (exit {proc.returncode})")
+        raise ExportError(f"{name}: the browser could not render the heat-map (exit {proc.returncode})")
 
 
 @click.command()
@@ -230,29 +232,38 @@ def _png_from_html(html: Path, png: Path, width: int, height: int) -> None:
               help="What to colour: time of this phase over the peer median.")
 @click.option("--max-ranks", default=512, show_default=True, type=click.IntRange(min=1), help="Rank bins at most.")
 @click.option("--max-steps", default=400, show_default=True, type=click.IntRange(min=1), help="Step bins at most.")
-def heatmap(run_dir: Path, out: Path, phase: str, max_ranks: int, max_steps: int) -> None:
+@click.option("--force", is_flag=True, help="Replace OUT if it exists (never a file inside a run directory).")
+def heatmap(run_dir: Path, out: Path, phase: str, max_ranks: int, max_steps: int, force: bool) -> None:
     """Rank x step heat-map of each phase, normalized within peers."""
+    from megascope import layout
     from megascope.analysis import heatmap as cells_of
     from megascope.figures.heatmap import heatmap_figure
 
     suffix = out.suffix.lower()
     if suffix not in (".html", ".htm", ".png"):
         raise ConfigError(f"{out}: write .html or .png")
+    layout.check_output_file(out, replace=force)
     run = _open(run_dir)
     echo_problems(run.problems)
     cells = cells_of(run.cursor(), phase=phase, max_ranks=max_ranks, max_steps=max_steps)
     fig = heatmap_figure(cells, phase=phase, title=f"{run.path.name}: {phase} time / peer median")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if suffix == ".png":
-        with tempfile.TemporaryDirectory() as tmp:
-            html = Path(tmp) / "heatmap.html"
-            fig.write_html(html, include_plotlyjs=True, full_html=True)
-            _png_from_html(html, out, 1400, 900)
-    else:
-        try:
-            fig.write_html(out, include_plotlyjs=True, full_html=True)
-        except OSError as exc:
-            raise ExportError(f"{out}: cannot write ({exc.strerror})") from None
+    # Written under a hidden name and renamed: the file appears whole, and a --force that fails
+    # leaves the old one as it was.
+    partial = out.with_name(f".{out.stem}.{os.getpid()}.tmp{out.suffix}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if suffix == ".png":
+            with tempfile.TemporaryDirectory() as tmp:
+                html = Path(tmp) / "heatmap.html"
+                fig.write_html(html, include_plotlyjs=True, full_html=True)
+                _png_from_html(html, partial, 1400, 900, shown=out)
+        else:
+            fig.write_html(partial, include_plotlyjs=True, full_html=True)
+        os.replace(partial, out)
+    except OSError as exc:
+        raise ExportError(f"{exc.filename or out}: cannot write ({exc.strerror or exc})") from None
+    finally:
+        partial.unlink(missing_ok=True)
     click.echo(f"wrote {out} ({len(cells)} cells)", err=True)
 
 

@@ -26,12 +26,22 @@ def _selection_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
+force_option = click.option("--force", is_flag=True,
+                            help="Replace OUT if it exists (never a file inside a run directory).")
+
+
 def _run_export(kind: str, run_dir: Path, out: Path, ranks: str | None, steps: str | None, window: str | None,
-                around_stragglers: bool, as_json: bool, **extra: Any) -> None:
+                around_stragglers: bool, as_json: bool, force: bool, **extra: Any) -> None:
+    from megascope import layout
     from megascope.export import export_chrome, export_perfetto
     from megascope.export.selection import parse_ranks, parse_steps, parse_window, window_from_seconds
     from megascope.store import open_run
 
+    # Where the export goes is checked first: never into a run, never over a file without --force.
+    if extra.get("split_ranks"):
+        layout.check_output_dir(out, replace=force)
+    else:
+        layout.check_output_file(out, replace=force)
     # parse every option before any work, so a typo costs nothing
     rank_list = parse_ranks(ranks) if ranks else None
     step_range = parse_steps(steps) if steps else None
@@ -59,10 +69,11 @@ def export() -> None:
 @click.option("-o", "--out", "out", required=True, type=click.Path(path_type=Path, dir_okay=False),
               help="Trace file to write (.pftrace).")
 @_selection_options
+@force_option
 def perfetto(run_dir: Path, out: Path, ranks: str | None, steps: str | None, window: str | None,
-             around_stragglers: bool, as_json: bool) -> None:
+             around_stragglers: bool, as_json: bool, force: bool) -> None:
     """Perfetto protobuf trace: a process per rank, flows across ranks, corrected clocks."""
-    _run_export("perfetto", run_dir, out, ranks, steps, window, around_stragglers, as_json)
+    _run_export("perfetto", run_dir, out, ranks, steps, window, around_stragglers, as_json, force)
 
 
 @export.command()
@@ -71,10 +82,12 @@ def perfetto(run_dir: Path, out: Path, ranks: str | None, steps: str | None, win
               help="JSON file to write (a directory with --split-ranks).")
 @click.option("--split-ranks", is_flag=True, help="One rank-NNNNN.json per rank in OUT (the layout HTA loads).")
 @_selection_options
+@force_option
 def chrome(run_dir: Path, out: Path, ranks: str | None, steps: str | None, window: str | None,
-           around_stragglers: bool, as_json: bool, split_ranks: bool) -> None:
+           around_stragglers: bool, as_json: bool, split_ranks: bool, force: bool) -> None:
     """Chrome trace-event JSON (for HTA and chrome://tracing)."""
-    _run_export("chrome", run_dir, out, ranks, steps, window, around_stragglers, as_json, split_ranks=split_ranks)
+    _run_export("chrome", run_dir, out, ranks, steps, window, around_stragglers, as_json, force,
+                split_ranks=split_ranks)
 
 
 def register(group: click.Group) -> None:

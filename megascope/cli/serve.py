@@ -64,6 +64,10 @@ def demo(out: Path | None, host: str, port: int, steps: int, inject: str) -> Non
     from megascope.inject import parse_inject
 
     check_bind(host, None)
+    if out is not None:
+        from megascope import layout
+
+        layout.check_new_run_dir(out)  # the demo's job writes a new run: never into an existing one
     _quiet_request_log()
     parse_inject(inject)  # a bad spec fails here, in one line, before anything starts
     run_demo(out, host=host, port=port, steps=steps, inject=inject, echo=lambda line: click.echo(line, err=True))

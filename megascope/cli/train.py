@@ -81,6 +81,13 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
                       bucket_mb=bucket_mb,
                       collector_ab=collector_ab, gc_interval=gc_interval,
                       overlap=frozenset() if "all" in no_overlap else frozenset(OVERLAP_DIMS) - set(no_overlap))
+    # Never into an existing run: new parts would mix with the old ones. Under torchrun every rank
+    # checks here, before the rendezvous, so no rank can have written anything yet.
+    from megascope import layout
+
+    if result_json is not None:
+        layout.check_output_file(result_json, replace=True, runs=(out,))
+    layout.prepare_run_dir(out)
     # Only now, with every argument checked, does anything start.
     from megascope.trainer.launch import train as run_training
 

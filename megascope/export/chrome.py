@@ -32,6 +32,7 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from megascope import layout
 from megascope.errors import ExportError
 from megascope.export.common import CountingWriter, ExportStats, as_run, make_selection, output_stream
 from megascope.export.perfetto import p2p_flow_ids
@@ -238,6 +239,9 @@ def _export_split(run: Run, resolved: Resolved, writer: _ChromeWriter, out: Path
         raise ExportError("split_ranks needs a directory path, not a stream")
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: exists and is not a directory")
+    outer = layout.enclosing_run(out)
+    if outer is not None:
+        raise ExportError(f"{out}: inside the run directory {outer}; write exports outside the run")
     out.mkdir(parents=True, exist_ok=True)
     world = run.meta.world_size
     written: set[int] = set()

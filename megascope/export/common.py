@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from megascope import layout
 from megascope.errors import ExportError
 from megascope.export.selection import Selection
 from megascope.store import Run, open_run
@@ -67,6 +68,9 @@ def output_stream(out: Path | str | IO[bytes]) -> Iterator[CountingWriter]:
     path = Path(out)
     if path.is_dir():
         raise ExportError(f"{path}: is a directory; give a file name")
+    outer = layout.enclosing_run(path.parent)
+    if outer is not None:
+        raise ExportError(f"{path}: inside the run directory {outer}; write exports outside the run")
     if not path.parent.exists():
         raise ExportError(f"{path.parent}: no such directory")
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -26,7 +26,7 @@ from types import TracebackType
 import pyarrow as pa
 
 from megascope import layout, schema
-from megascope.errors import IngestError
+from megascope.errors import IngestError, MegascopeError, OutputError
 from megascope.ingest.groups import GroupPlan
 
 log = logging.getLogger(__name__)
@@ -46,12 +46,15 @@ class RankInfo:
 
 
 def check_out_dir(out: Path) -> None:
-    """Refuse to overwrite: ``out`` must not exist, or be an empty directory."""
-    if out.exists():
-        if not out.is_dir():
-            raise IngestError(f"{out}: exists and is not a directory; choose another -o")
-        if any(out.iterdir()):
-            raise IngestError(f"{out}: already exists and is not empty; choose a new -o directory")
+    """Refuse to overwrite: ``out`` must not exist, or be an empty directory outside any run."""
+    try:
+        layout.check_new_run_dir(out)
+    except OutputError as exc:
+        raise IngestError(str(exc)) from None
+
+
+def _cannot_write(exc: OSError, where: Path) -> OutputError:
+    return OutputError(f"{exc.filename or where}: cannot write ({exc.strerror or exc})")
 
 
 class StagedRun:
@@ -60,11 +63,15 @@ class StagedRun:
     def __init__(self, out: Path) -> None:
         self.out = Path(out)
         check_out_dir(self.out)
-        self.out.parent.mkdir(parents=True, exist_ok=True)
         self.path = self.out.parent / f".{self.out.name}.ingest-{os.getpid()}.tmp"
-        if self.path.exists():
-            shutil.rmtree(self.path)
-        self.path.mkdir()
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            if self.path.exists():
+                shutil.rmtree(self.path)
+            self.path.mkdir()
+        except OSError as exc:
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise _cannot_write(exc, self.out) from None
 
     def __enter__(self) -> StagedRun:
         return self
@@ -74,11 +81,20 @@ class StagedRun:
     ) -> None:
         if exc_type is not None:
             shutil.rmtree(self.path, ignore_errors=True)
+            if isinstance(exc, OSError) and not isinstance(exc, MegascopeError):
+                raise _cannot_write(exc, self.out) from None
             return
-        check_out_dir(self.out)
-        if self.out.exists():
-            self.out.rmdir()
-        os.replace(self.path, self.out)
+        try:
+            check_out_dir(self.out)
+            if self.out.exists():
+                self.out.rmdir()
+            os.replace(self.path, self.out)
+        except BaseException as failed:
+            # Nothing left behind: the staging directory goes, whatever stopped the rename.
+            shutil.rmtree(self.path, ignore_errors=True)
+            if isinstance(failed, OSError):
+                raise _cannot_write(failed, self.out) from None
+            raise
 
 
 def write_rank_tables(run_dir: Path, plan: GroupPlan, infos: Mapping[int, RankInfo]) -> None:
