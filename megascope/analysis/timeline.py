@@ -32,7 +32,9 @@ PHASES: dict[str, str] = {
     "backward": "backward_ns",
     "optimizer": "optimizer_ns",
     "data": "data_ns",
-    "host": "host_ns",
+    # Host spans (GC, checkpoints) plus the step's time outside every span: the host pausing
+    # or lagging where nothing was timed (ms_cache.host_gaps).
+    "host": "host_ns + coalesce(gap_ns, 0)",
     "comm": "comm_ns",
     "wait": "wait_ns",
     "xfer": "xfer_ns",
@@ -71,8 +73,16 @@ def heatmap(con: duckdb.DuckDBPyConnection, *, phase: str = "step", max_ranks: i
     )) or (0, 0)
     rank_per_bin = max(1, math.ceil(n_ranks / max_ranks)) if max_ranks else 1
     step_per_bin = max(1, math.ceil(n_steps / max_steps)) if max_steps else 1
+    gaps = "(SELECT NULL::INTEGER AS rank, NULL::INTEGER AS step, NULL::BIGINT AS gap_ns WHERE false)"
+    if phase == "host":
+        with _sql.build_lock():
+            if not _sql.cache_is_fresh(con, "host_gaps"):
+                _sql.execute(con, "timeline", "host_gaps")
+                _sql.mark_built(con, "host_gaps")
+        gaps = "ms_cache.host_gaps"
     return _sql.query_df(
-        con, "timeline", "heat_cells", value=_sql.Raw(PHASES[phase]), has_step_spans=_has_step_spans(con),
+        con, "timeline", "heat_cells", value=_sql.Raw(PHASES[phase]), gaps=_sql.Raw(gaps),
+        has_step_spans=_has_step_spans(con),
         rank_per_bin=rank_per_bin, step_per_bin=step_per_bin,
         rank_bins=max_ranks or 0, step_bins=max_steps or 0,
     )

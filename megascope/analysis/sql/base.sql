@@ -133,14 +133,14 @@ FROM g LEFT JOIN kinds ON kinds."group" = g.grp;
 --                        in some micro-batches only (metric collector_calls:<group>), that
 --                        group's time and wait count the untimed calls at the timed ones' mean
 -- @column coll_ns, recv_ns, send_ns  of which collectives, pipeline receives, pipeline sends
--- @column wait_ns        time it waited for others: in each collective, the last member's arrival
+-- @column wait_ns        time it waited for others (at most the step): in each collective, the last member's arrival
 --                        minus its own (summed per group through the instances, no join back
 --                        to the spans; at most the extent of that group's spans in the step;
 --                        the whole duration where it missed instances), plus recv_ns
 --                        (blocked on the previous/next stage)
 -- @column xfer_ns        coll_ns minus its collective wait: the transfers themselves
 -- @column p2p_wait_ns    recv_ns: the pipeline bubble (a receive's own transfer is small)
--- @column own_ns         step time (or extent) minus wait_ns: what is left is the rank's own
+-- @column own_ns         step time (or extent) minus wait_ns, never negative: what is left is the rank's own
 --                        doing. Built on arrivals, not on span durations, so it holds when spans
 --                        nest (layers inside forward, collectives inside layers) and when
 --                        asynchronous collectives overlap compute and each other; a posted send
@@ -250,9 +250,11 @@ SELECT j.rank, j.step, j.stage, j.step_ns,
            + coalesce(j.compute_ns, 0) + coalesce(j.optimizer_ns, 0) - j.nested_wait AS compute_excl_ns,
        j.coll_ns + j.recv_ns + j.send_ns AS comm_ns, j.coll_ns, j.recv_ns, j.send_ns,
        greatest(j.coll_ns - j.coll_wait, 0) AS xfer_ns,
-       j.coll_wait + j.recv_ns AS wait_ns,
+       -- Waits of overlapping calls (asynchronous buckets beside a pipeline receive) can add up
+       -- to more than the step: capped at the step, so own time is never negative.
+       least(j.coll_wait + j.recv_ns, coalesce(j.step_ns, j.last_raw - j.first_raw)) AS wait_ns,
        j.recv_ns AS p2p_wait_ns,
-       coalesce(j.step_ns, j.last_raw - j.first_raw) - j.coll_wait - j.recv_ns AS own_ns,
+       greatest(coalesce(j.step_ns, j.last_raw - j.first_raw) - j.coll_wait - j.recv_ns, 0) AS own_ns,
        j.coll_tp + j.coll_dp + j.coll_pp + j.coll_other AS coll_count,
        j.last_expected, j.last_var,
        coalesce(CASE WHEN list_contains({{peer_kinds}}, 'tp') THEN l.last_tp ELSE 0 END

@@ -10,26 +10,31 @@ WHERE step_ns IS NOT NULL OR NOT {{has_step_spans}}
 ORDER BY rank, step;
 
 -- @statement heat_cells
--- Heat-map cells of one phase ({{value}}): value per (rank, step), normalised by the median of the
+-- Heat-map cells of one phase ({{value}}, over rank_step and {{gaps}}: host_gaps or an empty
+-- stand-in): value per (rank, step), normalised by the median of the
 -- rank's peers (same pipeline stage) in that step, binned to at most {{rank_bins}} x {{step_bins}}.
 -- A bin shows its worst cell (largest norm): a 0.5% slow machine must survive downsampling.
 -- @column rank_bin, step_bin  bin indices (equal to rank and step position when not binned)
 -- @column rank, step          the worst cell's rank and step
 -- @column rank_lo, rank_hi, step_lo, step_hi  the bin's range
--- @column value_ns, norm      the worst cell's value and value / peer median
+-- @column value_ns, norm      the worst cell's value and value / peer median (both plus a
+--                             thousandth of the peers' median step)
 WITH v AS (
-    SELECT rank, step, stage, {{value}} AS value_ns
-    FROM ms_cache.rank_step
+    SELECT rank, step, stage, {{value}} AS value_ns, coalesce(step_ns, extent_ns) AS step_ns
+    FROM ms_cache.rank_step LEFT JOIN {{gaps}} USING (rank, step)
     WHERE step_ns IS NOT NULL OR NOT {{has_step_spans}}
 ), p AS (
-    SELECT stage, step, median(value_ns) AS med FROM v GROUP BY stage, step
+    -- floor: a thousandth of the step; values below it are rounding, not a slowdown (30 ns of
+    -- host gap against 20 ns is not "1.5x").
+    SELECT stage, step, median(value_ns) AS med, 0.001 * median(step_ns) AS floor FROM v GROUP BY stage, step
 ), steps AS (
     SELECT step, (row_number() OVER (ORDER BY step) - 1) AS step_pos FROM (SELECT DISTINCT step FROM v)
 ), ranks AS (
     SELECT rank, (row_number() OVER (ORDER BY rank) - 1) AS rank_pos FROM (SELECT DISTINCT rank FROM v)
 ), cells AS (
     SELECT v.rank, v.step, v.value_ns,
-           CASE WHEN p.med > 0 THEN v.value_ns / p.med WHEN v.value_ns = 0 THEN 1.0 END AS norm,
+           CASE WHEN p.med + coalesce(p.floor, 0) > 0 THEN (v.value_ns + coalesce(p.floor, 0)) / (p.med + coalesce(p.floor, 0))
+                WHEN v.value_ns = 0 THEN 1.0 END AS norm,
            r.rank_pos // {{rank_per_bin}} AS rank_bin, s.step_pos // {{step_per_bin}} AS step_bin
     FROM v JOIN p USING (stage, step) JOIN steps s USING (step) JOIN ranks r USING (rank)
 ), binned AS (
@@ -43,6 +48,29 @@ SELECT b.rank_bin, b.step_bin, b.rank, b.step, b.rank_lo, b.rank_hi, b.step_lo, 
        b.value_ns, b.norm, i.host, i.pp, i.dp, i.tp
 FROM binned b JOIN ms_cache.rank_info i USING (rank)
 ORDER BY b.rank_bin, b.step_bin;
+
+-- @statement host_gaps
+-- Per (rank, step): time inside the step that no span of the rank covers (the union of its
+-- spans, nested and overlapping ones included, subtracted from the step span). A host pause
+-- outside every span (a stall before a collective, a slow launch) shows here and nowhere else.
+-- @column gap_ns  uncovered time of the step
+CREATE OR REPLACE TABLE ms_cache.host_gaps AS
+WITH steps AS (
+    SELECT rank, step, min(start_ns) AS s0, max(start_ns + dur_ns) AS s1
+    FROM spans WHERE kind = 'step' AND step IS NOT NULL GROUP BY rank, step
+), s AS (
+    SELECT x.rank, x.step, greatest(x.start_ns, st.s0) AS b, least(x.start_ns + x.dur_ns, st.s1) AS e, st.s0, st.s1
+    FROM spans x JOIN steps st USING (rank, step)
+    WHERE x.kind <> 'step' AND x.step IS NOT NULL
+), o AS (
+    SELECT rank, step, b, e, s0, s1,
+           max(e) OVER (PARTITION BY rank, step ORDER BY b, e ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS reach
+    FROM s WHERE e > b
+)
+SELECT rank, step,
+       sum(greatest(b - coalesce(reach, s0), 0))
+           + greatest(any_value(s1) - greatest(max(e), any_value(s0)), 0) AS gap_ns
+FROM o GROUP BY rank, step;
 
 -- @statement step_summary
 -- One row per step: the job's step time (median over ranks of their step span) and how many
