@@ -25,7 +25,9 @@ from megascope.store import Run
 
 log = logging.getLogger(__name__)
 
-HEATMAP_MAX_RANKS = 512
+# At most this many rank rows: each keeps its bin's worst cell, and each gets a few pixels (a row
+# thinner than a pixel is dropped when the browser scales the image down).
+HEATMAP_MAX_RANKS = 256
 HEATMAP_MAX_STEPS = 400
 
 
@@ -199,7 +201,7 @@ def ranks(served: ServedRun) -> pd.DataFrame:
 
 
 def heatmap(served: ServedRun, phase: str) -> pd.DataFrame:
-    """The rank x step frame of ``phase``, binned server-side to at most 512 x 400 cells."""
+    """The rank x step frame of ``phase``, binned server-side to at most 256 x 400 cells."""
     return served.result(
         ("heatmap", phase),
         lambda run: _analysis().heatmap(run.con, phase=phase, max_ranks=HEATMAP_MAX_RANKS,

@@ -27,6 +27,7 @@ OVERVIEW_GRAPH = "overview-graph"
 HEATMAP_PHASE = "heatmap-phase"
 HEATMAP_GRAPH = "heatmap-graph"
 HEATMAP_NOTE = "heatmap-note"
+HEATMAP_TOP = "heatmap-top"  # the worst ranks, listed beside the map
 
 # Stragglers
 STRAGGLER_TABLE = "straggler-table"

@@ -95,3 +95,70 @@ def test_overview_has_a_panel_per_series_with_data() -> None:
     assert names == ["MFU (%)", "step time (ms)", "loss"]  # tokens/s is all-null: no panel
     assert list(fig.data[0].y[:2]) == [40.0, 38.0]
     assert list(fig.data[1].y) == [200.0, 210.0, 220.0]
+
+
+def _cells(norms: dict[tuple[int, int], float], ranks: int, steps: int) -> pd.DataFrame:
+    """Heat-map cells (the columns of analysis.heatmap) of ``ranks`` x ``steps``, 1.0 unless given."""
+    rows = [{"rank_bin": r, "step_bin": s, "rank": r, "step": s, "rank_lo": r, "rank_hi": r, "step_lo": s,
+             "step_hi": s, "value_ns": 1e6 * norms.get((r, s), 1.0), "norm": norms.get((r, s), 1.0),
+             "host": f"node{r // 8}", "pp": 0, "dp": r // 2, "tp": r % 2}
+            for r in range(ranks) for s in range(steps)]
+    return pd.DataFrame(rows)
+
+
+def _colour_of(fig: go.Figure, ratio: float) -> tuple[int, int, int]:
+    """The RGB the heat-map's colour scale gives ``ratio`` (its z is log2 of the ratio)."""
+    heat = fig.data[0]
+    z = (np.log2(ratio) - heat.zmin) / (heat.zmax - heat.zmin)
+    stops = [(float(p), c) for p, c in heat.colorscale]
+    for (p0, c0), (p1, c1) in zip(stops, stops[1:], strict=False):
+        if p0 <= z <= p1:
+            a = np.array([int(c0[i:i + 2], 16) for i in (1, 3, 5)])
+            b = np.array([int(c1[i:i + 2], 16) for i in (1, 3, 5)])
+            t = 0.0 if p1 == p0 else (z - p0) / (p1 - p0)
+            return tuple(int(v) for v in np.round(a + (b - a) * t))  # type: ignore[return-value]
+    raise AssertionError(f"{ratio} outside the colour scale")
+
+
+def test_heatmap_colours_tell_a_mild_straggler_from_a_gross_one() -> None:
+    from megascope.figures.heatmap import heatmap_figure
+
+    fig = heatmap_figure(_cells({(3, 1): 1.15, (5, 2): 3.0, (6, 0): 38.0}, ranks=8, steps=4), phase="own")
+    white, mild, gross, extreme = (_colour_of(fig, v) for v in (1.0, 1.15, 3.0, 38.0))
+    assert white[0] > 240 and white[1] > 240 and white[2] > 240
+    # 1.15x is clearly coloured (not white), and far from both 3x and 38x.
+    assert sum(abs(a - b) for a, b in zip(mild, white, strict=True)) > 150
+    assert sum(abs(a - b) for a, b in zip(mild, gross, strict=True)) > 150
+    assert sum(abs(a - b) for a, b in zip(gross, extreme, strict=True)) > 60
+    # The figure is tall enough for every rank row to get pixels.
+    assert fig.layout.height >= 360
+
+
+def test_heatmap_marks_flagged_ranks_beside_the_axis_and_lists_the_worst() -> None:
+    from megascope.figures.heatmap import heatmap_figure, worst_ranks
+
+    # 1,024 ranks binned by 4 as the dashboard bins them: rank 77 lives in the bin starting at 76.
+    cells = _cells({}, ranks=256, steps=3)
+    cells["rank_lo"] = cells["rank_bin"] * 4
+    cells["rank_hi"] = cells["rank_lo"] + 3
+    cells.loc[cells["rank_bin"] == 19, ["rank", "norm"]] = [77, 1.15]
+    fig = heatmap_figure(cells, phase="own", flagged=[77])
+    marks = [t for t in fig.data if isinstance(t, go.Scatter) and t.name == "stragglers"]
+    assert len(marks) == 1 and list(marks[0].y) == [76] and list(marks[0].text) == ["r77"]
+    assert fig.layout.height >= 2 * 256
+    worst = worst_ranks(cells)
+    assert worst["rank"].tolist() == [77] and worst["worst"].iloc[0] == 1.15 and worst["slow_steps"].iloc[0] == 3
+
+
+def test_topology_click_position_maps_to_its_rank() -> None:
+    from megascope.figures.topology import rank_at
+
+    mesh = Mesh.from_sizes(tp=2, pp=2, dp=2)
+    states = _states(mesh)
+    frame, _geo = grid_positions(states)
+    for row in frame.itertuples():
+        assert rank_at(states, float(row.x), float(row.y)) == row.rank
+    assert rank_at(states, 2.0, 0.0) is None  # the blank column between two stages
+    fig = topology_figure(states)
+    assert [a.text for a in fig.layout.annotations] == ["tp0", "tp1", "tp0", "tp1"]
+    assert list(fig.layout.yaxis.ticktext) == ["0", "1"] and fig.layout.yaxis.title.text == "dp"

@@ -16,14 +16,18 @@ from megascope.dashboard.components import contained, notice
 from megascope.dashboard.runs import RunRegistry, ServedRun
 from megascope.dashboard.shell import served_from
 
-# Compute first: in a synchronous job every rank's *step* takes as long as the slowest, so the
-# straggler shows in its own compute (and its peers in their wait), not in step time.
-DEFAULT_PHASE = "compute"
+# Own time first: in a synchronous job every rank's *step* takes as long as the slowest, so the
+# straggler shows in what it spent itself (step minus waiting for others), the measure the
+# Stragglers page ranks by, whatever the cause (compute, data, a host pause). Compute spans of its
+# peers hold their waits on it inside tensor-parallel calls, so "compute" can point elsewhere.
+DEFAULT_PHASE = "own"
+# Ranks listed beside the map, worst first.
+TOP_RANKS = 10
 PHASE_LABELS = {
     "compute": "compute (forward + backward + optimizer)", "own": "own time (all but waiting)",
     "forward": "forward", "backward": "backward", "optimizer": "optimizer", "wait": "waiting for peers",
     "xfer": "transfer", "comm": "communication", "bubble": "pipeline bubble (p2p wait)", "data": "data loading",
-    "host": "host work", "step": "step",
+    "host": "host work and pauses outside spans", "step": "step",
 }
 
 
@@ -49,9 +53,32 @@ def layout(served: ServedRun, query: dict[str, str]) -> html.Div:
                 className="controls",
             ),
             html.Div(id=ids.HEATMAP_NOTE),
-            dcc.Loading(dcc.Graph(id=ids.HEATMAP_GRAPH, config={"displaylogo": False}), delay_show=300),
+            html.Div(
+                [dcc.Loading(dcc.Graph(id=ids.HEATMAP_GRAPH, config={"displaylogo": False}), delay_show=300,
+                             parent_className="heatmap-main"),
+                 html.Div(id=ids.HEATMAP_TOP, className="heatmap-side")],
+                className="heatmap-row",
+            ),
         ]
     )
+
+
+def top_list(served: ServedRun, cells: Any, phase: str) -> list[Any]:
+    """The worst ranks of the map beside it, each a link to its timeline at its worst step."""
+    from megascope.figures.heatmap import worst_ranks
+
+    worst = worst_ranks(cells, TOP_RANKS)
+    if worst.empty:
+        return [html.H4("Worst ranks"), html.Div("none at 1.05x or more", className="hint")]
+    rows = []
+    for row in worst.to_dict("records"):
+        rank, step = int(row["rank"]), int(row["step"])
+        href = routes.href(served.id, "timeline") + "?" + routes.selection_query(data.peers(served, rank), (step, step))
+        rows.append(html.Tr([html.Td(dcc.Link(f"rank {rank}", href=href)), html.Td(f"{float(row['worst']):.2f}x"),
+                             html.Td(f"{int(row['slow_steps'])}")]))
+    return [html.H4(f"Worst ranks ({PHASE_LABELS.get(phase, phase).split(' (')[0]})"),
+            html.Table([html.Thead(html.Tr([html.Th("rank"), html.Th("worst"), html.Th("cells >= 1.05x")])),
+                        html.Tbody(rows)], className="table", id="heatmap-top-table")]
 
 
 def cell_target(point: dict[str, Any]) -> tuple[int, int] | None:
@@ -67,20 +94,23 @@ def cell_target(point: dict[str, Any]) -> tuple[int, int] | None:
 
 def register(app: Dash, registry: RunRegistry) -> None:
     @app.callback(
-        Output(ids.HEATMAP_GRAPH, "figure"), Output(ids.HEATMAP_NOTE, "children"),
+        Output(ids.HEATMAP_GRAPH, "figure"), Output(ids.HEATMAP_TOP, "children"), Output(ids.HEATMAP_NOTE, "children"),
         Input(ids.GENERATION, "data"), Input(ids.HEATMAP_PHASE, "value"),
     )
-    @contained(no_update)
-    def update(generation: dict[str, Any] | None, phase: str) -> tuple[Any, Any]:
+    @contained(no_update, no_update)
+    def update(generation: dict[str, Any] | None, phase: str) -> tuple[Any, Any, Any]:
         served = served_from(registry, generation)
         if served is None or served.run is None:
-            return no_update, notice(served.error if served else "loading...")
+            return no_update, no_update, notice(served.error if served else "loading...")
         frame = data.heatmap(served, phase)
         if frame.empty:
-            return no_update, notice(f"no {phase} spans in this run", "info")
+            return no_update, no_update, notice(f"no {phase} spans in this run", "info")
         from megascope.figures.heatmap import heatmap_figure
 
-        return data.figure(served, ("heatmap", phase), lambda: heatmap_figure(frame, phase=phase)), None
+        flagged = [int(r) for r in data.stragglers(served)["rank"]]
+        figure = data.figure(served, ("heatmap", phase),
+                             lambda: heatmap_figure(frame, phase=phase, flagged=flagged))
+        return figure, top_list(served, frame, phase), None
 
     @app.callback(
         Output(ids.URL, "pathname", allow_duplicate=True), Output(ids.URL, "search", allow_duplicate=True),

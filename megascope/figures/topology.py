@@ -111,7 +111,7 @@ def topology_figure(states: pd.DataFrame, *, suspects: Sequence[dict[str, Any]] 
             hovertemplate="rank %{customdata[0]} · %{customdata[3]}<br>%{customdata[1]}<br>%{customdata[2]}<extra></extra>",
             # Rank numbers on the cells while they are big enough to hold them.
             text=np.where(rank_grid >= 0, rank_grid.astype(str), ""), texttemplate="%{text}" if width * height <= 512 else "",
-            textfont={"size": 11, "color": "#fff"},
+            textfont={"size": 11, "color": "#222"},
         )
     )
     # A legend for the discrete colours: empty scatter traces that only draw legend entries.
@@ -138,19 +138,19 @@ def topology_figure(states: pd.DataFrame, *, suspects: Sequence[dict[str, Any]] 
                      showgrid=False, zeroline=False, range=[-0.5, width - 0.5], side="top")
     if width <= 64:
         columns = frame.drop_duplicates("x").sort_values("x")
-        fig.add_trace(go.Scatter(x=columns["x"], y=[height - 0.5 + 0.45] * len(columns), mode="text",
-                                 text=[f"tp{int(t)}" for t in columns["tp"]], textposition="bottom center",
-                                 textfont={"size": 11, "color": "#555"}, hoverinfo="skip", showlegend=False,
-                                 cliponaxis=False))
+        for x, tp in zip(columns["x"], columns["tp"], strict=True):
+            fig.add_annotation(x=x, y=0, xref="x", yref="paper", yanchor="top", showarrow=False,
+                               text=f"tp{int(tp)}", font={"size": 11, "color": "#555"})
     step = max(1, math.ceil(height / 32))
     rows = list(range(0, height, step))
     fig.update_yaxes(title_text="dp" if geo["folds"] == 1 else f"dp (folded x{geo['folds']}: row + {height} x fold)",
                      tickvals=rows, ticktext=[str(r) for r in rows],
-                     showgrid=False, zeroline=False, range=[height - 0.5 + (1.0 if width <= 64 else 0.0), -0.5])
+                     showgrid=False, zeroline=False, range=[height - 0.5, -0.5])
     cell = max(4, min(28, 700 // max(height, 1)))
     fig.update_layout(
         title=title, height=min(900, max(260, cell * height + 140)), plot_bgcolor=_MISSING_COLOUR,
-        margin={"l": 50, "r": 20, "t": 60 if title else 40, "b": 20}, legend={"orientation": "h", "y": -0.05},
+        margin={"l": 50, "r": 20, "t": 60 if title else 40, "b": 20 if width > 64 else 40},
+        legend={"orientation": "h", "y": -0.05 if width > 64 else -0.12},
         uirevision="topology",
     )
     return fig
