@@ -4,14 +4,23 @@ Writes synthetic runs with ``megascope.synth`` (or reuses them under ``--workdir
 each one in a fresh process so that peak memory (max RSS) belongs to that export alone. The target
 for the Perfetto export is >= 1M spans/s on a 2-core machine, with memory flat in run size.
 
+On a shared machine, compare only within one call: ``--baseline-src DIR`` (a checkout of another
+version's source tree, e.g. ``git archive COMMIT megascope | tar -x -C DIR``) runs that version's
+export on the same runs, interleaved with this one, ``--repeats`` times each; the table gives mean
+and p90 wall time, and the ratio of means against the baseline. ``--clocks none`` exports host
+clocks as recorded (no clock-offset analysis), ``analysis`` (default) as ``megascope export`` does.
+
     python bench/export_speed.py                       # 256 and 1,024 ranks, 10 steps, tp=8 pp=8
-    python bench/export_speed.py --ranks 1024 --steps 20 --formats perfetto
+    python bench/export_speed.py --runs 1024x20 12288x10 --formats perfetto --repeats 3 \\
+        --baseline-src /tmp/megascope-base --workdir /tmp/export-bench
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -19,14 +28,20 @@ from pathlib import Path
 
 _CHILD = r"""
 import json, resource, sys, time
+fmt, run_dir, out, clocks = sys.argv[1:5]
+if clocks == "none":
+    from megascope import analysis
+    if hasattr(analysis, "clock_offsets"):
+        del analysis.clock_offsets
 from megascope.export import export_chrome, export_perfetto
 from megascope.store import open_run
-fmt, run_dir, out = sys.argv[1:4]
+began = time.perf_counter()
 run = open_run(run_dir)
+opened = time.perf_counter() - began
 began, cpu = time.perf_counter(), time.process_time()
 stats = (export_perfetto if fmt == "perfetto" else export_chrome)(run, out)
 seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
-print(json.dumps({"spans": stats.spans, "bytes": stats.bytes, "seconds": seconds, "cpu": cpu,
+print(json.dumps({"spans": stats.spans, "bytes": stats.bytes, "seconds": seconds, "cpu": cpu, "open_s": opened,
                   "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
@@ -39,36 +54,69 @@ def _synth(path: Path, ranks: int, steps: int, tp: int, pp: int) -> None:
     synth_run(path, SynthConfig(ranks=ranks, steps=steps, tp=tp, pp=pp, seed=0))
 
 
+def _p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
+
+
+def _export(src: Path | None, fmt: str, run_dir: Path, out: Path, clocks: str) -> dict[str, float]:
+    env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = str(src) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _CHILD, fmt, str(run_dir), str(out), clocks],
+                          capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"export of {run_dir} failed:\n{proc.stderr[-2000:]}")
+    out.unlink(missing_ok=True)
+    result: dict[str, float] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[256, 1024])
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--runs", nargs="+", default=["256x10", "1024x10"], help="RANKSxSTEPS, e.g. 1024x20 12288x10")
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--pp", type=int, default=8)
     parser.add_argument("--formats", nargs="+", default=["perfetto", "chrome"], choices=["perfetto", "chrome"])
-    parser.add_argument("--workdir", type=Path, default=None, help="Keep runs and traces here (reused).")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--clocks", choices=["analysis", "none"], default="analysis")
+    parser.add_argument("--baseline-src", type=Path, default=None, help="Source tree of the version to compare with.")
+    parser.add_argument("--workdir", type=Path, default=None, help="Keep runs here (reused).")
     args = parser.parse_args()
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="megascope-export-bench-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for ranks in args.ranks:
-        run_dir = workdir / f"synth-{ranks}r-{args.steps}s"
-        _synth(run_dir, ranks, args.steps, args.tp, args.pp)
-        for fmt in args.formats:
-            out = workdir / f"{run_dir.name}.{'pftrace' if fmt == 'perfetto' else 'json'}"
-            proc = subprocess.run([sys.executable, "-c", _CHILD, fmt, str(run_dir), str(out)],
-                                  capture_output=True, text=True, check=True)
-            result = json.loads(proc.stdout.strip().splitlines()[-1])
-            rows.append((ranks, args.steps, fmt, result))
-            out.unlink()
+    variants: list[tuple[str, Path | None]] = [("this", None)]
+    if args.baseline_src is not None:
+        variants.insert(0, ("baseline", args.baseline_src.resolve()))
+    results: dict[tuple[str, str, str], list[dict[str, float]]] = {}
+    for spec in args.runs:
+        ranks, steps = (int(x) for x in spec.lower().split("x"))
+        run_dir = workdir / f"synth-{ranks}r-{steps}s-tp{args.tp}-pp{args.pp}"
+        _synth(run_dir, ranks, steps, args.tp, args.pp)
+        for _ in range(args.repeats):
+            for fmt in args.formats:
+                for name, src in variants:  # interleaved: a load change hits both alike
+                    out = workdir / f"{run_dir.name}.{name}.{'pftrace' if fmt == 'perfetto' else 'json'}"
+                    results.setdefault((spec, fmt, name), []).append(_export(src, fmt, run_dir, out, args.clocks))
 
-    # CPU seconds (all threads) next to wall seconds: on a shared machine wall time mostly measures the others
-    print("| ranks | steps | format | spans | output | wall s | CPU s | spans/s (wall) | spans per CPU-s | peak RSS |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for ranks, steps, fmt, r in rows:
-        print(f"| {ranks:,} | {steps} | {fmt} | {r['spans']:,} | {r['bytes'] / 1e6:,.0f} MB | {r['seconds']:.1f} | "
-              f"{r['cpu']:.1f} | {r['spans'] / r['seconds']:,.0f} | {r['spans'] / r['cpu']:,.0f} | {r['rss_mb']:,.0f} MB |")
+    print(f"load average (1, 5, 15 min) at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
+          f"clocks: {args.clocks}; repeats: {args.repeats}")
+    print("| ranks x steps | format | version | spans | output | wall s mean / p90 | CPU s mean | open_run s | "
+          "spans/s (wall, mean) | spans per CPU-s | peak RSS | wall vs baseline |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (spec, fmt, name), rows in results.items():
+        wall = [r["seconds"] for r in rows]
+        cpu = [r["cpu"] for r in rows]
+        spans = rows[0]["spans"]
+        base = results.get((spec, fmt, "baseline"))
+        ratio = ""
+        if base is not None and name != "baseline":
+            ratio = f"{statistics.mean(r['seconds'] for r in base) / statistics.mean(wall):.2f}x faster"
+        print(f"| {spec} | {fmt} | {name} | {spans:,} | {rows[0]['bytes'] / 1e6:,.0f} MB | "
+              f"{statistics.mean(wall):.2f} / {_p90(wall):.2f} | {statistics.mean(cpu):.2f} | "
+              f"{statistics.mean(r['open_s'] for r in rows):.2f} | {spans / statistics.mean(wall):,.0f} | "
+              f"{spans / statistics.mean(cpu):,.0f} | {max(r['rss_mb'] for r in rows):,.0f} MB | {ratio} |")
 
 
 if __name__ == "__main__":

@@ -310,3 +310,55 @@ def test_single_host_run_exports_with_analysis_offsets(tmp_path: Path, monkeypat
     trace = _export(out)
     assert trace.slices
     assert trace.metadata["megascope.clock_correction"].startswith("analysis")
+
+
+def test_prefetch_keeps_order_and_raises_the_producers_error() -> None:
+    from megascope.export.overlap import prefetch
+
+    assert list(prefetch(iter(range(50)), depth=2)) == list(range(50))
+
+    def failing() -> Any:
+        yield 1
+        raise ValueError("bad part")
+
+    got = []
+    with pytest.raises(ValueError, match="bad part"):
+        for item in prefetch(failing()):
+            got.append(item)
+    assert got == [1]
+    early = prefetch(iter(range(10**6)))
+    assert next(early) == 0
+    early.close()  # a consumer that stops early stops the producer
+
+
+def test_background_writer_keeps_byte_order_and_reports_a_failed_write() -> None:
+    from megascope.export.overlap import BackgroundWriter
+
+    buf = io.BytesIO()
+    pieces = [bytes([i % 256]) * (i * 977 % 200_000 + 1) for i in range(40)]
+    with BackgroundWriter(buf, depth=2) as out:
+        for piece in pieces:
+            out.write(memoryview(piece) if len(piece) % 2 else piece)
+    assert buf.getvalue() == b"".join(pieces)
+
+    class Full(io.RawIOBase):
+        def write(self, data: Any) -> int:
+            raise OSError(28, "No space left on device")
+
+    failing = BackgroundWriter(Full())
+    failing.write(b"x" * (1 << 20))
+    with pytest.raises(OSError, match="No space"):
+        failing.close()
+
+
+def test_uncorrected_export_on_request_states_it(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from megascope import analysis
+
+    def must_not_run(con: Any) -> Any:
+        raise AssertionError("clock offsets estimated although not requested")
+
+    monkeypatch.setattr(analysis, "clock_offsets", must_not_run, raising=False)
+    trace = _export(run_dir, correct_clocks=False, steps=(1, 1))
+    assert trace.metadata["megascope.clock_correction"].startswith("none (not requested")
+    want = Counter((s["rank"], s["start_ns"]) for s in _spans(run_dir, "step = 1"))
+    assert Counter((trace.rank_of(s["track"]), s["ts"] - trace.shift) for s in trace.slices) == want

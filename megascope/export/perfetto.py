@@ -47,7 +47,8 @@ from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
 from perfetto.trace_builder.proto_builder import StreamingTraceProtoBuilder
 
 from megascope.export import perfetto_layouts as lay
-from megascope.export.common import CountingWriter, ExportStats, as_run, make_selection, output_stream
+from megascope.export.common import ExportStats, as_run, make_selection, output_stream
+from megascope.export.overlap import BackgroundWriter, prefetch
 from megascope.export.protowire import encode
 from megascope.export.selection import Resolved, resolve
 from megascope.export.source import DEFAULT_CHUNK_ROWS, SpanChunk, iter_span_chunks
@@ -145,7 +146,7 @@ class _Interner:
 
 
 class _PerfettoWriter:
-    def __init__(self, run: Run, resolved: Resolved, out: CountingWriter, stats: ExportStats) -> None:
+    def __init__(self, run: Run, resolved: Resolved, out: BackgroundWriter, stats: ExportStats) -> None:
         self.run = run
         self.resolved = resolved
         self.out = out
@@ -280,12 +281,11 @@ class _PerfettoWriter:
 
         # Flows: every collective member starts or steps its instance's flow; a send starts the
         # flow that its receive's end terminates.
-        kinds = np.array(kind_dict, dtype=object)[kind_idx] if n else np.array([], dtype=object)
         seq, seq_ok = chunk.ints["seq"]
         peer, peer_ok = chunk.ints["peer"]
-        is_coll = (kinds == SpanKind.COLLECTIVE) & (group_idx >= 0) & seq_ok
-        is_send = (kinds == SpanKind.SEND) & peer_ok & seq_ok
-        is_recv = (kinds == SpanKind.RECV) & peer_ok & seq_ok
+        is_coll = _is_kind(kind_idx, kind_dict, SpanKind.COLLECTIVE) & (group_idx >= 0) & seq_ok
+        is_send = _is_kind(kind_idx, kind_dict, SpanKind.SEND) & peer_ok & seq_ok
+        is_recv = _is_kind(kind_idx, kind_dict, SpanKind.RECV) & peer_ok & seq_ok
         flow = np.zeros(n, dtype=np.uint64)
         if is_coll.any():
             gh = self._group_hashes(group_dict)[group_idx]
@@ -336,7 +336,7 @@ class _PerfettoWriter:
         self._write_binary(pc.take(combined, pa.array(inverse)))
         self.stats.spans += n
 
-        is_step = kinds == SpanKind.STEP
+        is_step = _is_kind(kind_idx, kind_dict, SpanKind.STEP)
         if is_step.any():
             self._step_counters(chunk.rank[is_step], start[is_step], chunk.dur_ns[is_step])
             step, step_ok = chunk.ints["step"]
@@ -350,7 +350,8 @@ class _PerfettoWriter:
             uuid = step_counter_uuid(rank)
             if uuid not in self.tracks_written:
                 self._add_track(uuid, "step time (ms)", parent=process_uuid(rank), unit="ms", order=0)
-        uuids = np.array([step_counter_uuid(r) for r in ranks.tolist()], dtype=np.uint64)
+        uuids = np.uint64(step_counter_uuid(0) - process_uuid(0)) | (
+            (ranks.astype(np.uint64) + np.uint64(1)) << np.uint64(24))
         order = np.lexsort((start, uuids))
         self._write_counters(start[order], uuids[order], dur[order] / 1e6)
 
@@ -447,6 +448,12 @@ class _PerfettoWriter:
         self.stats.tracks += 1
 
 
+def _is_kind(kind_idx: I64, kind_dict: list[str | None], kind: str) -> npt.NDArray[np.bool_]:
+    """Rows whose kind is ``kind``, compared on dictionary codes rather than strings."""
+    codes = [i for i, k in enumerate(kind_dict) if k == kind]
+    return kind_idx == codes[0] if codes else np.zeros(len(kind_idx), dtype=np.bool_)
+
+
 def _fixed_rows(block: npt.NDArray[np.uint8]) -> pa.Array:
     """A binary array whose i-th value is row i of ``block``."""
     rows, width = block.shape
@@ -463,26 +470,30 @@ def export_perfetto(
     window: tuple[int, int] | None = None,
     around_stragglers: bool = False,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    correct_clocks: bool = True,
 ) -> ExportStats:
     """Write ``run`` (or the selected part) as a Perfetto protobuf trace to ``out``.
 
     ``ranks``: ranks to keep; ``steps``: inclusive ``(first, last)``; ``window``: ``(start_ns,
     end_ns)`` in corrected epoch ns, keeping spans that overlap it; ``around_stragglers``: keep only
-    the stragglers and the peers they make wait. ``out`` is a path (written atomically) or a binary
-    stream. Memory follows ``chunk_rows`` spans, not the run.
+    the stragglers and the peers they make wait; ``correct_clocks=False``: host clocks as
+    recorded, without the analysis' offset estimate. ``out`` is a path (written atomically) or a
+    binary stream. Memory follows ``chunk_rows`` spans, not the run: the scan runs one chunk
+    ahead of the encoding and the writes a bounded queue behind it.
     """
     began = time.perf_counter()
     run = as_run(run)
-    resolved = resolve(run, make_selection(ranks, steps, window, around_stragglers))
+    resolved = resolve(run, make_selection(ranks, steps, window, around_stragglers), correct_clocks=correct_clocks)
     stats = ExportStats(format="perfetto", clock_correction=resolved.clock_source,
                         selection=resolved.selection.describe(), stragglers=resolved.stragglers)
     with output_stream(out) as stream:
-        writer = _PerfettoWriter(run, resolved, stream, stats)
-        writer.write_header()
-        for chunk in iter_span_chunks(run, resolved, chunk_rows=chunk_rows):
-            writer.write_chunk(chunk)
-        writer.write_job_counters()
-        writer.write_heartbeats()
+        with BackgroundWriter(stream) as background:
+            writer = _PerfettoWriter(run, resolved, background, stats)
+            writer.write_header()
+            for chunk in prefetch(iter_span_chunks(run, resolved, chunk_rows=chunk_rows)):
+                writer.write_chunk(chunk)
+            writer.write_job_counters()
+            writer.write_heartbeats()
         stats.bytes = stream.bytes
     stats.seconds = time.perf_counter() - began
     log.info("perfetto export: %d spans, %d bytes in %.2fs", stats.spans, stats.bytes, stats.seconds)

@@ -201,15 +201,51 @@ def window_from_seconds(run: Run, start_s: float, end_s: float) -> tuple[int, in
     return origin + int(start_s * 1e9), origin + int(end_s * 1e9)
 
 
-def resolve(run: Run, selection: Selection) -> Resolved:
-    """Make ``selection`` concrete for ``run``: ranks, offsets and (if asked) the stragglers."""
+_RANK_DIR = re.compile(r"^rank=(\d+)$")
+# Epoch nanoseconds after 1973: a run whose clock reads this is on wall-clock time, where no
+# clock offset (milliseconds to seconds) can take a span below zero.
+EPOCH_FLOOR_NS = 10**17
+
+
+def _ranks_with_spans(run: Run) -> set[int]:
+    """Ranks that have span parts, from the part paths (``spans/rank=00017/part-*.parquet``)."""
+    ranks = set()
+    for path in run.files.get("spans", []):
+        match = _RANK_DIR.match(path.parent.name)
+        if match:
+            ranks.add(int(match.group(1)))
+    return ranks
+
+
+def _time_shift(run: Run, rank_offsets: npt.NDArray[np.int64]) -> int:
+    """What to add to every corrected time so that none is negative (Perfetto times are unsigned).
+
+    A run on epoch wall-clock time (``run.json`` start time after 1973, offsets far smaller) needs
+    none, and no scan of the spans; otherwise the earliest span of each rank decides.
+    """
+    start = run.meta.start_ns
+    lowest = int(rank_offsets.min()) if len(rank_offsets) else 0
+    if start is not None and start >= EPOCH_FLOOR_NS and start + lowest >= EPOCH_FLOOR_NS // 2:
+        return 0
+    firsts = run.cursor().execute("SELECT rank, min(start_ns) FROM spans GROUP BY rank").fetchall()
+    corrected = [int(t) + int(rank_offsets[int(r)]) for r, t in firsts if t is not None and int(r) < len(rank_offsets)]
+    return max(0, -min(corrected)) if corrected else 0
+
+
+def resolve(run: Run, selection: Selection, *, correct_clocks: bool = True) -> Resolved:
+    """Make ``selection`` concrete for ``run``: ranks, offsets and (if asked) the stragglers.
+
+    ``correct_clocks=False`` keeps the host clocks as recorded (and says so) without estimating
+    the offsets, which costs a pass of the analysis over the run's collectives.
+    """
     cur = run.cursor()
     rank_rows = cur.execute("SELECT rank, host, pp, dp, tp FROM ranks ORDER BY rank").fetchall()
     host_rows = [(r, h) for r, h, *_ in rank_rows]
-    # one scan of the spans: which ranks wrote any, and the earliest time
-    firsts = dict(cur.execute("SELECT rank, min(start_ns) FROM spans GROUP BY rank").fetchall())
-    known = {int(r) for r in firsts} | {int(r) for r, _ in host_rows}
-    host_offsets, source = _clock_offsets(run)
+    known = _ranks_with_spans(run) | {int(r) for r, _ in host_rows}
+    if correct_clocks:
+        host_offsets, source = _clock_offsets(run)
+    else:
+        host_offsets, source = {}, "none (not requested; host clocks as recorded)"
     size = max([*known, run.meta.world_size - 1, 0]) + 1
     rank_offsets = np.zeros(size, dtype=np.int64)
     for rank, host in host_rows:
@@ -218,8 +254,7 @@ def resolve(run: Run, selection: Selection) -> Resolved:
 
     # Trace timestamps are unsigned: a run whose corrected times go below zero (relative clocks)
     # is shifted as a whole, and the metadata says by how much.
-    corrected = [int(t) + int(rank_offsets[int(r)]) for r, t in firsts.items() if t is not None]
-    shift = max(0, -min(corrected)) if corrected else 0
+    shift = _time_shift(run, rank_offsets)
     rank_offsets += shift
 
     ranks = sorted(known)

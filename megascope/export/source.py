@@ -81,6 +81,10 @@ def _to_chunk(table: pa.Table, resolved: Resolved) -> SpanChunk:
     rank = table.column("rank").to_numpy().astype(np.int64)
     offsets = resolved.rank_offsets_ns[rank] if len(resolved.rank_offsets_ns) else np.zeros_like(rank)
     start = table.column("start_ns").to_numpy().astype(np.int64) + offsets
+    if len(start) and int(start.min()) < 0:
+        bad = int(np.argmin(start))
+        raise ExportError(f"rank {int(rank[bad])} has a span at {int(start[bad])} ns after clock correction, "
+                          "before the epoch; its recorded start_ns is not a wall-clock time")
     dur = np.maximum(table.column("dur_ns").to_numpy().astype(np.int64), 0)
     chunk = SpanChunk(
         rank=rank,
