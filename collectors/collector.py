@@ -45,6 +45,7 @@ from typing import Any
 from megascope.collectors.buffers import rows_to_table
 from megascope.collectors.config import CollectorConfig
 from megascope.collectors.contexts import NOOP, CommHandle, SpanContext, StepContext, StepLevel
+from megascope.collectors.evidence import AgentLink, StackWatch, enable_nccl_flight_recorder
 from megascope.collectors.timing import Timer, make_timer, resolve_device
 from megascope.collectors.writer import Sink, Writer
 
@@ -130,6 +131,10 @@ class Collector:
             interval_s=config.flush_interval_s, capacity=config.max_buffered_rows, duty=config.writer_duty,
         )
         self.start_ns = time.time_ns()
+        self._gc_watch: _GcWatch | None = None  # before any thread that reads stats starts
+        self._agent: AgentLink | None = None
+        self._stacks: StackWatch | None = None
+        self._start_witnesses()
         self._writer.set_static("ranks", rows_to_table([self._rank_row()], RANKS))
         for group in groups or ():
             self._add_group(group)
@@ -153,13 +158,32 @@ class Collector:
                 config.run_dir, rank=self.rank, host=socket.gethostname(), interval_s=config.heartbeat_interval_s,
                 stats_fn=lambda: self.stats, log_path=os.environ.get("MEGASCOPE_LOG_PATH"),
             ).start()
-        self._gc_watch: _GcWatch | None = None
         if config.gc_span_min_ms is not None:
             self._gc_watch = _GcWatch(self, int(config.gc_span_min_ms * 1e6))
             gc.callbacks.append(self._gc_watch)
         self._install_exit_hooks()
 
     # ------------------------------------------------------------------ setup helpers
+    def _start_witnesses(self) -> None:
+        """The hang evidence that needs no Python of this process (megascope.collectors.evidence)."""
+        config = self.config
+        if config.marker_agent:
+            try:
+                self._agent = AgentLink.start(config.run_dir, rank=self.rank, host=socket.gethostname(),
+                                              interval_s=config.flush_interval_s)
+                self._sink.markers = self._agent.ring  # type: ignore[assignment]
+                self._writer.markers_elsewhere = True
+            except Exception as exc:
+                log.warning("megascope collector (rank %d): no marker agent (%s); markers are written by the "
+                            "writer thread, which a hang can stop", self.rank, exc)
+        if config.stacks_after_s is not None:
+            try:
+                self._stacks = StackWatch(config.run_dir, self.rank, config.stacks_after_s)
+            except OSError as exc:
+                log.warning("megascope collector (rank %d): no stack dumps (%s)", self.rank, exc)
+        if config.nccl_flight_recorder and self.device.type == "cuda":
+            enable_nccl_flight_recorder(config.run_dir)
+
     def _rank_row(self) -> tuple[Any, ...]:
         device_name = None
         if self.device.type == "cuda":
@@ -206,6 +230,8 @@ class Collector:
         # Write what is ready without waiting on the device, then let the signal do what it did before.
         if self._open:
             self._writer.flush(lock_timeout_s=2.0)
+            if self._agent is not None:
+                self._agent.flush(timeout_s=2.0)
         prev = self._prev_sigterm
         if callable(prev):
             prev(signum, frame)
@@ -477,13 +503,22 @@ class Collector:
             if tensor.device.type != "cuda":
                 self._sink.metrics.put((self.rank, int(step), name, float(tensor), now))
                 return
-            import torch
+            free = self._sink.pinned.get(tensor.dtype)
+            if free:
+                host = free.pop()
+            else:
+                import torch
 
-            host = torch.empty((), dtype=tensor.dtype, pin_memory=True)
+                host = torch.empty((), dtype=tensor.dtype, pin_memory=True)
             host.copy_(tensor.reshape(()), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._sink.pending_metrics.put((int(step), name, None, host, event, now))
+            mark = self._timer.mark(None)  # a pooled event: the writer never destroys one
+            if mark is None:
+                self._sink.pending_metrics.dropped += 1
+                free_list = self._sink.pinned.setdefault(tensor.dtype, [])
+                free_list.append(host)
+                return
+            if not self._sink.pending_metrics.put((int(step), name, None, host, mark, now)):
+                self._timer.release_mark(mark)
         except Exception:
             self._internal_error("metric")
 
@@ -525,6 +560,8 @@ class Collector:
         """Resolve what is ready and write it now (blocks until written; never waits on the device)."""
         if self._open:
             self._writer.flush()
+            if self._agent is not None and not self._agent.flush(timeout_s=10.0):
+                self._internal_error("marker agent flush")
 
     def close(self) -> None:
         """Flush everything (waiting up to ``close_timeout_s`` for device events) and stop the writer."""
@@ -542,6 +579,11 @@ class Collector:
         if self._heartbeat is not None:
             self._heartbeat.stop()
         self._writer.close(timeout_s=self.config.close_timeout_s)
+        if self._agent is not None:
+            # The agent may still be starting (a second or so): give it time before writing here.
+            self._agent.close(timeout_s=max(10.0, 2 * self.config.flush_interval_s))
+        if self._stacks is not None:
+            self._stacks.close()
         stats = self.stats
         if stats["rows_dropped"] or stats["write_errors"]:
             log.warning("megascope collector (rank %d) closed: %d rows dropped, %d write errors",
@@ -572,6 +614,7 @@ class Collector:
             "anchors_taken": self._timer.anchors_taken,
             "gc_spans": self._gc_watch.recorded if self._gc_watch is not None else 0,
             "untimed_calls": self._untimed_calls,
+            "marker_agent": self._agent is not None,
             "device": str(self.device),
         }
 

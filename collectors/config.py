@@ -16,6 +16,9 @@ script wrote, so an operator can switch the collector off or move its output wit
 ``MEGASCOPE_WRITER_DUTY=0.25``        ``writer_duty`` (1 turns the writer's pacing off)
 ``MEGASCOPE_GC_SPAN_MS=1``            ``gc_span_min_ms`` (a negative value turns GC spans off)
 ``MEGASCOPE_COMM_SAMPLE=tp``          ``comm_sample_kinds`` (comma-separated; ``none`` times every call)
+``MEGASCOPE_MARKER_AGENT=0``          ``marker_agent=False``
+``MEGASCOPE_STACKS_AFTER_S=30``       ``stacks_after_s`` (0 turns stack dumps off)
+``MEGASCOPE_NCCL_FLIGHT_RECORDER=0``  ``nccl_flight_recorder=False``
 ====================================  ===========================================
 
 Example::
@@ -114,6 +117,19 @@ class CollectorConfig:
     # the untimed calls at the timed ones' mean.
     comm_sample_kinds: tuple[str, ...] = ()
     comm_sample_microbatches: tuple[int, ...] = (0,)
+    # Markers go through a shared-memory ring to a small process per rank that writes them
+    # (megascope.collectors.agent), so the hang trail reaches the disk while the rank is blocked
+    # anywhere, frozen holding the interpreter lock, or killed. Off (or where the process cannot
+    # be started), the writer thread writes them with everything else.
+    marker_agent: bool = True
+    # Python stacks of every thread of the rank go to stacks/rank=N.txt when a step has not ended
+    # this many seconds after it began (faulthandler's watchdog, which needs no interpreter lock).
+    # None: off. Set it below the collective timeout, so the stacks are taken before an abort.
+    stacks_after_s: float | None = 300.0
+    # Turn on NCCL's flight recorder with a dump into RUN/flight_recorder/ on a collective
+    # timeout (torch's TORCH_NCCL_* variables, set only where the job has not set them; they take
+    # effect for process groups created after the collector). A second witness for `localize`.
+    nccl_flight_recorder: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "run_dir", Path(self.run_dir))
@@ -136,6 +152,8 @@ class CollectorConfig:
         object.__setattr__(self, "comm_sample_microbatches", tuple(int(m) for m in self.comm_sample_microbatches))
         if any(m < 0 for m in self.comm_sample_microbatches):
             raise ConfigError(f"comm_sample_microbatches must be >= 0, got {self.comm_sample_microbatches}")
+        if self.stacks_after_s is not None and not self.stacks_after_s > 0:
+            raise ConfigError(f"stacks_after_s must be > 0 or None, got {self.stacks_after_s}")
         if self.heartbeat_interval_s is not None and not self.heartbeat_interval_s > 0:
             raise ConfigError(f"heartbeat_interval_s must be > 0 or None, got {self.heartbeat_interval_s}")
 
@@ -172,4 +190,12 @@ class CollectorConfig:
         if "MEGASCOPE_COMM_SAMPLE" in env:
             kinds = [k.strip() for k in env["MEGASCOPE_COMM_SAMPLE"].split(",") if k.strip()]
             changes["comm_sample_kinds"] = () if kinds in ([], ["none"]) else tuple(kinds)
+        if "MEGASCOPE_MARKER_AGENT" in env:
+            changes["marker_agent"] = _env_bool("MEGASCOPE_MARKER_AGENT", env["MEGASCOPE_MARKER_AGENT"])
+        if "MEGASCOPE_STACKS_AFTER_S" in env:
+            after = _env_number("MEGASCOPE_STACKS_AFTER_S", env["MEGASCOPE_STACKS_AFTER_S"], float)
+            changes["stacks_after_s"] = after if after > 0 else None
+        if "MEGASCOPE_NCCL_FLIGHT_RECORDER" in env:
+            changes["nccl_flight_recorder"] = _env_bool("MEGASCOPE_NCCL_FLIGHT_RECORDER",
+                                                        env["MEGASCOPE_NCCL_FLIGHT_RECORDER"])
         return dataclasses.replace(self, **changes) if changes else self

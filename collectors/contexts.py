@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -130,6 +131,11 @@ class StepContext(SpanContext):
             col._internal_error("anchor refresh")
         self._stamps = col._timer.stamps
         col._sampled_calls.clear()
+        if col._stacks is not None:
+            try:
+                col._stacks.arm(self.step, threading.get_ident())
+            except Exception:
+                col._internal_error("stack watch")
         super().__enter__()
         return self
 
@@ -137,6 +143,8 @@ class StepContext(SpanContext):
         super().__exit__(*exc)
         col = self._col
         col._step = self._prev_step
+        if col._stacks is not None:
+            col._stacks.disarm()
         # The collector's own footprint: every stamp of the step is a timing event on a device
         # clock, which costs the device ~2 us (docs/collector.md).
         now = time.time_ns()

@@ -65,8 +65,12 @@ class Sink:
         # (mark, step, group, seq, op, bytes, peer): untimed communication calls whose completion
         # is still to be seen (config.comm_sample_kinds).
         self.pending_marks = RowBuffer(capacity)
-        # (step, name, value | None, host_tensor | None, event | None, time_ns)
+        # (step, name, value | None, host_tensor | None, mark | None, time_ns): a device scalar being
+        # copied into a pinned host scalar, done when the timer's mark (a pooled event) is.
         self.pending_metrics = RowBuffer(capacity)
+        # Pinned host scalars by dtype, reused: freeing one records CUDA events (torch's host
+        # allocator), which can block behind a full launch queue while holding the interpreter.
+        self.pinned: dict[Any, list[Any]] = {}
 
     def buffer(self, table: str) -> RowBuffer:
         return getattr(self, table)  # type: ignore[no-any-return]
@@ -197,12 +201,15 @@ def resolve_pending(sink: Sink, timer: Timer, rank: int, pacer: Pacer | None = N
         timer.release_mark(mark)
         sink.markers.put((rank, group, seq, op, _COMPLETED, mark if now is None else now, step, nbytes, peer))
 
+    # No CUDA object is created or destroyed here: on a rank whose peer hangs, destroying an event
+    # waits for the driver's lock behind a launch stuck in a full queue, holding the interpreter.
     waiting = []
-    for step, name, value, host_tensor, event, time_ns in sink.pending_metrics.drain():
+    for item in sink.pending_metrics.drain():
+        step, name, value, host_tensor, mark, time_ns = item
         try:
-            # A device-to-host copy is done when the event recorded after it has completed.
-            if event is not None and not event.query():
-                waiting.append((step, name, value, host_tensor, event, time_ns))
+            # A device-to-host copy is done when the mark recorded after it is.
+            if mark is not None and not timer.mark_done(mark):
+                waiting.append(item)
                 continue
             if host_tensor is not None:
                 value = float(host_tensor.item())  # host memory: no device access
@@ -210,6 +217,10 @@ def resolve_pending(sink: Sink, timer: Timer, rank: int, pacer: Pacer | None = N
             errors += 1
             log.debug("could not resolve metric %s", name, exc_info=True)
             value = None
+        if mark is not None:
+            timer.release_mark(mark)
+        if host_tensor is not None:
+            sink.pinned.setdefault(host_tensor.dtype, []).append(host_tensor)
         sink.metrics.put((rank, step, name, value, time_ns))
     if waiting:
         sink.pending_metrics.push_front(waiting)
@@ -247,6 +258,8 @@ class Writer:
         self._run_meta: RunMeta | None = None
         self._retry: dict[str, pa.Table] = {}
         self.pollers: list[Callable[[], None]] = []  # extra work each pass (flight recorder)
+        # Markers leave through the shared-memory ring (the marker agent writes them), not here.
+        self.markers_elsewhere = False
         self.rows_written = {name: 0 for name, _ in _PART_TABLES}
         self.parts_written = 0
         self.write_errors = 0
@@ -325,6 +338,8 @@ class Writer:
                 log.debug("poller failed", exc_info=True)
         self._write_static()
         for name, table_schema in _PART_TABLES:
+            if name == "markers" and self.markers_elsewhere:
+                continue
             self._write_rows(name, table_schema, pacer)
 
     def _write_static(self) -> None:

@@ -2,6 +2,8 @@
 
     straggler:rank=R,factor=F     rank R's compute runs F times slower (F > 1)
     hang:rank=R,step=S            rank R stops before its next collective in step S
+    freeze:rank=R,step=S          the same, inside a C call that holds the interpreter lock, so every
+                                  Python thread of rank R stops with it (the collector's too)
     skew:rank=R,ms=M              a host pause of M ms before the data-parallel gradient sync
 
 Example::
@@ -21,6 +23,7 @@ from megascope.errors import ConfigError
 _GRAMMAR: dict[str, dict[str, type]] = {
     "straggler": {"rank": int, "factor": float},
     "hang": {"rank": int, "step": int},
+    "freeze": {"rank": int, "step": int},
     "skew": {"rank": int, "ms": float},
 }
 
@@ -30,7 +33,7 @@ class Fault:
     kind: str
     rank: int
     factor: float | None = None  # straggler
-    step: int | None = None  # hang
+    step: int | None = None  # hang, freeze
     ms: float | None = None  # skew
 
     def spec(self) -> str:
@@ -95,8 +98,9 @@ class Faults:
                 factor *= f.factor
         return factor
 
-    def hang_step(self, rank: int) -> int | None:
-        steps = [f.step for f in self.faults if f.kind == "hang" and f.rank == rank and f.step is not None]
+    def hang_step(self, rank: int, kinds: tuple[str, ...] = ("hang", "freeze")) -> int | None:
+        """The first step where rank stops for good (a hang or a freeze; ``kinds`` picks)."""
+        steps = [f.step for f in self.faults if f.kind in kinds and f.rank == rank and f.step is not None]
         return min(steps) if steps else None
 
     def skew_ms(self, rank: int) -> float:

@@ -55,10 +55,13 @@ def _silent(activity: pd.DataFrame, median_step_ns: float) -> pd.Series:
 
 
 def _finished(con: duckdb.DuckDBPyConnection) -> bool:
-    """Whether every rank wrote a step span for the run's last step (then nothing can be stuck)."""
+    """Whether every rank wrote a step span for the run's last step (then nothing can be stuck).
+    The last step is the highest any rank reached in its spans or its markers: markers leave the
+    process on their own (the marker agent) and may be all there is of the step a job died in."""
     row = _sql.first(con.execute(
         """
-        WITH last AS (SELECT max(step) AS step FROM ms_cache.rank_step),
+        WITH last AS (SELECT greatest((SELECT max(step) FROM ms_cache.rank_step),
+                                      (SELECT max(step) FROM markers)) AS step),
         done AS (SELECT count(DISTINCT r.rank) AS n FROM ms_cache.rank_step r, last
                  WHERE r.step = last.step AND r.step_ns IS NOT NULL)
         SELECT done.n = (SELECT count(*) FROM ms_cache.rank_info) AND done.n > 0 FROM done
@@ -155,17 +158,54 @@ def _suspect(rank: int, grp: str, state: Record | None, place: Record | None, ax
     }
 
 
-def localize(run: Run) -> dict[str, Any]:
+def _job_end_ns(activity: pd.DataFrame, alive: pd.DataFrame) -> int | None:
+    """The last moment anything of the job was seen: a sign of life or its agent's process check."""
+    values = [v for v in (activity["last_seen_ns"].max(), alive["alive_until_ns"].max() if len(alive) else None)
+              if v is not None and not pd.isna(v)]
+    return int(max(values)) if values else None
+
+
+def _wait_threshold_s(run: Run, con: duckdb.DuckDBPyConnection) -> float:
+    """How long members must have waited inside a call, by the end of the evidence, for it to be
+    stuck rather than in flight: run_state's stall threshold (a few flush intervals or steps)."""
+    from megascope.analysis.runstate import thresholds
+
+    config = run.meta.config or {}
+
+    def number(key: str) -> float | None:
+        try:
+            value = float(config[key]) if config.get(key) is not None else None
+        except (TypeError, ValueError):
+            return None
+        return value if value is not None and value > 0 else None
+
+    median = _median_step_ns(con)
+    stall, _, _ = thresholds(median / 1e9 if median else None, collective_timeout_s=number("collective_timeout_s"),
+                             flush_interval_s=number("flush_interval_s"))
+    return stall
+
+
+def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> dict[str, Any]:
     """The ``megascope localize --json`` object: is the job hung, and who is behind it.
 
     Keys: ``hung`` (bool), ``suspects`` (list of {rank, host, coords, group, last_completed_seq,
-    missing_seq, state, waited_on_by, last_seen_ns}, most likely first), ``waiting`` (ranks stuck
-    inside a call), ``stuck_groups`` (group, seq, members stuck, members missing), ``silent``
-    (ranks with no sign of life near the end), ``markers`` (whether the run has a marker trail).
+    missing_seq, state, waited_on_by, last_seen_ns, evidence, stack}, most likely first),
+    ``waiting`` (ranks stuck inside a call), ``stuck_groups`` (group, seq, members stuck, members
+    missing), ``silent`` (ranks with no sign of life near the end), ``markers`` (whether the run
+    has a marker trail), ``ended`` (every rank's process was seen to end), ``waited_s`` (how long
+    the first stuck call had waited when the evidence ends), ``note`` (why calls in flight are
+    not a hang, where that applies), ``flight_recorder`` (what torch's dumps say, or None).
+
+    A call counts as stuck only if its members had waited in it for run_state's stall threshold
+    by the time the job's evidence ends, so a job killed mid-step is not a hang. On a live run
+    (processes still there) the hang is declared by :func:`megascope.analysis.runstate.run_state`'s
+    rule, the one the dashboard uses. ``witnesses``: also read the flight-recorder dumps and stack
+    dumps in the run directory (``megascope.analysis.witness``).
     """
     con = run.cursor()
     member_frame, activity = hang_tables(con)
     members: list[Record] = [{str(k): v for k, v in m.items()} for m in member_frame.to_dict("records")]
+    alive = _sql.query_df(con, "hang", "process_alive")
     row = _sql.first(con.execute("SELECT count(*) > 0 FROM markers"))
     has_markers = bool(row and row[0])
     places: dict[int, Record] = {
@@ -175,6 +215,28 @@ def localize(run: Run) -> dict[str, Any]:
     last_seen = {int(r): v for r, v in zip(activity["rank"], activity["last_seen_ns"], strict=True)}
     silent_ranks = sorted(int(r) for r in activity.loc[activity["silent"], "rank"])
     axes = tuple(run.meta.mesh_axes)
+    job_end = _job_end_ns(activity, alive)
+    ended = bool(len(alive)) and bool(alive["ended"].all()) and len(alive) >= len(places)
+    note: str | None = None
+    waited_s: float | None = None
+    stuck_since = [float(m["stuck_since_ns"]) for m in members
+                   if m["stuck"] and m["stuck_since_ns"] is not None and not pd.isna(m["stuck_since_ns"])]
+    if stuck_since and job_end is not None:
+        waited_s = max(0.0, (job_end - min(stuck_since)) / 1e9)
+    if len(alive) and any(m["stuck"] for m in members) and job_end is not None:
+        # With the marker agent the end of the job is known: calls entered just before it are in
+        # flight, not stuck (a job killed mid-step, a live job between two flushes).
+        threshold_ns = _wait_threshold_s(run, con) * 1e9
+        short = 0
+        for m in members:
+            since = m["stuck_since_ns"]
+            if m["stuck"] and since is not None and not pd.isna(since) and job_end - float(since) < threshold_ns:
+                m["stuck"] = False
+                short += 1
+        if short and not any(m["stuck"] for m in members):
+            note = (f"{short} call(s) were in flight when the evidence ends, entered less than "
+                    f"{threshold_ns / 1e9:.0f} s before it: the job stopped mid-step (killed or exited), "
+                    "it did not hang")
     stuck = [m for m in members if m["stuck"]]
     state_of = {(m["grp"], int(m["rank"])): m for m in members}
     roots, blocked = _roots(members)
@@ -206,7 +268,7 @@ def localize(run: Run) -> dict[str, Any]:
         for grp, ms in sorted(by_group.items())
     ]
     stuck_groups.sort(key=lambda g: (-len(g["waiting"]), g["group"]))
-    return {
+    result: dict[str, Any] = {
         "hung": bool(stuck),
         "suspects": suspects,
         "waiting": sorted({int(m["rank"]) for m in stuck}),
@@ -214,7 +276,65 @@ def localize(run: Run) -> dict[str, Any]:
         "stuck_group_count": len(stuck_groups),
         "silent": silent_ranks,
         "markers": has_markers,
+        "ended": ended,
+        "waited_s": waited_s if stuck else None,
+        "note": note,
+        "flight_recorder": None,
     }
+    for s in suspects:
+        s["evidence"] = ["markers"]
+    if witnesses:
+        _join_witnesses(run, result, places, axes)
+    if result["hung"] and len(alive) and not ended:
+        # A live job: hung only by the dashboard's rule (no progress anywhere for the hang threshold).
+        from megascope.analysis.runstate import run_state
+
+        state = run_state(run, hang=result, now_ns=now_ns)
+        if not state["hung"]:
+            result["hung"] = False
+            result["note"] = f"not (yet) a hang: the run is {state['state']} ({state['reason']})"
+    return result
+
+
+def _evidence_order(suspect: Record) -> int:
+    evidence = set(suspect["evidence"])
+    return 0 if {"markers", "flight_recorder"} <= evidence else 1 if "markers" in evidence else 2
+
+
+def _join_witnesses(run: Run, result: dict[str, Any], places: dict[int, Record], axes: tuple[str, ...]) -> None:
+    """Add the flight recorder's verdict and the suspects' stacks (megascope.analysis.witness)."""
+    from megascope.analysis.witness import flight_recorder_hang, read_stacks
+
+    fr = flight_recorder_hang(run)
+    suspects: list[Record] = result["suspects"]
+    if fr is not None:
+        fr_ranks = [int(s["rank"]) for s in fr["suspects"]]
+        ours = [int(s["rank"]) for s in suspects]
+        for s in suspects:
+            if int(s["rank"]) in fr_ranks:
+                s["evidence"].append("flight_recorder")
+        if fr["hung"] and fr_ranks:
+            known = set(ours)
+            for s in fr["suspects"]:
+                if int(s["rank"]) not in known:
+                    place = places.get(int(s["rank"]))
+                    suspects.append(dict(s, evidence=["flight_recorder"],
+                                         host=str(place["host"]) if place is not None else s.get("host", "unknown")))
+            if not result["hung"]:
+                result["hung"] = True
+                result["note"] = "hung by the flight recorder's dumps; the markers show no stuck call"
+        # Named by both first, then by the markers, then by the flight recorder alone.
+        suspects.sort(key=_evidence_order)
+        agree = bool(ours and fr_ranks and ours[0] == fr_ranks[0]) or (not ours and not fr_ranks)
+        fr_summary = {"dumps": fr["dumps"], "missing": fr.get("missing", []), "hung": fr["hung"],
+                      "suspects": fr_ranks[:10], "agrees": agree, "error": fr["error"]}
+        if not agree and fr["error"] is None and (ours or fr_ranks):
+            fr_summary["disagreement"] = (
+                f"markers name {', '.join(map(str, ours[:3])) or 'nobody'}; the flight recorder names "
+                f"{', '.join(map(str, fr_ranks[:3])) or 'nobody'}")
+        result["flight_recorder"] = fr_summary
+    for s in suspects:
+        s["stack"] = read_stacks(run.path, int(s["rank"]))
 
 
 def rank_states(run: Run, *, stragglers_frame: pd.DataFrame | None = None,

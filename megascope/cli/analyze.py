@@ -194,17 +194,41 @@ def localize(run_dir: Path, as_json: bool) -> None:
     if not result["markers"]:
         click.echo("no collective markers in this run: nothing to localize")
         return
+    fr = result.get("flight_recorder")
     if not result["hung"]:
-        click.echo("not hung: every collective that was entered also completed")
+        click.echo(f"not hung: {result['note']}" if result.get("note")
+                   else "not hung: every collective that was entered also completed")
+        if fr:
+            click.echo(_fr_line(fr))
         return
-    click.echo(f"HUNG: {len(result['waiting'])} ranks waiting in {result['stuck_group_count']} groups")
+    waited = f", the first for {result['waited_s']:.0f} s" if result.get("waited_s") is not None else ""
+    click.echo(f"HUNG: {len(result['waiting'])} ranks waiting in {result['stuck_group_count']} groups{waited}")
     for i, s in enumerate(result["suspects"][:10], 1):
-        click.echo(f"{i:>3}. rank {s['rank']} ({s['state']}) host {s['host']} {_coords(s['coords'])}: never entered "
-                   f"{s['group']} seq {s['missing_seq']} (last completed {s['last_completed_seq']}), "
-                   f"{s['waited_on_by']} ranks wait on it")
+        where = (f"never entered {s['group']} seq {s['missing_seq']}" if s.get("missing_seq") is not None
+                 else f"stuck in {s['group']}")
+        click.echo(f"{i:>3}. rank {s['rank']} ({s['state']}) host {s['host']} {_coords(s['coords'])}: {where} "
+                   f"(last completed {s['last_completed_seq']}), {s['waited_on_by']} ranks wait on it "
+                   f"[{' + '.join(s.get('evidence') or ['markers'])}]")
+        stack = s.get("stack")
+        if stack and stack.get("frames"):
+            from megascope.analysis.witness import frame_text
+
+            click.echo(f"       stack at step {stack.get('step')}: "
+                       + " < ".join(frame_text(f) for f in stack["frames"][:3]))
     if result["silent"]:
         shown = ", ".join(map(str, result["silent"][:20]))
         click.echo(f"silent ranks (no sign of life near the end): {shown}")
+    if fr:
+        click.echo(_fr_line(fr))
+
+
+def _fr_line(fr: dict[str, Any]) -> str:
+    """What the NCCL flight recorder's dumps say, in one line."""
+    if fr.get("error"):
+        return f"flight recorder: dumps unreadable ({fr['error']})"
+    named = ", ".join(map(str, fr["suspects"][:5])) or "nobody"
+    verdict = "agrees" if fr["agrees"] else f"DISAGREES: {fr.get('disagreement', '')}"
+    return f"flight recorder ({fr['dumps']} dumps): hung={fr['hung']}, names {named}; {verdict}"
 
 
 def _png_from_html(html: Path, png: Path, width: int, height: int, shown: Path | None = None) -> None:

@@ -15,6 +15,11 @@ real incident would look, for the analyses to find.
 * ``hang:rank=R,step=S``: rank R blocks before its next communication call in step S (a wait that
   never returns) while its collector's writer thread keeps flushing the markers written so far. The
   other ranks then block in collectives that time out after ``--collective-timeout`` seconds.
+* ``freeze:rank=R,step=S``: rank R stops before its next communication call in step S inside a C
+  call that keeps the interpreter lock (``sleep`` from the C library through ``ctypes.PyDLL``), as a
+  rank stuck in a driver or a C extension does: every Python thread of the process stops with it,
+  the collector's writer and heartbeats included. Nothing is flushed first: what reaches the disk
+  is what the collector got out of the process on its own (the marker agent, faulthandler).
 * ``skew:rank=R,ms=M``: a host sleep of M ms just before the rank starts its data-parallel
   gradient sync. That sync begins inside the step's last backward (bucket by bucket), so the
   pause comes right before that backward, outside every span (like a GC pause, nothing labels it);
@@ -28,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import time
@@ -46,7 +52,8 @@ class FaultPlan:
         self.rank = rank
         self.col = collector
         self.factor = faults.straggler_factor(rank)
-        self.hang_step = faults.hang_step(rank)
+        self.hang_step = faults.hang_step(rank, ("hang",))
+        self.freeze_step = faults.hang_step(rank, ("freeze",))
         self.skew_s = faults.skew_ms(rank) / 1000.0
         self.step: int | None = None
         self._burner: Callable[[str, float], None] | None = None
@@ -64,6 +71,9 @@ class FaultPlan:
                 log.exception("flush before the planted hang failed")
             while True:  # the markers written so far stay; the collector's thread keeps flushing
                 time.sleep(1.0)
+        if self.freeze_step is not None and self.step == self.freeze_step:
+            log.info("rank %d: planted freeze before a collective in step %d", self.rank, self.step)
+            freeze()
 
     def before_dp_sync(self) -> None:
         if self.skew_s > 0:
@@ -75,6 +85,14 @@ class FaultPlan:
     def burn(self, phase: str, elapsed_s: float) -> None:
         if self._burner is not None:
             self._burner(phase, elapsed_s)
+
+
+def freeze() -> None:
+    """Never return, holding the interpreter lock: ``PyDLL`` keeps it across the C call."""
+    libc = ctypes.PyDLL(None)
+    libc.sleep.argtypes = [ctypes.c_uint]
+    while True:
+        libc.sleep(3600)
 
 
 class Burner:

@@ -120,6 +120,18 @@ def train(cfg: TrainConfig, *, nproc: int | None = None) -> TrainResult:
         # (torchtitan sets the same); spawned ranks inherit it. A user's own setting wins.
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     gc.collect()  # finalize the parent's garbage here, not in each forked rank
+    # A rank that is killed leaves its marker agent to make a last pass: it becomes our child, and
+    # the run is returned only once that pass is written.
+    from megascope.collectors.evidence import adopt_orphaned_agents, wait_for_agents
+
+    adopt_orphaned_agents()
+    try:
+        return _run_local(cfg, nproc, start_method)
+    finally:
+        wait_for_agents(timeout_s=max(10.0, 3 * cfg.flush_interval_s))
+
+
+def _run_local(cfg: TrainConfig, nproc: int, start_method: str) -> TrainResult:
     with tempfile.TemporaryDirectory(prefix="megascope-train-") as scratch:
         init_file = os.path.join(scratch, "rendezvous")
         ctx = mp.start_processes(_rank_entry, args=(cfg, init_file, scratch), nprocs=nproc, join=False,

@@ -114,6 +114,12 @@ def train_rank(cfg: TrainConfig, *, rank: int, world_size: int, local_rank: int,
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=cfg.collective_timeout_s)
+    if device.type == "cuda":
+        # Before any NCCL group exists: a collective timeout then dumps every rank's flight
+        # recorder into the run, the second witness `localize` joins with the markers.
+        from megascope.collectors.evidence import enable_nccl_flight_recorder
+
+        enable_nccl_flight_recorder(cfg.out)
     start_ns = time.time_ns()
     meta = run_meta(cfg, device=device, start_ns=start_ns) if rank == 0 else None
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method,
@@ -131,7 +137,8 @@ def _train(cfg: TrainConfig, *, rank: int, device: torch.device, meta: RunMeta |
     ps = ParallelState.build(mesh, rank, timeout=timeout)
     col = open_collector(cfg.out, rank=rank, world_size=cfg.world_size, coords=ps.coords, groups=ps.groups(),
                          meta=meta, device=device, flush_interval_s=cfg.flush_interval_s,
-                         sampled_comm=("tp",) if cfg.sampled_tp(device.type) else ())
+                         sampled_comm=("tp",) if cfg.sampled_tp(device.type) else (),
+                         collective_timeout_s=cfg.collective_timeout_s)
     try:
         ps.register(col)
         return _loop(cfg, ps, col, device)

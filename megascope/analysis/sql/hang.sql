@@ -62,10 +62,12 @@ FROM joined;
 
 -- @statement activity
 -- Each rank's last sign of life on the reference clock: markers, spans, its own heartbeats and
--- its host's host-wide heartbeats.
+-- its host's host-wide heartbeats. The marker agent's `rank_alive` rows are left out: they say
+-- the process exists, not that its Python runs (a frozen rank's process lives on).
 -- @column last_seen_ns  latest of those (NULL: never seen)
 WITH hb AS (
-    SELECT h.rank, h.host, max(h.time_ns) AS t FROM heartbeats h GROUP BY h.rank, h.host
+    SELECT h.rank, h.host, max(h.time_ns) AS t FROM heartbeats h WHERE h.metric <> 'rank_alive'
+    GROUP BY h.rank, h.host
 ), by_rank AS (
     SELECT k.rank, k.host,
            (SELECT max(last_marker_ns) FROM ms_cache.member_state s WHERE s.rank = k.rank) AS marker_ns,
@@ -77,3 +79,16 @@ WITH hb AS (
 SELECT rank, host, marker_ns, span_ns, rank_hb_ns, host_hb_ns,
        greatest(marker_ns, span_ns, rank_hb_ns, host_hb_ns) AS last_seen_ns
 FROM by_rank ORDER BY rank;
+
+-- @statement process_alive
+-- How long each rank's process was seen to exist, from its marker agent's `rank_alive` heartbeats
+-- (one per flush interval while the process lives, a last one with value 0 once it is gone),
+-- on the reference clock. No rows: the run has no marker agent.
+-- @column rank            rank
+-- @column alive_until_ns  the agent's last row for it
+-- @column ended           the agent saw the process end (value 0)
+SELECT h.rank, max(h.time_ns) + coalesce(any_value(k.offset_ns), 0) AS alive_until_ns,
+       bool_or(h.value = 0) AS ended
+FROM heartbeats h LEFT JOIN ms_cache.rank_clock k ON k.rank = h.rank
+WHERE h.metric = 'rank_alive' AND h.rank IS NOT NULL
+GROUP BY h.rank ORDER BY h.rank;

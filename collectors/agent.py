@@ -1,0 +1,129 @@
+"""The marker agent: a small process per rank that carries the hang trail to disk.
+
+Role in the data flow: :class:`megascope.collectors.Collector` starts one (``python -m
+megascope.collectors.agent``) and writes its markers into a shared-memory ring
+(:mod:`megascope.collectors.ring`); every ``interval`` seconds this process reads the ring and
+writes a ``markers`` part, plus a ``rank_alive`` heartbeat row that says the training process is
+still there. It shares no interpreter lock, no CUDA context and no thread with the training
+process, so the markers of every call a rank entered are on disk within one interval whatever
+the rank is doing, and a final pass runs when the rank goes away: its stdin is a pipe from the
+rank, which reads end-of-file as soon as the rank exits, aborts or is killed. The last
+``rank_alive`` row (value 0) then records when that happened.
+
+Protocol on stdin: a byte ``f`` asks for a flush, answered by advancing the ring's ``flushes``
+counter once the part is written; end-of-file means the rank is gone or closed its collector.
+
+Example (what the collector runs)::
+
+    python -m megascope.collectors.agent RING RUN_DIR RANK HOST PID INTERVAL_S
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+from megascope.collectors.ring import RingReader
+
+from megascope import layout, schema
+
+log = logging.getLogger("megascope.collectors.agent")
+
+ALIVE_METRIC = "rank_alive"  # heartbeats metric: 1 while the rank's process lives, 0 once it is gone
+
+
+class _Stop(Exception):
+    """SIGTERM: make the last pass now."""
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise _Stop
+
+
+class Agent:
+    def __init__(self, reader: RingReader, run_dir: Path, *, rank: int, host: str, pid: int) -> None:
+        self.reader = reader
+        self.run_dir = run_dir
+        self.rank = rank
+        self.host = host
+        self.pid = pid
+        self.write_errors = 0
+        self._lost_reported = 0
+
+    def drain(self) -> int:
+        """Write what the ring holds as one markers part; the number of rows written."""
+        rows = self.reader.read()
+        if not rows:
+            return 0
+        columns = list(zip(*rows, strict=True))
+        data = pa.Table.from_arrays([pa.array(c, type=f.type) for c, f in zip(columns, schema.MARKERS, strict=True)],
+                                    schema=schema.MARKERS)
+        try:
+            layout.write_part(self.run_dir, "markers", data, rank=self.rank)
+        except OSError as exc:
+            self.write_errors += 1
+            if self.write_errors == 1:
+                log.warning("megascope marker agent (rank %d): cannot write markers under %s (%s); retrying",
+                            self.rank, self.run_dir, exc)
+            return 0
+        self.reader.commit()
+        return len(rows)
+
+    def alive(self, value: float, text: str | None = None) -> None:
+        lost = self.reader.lost
+        row = {"host": [self.host], "rank": [self.rank], "pid": [self.pid], "time_ns": [time.time_ns()],
+               "device": [None], "metric": [ALIVE_METRIC], "value": [value],
+               "text": [text if text is not None else (f"{lost} markers lost to a full ring" if lost else None)]}
+        try:
+            layout.write_part(self.run_dir, "heartbeats", pa.table(row).cast(schema.HEARTBEATS), host=self.host)
+        except OSError:
+            self.write_errors += 1
+
+    def run(self, control: int, interval_s: float) -> None:
+        flushes = 0
+        gone = False
+        next_alive = 0.0
+        while not gone:
+            asked = 0
+            try:
+                ready, _, _ = select.select([control], [], [], interval_s)
+                if ready:
+                    data = os.read(control, 4096)
+                    gone = not data
+                    asked = data.count(b"f")
+            except _Stop:
+                gone = True
+            self.drain()
+            if asked:
+                flushes += asked
+                self.reader.ack_flush(flushes)
+            now = time.monotonic()
+            if not gone and now >= next_alive:
+                self.alive(1.0)
+                next_alive = now + interval_s
+        self.drain()
+        self.alive(0.0, "the rank's process ended or closed its collector")
+
+
+def main(argv: list[str]) -> int:
+    ring, run_dir, rank, host, pid, interval = argv
+    # The rank's Ctrl-C or job-wide signals must not cut the last pass short: the agent ends when
+    # its rank does (end-of-file on stdin), and a SIGTERM only hurries that.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _stop)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    reader = RingReader(ring, rank=int(rank))
+    os.unlink(ring)  # the rank and this process hold it mapped; nothing else needs its name
+    Agent(reader, Path(run_dir), rank=int(rank), host=host, pid=int(pid)).run(0, float(interval))
+    reader.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
