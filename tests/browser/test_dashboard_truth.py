@@ -1,0 +1,198 @@
+"""What a person sees in headless Chromium at 1600x1000: run state, no false hang, the straggler's
+pixels at 1,024 ranks, a topology click that opens the timeline."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+from dashboard_harness import (
+    browser_available,
+    chromium,
+    console_errors,
+    serving,
+    wait_for_graph,
+    wait_for_text,
+)
+from megascope.dashboard import create_app, ids, registry_of
+from megascope.dashboard.routes import parse_ranks
+from selenium.webdriver.common.action_chains import ActionChains
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
+
+from megascope.inject import parse_injects
+from megascope.synth import SynthConfig, synth_run
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(not browser_available(), reason="needs Debian's chromium and chromium-driver (make system-deps)"),
+]
+
+WIDTH, HEIGHT = 1600, 1000
+STRAGGLER = 77
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("truth-runs")
+    synth_run(root / "big", SynthConfig(ranks=1024, steps=8, tp=8, pp=8, seed=4,
+                                        faults=parse_injects([f"straggler:rank={STRAGGLER},factor=1.15"])))
+    synth_run(root / "hang", SynthConfig(ranks=8, steps=10, tp=2, pp=2, gpus_per_host=4, seed=2,
+                                         faults=parse_injects(["hang:rank=6,step=5"])))
+    return {"big": root / "big", "hang": root / "hang"}
+
+
+@pytest.fixture(scope="module")
+def driver() -> Iterator[Any]:
+    with chromium(WIDTH, HEIGHT) as browser:
+        yield browser
+
+
+def _screen_pixels(driver: Any, x0: int, x1: int, y: int) -> list[tuple[int, int, int]]:
+    """RGB of screenshot pixels (x0..x1, y), decoded by the browser itself from a real screenshot."""
+    png = driver.get_screenshot_as_base64()
+    flat = driver.execute_async_script(
+        """
+        const [b64, x0, x1, y, done] = arguments;
+        const img = new Image();
+        img.onload = () => {
+          const c = document.createElement('canvas'); c.width = img.width; c.height = img.height;
+          const g = c.getContext('2d'); g.drawImage(img, 0, 0);
+          done(Array.from(g.getImageData(x0, y, x1 - x0, 1).data));
+        };
+        img.src = 'data:image/png;base64,' + b64;
+        """, png, x0, x1, y)
+    return [(flat[i], flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 4)]
+
+
+def _plot_point(driver: Any, graph_id: str, x: float, y: float) -> tuple[float, float]:
+    """Viewport pixel of data point (x, y) of a graph's main axes."""
+    return tuple(driver.execute_script(  # type: ignore[return-value]
+        """
+        const g = document.querySelector('#' + arguments[0] + ' .js-plotly-plot');
+        const box = g.getBoundingClientRect(), L = g._fullLayout;
+        return [box.left + L._size.l + L.xaxis.l2p(arguments[1]), box.top + L._size.t + L.yaxis.l2p(arguments[2])];
+        """, graph_id, x, y))
+
+
+def _trace_values(driver: Any, graph_id: str, key: str) -> list[float]:
+    """The first trace's ``key`` array as plotly holds it after decoding (typed arrays included)."""
+    return list(driver.execute_script(
+        "const g = document.querySelector('#' + arguments[0] + ' .js-plotly-plot');"
+        "return Array.from(g._fullData[0][arguments[1]]);", graph_id, key))
+
+
+def _no_errors(driver: Any) -> None:
+    assert console_errors(driver) == []
+    assert [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".notice-error")] == []
+
+
+def test_1024_rank_heatmap_shows_the_straggler_in_its_pixels(runs: dict[str, Path], driver: Any) -> None:
+    app = create_app([runs["big"]], start_watcher=False)
+    with serving(app) as base:
+        driver.get(f"{base}/run/big/heatmap")
+        wait_for_graph(driver, ids.HEATMAP_GRAPH)
+        wait_for_text(driver, "#heatmap-top-table", f"rank {STRAGGLER}")
+        time.sleep(0.5)  # plotly draws the image after the traces exist
+        bins = _trace_values(driver, ids.HEATMAP_GRAPH, "y")
+        row_of = max(b for b in bins if b <= STRAGGLER)  # the bin (4 ranks) holding the straggler
+        steps = _trace_values(driver, ids.HEATMAP_GRAPH, "x")
+        (left, y), (right, _) = (_plot_point(driver, ids.HEATMAP_GRAPH, s, row_of) for s in (steps[0], steps[-1]))
+        assert y < HEIGHT - 150, "the straggler's row is on screen"
+        slow = _screen_pixels(driver, int(left), int(right), int(round(y)))
+        quiet = _screen_pixels(driver, int(left), int(right),
+                               int(round(_plot_point(driver, ids.HEATMAP_GRAPH, steps[0], bins[len(bins) // 2])[1])))
+        # Orange (1.15x): red high, blue low; the median bin's row stays near white.
+        orange = [p for p in slow if p[0] > 200 and p[2] < 170]
+        white = [p for p in quiet if min(p) > 225]
+        assert len(orange) > 0.8 * len(slow), slow[:: max(1, len(slow) // 10)]
+        assert len(white) > 0.8 * len(quiet), quiet[:: max(1, len(quiet) // 10)]
+        marks = driver.execute_script(
+            f"return document.querySelector('#{ids.HEATMAP_GRAPH} .js-plotly-plot').data"
+            ".filter(t => t.name === 'stragglers').map(t => t.text)")
+        assert marks == [[f"r{STRAGGLER}"]]
+        driver.save_screenshot(str(runs["big"].parent / "heatmap-1024.png"))
+        _no_errors(driver)
+
+
+def test_topology_click_opens_the_timeline_of_that_rank(runs: dict[str, Path], driver: Any) -> None:
+    app = create_app([runs["hang"]], start_watcher=False)
+    with serving(app) as base:
+        driver.get(f"{base}/run/hang/topology")
+        wait_for_text(driver, "#topology-culprit", "HANG: rank 6")
+        wait_for_text(driver, f"#{ids.RUN_STATE}", "HUNG")
+        wait_for_graph(driver, ids.TOPOLOGY_GRAPH)
+        # Rank 5: pp=1 dp=0 tp=1, the cell right of stage 1's first column (x = 3 + 1, y = 0).
+        cell = driver.execute_script(
+            f"const g = document.querySelector('#{ids.TOPOLOGY_GRAPH} .js-plotly-plot');"
+            "const c = g.data[0].customdata; for (let y = 0; y < c.length; y++) for (let x = 0; x < c[y].length; x++)"
+            " if (c[y][x][0] == 5) return [x, y]; return null;")
+        assert cell is not None
+        px, py = _plot_point(driver, ids.TOPOLOGY_GRAPH, *cell)
+        plot = driver.find_element(By.CSS_SELECTOR, f"#{ids.TOPOLOGY_GRAPH} .nsewdrag")
+        box = plot.rect
+        ActionChains(driver).move_to_element_with_offset(
+            plot, int(px - (box["x"] + box["width"] / 2)), int(py - (box["y"] + box["height"] / 2))).click().perform()
+        WebDriverWait(driver, 40).until(lambda d: "/run/hang/timeline?" in d.current_url)
+        wait_for_graph(driver, ids.TIMELINE_GRAPH)
+        query = parse_qs(urlsplit(driver.current_url).query)
+        shown = parse_ranks(driver.find_element(By.ID, ids.TIMELINE_RANKS).get_attribute("value"), world_size=8)
+        assert shown is not None and 5 in shown and shown == parse_ranks(query["ranks"][0], world_size=8)
+        title = driver.execute_script(
+            f"return document.querySelector('#{ids.TIMELINE_GRAPH} .js-plotly-plot').layout.title.text")
+        assert title.startswith(f"ranks {query['ranks'][0]}")
+        # The suspect row links to the culprit's timeline too.
+        driver.get(f"{base}/run/hang/topology")
+        link = wait_for_text(driver, "#suspect-table", "6").find_element(By.LINK_TEXT, "6")
+        link.click()
+        WebDriverWait(driver, 40).until(lambda d: "/run/hang/timeline?" in d.current_url)
+        ranks = parse_ranks(parse_qs(urlsplit(driver.current_url).query)["ranks"][0], world_size=8)
+        assert ranks is not None and 6 in ranks
+        _no_errors(driver)
+
+
+@pytest.mark.dist
+def test_live_trainer_run_raises_no_hang_and_ends_finished(tmp_path: Path, driver: Any) -> None:
+    out = tmp_path / "x"
+    log = (tmp_path / "train.log").open("w")
+    job = subprocess.Popen([sys.executable, "-m", "megascope", "train", "--nproc", "8", "--tp", "2", "--pp", "2",
+                            "--dp", "2", "--steps", "10", "-o", str(out)], stdout=log, stderr=subprocess.STDOUT)
+    app = create_app([out], wait=True, poll_interval_s=0.5)
+    seen: list[tuple[str, str, str]] = []
+    try:
+        with serving(app) as base:
+            driver.get(f"{base}/run/x/topology")
+            deadline = time.monotonic() + 240
+            while time.monotonic() < deadline:
+                time.sleep(1.0)
+                badge = driver.find_elements(By.ID, ids.RUN_STATE)
+                state = badge[0].text.lower() if badge else ""
+                banner = driver.find_element(By.ID, ids.TOPOLOGY_BANNER).text
+                with urllib.request.urlopen(f"{base}/metrics") as response:
+                    metrics = response.read().decode()
+                hung = re.findall(r'^megascope_hung\{run="x"\} (\S+)$', metrics, re.M)
+                seen.append((state, banner, hung[0] if hung else ""))
+                if job.poll() is not None and state == "finished":
+                    break
+            states = [s for s, _, _ in seen]
+            assert "running" in states and states[-1] == "finished", seen
+            assert not any("HANG" in b or "hung" in s or h == "1.0" for s, b, h in seen), seen
+            driver.get(f"{base}/run/x/overview")
+            wait_for_text(driver, f"#{ids.OVERVIEW_CARDS}", "finished")
+            wait_for_text(driver, f"#{ids.OVERVIEW_ALERTS}", "the run is finished")
+            _no_errors(driver)
+    finally:
+        if job.poll() is None:
+            job.terminate()
+        job.wait(60)
+        log.close()
+        registry_of(app).stop()
+    assert job.returncode == 0
