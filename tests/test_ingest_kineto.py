@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -235,6 +237,45 @@ def test_cli_json_summary(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output.strip().splitlines()[-1])
     assert summary["world_size"] == 2 and summary["ranks_found"] == [0, 1] and summary["spans"] > 0
+
+
+@pytest.mark.parametrize("info", [None, {"rank": 0}, {"rank": 3}, {"backend": "nccl"}])
+def test_single_process_trace_without_world_size_is_a_one_rank_run(
+    tmp_path: Path, info: dict[str, Any] | None, caplog: pytest.LogCaptureFixture
+) -> None:
+    trace = gpu_trace(0, 1)
+    del trace["distributedInfo"]
+    if info is not None:
+        trace["distributedInfo"] = info
+    write_trace(tmp_path / "profile.json.gz", trace)
+    with caplog.at_level(logging.WARNING):
+        result = ingest_kineto(tmp_path / "profile.json.gz", tmp_path / "run", workers=1)
+    assert result.world_size == 1 and result.ranks_found == [0] and result.spans > 0
+    assert any("read as a one-rank run" in w for w in result.warnings)
+    assert any("read as a one-rank run" in r.getMessage() for r in caplog.records)
+    run = open_run(tmp_path / "run")
+    assert run.con.execute("SELECT DISTINCT rank FROM spans").fetchall() == [(0,)]
+    assert any("one-rank run" in w for w in run.meta.config["ingest"]["warnings"])
+
+
+def test_traces_without_distributed_info_take_ranks_from_file_names(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    for rank in (0, 1, 2):
+        trace = gpu_trace(rank, 3)
+        del trace["distributedInfo"]
+        write_trace(src / f"worker_rank-{rank}.json", trace)
+    result = ingest_kineto(src, tmp_path / "run", workers=1)
+    assert result.world_size == 3 and result.ranks_found == [0, 1, 2]
+    assert any("highest rank + 1 = 3" in w for w in result.warnings)
+    anonymous = tmp_path / "anon"
+    anonymous.mkdir()
+    for name in ("a.json", "b.json"):
+        trace = gpu_trace(0, 1)
+        del trace["distributedInfo"]
+        write_trace(anonymous / name, trace)
+    with pytest.raises(IngestError, match="its rank is unknown"):
+        ingest_kineto(anonymous, tmp_path / "run2", workers=1)
 
 
 # -------------------------------------------------------------------- real traces

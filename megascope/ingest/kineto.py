@@ -32,7 +32,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -75,11 +75,12 @@ class IngestResult:
 class _Header:
     path: Path
     rank: int
-    world_size: int
+    world_size: int | None  # None: the trace does not say (no distributedInfo.world_size)
     backend: str | None
     pgs: tuple[ProcessGroup, ...]
     host: str | None
     device_names: dict[int, str]
+    rank_from: str = "distributedInfo"  # or "file name", or "single file"
 
 
 def find_trace_files(src: Path) -> list[Path]:
@@ -113,7 +114,13 @@ def _pg_list(info: dict[str, Any], path: Path) -> tuple[ProcessGroup, ...]:
 
 
 def read_header(path: Path, *, single: bool) -> _Header:
-    """Rank, world size and process groups of one trace, from the keys before its events."""
+    """Rank, world size and process groups of one trace, from the keys before its events.
+
+    A trace of one process without ``distributedInfo`` (or without its ``world_size``: a one-GPU
+    profile, the commonest trace there is) keeps the rank it names, in ``distributedInfo.rank``
+    or in its file name (``rank-3``, ``rank_3``); a lone such file is rank 0. The world size is
+    then settled over the whole set by :func:`settle_world`.
+    """
     with TraceReader(path) as reader:
         header = reader.read_header()
     info = header.get("distributedInfo")
@@ -122,28 +129,71 @@ def read_header(path: Path, *, single: bool) -> _Header:
         if isinstance(prop, dict) and "id" in prop and "name" in prop:
             devices[int(prop["id"])] = str(prop["name"])
     host = header.get("host_name") if isinstance(header.get("host_name"), str) else None
-    if isinstance(info, dict) and "rank" in info:
+    if not isinstance(info, dict):
+        info = {}
+    backend = info.get("backend") if isinstance(info.get("backend"), str) else None
+    world: int | None = None
+    if info.get("world_size") is not None:
+        try:
+            world = int(info["world_size"])
+        except (TypeError, ValueError):
+            raise IngestError(f"{path}: distributedInfo.world_size is not an integer ({info['world_size']!r})") from None
+        if world < 1:
+            raise IngestError(f"{path}: distributedInfo.world_size is {world}; it must be at least 1")
+    pgs = _pg_list(info, path)
+    if info.get("rank") is not None:
         try:
             rank = int(info["rank"])
-            world = int(info.get("world_size", 0))
         except (TypeError, ValueError):
-            raise IngestError(f"{path}: distributedInfo has a non-integer rank or world_size") from None
-        if world < 1:
-            raise IngestError(f"{path}: distributedInfo.world_size is missing or < 1")
-        return _Header(path, rank, world, info.get("backend"), _pg_list(info, path), host, devices)
+            raise IngestError(f"{path}: distributedInfo.rank is not an integer ({info['rank']!r})") from None
+        if rank < 0:
+            raise IngestError(f"{path}: distributedInfo.rank is {rank}; it must be at least 0")
+        return _Header(path, rank, world, backend, pgs, host, devices)
     match = _RANK_IN_NAME.search(path.name)
-    if single:
-        return _Header(path, 0, 1, None, (), host, devices)
     if match:
-        raise IngestError(
-            f"{path}: no distributedInfo (rank, world size); profile with torch.distributed initialised"
-        )
-    raise IngestError(f"{path}: no distributedInfo, so its rank is unknown; not a rank's profiler trace?")
+        return _Header(path, int(match.group(1)), world, backend, pgs, host, devices, rank_from="file name")
+    if single:
+        return _Header(path, 0, world, backend, pgs, host, devices, rank_from="single file")
+    raise IngestError(
+        f"{path}: no distributedInfo.rank and no rank in the file name, so its rank is unknown; "
+        "ingest it alone, or name it rank-N"
+    )
+
+
+def settle_world(headers: list[_Header]) -> tuple[list[_Header], list[str]]:
+    """Fill in the world size where traces do not record it; the warnings that say how.
+
+    One trace without a world size is read as a one-rank run (rank 0). Several are one job of
+    ``max(rank) + 1`` ranks, or of the world size that the others record.
+    """
+    unknown = [h for h in headers if h.world_size is None]
+    guessed = [h for h in headers if h.rank_from != "distributedInfo"]
+    warnings = []
+    if guessed and len(headers) > 1:
+        shown = ", ".join(f"{h.path.name} -> rank {h.rank}" for h in guessed[:5])
+        warnings.append(f"{len(guessed)} traces have no distributedInfo.rank; rank taken from the file name: {shown}")
+    if not unknown:
+        return headers, warnings
+    known = {h.world_size for h in headers if h.world_size is not None}
+    if len(headers) == 1:
+        (h,) = headers
+        was = f" (it names rank {h.rank}, kept as rank 0)" if h.rank else ""
+        warnings.append(f"{h.path.name}: no distributedInfo.world_size; read as a one-rank run{was}")
+        return [replace(h, rank=0, world_size=1)], warnings
+    if len(known) == 1:
+        world = known.pop()
+        warnings.append(f"{len(unknown)} traces have no distributedInfo.world_size; taken as {world}, as the others record")
+    elif not known:
+        world = max(h.rank for h in headers) + 1
+        warnings.append(f"no trace records distributedInfo.world_size; taken as the highest rank + 1 = {world}")
+    else:
+        return headers, warnings  # several recorded sizes: check_one_job names the mix
+    return [h if h.world_size is not None else replace(h, world_size=world) for h in headers], warnings
 
 
 def check_one_job(headers: list[_Header]) -> int:
     """The world size of the job; an error naming the files if they are not one job's ranks."""
-    worlds = Counter(h.world_size for h in headers)
+    worlds = Counter(h.world_size or 0 for h in headers)
     if len(worlds) > 1:
         (w1, _), (w2, _) = worlds.most_common(2)
         a = next(h for h in headers if h.world_size == w1)
@@ -152,7 +202,7 @@ def check_one_job(headers: list[_Header]) -> int:
     backends = {h.backend for h in headers if h.backend}
     if len(backends) > 1:
         raise IngestError(f"mixed jobs: traces use different backends ({', '.join(sorted(backends))})")
-    world = headers[0].world_size
+    world = headers[0].world_size or 1
     seen: dict[int, Path] = {}
     for h in headers:
         if not 0 <= h.rank < world:
@@ -265,12 +315,11 @@ def ingest_kineto(
     src, out = Path(src), Path(out)
     check_out_dir(out)
     files = find_trace_files(src)
-    headers = [read_header(p, single=len(files) == 1) for p in files]
+    headers, warnings = settle_world([read_header(p, single=len(files) == 1) for p in files])
     world = check_one_job(headers)
     plan = plan_groups([pg for h in headers for pg in h.pgs], world_size=world, mesh=mesh)
     n_workers = max(1, min(len(files), workers or os.cpu_count() or 1))
     log.info("ingesting %d Kineto traces of a %d-rank job with %d workers", len(files), world, n_workers)
-    warnings: list[str] = []
     with StagedRun(out) as stage:
         jobs = [(str(h.path), h.rank, str(stage.path), _pg_groups(h, plan)) for h in headers]
         results = _run_files(jobs, n_workers, progress)
