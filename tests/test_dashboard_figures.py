@@ -162,3 +162,27 @@ def test_topology_click_position_maps_to_its_rank() -> None:
     fig = topology_figure(states)
     assert [a.text for a in fig.layout.annotations] == ["tp0", "tp1", "tp0", "tp1"]
     assert list(fig.layout.yaxis.ticktext) == ["0", "1"] and fig.layout.yaxis.title.text == "dp"
+
+
+def test_timeline_shows_host_pauses_the_focus_rank_and_where_a_hung_rank_stopped() -> None:
+    from megascope.figures.timeline import host_pauses
+
+    ms = 1_000_000
+
+    def span(rank: int, start: int, dur: int, kind: str = "forward") -> dict[str, object]:
+        return {"rank": rank, "step": 3, "name": kind, "kind": kind, "stream": "compute", "start_ns": start * ms,
+                "dur_ns": dur * ms, "wait_ns": None, "microbatch": 0}
+
+    # Rank 1 pauses 150 ms between its forward and backward; rank 2 stops after 10 ms.
+    spans = pd.DataFrame([span(1, 0, 20), span(1, 170, 30, "backward"), span(2, 0, 10), span(3, 0, 100),
+                          span(3, 100, 100, "backward")])
+    bounds = pd.DataFrame({"rank": [1, 3], "step": [3, 3], "start_ns": [0, 0], "dur_ns": [200 * ms, 200 * ms]})
+    pauses = host_pauses(spans, bounds)
+    assert pauses[["rank", "start_ns", "dur_ns"]].values.tolist() == [[1, 20 * ms, 150 * ms]]
+    fig = timeline_figure(spans, step_bounds=bounds, focus=1, stopped={2: "never entered tp:0 seq 7"})
+    pause = [t for t in fig.data if t.name == "pause"]
+    assert len(pause) == 1 and list(pause[0].x) == [150.0] and list(pause[0].y) == ["r1 · host"]
+    stopped = [t for t in fig.data if t.name == "stopped"]
+    assert len(stopped) == 1 and list(stopped[0].x) == [10.0] and "never entered tp:0 seq 7" in stopped[0].text[0]
+    assert sorted(t for t in fig.layout.yaxis.ticktext if t.startswith("<b>")) == ["<b>r1 · compute</b>", "<b>r1 · host</b>"]
+    assert len(fig.layout.shapes) >= 1 and fig.layout.shapes[0].fillcolor == "#fff3b0"

@@ -71,9 +71,39 @@ def layout(served: ServedRun, query: dict[str, str]) -> html.Div:
 
 
 def bubbles_section(frame: pd.DataFrame) -> list[Any] | None:
+    """Bubbles per stage in ms per step and % of the step (the analysis keeps nanoseconds)."""
     if frame.empty:
         return None
-    return [html.H3("Pipeline bubbles per stage (whole run)"), table(frame, id="bubble-table")]
+    shown = pd.DataFrame({
+        "stage": frame["stage"], "ranks": frame["ranks"], "steps": frame["steps"],
+        "bubble per step": [f"{float(v) / 1e6:.1f} ms" for v in frame["bubble_ns"]],
+        "step": [f"{float(v) / 1e6:.1f} ms" for v in frame["step_ns"]],
+        "bubble share": [f"{100 * float(v):.1f}%" for v in frame["bubble_frac"]],
+    })
+    return [html.H3("Pipeline bubbles per stage (whole run)"), table(shown, id="bubble-table")]
+
+
+def focus_of(served: ServedRun, query: dict[str, str], ranks: list[int]) -> int | None:
+    """The rank to highlight: ``?focus=N`` when in the selection, else the hang culprit or worst
+    straggler when in it."""
+    raw = query.get("focus", "")
+    if raw.isdigit() and int(raw) in ranks:
+        return int(raw)
+    rank = data.focus_rank(served)
+    return rank if rank in ranks else None
+
+
+def stopped_ranks(served: ServedRun, ranks: list[int]) -> dict[int, str]:
+    """Hung ranks of the selection and what each never did (only while the run state is hung)."""
+    hang = data.hang(served)
+    out: dict[int, str] = {}
+    for suspect in hang.get("suspects") or []:
+        rank = int(suspect["rank"])
+        if rank in ranks and rank not in out:
+            missing = suspect.get("missing_seq")
+            out[rank] = (f"never entered {suspect.get('group', '?')} seq {missing}" if missing is not None
+                         else f"stuck in {suspect.get('group', '?')}")
+    return out
 
 
 def register(app: Dash, registry: RunRegistry) -> None:
@@ -106,7 +136,9 @@ def register(app: Dash, registry: RunRegistry) -> None:
             return no_update, no_update, no_update, no_update, notice(str(exc), "warn")
         spans, steps_frame, labels = data.timeline(served, ranks, steps)
         title = f"ranks {routes.format_ranks(ranks)} · step {steps[0]}" + (f"-{steps[1]}" if steps[1] != steps[0] else "")
-        figure = timeline_figure(spans, labels=labels, step_bounds=steps_frame, title=title)
+        figure = timeline_figure(spans, labels=labels, step_bounds=steps_frame, title=title,
+                                 focus=focus_of(served, routes.query_params(search), ranks),
+                                 stopped=stopped_ranks(served, ranks))
         query = routes.selection_query(ranks, steps)
         trace_url = f"/trace/{served.id}.pftrace?{query}"
         note = None

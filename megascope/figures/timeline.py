@@ -27,8 +27,11 @@ KIND_COLOURS = {
     "recv": "#b07aa1",
     "data": "#9c755f",
     "host": "#bab0ac",
+    "pause": "#7f7f7f",
     "other": "#d4d4d4",
 }
+# A gap between a rank's spans inside a step is drawn as a host pause from this length on.
+PAUSE_MIN_NS = 2_000_000
 _STREAM_ORDER = {"compute": 0, "comm": 1, "host": 2, "copy": 3}
 
 
@@ -36,12 +39,42 @@ def _lane(rank_label: str, stream: str) -> str:
     return f"{rank_label} · {stream}"
 
 
+def host_pauses(spans: pd.DataFrame, step_bounds: pd.DataFrame | None = None,
+                min_ns: int = PAUSE_MIN_NS) -> pd.DataFrame:
+    """Per rank: stretches of at least ``min_ns`` inside its steps that none of its spans covers.
+
+    Columns rank, step, start_ns, dur_ns. Without ``step_bounds`` only gaps between spans count.
+    """
+    rows: list[dict[str, int]] = []
+    timed = spans[spans["step"].notna()] if "step" in spans else spans
+    bounds = ({(int(r), int(s)): (int(a), int(a) + int(d)) for r, s, a, d in
+               zip(step_bounds["rank"], step_bounds["step"], step_bounds["start_ns"], step_bounds["dur_ns"], strict=True)}
+              if step_bounds is not None and not step_bounds.empty else {})
+    for (rank, step), part in timed.groupby(["rank", "step"], sort=False):
+        starts = part["start_ns"].to_numpy(dtype="int64")
+        ends = starts + part["dur_ns"].to_numpy(dtype="int64")
+        order = starts.argsort(kind="stable")
+        lo, hi = bounds.get((int(rank), int(step)), (int(starts.min()), int(ends.max())))
+        reach = lo
+        for i in order:
+            if starts[i] - reach >= min_ns:
+                rows.append({"rank": int(rank), "step": int(step), "start_ns": int(reach), "dur_ns": int(starts[i] - reach)})
+            reach = max(reach, int(ends[i]))
+        if hi - reach >= min_ns:
+            rows.append({"rank": int(rank), "step": int(step), "start_ns": int(reach), "dur_ns": int(hi - reach)})
+    return pd.DataFrame(rows, columns=["rank", "step", "start_ns", "dur_ns"])
+
+
 def timeline_figure(spans: pd.DataFrame, *, labels: Mapping[int, str] | None = None,
-                    step_bounds: pd.DataFrame | None = None, title: str | None = None) -> go.Figure:
+                    step_bounds: pd.DataFrame | None = None, title: str | None = None,
+                    focus: int | None = None, stopped: Mapping[int, str] | None = None) -> go.Figure:
     """Bars of ``spans`` on a millisecond axis from the selection's first start.
 
     ``labels`` names ranks on the y axis (default ``r<rank>``); ``step_bounds`` (``rank, step,
-    start_ns, dur_ns``, optional) draws each step's start as a thin line.
+    start_ns, dur_ns``, optional) draws each step's start as a thin line. Stretches of a step no
+    span covers are drawn as grey "pause" bars on the rank's host lane. ``focus`` (a rank) gets a
+    shaded band and bold labels; ``stopped`` maps a rank to what it never did (a hung rank): a
+    red mark at the end of its last span says so.
     """
     fig = go.Figure()
     if spans.empty:
@@ -50,6 +83,10 @@ def timeline_figure(spans: pd.DataFrame, *, labels: Mapping[int, str] | None = N
         fig.update_layout(height=200, xaxis_visible=False, yaxis_visible=False)
         return fig
     labels = dict(labels or {})
+    pauses = host_pauses(spans, step_bounds)
+    if not pauses.empty:
+        spans = pd.concat([spans, pauses.assign(name="pause (no span)", kind="pause", stream="host", wait_ns=0)],
+                          ignore_index=True)
     t0 = int(spans["start_ns"].min())
     frame = spans.assign(
         lane=[_lane(labels.get(int(r), f"r{int(r)}"), str(s)) for r, s in zip(spans["rank"], spans["stream"], strict=True)],
@@ -86,10 +123,31 @@ def timeline_figure(spans: pd.DataFrame, *, labels: Mapping[int, str] | None = N
                         "pattern": {"shape": "/", "fgcolor": colour, "size": 6}},
                 customdata=custom[waited], hovertemplate=hover,
             ))
+    lane_order = list(reversed(lanes))
+    if focus is not None:
+        mine = [i for i, lane in enumerate(lane_order) if frame.loc[frame["lane"] == lane, "rank"].iloc[0] == focus]
+        if mine:
+            fig.add_shape(type="rect", xref="paper", x0=0, x1=1, yref="y", y0=min(mine) - 0.5, y1=max(mine) + 0.5,
+                          fillcolor="#fff3b0", opacity=0.45, line={"width": 0}, layer="below")
+    for rank, what in (stopped or {}).items():
+        mine = frame[frame["rank"] == rank]
+        if mine.empty:
+            continue
+        last = mine.loc[(mine["start_ms"] + mine["dur_ms"]).idxmax()]
+        fig.add_trace(go.Scatter(
+            x=[float(last["start_ms"] + last["dur_ms"])], y=[last["lane"]], mode="markers+text",
+            marker={"symbol": "x-thin", "size": 16, "color": "#d62728", "line": {"width": 3, "color": "#d62728"}},
+            text=[f"rank {rank} stopped here: {what}"], textposition="middle right",
+            textfont={"color": "#d62728", "size": 12}, name="stopped", showlegend=False,
+            hovertemplate=f"rank {rank} stopped here: {what}<extra></extra>",
+        ))
     if step_bounds is not None and not step_bounds.empty:
         for start_ns in sorted(step_bounds.groupby("step")["start_ns"].min()):
             fig.add_vline(x=(start_ns - t0) / 1e6, line={"color": "#999", "width": 1, "dash": "dot"})
-    fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(lanes)), title_text=None)
+    ticktext = [f"<b>{lane}</b>" if focus is not None and lane.startswith(_lane(labels.get(focus, f"r{focus}"), ""))
+                else lane for lane in lane_order]
+    fig.update_yaxes(categoryorder="array", categoryarray=lane_order, title_text=None,
+                     tickmode="array", tickvals=lane_order, ticktext=ticktext)
     fig.update_xaxes(title_text="ms from the selection's first span")
     fig.update_layout(
         barmode="overlay", bargap=0.25, title={"text": title, "x": 0.01, "xanchor": "left"},
