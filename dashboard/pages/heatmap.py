@@ -73,7 +73,8 @@ def top_list(served: ServedRun, cells: Any, phase: str) -> list[Any]:
     rows = []
     for row in worst.to_dict("records"):
         rank, step = int(row["rank"]), int(row["step"])
-        href = routes.href(served.id, "timeline") + "?" + routes.selection_query(data.peers(served, rank), (step, step))
+        href = (routes.href(served.id, "timeline") + "?" + routes.selection_query(data.peers(served, rank), (step, step))
+                + f"&focus={rank}")
         rows.append(html.Tr([html.Td(dcc.Link(f"rank {rank}", href=href)), html.Td(f"{float(row['worst']):.2f}x"),
                              html.Td(f"{int(row['slow_steps'])}")]))
     return [html.H4(f"Worst ranks ({PHASE_LABELS.get(phase, phase).split(' (')[0]})"),
@@ -126,4 +127,4 @@ def register(app: Dash, registry: RunRegistry) -> None:
             return no_update, no_update
         rank, step = target
         peers = data.peers(served, rank)
-        return routes.href(served.id, "timeline"), "?" + routes.selection_query(peers, (step, step))
+        return routes.href(served.id, "timeline"), "?" + routes.selection_query(peers, (step, step)) + f"&focus={rank}"

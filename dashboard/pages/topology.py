@@ -87,7 +87,7 @@ def register(app: Dash, registry: RunRegistry) -> None:
         if rank is None:
             return no_update, no_update
         return routes.href(served.id, "timeline"), "?" + routes.selection_query(
-            data.peers(served, rank), data.default_steps(served))
+            data.peers(served, rank), data.default_steps(served)) + f"&focus={rank}"
 
 
 def clicked_rank(point: dict[str, Any], states: pd.DataFrame) -> int | None:
@@ -107,4 +107,4 @@ def clicked_rank(point: dict[str, Any], states: pd.DataFrame) -> int | None:
 def timeline_href(served: ServedRun, rank: int) -> str:
     """The timeline of ``rank`` beside its peers at the step the run stopped (or its last step)."""
     steps = data.default_steps(served)
-    return routes.href(served.id, "timeline") + "?" + routes.selection_query(data.peers(served, rank), steps)
+    return routes.href(served.id, "timeline") + "?" + routes.selection_query(data.peers(served, rank), steps) + f"&focus={rank}"
