@@ -6,6 +6,7 @@ on small seeded synth runs.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -314,6 +315,29 @@ def test_a_live_run_with_calls_in_flight_shows_no_hang(runs: dict[str, Path], tm
     text = app.server.test_client().get("/metrics").get_data(as_text=True)
     assert _metric(text, "megascope_hung", "live") == 0
     assert re.search(r'^megascope_run_state\{run="live",state="running"\} 1\.0$', text, re.M)
+
+
+def test_a_live_run_turns_hung_after_the_collective_timeout_without_new_data(runs: dict[str, Path],
+                                                                              tmp_path: Path) -> None:
+    live = tmp_path / "live"
+    replay_run(runs["hang"], live, step_interval_s=0.0)
+    meta = json.loads((live / layout.RUN_JSON).read_text())
+    meta["config"]["collective_timeout_s"] = 2.0
+    (live / layout.RUN_JSON).write_text(json.dumps(meta))
+    app = create_app([live], start_watcher=False)
+    served = registry_of(app).get("live")
+    assert served is not None
+    client = app.server.test_client()
+    first = client.get("/metrics").get_data(as_text=True)
+    assert _metric(first, "megascope_hung", "live") == 0
+    generation = served.generation
+    time.sleep(2.5)
+    later = client.get("/metrics").get_data(as_text=True)
+    assert served.generation == generation, "no new data arrived"
+    assert _metric(later, "megascope_hung", "live") == 1
+    assert re.search(r'^megascope_run_state\{run="live",state="hung"\} 1\.0$', later, re.M)
+    assert dash_data.hang(served)["suspects"][0]["rank"] == 6
+    assert dash_data.rank_states(served).set_index("rank")["state"][6] == "hung"
 
 
 # ------------------------------------------------------------------------------------ replay, CLI
