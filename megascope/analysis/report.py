@@ -2,8 +2,9 @@
 
 Role in the data flow: ``megascope report RUN [--json]`` prints it; the dashboard's overview reads
 it. The keys ``run``, ``mfu``, ``stragglers``, ``skew`` and ``hang`` are a contract
-(ARCHITECTURE.md); the rest (``clock``, ``bubbles``, ``exposed_comm``, ``host_lead``, ``whatif``,
-``problems``) may grow.
+(ARCHITECTURE.md); the rest (``state``: running, stalled, hung, finished or failed and why, from
+:mod:`megascope.analysis.runstate`; ``clock``, ``bubbles``, ``exposed_comm``, ``host_lead``,
+``whatif``, ``problems``) may grow.
 
 Example::
 
@@ -26,6 +27,7 @@ from megascope.analysis import _sql
 from megascope.analysis.base import prepare
 from megascope.analysis.hang import localize
 from megascope.analysis.pipeline import bubbles, exposed_comm, host_lead_summary
+from megascope.analysis.runstate import run_state
 from megascope.analysis.skew import skew_by_collective, skew_drift
 from megascope.analysis.stragglers import StragglerConfig, stragglers
 from megascope.analysis.timeline import mfu, mfu_drift
@@ -138,6 +140,7 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
     skew_drifts = skew_drift(con, step_time_ns=median_step)
     say("localizing hangs")
     hang = localize(run)
+    state = run_state(run, hang=hang)
     say("pipeline bubbles and exposed communication")
     bubble_frame = bubbles(con)
     exposed = exposed_comm(con)
@@ -169,6 +172,7 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
             "drift": skew_drifts,
         },
         "hang": hang,
+        "state": state,
         "clock": {
             "hosts": len(offsets),
             "max_abs_offset_ns": int(offsets["offset_ns"].abs().max()) if not offsets.empty else 0,
