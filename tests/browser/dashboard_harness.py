@@ -103,7 +103,8 @@ def wait_for_graph(driver: webdriver.Chrome, graph_id: str, timeout: float = 40)
 
 
 def screenshots(out_dir: Path) -> list[Path]:
-    """One PNG per page of a seeded 2x2x2 straggler run, and the topology of a hung one."""
+    """One PNG per page at 1600x1000: a seeded 2x2x2 straggler run, the heat-map of a 1,024-rank
+    run with a 1.15x straggler, and the topology of a hung run."""
     from megascope.dashboard import create_app, ids
 
     from megascope.inject import parse_injects
@@ -115,6 +116,8 @@ def screenshots(out_dir: Path) -> list[Path]:
                                               faults=parse_injects(["straggler:rank=5,factor=1.4"])))
     synth_run(root / "hang", SynthConfig(ranks=64, steps=10, tp=4, pp=4, seed=1,
                                          faults=parse_injects(["hang:rank=37,step=6"])))
+    synth_run(root / "big", SynthConfig(ranks=1024, steps=20, tp=8, pp=8, seed=1,
+                                        faults=parse_injects(["straggler:rank=77,factor=1.15"])))
     # Real heartbeats of this machine under the run's two host names (synth writes none).
     from megascope.collectors.heartbeat import HeartbeatSampler
 
@@ -125,11 +128,11 @@ def screenshots(out_dir: Path) -> list[Path]:
     time.sleep(6)
     for sampler in samplers:
         sampler.stop()
-    app = create_app([root / "straggler", root / "hang"], start_watcher=False)
+    app = create_app([root / "straggler", root / "hang", root / "big"], start_watcher=False)
     graphs = {"overview": ids.OVERVIEW_GRAPH, "heatmap": ids.HEATMAP_GRAPH, "topology": ids.TOPOLOGY_GRAPH,
               "timeline": ids.TIMELINE_GRAPH, "health": ids.HEALTH_GRAPH}
-    shots = [("straggler", p) for p in ("overview", "heatmap", "stragglers", "timeline", "health")] + \
-            [("hang", "topology")]
+    shots = [("straggler", p) for p in ("overview", "stragglers", "timeline", "health")] + \
+            [("big", "heatmap"), ("hang", "topology")]
     written = []
     try:
         _shoot(app, shots, graphs, out_dir, written)
@@ -142,7 +145,7 @@ def _shoot(app: Any, shots: list[tuple[str, str]], graphs: dict[str, str], out_d
            written: list[Path]) -> None:
     from megascope.dashboard import ids
 
-    with serving(app) as base, chromium(1280, 900) as driver:
+    with serving(app) as base, chromium(1600, 1000) as driver:
         for run_id, page in shots:
             driver.get(f"{base}/run/{run_id}/{page}")
             if page in graphs:
