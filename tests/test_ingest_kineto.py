@@ -278,6 +278,29 @@ def test_traces_without_distributed_info_take_ranks_from_file_names(tmp_path: Pa
         ingest_kineto(anonymous, tmp_path / "run2", workers=1)
 
 
+@pytest.mark.parametrize("source", ["generated", "real-gpu", "real-cpu"])
+def test_compiled_and_standard_library_parsing_agree(tmp_path: Path, source: str) -> None:
+    """The msgspec path and the json fallback keep the same events, down to every tuple."""
+    pytest.importorskip("msgspec")
+    from megascope.ingest.kineto_events import collect, trace_reader
+
+    if source == "generated":
+        path = write_trace(tmp_path / "rank0.json", gpu_trace(0, 2, steps=4))
+    else:
+        folder = SHARED_DATA / ("kineto-gpu-2rank" if source == "real-gpu" else "kineto-cpu-4rank")
+        if not folder.is_dir():
+            pytest.skip("shared sample traces not present")
+        path = sorted(folder.glob("*.json*"))[0]
+    fast = collect(trace_reader(path))
+    slow = collect(trace_reader(path, compiled=False))
+    assert fast.events == slow.events > 0
+    assert (fast.steps, fast.thread_names, dict(fast.ops), fast.runtime, fast.pid) == (
+        slow.steps, slow.thread_names, dict(slow.ops), slow.runtime, slow.pid)
+    assert fast.device == slow.device and fast.comm_calls == slow.comm_calls
+    assert (dict(fast.flow_fwd), dict(fast.flow_bwd), fast.first_ts, fast.last_ts) == (
+        dict(slow.flow_fwd), dict(slow.flow_bwd), slow.first_ts, slow.last_ts)
+
+
 # -------------------------------------------------------------------- real traces
 
 

@@ -28,7 +28,7 @@ import gzip
 import json
 import logging
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from json.decoder import scanstring  # type: ignore[attr-defined]
 from pathlib import Path
 from typing import IO, Any
@@ -61,8 +61,20 @@ def open_text(path: Path) -> IO[str]:
 class TraceReader:
     """Incremental reader of one Chrome-trace JSON object with a ``traceEvents`` array."""
 
-    def __init__(self, path: Path | str, *, chunk_chars: int = CHUNK_CHARS) -> None:
+    def __init__(
+        self,
+        path: Path | str,
+        *,
+        chunk_chars: int = CHUNK_CHARS,
+        decode_batch: Callable[[str], list[Any] | None] | None = None,
+        convert: Callable[[Any], Any] | None = None,
+    ) -> None:
+        """``decode_batch``: a faster parser for a JSON array of events, returning None where it
+        refuses the text (the standard library then decodes it); ``convert``: turns each event the
+        standard library decoded into the type ``decode_batch`` returns (None drops it)."""
         self.path = Path(path)
+        self._decode_batch = decode_batch
+        self._convert = convert
         self.header: dict[str, Any] = {}
         self.trailer: dict[str, Any] = {}
         self.events_read = 0
@@ -193,8 +205,9 @@ class TraceReader:
                 raise
         return self.header
 
-    def iter_batches(self) -> Iterator[list[dict[str, Any]]]:
-        """Yield lists of event dicts, in file order; afterwards :attr:`trailer` is filled."""
+    def iter_batches(self) -> Iterator[list[Any]]:
+        """Yield lists of events (dicts, or what the decoders make), in file order; afterwards
+        :attr:`trailer` is filled."""
         try:
             self.read_header()
             while self._state == "events":
@@ -208,7 +221,7 @@ class TraceReader:
         finally:
             self.close()
 
-    def _next_batch(self) -> list[dict[str, Any]]:
+    def _next_batch(self) -> list[Any]:
         self._skip_ws()
         buf, pos = self._buf, self._pos
         if pos >= len(buf):
@@ -230,16 +243,19 @@ class TraceReader:
         for _ in range(_CUT_ATTEMPTS):
             if cut <= pos:
                 break
-            try:
-                batch = json.loads("[" + buf[pos:cut + 1] + "]")
-            except json.JSONDecodeError as exc:
-                # exc.pos counts the "[" we added; the bad cut is at or after the error.
-                cut = buf.rfind("},", pos, min(pos + max(exc.pos - 1, 0), cut))
-                continue
+            text = "[" + buf[pos:cut + 1] + "]"
+            batch = self._decode_batch(text) if self._decode_batch is not None else None
+            if batch is None:
+                try:
+                    batch = self._keep(json.loads(text))
+                except json.JSONDecodeError as exc:
+                    # exc.pos counts the "[" we added; the bad cut is at or after the error.
+                    cut = buf.rfind("},", pos, min(pos + max(exc.pos - 1, 0), cut))
+                    continue
             self._pos = cut + 2
             if not self._eof and len(buf) - self._pos < self._chunk:
                 self._fill()
-            return [e for e in batch if isinstance(e, dict)]
+            return batch
         # Slow path: a run of single events (each reads more text when it is incomplete), so
         # that a format the fast path cannot cut costs linear time, not a re-parse per event.
         out = []
@@ -250,10 +266,15 @@ class TraceReader:
             if self._buf[self._pos] == ",":
                 self._pos += 1
                 continue
-            event = self._decode_value()
-            if isinstance(event, dict):
-                out.append(event)
+            out.extend(self._keep([self._decode_value()]))
         return out
+
+    def _keep(self, values: list[Any]) -> list[Any]:
+        """The event objects among ``values``, converted where the reader was given a converter."""
+        if self._convert is None:
+            return [v for v in values if isinstance(v, dict)]
+        converted = (self._convert(v) for v in values)
+        return [e for e in converted if e is not None]
 
     def close(self) -> None:
         if self._fh is not None:

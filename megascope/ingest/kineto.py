@@ -37,12 +37,13 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from megascope import layout
 from megascope.errors import IngestError
 from megascope.ingest.groups import GroupPlan, ProcessGroup, parse_ranks, plan_groups
 from megascope.ingest.jsonstream import TraceReader
-from megascope.ingest.kineto_events import collect
+from megascope.ingest.kineto_events import collect, trace_reader
 from megascope.ingest.kineto_map import map_rank
 from megascope.ingest.runwriter import RankInfo, StagedRun, check_out_dir, write_rank_tables, write_rows
 from megascope.schema import RunMeta, RunSource
@@ -224,6 +225,28 @@ def check_one_job(headers: list[_Header]) -> int:
     return world
 
 
+# Ranks of one job profile the same steps, so their traces overlap in time, give or take the
+# hosts' clock differences (milliseconds with NTP). A gap of a minute means two jobs.
+MAX_TRACE_GAP_NS = 60 * 1_000_000_000
+
+
+def check_one_window(results: list[dict[str, Any]]) -> None:
+    """An error if some rank's trace starts well after another's ends: traces of two jobs (or of two
+    profiling windows) whose world sizes and groups happen to agree."""
+    timed = [r for r in results if r.get("start_ns") is not None]
+    if len(timed) < 2:
+        return
+    first_end = min(timed, key=lambda r: r["end_ns"] if r["end_ns"] is not None else r["start_ns"])
+    last_start = max(timed, key=lambda r: r["start_ns"])
+    end = first_end["end_ns"] if first_end["end_ns"] is not None else first_end["start_ns"]
+    gap = last_start["start_ns"] - end
+    if gap > MAX_TRACE_GAP_NS:
+        raise IngestError(
+            f"mixed jobs: {Path(last_start['path']).name} (rank {last_start['rank']}) starts {gap / 1e9:,.0f} s after "
+            f"{Path(first_end['path']).name} (rank {first_end['rank']}) ends; one job's traces overlap in time"
+        )
+
+
 def _pg_groups(header: _Header, plan: GroupPlan) -> dict[str, tuple[str, tuple[int, ...]]]:
     out = {}
     for pg in header.pgs:
@@ -236,12 +259,27 @@ def _pg_groups(header: _Header, plan: GroupPlan) -> dict[str, tuple[str, tuple[i
 def ingest_file(path: str, rank: int, stage: str, pg_groups: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, Any]:
     """Parse one rank's trace and write its spans and markers into ``stage``. Runs in a worker."""
     t0 = time.perf_counter()
-    events = collect(TraceReader(path))
-    tables = map_rank(events, rank=rank, pg_groups=pg_groups, path=path)
+    try:
+        events = collect(trace_reader(path))
+        tables = map_rank(events, rank=rank, pg_groups=pg_groups, path=path)
+    except RecursionError:
+        raise IngestError(f"{path}: values nested too deeply; not a Kineto trace") from None
+    except (ValueError, OverflowError, pa.ArrowException) as exc:
+        # NaN, Infinity, 1e30 or a 20-digit number where a time, duration or step belongs
+        reason = " ".join(str(exc).split())[:200]
+        raise IngestError(f"{path}: a time, duration or step out of range ({reason}); the trace is corrupt") from None
+    span_table = tables.spans
+    negative = pc.less(span_table["dur_ns"], 0)
+    dropped = int(pc.sum(negative).as_py() or 0)
+    if dropped:
+        span_table = span_table.filter(pc.invert(negative))
     run_dir = Path(stage)
-    spans = write_rows(run_dir, "spans", tables.spans, rank)
+    spans = write_rows(run_dir, "spans", span_table, rank)
     markers = write_rows(run_dir, "markers", tables.markers, rank)
+    ends = pc.add(span_table["start_ns"], span_table["dur_ns"])
     return {
+        "negative_durations": dropped,
+        "end_ns": pc.max(ends).as_py() if len(ends) else None,
         "rank": rank,
         "path": path,
         "events": events.events,
@@ -340,6 +378,11 @@ def ingest_kineto(
             for what, count in r["stats"].items():
                 if what not in ("spans", "markers") and count:
                     log.info("rank %d: %d %s", r["rank"], count, what)
+        check_one_window(results)
+        for r in results:
+            if r["negative_durations"]:
+                warnings.append(f"rank {r['rank']}: {r['negative_durations']} events with a negative duration "
+                                f"skipped ({Path(r['path']).name})")
         missing = sorted(set(range(world)) - set(infos))
         if missing:
             warnings.append(f"{len(missing)} of {world} ranks have no trace: {', '.join(map(str, missing[:20]))}")
