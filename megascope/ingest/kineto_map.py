@@ -180,16 +180,21 @@ class RankTables:
 
 
 class _Columns:
+    """Rows as given (one dict each, absent keys are nulls), turned into columns once at the end."""
+
     def __init__(self, table_schema: pa.Schema) -> None:
         self.schema = table_schema
-        self.cols: dict[str, list[Any]] = {f.name: [] for f in table_schema}
+        self.rows: list[dict[str, Any]] = []
 
     def add(self, **row: Any) -> None:
-        for name, values in self.cols.items():
-            values.append(row.get(name))
+        self.rows.append(row)
+
+    def __len__(self) -> int:
+        return len(self.rows)
 
     def table(self) -> pa.Table:
-        return pa.table(self.cols, schema=self.schema)
+        rows = self.rows
+        return pa.table({f.name: [r.get(f.name) for r in rows] for f in self.schema}, schema=self.schema)
 
 
 @dataclass
@@ -286,8 +291,8 @@ def map_rank(
             common = dict(rank=rank, group=c.group, seq=c.seq_hint, op=c.op, step=c.step, bytes=c.nbytes, peer=c.peer)
             markers.add(state=MarkerState.ENQUEUED, time_ns=ns(c.ts), **common)
             markers.add(state=MarkerState.COMPLETED, time_ns=ns(c.exec_end), **common)
-    stats["spans"] = len(spans.cols["rank"])
-    stats["markers"] = len(markers.cols["rank"])
+    stats["spans"] = len(spans)
+    stats["markers"] = len(markers)
     start_ns = ns(events.first_ts) if events.first_ts is not None else None
     return RankTables(
         spans=spans.table(),
