@@ -1,8 +1,9 @@
 """Benchmark: the same Kineto trace sets through megascope (ingest + report) and through Holistic
 Trace Analysis (load + temporal breakdown), same machine, same run: wall seconds and peak memory.
 
-Each tool runs in its own subprocess tree; peak memory is the largest sum of RSS over that tree,
-sampled every 50 ms from /proc (worker processes included); CPU seconds are user + system time of
+Each tool runs in its own subprocess tree; peak memory is the largest sum of PSS (proportional set
+size: pages that forked workers share with their parent count once) over that tree, sampled every
+50 ms from /proc (worker processes included), with the sum of RSS next to it; CPU seconds are user + system time of
 the whole tree (from the reaped children's rusage), the fair measure on a shared, loaded machine. Traces come from the project's
 shared generator (``../shared/tools/gen_kineto.py``, run from its shared location).
 
@@ -27,6 +28,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_GEN = REPO.parent / "shared" / "tools" / "gen_kineto.py"
@@ -40,8 +42,20 @@ print(len(breakdown))
 """
 
 
-def _tree_rss(root: int) -> int:
-    """Sum of RSS bytes of ``root`` and all its descendants."""
+def _pss(pid: int) -> int | None:
+    """Proportional set size in bytes (pages shared by forked workers counted once overall)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _tree_memory(root: int) -> tuple[int, int]:
+    """(sum of RSS, sum of PSS) bytes of ``root`` and all its descendants."""
     children: dict[int, list[int]] = {}
     rss: dict[int, int] = {}
     for entry in os.listdir("/proc"):
@@ -55,12 +69,15 @@ def _tree_rss(root: int) -> int:
         pid, ppid = int(entry), int(fields[1])
         children.setdefault(ppid, []).append(pid)
         rss[pid] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
-    total, stack = 0, [root]
+    total_rss = total_pss = 0
+    stack = [root]
     while stack:
         pid = stack.pop()
-        total += rss.get(pid, 0)
+        total_rss += rss.get(pid, 0)
+        pss = _pss(pid)
+        total_pss += pss if pss is not None else rss.get(pid, 0)
         stack.extend(children.get(pid, []))
-    return total
+    return total_rss, total_pss
 
 
 def _children_cpu() -> float:
@@ -70,31 +87,33 @@ def _children_cpu() -> float:
 
 def measure(
     cmd: list[str], env: dict[str, str] | None = None, cwd: Path | None = None
-) -> tuple[float, int, int, str, float]:
-    """(wall s, peak tree RSS bytes, exit code, stderr tail, CPU s of the tree) of running ``cmd``."""
+) -> tuple[float, int, int, str, float, int, str]:
+    """(wall s, peak tree PSS bytes, exit code, stderr tail, CPU s of the tree, peak tree RSS bytes,
+    stdout) of running ``cmd``."""
     cpu0 = _children_cpu()
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd, text=True)
-    peak = 0
+    peak = peak_rss = 0
     done = threading.Event()
 
     def sample() -> None:
-        nonlocal peak
+        nonlocal peak, peak_rss
         while not done.is_set():
-            peak = max(peak, _tree_rss(proc.pid))
+            rss, pss = _tree_memory(proc.pid)
+            peak, peak_rss = max(peak, pss), max(peak_rss, rss)
             time.sleep(0.05)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    _, err = proc.communicate()
+    out, err = proc.communicate()
     wall = time.perf_counter() - t0
     done.set()
     sampler.join()
     tail = err.strip().splitlines()[-1] if err.strip() else ""
-    return wall, peak, proc.returncode, tail, _children_cpu() - cpu0
+    return wall, peak, proc.returncode, tail, _children_cpu() - cpu0, peak_rss, out
 
 
-def generate(gen: Path, out: Path, ranks: int, steps: int) -> dict[str, object]:
+def generate(gen: Path, out: Path, ranks: int, steps: int) -> dict[str, Any]:
     truth = out / "ground_truth.json.txt"
     if not truth.exists():
         out.mkdir(parents=True, exist_ok=True)
@@ -128,7 +147,7 @@ def main() -> None:
         # Run outside the checkout so that PYTHONPATH, not the current directory, picks the package.
         report = measure([sys.executable, "-m", "megascope", "report", str(run.resolve()), "--json"], env=env,
                          cwd=args.work)
-        hta = (float("nan"), 0, -1, "skipped", float("nan"))
+        hta: tuple[float, int, int, str, float, int, str] = (float("nan"), 0, -1, "skipped", float("nan"), 0, "")
         if args.hta_python:
             hta = measure([args.hta_python, "-c", HTA_SCRIPT, str(src)])
         rows.append((size, truth, ingest, report, hta))
@@ -138,21 +157,35 @@ def main() -> None:
               f"hta rc={hta[2]} {hta[3]}", file=sys.stderr)
 
     gb = 1 << 30
-    print("| ranks x steps | events | JSON | megascope ingest + report: wall / CPU | peak mem | "
-          "HTA load + temporal: wall / CPU | HTA peak mem | CPU ratio | wall ratio | memory ratio |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"load average (1, 5, 15 min) at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print("| ranks x steps | events | JSON | megascope ingest + report: wall / CPU | peak mem PSS (RSS) | "
+          "straggler named (planted) | HTA load + temporal: wall / CPU | HTA peak mem PSS (RSS) | CPU ratio | "
+          "wall ratio | memory ratio (PSS) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for size, truth, ingest, report, hta in rows:
         wall = ingest[0] + report[0]
         cpu = ingest[4] + report[4]
         peak = max(ingest[1], report[1])
+        peak_rss = max(ingest[5], report[5])
         ok = "" if ingest[2] == 0 and report[2] == 0 else " (failed)"
         good = hta[2] == 0
         nan = float("nan")
         print(f"| {size} | {truth['total_events'] / 1e6:.2f}M | {int(truth['total_bytes_on_disk']) / 1e9:.2f} GB | "
-              f"{ingest[0]:.1f} + {report[0]:.1f} = {wall:.1f} s / {cpu:.1f} s{ok} | {peak / gb:.2f} GB | "
-              f"{hta[0]:.1f} s / {hta[4]:.1f} s | {hta[1] / gb:.2f} GB | "
+              f"{ingest[0]:.1f} + {report[0]:.1f} = {wall:.1f} s / {cpu:.1f} s{ok} | {peak / gb:.2f} ({peak_rss / gb:.2f}) GB | "
+              f"{_named(report[6])} ({truth.get('straggler_rank')}) | "
+              f"{hta[0]:.1f} s / {hta[4]:.1f} s | {hta[1] / gb:.2f} ({hta[5] / gb:.2f}) GB | "
               f"{(hta[4] / cpu if good and cpu else nan):.1f}x | {(hta[0] / wall if good else nan):.1f}x | "
               f"{(hta[1] / peak if good and peak else nan):.1f}x |")
+
+
+def _named(report_stdout: str) -> str:
+    """The worst straggler's rank in ``megascope report --json`` output ("-" if none)."""
+    try:
+        stragglers = json.loads(report_stdout.strip().splitlines()[-1]).get("stragglers") or []
+    except (ValueError, IndexError, AttributeError):
+        return "?"
+    return str(stragglers[0].get("rank")) if stragglers else "-"
+
 
 if __name__ == "__main__":
     main()
