@@ -32,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 import time
@@ -74,6 +75,15 @@ SYNTH_DEVICE = "NVIDIA H100 80GB HBM3 (synthetic)"
 SYNTH_PEAK_FLOPS = 989e12
 
 
+# Bounds that keep every simulated time inside int64 nanoseconds and every array in memory.
+MAX_RANKS = 1 << 20
+MAX_STEPS = 1_000_000
+MAX_MICRO_BATCHES = 4096
+MAX_CELLS = 1 << 24
+MAX_FACTOR = 1000.0
+MAX_PAUSE_MS = 3_600_000.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class SynthConfig:
     """What to simulate. Times are medians in milliseconds; noise is lognormal."""
@@ -106,6 +116,26 @@ class SynthConfig:
     def __post_init__(self) -> None:
         if self.ranks < 1 or self.steps < 1:
             raise ConfigError(f"ranks and steps must be >= 1 (got ranks={self.ranks}, steps={self.steps})")
+        if self.ranks > MAX_RANKS:
+            raise ConfigError(f"--ranks {self.ranks}: at most {MAX_RANKS:,} ranks")
+        if self.steps > MAX_STEPS:
+            raise ConfigError(f"--steps {self.steps}: at most {MAX_STEPS:,} steps")
+        if self.micro_batches is not None and self.micro_batches > MAX_MICRO_BATCHES:
+            raise ConfigError(f"--micro-batches {self.micro_batches}: at most {MAX_MICRO_BATCHES:,}")
+        if self.ranks * self.m > MAX_CELLS:
+            raise ConfigError(f"--ranks {self.ranks} x --micro-batches {self.m}: more than "
+                              f"{MAX_CELLS:,} (rank, micro-batch) pairs per step would not fit in memory")
+        if not (math.isfinite(self.clock_skew_ms) and 0 <= self.clock_skew_ms <= MAX_PAUSE_MS):
+            raise ConfigError(f"--clock-skew-ms {self.clock_skew_ms}: must be between 0 and {MAX_PAUSE_MS:g}")
+        for f in self.faults.faults:
+            # NaN passes "> 1" checks by failing every comparison, and a huge value overflows the
+            # nanosecond clock: either would plant nothing, or garbage, without a word.
+            if f.factor is not None and not (math.isfinite(f.factor) and 1 < f.factor <= MAX_FACTOR):
+                raise ConfigError(f"--inject {f.kind}:rank={f.rank},factor={f.factor}: factor must be a number "
+                                  f"above 1 and at most {MAX_FACTOR:g}")
+            if f.ms is not None and not (math.isfinite(f.ms) and 0 < f.ms <= MAX_PAUSE_MS):
+                raise ConfigError(f"--inject {f.kind}:rank={f.rank},ms={f.ms}: ms must be a number above 0 and at "
+                                  f"most {MAX_PAUSE_MS:g} (an hour)")
         if self.ranks % (self.tp * self.pp):
             raise ConfigError(f"--ranks {self.ranks} is not divisible by tp*pp = {self.tp}*{self.pp} = {self.tp * self.pp}")
         if self.micro_batches is not None and self.micro_batches < 1:

@@ -63,8 +63,10 @@ def kineto(src: Path, out: Path, mesh_spec: str | None, workers: int | None, as_
     shown = 0
 
     def progress(done: int, total: int) -> None:
-        # The bar appears once work is under way, so input errors stay one line.
+        # The bar appears once work is under way, and only on a terminal, so errors stay one line.
         nonlocal bar, shown
+        if not sys.stderr.isatty():
+            return
         if bar is None:
             bar = click.progressbar(length=total, label="reading traces", file=sys.stderr)
             bar.__enter__()

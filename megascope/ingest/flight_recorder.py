@@ -29,6 +29,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 import pickle
 import re
 import time
@@ -37,6 +38,8 @@ from dataclasses import dataclass
 from math import prod
 from pathlib import Path
 from typing import Any
+
+import pyarrow as pa
 
 from megascope import layout
 from megascope.errors import IngestError
@@ -138,7 +141,11 @@ class _Dump:
     @property
     def pgs(self) -> list[ProcessGroup]:
         out = []
-        for key, cfg in (self.data.get("pg_config") or {}).items():
+        config = self.data.get("pg_config") or {}
+        if not isinstance(config, dict):
+            raise IngestError(f"{self.path}: pg_config is a {type(config).__name__}, not an object of process "
+                              "groups; not a flight-recorder dump")
+        for key, cfg in config.items():
             if not isinstance(cfg, dict):
                 continue
             try:
@@ -192,7 +199,33 @@ def _group_for(entry: dict[str, Any], pg_by_name: dict[str, ProcessGroup], plan:
     return f"pg{name}", pg.ranks if pg is not None else ()
 
 
-def _nbytes(entry: dict[str, Any]) -> int | None:
+INT64_MAX = 2**63 - 1
+
+
+def _corrupt(path: Path, entry: dict[str, Any], field: str, value: object) -> IngestError:
+    shown = repr(value)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    return IngestError(f"{path}: entry {entry.get('record_id')!r}: {field} = {shown} is out of range; the dump is corrupt")
+
+
+def _field_int(entry: dict[str, Any], field: str, path: Path) -> int | None:
+    """An integer field that must fit the schema's int64 and not be negative; None when absent."""
+    value = _int(entry.get(field))
+    if value is not None and not 0 <= value <= INT64_MAX:
+        raise _corrupt(path, entry, field, value)
+    return value
+
+
+def _duration_ns(entry: dict[str, Any], path: Path) -> int | None:
+    value = entry.get("duration_ms")
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    if not math.isfinite(value) or value < 0 or value * 1e6 > INT64_MAX:
+        raise _corrupt(path, entry, "duration_ms", value)
+    return int(value * 1e6)
+
+
+def _nbytes(entry: dict[str, Any], path: Path) -> int | None:
     sizes, dtypes = entry.get("input_sizes"), entry.get("input_dtypes")
     if not isinstance(sizes, list) or not sizes or not isinstance(dtypes, list) or not dtypes:
         return None
@@ -201,9 +234,11 @@ def _nbytes(entry: dict[str, Any]) -> int | None:
         return None
     n = 1
     for d in sizes[0]:
-        if not isinstance(d, int):
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
             return None
         n *= d
+    if n * size > INT64_MAX:
+        raise _corrupt(path, entry, "input_sizes", sizes[0])
     return n * size
 
 
@@ -222,7 +257,7 @@ def dump_rows(dump: _Dump, plan: GroupPlan) -> tuple[list[dict[str, Any]], list[
     per_pair: Counter[tuple[int, int]] = Counter()
     entries = sorted((e for e in dump.data["entries"] if isinstance(e, dict)), key=lambda e: e.get("record_id", 0))
     for e in entries:
-        created = _int(e.get("time_created_ns"))
+        created = _field_int(e, "time_created_ns", dump.path)
         if created is None:
             stats["entries without time_created_ns (skipped)"] += 1
             continue
@@ -243,16 +278,16 @@ def dump_rows(dump: _Dump, plan: GroupPlan) -> tuple[list[dict[str, Any]], list[
             per_pair[pair] += 1
             seq: int = per_pair[pair]
         else:
-            coll_seq = _int(e.get("collective_seq_id"))
+            coll_seq = _field_int(e, "collective_seq_id", dump.path)
             if coll_seq is None:
                 stats["entries without collective_seq_id (skipped)"] += 1
                 continue
             seq = coll_seq
-        nbytes = _nbytes(e)
+        nbytes = _nbytes(e, dump.path)
         common = dict(rank=rank, group=group, seq=seq, op=op, step=None, bytes=nbytes, peer=peer)
         markers.append(dict(state=MarkerState.ENQUEUED, time_ns=created, **common))
-        started = _int(e.get("time_discovered_started_ns"))
-        completed = _int(e.get("time_discovered_completed_ns"))
+        started = _field_int(e, "time_discovered_started_ns", dump.path)
+        completed = _field_int(e, "time_discovered_completed_ns", dump.path)
         if started is not None:
             markers.append(dict(state=MarkerState.STARTED, time_ns=started, **common))
         pg_key = str(e.get("pg_id", ""))
@@ -264,9 +299,8 @@ def dump_rows(dump: _Dump, plan: GroupPlan) -> tuple[list[dict[str, Any]], list[
             # No completion time (gloo, or timing off): the enqueue time is the only lower bound.
             markers.append(dict(state=MarkerState.COMPLETED, time_ns=created, **common))
             stats["completions without a time (stamped at enqueue)"] += 1
-        duration_ms = e.get("duration_ms")
-        if isinstance(duration_ms, int | float) and duration_ms >= 0:
-            dur_ns = int(duration_ms * 1e6)
+        dur_ns = _duration_ns(e, dump.path)
+        if dur_ns is not None:
             end = completed if completed is not None else started
             if end is not None:
                 # The watchdog discovers completion late; the kernel cannot have started before the enqueue.
@@ -308,9 +342,14 @@ def ingest_flight_recorder(
     with StagedRun(out) as stage:
         infos = {}
         for d in dumps:
-            markers, spans, stats = dump_rows(d, plan)
-            n_markers += write_rows(stage.path, "markers", markers, d.rank)
-            n_spans += write_rows(stage.path, "spans", spans, d.rank)
+            try:
+                markers, spans, stats = dump_rows(d, plan)
+                n_markers += write_rows(stage.path, "markers", markers, d.rank)
+                n_spans += write_rows(stage.path, "spans", spans, d.rank)
+            except (TypeError, AttributeError, ValueError, OverflowError, pa.ArrowException) as exc:
+                # A field of an unexpected type or size that the checks above did not name.
+                reason = " ".join(str(exc).split())[:200]
+                raise IngestError(f"{d.path}: not a flight-recorder dump of the expected shape ({reason})") from None
             timed = timed or bool(spans)
             approx += stats.get("completions without a time (stamped at enqueue)", 0)
             for what, count in stats.items():
