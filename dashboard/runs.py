@@ -63,6 +63,17 @@ def _stat_mtime(path: Path) -> int | None:
         return None
 
 
+def _forget_outgrown_problems(run: Run) -> None:
+    """Drop what a live run has outgrown since it was opened: "no data written yet" once parts
+    exist, "ranks wrote no spans or markers" once every rank has (a starting job's ranks write
+    their first parts seconds apart)."""
+    written = {f.parent.name for table in ("spans", "markers") for f in run.files.get(table, [])}
+    everyone = all(layout.rank_dir_name(r) in written for r in range(run.meta.world_size))
+    run.problems[:] = [p for p in run.problems
+                       if not (p.endswith("no data written yet") and written)
+                       and not ("ranks wrote no spans or markers" in p and everyone)]
+
+
 @dataclass(frozen=True)
 class _Failed:
     error: Exception
@@ -142,6 +153,7 @@ class ServedRun:
             else:
                 for problem in self.run.refresh():
                     log.warning("%s", problem)
+                _forget_outgrown_problems(self.run)
             self.generation += 1
             self.last_change_s = time.monotonic()
             self._cache = {k: v for k, v in self._cache.items() if v[0] == self.generation}
