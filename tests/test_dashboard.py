@@ -331,7 +331,11 @@ def test_a_live_run_turns_hung_after_the_collective_timeout_without_new_data(run
     first = client.get("/metrics").get_data(as_text=True)
     assert _metric(first, "megascope_hung", "live") == 0
     generation = served.generation
-    time.sleep(2.5)
+    # The replay shifted the run's first span to "now", so its last progress lies a little ahead:
+    # wait until the collective timeout has passed since then.
+    facts = dash_data.run_facts(served)
+    last = max(t for t in (facts["last_progress_ns"], facts["last_data_ns"]) if t is not None)
+    time.sleep(max(0.0, last / 1e9 + 2.0 + 0.5 - time.time()))
     later = client.get("/metrics").get_data(as_text=True)
     assert served.generation == generation, "no new data arrived"
     assert _metric(later, "megascope_hung", "live") == 1
