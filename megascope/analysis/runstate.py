@@ -20,9 +20,9 @@ The rule, in order:
    stopped (exited, was killed, crashed between calls) before its last step.
 
 ``hang_after_s`` is the job's collective timeout (``config.collective_timeout_s`` in
-``run.json``) when known: the time after which the job itself gives up on a call. Otherwise a few
-flush intervals and step times. ``stall_after_s`` defaults to three flush intervals or two
-median steps, whichever is longer.
+``run.json``) when known: the time after which the job itself gives up on a call. Otherwise ten
+flush intervals or four median steps, at least 20 s. ``stall_after_s`` defaults to three flush
+intervals or two median steps, at least 10 s (never more than ``hang_after_s``).
 
 Progress time is read from the data (host wall clocks), so a run written long ago is judged by
 when it stopped, not by when its files were copied. This assumes the job's hosts and the reader
@@ -59,12 +59,17 @@ STATES = ("running", "stalled", "hung", "finished", "failed")
 
 # The collector's default flush interval: a live rank's data is at most this old on disk.
 DEFAULT_FLUSH_S = 1.0
-# Stalled after this many flush intervals (or STALL_STEPS median steps) without progress.
+# Stalled after this many flush intervals (or STALL_STEPS median steps, at least STALL_MIN_S)
+# without progress. A healthy job's writes come a flush apart, but its last steps can reach the
+# disk together at exit, seconds after the step before: a shorter threshold flickers.
 STALL_FLUSHES = 3.0
 STALL_STEPS = 2.0
-# Without a collective timeout in run.json: hung after this many flush intervals or median steps.
+STALL_MIN_S = 10.0
+# Without a collective timeout in run.json: hung after this many flush intervals or median steps
+# (at least HANG_MIN_S).
 HANG_FLUSHES = 10.0
 HANG_STEPS = 4.0
+HANG_MIN_S = 20.0
 # Newest marker parts read per rank for the last progress (a stuck rank's newest part may hold
 # only the call it entered; the one before holds its last completion).
 NEWEST_PARTS = 2
@@ -188,12 +193,13 @@ def thresholds(median_step_s: float | None, *, collective_timeout_s: float | Non
         source = "as asked"
     elif collective_timeout_s is not None:
         hang_after_s, source = collective_timeout_s, "the collective timeout"
-    elif HANG_FLUSHES * flush_s >= HANG_STEPS * step_s:
-        hang_after_s, source = HANG_FLUSHES * flush_s, f"{HANG_FLUSHES:.0f} flush intervals"
-    else:
+    elif HANG_STEPS * step_s > max(HANG_FLUSHES * flush_s, HANG_MIN_S):
         hang_after_s, source = HANG_STEPS * step_s, f"{HANG_STEPS:.0f} median steps"
+    else:
+        hang_after_s = max(HANG_FLUSHES * flush_s, HANG_MIN_S)
+        source = f"{HANG_FLUSHES:.0f} flush intervals" if HANG_FLUSHES * flush_s >= HANG_MIN_S else "no collective timeout known"
     if stall_after_s is None:
-        stall_after_s = max(STALL_FLUSHES * flush_s, STALL_STEPS * step_s)
+        stall_after_s = max(STALL_FLUSHES * flush_s, STALL_STEPS * step_s, STALL_MIN_S)
     return float(min(stall_after_s, hang_after_s)), float(hang_after_s), source
 
 
@@ -253,7 +259,9 @@ def run_state(run: Run, *, now_ns: int | None = None, stall_after_s: float | Non
 
     * ``now_ns``: the reader's wall clock (``time.time_ns()`` when None); tests pass a fixed one.
     * ``stall_after_s`` / ``hang_after_s``: override the thresholds (``hang_after_s`` defaults to
-      ``run.json``'s ``config.collective_timeout_s``, else ten flush intervals or four median steps).
+      ``run.json``'s ``config.collective_timeout_s``, else ten flush intervals or four median
+      steps, at least 20 s; ``stall_after_s`` to three flush intervals or two median steps, at
+      least 10 s).
     * ``hang``: a :func:`megascope.analysis.localize` result already computed; its ``waiting``
       list says which ranks are inside a call and its first suspect becomes the ``culprit``.
       Without it the markers are scanned here for calls in flight and ``culprit`` stays None.
