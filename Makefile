@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test lint typecheck test-fast test-gpu bench clean system-deps
+.PHONY: demo test lint typecheck test-fast test-fuzz test-install test-gpu bench clean system-deps
 
 $(STAMP): pyproject.toml
 	@$(MAKE) --no-print-directory system-deps
@@ -39,6 +39,22 @@ test: $(STAMP) lint typecheck
 
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -m 'not dist and not browser'
+
+# The wheel as users get it, in a clean virtual environment: core dependencies only (torch pinned
+# first, so that pip does not pull a CUDA build), `megascope --help` and a collector smoke test;
+# then `[all]`: synth, report, export, heat-map and the dashboard from the installed package.
+DIST := build/dist
+INSTALL_VENV := build/venv-install
+test-install: $(STAMP)
+	rm -rf $(DIST) $(INSTALL_VENV)
+	$(PY) -m pip wheel --quiet --no-deps --no-build-isolation -w $(DIST) .
+	python3 -m venv $(INSTALL_VENV)
+	$(INSTALL_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(INSTALL_VENV)/bin/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(INSTALL_VENV)/bin/python -m pip install --quiet $(DIST)/megascope-*.whl
+	$(INSTALL_VENV)/bin/python tests/install_smoke.py core
+	$(INSTALL_VENV)/bin/python -m pip install --quiet "$$(ls $(DIST)/megascope-*.whl)[all]"
+	$(INSTALL_VENV)/bin/python tests/install_smoke.py all
 
 # On a GPU machine (torch with CUDA already installed there).
 test-gpu:

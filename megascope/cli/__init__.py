@@ -21,6 +21,15 @@ from megascope.errors import MegascopeError
 
 log = logging.getLogger(__name__)
 
+# What a command may import beyond the core install (torch, pyarrow, click), and the extra that has it.
+EXTRA_OF_MODULE = {
+    "duckdb": "analysis", "pandas": "analysis", "numpy": "analysis",
+    "perfetto": "perfetto",
+    "dash": "dashboard", "plotly": "dashboard", "flask": "dashboard", "werkzeug": "dashboard",
+    "prometheus_client": "dashboard",
+    "pynvml": "health",
+}
+
 class MegascopeGroup(click.Group):
     """A click group that turns library errors into one-line messages, never tracebacks."""
 
@@ -60,6 +69,14 @@ class MegascopeGroup(click.Group):
             raise click.ClickException(one_line(f"{where}{exc.strerror or exc}")) from None
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort, SystemExit):
             raise
+        except ModuleNotFoundError as exc:
+            top = (exc.name or "").split(".")[0]
+            extra = EXTRA_OF_MODULE.get(top)
+            if extra is None:
+                raise click.ClickException(one_line(f"internal error: {exc} (a bug in megascope)")) from None
+            command = " ".join(filter(None, [ctx.command_path, ctx.invoked_subcommand]))
+            raise click.ClickException(
+                f"'{command}' needs {top}, which is not installed: pip install 'megascope[{extra}]'") from None
         except Exception as exc:
             # A bug, but the user still gets one line; -vv logs the traceback for the report.
             log.debug("unexpected error", exc_info=True)
