@@ -344,6 +344,38 @@ def test_a_live_run_turns_hung_after_the_collective_timeout_without_new_data(run
     assert dash_data.rank_states(served).set_index("rank")["state"][6] == "hung"
 
 
+def test_straggler_page_speaks_in_percent_and_relative_gains() -> None:
+    import pandas as pd
+    from megascope.dashboard.pages.stragglers import shown_frame, whatif_cards
+
+    def text(component: object) -> str:
+        found: list[str] = []
+
+        def walk(node: object) -> None:
+            if isinstance(node, str):
+                found.append(node)
+            elif isinstance(node, list | tuple):
+                for child in node:
+                    walk(child)
+            elif getattr(node, "children", None) is not None:
+                walk(node.children)  # type: ignore[attr-defined]
+
+        walk(component)
+        return " ".join(found)
+
+    frame = shown_frame(pd.DataFrame({"rank": [5], "slowdown": [5.6229], "steps_slow_frac": [0.6269],
+                                      "last_arrival_frac": [0.957]}))
+    assert frame.iloc[0].tolist() == [5, "x5.62", "63%", "96%"]
+    gross = " ".join(text(c) for c in whatif_cards(
+        {"step_time_ns": 569e6, "whatif_step_time_ns": 455e6, "speedup": 569 / 455, "mfu": 0.0016,
+         "whatif_mfu": 0.0016 * 569 / 455, "ranks": [5]}, n_stragglers=1))
+    assert "569.0 -> 455.0 ms" in gross and "+25.05% faster" in gross and "+25.1%" in gross and "pts" in gross
+    slack = " ".join(text(c) for c in whatif_cards(
+        {"step_time_ns": 642.4e6, "whatif_step_time_ns": 642.1e6, "speedup": 1.0005, "mfu": 0.2788,
+         "whatif_mfu": 0.2788 * 1.0005, "ranks": [77]}, n_stragglers=1))
+    assert "+0.05% faster" in slack and "slack" in slack
+
+
 # ------------------------------------------------------------------------------------ replay, CLI
 
 
