@@ -41,8 +41,9 @@ MAX_STACK_BYTES = 4 << 20
 
 
 def read_stacks(run_path: Path, rank: int) -> dict[str, Any] | None:
-    """The stall dump of ``rank``: step, when the watch was armed, and the training thread's
-    frames innermost first (``file``, ``line``, ``function``); None when the rank has none."""
+    """The stall dump of ``rank``: step, when the watch was armed, and the frames innermost first
+    (``file``, ``line``, ``function``) of the training thread, or of the autograd thread that runs
+    the backward the training thread waits for (``thread`` says which); None when it has none."""
     path = run_path / STACKS_DIR / f"rank={rank:05d}.txt"
     try:
         if path.stat().st_size > MAX_STACK_BYTES:
@@ -67,13 +68,33 @@ def read_stacks(run_path: Path, rank: int) -> dict[str, Any] | None:
     frames = threads.get(ident)
     if frames is None:  # the header's thread not found: the longest stack is the likeliest
         frames = max(threads.values(), key=len)
+    thread = "training"
+    if frames and _waits_on_autograd(frames[0]):
+        # The training thread waits for backward: the work (and a hook that stopped) is on an
+        # autograd thread, the one busy stack that is not a sleeping helper thread.
+        busy = [f for i, f in threads.items() if i != ident and f and not _idle(f[0])]
+        if busy:
+            frames, thread = max(busy, key=len), "autograd"
     return {
+        "thread": thread,
         "step": _int(header.get("step")),
         "armed_ns": _int(header.get("armed_ns")),
         "after_s": _float(header.get("after_s")),
         "threads": len(threads),
         "frames": frames,
     }
+
+
+_IDLE_FILES = ("threading.py", "queue.py", "selectors.py", "socket.py")
+
+
+def _idle(frame: dict[str, Any]) -> bool:
+    """A helper thread parked in a wait (the collector's writer, a data loader, a sampler)."""
+    return str(frame["file"]).endswith(_IDLE_FILES) or frame["function"] == "<no Python frame>"
+
+
+def _waits_on_autograd(frame: dict[str, Any]) -> bool:
+    return str(frame["function"]) == "_engine_run_backward" or str(frame["file"]).endswith("autograd/graph.py")
 
 
 def _int(value: str | None) -> int | None:

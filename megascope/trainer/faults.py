@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -88,7 +89,12 @@ class FaultPlan:
 
 
 def freeze() -> None:
-    """Never return, holding the interpreter lock: ``PyDLL`` keeps it across the C call."""
+    """Never return, holding the interpreter lock: ``PyDLL`` keeps it across the C call.
+
+    Signals are blocked on this thread first: a signal would cut ``sleep`` short and run Python
+    handlers (the collector's SIGTERM flush), which a rank stuck in a driver call never does.
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     libc = ctypes.PyDLL(None)
     libc.sleep.argtypes = [ctypes.c_uint]
     while True:
