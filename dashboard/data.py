@@ -166,7 +166,9 @@ def hang(served: ServedRun) -> dict[str, Any]:
     """``{hung, suspects, ...}`` (analysis.localize) when the run state is hung; else no hang at all."""
     if served.run is None or not run_state(served)["hung"]:
         return dict(_NO_HANG)
-    return localized(served)
+    # The run state decides, now: localize's own "hung" was judged when its result was cached
+    # (at the last new data), and a run turns hung later without new data.
+    return {**localized(served), "hung": True}
 
 
 def whatif(served: ServedRun) -> dict[str, Any]:
