@@ -145,7 +145,8 @@ def _in_flight(con: duckdb.DuckDBPyConnection) -> int:
     row = _sql.first(con.execute(
         """
         SELECT count(*) FROM (
-            SELECT rank, "group", peer, op IN ('send', 'recv') AS p2p,
+            -- A p2p pair counts its sequence per direction: sends and receives apart.
+            SELECT rank, "group", peer, CASE WHEN op IN ('send', 'recv') THEN op END AS direction,
                    max(seq) FILTER (WHERE state = 'enqueued') AS entered,
                    max(seq) FILTER (WHERE state = 'completed') AS done
             FROM markers GROUP BY ALL
@@ -166,12 +167,11 @@ def _step_facts(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
                (SELECT min(coalesce(d.last, -1)) FROM ranks_all a LEFT JOIN done d USING (rank)),
                (SELECT count(*) FROM done WHERE last = (SELECT max(last) FROM done)),
                (SELECT median(step_ns) FROM ms_cache.rank_step WHERE step_ns IS NOT NULL),
-               (SELECT max(start_ns + extent_ns) FROM ms_cache.rank_step),
-               (SELECT max(step) FROM ms_cache.rank_step)
+               (SELECT max(start_ns + extent_ns) FROM ms_cache.rank_step)
         """
     ))
     assert row is not None
-    ranks, last, slowest, at_last, median_step, span_end, reached = row
+    ranks, last, slowest, at_last, median_step, span_end = row
     return {
         "ranks": int(ranks or 0),
         "last_step": None if last is None else int(last),
@@ -179,7 +179,6 @@ def _step_facts(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
         "ranks_at_last_step": int(at_last or 0),
         "median_step_s": float(median_step) / 1e9 if median_step is not None else None,
         "last_span_end_ns": None if span_end is None else int(span_end),
-        "reached_step": None if reached is None else int(reached),
     }
 
 
