@@ -40,6 +40,9 @@ from megascope.errors import OutputError
 from megascope.schema import TABLES, RunMeta
 
 RUN_JSON = "run.json"
+# Parquet key-value metadata naming the run a part belongs to (``run.json``'s ``run_id``), so that
+# parts copied in from another run are recognised and skipped instead of read as this run's data.
+RUN_ID_KEY = b"megascope.run_id"
 
 # Tables with one file per rank (written once, rewritten whole) versus many parts per rank.
 SINGLE_FILE_TABLES = frozenset({"ranks", "groups"})
@@ -223,19 +226,29 @@ def write_part(
     *,
     rank: int | None = None,
     host: str | None = None,
+    run_id: str | None = None,
 ) -> Path:
     """Write ``data`` as one new part of ``table`` (or the whole file of a single-file table).
 
     ``data`` is cast to the table's schema, so a writer that built it column by column gets the
-    same types as every other writer.
+    same types as every other writer. ``run_id`` (``run.json``'s) is stamped into the part's
+    metadata; every writer that knows it should pass it (a part without one is read as this run's).
     """
     schema = TABLES[table]
     if data.schema != schema:
         data = data.select(schema.names).cast(schema)
+    if run_id is not None:
+        data = data.replace_schema_metadata({**(data.schema.metadata or {}), RUN_ID_KEY: run_id.encode()})
     where = table_path(Path(run_dir), table, rank=rank, host=host)
     path = where if table in SINGLE_FILE_TABLES else where / part_name()
     write_table_atomic(path, data)
     return path
+
+
+def part_run_id(path: Path | str) -> str | None:
+    """The run id stamped into a part, or None (a part written without one)."""
+    raw = (pq.read_metadata(path).metadata or {}).get(RUN_ID_KEY)
+    return raw.decode(errors="replace") if raw is not None else None
 
 
 def write_run_meta(run_dir: Path | str, meta: RunMeta) -> Path:

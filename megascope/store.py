@@ -115,15 +115,22 @@ def read_meta(path: Path) -> RunMeta:
         raise RunDirError(f"{meta_path}: invalid run metadata ({exc})") from None
 
 
-def _check_part(path: Path, table: str) -> str | None:
-    """Why ``path`` cannot be read as a part of ``table``, or None if it can."""
+def _foreign(path: Path, part_run_id: str, run_id: str) -> str:
+    return f"{path}: a part of another run ({part_run_id!r}, not {run_id!r}); skipped"
+
+
+def _check_part(path: Path, table: str, run_id: str) -> str | None:
+    """Why ``path`` cannot be read as a part of ``table`` of run ``run_id``, or None if it can."""
     try:
         schema = pq.read_schema(path)
+        part_run_id = layout.part_run_id(path)
     except (OSError, pa.ArrowInvalid) as exc:
         return f"{path}: not a readable Parquet file ({str(exc).splitlines()[0]}); skipped"
     missing = _required_columns(table) - set(schema.names)
     if missing:
         return f"{path}: not a megascope {table} part (missing columns {', '.join(sorted(missing))}); skipped"
+    if part_run_id is not None and part_run_id != run_id:
+        return _foreign(path, part_run_id, run_id)
     return None
 
 
@@ -142,25 +149,34 @@ def _scan(run: Run, table: str) -> _Parts:
     if not files:
         return _Parts([], True, True)
     required = _required_columns(table)
+    glob = str(run.path / layout.table_glob(table))
     try:
+        # Parts stamped with another run's id (copied in from elsewhere) are not this run's data.
+        stamped = dict(run.con.execute(
+            "SELECT file_name, decode(value) FROM parquet_kv_metadata(?) WHERE decode(key) = ?",
+            [glob, layout.RUN_ID_KEY.decode()],
+        ).fetchall())
+        foreign = {Path(name) for name, part_run_id in stamped.items() if part_run_id != run.meta.run_id}
+        if not foreign and len(stamped) >= len(files):
+            # Every part is this run's, written through layout.write_part: its columns are the schema's.
+            return _Parts(files, True, True)
         # The glob, not a list of every path: one statement stays small at 100k+ files.
         rows = run.con.execute(
-            "SELECT file_name, list(name ORDER BY name) FROM parquet_schema(?) GROUP BY file_name",
-            [str(run.path / layout.table_glob(table))],
+            "SELECT file_name, list(name ORDER BY name) FROM parquet_schema(?) GROUP BY file_name", [glob],
         ).fetchall()
-        bad = {Path(name) for name, cols in rows if not required <= set(cols)}
+        bad = foreign | {Path(name) for name, cols in rows if not required <= set(cols)}
         if not bad and len(rows) >= len(files):
             return _Parts(files, True, len({tuple(cols) for _, cols in rows}) == 1)
     except duckdb.Error:
         pass
     good = []
     for f in files:
-        problem = _check_part(f, table)
+        problem = _check_part(f, table, run.meta.run_id)
         if problem is None:
             good.append(f)
         elif problem not in run.problems:
             run.problems.append(problem)
-            log.warning(problem)
+            log.info(problem)  # reported through Run.problems (the CLI prints each once)
     return _Parts(good, len(good) == len(files), False)
 
 
@@ -237,7 +253,7 @@ def _missing_ranks(run: Run) -> None:
         shown = ", ".join(map(str, missing[:20])) + (" ..." if len(missing) > 20 else "")
         problem = f"{run.path}: {len(missing)} of {world} ranks wrote no spans or markers: {shown}"
         run.problems.append(problem)
-        log.warning(problem)
+        log.info(problem)  # reported through Run.problems (the CLI prints each once)
 
 
 def open_run(path: Path | str, *, threads: int | None = None, memory_limit: str | None = None) -> Run:
@@ -267,6 +283,6 @@ def open_run(path: Path | str, *, threads: int | None = None, memory_limit: str 
     if not any(run.files.values()):
         problem = f"{path}: run.json present but no data written yet"
         run.problems.append(problem)
-        log.warning(problem)
+        log.info(problem)  # reported through Run.problems (the CLI prints each once)
     _missing_ranks(run)
     return run

@@ -31,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -444,7 +445,7 @@ def _marker_table(c: dict[str, np.ndarray], group_names: list[str]) -> pa.Table:
     )
 
 
-def _write_by_rank(pool: ThreadPoolExecutor, out: Path, table_name: str, table: pa.Table) -> int:
+def _write_by_rank(pool: ThreadPoolExecutor, out: Path, table_name: str, table: pa.Table, run_id: str) -> int:
     """One part per rank: sort by rank once, then slice (zero-copy) and write in parallel."""
     if table.num_rows == 0:
         return 0
@@ -454,7 +455,7 @@ def _write_by_rank(pool: ThreadPoolExecutor, out: Path, table_name: str, table: 
     starts = np.concatenate([[0], bounds])
     ends = np.concatenate([bounds, [len(ranks)]])
     futures = [
-        pool.submit(layout.write_part, out, table_name, table.slice(a, b - a), rank=int(ranks[a]))
+        pool.submit(layout.write_part, out, table_name, table.slice(a, b - a), rank=int(ranks[a]), run_id=run_id)
         for a, b in zip(starts, ends, strict=True)
     ]
     for f in futures:
@@ -462,7 +463,7 @@ def _write_by_rank(pool: ThreadPoolExecutor, out: Path, table_name: str, table: 
     return len(futures)
 
 
-def _static_tables(sim: _Sim, out: Path, pool: ThreadPoolExecutor) -> int:
+def _static_tables(sim: _Sim, out: Path, pool: ThreadPoolExecutor, run_id: str) -> int:
     """ranks/ and groups/: one small file per rank."""
     cfg, mesh = sim.cfg, sim.mesh
     futures = []
@@ -471,11 +472,13 @@ def _static_tables(sim: _Sim, out: Path, pool: ThreadPoolExecutor) -> int:
         host = f"node{r // cfg.gpus_per_host:05d}"
         ranks_row = {"rank": r, "host": host, "local_rank": r % cfg.gpus_per_host, "pid": 10_000 + r,
                      "device": f"cuda:{r % cfg.gpus_per_host}", "device_name": SYNTH_DEVICE, **c, "started_at_ns": EPOCH_NS}
-        futures.append(pool.submit(layout.write_part, out, "ranks", pa.Table.from_pylist([ranks_row], schema=RANKS), rank=r))
+        futures.append(pool.submit(layout.write_part, out, "ranks", pa.Table.from_pylist([ranks_row], schema=RANKS), rank=r,
+                                   run_id=run_id))
         groups = [{"rank": r, "group": g.id, "kind": g.kind, "group_rank": g.index_of(r), "members": list(g.members)}
                   for g in mesh.rank_groups(r) if g.kind != GroupKind.WORLD]
         if groups:
-            futures.append(pool.submit(layout.write_part, out, "groups", pa.Table.from_pylist(groups, schema=GROUPS), rank=r))
+            futures.append(pool.submit(layout.write_part, out, "groups", pa.Table.from_pylist(groups, schema=GROUPS), rank=r,
+                                       run_id=run_id))
     for f in futures:
         f.result()
     return len(futures)
@@ -541,10 +544,13 @@ def synth_run(out: Path | str, cfg: SynthConfig, *, progress: Callable[[int, int
 
 def _simulate(cfg: SynthConfig, tmp: Path, stats: SynthStats, progress: Callable[[int, int], None] | None) -> SynthStats:
     """Simulate ``cfg`` into the staging directory ``tmp``."""
+    # The same arguments give the same id (and bytes); any other argument, a fault too, another id.
+    digest = hashlib.sha1(repr(cfg).encode()).hexdigest()[:10]
+    run_id = f"synth-{cfg.ranks}r-{cfg.steps}s-seed{cfg.seed}-{digest}"
     sim = _Sim(cfg)
     mrng = np.random.default_rng(cfg.seed + 1)
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        stats.files += _static_tables(sim, tmp, pool)
+        stats.files += _static_tables(sim, tmp, pool, run_id)
         clock = np.zeros(sim.shape)
         metric_tables = []
         for s in range(cfg.steps):
@@ -559,8 +565,8 @@ def _simulate(cfg: SynthConfig, tmp: Path, stats: SynthStats, progress: Callable
                 markers = _marker_table(sim.markers.take(), sim.group_names)
                 stats.spans += spans.num_rows
                 stats.markers += markers.num_rows
-                stats.files += _write_by_rank(pool, tmp, "spans", spans)
-                stats.files += _write_by_rank(pool, tmp, "markers", markers)
+                stats.files += _write_by_rank(pool, tmp, "spans", spans, run_id)
+                stats.files += _write_by_rank(pool, tmp, "markers", markers, run_id)
             if progress:
                 progress(s + 1, cfg.steps)
             if hung:
@@ -569,9 +575,9 @@ def _simulate(cfg: SynthConfig, tmp: Path, stats: SynthStats, progress: Callable
         if metric_tables:
             metrics = pa.concat_tables(metric_tables)
             stats.metrics = metrics.num_rows
-            stats.files += _write_by_rank(pool, tmp, "metrics", metrics)
+            stats.files += _write_by_rank(pool, tmp, "metrics", metrics, run_id)
     meta = RunMeta(
-        run_id=f"synth-{cfg.ranks}r-{cfg.steps}s-seed{cfg.seed}",
+        run_id=run_id,
         source=RunSource.SYNTH,
         world_size=cfg.ranks,
         mesh_axes=sim.mesh.axes,

@@ -344,8 +344,8 @@ def ingest_flight_recorder(
         for d in dumps:
             try:
                 markers, spans, stats = dump_rows(d, plan)
-                n_markers += write_rows(stage.path, "markers", markers, d.rank)
-                n_spans += write_rows(stage.path, "spans", spans, d.rank)
+                n_markers += write_rows(stage.path, "markers", markers, d.rank, stage.run_id)
+                n_spans += write_rows(stage.path, "spans", spans, d.rank, stage.run_id)
             except (TypeError, AttributeError, ValueError, OverflowError, pa.ArrowException) as exc:
                 # A field of an unexpected type or size that the checks above did not name.
                 reason = " ".join(str(exc).split())[:200]
@@ -362,10 +362,10 @@ def ingest_flight_recorder(
                 f"{len(missing)} of {world} ranks wrote no dump (suspects: a rank that dumped nothing may be the "
                 f"one that hung): {', '.join(map(str, missing[:20]))}"
             )
-        write_rank_tables(stage.path, plan, infos)
+        write_rank_tables(stage.path, plan, infos, stage.run_id)
         starts = [i.start_ns for i in infos.values() if i.start_ns is not None]
         meta = RunMeta(
-            run_id=out.name,
+            run_id=stage.run_id,
             source=RunSource.FLIGHT_RECORDER,
             world_size=world,
             mesh_sizes=plan.mesh_sizes,

@@ -256,7 +256,8 @@ def _pg_groups(header: _Header, plan: GroupPlan) -> dict[str, tuple[str, tuple[i
     return out
 
 
-def ingest_file(path: str, rank: int, stage: str, pg_groups: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, Any]:
+def ingest_file(path: str, rank: int, stage: str, pg_groups: dict[str, tuple[str, tuple[int, ...]]],
+                run_id: str | None = None) -> dict[str, Any]:
     """Parse one rank's trace and write its spans and markers into ``stage``. Runs in a worker."""
     t0 = time.perf_counter()
     # Parsing allocates millions of small objects and no reference cycles: the cyclic collector's
@@ -281,8 +282,8 @@ def ingest_file(path: str, rank: int, stage: str, pg_groups: dict[str, tuple[str
     if dropped:
         span_table = span_table.filter(pc.invert(negative))
     run_dir = Path(stage)
-    spans = write_rows(run_dir, "spans", span_table, rank)
-    markers = write_rows(run_dir, "markers", tables.markers, rank)
+    spans = write_rows(run_dir, "spans", span_table, rank, run_id)
+    markers = write_rows(run_dir, "markers", tables.markers, rank, run_id)
     ends = pc.add(span_table["start_ns"], span_table["dur_ns"])
     return {
         "negative_durations": dropped,
@@ -308,7 +309,7 @@ def _pool_context() -> Any:
 
 
 def _run_files(
-    jobs: list[tuple[str, int, str, dict[str, tuple[str, tuple[int, ...]]]]],
+    jobs: list[tuple[str, int, str, dict[str, tuple[str, tuple[int, ...]]], str]],
     workers: int,
     progress: Progress | None,
 ) -> list[dict[str, Any]]:
@@ -366,7 +367,7 @@ def ingest_kineto(
     n_workers = max(1, min(len(files), workers or os.cpu_count() or 1))
     log.info("ingesting %d Kineto traces of a %d-rank job with %d workers", len(files), world, n_workers)
     with StagedRun(out) as stage:
-        jobs = [(str(h.path), h.rank, str(stage.path), _pg_groups(h, plan)) for h in headers]
+        jobs = [(str(h.path), h.rank, str(stage.path), _pg_groups(h, plan), stage.run_id) for h in headers]
         results = _run_files(jobs, n_workers, progress)
         by_rank = {h.rank: h for h in headers}
         infos: dict[int, RankInfo] = {}
@@ -396,11 +397,11 @@ def ingest_kineto(
         step_sets = {tuple(r["steps"]) for r in results}
         if len(step_sets) > 1:
             warnings.append("ranks recorded different ProfilerStep numbers; collective sequence numbers may not line up")
-        write_rank_tables(stage.path, plan, infos)
+        write_rank_tables(stage.path, plan, infos, stage.run_id)
         device_names = {i.device_name for i in infos.values() if i.device_name}
         starts = [i.start_ns for i in infos.values() if i.start_ns is not None]
         meta = RunMeta(
-            run_id=out.name,
+            run_id=stage.run_id,
             source=RunSource.KINETO,
             world_size=world,
             mesh_sizes=plan.mesh_sizes,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,8 @@ class StagedRun:
     def __init__(self, out: Path) -> None:
         self.out = Path(out)
         check_out_dir(self.out)
+        # Unique, so that two imports into directories of the same name never pass for one run.
+        self.run_id = f"{self.out.name}-{uuid.uuid4().hex[:12]}"
         self.path = self.out.parent / f".{self.out.name}.ingest-{os.getpid()}.tmp"
         try:
             self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -97,7 +100,7 @@ class StagedRun:
             raise
 
 
-def write_rank_tables(run_dir: Path, plan: GroupPlan, infos: Mapping[int, RankInfo]) -> None:
+def write_rank_tables(run_dir: Path, plan: GroupPlan, infos: Mapping[int, RankInfo], run_id: str | None = None) -> None:
     """One ``ranks`` file and one ``groups`` file per rank of the job (silent ranks included)."""
     for rank in range(plan.world_size):
         info = infos.get(rank) or RankInfo(rank=rank)
@@ -114,18 +117,21 @@ def write_rank_tables(run_dir: Path, plan: GroupPlan, infos: Mapping[int, RankIn
             "tp": coords.get("tp"),
             "start_ns": info.start_ns,
         }
-        layout.write_part(run_dir, "ranks", pa.Table.from_pylist([row], schema=schema.RANKS), rank=rank)
+        layout.write_part(run_dir, "ranks", pa.Table.from_pylist([row], schema=schema.RANKS), rank=rank,
+                          run_id=run_id)
         groups = [
             {"rank": rank, "group": gid, "kind": kind, "group_rank": members.index(rank), "members": list(members)}
             for gid, kind, members in plan.rank_groups(rank)
         ]
         if groups:
-            layout.write_part(run_dir, "groups", pa.Table.from_pylist(groups, schema=schema.GROUPS), rank=rank)
+            layout.write_part(run_dir, "groups", pa.Table.from_pylist(groups, schema=schema.GROUPS), rank=rank,
+                              run_id=run_id)
 
 
-def write_rows(run_dir: Path, table: str, rows: Iterable[dict[str, object]] | pa.Table, rank: int) -> int:
+def write_rows(run_dir: Path, table: str, rows: Iterable[dict[str, object]] | pa.Table, rank: int,
+               run_id: str | None = None) -> int:
     """Write ``rows`` as one part of ``table`` for ``rank``; returns the row count (0 writes nothing)."""
     data = rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(list(rows), schema=schema.TABLES[table])
     if data.num_rows:
-        layout.write_part(run_dir, table, data, rank=rank)
+        layout.write_part(run_dir, table, data, rank=rank, run_id=run_id)
     return int(data.num_rows)
