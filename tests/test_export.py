@@ -362,3 +362,18 @@ def test_uncorrected_export_on_request_states_it(run_dir: Path, monkeypatch: pyt
     assert trace.metadata["megascope.clock_correction"].startswith("none (not requested")
     want = Counter((s["rank"], s["start_ns"]) for s in _spans(run_dir, "step = 1"))
     assert Counter((trace.rank_of(s["track"]), s["ts"] - trace.shift) for s in trace.slices) == want
+
+
+def test_time_shift_needs_no_scan_on_wall_clock_runs_and_lifts_relative_ones(run_dir: Path) -> None:
+    import dataclasses
+
+    from megascope.export.selection import _time_shift
+
+    run = open_run(run_dir)
+    offsets = np.zeros(16, dtype=np.int64)
+    offsets[3] = -5_000_000
+    assert _time_shift(run, offsets) == 0  # epoch start: no shift, whatever the offsets
+    first = dict(run.con.execute("SELECT rank, min(start_ns) FROM spans GROUP BY rank").fetchall())
+    offsets[3] = -first[3] - 7  # rank 3's first span would land 7 ns before zero
+    run.meta = dataclasses.replace(run.meta, start_ns=None)
+    assert _time_shift(run, offsets) == 7
