@@ -24,7 +24,7 @@ from megascope.dashboard import data, shell
 from megascope.dashboard.pages import health, heatmap, overview, stragglers, timeline, topology
 from megascope.dashboard.prom import install_metrics_route
 from megascope.dashboard.runs import RunRegistry
-from megascope.dashboard.security import check_bind, install_token_guard
+from megascope.dashboard.security import check_bind, install_guards
 from megascope.dashboard.trace import install_trace_route
 
 log = logging.getLogger(__name__)
@@ -67,8 +67,7 @@ def create_app(
     )
     app.server.extensions["megascope"] = registry
     app.server.config["MEGASCOPE_PERFETTO_UI"] = perfetto_ui
-    if token:
-        install_token_guard(app.server, token)
+    install_guards(app.server, host=host, token=token)
     install_metrics_route(app.server, registry)
     install_trace_route(app.server, registry)
     app.layout = shell.layout(registry)

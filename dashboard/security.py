@@ -42,8 +42,8 @@ def is_loopback(host: str) -> bool:
 
 def check_bind(host: str, token: str | None) -> None:
     """Refuse to serve beyond loopback without a token (and refuse a token too short to matter)."""
-    if token is not None and len(token) < 8:
-        raise ConfigError("--token must be at least 8 characters")
+    if token is not None and (len(token.strip()) < 8 or token != token.strip()):
+        raise ConfigError("--token must be at least 8 characters, not counting spaces, with no spaces at either end")
     if not is_loopback(host) and not token:
         raise ConfigError(f"--host {host} is not loopback: pass --token so that only people who have it can see the run")
 
@@ -58,8 +58,8 @@ def install_token_guard(server: flask.Flask, token: str) -> None:
     @server.before_request
     def _require_token() -> WerkzeugResponse | None:
         req = flask.request
-        auth = req.headers.get("Authorization", "")
-        bearer = auth[len("Bearer "):] if auth.startswith("Bearer ") else None
+        scheme, _, credentials = req.headers.get("Authorization", "").strip().partition(" ")
+        bearer = credentials.strip() if scheme.lower() == "bearer" else None  # schemes are case-insensitive
         if _matches(req.cookies.get(COOKIE), token) or _matches(bearer, token):
             return None
         if _matches(req.args.get("token"), token):
@@ -71,3 +71,50 @@ def install_token_guard(server: flask.Flask, token: str) -> None:
         log.info("refused %s %s from %s: no valid token", req.method, req.path, req.remote_addr)
         return flask.Response("megascope: a valid token is required (open the URL with ?token=...)\n",
                               status=403, mimetype="text/plain")
+
+
+def host_name(header: str) -> str:
+    """The name part of a ``Host`` header: ``[::1]:8050`` -> ``::1``, ``LocalHost:80`` -> ``localhost``."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1:].partition("]")[0]
+    return header.rpartition(":")[0] if header.count(":") == 1 else header
+
+
+def install_host_guard(server: flask.Flask, host: str) -> None:
+    """Answer only requests addressed to a loopback name or to ``host`` (403 otherwise).
+
+    A dashboard without a token trusts whoever can reach it, which on loopback means this machine.
+    A web page elsewhere can still make the browser reach it under the page's own name (DNS
+    rebinding: attacker.example resolving to 127.0.0.1), so the name the request was sent to must
+    be one of this machine's.
+    """
+    allowed = {host_name(host)}
+
+    @server.before_request
+    def _require_local_host() -> WerkzeugResponse | None:
+        name = host_name(flask.request.headers.get("Host", ""))
+        if name in allowed or is_loopback(name):
+            return None
+        log.info("refused %s %s addressed to %r: not a loopback name", flask.request.method, flask.request.path, name)
+        return flask.Response("megascope: this dashboard answers to localhost only (serve with --host and --token "
+                              "to share it)\n", status=403, mimetype="text/plain")
+
+
+def install_not_found_for_bad_assets(server: flask.Flask) -> None:
+    """A request for a script Dash does not have is a 404, not a 500 with a traceback in the log."""
+    from dash.exceptions import DependencyException
+
+    @server.errorhandler(DependencyException)
+    def _missing_dependency(exc: Exception) -> WerkzeugResponse:
+        log.info("no such dashboard asset: %s", flask.request.path)
+        return flask.Response("megascope: no such file\n", status=404, mimetype="text/plain")
+
+
+def install_guards(server: flask.Flask, *, host: str, token: str | None) -> None:
+    """Every rule of this module on ``server``: the token where one is set, else loopback names only."""
+    if token:
+        install_token_guard(server, token)
+    else:
+        install_host_guard(server, host)
+    install_not_found_for_bad_assets(server)

@@ -8,6 +8,27 @@ from pathlib import Path
 import click
 
 
+def check_port(host: str, port: int) -> None:
+    """A one-line error now if ``host:port`` cannot be listened on (in use, not an address here)."""
+    import socket
+
+    from megascope.errors import ConfigError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise ConfigError(f"--host {host}: not an address of this machine ({exc.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        # The same option the server sets, so that a port in TIME_WAIT is not refused here.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise ConfigError(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror}); "
+                              "choose another --port") from None
+
+
 def _quiet_request_log() -> None:
     """One log line per HTTP request only with -v: the server's own output is for problems."""
     if logging.getLogger().getEffectiveLevel() > logging.INFO:
@@ -29,6 +50,7 @@ def serve(run_dirs: tuple[Path, ...], host: str, port: int, token: str | None, p
     Only the directories given are ever read; pages name runs by id, never by path.
     /metrics answers in Prometheus' text format.
     """
+    check_port(host, port)
     _quiet_request_log()
     from megascope.dashboard.app import create_app, registry_of
     from megascope.dashboard.demo import bundled_sample_runs
@@ -68,6 +90,7 @@ def demo(out: Path | None, host: str, port: int, steps: int, inject: str) -> Non
         from megascope import layout
 
         layout.check_new_run_dir(out)  # the demo's job writes a new run: never into an existing one
+    check_port(host, port)
     _quiet_request_log()
     parse_inject(inject)  # a bad spec fails here, in one line, before anything starts
     run_demo(out, host=host, port=port, steps=steps, inject=inject, echo=lambda line: click.echo(line, err=True))
