@@ -1,0 +1,209 @@
+"""Hang evidence that needs no Python of the training process: the marker ring and its agent,
+stall stacks, the NCCL flight-recorder settings, and what `localize` makes of them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from megascope.collectors import Collector, CollectorConfig
+from megascope.collectors.evidence import AgentLink, enable_nccl_flight_recorder
+from megascope.collectors.ring import MarkerRing, RingReader
+
+from megascope.analysis.witness import frame_text, read_stacks
+from megascope.schema import MARKERS
+
+
+def _markers_on_disk(run: Path) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for part in sorted(run.glob("markers/rank=*/part-*.parquet")):
+        rows.extend(pq.read_table(part).to_pylist())
+    return rows
+
+
+def test_ring_round_trip_keeps_nulls_and_order(tmp_path: Path) -> None:
+    ring = MarkerRing.create(capacity=8, directory=str(tmp_path))
+    rows = [
+        (3, "tp:1", 0, "all_reduce", "enqueued", 10, 0, 4096, None),
+        (3, "tp:1", 0, "all_reduce", "completed", 12, 0, 4096, None),
+        (3, "p2p", 7, "send", "enqueued", 13, None, None, 5),
+    ]
+    for row in rows:
+        assert ring.put(row)
+    reader = RingReader(ring.path, rank=3)
+    assert reader.read() == rows
+    reader.commit()
+    assert reader.read() == []
+    assert len(ring) == 0
+    reader.close()
+    ring.close()
+    assert not ring.path.exists()
+
+
+def test_a_reader_behind_by_more_than_the_ring_counts_what_it_lost(tmp_path: Path) -> None:
+    ring = MarkerRing.create(capacity=4, directory=str(tmp_path))
+    for seq in range(10):
+        ring.put((0, "dp:0", seq, "all_reduce", "enqueued", seq, 1, None, None))
+    reader = RingReader(ring.path, rank=0)
+    got = reader.read()
+    assert [r[2] for r in got] == [6, 7, 8, 9]
+    assert reader.lost == 6
+    reader.close()
+    ring.close()
+
+
+def test_a_full_string_table_refuses_and_counts(tmp_path: Path) -> None:
+    ring = MarkerRing.create(capacity=4, directory=str(tmp_path))
+    accepted = sum(ring.put((0, f"g{i:0>1000}", 0, "all_reduce", "enqueued", 0, None, None, None))
+                   for i in range(100))
+    assert 0 < accepted < 100
+    assert ring.dropped == 100 - accepted
+    ring.close()
+
+
+def test_flush_writes_through_the_agent_and_close_ends_it(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    col = Collector(CollectorConfig(run_dir=run, flush_interval_s=30.0), rank=0, world_size=1)
+    assert col.stats["marker_agent"]
+    agent = col._agent
+    assert agent is not None
+    with col.step(0), col.comm("all_reduce", group="world", bytes=8):
+        pass
+    col.flush()  # the agent's pass, though its own interval is 30 s away
+    states = sorted(r["state"] for r in _markers_on_disk(run))
+    assert states == ["completed", "enqueued"]
+    col.close()
+    assert agent.proc.returncode == 0
+    alive = sorted((r for p in run.glob("heartbeats/host=*/part-*.parquet") for r in pq.read_table(p).to_pylist()
+                    if r["metric"] == "rank_alive"), key=lambda r: r["time_ns"])
+    assert alive and alive[-1]["value"] == 0.0 and alive[-1]["pid"] == os.getpid()
+
+
+def test_close_writes_the_markers_itself_when_the_agent_is_gone(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    col = Collector(CollectorConfig(run_dir=run, flush_interval_s=30.0), rank=0, world_size=1)
+    assert col._agent is not None
+    col._agent.proc.kill()
+    col._agent.proc.wait()
+    with col.step(0), col.comm("all_reduce", group="world", bytes=8):
+        pass
+    col.close()
+    assert sorted(r["state"] for r in _markers_on_disk(run)) == ["completed", "enqueued"]
+
+
+FROZEN_RANK = textwrap.dedent("""
+    import ctypes, signal, sys, time
+    from pathlib import Path
+    from megascope.collectors import Collector, CollectorConfig
+    col = Collector(CollectorConfig(run_dir=Path(sys.argv[1]), flush_interval_s=0.2), rank=2, world_size=4)
+    with col.step(0):
+        for seq in range(5):
+            with col.comm("all_reduce", group="dp:0", bytes=64):
+                pass
+    with col.step(1):
+        col.comm_begin("all_reduce", group="dp:0", bytes=64)   # entered, never completed
+        print("frozen", flush=True)
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        ctypes.PyDLL(None).sleep(3600)                           # holds the interpreter lock
+""")
+
+
+def test_a_frozen_process_gets_its_markers_out_and_a_sigkill_loses_none(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    with subprocess.Popen([sys.executable, "-c", FROZEN_RANK, str(run)], stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "frozen"
+            deadline = time.monotonic() + 10
+            entered = []
+            while time.monotonic() < deadline:  # written while the process is frozen: the agent's doing
+                entered = [r for r in _markers_on_disk(run) if r["step"] == 1]
+                if entered:
+                    break
+                time.sleep(0.1)
+            assert [(r["seq"], r["state"]) for r in entered] == [(5, "enqueued")]
+            assert proc.poll() is None  # still frozen
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    deadline = time.monotonic() + 10
+    ended: list[dict[str, object]] = []
+    while time.monotonic() < deadline and not ended:
+        ended = [r for p in run.glob("heartbeats/host=*/part-*.parquet") for r in pq.read_table(p).to_pylist()
+                 if r["metric"] == "rank_alive" and r["value"] == 0.0]
+        time.sleep(0.1)
+    assert ended, "the agent wrote no last row after its rank was killed"
+    rows = _markers_on_disk(run)
+    assert sorted((r["seq"], r["state"]) for r in rows if r["state"] == "enqueued") == [(s, "enqueued") for s in range(6)]
+    assert all(r["rank"] == 2 for r in rows)
+    assert set(pq.read_schema(next(run.glob("markers/rank=*/part-*.parquet"))).names) >= set(MARKERS.names)
+
+
+def test_a_stalled_step_leaves_every_threads_stack(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    col = Collector(CollectorConfig(run_dir=run, stacks_after_s=0.2, marker_agent=False), rank=1, world_size=2)
+    with col.step(0):
+        pass  # ends in time: nothing dumped
+    with col.step(1):
+        time.sleep(0.6)  # stalls past the watch
+    col.close()
+    stacks = read_stacks(run, 1)
+    assert stacks is not None and stacks["step"] == 1 and stacks["thread"] == "training"
+    assert stacks["threads"] >= 2  # the writer thread too
+    innermost = stacks["frames"][0]
+    assert innermost["function"] == "test_a_stalled_step_leaves_every_threads_stack"
+    assert frame_text(innermost).startswith("tests/test_hang_evidence.py:")
+
+
+def test_no_stall_no_stacks_file(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    col = Collector(CollectorConfig(run_dir=run, stacks_after_s=5.0, marker_agent=False), rank=0, world_size=1)
+    for step in range(3):
+        with col.step(step):
+            pass
+    col.close()
+    assert not (run / "stacks").exists()
+    assert read_stacks(run, 0) is None
+
+
+def test_flight_recorder_settings_go_into_the_run_unless_the_job_set_its_own(tmp_path: Path) -> None:
+    env: dict[str, str] = {}
+    assert enable_nccl_flight_recorder(tmp_path / "run", env)
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == str((tmp_path / "run").resolve() / "flight_recorder" / "rank_")
+    assert env["TORCH_FR_BUFFER_SIZE"] == "2000" and env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert (tmp_path / "run" / "flight_recorder").is_dir()
+    own = {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/elsewhere/trace_", "TORCH_NCCL_TRACE_BUFFER_SIZE": "50",
+           "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+    assert not enable_nccl_flight_recorder(tmp_path / "other", own)
+    assert own == {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/elsewhere/trace_", "TORCH_NCCL_TRACE_BUFFER_SIZE": "50",
+                   "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+
+
+def test_the_agent_link_starts_on_a_fresh_ring(tmp_path: Path) -> None:
+    link = AgentLink.start(tmp_path / "run", rank=4, host="h", interval_s=0.1)
+    try:
+        link.ring.put((4, "world", 0, "barrier", "enqueued", time.time_ns(), 0, None, None))
+        assert link.flush(timeout_s=10.0)
+        assert [(r["rank"], r["op"]) for r in _markers_on_disk(tmp_path / "run")] == [(4, "barrier")]
+    finally:
+        link.close(timeout_s=10.0)
+    assert link.fallback_rows == 0
+
+
+def test_markers_reach_the_disk_while_the_rank_waits_without_any_flush(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    col = Collector(CollectorConfig(run_dir=run, flush_interval_s=0.1), rank=0, world_size=1)
+    assert col._agent is not None and col._agent.flush(timeout_s=10.0)  # the agent is up
+    with col.step(0):
+        col.comm_begin("all_reduce", group="world", bytes=8)  # entered; this thread now only waits
+        deadline = time.monotonic() + 10
+        while not _markers_on_disk(run) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        on_disk = _markers_on_disk(run)
+    col.close()
+    assert [(r["seq"], r["state"]) for r in on_disk] == [(0, "enqueued")]
