@@ -40,6 +40,11 @@ test: $(STAMP) lint typecheck
 test-fast: $(STAMP)
 	$(VENV)/bin/pytest -m 'not dist and not browser'
 
+# The long fuzz run (`make test` runs a fixed fast slice of the same tests). FUZZ_EXAMPLES per target.
+FUZZ_EXAMPLES ?= 300
+test-fuzz: $(STAMP)
+	MEGASCOPE_FUZZ=long MEGASCOPE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(VENV)/bin/pytest -m fuzz
+
 # The wheel as users get it, in a clean virtual environment: core dependencies only (torch pinned
 # first, so that pip does not pull a CUDA build), `megascope --help` and a collector smoke test;
 # then `[all]`: synth, report, export, heat-map and the dashboard from the installed package.

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,23 +110,77 @@ def read_meta(path: Path) -> RunMeta:
             f"{meta_path}: schema_version {version!r} is not one this megascope reads "
             f"({', '.join(map(str, sorted(SUPPORTED_SCHEMA_VERSIONS)))}); upgrade megascope or re-create the run"
         )
+    problem = _meta_type_problem(data)
+    if problem:
+        raise RunDirError(f"{meta_path}: invalid run metadata ({problem})")
     try:
         return RunMeta.from_json(data)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise RunDirError(f"{meta_path}: invalid run metadata ({exc})") from None
+
+
+_INT64_MAX = 2**63 - 1
+# world_size and every mesh size stay below this: more ranks than any job has, few enough to count.
+_MAX_RANKS = 1 << 24
+
+
+def _is_int(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _is_number(value: object, low: float, high: float) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value) and low <= value <= high)
+
+
+def _is_axes(value: object) -> bool:
+    return isinstance(value, list) and len(value) > 0 and all(isinstance(a, str) for a in value)
+
+
+def _is_sizes(value: object) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and _is_int(v, 1, _MAX_RANKS) for k, v in value.items())
+
+
+def _meta_type_problem(data: dict[str, object]) -> str | None:
+    """What in ``run.json`` has the wrong type or an impossible value, or None."""
+    checks: list[tuple[str, bool, bool]] = [  # field, required, ok
+        ("run_id", True, isinstance(data.get("run_id"), str)),
+        ("source", True, isinstance(data.get("source"), str)),
+        ("world_size", True, _is_int(data.get("world_size"), 1, _MAX_RANKS)),
+        ("mesh_axes", False, _is_axes(data.get("mesh_axes"))),
+        ("mesh_sizes", False, _is_sizes(data.get("mesh_sizes"))),
+        ("start_ns", False, _is_int(data.get("start_ns"), 0, _INT64_MAX)),
+        ("model_flops_per_step", False, _is_number(data.get("model_flops_per_step"), 0, 1e30)),
+        ("tokens_per_step", False, _is_int(data.get("tokens_per_step"), 0, _INT64_MAX)),
+        ("device_name", False, isinstance(data.get("device_name"), str)),
+        ("peak_flops_per_device", False, _is_number(data.get("peak_flops_per_device"), 1e-300, 1e30)),
+        ("micro_batches", False, _is_int(data.get("micro_batches"), 1, _INT64_MAX)),
+        ("config", False, isinstance(data.get("config"), dict)),
+    ]
+    for name, required, ok in checks:
+        if ok or (not required and data.get(name) is None):
+            continue
+        shown = repr(data.get(name))
+        return f"{name} is {shown if len(shown) <= 40 else shown[:37] + '...'}"
+    return None
 
 
 def _foreign(path: Path, part_run_id: str, run_id: str) -> str:
     return f"{path}: a part of another run ({part_run_id!r}, not {run_id!r}); skipped"
 
 
-def _check_part(path: Path, table: str, run_id: str) -> str | None:
-    """Why ``path`` cannot be read as a part of ``table`` of run ``run_id``, or None if it can."""
+def _check_part(path: Path, table: str, run_id: str, con: duckdb.DuckDBPyConnection | None = None) -> str | None:
+    """Why ``path`` cannot be read as a part of ``table`` of run ``run_id``, or None if it can.
+
+    With ``con``, DuckDB reads the footer too (it parses some damaged footers pyarrow accepts)."""
     try:
         schema = pq.read_schema(path)
         part_run_id = layout.part_run_id(path)
-    except (OSError, pa.ArrowInvalid) as exc:
-        return f"{path}: not a readable Parquet file ({str(exc).splitlines()[0]}); skipped"
+        if con is not None:
+            con.execute("DESCRIBE SELECT * FROM read_parquet(?)", [str(path)]).fetchall()
+    except (OSError, pa.ArrowException, duckdb.Error) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return f"{path}: not a readable Parquet file ({reason}); skipped"
     missing = _required_columns(table) - set(schema.names)
     if missing:
         return f"{path}: not a megascope {table} part (missing columns {', '.join(sorted(missing))}); skipped"
@@ -143,11 +198,14 @@ class _Parts:
     uniform: bool  # every file has the same columns: no union_by_name (which reads every footer per query)
 
 
-def _scan(run: Run, table: str) -> _Parts:
-    """Finished parts of ``table``: checked cheaply as a whole, file by file only on failure."""
+def _scan(run: Run, table: str, *, thorough: bool = False) -> _Parts:
+    """Finished parts of ``table``: checked cheaply as a whole, file by file only on failure (or when
+    ``thorough``: after the whole failed to read)."""
     files = sorted(run.path.glob(layout.table_glob(table)))
     if not files:
         return _Parts([], True, True)
+    if thorough:
+        return _scan_each(run, table, files)
     required = _required_columns(table)
     glob = str(run.path / layout.table_glob(table))
     try:
@@ -169,9 +227,13 @@ def _scan(run: Run, table: str) -> _Parts:
             return _Parts(files, True, len({tuple(cols) for _, cols in rows}) == 1)
     except duckdb.Error:
         pass
+    return _scan_each(run, table, files, thorough=False)
+
+
+def _scan_each(run: Run, table: str, files: list[Path], *, thorough: bool = True) -> _Parts:
     good = []
     for f in files:
-        problem = _check_part(f, table, run.meta.run_id)
+        problem = _check_part(f, table, run.meta.run_id, run.con if thorough else None)
         if problem is None:
             good.append(f)
         elif problem not in run.problems:
@@ -190,42 +252,54 @@ def _create_views(run: Run) -> None:
 
 
 def _create_table_views(run: Run) -> None:
-    for table, schema in TABLES.items():
-        parts = _scan(run, table)
-        files = parts.files
-        run.files[table] = files
-        if not files:
-            # A typed empty view in SQL, not a registered Arrow table: registrations are local to
-            # one connection, and cursors (one per thread) must see every view.
-            nulls = ", ".join(f'CAST(NULL AS {_DUCK_TYPES[str(f.type)]}) AS "{f.name}"' for f in schema)
-            run.con.execute(f"CREATE OR REPLACE VIEW {table} AS SELECT {nulls} WHERE false")
-            continue
-        # Read through the glob when every part is good (new parts of a live run then show up without
-        # a refresh, and the view stays small at 100k+ files); through the list of good parts otherwise.
-        if parts.whole:
-            source = _sql_str(str(run.path / layout.table_glob(table)))
+    for table in TABLES:
+        try:
+            _create_table_view(run, table, _scan(run, table))
+        except duckdb.Error:
+            # A part whose footer DuckDB cannot parse though the quick checks passed: find it, skip it.
+            try:
+                _create_table_view(run, table, _scan(run, table, thorough=True))
+            except duckdb.Error as exc:
+                reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise RunDirError(f"{run.path}: the {table} parts cannot be read ({reason})") from None
+
+
+def _create_table_view(run: Run, table: str, parts: _Parts) -> None:
+    schema = TABLES[table]
+    files = parts.files
+    run.files[table] = files
+    if not files:
+        # A typed empty view in SQL, not a registered Arrow table: registrations are local to
+        # one connection, and cursors (one per thread) must see every view.
+        nulls = ", ".join(f'CAST(NULL AS {_DUCK_TYPES[str(f.type)]}) AS "{f.name}"' for f in schema)
+        run.con.execute(f"CREATE OR REPLACE VIEW {table} AS SELECT {nulls} WHERE false")
+        return
+    # Read through the glob when every part is good (new parts of a live run then show up without
+    # a refresh, and the view stays small at 100k+ files); through the list of good parts otherwise.
+    if parts.whole:
+        source = _sql_str(str(run.path / layout.table_glob(table)))
+    else:
+        source = "[" + ", ".join(_sql_str(str(f)) for f in files) + "]"
+    hive = _HIVE_TYPES.get(table)
+    options = f", hive_partitioning=true, hive_types={{'{hive}': INTEGER}}" if hive else ", hive_partitioning=false"
+    if not parts.uniform:
+        options += ", union_by_name=true"
+    # Columns in schema order, each cast to its declared type, so that a writer's older file or
+    # a missing nullable column still reads as the schema says.
+    casts = []
+    described = {
+        name: typ
+        for name, typ, *_ in run.con.execute(f"DESCRIBE SELECT * FROM read_parquet({source}{options})").fetchall()
+    }
+    for f in schema:
+        duck_type = _DUCK_TYPES[str(f.type)]
+        if f.name in described:
+            casts.append(f'CAST("{f.name}" AS {duck_type}) AS "{f.name}"')
         else:
-            source = "[" + ", ".join(_sql_str(str(f)) for f in files) + "]"
-        hive = _HIVE_TYPES.get(table)
-        options = f", hive_partitioning=true, hive_types={{'{hive}': INTEGER}}" if hive else ", hive_partitioning=false"
-        if not parts.uniform:
-            options += ", union_by_name=true"
-        # Columns in schema order, each cast to its declared type, so that a writer's older file or
-        # a missing nullable column still reads as the schema says.
-        casts = []
-        described = {
-            name: typ
-            for name, typ, *_ in run.con.execute(f"DESCRIBE SELECT * FROM read_parquet({source}{options})").fetchall()
-        }
-        for f in schema:
-            duck_type = _DUCK_TYPES[str(f.type)]
-            if f.name in described:
-                casts.append(f'CAST("{f.name}" AS {duck_type}) AS "{f.name}"')
-            else:
-                casts.append(f'CAST(NULL AS {duck_type}) AS "{f.name}"')
-        run.con.execute(
-            f"CREATE OR REPLACE VIEW {table} AS SELECT {', '.join(casts)} FROM read_parquet({source}{options})"
-        )
+            casts.append(f'CAST(NULL AS {duck_type}) AS "{f.name}"')
+    run.con.execute(
+        f"CREATE OR REPLACE VIEW {table} AS SELECT {', '.join(casts)} FROM read_parquet({source}{options})"
+    )
 
 
 _DUCK_TYPES = {

@@ -78,10 +78,27 @@ class MegascopeGroup(click.Group):
             raise click.ClickException(
                 f"'{command}' needs {top}, which is not installed: pip install 'megascope[{extra}]'") from None
         except Exception as exc:
+            if _is_damaged_data(exc):
+                reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                raise click.ClickException(f"cannot read the run's data: {reason} (a damaged part?)") from None
             # A bug, but the user still gets one line; -vv logs the traceback for the report.
             log.debug("unexpected error", exc_info=True)
             raise click.ClickException(one_line(
                 f"internal error: {type(exc).__name__}: {exc} (a bug in megascope; -vv shows where)")) from None
+
+
+# What DuckDB and Arrow raise on bytes that are not what their footers promise (as opposed to a
+# mistake in a query, which stays an internal error). By name: the CLI does not import them.
+_DATA_ERRORS = {
+    ("duckdb", "Error"), ("duckdb", "IOException"), ("duckdb", "InvalidInputException"),
+    ("duckdb", "SerializationException"), ("duckdb", "ConversionException"), ("duckdb", "OutOfRangeException"),
+    ("pyarrow", "ArrowInvalid"), ("pyarrow", "ArrowIOError"), ("pyarrow", "ArrowSerializationError"),
+}
+
+
+def _is_damaged_data(exc: Exception) -> bool:
+    library = type(exc).__module__.lstrip("_").split(".")[0]
+    return (library, type(exc).__name__) in _DATA_ERRORS
 
 
 def one_line(message: str) -> str:
