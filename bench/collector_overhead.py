@@ -73,6 +73,11 @@ def bench_cpu(n: int, repeats: int) -> dict[str, float]:
     col = Collector(CollectorConfig(run_dir=tmp / "on", device=torch.device("cpu"), max_buffered_rows=4 * n * repeats,
                                     flush_interval_s=3600.0, handle_sigterm=False), rank=0, world_size=1)
     off = Collector(CollectorConfig(run_dir=tmp / "off", enabled=False), rank=0, world_size=1)
+    # Markers kept in the process (the writer thread writes them) rather than put in the marker
+    # agent's shared-memory ring: what the ring costs on the training thread.
+    inproc = Collector(CollectorConfig(run_dir=tmp / "inproc", device=torch.device("cpu"), marker_agent=False,
+                                       max_buffered_rows=4 * n * repeats, flush_interval_s=3600.0,
+                                       handle_sigterm=False), rank=0, world_size=1)
 
     def bare(k: int) -> None:
         for _ in range(k):
@@ -93,6 +98,11 @@ def bench_cpu(n: int, repeats: int) -> dict[str, float]:
             with col.comm(op="all_reduce", group="tp:0", bytes=1024):
                 pass
 
+    def comm_inproc(k: int) -> None:
+        for _ in range(k):
+            with inproc.comm(op="all_reduce", group="tp:0", bytes=1024):
+                pass
+
     def metric_on(k: int) -> None:
         for i in range(k):
             col.metric("loss", 1.0, step=i)
@@ -103,6 +113,7 @@ def bench_cpu(n: int, repeats: int) -> dict[str, float]:
             "span_enabled_us": _per_call_us(span_on, n, repeats) - base,
             "span_disabled_us": _per_call_us(span_off, n, repeats) - base,
             "comm_enabled_us": _per_call_us(comm_on, n, repeats) - base,
+            "comm_markers_in_process_us": _per_call_us(comm_inproc, n, repeats) - base,
             "metric_float_us": _per_call_us(metric_on, n, repeats) - base,
         }
         col.flush()
@@ -130,6 +141,7 @@ def bench_cpu(n: int, repeats: int) -> dict[str, float]:
         h.remove()
     out["module_hooks_per_module_us"] = (hooked - plain) / 32
     col.close()
+    inproc.close()
     out["rows_dropped"] = col.stats["rows_dropped"]
     return out
 
@@ -498,6 +510,11 @@ def bench_gpu(args: argparse.Namespace) -> dict[str, Any]:
     on = Collector(CollectorConfig(run_dir=tmp / "on", device=torch.device("cuda"), handle_sigterm=False),
                    rank=0, world_size=1)
     off = Collector(CollectorConfig(run_dir=tmp / "off", enabled=False), rank=0, world_size=1)
+    # Markers kept in the process (the writer thread writes them) rather than put in the marker
+    # agent's shared-memory ring: what the ring costs on the training thread.
+    inproc = Collector(CollectorConfig(run_dir=tmp / "inproc", device=torch.device("cpu"), marker_agent=False,
+                                       max_buffered_rows=4 * n * repeats, flush_interval_s=3600.0,
+                                       handle_sigterm=False), rank=0, world_size=1)
     configs: dict[str, Collector | None] = {"none": None, "disabled": off, "enabled": on}
     for col in configs.values():  # warm-up: allocator, cuBLAS, NCCL, event pool
         _time_steps(model, opt, x, col, 3, 0)

@@ -167,7 +167,8 @@ def _job_end_ns(activity: pd.DataFrame, alive: pd.DataFrame) -> int | None:
 
 def _wait_threshold_s(run: Run, con: duckdb.DuckDBPyConnection) -> float:
     """How long members must have waited inside a call, by the end of the evidence, for it to be
-    stuck rather than in flight: run_state's stall threshold (a few flush intervals or steps)."""
+    stuck rather than in flight: run_state's stall threshold (a few flush intervals or steps, at
+    least 10 s), at most half its hang threshold (the collective timeout)."""
     from megascope.analysis.runstate import thresholds
 
     config = run.meta.config or {}
@@ -180,9 +181,12 @@ def _wait_threshold_s(run: Run, con: duckdb.DuckDBPyConnection) -> float:
         return value if value is not None and value > 0 else None
 
     median = _median_step_ns(con)
-    stall, _, _ = thresholds(median / 1e9 if median else None, collective_timeout_s=number("collective_timeout_s"),
-                             flush_interval_s=number("flush_interval_s"))
-    return stall
+    stall, hang, _ = thresholds(median / 1e9 if median else None,
+                                collective_timeout_s=number("collective_timeout_s"),
+                                flush_interval_s=number("flush_interval_s"))
+    # Capped at half the hang threshold: a job aborted by its collective timeout ends about one
+    # timeout after its first stuck call, and must still read hung.
+    return min(stall, hang / 2)
 
 
 def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> dict[str, Any]:
