@@ -227,9 +227,10 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
                    if m["stuck"] and m["stuck_since_ns"] is not None and not pd.isna(m["stuck_since_ns"])]
     if stuck_since and job_end is not None:
         waited_s = max(0.0, (job_end - min(stuck_since)) / 1e9)
-    if len(alive) and any(m["stuck"] for m in members) and job_end is not None:
-        # With the marker agent the end of the job is known: calls entered just before it are in
-        # flight, not stuck (a job killed mid-step, a live job between two flushes).
+    if ended and any(m["stuck"] for m in members) and job_end is not None:
+        # Every process has ended and its marker agent said when: calls entered just before the
+        # end were in flight, not stuck (a job killed mid-step). A live job keeps its calls in
+        # flight as they are; run_state's idle time decides there.
         threshold_ns = _wait_threshold_s(run, con) * 1e9
         short = 0
         for m in members:

@@ -90,6 +90,7 @@ def run_meta(cfg: TrainConfig, *, device: torch.device, start_ns: int) -> RunMet
             "seed": cfg.seed, "global_batch": cfg.global_batch, "steps": cfg.steps,
             "optimizer": cfg.optimizer, "lr": cfg.lr, "sequence_parallel": cfg.sequence_parallel,
             "inject": cfg.faults.specs(), "collective_timeout_s": cfg.collective_timeout_s,
+            "flush_interval_s": cfg.flush_interval_s,
             "overlap": sorted(cfg.overlap), "bucket_mb": cfg.bucket_mb,
             "layer_spans": cfg.layer_spans, "tp_comm_spans": "first" if cfg.sampled_tp(device.type) else "all",
             "data": str(cfg.data) if cfg.data else "synthetic",
