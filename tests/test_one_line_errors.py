@@ -131,6 +131,11 @@ def _set_kernel(field: str, value: Any) -> Any:
     return edit
 
 
+def _list_tid(trace: dict[str, Any]) -> None:
+    meta = next(e for e in trace["traceEvents"] if e.get("ph") == "M")
+    meta["tid"] = [1, 2]  # a list where a thread id belongs (found by the fuzz tier)
+
+
 def _big_step(trace: dict[str, Any]) -> None:
     step = next(e for e in trace["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#"))
     step["name"] = "ProfilerStep#12345678901234567890"
@@ -143,7 +148,8 @@ def _big_step(trace: dict[str, Any]) -> None:
     _set_kernel("ts", float("-inf")),
     _set_kernel("ts", 1e300),
     _big_step,
-], ids=["dur 1e30", "dur NaN", "dur Infinity", "ts -Infinity", "ts 1e300", "20-digit step"])
+    _list_tid,
+], ids=["dur 1e30", "dur NaN", "dur Infinity", "ts -Infinity", "ts 1e300", "20-digit step", "tid a list"])
 def test_kineto_absurd_numbers_are_one_line(tmp_path: Path, edit: Any) -> None:
     src = _kineto_job(tmp_path / "src", edit=edit)
     out = tmp_path / "run"

@@ -56,8 +56,11 @@ _P2P_NAME = re.compile(r"(\d+)\s*(?:->|<-)\s*(\d+)")
 MAX_DUMP_BYTES = 2 << 30
 
 
-class _PlainDataUnpickler(pickle.Unpickler):
-    """Loads builtin containers and scalars only; any class or function reference is refused."""
+class _PlainDataUnpickler(pickle._Unpickler):
+    """Loads builtin containers and scalars only; any class or function reference is refused.
+
+    The pure-Python unpickler: a damaged length field makes it stop at the end of the data, where
+    the C one may try to allocate the length first (and leave interpreter noise on stderr)."""
 
     def __init__(self, data: bytes, path: Path) -> None:
         super().__init__(io.BytesIO(data))

@@ -273,6 +273,10 @@ def ingest_file(path: str, rank: int, stage: str, pg_groups: dict[str, tuple[str
         # NaN, Infinity, 1e30 or a 20-digit number where a time, duration or step belongs
         reason = " ".join(str(exc).split())[:200]
         raise IngestError(f"{path}: a time, duration or step out of range ({reason}); the trace is corrupt") from None
+    except (TypeError, AttributeError, KeyError, IndexError) as exc:
+        # A field of another type than torch.profiler writes (a list where a thread id belongs).
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+        raise IngestError(f"{path}: an event of an unexpected shape ({reason}); the trace is corrupt") from None
     finally:
         if collecting:
             gc.enable()
