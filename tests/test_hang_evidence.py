@@ -207,3 +207,22 @@ def test_markers_reach_the_disk_while_the_rank_waits_without_any_flush(tmp_path:
         on_disk = _markers_on_disk(run)
     col.close()
     assert [(r["seq"], r["state"]) for r in on_disk] == [(0, "enqueued")]
+
+
+def test_the_topology_page_shows_the_culprits_stack(tmp_path: Path) -> None:
+    from megascope.dashboard.pages.topology import stack_block, suspect_row
+
+    run = tmp_path / "run"
+    col = Collector(CollectorConfig(run_dir=run, stacks_after_s=0.2, marker_agent=False), rank=3, world_size=4)
+    with col.step(7):
+        time.sleep(0.6)
+    col.close()
+    suspect = {"rank": 3, "host": "h", "group": "tp:1", "evidence": ["markers", "flight_recorder"],
+               "stack": read_stacks(run, 3)}
+    row = suspect_row(suspect)
+    assert row["evidence"] == "markers + flight_recorder" and "stack" not in row
+    assert row["stopped_in"].endswith("test_the_topology_page_shows_the_culprits_stack")
+    heading, pre = stack_block(suspect)
+    assert "rank 3 stopped: the training thread at step 7" in heading.children
+    assert pre.children.splitlines()[0] == row["stopped_in"]
+    assert stack_block({"rank": 1, "stack": None}) == []

@@ -21,7 +21,8 @@ from megascope.dashboard.shell import served_from
 
 from megascope.figures.topology import STATES, rank_at, topology_figure
 
-SUSPECT_COLUMNS = ("rank", "host", "coords", "group", "last_completed_seq", "missing_seq")
+SUSPECT_COLUMNS = ("rank", "host", "coords", "group", "last_completed_seq", "missing_seq", "evidence", "stopped_in")
+STACK_FRAMES = 12
 
 
 def layout(served: ServedRun, query: dict[str, str]) -> html.Div:
@@ -69,10 +70,11 @@ def register(app: Dash, registry: RunRegistry) -> None:
                              lambda: topology_figure(states, suspects=suspects[:3]))
         suspect_table = None
         if suspects:
-            frame = pd.DataFrame(suspects)
+            frame = pd.DataFrame([suspect_row(s) for s in suspects])
             suspect_table = [html.H3("Hang suspects, most likely first (a rank opens its timeline)"),
                              table(frame, id="suspect-table", columns=[c for c in SUSPECT_COLUMNS if c in frame],
-                                   links={"rank": lambda row: timeline_href(served, int(row["rank"]))})]
+                                   links={"rank": lambda row: timeline_href(served, int(row["rank"]))}),
+                             *stack_block(suspects[0])]
         return figure, suspect_table, banner(served, states, hang)
 
     @app.callback(
@@ -88,6 +90,34 @@ def register(app: Dash, registry: RunRegistry) -> None:
             return no_update, no_update
         return routes.href(served.id, "timeline"), "?" + routes.selection_query(
             data.peers(served, rank), data.default_steps(served)) + f"&focus={rank}"
+
+
+def suspect_row(suspect: dict[str, Any]) -> dict[str, Any]:
+    """A suspect as a table row: which witnesses name it and the innermost frame it stopped in."""
+    from megascope.analysis.witness import frame_text
+
+    stack = suspect.get("stack") or {}
+    frames = stack.get("frames") or []
+    return {**{k: v for k, v in suspect.items() if k != "stack"},
+            "evidence": " + ".join(suspect.get("evidence") or ["markers"]),
+            "stopped_in": frame_text(frames[0]) if frames else ""}
+
+
+def stack_block(suspect: dict[str, Any]) -> list[Any]:
+    """The culprit's stack at the stall (RUN/stacks/), innermost frame first; nothing without one."""
+    from megascope.analysis.witness import frame_text
+
+    stack = suspect.get("stack") or {}
+    frames = stack.get("frames") or []
+    if not frames:
+        return []
+    thread = "an autograd thread" if stack.get("thread") == "autograd" else "the training thread"
+    lines = [frame_text(f) for f in frames[:STACK_FRAMES]]
+    more = len(frames) - STACK_FRAMES
+    if more > 0:
+        lines.append(f"... {more} outer frames")
+    return [html.H3(f"Where rank {suspect['rank']} stopped: {thread} at step {stack.get('step')}, innermost first"),
+            html.Pre("\n".join(lines), id="culprit-stack", className="stack")]
 
 
 def clicked_rank(point: dict[str, Any], states: pd.DataFrame) -> int | None:
