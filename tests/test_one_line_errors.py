@@ -338,3 +338,19 @@ def test_kineto_negative_durations_are_skipped_and_counted(tmp_path: Path) -> No
     assert negatives == 0
     forward = dict(run.con.execute("SELECT rank, count(*) FROM spans WHERE name = 'gemm_fwd' GROUP BY rank").fetchall())
     assert forward == {0: 3, 1: 1}
+
+
+def test_kineto_events_that_cannot_be_placed_are_counted(tmp_path: Path) -> None:
+    """A collective whose host call sits at 1e300 µs has no execution to pair with: it is not
+    imported, and the summary says so instead of dropping it without a word."""
+    import json
+
+    def far_call(trace: dict[str, Any]) -> None:
+        call = next(e for e in trace["traceEvents"] if e.get("name") == "record_param_comms")
+        call["ts"] = 1e300
+
+    src = _kineto_job(tmp_path / "src", edit=far_call)
+    proc = megascope("ingest", "kineto", src, "-o", tmp_path / "run", "--workers", "1", "--json")
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads(proc.stdout)
+    assert any("not imported (1 of 2 ranks)" in w for w in summary["warnings"]), summary["warnings"]

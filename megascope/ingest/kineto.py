@@ -375,6 +375,8 @@ def ingest_kineto(
         results = _run_files(jobs, n_workers, progress)
         by_rank = {h.rank: h for h in headers}
         infos: dict[int, RankInfo] = {}
+        not_imported: Counter[str] = Counter()
+        not_imported_ranks: Counter[str] = Counter()
         for r in results:
             h = by_rank[r["rank"]]
             dev = r["device_index"]
@@ -390,7 +392,14 @@ def ingest_kineto(
             for what, count in r["stats"].items():
                 if what not in ("spans", "markers") and count:
                     log.info("rank %d: %d %s", r["rank"], count, what)
+                    if "skipped" in what or "no execution" in what:
+                        not_imported[what] += count
+                        not_imported_ranks[what] += 1
         check_one_window(results)
+        # Events the mapping could not place are counted in the summary, never dropped without a word.
+        for what, count in sorted(not_imported.items()):
+            warnings.append(f"{count} {what.replace(' (skipped)', '')} not imported "
+                            f"({not_imported_ranks[what]} of {len(results)} ranks)")
         for r in results:
             if r["negative_durations"]:
                 warnings.append(f"rank {r['rank']}: {r['negative_durations']} events with a negative duration "
