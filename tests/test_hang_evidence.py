@@ -226,3 +226,11 @@ def test_the_topology_page_shows_the_culprits_stack(tmp_path: Path) -> None:
     assert "rank 3 stopped: the training thread at step 7" in heading.children
     assert pre.children.splitlines()[0] == row["stopped_in"]
     assert stack_block({"rank": 1, "stack": None}) == []
+
+
+def test_the_agent_process_stays_small_it_never_imports_torch() -> None:
+    """One agent runs per rank: importing torch there would cost seconds and hundreds of MiB each."""
+    out = subprocess.run([sys.executable, "-c", "import sys, megascope.collectors.agent; "
+                          "print(sorted(m for m in ('torch', 'duckdb', 'pandas') if m in sys.modules))"],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
