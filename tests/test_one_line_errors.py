@@ -136,6 +136,10 @@ def _list_tid(trace: dict[str, Any]) -> None:
     meta["tid"] = [1, 2]  # a list where a thread id belongs (found by the fuzz tier)
 
 
+def _number_for_devices(trace: dict[str, Any]) -> None:
+    trace["deviceProperties"] = 7  # a number where the header holds a list (found by the fuzz tier)
+
+
 def _big_step(trace: dict[str, Any]) -> None:
     step = next(e for e in trace["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#"))
     step["name"] = "ProfilerStep#12345678901234567890"
@@ -149,7 +153,9 @@ def _big_step(trace: dict[str, Any]) -> None:
     _set_kernel("ts", 1e300),
     _big_step,
     _list_tid,
-], ids=["dur 1e30", "dur NaN", "dur Infinity", "ts -Infinity", "ts 1e300", "20-digit step", "tid a list"])
+    _number_for_devices,
+], ids=["dur 1e30", "dur NaN", "dur Infinity", "ts -Infinity", "ts 1e300", "20-digit step", "tid a list",
+        "deviceProperties a number"])
 def test_kineto_absurd_numbers_are_one_line(tmp_path: Path, edit: Any) -> None:
     src = _kineto_job(tmp_path / "src", edit=edit)
     out = tmp_path / "run"

@@ -192,6 +192,17 @@ def settle_world(headers: list[_Header]) -> tuple[list[_Header], list[str]]:
     return [h if h.world_size is not None else replace(h, world_size=world) for h in headers], warnings
 
 
+def _read_header(path: Path, *, single: bool) -> _Header:
+    try:
+        return read_header(path, single=single)
+    except RecursionError:
+        raise IngestError(f"{path}: values nested too deeply; not a Kineto trace") from None
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError, OverflowError) as exc:
+        # A header field of another type than torch.profiler writes (a number for deviceProperties).
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+        raise IngestError(f"{path}: a header field of an unexpected shape ({reason}); the trace is corrupt") from None
+
+
 def check_one_job(headers: list[_Header]) -> int:
     """The world size of the job; an error naming the files if they are not one job's ranks."""
     worlds = Counter(h.world_size or 0 for h in headers)
@@ -365,7 +376,7 @@ def ingest_kineto(
     src, out = Path(src), Path(out)
     check_out_dir(out)
     files = find_trace_files(src)
-    headers, warnings = settle_world([read_header(p, single=len(files) == 1) for p in files])
+    headers, warnings = settle_world([_read_header(p, single=len(files) == 1) for p in files])
     world = check_one_job(headers)
     plan = plan_groups([pg for h in headers for pg in h.pgs], world_size=world, mesh=mesh)
     n_workers = max(1, min(len(files), workers or os.cpu_count() or 1))
