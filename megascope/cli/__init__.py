@@ -4,8 +4,11 @@ Commands are thin: parse, build a config, call one library function. Heavy impor
 pandas, dash) happen inside each command, so ``megascope --help`` stays fast. Each command group
 lives in its own module and registers itself here.
 
-Every :class:`~megascope.errors.MegascopeError` becomes one line on stderr and exit status 1;
-usage mistakes exit 2 (click's convention).
+Every :class:`~megascope.errors.MegascopeError` becomes one ``Error:`` line on stderr and exit
+status 1; usage mistakes exit 2 (click's convention), also on one line. So do what the machine
+refuses (``OSError``: a read-only or full disk), a missing optional dependency (named with the
+extra that has it), damaged Parquet data met mid-query, and, as a last resort, a bug (``internal
+error``, its traceback logged with ``-vv``): never a traceback on stderr (docs/promises.md).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ EXTRA_OF_MODULE = {
     "prometheus_client": "dashboard",
     "pynvml": "health",
 }
+
 
 class MegascopeGroup(click.Group):
     """A click group that turns library errors into one-line messages, never tracebacks."""
