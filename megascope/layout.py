@@ -15,7 +15,13 @@ Layout (ARCHITECTURE.md, contract)::
     RUN/diagnostics/part-*.parquet
 
 A part is written to a hidden temporary name in the same directory and renamed into place, so a
-reader never sees half a file; temporary files end in ``.tmp`` and are never globbed.
+reader never sees half a file; temporary files end in ``.tmp`` and are never globbed. A writer that
+passes ``run_id`` stamps it into the part's Parquet metadata, so that the reader can tell a part
+copied in from another run.
+
+What may be written where (docs/promises.md): a new run only into a new or empty directory outside
+any run (:func:`check_new_run_dir`, :func:`prepare_run_dir`); an export or heat-map never inside a
+run, over an existing file only when asked (:func:`check_output_file`, :func:`check_output_dir`).
 
 Example::
 
