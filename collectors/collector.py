@@ -117,6 +117,7 @@ class Collector:
         self._warned: set[str] = set()
         self._dist: Any = None
         self._heartbeat: Any = None
+        self._interception: Any = None  # megascope.collectors.hooks.Interception, from from_env
         self.device: Any = None
         if not self.enabled:
             return
@@ -138,12 +139,13 @@ class Collector:
         self._writer.set_static("ranks", rows_to_table([self._rank_row()], RANKS))
         for group in groups or ():
             self._add_group(group)
+        # Without run.json a run directory is unreadable: a plain one stands in for a missing meta.
+        self._meta = meta or RunMeta(
+            run_id=config.run_dir.name, source=RunSource.COLLECTOR.value, world_size=self.world_size,
+            start_ns=self.start_ns, device_name=None,
+        )
         if self.rank == 0:
-            # Without run.json a run directory is unreadable: a plain one stands in for a missing meta.
-            self._writer.set_run_meta(meta or RunMeta(
-                run_id=config.run_dir.name, source=RunSource.COLLECTOR.value, world_size=self.world_size,
-                start_ns=self.start_ns, device_name=None,
-            ))
+            self._writer.set_run_meta(self._meta)
         if config.flight_recorder:
             from megascope.collectors.flight_recorder import FlightRecorderPoller
 
@@ -162,6 +164,19 @@ class Collector:
             self._gc_watch = _GcWatch(self, int(config.gc_span_min_ms * 1e6))
             gc.callbacks.append(self._gc_watch)
         self._install_exit_hooks()
+
+    @classmethod
+    def from_env(cls, run_dir: Any = None, *, mesh: Any = None, intercept: bool = True, **settings: Any) -> Collector:
+        """A collector laid out from the launcher's environment (torchrun, Slurm) or a ``DeviceMesh``,
+        with run.json written and every collective of the job seen (see
+        :mod:`megascope.collectors.setup`)::
+
+            col = Collector.from_env("runs/job42")                 # DDP / FSDP: dp = world
+            col = Collector.from_env("runs/job42", mesh=mesh)      # mesh dims named e.g. ("dp", "tp")
+        """
+        from megascope.collectors.setup import from_env
+
+        return from_env(run_dir, mesh=mesh, intercept=intercept, **settings)
 
     # ------------------------------------------------------------------ setup helpers
     def _start_witnesses(self) -> None:
@@ -522,6 +537,30 @@ class Collector:
         except Exception:
             self._internal_error("metric")
 
+    def set_model_flops(self, model: Any = None, *, tokens_per_step: int | None = None,
+                        flops_per_step: float | None = None, peak_flops_per_device: float | None = None) -> None:
+        """Make MFU known: the job's model FLOPs per step (given, or ``6 x parameters x tokens`` of
+        ``model``), the global tokens per step and the device's peak go into run.json (rank 0).
+        See :mod:`megascope.collectors.flops`."""
+        if not self._open:
+            return
+        try:
+            from megascope.collectors.flops import set_model_flops
+
+            set_model_flops(self, model, tokens_per_step=tokens_per_step, flops_per_step=flops_per_step,
+                            peak_flops_per_device=peak_flops_per_device)
+        except Exception:
+            self._internal_error("set_model_flops")
+
+    def count_flops(self, *, tokens_per_step: int | None = None, peak_flops_per_device: float | None = None) -> Any:
+        """A ``with`` block (one step) whose FLOPs ``torch.utils.flop_counter`` counts; this rank's
+        count times the world size becomes the model FLOPs per step in run.json."""
+        if not self._open:
+            return NOOP
+        from megascope.collectors.flops import CountFlops
+
+        return CountFlops(self, tokens_per_step, peak_flops_per_device)
+
     def mark_sync_point(self) -> None:
         """Tell the collector the host just waited for the device (e.g. after ``loss.item()``)."""
         if self._open:
@@ -568,6 +607,11 @@ class Collector:
         if not self._open:
             return
         self._active = self._open = False
+        if self._interception is not None:
+            try:
+                self._interception.uninstall()
+            except Exception:
+                self._internal_error("interception uninstall")
         try:
             atexit.unregister(self._atexit)
             if self._sigterm_installed and signal.getsignal(signal.SIGTERM) == self._on_sigterm:

@@ -27,6 +27,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from megascope.collectors.hooks import busy
+
 from megascope.schema import CollectiveOp, SpanKind
 
 if TYPE_CHECKING:
@@ -80,7 +82,8 @@ class DistMirror:
             return call()
         handle = col.comm_begin(op=op, group=col.group_id(group), bytes=nbytes, kind=kind, peer=peer)
         try:
-            result = call()
+            with busy():  # recorded here: an interception of the torch call inside records nothing
+                result = call()
         except BaseException:
             handle.abandon()
             raise
@@ -174,7 +177,8 @@ class DistMirror:
                 bytes=_nbytes(p2p.tensor), kind=SpanKind.SEND if is_send else SpanKind.RECV, peer=peer,
             ))
         try:
-            works = self._dist.batch_isend_irecv(p2p_op_list)
+            with busy():
+                works = self._dist.batch_isend_irecv(p2p_op_list)
         except BaseException:
             for h in handles:
                 h.abandon()
