@@ -243,8 +243,13 @@ def write_part(
     schema = TABLES[table]
     if data.schema != schema:
         data = data.select(schema.names).cast(schema)
+    # Only the writer's own run id: a table read from another run's part keeps that run's id in its
+    # metadata, which must not travel into this run.
+    metadata = {k: v for k, v in (data.schema.metadata or {}).items() if k != RUN_ID_KEY}
     if run_id is not None:
-        data = data.replace_schema_metadata({**(data.schema.metadata or {}), RUN_ID_KEY: run_id.encode()})
+        metadata[RUN_ID_KEY] = run_id.encode()
+    if metadata != (data.schema.metadata or {}):
+        data = data.replace_schema_metadata(metadata or None)
     where = table_path(Path(run_dir), table, rank=rank, host=host)
     path = where if table in SINGLE_FILE_TABLES else where / part_name()
     write_table_atomic(path, data)

@@ -101,3 +101,16 @@ def test_ingests_get_their_own_ids_on_every_part(tmp_path: Path) -> None:
     ingest_flight_recorder(dumps, tmp_path / "fr")
     fr_id = open_run(tmp_path / "fr").meta.run_id
     assert _part_ids(tmp_path / "fr") == {fr_id}
+
+
+def test_a_table_read_from_another_run_takes_the_writers_id(two_runs: tuple[Path, Path], tmp_path: Path) -> None:
+    """Copying rows (not files) into a new run, as a replay does, stamps them with the new run's id."""
+    planted, _ = two_runs
+    part = sorted((planted / "spans" / "rank=00000").glob("*.parquet"))[0]
+    table = pq.read_table(part)
+    assert (table.schema.metadata or {}).get(layout.RUN_ID_KEY) is not None
+    unstamped = layout.write_part(tmp_path / "a", "spans", table, rank=0)
+    assert layout.part_run_id(unstamped) is None
+    restamped = layout.write_part(tmp_path / "b", "spans", table, rank=0, run_id="new-run")
+    assert layout.part_run_id(restamped) == "new-run"
+    assert pq.read_table(restamped).num_rows == table.num_rows
