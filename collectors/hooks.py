@@ -1,0 +1,384 @@
+"""Every collective of the job, seen without touching the job's code.
+
+Role in the data flow: part of the in-job collector, installed by ``Collector.from_env`` (or
+``Interception(col).install()``). It gives the collective calls that torch itself issues the same
+record as ``col.dist``: an ``enqueued`` marker at the call (the rank's arrival), a communication
+span, and a ``completed`` marker once the operation is done. Three doors cover what a job issues:
+
+- **torch.distributed functions** (``all_reduce``, ``all_gather_single``/``all_gather_into_tensor``,
+  ``reduce_scatter_single``/``reduce_scatter_tensor``, ``all_gather``, ``broadcast``,
+  ``all_to_all_single``, ``barrier``): wrapped where torch looks them up (``torch.distributed`` and
+  ``torch.distributed.distributed_c10d``). FSDP2 issues its all-gathers, reduce-scatters and HSDP
+  all-reduces through them. An asynchronous call ends its span when the work's future completes:
+  a callback on ``work.get_future()``, which never waits, so overlap is kept and the caller gets
+  torch's own work object back.
+- **Functional collectives** (``torch.distributed._functional_collectives``: what DTensor, tensor
+  parallelism and ``loss_parallel`` call): the span ends at ``wait_tensor`` on the result, or when
+  the result is freed unwaited.
+- **DistributedDataParallel's gradient all-reduce**, issued by its C++ reducer and invisible to
+  Python: a DDP model that has no communication hook of its own gets, at its first forward, the
+  hook torch ships as the default (``default_hooks.allreduce_hook``: divide by the group size,
+  ``all_reduce`` asynchronously, hand DDP the future), whose ``all_reduce`` the first door sees.
+  DDP keeps its bucketing and its overlap of communication with backward. A job that registers
+  its own hook keeps it; a Python hook's ``torch.distributed`` calls are seen, a built-in (C++)
+  one's are not.
+
+Point-to-point calls (``send``/``recv``/``batch_isend_irecv``, pipeline schedules) are not
+intercepted: time them with ``col.dist``. A call made through ``col.dist`` is recorded once.
+
+Example::
+
+    col = Collector(CollectorConfig(run_dir=run), rank=rank, world_size=world)
+    interception = Interception(col).install()
+    ...   # DDP / FSDP2 / DTensor training
+    interception.uninstall()            # Collector.close() does this too
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from megascope.collectors.contexts import NOOP
+
+from megascope.schema import CollectiveOp
+
+if TYPE_CHECKING:
+    from megascope.collectors.collector import Collector
+
+log = logging.getLogger(__name__)
+
+# Set while a collector-issued or already-recorded call runs on this thread: the torch calls it
+# makes inside (all_gather_single -> all_gather_into_tensor, col.dist -> torch.distributed) are
+# not recorded twice.
+_TLS = threading.local()
+
+
+def inside() -> bool:
+    return getattr(_TLS, "busy", False)
+
+
+class _Busy:
+    __slots__ = ("_prev",)
+
+    def __enter__(self) -> None:
+        self._prev = getattr(_TLS, "busy", False)
+        _TLS.busy = True
+
+    def __exit__(self, *exc: object) -> None:
+        _TLS.busy = self._prev
+
+
+busy = _Busy
+
+# torch.distributed function -> (op, index and name of the tensor whose bytes count, index of group,
+# index of async_op) in its signature.
+_DIST_FUNCS: dict[str, tuple[CollectiveOp, int, str, int, int]] = {
+    "all_reduce": (CollectiveOp.ALL_REDUCE, 0, "tensor", 2, 3),
+    "all_gather_single": (CollectiveOp.ALL_GATHER, 1, "input", 2, 3),
+    "all_gather_into_tensor": (CollectiveOp.ALL_GATHER, 1, "input_tensor", 2, 3),
+    "all_gather": (CollectiveOp.ALL_GATHER, 1, "tensor", 2, 3),
+    "reduce_scatter_single": (CollectiveOp.REDUCE_SCATTER, 1, "input", 3, 4),
+    "reduce_scatter_tensor": (CollectiveOp.REDUCE_SCATTER, 1, "input", 3, 4),
+    "reduce_scatter": (CollectiveOp.REDUCE_SCATTER, 0, "output", 3, 4),
+    "broadcast": (CollectiveOp.BROADCAST, 0, "tensor", 2, 3),
+    "all_to_all_single": (CollectiveOp.ALL_TO_ALL, 1, "input", 4, 5),
+    "barrier": (CollectiveOp.BARRIER, -1, "", 0, 1),
+}
+
+# Functional collectives -> (op, index of group in the signature; the tensor is always the first).
+_FUNCOL_FUNCS: dict[str, tuple[CollectiveOp, int]] = {
+    "all_reduce": (CollectiveOp.ALL_REDUCE, 2),
+    "all_gather_single": (CollectiveOp.ALL_GATHER, 2),
+    "reduce_scatter_single": (CollectiveOp.REDUCE_SCATTER, 2),
+    "all_to_all_single": (CollectiveOp.ALL_TO_ALL, 3),
+    "broadcast": (CollectiveOp.BROADCAST, 2),
+}
+
+
+def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str, default: Any = None) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[index] if 0 <= index < len(args) else default
+
+
+def _nbytes(tensor: Any) -> int | None:
+    try:
+        if isinstance(tensor, list | tuple):
+            return sum(int(t.numel() * t.element_size()) for t in tensor)
+        return int(tensor.numel() * tensor.element_size())
+    except Exception:
+        return None
+
+
+def _end_quietly(handle: Any) -> None:
+    try:
+        handle.end()
+    except Exception:
+        log.debug("megascope: ending an intercepted call's span failed", exc_info=True)
+
+
+def _end_on_future(handle: Any, fut: Any) -> None:
+    """A future's callback: the call completed, or failed (a timeout, an abort), which is no
+    completion: the lone ``enqueued`` marker is then the trail."""
+    try:
+        fut.value()  # ready: returns at once, or raises the operation's error
+    except BaseException:
+        handle.abandon()
+        return
+    _end_quietly(handle)
+
+
+class Interception:
+    """Wraps torch's collective entry points for one collector; ``install()`` / ``uninstall()``."""
+
+    def __init__(self, collector: Collector) -> None:
+        self._col = weakref.ref(collector)
+        self._saved: list[tuple[Any, str, Any]] = []  # (owner, attribute, original)
+        self._funcol_groups: dict[Any, str] = {}
+        self._pending: Any = None  # result tensor of a functional collective -> its handle
+        self.installed = False
+        self.ddp_hooks = 0  # DDP models given the recording all-reduce hook
+        self.no_future = 0  # asynchronous calls whose work had no future: ended at launch
+        self._ddp_register: Callable[..., Any] = lambda *args: None
+
+    # ------------------------------------------------------------------ install
+    def install(self) -> Interception:
+        if self.installed:
+            return self
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        for name, spec in _DIST_FUNCS.items():
+            original = getattr(c10d, name, None)
+            if original is None:
+                continue
+            wrapped = self._wrap_dist(original, name, spec)
+            for owner in (dist, c10d):
+                if getattr(owner, name, None) is original:
+                    self._patch(owner, name, wrapped)
+        self._install_funcol()
+        self._install_ddp()
+        self.installed = True
+        return self
+
+    def uninstall(self) -> None:
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()
+        self.installed = False
+
+    def _patch(self, owner: Any, name: str, value: Any) -> None:
+        self._saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    # ------------------------------------------------------------------ torch.distributed
+    def _wrap_dist(self, original: Callable[..., Any], name: str,
+                   spec: tuple[CollectiveOp, int, str, int, int]) -> Callable[..., Any]:
+        op, t_index, t_name, g_index, a_index = spec
+        col_ref = self._col
+        interception = self
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            col = col_ref()
+            if col is None or not col._active or getattr(_TLS, "busy", False):
+                return original(*args, **kwargs)
+            handle: Any = NOOP
+            async_op = False
+            try:
+                async_op = bool(_arg(args, kwargs, a_index, "async_op", False))
+                group = _arg(args, kwargs, g_index, "group")
+                nbytes = 0 if t_index < 0 else _nbytes(_arg(args, kwargs, t_index, t_name))
+                handle = col.comm_begin(op=op, group=col.group_id(group), bytes=nbytes, name=f"{name}")
+            except Exception:
+                col._internal_error("intercepted call")
+            _TLS.busy = True
+            try:
+                result = original(*args, **kwargs)
+            except BaseException:
+                handle.abandon()
+                raise
+            finally:
+                _TLS.busy = False
+            if async_op and result is not None:
+                interception._end_on_completion(result, handle)
+            else:
+                handle.end()
+            return result
+
+        recorded.__wrapped__ = original  # type: ignore[attr-defined]
+        recorded.__name__ = getattr(original, "__name__", name)
+        recorded.__doc__ = original.__doc__
+        return recorded
+
+    def _end_on_completion(self, work: Any, handle: Any) -> None:
+        """End the span when the work completes, without waiting: a callback on its future.
+
+        On gloo the callback runs on the backend's thread when the operation finishes; on NCCL the
+        future is ready at launch and the callback runs on a stream that waits for the operation,
+        so the end stamp (a device event) is its completion.
+        """
+        if handle is NOOP:
+            return
+        try:
+            work.get_future().then(lambda fut: _end_on_future(handle, fut))
+        except Exception:
+            # A work without a future: its completion cannot be seen without waiting. Ending now
+            # keeps the trail honest about arrival; its duration is the launch only.
+            self.no_future += 1
+            handle.end()
+
+    # ------------------------------------------------------------------ functional collectives
+    def _install_funcol(self) -> None:
+        try:
+            import torch.distributed._functional_collectives as funcol
+            from torch.utils.weak import WeakIdKeyDictionary
+        except ImportError:
+            return
+        self._pending = WeakIdKeyDictionary()
+        for name, (op, g_index) in _FUNCOL_FUNCS.items():
+            original = getattr(funcol, name, None)
+            if original is not None:
+                self._patch(funcol, name, self._wrap_funcol(original, name, op, g_index))
+        original_wait = getattr(funcol, "wait_tensor", None)
+        if original_wait is not None:
+            self._patch(funcol, "wait_tensor", self._wrap_wait(original_wait))
+
+    def _funcol_group(self, col: Collector, group: Any) -> str:
+        try:
+            key: Any = group if not isinstance(group, list) else tuple(group)
+            hash(key)
+        except TypeError:
+            key = None
+        if key is not None and key in self._funcol_groups:
+            return self._funcol_groups[key]
+        import torch.distributed._functional_collectives as funcol
+        import torch.distributed.distributed_c10d as c10d
+
+        name = str(funcol._resolve_group_name(group))
+        known = col._groups_by_name.get(name)
+        if known is not None:
+            gid = known.id
+        else:
+            gid = col.group_id(c10d._resolve_process_group(name))  # type: ignore[arg-type]
+        if key is not None and len(self._funcol_groups) < 1024:
+            self._funcol_groups[key] = gid
+        return gid
+
+    def _wrap_funcol(self, original: Callable[..., Any], name: str, op: CollectiveOp,
+                     g_index: int) -> Callable[..., Any]:
+        col_ref = self._col
+        interception = self
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            col = col_ref()
+            if col is None or not col._active or getattr(_TLS, "busy", False):
+                return original(*args, **kwargs)
+            handle: Any = NOOP
+            try:
+                tensor = args[0] if args else kwargs.get("self")
+                group = _arg(args, kwargs, g_index, "group")
+                handle = col.comm_begin(op=op, group=interception._funcol_group(col, group), bytes=_nbytes(tensor),
+                                        name=f"funcol.{name}")
+            except Exception:
+                col._internal_error("intercepted functional collective")
+            _TLS.busy = True
+            try:
+                result = original(*args, **kwargs)
+            except BaseException:
+                handle.abandon()
+                raise
+            finally:
+                _TLS.busy = False
+            interception._pend(result, handle)
+            return result
+
+        recorded.__wrapped__ = original  # type: ignore[attr-defined]
+        recorded.__name__ = getattr(original, "__name__", name)
+        recorded.__doc__ = original.__doc__
+        return recorded
+
+    def _pend(self, result: Any, handle: Any) -> None:
+        if handle is NOOP:
+            return
+        elem = getattr(result, "elem", None)  # an AsyncCollectiveTensor: waited at first use
+        if elem is None or self._pending is None:
+            handle.end()  # already waited (tracing, or torch waited itself)
+            return
+        try:
+            self._pending[elem] = handle
+            # A result dropped unwaited never blocks anyone: end its span rather than leave a
+            # call that looks entered and never completed.
+            # (The wrapper, not its tensor: torch's registry of unwaited work keeps the tensor.)
+            weakref.finalize(result, _end_quietly, handle)
+        except Exception:
+            handle.end()
+
+    def _wrap_wait(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        interception = self
+
+        def wait_tensor(tensor: Any) -> Any:
+            pending = interception._pending
+            handle = pending.pop(tensor, None) if pending is not None else None
+            if handle is not None:
+                handle.waiting()
+            result = original(tensor)
+            if handle is not None:
+                _end_quietly(handle)
+            return result
+
+        wait_tensor.__wrapped__ = original  # type: ignore[attr-defined]
+        wait_tensor.__doc__ = original.__doc__
+        return wait_tensor
+
+    # ------------------------------------------------------------------ DDP
+    def _install_ddp(self) -> None:
+        try:
+            from torch.nn.parallel import DistributedDataParallel as DDP
+        except ImportError:
+            return
+        interception = self
+        original_forward = DDP.forward
+        original_register = DDP.register_comm_hook
+        original_builtin = DDP._register_builtin_comm_hook
+        self._ddp_register = original_register
+
+        def forward(model: Any, *inputs: Any, **kwargs: Any) -> Any:
+            if "_megascope_seen" not in model.__dict__:
+                interception._hook_ddp(model)
+            return original_forward(model, *inputs, **kwargs)
+
+        def register_comm_hook(model: Any, state: object, hook: Callable[..., Any]) -> None:
+            model.__dict__["_megascope_seen"] = True  # the job's own hook: keep it
+            return original_register(model, state, hook)
+
+        def register_builtin_comm_hook(model: Any, comm_hook_type: Any) -> None:
+            model.__dict__["_megascope_seen"] = True
+            return original_builtin(model, comm_hook_type)
+
+        forward.__wrapped__ = original_forward  # type: ignore[attr-defined]
+        register_comm_hook.__wrapped__ = original_register  # type: ignore[attr-defined]
+        register_comm_hook.__doc__ = original_register.__doc__
+        self._patch(DDP, "forward", forward)
+        self._patch(DDP, "register_comm_hook", register_comm_hook)
+        self._patch(DDP, "_register_builtin_comm_hook", register_builtin_comm_hook)
+
+    def _hook_ddp(self, model: Any) -> None:
+        model.__dict__["_megascope_seen"] = True
+        col = self._col()
+        if col is None or not col._active:
+            return
+        try:
+            if getattr(model, "_comm_hooks", None):  # registered before the collector was installed
+                return
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            # torch's own registration: the job's later register_comm_hook would then fail as it
+            # does on any DDP model that has a hook, so this runs only at the first forward.
+            self._ddp_register(model, model.process_group, allreduce_hook)
+            self.ddp_hooks += 1
+        except Exception:
+            col._internal_error("DDP comm hook")

@@ -1,0 +1,55 @@
+"""A plain DDP training script of the kind people write, with megascope's three lines added.
+
+Run it under ``torchrun --standalone --nproc-per-node N tests/jobs/ddp_job.py RUN``. Faults for
+the tests: ``--straggler RANK,FACTOR`` (that rank's forward does FACTOR times the work),
+``--hang RANK,STEP`` (that rank sleeps before its forward in STEP: its peers wait in DDP's
+all-reduce until the collective timeout).
+"""
+
+import argparse
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from megascope.collectors import Collector
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+parser = argparse.ArgumentParser()
+parser.add_argument("run_dir")
+parser.add_argument("--steps", type=int, default=10)
+parser.add_argument("--straggler", default=None)
+parser.add_argument("--hang", default=None)
+parser.add_argument("--timeout", type=float, default=10.0)
+args = parser.parse_args()
+
+col = Collector.from_env(args.run_dir, flush_interval_s=0.25, stacks_after_s=args.timeout / 2)   # megascope
+dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+rank, world = dist.get_rank(), dist.get_world_size()
+torch.manual_seed(0)
+model = DDP(nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 16)),
+            bucket_cap_mb=0.5)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+slow_rank, factor = (int(v) if i == 0 else float(v) for i, v in enumerate(args.straggler.split(","))) \
+    if args.straggler else (-1, 1.0)
+hang_rank, hang_step = (int(v) for v in args.hang.split(",")) if args.hang else (-1, -1)
+gen = torch.Generator().manual_seed(rank)
+for step in range(args.steps):
+    with col.step(step):                                                                        # megascope
+        x, y = torch.randn(256, 256, generator=gen), torch.randn(256, 16, generator=gen)
+        if rank == hang_rank and step == hang_step:
+            time.sleep(3600)
+        loss = nn.functional.mse_loss(model(x), y)
+        if rank == slow_rank:  # extra forwards outside the autograd graph: a forward is ~1/3 of a step's compute
+            with torch.no_grad():
+                for _ in range(round(3 * (factor - 1))):
+                    model.module(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    col.metric("loss", loss)
+col.close()
+dist.destroy_process_group()
+print(f"rank {rank} of {world} done", flush=True) if os.environ.get("JOB_VERBOSE") else None

@@ -1,0 +1,238 @@
+"""megascope dropped into jobs of other people's shape: ``Collector.from_env``, every collective seen
+without code (torch.distributed calls, functional collectives, DDP's reducer), MFU from run.json,
+and the README's snippet run as written."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from megascope.collectors import Collector
+from megascope.collectors.hooks import Interception
+from megascope.collectors.setup import data_parallel_layout, device_mesh_layout, place_from_env
+
+from megascope.errors import ConfigError
+from megascope.store import open_run
+
+ROOT = Path(__file__).resolve().parents[1]
+JOBS = Path(__file__).resolve().parent / "jobs"
+
+
+def torchrun(nproc: int, script: Path, *args: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MEGASCOPE_RUN_DIR"):
+        env.pop(name, None)
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+         str(script), *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+
+
+def megascope_json(*args: str) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "megascope", *args, "--json"], capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+# ---------------------------------------------------------------------------- layout from the environment
+def test_place_from_env_reads_torchrun_then_slurm_and_refuses_nonsense() -> None:
+    assert place_from_env({"RANK": "3", "WORLD_SIZE": "5", "LOCAL_RANK": "1"}) == (3, 5, 1)
+    assert place_from_env({"SLURM_PROCID": "2", "SLURM_NTASKS": "6", "SLURM_LOCALID": "0"}) == (2, 6, 0)
+    assert place_from_env({}) == (0, 1, None)
+    with pytest.raises(ConfigError, match="RANK='x'"):
+        place_from_env({"RANK": "x", "WORLD_SIZE": "2"})
+    with pytest.raises(ConfigError, match="not inside a world of 3"):
+        place_from_env({"RANK": "3", "WORLD_SIZE": "3"})
+
+
+def test_without_a_mesh_the_whole_world_is_data_parallel() -> None:
+    layout = data_parallel_layout(5, 7)
+    assert layout.sizes == {"pp": 1, "dp": 7, "tp": 1}
+    assert layout.coords == {"pp": 0, "dp": 5, "tp": 0}
+    (pg, group), = layout.groups
+    assert pg is None and group.kind == "dp" and group.members == tuple(range(7))
+
+
+class _FakeMesh:
+    """What device_mesh_layout reads of a DeviceMesh: its rank tensor, names and groups."""
+
+    def __init__(self, ranks: torch.Tensor, names: tuple[str, ...] | None) -> None:
+        self.mesh = ranks
+        self.mesh_dim_names = names
+
+    def get_group(self, name: str) -> str:
+        return f"pg-{name}"
+
+
+def test_a_device_mesh_gives_coordinates_and_groups_from_its_rank_tensor() -> None:
+    # A mesh laid out column-major: coordinates must come from the tensor, not from rank arithmetic.
+    ranks = torch.arange(6).reshape(2, 3).t().contiguous()  # shape (3, 2): [[0, 3], [1, 4], [2, 5]]
+    layout = device_mesh_layout(_FakeMesh(ranks, ("dp", "tp")), rank=4)
+    assert layout.sizes == {"dp": 3, "tp": 2}
+    assert layout.coords == {"dp": 1, "tp": 1}
+    groups = {g.kind: (pg, g) for pg, g in layout.groups}
+    assert groups["tp"][1].members == (1, 4) and groups["tp"][1].id == "tp:1" and groups["tp"][0] == "pg-tp"
+    assert groups["dp"][1].members == (3, 4, 5) and groups["dp"][1].id == "dp:1"
+    odd = device_mesh_layout(_FakeMesh(torch.arange(4).reshape(2, 2), ("dp_shard", "cp")), rank=2)
+    assert {g.kind for _, g in odd.groups} == {"other"}
+    with pytest.raises(ConfigError, match="no dimension names"):
+        device_mesh_layout(_FakeMesh(ranks, None), rank=0)
+    with pytest.raises(ConfigError, match="rank 9 is not in the DeviceMesh"):
+        device_mesh_layout(_FakeMesh(ranks, ("dp", "tp")), rank=9)
+
+
+def test_from_env_refuses_bad_settings_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MEGASCOPE_RUN_DIR", raising=False)
+    with pytest.raises(ConfigError, match="no run directory"):
+        Collector.from_env()
+    with pytest.raises(ConfigError, match="flush_interval_s must be > 0"):
+        Collector.from_env(tmp_path / "r", flush_interval_s=0)
+    with pytest.raises(ConfigError, match="unexpected keyword argument 'flush'"):
+        Collector.from_env(tmp_path / "r", flush=1)
+    monkeypatch.setenv("MEGASCOPE_INTERCEPT", "perhaps")
+    with pytest.raises(ConfigError, match="MEGASCOPE_INTERCEPT='perhaps'"):
+        Collector.from_env(tmp_path / "r")
+
+
+# ---------------------------------------------------------------------------- interception, one process
+@pytest.fixture
+def one_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=30))
+    try:
+        yield tmp_path / "run"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_distributed_and_functional_collectives_are_recorded_once(one_rank: Path) -> None:
+    import torch.distributed._functional_collectives as funcol
+
+    original = dist.all_reduce
+    col = Collector.from_env(one_rank, flush_interval_s=0.2, device=torch.device("cpu"), marker_agent=False)
+    assert dist.all_reduce is not original
+    t = torch.ones(10)
+    with col.step(0):
+        dist.all_reduce(t)                                     # blocking
+        work = dist.all_reduce(t, async_op=True)              # ends on the future, never waited by us
+        work.wait()
+        col.dist.all_reduce(t)                                 # recorded by col.dist only
+        out = funcol.all_reduce(t, "sum", dist.group.WORLD)
+        out = out + 1                                          # first use waits
+    col.close()
+    assert dist.all_reduce is original                         # close() puts torch back
+    run = open_run(one_rank)
+    rows = run.con.execute('SELECT name, "group", seq FROM spans WHERE kind = \'collective\' ORDER BY seq').fetchall()
+    assert [r[0] for r in rows] == ["all_reduce", "all_reduce", "dp.all_reduce", "funcol.all_reduce"]
+    assert [r[2] for r in rows] == [0, 1, 2, 3] and {r[1] for r in rows} == {"dp:0"}
+    states = run.con.execute("SELECT state, count(*) FROM markers GROUP BY 1 ORDER BY 1").fetchall()
+    assert states == [("completed", 4), ("enqueued", 4)]
+
+
+def test_an_unwaited_functional_result_is_not_left_looking_stuck(one_rank: Path) -> None:
+    import gc
+
+    import torch.distributed._functional_collectives as funcol
+
+    col = Collector.from_env(one_rank, flush_interval_s=0.2, device=torch.device("cpu"), marker_agent=False)
+    with col.step(0):
+        out = funcol.all_reduce(torch.ones(4), "sum", dist.group.WORLD)
+        del out
+        gc.collect()
+    col.close()
+    states = open_run(one_rank).con.execute("SELECT state FROM markers ORDER BY state").fetchall()
+    assert states == [("completed",), ("enqueued",)]
+
+
+def test_a_failing_call_raises_as_torch_would_and_leaves_no_completion(one_rank: Path) -> None:
+    col = Collector.from_env(one_rank, flush_interval_s=0.2, device=torch.device("cpu"), marker_agent=False)
+    with col.step(0), pytest.raises(TypeError):
+        dist.broadcast(torch.ones(2), src=0, group=dist.group.WORLD, async_op="no")  # type: ignore[arg-type]
+    with col.step(1):
+        dist.barrier()
+    col.close()
+    rows = open_run(one_rank).con.execute("SELECT op, state FROM markers ORDER BY op, state").fetchall()
+    assert ("barrier", "completed") in rows
+    assert ("broadcast", "completed") not in rows
+
+
+def test_interception_is_inert_when_paused_or_uninstalled(one_rank: Path) -> None:
+    col = Collector.from_env(one_rank, flush_interval_s=0.2, device=torch.device("cpu"), marker_agent=False,
+                             intercept=False)
+    extra = Interception(col).install()
+    col.pause()
+    dist.all_reduce(torch.ones(3))
+    col.resume()
+    extra.uninstall()
+    with col.step(0):
+        dist.all_reduce(torch.ones(3))
+    col.close()
+    assert open_run(one_rank).con.execute("SELECT count(*) FROM markers").fetchone() == (0,)
+
+
+# ---------------------------------------------------------------------------- the README, run as written
+def _python_block_after(text: str, heading: str) -> str:
+    section = text[text.index(heading):]
+    match = re.search(r"```python\n(.*?)```", section, re.S)
+    assert match, f"no python block after {heading!r}"
+    return match.group(1)
+
+
+@pytest.mark.dist
+def test_the_readme_snippet_runs_under_torchrun_and_reports(tmp_path: Path) -> None:
+    code = _python_block_after((ROOT / "README.md").read_text(), "## In your own training loop")
+    (tmp_path / "train.py").write_text(code)
+    proc = torchrun(2, tmp_path / "train.py", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "job42"
+    report = megascope_json("report", str(run_dir))
+    assert report["run"]["mesh"] == {"pp": 1, "dp": 2, "tp": 1}
+    assert report["run"]["steps"] == 20
+    assert report["mfu"]["mean"] is not None and 0 < report["mfu"]["mean"] < 1
+    run = open_run(run_dir)
+    per_rank = run.con.execute(
+        "SELECT rank, count(*) FROM spans WHERE kind = 'collective' AND \"group\" = 'dp:0' GROUP BY 1 ORDER BY 1"
+    ).fetchall()
+    assert [r for r, _ in per_rank] == [0, 1] and per_rank[0][1] == per_rank[1][1] >= 20
+
+
+# ---------------------------------------------------------------------------- a plain DDP job under torchrun
+@pytest.mark.dist
+def test_ddp_job_straggler_is_named_from_its_own_all_reduce(tmp_path: Path) -> None:
+    """DDP's reducer issues the gradient all-reduce in C++; the job registers no hook and wraps no call."""
+    run_dir = tmp_path / "run"
+    proc = torchrun(3, JOBS / "ddp_job.py", str(run_dir), "--steps", "12", "--straggler", "1,2.7", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = open_run(run_dir)
+    calls = run.con.execute(
+        "SELECT rank, count(*) FROM spans WHERE kind = 'collective' AND op = 'all_reduce' GROUP BY 1 ORDER BY 1"
+    ).fetchall()
+    assert [r for r, _ in calls] == [0, 1, 2] and len({n for _, n in calls}) == 1 and calls[0][1] >= 12
+    report = megascope_json("report", str(run_dir))
+    assert report["run"]["mesh"] == {"pp": 1, "dp": 3, "tp": 1}
+    assert [s["rank"] for s in report["stragglers"]] == [1], report["stragglers"]
+    assert report["hang"]["hung"] is False
+
+
+@pytest.mark.dist
+def test_ddp_job_hang_is_localized_to_the_rank_that_never_entered(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = torchrun(3, JOBS / "ddp_job.py", str(run_dir), "--steps", "12", "--hang", "2,3", "--timeout", "8",
+                    cwd=tmp_path)
+    assert proc.returncode != 0  # the waiting ranks' all-reduce timed out
+    found = megascope_json("localize", str(run_dir))
+    assert found["hung"], found
+    first = found["suspects"][0]
+    assert first["rank"] == 2 and first["group"] == "dp:0", found["suspects"]
+    assert first["coords"] == {"pp": 0, "dp": 2, "tp": 0}
