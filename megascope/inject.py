@@ -1,6 +1,10 @@
 """The one fault-injection grammar, shared by ``megascope train`` and ``megascope synth``.
 
-    straggler:rank=R,factor=F     rank R's compute runs F times slower (F > 1)
+    straggler:rank=R,factor=F[,mode=M]
+                                  rank R's compute runs F times slower (F > 1); M is ``time`` (the
+                                  default: each phase is stretched to F times its own duration, as
+                                  a slow or throttled device is) or ``flops`` (F-1 times the phase's
+                                  matrix work again, which only slows a device-bound run)
     hang:rank=R,step=S            rank R stops before its next collective in step S
     freeze:rank=R,step=S          the same, inside a C call that holds the interpreter lock, so every
                                   Python thread of rank R stops with it (the collector's too)
@@ -19,13 +23,15 @@ from dataclasses import dataclass, field
 
 from megascope.errors import ConfigError
 
-# kind -> {parameter: type}; every parameter is required.
+# kind -> {parameter: type}; every parameter is required except those in _OPTIONAL.
 _GRAMMAR: dict[str, dict[str, type]] = {
-    "straggler": {"rank": int, "factor": float},
+    "straggler": {"rank": int, "factor": float, "mode": str},
     "hang": {"rank": int, "step": int},
     "freeze": {"rank": int, "step": int},
     "skew": {"rank": int, "ms": float},
 }
+_OPTIONAL: dict[str, set[str]] = {"straggler": {"mode"}}
+STRAGGLER_MODES = ("time", "flops")
 
 
 @dataclass(frozen=True)
@@ -35,9 +41,10 @@ class Fault:
     factor: float | None = None  # straggler
     step: int | None = None  # hang, freeze
     ms: float | None = None  # skew
+    mode: str | None = None  # straggler: time (default) | flops
 
     def spec(self) -> str:
-        params = {k: getattr(self, k) for k in _GRAMMAR[self.kind]}
+        params = {k: getattr(self, k) for k in _GRAMMAR[self.kind] if getattr(self, k) is not None}
         return f"{self.kind}:" + ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in params.items())
 
 
@@ -48,7 +55,7 @@ def parse_inject(spec: str) -> Fault:
     if kind not in _GRAMMAR:
         raise ConfigError(f"--inject {spec!r}: unknown fault kind {kind!r} (known: {', '.join(_GRAMMAR)})")
     if not sep or not rest.strip():
-        wanted = ",".join(f"{k}=..." for k in _GRAMMAR[kind])
+        wanted = ",".join(f"{k}=..." for k in _GRAMMAR[kind] if k not in _OPTIONAL.get(kind, set()))
         raise ConfigError(f"--inject {spec!r}: expected {kind}:{wanted}")
     values: dict[str, int | float] = {}
     for item in rest.split(","):
@@ -62,7 +69,7 @@ def parse_inject(spec: str) -> Fault:
             values[key] = _GRAMMAR[kind][key](raw.strip())
         except ValueError:
             raise ConfigError(f"--inject {spec!r}: {key}={raw.strip()!r} is not a valid {_GRAMMAR[kind][key].__name__}") from None
-    missing = set(_GRAMMAR[kind]) - set(values)
+    missing = set(_GRAMMAR[kind]) - set(values) - _OPTIONAL.get(kind, set())
     if missing:
         raise ConfigError(f"--inject {spec!r}: missing {', '.join(sorted(missing))}")
     fault = Fault(kind=kind, **values)  # type: ignore[arg-type]
@@ -74,6 +81,8 @@ def parse_inject(spec: str) -> Fault:
         raise ConfigError(f"--inject {spec!r}: step must be >= 0")
     if fault.ms is not None and fault.ms <= 0:
         raise ConfigError(f"--inject {spec!r}: ms must be > 0")
+    if fault.mode is not None and fault.mode not in STRAGGLER_MODES:
+        raise ConfigError(f"--inject {spec!r}: mode must be one of {', '.join(STRAGGLER_MODES)}")
     return fault
 
 
@@ -97,6 +106,11 @@ class Faults:
             if f.kind == "straggler" and f.rank == rank and f.factor is not None:
                 factor *= f.factor
         return factor
+
+    def straggler_mode(self, rank: int) -> str:
+        """How rank's straggler slows it: ``time`` unless a straggler fault on it says ``flops``."""
+        modes = [f.mode for f in self.faults if f.kind == "straggler" and f.rank == rank and f.mode]
+        return modes[0] if modes else "time"
 
     def hang_step(self, rank: int, kinds: tuple[str, ...] = ("hang", "freeze")) -> int | None:
         """The first step where rank stops for good (a hang or a freeze; ``kinds`` picks)."""

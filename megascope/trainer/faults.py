@@ -4,14 +4,19 @@ Role in the data flow: ``loop.py`` builds one :class:`FaultPlan` per rank from t
 specs (grammar in :mod:`megascope.inject`); the run directory then records the fault the way a
 real incident would look, for the analyses to find.
 
-* ``straggler:rank=R,factor=F``: after each micro-batch's forward (backward) on rank R, extra
-  matrix multiplies over the stage's own weights and full-sequence activation shapes. Real compute
-  on the same device (no sleep, no communication). On GPU the extra work is FLOP-proportional:
-  ``F-1`` (``2(F-1)``) forward passes' worth of the stage's GEMMs, which dominate there (attention
-  and element-wise work are not repeated, so the factor is approximate). On CPU, where a small
-  model's time is mostly Python and framework overhead rather than GEMM FLOPs, the rank keeps
-  multiplying for ``F-1`` times the phase's measured duration, so the phase really takes F times
-  as long.
+* ``straggler:rank=R,factor=F[,mode=time|flops]``: each micro-batch's forward and backward on
+  rank R take longer, inside their spans, with no communication.
+
+  ``mode=time`` (the default) stretches the phase to F times its own duration, as a slow or
+  throttled device is slow whatever the work: on GPU the stream runs ``torch.cuda._sleep`` for
+  ``F-1`` times the phase's device time (measured with events from earlier micro-batches of the
+  same phase, no synchronisation; cycles per nanosecond calibrated once at start), so host-bound
+  and device-bound runs slow alike; on CPU the rank keeps multiplying the stage's weights for
+  ``F-1`` times the phase's measured wall time.
+
+  ``mode=flops`` adds ``F-1`` (``2(F-1)``) forward passes' worth of the stage's GEMMs (attention and
+  element-wise work are not repeated, so the factor is approximate). On a host-bound GPU run that
+  work fills idle device time and may slow nothing: a FLOP straggler, not a slow device.
 * ``hang:rank=R,step=S``: rank R blocks before its next communication call in step S (a wait that
   never returns) while its collector's writer thread keeps flushing the markers written so far. The
   other ranks then block in collectives that time out after ``--collective-timeout`` seconds.
@@ -38,6 +43,7 @@ import logging
 import math
 import signal
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +59,7 @@ class FaultPlan:
         self.rank = rank
         self.col = collector
         self.factor = faults.straggler_factor(rank)
+        self.mode = faults.straggler_mode(rank)
         self.hang_step = faults.hang_step(rank, ("hang",))
         self.freeze_step = faults.hang_step(rank, ("freeze",))
         self.skew_s = faults.skew_ms(rank) / 1000.0
@@ -86,6 +93,12 @@ class FaultPlan:
     def burn(self, phase: str, elapsed_s: float) -> None:
         if self._burner is not None:
             self._burner(phase, elapsed_s)
+
+    def begin(self, phase: str) -> None:
+        """Runs as a phase starts (the device stretch records an event there)."""
+        begin = getattr(self._burner, "begin", None)
+        if begin is not None:
+            begin(phase)
 
 
 def freeze() -> None:
@@ -139,3 +152,51 @@ class Burner:
     def _pass(self, rows: int) -> None:
         for w in self.weights:
             self.sink = self.inputs[w.shape[1]][:rows] @ w.t()  # kept so the work is not optimised away
+
+
+def sleep_cycles_per_ns(device: torch.device) -> float:
+    """GPU clock cycles per nanosecond of ``torch.cuda._sleep``, measured once (one synchronise, at setup)."""
+    cycles = 20_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.device(device):
+        torch.cuda._sleep(1_000_000)  # warm-up
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+    return cycles / max(start.elapsed_time(end) * 1e6, 1.0)
+
+
+class DeviceStretch:
+    """A slow GPU: after each phase the stream sleeps ``factor-1`` times the phase's device time.
+
+    The phase's device time comes from event pairs of its earlier micro-batches, read when they have
+    completed (``query()``, never a synchronise); until the first pair completes, the phase's host
+    time stands in. The end event is recorded before the sleep, so estimates never include it.
+    """
+
+    def __init__(self, factor: float, device: torch.device) -> None:
+        self.factor = factor
+        self.cycles_per_ns = sleep_cycles_per_ns(device)
+        self._open: dict[str, torch.cuda.Event] = {}
+        self._pending: deque[tuple[str, torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._device_ns: dict[str, float] = {}
+
+    def begin(self, phase: str) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self._open[phase] = event
+
+    def __call__(self, phase: str, elapsed_s: float = 0.0) -> None:
+        start = self._open.pop(phase, None)
+        if start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((phase, start, end))
+        while self._pending and self._pending[0][2].query():
+            done, s, e = self._pending.popleft()
+            self._device_ns[done] = s.elapsed_time(e) * 1e6
+        ns = self._device_ns.get(phase, elapsed_s * 1e9)
+        cycles = int((self.factor - 1.0) * ns * self.cycles_per_ns)
+        if cycles > 0:
+            torch.cuda._sleep(cycles)

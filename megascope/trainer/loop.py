@@ -39,7 +39,7 @@ from megascope.topology import Mesh
 from megascope.trainer.ab import ab_switch
 from megascope.trainer.config import TrainConfig
 from megascope.trainer.data import Prefetcher, Source, SyntheticLanguage, TokenFile
-from megascope.trainer.faults import Burner, FaultPlan
+from megascope.trainer.faults import Burner, DeviceStretch, FaultPlan
 from megascope.trainer.flops import model_flops_per_step, peak_flops
 from megascope.trainer.instrument import Comm, instrument_blocks, open_collector
 from megascope.trainer.model import GPTStage
@@ -168,8 +168,11 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -
                           microbatches={0} if cfg.layer_spans == "first" else None)
     autocast = _autocast(device)
     if plan.factor > 1.0:
-        plan.set_burner(Burner(stage.matmul_weights(), tokens=m.seq_len * cfg.micro_batch_size,
-                               factor=plan.factor, autocast=autocast, timed=device.type == "cpu"))
+        if plan.mode == "time" and device.type == "cuda":
+            plan.set_burner(DeviceStretch(plan.factor, device))
+        else:
+            plan.set_burner(Burner(stage.matmul_weights(), tokens=m.seq_len * cfg.micro_batch_size,
+                                   factor=plan.factor, autocast=autocast, timed=plan.mode == "time"))
     opt = ShardedOptimizer(stage, comm=comm, tp=ps.tp, dp=ps.dp, world=ps.world, dp_index=ps.dp_index,
                            tp_index=ps.tp_index, sequence_parallel=cfg.sequence_parallel, optimizer=cfg.optimizer,
                            lr=cfg.lr, weight_decay=cfg.weight_decay, grad_clip=cfg.grad_clip,
@@ -227,7 +230,7 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -
                          for c in batch.chunk(cfg.micro_batches, dim=0)]
                 loss = run_1f1b(stage, io, micro, stage_index=ps.pp_index, stages=ps.pp.size, collector=col,
                                 loss_scale=loss_scale, before_last_backward=before_last_backward, autocast=autocast,
-                                burn=plan.burn)
+                                burn=plan.burn, burn_begin=plan.begin)
                 grad_norm, global_loss = opt.step(lr, loss if counts_loss else None)
             if device.type == "cuda":
                 # Keep the host at most one step ahead of the device: the wait on the previous step's

@@ -108,12 +108,14 @@ class MicroBatch:
 
 def run_1f1b(stage: GPTStage, io: StageIO, batches: list[MicroBatch], *, stage_index: int, stages: int,
              collector: Any, loss_scale: float, before_last_backward: Callable[[], None],
-             autocast: Callable[[], Any], burn: Callable[[str, float], None]) -> torch.Tensor | None:
+             autocast: Callable[[], Any], burn: Callable[[str, float], None],
+             burn_begin: Callable[[str], None] = lambda phase: None) -> torch.Tensor | None:
     """Forward and backward every micro-batch on this stage; returns the summed scaled loss on the
     last stage (a tensor, no host sync), else None.
 
     ``before_last_backward`` arms the gradient sync; ``burn(phase, seconds)`` is the straggler's extra
-    work (host time is read only for it and costs no device sync).
+    work (host time is read only for it and costs no device sync); ``burn_begin(phase)`` runs as
+    the phase starts.
     """
     m = len(batches)
     warmup = min(stages - stage_index - 1, m)
@@ -127,6 +129,7 @@ def run_1f1b(stage: GPTStage, io: StageIO, batches: list[MicroBatch], *, stage_i
         i = next_fwd
         next_fwd += 1
         with collector.span("forward", kind=SpanKind.FORWARD, microbatch=i), autocast():
+            burn_begin("forward")
             t0 = time.perf_counter()
             mb = batches[i]
             out = stage(mb.tokens if inp is None else inp, targets=mb.targets)
@@ -144,6 +147,7 @@ def run_1f1b(stage: GPTStage, io: StageIO, batches: list[MicroBatch], *, stage_i
         if next_bwd == m:
             before_last_backward()
         with collector.span("backward", kind=SpanKind.BACKWARD, microbatch=i):
+            burn_begin("backward")
             t0 = time.perf_counter()
             torch.autograd.backward(out, grad_tensors=None if grad is None else grad)
             burn("backward", time.perf_counter() - t0)
