@@ -360,3 +360,16 @@ def test_kineto_events_that_cannot_be_placed_are_counted(tmp_path: Path) -> None
     assert proc.returncode == 0, proc.stderr
     summary = json.loads(proc.stdout)
     assert any("not imported (1 of 2 ranks)" in w for w in summary["warnings"]), summary["warnings"]
+
+
+def test_flight_recorder_dump_cut_inside_a_length_field_is_one_line(tmp_path: Path) -> None:
+    """Found by the fuzz tier: the pickle ends inside the 8-byte length of its first frame."""
+    src = tmp_path / "src"
+    src.mkdir()
+    raw = pickle.dumps(fr_dump([fr_entry(0, 1, created=T0, completed=T0 + 5)],
+                               {"0": {"name": "0", "desc": "default_pg", "ranks": "[0]"}}), protocol=5)
+    (src / "nccl_trace_rank_0").write_bytes(raw[: raw.index(b"\x95") + 4])
+    before = {p.name for p in tmp_path.iterdir()}
+    proc = megascope("ingest", "flight-recorder", src, "-o", tmp_path / "run")
+    assert_one_line_error(proc, mentions="nccl_trace_rank_0")
+    _assert_nothing_beside(tmp_path, before)

@@ -32,6 +32,7 @@ import logging
 import math
 import pickle
 import re
+import struct
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -97,8 +98,8 @@ def load_dump(path: Path) -> dict[str, Any]:
             dump = _PlainDataUnpickler(data, path).load()
         except IngestError:
             raise
-        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError,
-                AttributeError, MemoryError, RecursionError, UnicodeDecodeError) as exc:
+        except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError, IndexError, struct.error,
+                OverflowError, AttributeError, MemoryError, RecursionError, UnicodeDecodeError) as exc:
             raise IngestError(f"{path}: not a readable pickle ({type(exc).__name__}: {exc}); truncated or not a dump") from None
     if not isinstance(dump, dict) or not isinstance(dump.get("entries"), list):
         raise IngestError(f"{path}: not a flight-recorder dump (expected a dict with an 'entries' list)")
