@@ -22,7 +22,15 @@ def hung_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_report_json_contract(hung_run: Path) -> None:
+@pytest.fixture(scope="module")
+def slow_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "slow"
+    synth_run(path, SynthConfig(ranks=16, steps=6, tp=2, pp=2, seed=5, gpus_per_host=4,
+                                faults=parse_injects(["straggler:rank=3,factor=1.3"])))
+    return path
+
+
+def test_report_json_contract(hung_run: Path, slow_run: Path) -> None:
     result = CliRunner().invoke(main, ["report", str(hung_run), "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
@@ -30,10 +38,14 @@ def test_report_json_contract(hung_run: Path) -> None:
     assert {"path", "source", "world_size", "mesh", "steps"} <= set(report["run"])
     assert report["run"]["mesh"] == {"pp": 2, "dp": 4, "tp": 2}
     assert {"mean", "per_step"} <= set(report["mfu"])
-    top = report["stragglers"][0]
-    assert {"rank", "host", "coords", "phase", "slowdown", "steps_slow_frac", "cause"} <= set(top)
-    assert top["rank"] == 3 and top["cause"] == "compute" and set(top["coords"]) == {"pp", "dp", "tp"}
     assert report["hang"]["hung"] is True and report["hang"]["suspects"][0]["rank"] == 9
+    # In a hung run every rank is a hang suspect or its victim: no straggler is named.
+    assert report["stragglers"] == [] and report["stragglers_withheld"] == "hung"
+    slow = json.loads(CliRunner().invoke(main, ["report", str(slow_run), "--json"]).stdout)
+    top = slow["stragglers"][0]
+    assert {"rank", "host", "coords", "phase", "slowdown", "steps_slow_frac", "cause", "confidence", "evidence"} <= set(top)
+    assert top["rank"] == 3 and top["cause"] == "compute" and set(top["coords"]) == {"pp", "dp", "tp"}
+    assert slow["stragglers_withheld"] is None
 
 
 def test_localize_json_and_text(hung_run: Path) -> None:
@@ -47,7 +59,7 @@ def test_localize_json_and_text(hung_run: Path) -> None:
     text = CliRunner().invoke(main, ["localize", str(hung_run)])
     assert text.exit_code == 0 and "rank 9" in text.output
     report = CliRunner().invoke(main, ["report", str(hung_run), "--no-whatif"])
-    assert report.exit_code == 0 and "STRAGGLERS (1)" in report.output and "HANG" in report.output
+    assert report.exit_code == 0 and "STRAGGLERS none" in report.output and "HANG" in report.output
 
 
 def test_heatmap_html(hung_run: Path, tmp_path: Path) -> None:

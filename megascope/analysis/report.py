@@ -4,7 +4,8 @@ Role in the data flow: ``megascope report RUN [--json]`` prints it; the dashboar
 it. The keys ``run``, ``mfu``, ``stragglers``, ``skew`` and ``hang`` are a contract
 (ARCHITECTURE.md); the rest (``state``: running, stalled, hung, finished or failed and why, from
 :mod:`megascope.analysis.runstate`; ``clock``, ``bubbles``, ``exposed_comm``, ``host_lead``,
-``whatif``, ``problems``) may grow.
+``whatif``, ``problems``, ``stragglers_withheld``) may grow. Each straggler carries a ``confidence``,
+its ``p_value`` and the ``evidence`` that named it; a hung run names none.
 
 Example::
 
@@ -116,6 +117,12 @@ def _straggler_list(frame: pd.DataFrame, axes: tuple[str, ...]) -> list[dict[str
             "phase": row["phase"], "slowdown": float(row["slowdown"]), "steps_slow_frac": float(row["steps_slow_frac"]),
             "cause": row["cause"], "excess_ns": row["excess_ns"], "last_arrival_frac": row["last_arrival_frac"],
             "late_at": row["late_at"], "steps": int(row["steps"]),
+            "confidence": row.get("confidence"), "p_value": row.get("p_value"),
+            "evidence": {
+                "z": row.get("z"), "own_time_t": row.get("t_own"), "wait_caused_t": row.get("t_blame"),
+                "last_arrival_z": row.get("last_z"), "compute_span_share": row.get("spans_share"),
+                "compute_span_t": row.get("t_spans"),
+            },
         })
     return out
 
@@ -129,8 +136,14 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
     axes = tuple(run.meta.mesh_axes)
     steps_row = _sql.first(con.execute("SELECT count(DISTINCT step), min(step), max(step) FROM ms_cache.rank_step"))
     n_steps = int(steps_row[0]) if steps_row else 0
+    say("localizing hangs")
+    hang = localize(run)
     say("scoring stragglers")
+    # In a hung run every rank is a hang suspect or its victim: the steps before the hang say
+    # nothing an on-call engineer should act on first, so no straggler is named.
     slow = stragglers(con, config)
+    if hang.get("hung"):
+        slow = slow.iloc[0:0]
     say("computing MFU")
     per_step = mfu(con, run.meta)
     drift = mfu_drift(per_step) if not per_step.empty else {"drifting": False}
@@ -138,8 +151,6 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
     say("measuring skew")
     by_collective = skew_by_collective(con)
     skew_drifts = skew_drift(con, step_time_ns=median_step)
-    say("localizing hangs")
-    hang = localize(run)
     state = run_state(run, hang=hang)
     say("pipeline bubbles and exposed communication")
     bubble_frame = bubbles(con)
@@ -167,6 +178,8 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
             "drift": drift,
         },
         "stragglers": _straggler_list(slow, axes),
+        # Why the list is empty although ranks were slow: "hung" (they are hang suspects or victims).
+        "stragglers_withheld": "hung" if hang.get("hung") else None,
         "skew": {
             "collectives": by_collective.head(20).to_dict("records"),
             "drift": skew_drifts,

@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import duckdb
@@ -34,6 +35,7 @@ from megascope.errors import ConfigError
 COLUMNS = [
     "rank", "host", "pp", "dp", "tp", "phase", "cause", "slowdown", "steps_slow_frac", "steps",
     "excess_ns", "base_own_ns", "last_arrival_frac", "late_at", "impact",
+    "z", "p_value", "confidence", "t_own", "t_blame", "last_z", "spans_share", "t_spans",
 ]
 
 
@@ -46,8 +48,11 @@ class StragglerConfig:
     ``min_frac``: share of steps that must be slow (persistence; one-off hiccups are not stragglers).
     ``rel_floor``: the z-score's scale is at least this fraction of the median, so noise-free
     synthetic peers do not turn 0.1% differences into huge scores.
-    ``last_z``: a rank last to arrive at its collectives this many standard deviations more often
-    than chance is a straggler when its own time is at least ``min_slowdown`` x its peers'.
+    ``last_z``: kept for callers of earlier versions; the last-arrival evidence now enters ``z_comb``.
+    ``z_comb``: combined evidence (own time, wait caused, last arrival; see ``sql/stragglers.sql``)
+    a straggler needs. On 8-rank CPU runs with eight processes sharing two cores, healthy ranks
+    stayed below 3 (docs/benchmarks.md).
+    ``shadow``: a second rank is named only with at least this share of the worst one's evidence.
     """
 
     min_slowdown: float = 1.05
@@ -56,12 +61,18 @@ class StragglerConfig:
     min_steps: int = 2
     rel_floor: float = 0.01
     last_z: float = 3.0
+    z_comb: float = 3.5
+    shadow: float = 0.75
 
     def __post_init__(self) -> None:
         if self.min_slowdown <= 1.0:
             raise ConfigError(f"min_slowdown must be > 1, got {self.min_slowdown}")
         if not 0.0 < self.min_frac <= 1.0:
             raise ConfigError(f"min_frac must be in (0, 1], got {self.min_frac}")
+        if not 0.0 < self.shadow <= 1.0:
+            raise ConfigError(f"shadow must be in (0, 1], got {self.shadow}")
+        if self.z_comb <= 0:
+            raise ConfigError(f"z_comb must be > 0, got {self.z_comb}")
         if self.min_steps < 1:
             raise ConfigError(f"min_steps must be >= 1, got {self.min_steps}")
 
@@ -83,6 +94,14 @@ def _pos(frame: pd.DataFrame, column: str) -> pd.Series:
     return frame[column].fillna(0.0).clip(lower=0.0)
 
 
+# A rank is slow in compute when its own compute spans (raw durations) are longer than its
+# peers' beyond their noise (t_spans) and carry at least this share of its excess own time. Its
+# peers' spans hold their waits for it (collectives nested in forward and backward), which can only
+# shrink the share; a host pause outside every span leaves the spans as long as the peers'.
+COMPUTE_SHARE = 0.1
+COMPUTE_T = 3.0
+
+
 def _attribute(c: pd.DataFrame, sizes: dict[str, int]) -> pd.DataFrame:
     """Name each candidate's cause and phase from its excess own time."""
     compute_parts = {
@@ -91,38 +110,43 @@ def _attribute(c: pd.DataFrame, sizes: dict[str, int]) -> pd.DataFrame:
         "optimizer": _pos(c, "ex_optimizer_ns"),
         "compute": _pos(c, "ex_compute_ns"),
     }
-    # Cause from exclusive compute (nested module spans and collective waits inside compute spans
-    # removed); the phase from the raw per-kind excess.
-    compute = _pos(c, "ex_compute_excl_ns")
+    own = c["median_ex_own_ns"].astype(float)
+    spans = c["median_ex_spans_ns"].astype(float)
+    share = (spans / own.where(own > 0)).fillna(0.0)
     data = _pos(c, "ex_data_ns")
-    host_spans = _pos(c, "ex_host_ns")
-    # Own time that no compute or data span explains is host time: the CPU lagged or paused.
-    residual = (c["ex_own_ns"].fillna(0.0) - compute - data - host_spans).clip(lower=0.0)
-    host = host_spans + residual
-    excess = pd.DataFrame({"compute": compute, "data": data, "host": host})
-    cause = excess.idxmax(axis=1).where(excess.max(axis=1) > 0, "host")
+    data_wins = (data > spans.clip(lower=0.0)) & (data >= 0.5 * own.clip(lower=0.0)) & (data > 0)
+    stretched = (share >= COMPUTE_SHARE) & (c["t_spans"].astype(float).fillna(0.0) >= COMPUTE_T)
+    cause = pd.Series(np.where(data_wins, "data", np.where(stretched, "compute", "host")), index=c.index)
     compute_phase = pd.DataFrame(compute_parts).idxmax(axis=1)
     phase = np.where(cause == "compute", compute_phase, cause)
     # Where it is last more often than chance (1 / group size) says where it arrives late.
     lift = pd.DataFrame({k: c[f"last_{k}"].fillna(0.0) * sizes.get(k, 1) for k in ("tp", "dp", "pp", "other")})
     late_at = lift.idxmax(axis=1).where(lift.max(axis=1) > 1.5, None)
-    return pd.DataFrame({"cause": cause, "phase": phase, "late_at": late_at, "excess_ns": c["ex_own_ns"]})
+    return pd.DataFrame({"cause": cause, "phase": phase, "late_at": late_at, "excess_ns": c["ex_own_ns"],
+                         "spans_share": share})
+
+
+def p_value(z: float, ranks: int) -> float:
+    """One-sided normal tail of ``z``, times the ranks tested (Bonferroni), at most 1."""
+    return min(1.0, 0.5 * math.erfc(z / math.sqrt(2.0)) * max(ranks, 1))
 
 
 def stragglers(con: duckdb.DuckDBPyConnection, config: StragglerConfig | None = None) -> pd.DataFrame:
-    """One row per straggler, worst (largest slowdown x persistence) first; empty when healthy.
+    """One row per straggler, strongest evidence first; empty when healthy.
 
     Columns: rank, host, pp, dp, tp, phase, cause (compute | communication | data | host),
     slowdown (own time / peer baseline; transfer time for communication), steps_slow_frac,
-    steps, excess_ns (median extra own time per slow step), base_own_ns, last_arrival_frac
-    (share of its collectives where it arrived last), late_at (group kind it is most often last
-    at), impact.
+    steps, excess_ns (median extra own time per step it was slower), base_own_ns,
+    last_arrival_frac (share of its collectives where it arrived last), late_at (group kind it is
+    most often last at), impact, and the evidence: z (combined), p_value (one-sided, times the
+    ranks tested), confidence (1 - p_value), t_own, t_blame, last_z, spans_share (share of its
+    excess own time inside its own compute spans), t_spans (that excess over its noise).
     """
     config = config or StragglerConfig()
     prepare(con)
     score(con, config)
     c = _sql.query_df(con, "stragglers", "candidates", min_frac=config.min_frac, min_steps=config.min_steps,
-                      min_slowdown=config.min_slowdown, z=config.z, last_z=config.last_z)
+                      min_slowdown=config.min_slowdown, z_comb=config.z_comb, rel_floor=config.rel_floor, shadow=config.shadow)
     if c.empty:
         return pd.DataFrame({col: pd.Series(dtype="object") for col in COLUMNS})
     own_slow = c["straggler"].fillna(False).astype(bool)
@@ -142,12 +166,22 @@ def stragglers(con: duckdb.DuckDBPyConnection, config: StragglerConfig | None = 
         out_comm["steps_slow_frac"] = out_comm["steps_comm_slow_frac"]
         out_comm["excess_ns"] = np.nan
         out_comm["late_at"] = None
+        out_comm["spans_share"] = np.nan
     parts = [f for f in (out_own, out_comm) if not f.empty]
     if not parts:
         return pd.DataFrame({col: pd.Series(dtype="object") for col in COLUMNS})
     out = pd.concat(parts, ignore_index=True)
-    # Named through arrivals alone: its slowdown over the whole run.
+    # Own-time stragglers: the median over all its steps (the median over its slow steps alone
+    # overstates a mild straggler on noisy steps).
+    own_rows = out["cause"] != "communication"
+    out.loc[own_rows, "slowdown"] = out.loc[own_rows, "median_slowdown"].astype(float)
     out["slowdown"] = out["slowdown"].astype(float).fillna(out["median_slowdown"].astype(float))
+    ranks = int(len(c))
+    out["p_value"] = [p_value(float(z), ranks) if pd.notna(z) else None for z in out["z"]]
+    out["confidence"] = [1.0 - p if p is not None else None for p in out["p_value"]]
     out["impact"] = (out["slowdown"].astype(float) - 1.0) * out["steps_slow_frac"].astype(float)
-    out = out.sort_values(["impact", "rank"], ascending=[False, True], kind="stable")
+    # Worst first: strongest evidence (a straggler named on noisy steps has few slow steps, so
+    # slowdown x persistence would put its own wake ahead of it), then impact.
+    out["_z"] = out["z"].astype(float).where(out["cause"] != "communication", -np.inf)
+    out = out.sort_values(["_z", "impact", "rank"], ascending=[False, False, True], kind="stable")
     return out[COLUMNS].reset_index(drop=True)

@@ -22,10 +22,21 @@ CREATE OR REPLACE MACRO ms_cache.loo(n, s, x, med) AS
 -- @column ex_*_ns     excess over the peer baseline, per kind of own time (ex_recv_ns: of its
 --                     pipeline receive wait)
 -- @column xfer_ratio  transfer time / peer baseline transfer time
+-- @column ex_spans_ns excess of its compute spans' raw durations (forward, backward, optimizer,
+--                     compute; waits inside them not removed): a rank whose own spans stretch
+--                     is slow in compute; one late with spans of normal length paused outside them
+-- @column blame_ns    the wait it caused: over the same-stage collectives (tp, dp) where it
+--                     arrived last, (last - mean arrival) x members
+-- @column d_blame     its blame minus the peer baseline blame, over the baseline own time
 CREATE OR REPLACE TABLE ms_cache.peer_step AS
-WITH rs AS (
-    SELECT * FROM ms_cache.rank_step
-    WHERE step_ns IS NOT NULL OR NOT {{has_step_spans}}
+WITH blame AS (
+    SELECT last_rank AS rank, step, sum((last_arrival_ns - mean_arrival_ns) * n) AS blame_ns
+    FROM ms_cache.inst WHERE n >= 2 AND group_kind IN ('tp', 'dp') GROUP BY ALL
+), rs AS (
+    SELECT r.*, coalesce(b.blame_ns, 0) AS blame_ns,
+           r.forward_ns + r.backward_ns + r.optimizer_ns + r.compute_ns AS spans_ns
+    FROM ms_cache.rank_step r LEFT JOIN blame b USING (rank, step)
+    WHERE r.step_ns IS NOT NULL OR NOT {{has_step_spans}}
 ), p AS (
     SELECT stage, step, count(*) AS n,
            median(own_ns) AS med_own, sum(own_ns) AS sum_own,
@@ -37,7 +48,9 @@ WITH rs AS (
            median(data_ns) AS med_data, sum(data_ns) AS sum_data,
            median(host_ns) AS med_host, sum(host_ns) AS sum_host,
            median(xfer_ns) AS med_xfer, sum(xfer_ns) AS sum_xfer,
-           median(recv_ns) AS med_recv, sum(recv_ns) AS sum_recv
+           median(recv_ns) AS med_recv, sum(recv_ns) AS sum_recv,
+           median(spans_ns) AS med_spans, sum(spans_ns) AS sum_spans,
+           median(blame_ns) AS med_blame, sum(blame_ns) AS sum_blame
     FROM rs GROUP BY stage, step
 ), m AS (
     SELECT rs.stage, rs.step, median(abs(rs.own_ns - p.med_own)) AS mad_own,
@@ -57,6 +70,10 @@ SELECT rs.rank, rs.step, rs.stage, p.n, rs.own_ns, rs.step_ns, rs.xfer_ns, rs.wa
        rs.data_ns - ms_cache.loo(p.n, p.sum_data, rs.data_ns, p.med_data) AS ex_data_ns,
        rs.host_ns - ms_cache.loo(p.n, p.sum_host, rs.host_ns, p.med_host) AS ex_host_ns,
        rs.recv_ns - ms_cache.loo(p.n, p.sum_recv, rs.recv_ns, p.med_recv) AS ex_recv_ns,
+       rs.spans_ns - ms_cache.loo(p.n, p.sum_spans, rs.spans_ns, p.med_spans) AS ex_spans_ns,
+       rs.blame_ns,
+       (rs.blame_ns - ms_cache.loo(p.n, p.sum_blame, rs.blame_ns, p.med_blame))
+           / nullif(ms_cache.loo(p.n, p.sum_own, rs.own_ns, p.med_own), 0) AS d_blame,
        (rs.xfer_ns - p.med_xfer) / greatest(1.4826 * m.mad_xfer, {{rel_floor}} * abs(p.med_xfer), 1) AS z_xfer,
        rs.xfer_ns / nullif(ms_cache.loo(p.n, p.sum_xfer, rs.xfer_ns, p.med_xfer), 0) AS xfer_ratio,
        rs.coll_count, rs.last_count, rs.last_expected, rs.last_var, rs.last_peer, rs.coll_tp, rs.coll_dp, rs.coll_pp, rs.coll_other, rs.last_tp, rs.last_dp, rs.last_pp, rs.last_other
@@ -77,8 +94,14 @@ FROM rs JOIN p USING (stage, step) JOIN m USING (stage, step);
 -- @column median_ex_recv_ns, median_ex_own_ns  median excess of pipeline receive wait and of own
 --                       time over the peer baseline, over all its steps
 -- @column slowdown      median slowdown over its slow steps
--- @column ex_*_ns       median excess over its slow steps
--- @column sigma         the run's noise
+-- @column ex_*_ns       median excess over its steps slower than the baseline
+-- @column sigma         the run's noise (of own time)
+-- @column bsigma        the same for d_blame: the step-to-step spread of the wait a rank causes
+-- @column m_own         median over its steps of ln(own / baseline)
+-- @column m_blame       median over its steps of d_blame (the wait it caused beyond its peers')
+-- @column median_ex_spans_ns  median excess of its compute spans' raw durations, over all steps
+-- @column t_spans       that median over its noise (the median over ranks of their spread)
+-- @column blame_ns      mean wait it caused per step
 -- @column last_arrival_frac  share of its collectives where it arrived last
 -- @column last_z        t-statistic over steps of how far above chance (1 / group size) it
 --                       arrived last among its peers (same-stage groups)
@@ -86,7 +109,8 @@ FROM rs JOIN p USING (stage, step) JOIN m USING (stage, step);
 CREATE OR REPLACE TABLE ms_cache.rank_scores AS
 WITH per_rank AS (
     SELECT rank, 1.4826 * mad(ln(slowdown)) AS s,
-           1.4826 * mad(ln(xfer_ratio)) FILTER (WHERE xfer_ratio > 0) AS xs
+           1.4826 * mad(ln(xfer_ratio)) FILTER (WHERE xfer_ratio > 0) AS xs,
+           1.4826 * mad(d_blame) AS bs, 1.4826 * mad(ex_spans_ns) AS ss
     FROM ms_cache.peer_step WHERE slowdown > 0 AND n >= 2 GROUP BY rank
 ), cross_rank AS (
     -- Transfer times are shared by a group's members, so a slow link shows in several ranks at
@@ -94,31 +118,39 @@ WITH per_rank AS (
     SELECT coalesce(1.4826 * median(abs(ln(xfer_ratio))), 0) AS xs
     FROM ms_cache.peer_step WHERE xfer_ratio > 0 AND n >= 2
 ), noise AS (
-    SELECT coalesce(median(s), 0) AS sigma,
+    SELECT coalesce(median(s), 0) AS sigma, coalesce(median(bs), 0) AS bsigma, coalesce(median(ss), 0) AS ssigma,
            greatest(coalesce(median(per_rank.xs), 0), any_value(cross_rank.xs)) AS xsigma
     FROM per_rank, cross_rank
 ), f AS (
-    SELECT p.*, noise.sigma,
+    SELECT p.*, noise.sigma, noise.bsigma, noise.ssigma,
            coalesce(slowdown >= greatest({{min_slowdown}}, exp(2 * noise.sigma)) AND (n < 5 OR z_own >= {{z}}), false) AS slow,
            coalesce(slowdown >= greatest({{min_slowdown}}, exp({{z}} * noise.sigma)) AND (n < 5 OR z_own >= {{z}}), false) AS strict,
            coalesce(xfer_ratio >= greatest({{min_slowdown}}, exp({{z}} * noise.xsigma)) AND (n < 5 OR z_xfer >= {{z}}), false) AS xslow
     FROM ms_cache.peer_step p, noise WHERE n >= 2
 )
 SELECT rank, any_value(stage) AS stage, count(*) AS steps, any_value(sigma) AS sigma,
+       any_value(bsigma) AS bsigma,
+       median(ln(slowdown)) FILTER (WHERE slowdown > 0) AS m_own,
+       median(d_blame) AS m_blame,
+       median(ex_spans_ns) AS median_ex_spans_ns,
+       -- Its compute spans' excess against their step-to-step noise: a stretch of its own spans
+       -- (cause compute) or none (a pause outside them: cause host).
+       median(ex_spans_ns) / greatest(1.25 * any_value(ssigma) / sqrt(count(*)), 1000) AS t_spans,
+       avg(blame_ns) AS blame_ns,
        count(*) FILTER (WHERE slow) AS slow_steps,
        count(*) FILTER (WHERE strict) AS strict_steps,
        count(*) FILTER (WHERE xslow AND NOT slow) AS comm_slow_steps,
        median(slowdown) AS median_slowdown,
        median(slowdown) FILTER (WHERE slow) AS slowdown,
        median(xfer_ratio) FILTER (WHERE xslow AND NOT slow) AS xfer_slowdown,
-       median(ex_own_ns) FILTER (WHERE slow) AS ex_own_ns,
-       median(ex_forward_ns) FILTER (WHERE slow) AS ex_forward_ns,
-       median(ex_backward_ns) FILTER (WHERE slow) AS ex_backward_ns,
-       median(ex_optimizer_ns) FILTER (WHERE slow) AS ex_optimizer_ns,
-       median(ex_compute_ns) FILTER (WHERE slow) AS ex_compute_ns,
-       median(ex_compute_excl_ns) FILTER (WHERE slow) AS ex_compute_excl_ns,
-       median(ex_data_ns) FILTER (WHERE slow) AS ex_data_ns,
-       median(ex_host_ns) FILTER (WHERE slow) AS ex_host_ns,
+       median(ex_own_ns) FILTER (WHERE slowdown > 1) AS ex_own_ns,
+       median(ex_forward_ns) FILTER (WHERE slowdown > 1) AS ex_forward_ns,
+       median(ex_backward_ns) FILTER (WHERE slowdown > 1) AS ex_backward_ns,
+       median(ex_optimizer_ns) FILTER (WHERE slowdown > 1) AS ex_optimizer_ns,
+       median(ex_compute_ns) FILTER (WHERE slowdown > 1) AS ex_compute_ns,
+       median(ex_compute_excl_ns) FILTER (WHERE slowdown > 1) AS ex_compute_excl_ns,
+       median(ex_data_ns) FILTER (WHERE slowdown > 1) AS ex_data_ns,
+       median(ex_host_ns) FILTER (WHERE slowdown > 1) AS ex_host_ns,
        median(base_own_ns) AS base_own_ns,
        -- Over all its steps: a pipeline neighbour of a slow stage waits longer in its receives and
        -- then arrives late at its own stage's collectives; that excess is not its own.
@@ -135,34 +167,50 @@ SELECT rank, any_value(stage) AS stage, count(*) AS steps, any_value(sigma) AS s
 FROM f GROUP BY rank;
 
 -- @statement candidates
--- Stragglers and comm-slow ranks, with place and host. A straggler is slow in at least
--- {{min_frac}} of its steps, and beats two kinds of noise:
---   * step noise: either strictly slow in half its steps, or its median slowdown over the run
---     beats the noise of a median of that many steps (1.25 sigma / sqrt(steps)) by z = {{z}};
---   * rank noise: healthy ranks differ a little, persistently (sys = robust spread of the ranks'
---     median slowdowns; with fewer than five ranks it cannot be told from the straggler and is 0).
--- Persistent mild slowness is found on quiet runs, only gross slowness on noisy ones. Or: it is
--- the last arriver of its collectives {{last_z}} standard deviations above chance, and slower.
--- Either way, not a rank whose excess over its peers is explained by longer pipeline receives
--- (a neighbour of a slow stage).
-WITH sys AS (
-    SELECT CASE WHEN count(*) >= 5 THEN coalesce(1.4826 * mad(ln(median_slowdown)), 0) ELSE 0 END AS sys
-    FROM ms_cache.rank_scores WHERE median_slowdown > 0
+-- Stragglers and comm-slow ranks, with place, host and the evidence that names them.
+--
+-- Four pieces of evidence, each a z-like score of a median over the rank's steps against the
+-- step-to-step noise of such a median (1.25 x spread / sqrt(steps)). The spread is measured on
+-- the run's healthy peer-steps: the median over ranks of each rank's own spread, which a
+-- straggler and the few victims it makes do not move while they are under half the ranks.
+-- (The spread of the ranks' medians is not used: a fault widens it through its victims, and a
+-- clearly slow rank was held to a bar its own fault had raised.)
+--   * t_own: its own time over its peers' (ln(own / baseline));
+--   * t_blame: the wait it caused its same-stage peers beyond the wait they caused;
+--   * last_z: how far above chance it was the last to arrive, a t-statistic over steps;
+--   * t_spans: how far its own compute spans (raw) are longer than its peers'.
+-- z = their sum over sqrt(count), each clipped to [-3, 6] so that no one piece decides alone
+-- against the others (a rank can arrive last at every collective by the pipeline's timing).
+-- A straggler: z >= {{z_comb}}, own time at least {{min_slowdown}} x its peers' and t_own >= 1,
+-- and not a shadow of a worse one: its z at least {{shadow}} x the largest z named (a fault makes
+-- its peers' times move too, its TP partner's spans hold the waits for it, its pipeline
+-- neighbours run late: a rank with clearly less evidence shows the fault's wake). Two real
+-- stragglers of very different size: the worse is named first; the other after it is fixed.
+-- Not a rank whose excess over its peers is explained by longer pipeline receives (a neighbour
+-- of a slow stage): that one is named instead.
+-- @column t_own, t_blame, z  the evidence
+-- @column straggler     named
+WITH e AS (
+    SELECT s.*,
+           s.m_own / greatest(1.25 * s.sigma / sqrt(s.steps), {{rel_floor}}) AS t_own,
+           -- Blame is zero for most ranks most of the time (a rank is rarely last), so its own
+           -- spread can be tiny: never held to less noise than own time.
+           s.m_blame / nullif(greatest(1.25 * greatest(s.bsigma, s.sigma) / sqrt(s.steps), {{rel_floor}}), 0) AS t_blame
+    FROM ms_cache.rank_scores s
+), z AS (
+    SELECT e.*,
+           (least(greatest(coalesce(t_own, 0), -3), 6) + least(greatest(coalesce(t_blame, 0), -3), 6)
+            + least(greatest(coalesce(last_z, 0), -3), 6) + least(greatest(coalesce(t_spans, 0), -3), 6))
+               / sqrt(1 + (t_blame IS NOT NULL)::INT + (last_z IS NOT NULL)::INT + (t_spans IS NOT NULL)::INT) AS z
+    FROM e
+), flagged AS (
+    SELECT z.*,
+           coalesce(z.z >= {{z_comb}} AND z.t_own >= 1 AND z.median_slowdown >= {{min_slowdown}}
+                    AND NOT coalesce(z.median_ex_recv_ns > 0 AND z.median_ex_recv_ns >= z.median_ex_own_ns, false),
+                    false) AS flag
+    FROM z WHERE z.steps >= {{min_steps}}
 )
-SELECT s.*, i.host, i.pp, i.dp, i.tp, sys.sys,
-       s.slow_steps / s.steps AS steps_slow_frac, s.comm_slow_steps / s.steps AS steps_comm_slow_frac,
-       coalesce(
-           (s.slow_steps / s.steps >= {{min_frac}}
-            AND ((s.strict_steps / s.steps >= greatest({{min_frac}}, 0.5) AND s.slowdown >= exp({{z}} * sys.sys))
-                 OR s.median_slowdown >= greatest({{min_slowdown}},
-                                                   exp({{z}} * sqrt(pow(1.25 * s.sigma, 2) / s.steps + pow(sys.sys, 2))))))
-           -- The last to arrive among its peers, far more often than chance, with longer own
-           -- time: the straggler even when noise hides the size of its slowdown.
-           OR (s.last_z >= {{last_z}} AND s.median_slowdown >= {{min_slowdown}}), false)
-       -- Not when its pipeline receives waited longer than its peers' by at least as much as its
-       -- own time exceeds theirs: it is late because its neighbour stage is (that rank is named).
-       AND NOT coalesce(s.median_ex_recv_ns > 0 AND s.median_ex_recv_ns >= s.median_ex_own_ns, false) AS straggler
-FROM ms_cache.rank_scores s JOIN ms_cache.rank_info i USING (rank), sys
-WHERE s.steps >= {{min_steps}}
-  AND (s.slow_steps / s.steps >= {{min_frac}} OR s.comm_slow_steps / s.steps >= {{min_frac}}
-       OR s.last_z >= {{last_z}});
+SELECT f.*, i.host, i.pp, i.dp, i.tp,
+       f.slow_steps / f.steps AS steps_slow_frac, f.comm_slow_steps / f.steps AS steps_comm_slow_frac,
+       f.flag AND f.z >= {{shadow}} * max(f.z) FILTER (WHERE f.flag) OVER () AS straggler
+FROM flagged f JOIN ms_cache.rank_info i USING (rank);

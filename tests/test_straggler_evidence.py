@@ -1,0 +1,187 @@
+"""Straggler detection on noisy runs: evidence, confidence, cause, and no straggler in a hung run.
+
+The hand-built runs here are what eight ranks sharing few CPU cores look like: every rank's compute
+varies by ~15% from step to step (seeded log-normal noise), one collective per step ends when its
+last member arrives. A straggler's compute spans stretch; a skewed rank pauses outside every span.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hand_runs import MS, hand_run, span
+
+from megascope import analysis
+from megascope.analysis.stragglers import StragglerConfig, p_value
+from megascope.errors import ConfigError
+from megascope.inject import parse_inject, parse_injects
+from megascope.store import open_run
+from megascope.synth import SynthConfig, synth_run
+
+RANKS = 8
+
+
+def noisy_run(path: Path, *, seed: int, slow: int | None = None, factor: float = 1.0, paused: int | None = None,
+              pause_ms: float = 0.0, steps: int = 16, noise: float = 0.15) -> Path:
+    """``RANKS`` ranks of one stage; per step a forward span, then (after an optional pause outside
+    every span) a data-parallel all-reduce that completes 1 ms after the last arrival."""
+    rng = np.random.default_rng(seed)
+    spans = []
+    t0 = 0
+    for step in range(steps):
+        compute = 50 * MS * np.exp(rng.normal(0.0, noise, RANKS))
+        if slow is not None:
+            compute[slow] *= factor
+        pause = np.zeros(RANKS)
+        if paused is not None:
+            pause[paused] = pause_ms * MS
+        arrival = t0 + compute + pause
+        end = int(arrival.max()) + MS
+        for r in range(RANKS):
+            spans.append(span(r, step, "step", t0, end + MS - t0))
+            spans.append(span(r, step, "forward", t0, int(compute[r])))
+            spans.append(span(r, step, "collective", int(arrival[r]), end - int(arrival[r]), group="dp:0", seq=step))
+        t0 = end + 2 * MS
+    return hand_run(path, spans, [], world=RANKS, hosts=tuple(f"h{r // 4}" for r in range(RANKS)))
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_mild_straggler_in_noisy_steps_is_named_with_its_evidence(tmp_path: Path, seed: int) -> None:
+    planted = [5, 2][seed - 1]
+    run = open_run(noisy_run(tmp_path / "run", seed=seed, slow=planted, factor=1.2))
+    found = analysis.stragglers(run.con)
+    assert list(found["rank"]) == [planted]
+    row = found.iloc[0]
+    assert row["cause"] == "compute"
+    # Its slowdown over all steps, not the median of its slowest ones.
+    assert 1.1 < row["slowdown"] < 1.35
+    assert row["z"] >= StragglerConfig().z_comb and row["t_own"] > 1
+    assert 0.99 < row["confidence"] <= 1.0 and row["p_value"] == pytest.approx(1 - row["confidence"])
+
+
+def test_report_json_carries_confidence_and_evidence(tmp_path: Path) -> None:
+    run = open_run(noisy_run(tmp_path / "run", seed=3, slow=6, factor=1.3))
+    result = analysis.report(run, with_whatif=False)
+    first = result["stragglers"][0]
+    assert first["rank"] == 6
+    assert set(first["evidence"]) == {"z", "own_time_t", "wait_caused_t", "last_arrival_z", "compute_span_share",
+                                      "compute_span_t"}
+    assert first["evidence"]["last_arrival_z"] > 0 and first["evidence"]["wait_caused_t"] > 0
+    assert 0.0 <= first["p_value"] < 0.01 and first["confidence"] == pytest.approx(1 - first["p_value"])
+
+
+def test_a_pause_outside_every_span_is_a_host_cause(tmp_path: Path) -> None:
+    run = open_run(noisy_run(tmp_path / "run", seed=4, paused=3, pause_ms=12.0))
+    found = analysis.stragglers(run.con)
+    assert list(found["rank"]) == [3]
+    assert found.iloc[0]["cause"] == "host"
+    # Its compute spans are no longer than its peers' beyond their noise.
+    from megascope.analysis.stragglers import COMPUTE_T
+    assert found.iloc[0]["t_spans"] < COMPUTE_T
+
+
+@pytest.mark.parametrize("seed", range(10, 16))
+def test_noisy_healthy_runs_name_nobody(tmp_path: Path, seed: int) -> None:
+    run = open_run(noisy_run(tmp_path / "run", seed=seed))
+    assert analysis.stragglers(run.con).empty
+
+
+def test_the_fault_does_not_raise_its_own_bar(tmp_path: Path) -> None:
+    """Noise is read from the ranks' step-to-step spread, not from the spread between ranks, which a
+    gross straggler widens: x1.6 in steps noisier than its slowdown is still named, and alone."""
+    run = open_run(noisy_run(tmp_path / "run", seed=7, slow=0, factor=1.6, noise=0.3))
+    found = analysis.stragglers(run.con)
+    assert list(found["rank"]) == [0]
+
+
+def test_p_value_is_bonferroni_over_ranks() -> None:
+    assert p_value(0.0, 1) == pytest.approx(0.5)
+    assert p_value(3.0, 8) == pytest.approx(8 * 0.0013498980316301, rel=1e-6)
+    assert p_value(-5.0, 8) == 1.0
+
+
+def test_config_refuses_meaningless_thresholds() -> None:
+    with pytest.raises(ConfigError, match="shadow"):
+        StragglerConfig(shadow=0.0)
+    with pytest.raises(ConfigError, match="z_comb"):
+        StragglerConfig(z_comb=-1.0)
+
+
+def test_a_hung_run_names_no_straggler(tmp_path: Path) -> None:
+    synth_run(tmp_path / "run", SynthConfig(ranks=16, steps=8, tp=2, pp=2, seed=3, gpus_per_host=4,
+                                            faults=parse_injects(["straggler:rank=5,factor=1.5", "hang:rank=9,step=5"])))
+    run = open_run(tmp_path / "run")
+    assert not analysis.stragglers(run.con).empty  # the steps before the hang do show it
+    result = analysis.report(run, with_whatif=False)
+    assert result["hang"]["hung"] is True and result["hang"]["suspects"][0]["rank"] == 9
+    assert result["stragglers"] == []
+
+
+def test_straggler_mode_is_part_of_the_shared_grammar() -> None:
+    fault = parse_inject("straggler:rank=3,factor=1.3,mode=flops")
+    assert fault.mode == "flops" and fault.spec() == "straggler:rank=3,factor=1.3,mode=flops"
+    faults = parse_injects(["straggler:rank=3,factor=1.3", "straggler:rank=4,factor=1.2,mode=flops"])
+    assert faults.straggler_mode(3) == "time" and faults.straggler_mode(4) == "flops"
+    assert parse_inject("straggler:rank=3,factor=1.3").spec() == "straggler:rank=3,factor=1.3"
+    with pytest.raises(ConfigError, match="mode must be one of time, flops"):
+        parse_inject("straggler:rank=3,factor=1.3,mode=sleep")
+    with pytest.raises(ConfigError, match="missing factor"):
+        parse_inject("straggler:rank=3,mode=time")
+
+
+def test_detect_sweep_plan_covers_the_fault_space() -> None:
+    spec = importlib.util.spec_from_file_location("detect_sweep", Path(__file__).parents[1] / "bench" / "detect_sweep.py")
+    assert spec and spec.loader
+    sweep = importlib.util.module_from_spec(spec)
+    sys.modules["detect_sweep"] = sweep
+    spec.loader.exec_module(sweep)
+    runs = sweep.plan(sweep.CPU_MESHES, 22, gpu=False)
+    assert len(runs) >= 60
+    assert {r["mesh"] for r in runs} == set(sweep.CPU_MESHES) and all(tp * pp * dp == 8 for tp, pp, dp in sweep.CPU_MESHES)
+    kinds = [r["kind"] for r in runs]
+    assert kinds.count("healthy") >= 20 and kinds.count("hang") == 4
+    for r in runs:
+        if r["inject"]:
+            fault = parse_inject(r["inject"])
+            assert fault.rank == r["rank"] and 0 <= fault.rank < 8
+            assert fault.factor is None or 1.1 <= fault.factor <= 1.6
+            assert fault.ms is None or 20 <= fault.ms <= 100
+    # Another seed meets other ranks.
+    assert [r["rank"] for r in runs] != [r["rank"] for r in sweep.plan(sweep.CPU_MESHES, 23, gpu=False)]
+    gpu = sweep.plan(sweep.GPU_MESHES, 22, gpu=True)
+    assert all("mode=time" in r["inject"] for r in gpu if r["kind"] == "straggler")
+
+
+@pytest.mark.gpu
+def test_device_stretch_slows_a_phase_by_its_factor_in_device_time() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from megascope.trainer.faults import DeviceStretch
+
+    device = torch.device("cuda", 0)
+    stretch = DeviceStretch(1.5, device)
+    a = torch.randn(2048, 2048, device=device)
+
+    def phase(burn: bool) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        if burn:
+            stretch.begin("forward")
+        for _ in range(20):
+            a @ a
+        if burn:
+            stretch("forward", 0.0)
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end))
+
+    plain = min(phase(False) for _ in range(3))
+    for _ in range(3):  # the first calls learn the phase's device time
+        phase(True)
+    stretched = min(phase(True) for _ in range(3))
+    assert 1.3 < stretched / plain < 1.7
