@@ -1,0 +1,205 @@
+"""Real-run detection sweep: planted stragglers, skews and hangs in the bundled trainer, against what
+``report`` names.
+
+Each run is a fresh launch of ``megascope train`` (one job at a time, never two at once), on CPU
+with gloo (8 ranks over four meshes) or, with ``--gpu``, on 4 GPUs with NCCL. The planted rank of
+each run is drawn from a seeded generator, so a sweep with another ``--seed`` meets other ranks.
+Then ``report`` reads each run directory and the run is scored:
+
+* straggler: the planted rank is named first (and with cause ``compute``);
+* skew: the planted rank is named first, and with cause ``host``;
+* hang: ``hang.hung`` with the planted rank first among the suspects, and no straggler named;
+* healthy: nothing named (anything named is a false alarm).
+
+The load average (1 min) is recorded before each run and printed with the table.
+
+    python bench/detect_sweep.py -o /tmp/sweep                     # run and score (CPU, ~20 min)
+    python bench/detect_sweep.py -o /tmp/sweep --score-only        # score runs already there
+    python bench/detect_sweep.py -o /tmp/sweep --gpu               # 4 GPUs, straggler mode=time
+    python bench/detect_sweep.py -o /tmp/sweep --hta               # HTA's straggler analysis too
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+CPU_MESHES = [(2, 2, 2), (1, 2, 4), (4, 1, 2), (2, 1, 4)]  # (tp, pp, dp), 8 ranks each
+GPU_MESHES = [(2, 1, 2), (1, 2, 2), (1, 1, 4), (2, 2, 1)]  # 4 GPUs
+FACTORS = [1.1, 1.15, 1.15, 1.3, 1.6]
+SKEWS_MS = [20.0, 50.0, 50.0, 100.0]
+HEALTHY_PER_MESH = 5
+
+
+def plan(meshes: list[tuple[int, int, int]], seed: int, *, gpu: bool) -> list[dict[str, Any]]:
+    """The sweep's runs: per mesh every factor, every skew, one hang and some healthy runs."""
+    rng = random.Random(seed)
+    runs: list[dict[str, Any]] = []
+    for tp, pp, dp in meshes:
+        world = tp * pp * dp
+        cases: list[tuple[str, str | None]] = []
+        mode = ",mode=time" if gpu else ""
+        cases += [("straggler", f"straggler:rank={{r}},factor={f:g}{mode}") for f in FACTORS]
+        if dp > 1:
+            cases += [("skew", f"skew:rank={{r}},ms={ms:g}") for ms in SKEWS_MS]
+        cases.append(("hang", "hang:rank={r},step=8"))
+        cases += [("healthy", None)] * HEALTHY_PER_MESH
+        for kind, spec in cases:
+            rank = rng.randrange(world)
+            runs.append({"mesh": (tp, pp, dp), "kind": kind, "rank": rank if spec else None,
+                         "inject": spec.format(r=rank) if spec else None})
+    for i, r in enumerate(runs):
+        tp, pp, dp = r["mesh"]
+        tag = r["inject"].replace(":", "-").replace(",", "-").replace("=", "") if r["inject"] else "healthy"
+        r["name"] = f"{i:03d}-t{tp}p{pp}d{dp}-{tag}"
+    return runs
+
+
+def launch(r: dict[str, Any], out: Path, *, gpu: bool, steps: int, profile: int | None) -> dict[str, Any]:
+    tp, pp, dp = r["mesh"]
+    cmd = [sys.executable, "-c", "from megascope.cli import main; main()", "train", "--nproc", str(tp * pp * dp), "--tp", str(tp),
+           "--pp", str(pp), "--dp", str(dp), "--steps", str(steps), "--seed", str(abs(hash(r["name"])) % 1000),
+           "--collective-timeout", "15", "--device", "cuda" if gpu else "cpu", "-o", str(out / r["name"])]
+    if r["inject"]:
+        cmd += ["--inject", r["inject"]]
+    if profile:
+        cmd += ["--profile", str(profile)]
+    load = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    return {"load": load, "wall_s": time.perf_counter() - t0, "rc": proc.returncode,
+            "err": (proc.stderr.strip().splitlines() or [""])[-1] if proc.returncode else ""}
+
+
+def score(r: dict[str, Any], path: Path) -> dict[str, Any]:
+    from megascope.analysis.report import report
+    from megascope.store import open_run
+
+    res = report(open_run(path), with_whatif=False)
+    named = [s["rank"] for s in res["stragglers"]]
+    first = res["stragglers"][0] if res["stragglers"] else None
+    hung = bool(res["hang"].get("hung"))
+    suspects = [s["rank"] for s in res["hang"].get("suspects", [])] if hung else []
+    kind, want = r["kind"], r["rank"]
+    out: dict[str, Any] = {"named": named, "hung": hung, "suspects": suspects[:3],
+                           "cause": first["cause"] if first else None,
+                           "confidence": first.get("confidence") if first else None}
+    if kind in ("straggler", "skew"):
+        out["first_right"] = bool(first and first["rank"] == want) and not hung
+        out["cause_right"] = bool(out["first_right"] and first and first["cause"] == ("host" if kind == "skew" else "compute"))
+        out["false"] = [n for n in named if n != want]
+    elif kind == "hang":
+        out["first_right"] = bool(hung and suspects and suspects[0] == want and not named)
+        out["cause_right"] = out["first_right"]
+        out["false"] = named
+    else:
+        out["first_right"] = not named and not hung
+        out["cause_right"] = out["first_right"]
+        out["false"] = named + (["hang"] if hung else [])
+    return out
+
+
+def hta_score(r: dict[str, Any], path: Path) -> dict[str, Any]:
+    """HTA's straggler analysis over the run's profiler traces (``--profile``), if HTA imports."""
+    try:
+        from hta.trace_analysis import TraceAnalysis  # type: ignore[import-not-found]
+    except ImportError:
+        return {"hta": "not installed"}
+    trace_dir = path / "profiler"
+    if not trace_dir.is_dir():
+        return {"hta": "no traces"}
+    try:
+        analyzer = TraceAnalysis(trace_dir=str(trace_dir))
+        frame = analyzer.get_potential_stragglers(num_candidates=1)
+        ranks = [int(x) for x in list(frame)] if frame is not None else []
+    except Exception as exc:  # HTA's own failures are part of the comparison
+        return {"hta": f"error: {str(exc).splitlines()[0][:80]}"}
+    return {"hta": ranks, "hta_right": bool(ranks and ranks[0] == r["rank"])} if r["rank"] is not None else \
+        {"hta": ranks}
+
+
+def level(r: dict[str, Any]) -> str:
+    if r["kind"] == "straggler":
+        return f"straggler x{r['inject'].split('factor=')[1].split(',')[0]}"
+    if r["kind"] == "skew":
+        return f"skew {r['inject'].split('ms=')[1]} ms"
+    return r["kind"]
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    order: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        order.setdefault(level(r), []).append(r)
+    lines = ["| fault | runs | named first | right cause | other ranks named | load (1 min), median / max |",
+             "|---|---|---|---|---|---|"]
+    for name, group in order.items():
+        ok = [g for g in group if "first_right" in g]
+        loads = sorted(g["load"] for g in group)
+        lines.append(f"| {name} | {len(group)} | {sum(g['first_right'] for g in ok)}/{len(group)} | "
+                     f"{sum(g['cause_right'] for g in ok)}/{len(group)} | "
+                     f"{sum(bool(g['false']) for g in ok)} | {loads[len(loads) // 2]:.1f} / {loads[-1]:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-o", "--out", type=Path, required=True, help="folder of the run directories")
+    parser.add_argument("--seed", type=int, default=22, help="draws the planted ranks")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--gpu", action="store_true", help="4 GPUs (NCCL), straggler mode=time")
+    parser.add_argument("--score-only", action="store_true", help="score the runs already in --out")
+    parser.add_argument("--hta", action="store_true", help="also write profiler traces and run HTA on them")
+    parser.add_argument("--limit", type=int, default=0, help="only the first N runs (a quick look)")
+    parser.add_argument("--mesh", action="append", default=[], metavar="TPxPPxDP",
+                        help="only these meshes (repeatable), e.g. 2x2x2")
+    args = parser.parse_args()
+    meshes = GPU_MESHES if args.gpu else CPU_MESHES
+    if args.mesh:
+        meshes = [tuple(int(x) for x in m.split("x")) for m in args.mesh]  # type: ignore[misc]
+    runs = plan(meshes, args.seed, gpu=args.gpu)
+    if args.limit:
+        runs = runs[:args.limit]
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / "sweep.jsonl"
+    done = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            rec = json.loads(line)
+            done[rec["name"]] = rec
+    started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    rows = []
+    for r in runs:
+        rec = dict(done.get(r["name"], r))
+        rec.update(r)
+        if not args.score_only and r["name"] not in done:
+            rec.update(launch(r, args.out, gpu=args.gpu, steps=args.steps, profile=4 if args.hta else None))
+            with log.open("a") as f:
+                f.write(json.dumps(rec) + "\n")
+        if "load" not in rec:
+            continue
+        try:
+            rec.update(score(rec, args.out / r["name"]))
+        except Exception as exc:  # a run that did not leave a readable directory is a miss
+            rec.update({"first_right": False, "cause_right": False, "false": [], "error": str(exc).splitlines()[0]})
+        if args.hta:
+            rec.update(hta_score(rec, args.out / r["name"]))
+        rows.append(rec)
+        print(json.dumps({k: rec.get(k) for k in ("name", "load", "named", "cause", "confidence", "hung",
+                                                   "suspects", "first_right", "cause_right", "false", "hta")}),
+              file=sys.stderr, flush=True)
+    print(f"{'GPU' if args.gpu else 'CPU'} sweep, seed {args.seed}, {len(rows)} runs, scored {started}, "
+          f"load now {os.getloadavg()[0]:.1f}\n")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
