@@ -162,7 +162,8 @@ def from_env(run_dir: str | os.PathLike[str] | None = None, *, mesh: Any = None,
     meta = RunMeta(run_id=run_id or config.run_dir.name, source=RunSource.COLLECTOR.value, world_size=world,
                    mesh_axes=axes, mesh_sizes={a: layout.sizes.get(a, 1) for a in axes}, start_ns=time.time_ns(),
                    config={"flush_interval_s": config.flush_interval_s})
-    col = Collector(config, rank=rank, world_size=world, coords=layout.coords, meta=meta)
+    coords = {a: 0 for a in axes if a not in layout.coords} | layout.coords  # pp/dp/tp always placed
+    col = Collector(config, rank=rank, world_size=world, coords=coords, meta=meta)
     if not col.enabled:
         return col
     try:

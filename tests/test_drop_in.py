@@ -236,3 +236,58 @@ def test_ddp_job_hang_is_localized_to_the_rank_that_never_entered(tmp_path: Path
     first = found["suspects"][0]
     assert first["rank"] == 2 and first["group"] == "dp:0", found["suspects"]
     assert first["coords"] == {"pp": 0, "dp": 2, "tp": 0}
+
+
+# ---------------------------------------------------------------------------- FSDP2 + TP on a 2-D DeviceMesh
+@pytest.mark.dist
+def test_fsdp2_tp_job_sees_fsdp_and_dtensor_collectives_and_names_the_straggler(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = torchrun(4, JOBS / "fsdp_tp_job.py", str(run_dir), "--steps", "12", "--straggler", "2,2.6", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = open_run(run_dir)
+    seen = dict(run.con.execute(
+        "SELECT split_part(\"group\", ':', 1) || ' ' || op, count(DISTINCT rank) FROM spans "
+        "WHERE kind = 'collective' GROUP BY 1").fetchall())
+    # FSDP2's all-gathers and reduce-scatters on dp, DTensor's all-reduces on tp, on every rank.
+    assert seen == {"dp all_gather": 4, "dp reduce_scatter": 4, "tp all_reduce": 4}, seen
+    groups = dict(run.con.execute("SELECT DISTINCT rank, \"group\" FROM groups WHERE kind = 'tp'").fetchall())
+    assert groups == {0: "tp:0", 1: "tp:0", 2: "tp:1", 3: "tp:1"}
+    report = megascope_json("report", str(run_dir))
+    assert report["run"]["mesh"] == {"pp": 1, "dp": 2, "tp": 2}
+    assert [s["rank"] for s in report["stragglers"]] == [2], report["stragglers"]
+    assert report["stragglers"][0]["coords"] == {"pp": 0, "dp": 1, "tp": 0}
+
+
+@pytest.mark.dist
+def test_fsdp2_tp_job_hang_is_localized_while_the_others_wait_forever(tmp_path: Path) -> None:
+    """Functional collectives' waits do not time out on gloo: the job hangs until it is killed,
+    as an operator would kill it. The trail on disk names the rank that never arrived."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    job = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+         str(JOBS / "fsdp_tp_job.py"), str(run_dir), "--steps", "12", "--hang", "3,5", "--timeout", "8"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tmp_path, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        # A step stalled for 4 s has its stacks dumped under the file's header; then let the wait
+        # grow past localize's threshold for calls in flight before killing the job.
+        def dumped() -> bool:
+            return any(len(p.read_text().splitlines()) > 2 for p in (run_dir / "stacks").glob("rank=*.txt"))
+
+        while not dumped():
+            assert job.poll() is None, "the job ended instead of hanging"
+            assert time.monotonic() < deadline, "no stalled step"
+            time.sleep(0.5)
+        time.sleep(12)
+    finally:
+        os.killpg(job.pid, signal.SIGTERM)
+        job.wait(timeout=60)
+    found = megascope_json("localize", str(run_dir))
+    assert found["hung"], found
+    first = found["suspects"][0]
+    assert first["rank"] == 3 and first["coords"] == {"pp": 0, "dp": 1, "tp": 1}, found["suspects"]
+    assert first["stack"] is not None

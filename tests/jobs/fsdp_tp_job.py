@@ -1,0 +1,70 @@
+"""An FSDP2 + tensor-parallel training script on a 2-D DeviceMesh, with megascope's lines added.
+
+Run it under ``torchrun --standalone --nproc-per-node 4 tests/jobs/fsdp_tp_job.py RUN`` (dp = 2,
+tp = 2). Faults for the tests: ``--straggler RANK,FACTOR`` (that rank does FACTOR times a step's
+matrix work), ``--hang RANK,STEP`` (that rank sleeps before its forward in STEP).
+"""
+
+import argparse
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from megascope.collectors import Collector
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+parser = argparse.ArgumentParser()
+parser.add_argument("run_dir")
+parser.add_argument("--steps", type=int, default=10)
+parser.add_argument("--straggler", default=None)
+parser.add_argument("--hang", default=None)
+parser.add_argument("--timeout", type=float, default=10.0)
+args = parser.parse_args()
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+col = Collector.from_env(args.run_dir, mesh=mesh, flush_interval_s=0.25, stacks_after_s=args.timeout / 2)  # megascope
+rank = dist.get_rank()
+torch.manual_seed(0)
+dim = 128
+model = nn.Sequential(*[Block(dim) for _ in range(2)])
+for block in model:
+    parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    fully_shard(block, mesh=mesh["dp"])
+fully_shard(model, mesh=mesh["dp"])
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+slow_rank, factor = (int(v) if i == 0 else float(v) for i, v in enumerate(args.straggler.split(","))) \
+    if args.straggler else (-1, 1.0)
+hang_rank, hang_step = (int(v) for v in args.hang.split(",")) if args.hang else (-1, -1)
+gen = torch.Generator().manual_seed(mesh["dp"].get_local_rank())  # TP peers see the same batch
+extra = torch.randn(256, 4 * dim), torch.randn(4 * dim, 4 * dim)
+for step in range(args.steps):
+    with col.step(step):                                                                        # megascope
+        x = torch.randn(256, dim, generator=gen)
+        if rank == hang_rank and step == hang_step:
+            time.sleep(3600)
+        if rank == slow_rank:  # local matrix work, no collective: this rank alone is slower
+            for _ in range(round(12 * (factor - 1))):
+                torch.tanh(extra[0] @ extra[1])
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    col.metric("loss", loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
+col.close()
+dist.destroy_process_group()
