@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from megascope.collectors import Collector
+from megascope.collectors import Collector, CollectorConfig
 from megascope.collectors.hooks import Interception
 from megascope.collectors.setup import data_parallel_layout, device_mesh_layout, place_from_env
 
@@ -291,3 +291,41 @@ def test_fsdp2_tp_job_hang_is_localized_while_the_others_wait_forever(tmp_path: 
     first = found["suspects"][0]
     assert first["rank"] == 3 and first["coords"] == {"pp": 0, "dp": 1, "tp": 1}, found["suspects"]
     assert first["stack"] is not None
+
+
+# ---------------------------------------------------------------------------- MFU without arithmetic
+def test_count_flops_writes_the_counted_step_and_report_says_why_mfu_is_missing(
+        one_rank: Path, tmp_path: Path) -> None:
+    batch, d_in, d_out = 8, 64, 24
+    model = torch.nn.Linear(d_in, d_out, bias=False)
+    col = Collector.from_env(one_rank, flush_interval_s=0.2, device=torch.device("cpu"), marker_agent=False)
+    for step in range(3):
+        with col.step(step), col.count_flops(tokens_per_step=batch, peak_flops_per_device=1e9) if step == 0 \
+                else col.span("noop"):
+            model(torch.randn(batch, d_in)).sum().backward()
+    col.close()
+    meta = json.loads((one_rank / "run.json").read_text())
+    # forward 2*B*in*out, backward the weight gradient's 2*B*in*out (the input needs none); one rank
+    assert meta["model_flops_per_step"] == 4 * batch * d_in * d_out
+    assert meta["tokens_per_step"] == batch and meta["peak_flops_per_device"] == 1e9
+    assert megascope_json("report", str(one_rank))["mfu"]["missing"] is None
+
+    bare = tmp_path / "bare"
+    col = Collector(CollectorConfig(
+        run_dir=bare, flush_interval_s=0.2, device=torch.device("cpu"), marker_agent=False), rank=0, world_size=1)
+    for step in range(2):
+        with col.step(step):
+            pass
+    col.close()
+    missing = megascope_json("report", str(bare))["mfu"]["missing"]
+    assert "model_flops_per_step" in missing and "set_model_flops" in missing
+
+
+def test_set_model_flops_estimates_six_flops_per_parameter_and_token(one_rank: Path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.Linear(20, 5))
+    col = Collector.from_env(one_rank, flush_interval_s=0.2, device=torch.device("cpu"), marker_agent=False)
+    col.set_model_flops(model, tokens_per_step=300, peak_flops_per_device=2e9)
+    col.close()
+    meta = json.loads((one_rank / "run.json").read_text())
+    params = sum(p.numel() for p in model.parameters())
+    assert meta["model_flops_per_step"] == 6 * params * 300

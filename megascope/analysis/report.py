@@ -176,6 +176,7 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
             "tokens_per_s": float(per_step["tokens_per_s"].mean()) if per_step["tokens_per_s"].notna().any() else None,
             "per_step": per_step[["step", "step_time_ns", "mfu", "tokens_per_s"]].to_dict("records"),
             "drift": drift,
+            "missing": _mfu_missing(run.meta) if not per_step["mfu"].notna().any() else None,
         },
         "stragglers": _straggler_list(slow, axes),
         # Why the list is empty although ranks were slow: "hung" (they are hang suspects or victims).
@@ -202,3 +203,11 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
     }
     return jsonable(result)
 
+
+def _mfu_missing(meta: Any) -> str:
+    """Why a run has no MFU, and how a job gives it one."""
+    need = [k for k in ("model_flops_per_step", "peak_flops_per_device") if getattr(meta, k, None) is None]
+    if not need:
+        return "no step spans to divide by"
+    return (f"run.json has no {' and no '.join(need)}; in the job call col.set_model_flops(model, "
+            "tokens_per_step=...) or count one step under col.count_flops() (docs/collector.md)")

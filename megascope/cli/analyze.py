@@ -49,7 +49,8 @@ def _print_report(r: dict[str, Any]) -> None:
     mesh = " x ".join(f"{k}={v}" for k, v in run["mesh"].items())
     click.echo(f"run {run['path']}  ({run['source']}, {run['world_size']} ranks, {mesh}, {run['steps']} steps)")
     mfu = r["mfu"]
-    mfu_text = "-" if mfu["mean"] is None else f"{100 * mfu['mean']:.1f}%"
+    mfu_text = f"- ({mfu['missing']})" if mfu["mean"] is None and mfu.get("missing") else (
+        "-" if mfu["mean"] is None else f"{100 * mfu['mean']:.1f}%")
     drift = mfu.get("drift") or {}
     click.echo(f"step time {_ms(run['step_time_ns'])} (median)   MFU {mfu_text}"
                + (f"   step time drifts {100 * drift['change_frac']:+.1f}% over the run" if drift.get("drifting") else ""))
