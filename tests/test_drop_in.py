@@ -329,3 +329,39 @@ def test_set_model_flops_estimates_six_flops_per_parameter_and_token(one_rank: P
     meta = json.loads((one_rank / "run.json").read_text())
     params = sum(p.numel() for p in model.parameters())
     assert meta["model_flops_per_step"] == 6 * params * 300
+
+
+# ---------------------------------------------------------------------------- docs/collector.md, run as written
+def _doc_jobs() -> list[tuple[int, str, str]]:
+    text = (ROOT / "docs" / "collector.md").read_text()
+    section = text[text.index("## Add megascope to your job"):text.index("## Building a collector by hand")]
+    jobs = []
+    for code in re.findall(r"```python\n(.*?)```", section, re.S):
+        nproc = re.match(r"# torchrun (\d+)\n", code)
+        run = re.search(r'Collector\.from_env\("([^"]+)"', code)
+        assert nproc and run, code[:200]
+        jobs.append((int(nproc.group(1)), run.group(1), code))
+    return jobs
+
+
+def test_the_add_megascope_section_has_its_three_jobs() -> None:
+    assert [run for _, run, _ in _doc_jobs()] == ["runs/ddp", "runs/fsdp", "runs/own"]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_docs_snippets_run_under_torchrun_and_record_every_rank_s_collectives(tmp_path: Path, index: int) -> None:
+    nproc, run_rel, code = _doc_jobs()[index]
+    (tmp_path / "train.py").write_text(code)
+    proc = torchrun(nproc, tmp_path / "train.py", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = open_run(tmp_path / run_rel)
+    ranks = run.con.execute(
+        "SELECT count(DISTINCT rank) FROM spans WHERE kind = 'collective'").fetchone()
+    assert ranks == (nproc,)
+    report = megascope_json("report", str(tmp_path / run_rel))
+    sizes = list(report["run"]["mesh"].values())
+    assert sizes[0] * sizes[1] * sizes[2] == nproc
+    assert report["hang"]["hung"] is False
+    if "flops" in code:
+        assert report["mfu"]["missing"] is None
