@@ -365,3 +365,16 @@ def test_docs_snippets_run_under_torchrun_and_record_every_rank_s_collectives(tm
     assert report["hang"]["hung"] is False
     if "flops" in code:
         assert report["mfu"]["missing"] is None
+
+
+@pytest.mark.gpu
+def test_ddp_on_nccl_records_the_reducer_s_all_reduce_on_every_rank(tmp_path: Path) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    run_dir = tmp_path / "run"
+    proc = torchrun(2, JOBS / "ddp_job.py", str(run_dir), "--cuda", "--steps", "12", "--straggler", "1,3", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = open_run(run_dir)
+    calls = run.con.execute("SELECT rank, count(*) FROM spans WHERE op = 'all_reduce' GROUP BY 1 ORDER BY 1").fetchall()
+    assert [r for r, _ in calls] == [0, 1] and calls[0][1] == calls[1][1] >= 12
+    assert [s["rank"] for s in megascope_json("report", str(run_dir))["stragglers"]] == [1]

@@ -23,14 +23,20 @@ parser.add_argument("--steps", type=int, default=10)
 parser.add_argument("--straggler", default=None)
 parser.add_argument("--hang", default=None)
 parser.add_argument("--timeout", type=float, default=10.0)
+parser.add_argument("--cuda", action="store_true", help="NCCL on the GPU of LOCAL_RANK")
 args = parser.parse_args()
 
 col = Collector.from_env(args.run_dir, flush_interval_s=0.25, stacks_after_s=args.timeout / 2)   # megascope
-dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.cuda else torch.device("cpu")
+if args.cuda:
+    torch.cuda.set_device(device)
+dist.init_process_group("nccl" if args.cuda else "gloo", timeout=timedelta(seconds=args.timeout))
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.manual_seed(0)
 model = DDP(nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 16)),
-            bucket_cap_mb=0.5)
+            bucket_cap_mb=0.5) if not args.cuda else DDP(
+    nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 16)).to(device),
+    bucket_cap_mb=0.5)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
 slow_rank, factor = (int(v) if i == 0 else float(v) for i, v in enumerate(args.straggler.split(","))) \
     if args.straggler else (-1, 1.0)
@@ -38,7 +44,7 @@ hang_rank, hang_step = (int(v) for v in args.hang.split(",")) if args.hang else 
 gen = torch.Generator().manual_seed(rank)
 for step in range(args.steps):
     with col.step(step):                                                                        # megascope
-        x, y = torch.randn(256, 256, generator=gen), torch.randn(256, 16, generator=gen)
+        x, y = (torch.randn(256, 256, generator=gen).to(device), torch.randn(256, 16, generator=gen).to(device))
         if rank == hang_rank and step == hang_step:
             time.sleep(3600)
         loss = nn.functional.mse_loss(model(x), y)
