@@ -27,7 +27,7 @@ MODEL = ModelConfig(layers=2, hidden=32, heads=4, vocab=64, seq_len=16)
 
 def _cfg(out: Path, tp: int, pp: int, dp: int, **kw: object) -> TrainConfig:
     base = dict(out=out, world_size=tp * pp * dp, tp=tp, pp=pp, dp=dp, steps=6, global_batch=8, micro_batches=2,
-                model=MODEL, collective_timeout_s=8.0, peak_flops=1e9, flush_interval_s=0.25)
+                model=MODEL, collective_timeout_s=10.0, peak_flops=1e9, flush_interval_s=0.25)
     base.update(kw)
     return TrainConfig(**base)  # type: ignore[arg-type]
 

@@ -166,9 +166,14 @@ def _job_end_ns(activity: pd.DataFrame, alive: pd.DataFrame) -> int | None:
 
 
 def _wait_threshold_s(run: Run, con: duckdb.DuckDBPyConnection) -> float:
-    """How long members must have waited inside a call, by the end of the evidence, for it to be
-    stuck rather than in flight: run_state's stall threshold (a few flush intervals or steps, at
-    least 10 s), at most half its hang threshold (the collective timeout)."""
+    """How long members must have waited inside a call, by the time every process ended, for it to
+    be stuck rather than in flight.
+
+    A job killed mid-step dies with the completions its writer had not yet flushed (up to a flush
+    interval or two) and with the call it was in (under a step); a hung job's waiters wait until
+    the collective timeout aborts them, seconds to minutes. So: three flush intervals or three
+    median steps, at least 2 s, and at most half the hang threshold (the collective timeout when
+    run.json has it)."""
     from megascope.analysis.runstate import thresholds
 
     config = run.meta.config or {}
@@ -180,13 +185,11 @@ def _wait_threshold_s(run: Run, con: duckdb.DuckDBPyConnection) -> float:
             return None
         return value if value is not None and value > 0 else None
 
-    median = _median_step_ns(con)
-    stall, hang, _ = thresholds(median / 1e9 if median else None,
-                                collective_timeout_s=number("collective_timeout_s"),
-                                flush_interval_s=number("flush_interval_s"))
-    # Capped at half the hang threshold: a job aborted by its collective timeout ends about one
-    # timeout after its first stuck call, and must still read hung.
-    return min(stall, hang / 2)
+    median = _median_step_ns(con) / 1e9
+    flush = number("flush_interval_s") or 1.0
+    _, hang, _ = thresholds(median or None, collective_timeout_s=number("collective_timeout_s"),
+                            flush_interval_s=flush)
+    return min(max(3 * flush, 3 * median, 2.0), hang / 2)
 
 
 def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> dict[str, Any]:
