@@ -649,7 +649,7 @@ class Collector:
             "enabled": True,
             "rows_written": sum(w.rows_written.values()),
             "rows_written_by_table": dict(w.rows_written),
-            "rows_dropped": self._sink.dropped + w.rows_lost,
+            "rows_dropped": self._sink.dropped + w.rows_lost + (self._agent.lost_rows if self._agent else 0),
             "write_errors": w.write_errors,
             "spans_pending": len(self._sink.pending_spans),
             "rows_buffered": len(self._sink.spans) + len(self._sink.markers) + len(self._sink.metrics) + w.pending_rows,

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megascope.collectors.ring import CONSUMED_AT, FLUSHES_AT, MarkerRing, RingReader
+from megascope.collectors.ring import CONSUMED_AT, FLUSHES_AT, LOST_AT, MarkerRing, RingReader
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ class AgentLink:
         self._flushes = 0
         self._lock = threading.Lock()
         self.fallback_rows = 0  # rows this process had to write itself at close
+        self.lost_rows = 0  # markers that never reached the disk (ring wrap-around, unwritable run)
+        self._closed = False
 
     @classmethod
     def start(cls, run_dir: Path, *, rank: int, host: str, interval_s: float) -> AgentLink:
@@ -78,7 +80,7 @@ class AgentLink:
     def flush(self, timeout_s: float) -> bool:
         """Ask the agent to write what the ring holds now; True once it has (within ``timeout_s``)."""
         with self._lock:
-            if self.proc.stdin is None or not self.alive:
+            if self._closed or self.proc.stdin is None or not self.alive:
                 return False
             self._flushes += 1
             want = self._flushes
@@ -95,7 +97,10 @@ class AgentLink:
         return True
 
     def close(self, timeout_s: float) -> None:
-        """End the agent after its last pass; write from here whatever it did not."""
+        """End the agent after its last pass; write from here whatever it did not. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
@@ -109,7 +114,13 @@ class AgentLink:
             self.proc.kill()
             self.proc.wait()
         if self.ring.counter(CONSUMED_AT) < self.ring.written:
-            self.fallback_rows = write_ring(self.ring, self.run_dir, self.rank)
+            try:
+                self.fallback_rows = write_ring(self.ring, self.run_dir, self.rank)
+            except OSError as exc:
+                log.warning("megascope collector (rank %d): cannot write the last markers under %s (%s)",
+                            self.rank, self.run_dir, exc)
+        self.lost_rows = self.ring.counter(LOST_AT) + max(0, min(self.ring.written - self.ring.counter(CONSUMED_AT),
+                                                                 self.ring.capacity))
         self.ring.close()
 
 

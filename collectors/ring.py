@@ -16,10 +16,10 @@ while it waits, every Python thread of the rank stops, the collector's writer in
 
 The file (``/dev/shm`` where it exists, else the temporary directory)::
 
-    header   64 bytes   magic, capacity, record size, string-table size, then four counters:
+    header   64 bytes   magic, capacity, record size, string-table size, then five counters:
                         written (records ever put), strings_used (bytes of the string table),
                         consumed (records written to disk by the reader), flushes (flush requests
-                        answered by the reader)
+                        answered by the reader), lost (records the reader lost to wrap-around)
     strings  STRINGS    group and op names, each a u16 length + UTF-8; id = position in the list
     records  CAP x 48   seq, time_ns, step, bytes, peer, group id, op id, state id, flags
 
@@ -30,7 +30,7 @@ Example::
 
     ring = MarkerRing.create(capacity=1 << 16)
     ring.put((rank, "tp:0", 17, "all_reduce", "enqueued", time.time_ns(), 3, 4096, None))
-    reader = RingReader(ring.path); rows, lost = reader.read()
+    reader = RingReader(ring.path); rows = reader.read(); reader.commit()   # once rows are on disk
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from megascope.schema import MarkerState
 MAGIC = b"MSRING01"
 _HEADER = struct.Struct("<8sIIII")  # magic, capacity, record size, strings size, spare
 _COUNTER = struct.Struct("<Q")
-WRITTEN_AT, STRINGS_USED_AT, CONSUMED_AT, FLUSHES_AT = 24, 32, 40, 48
+WRITTEN_AT, STRINGS_USED_AT, CONSUMED_AT, FLUSHES_AT, LOST_AT = 24, 32, 40, 48, 56
 HEADER_BYTES = 64
 STRINGS_BYTES = 64 * 1024
 RECORD = struct.Struct("<qqqqiiHBBxxxx")  # 48 bytes
@@ -215,7 +215,7 @@ class RingReader:
         self._strings: list[str] = []
         self._strings_read = 0
         self._pending_commit: int | None = None
-        self.lost = 0
+        self.lost = self._counter(LOST_AT)  # a reader taking over counts on from the last one
 
     def _counter(self, at: int) -> int:
         return int(_COUNTER.unpack_from(self._map, at)[0])
@@ -258,6 +258,7 @@ class RingReader:
                          step if flags & _HAS_STEP else None, nbytes if flags & _HAS_BYTES else None,
                          peer if flags & _HAS_PEER else None))
         self._pending_commit = end
+        _COUNTER.pack_into(self._map, LOST_AT, self.lost)
         return rows
 
     def commit(self) -> None:

@@ -326,6 +326,16 @@ class Writer:
                 break
             time.sleep(0.005)
         self.flush()
+        # What the last flush could not write (a read-only or full disk) is lost with the process:
+        # counted, so stats never say "0 rows dropped" for rows that never reached the disk.
+        left = self.pending_rows + len(self.sink.spans) + len(self.sink.metrics) + len(self.sink.pending_spans)
+        if not self.markers_elsewhere:
+            left += len(self.sink.markers)
+        if left:
+            self.rows_lost += left
+            self._retry.clear()
+            log.warning("megascope collector (rank %d): %d rows could not be written before close and are lost "
+                        "(%d write errors)", self.rank, left, self.write_errors)
 
     # ---------------------------------------------------------------- one pass
     def _flush_locked(self, pacer: Pacer | None = None) -> None:

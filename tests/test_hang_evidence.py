@@ -234,3 +234,27 @@ def test_the_agent_process_stays_small_it_never_imports_torch() -> None:
                           "print(sorted(m for m in ('torch', 'duckdb', 'pandas') if m in sys.modules))"],
                          capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_rows_that_never_reach_the_disk_are_counted_as_dropped(tmp_path: Path) -> None:
+    """Tables whose directory cannot be written (a file stands where it should be; chmod does not
+    stop root): what could not be written by close is counted, spans and markers alike."""
+    import shutil
+
+    run = tmp_path / "run"
+    col = Collector(CollectorConfig(run_dir=run, flush_interval_s=30.0), rank=0, world_size=1)
+    with col.step(0), col.comm("all_reduce", group="world", bytes=8):
+        pass
+    col.flush()
+    assert col.stats["rows_dropped"] == 0
+    for table in ("spans", "markers", "metrics"):
+        shutil.rmtree(run / table)
+        (run / table).write_text("not a directory")
+    for step in range(1, 4):
+        with col.step(step), col.comm("all_reduce", group="world", bytes=8):
+            pass
+    col.close()
+    stats = col.stats
+    # 3 steps x (step span + comm span) + 3 stamps metrics + 3 x 2 markers, all lost.
+    assert stats["rows_dropped"] >= 3 * 2 + 3 + 3 * 2, stats
+    assert stats["write_errors"] > 0
