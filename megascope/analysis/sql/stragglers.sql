@@ -187,8 +187,10 @@ FROM f GROUP BY rank;
 -- neighbours run late: a rank with clearly less evidence shows the fault's wake). Two real
 -- stragglers of very different size: the worse is named first; the other after it is fixed.
 -- Not a rank whose excess over its peers is explained by longer pipeline receives (a neighbour
--- of a slow stage): that one is named instead.
+-- of a slow stage): that one is named instead. Not a rank whose TP partners are, in the median,
+-- at least half as slow as it is: a whole TP group late is a group effect.
 -- @column t_own, t_blame, z  the evidence
+-- @column partners_m_own  median m_own of its TP partners (NULL without any)
 -- @column straggler     named
 WITH e AS (
     SELECT s.*,
@@ -203,12 +205,21 @@ WITH e AS (
             + least(greatest(coalesce(last_z, 0), -3), 6) + least(greatest(coalesce(t_spans, 0), -3), 6))
                / sqrt(1 + (t_blame IS NOT NULL)::INT + (last_z IS NOT NULL)::INT + (t_spans IS NOT NULL)::INT) AS z
     FROM e
+), grp AS (
+    -- Its tensor-parallel partners (same stage and dp index): a whole TP group slower than the
+    -- rest of its stage is a group effect (a replica its host scheduled late), not a rank.
+    SELECT z.rank, median(o.m_own) AS partners_m_own
+    FROM z JOIN ms_cache.rank_info i USING (rank)
+    JOIN ms_cache.rank_info j ON j.stage = i.stage AND j.dp IS NOT DISTINCT FROM i.dp AND j.rank <> i.rank
+    JOIN z o ON o.rank = j.rank
+    GROUP BY z.rank
 ), flagged AS (
-    SELECT z.*,
+    SELECT z.*, grp.partners_m_own,
            coalesce(z.z >= {{z_comb}} AND z.t_own >= 1 AND z.median_slowdown >= {{min_slowdown}}
+                    AND NOT coalesce(grp.partners_m_own >= 0.5 * z.m_own, false)
                     AND NOT coalesce(z.median_ex_recv_ns > 0 AND z.median_ex_recv_ns >= z.median_ex_own_ns, false),
                     false) AS flag
-    FROM z WHERE z.steps >= {{min_steps}}
+    FROM z LEFT JOIN grp USING (rank) WHERE z.steps >= {{min_steps}}
 )
 SELECT f.*, i.host, i.pp, i.dp, i.tp,
        f.slow_steps / f.steps AS steps_slow_frac, f.comm_slow_steps / f.steps AS steps_comm_slow_frac,
