@@ -18,6 +18,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -72,6 +73,9 @@ def parse_inject(spec: str) -> Fault:
     missing = set(_GRAMMAR[kind]) - set(values) - _OPTIONAL.get(kind, set())
     if missing:
         raise ConfigError(f"--inject {spec!r}: missing {', '.join(sorted(missing))}")
+    for key, value in values.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"--inject {spec!r}: {key} must be a finite number")
     fault = Fault(kind=kind, **values)  # type: ignore[arg-type]
     if fault.rank < 0:
         raise ConfigError(f"--inject {spec!r}: rank must be >= 0")

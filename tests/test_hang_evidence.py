@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 from megascope.collectors import Collector, CollectorConfig
 from megascope.collectors.evidence import AgentLink, enable_nccl_flight_recorder
 from megascope.collectors.ring import MarkerRing, RingReader
@@ -258,3 +259,15 @@ def test_rows_that_never_reach_the_disk_are_counted_as_dropped(tmp_path: Path) -
     # 3 steps x (step span + comm span) + 3 stamps metrics + 3 x 2 markers, all lost.
     assert stats["rows_dropped"] >= 3 * 2 + 3 + 3 * 2, stats
     assert stats["write_errors"] > 0
+
+
+def test_the_fault_grammar_refuses_non_finite_numbers_and_knows_freeze() -> None:
+    from megascope.errors import ConfigError
+    from megascope.inject import parse_inject, parse_injects
+
+    for spec in ("straggler:rank=1,factor=nan", "straggler:rank=1,factor=inf", "skew:rank=2,ms=nan"):
+        with pytest.raises(ConfigError, match="finite"):
+            parse_inject(spec)
+    faults = parse_injects(["freeze:rank=3,step=2", "hang:rank=1,step=4"])
+    assert faults.hang_step(3) == 2 and faults.hang_step(3, ("hang",)) is None
+    assert faults.hang_step(1, ("freeze",)) is None and faults.hang_step(1) == 4
