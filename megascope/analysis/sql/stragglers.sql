@@ -188,7 +188,8 @@ FROM f GROUP BY rank;
 -- stragglers of very different size: the worse is named first; the other after it is fixed.
 -- Not a rank whose excess over its peers is explained by longer pipeline receives (a neighbour
 -- of a slow stage): that one is named instead. Not a rank whose TP partners are, in the median,
--- at least half as slow as it is: a whole TP group late is a group effect.
+-- at least 3/4 as slow as it is: a whole TP group late is a group effect (a straggler's TP
+-- partner, whose spans hold its waits, reads slow too, but clearly less).
 -- @column t_own, t_blame, z  the evidence
 -- @column partners_m_own  median m_own of its TP partners (NULL without any)
 -- @column straggler     named
@@ -216,7 +217,7 @@ WITH e AS (
 ), flagged AS (
     SELECT z.*, grp.partners_m_own,
            coalesce(z.z >= {{z_comb}} AND z.t_own >= 1 AND z.median_slowdown >= {{min_slowdown}}
-                    AND NOT coalesce(grp.partners_m_own >= 0.5 * z.m_own, false)
+                    AND NOT coalesce(grp.partners_m_own >= 0.75 * z.m_own, false)
                     AND NOT coalesce(z.median_ex_recv_ns > 0 AND z.median_ex_recv_ns >= z.median_ex_own_ns, false),
                     false) AS flag
     FROM z LEFT JOIN grp USING (rank) WHERE z.steps >= {{min_steps}}
