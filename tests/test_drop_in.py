@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -231,6 +232,9 @@ def test_ddp_job_hang_is_localized_to_the_rank_that_never_entered(tmp_path: Path
     proc = torchrun(3, JOBS / "ddp_job.py", str(run_dir), "--steps", "12", "--hang", "2,3", "--timeout", "8",
                     cwd=tmp_path)
     assert proc.returncode != 0  # the waiting ranks' all-reduce timed out
+    deadline = time.monotonic() + 30  # the marker agents' last passes, as the ranks went
+    while time.monotonic() < deadline and len(_ended_ranks(run_dir)) < 3:
+        time.sleep(0.2)
     found = megascope_json("localize", str(run_dir))
     assert found["hung"], found
     first = found["suspects"][0]
@@ -259,11 +263,22 @@ def test_fsdp2_tp_job_sees_fsdp_and_dtensor_collectives_and_names_the_straggler(
 
 
 @pytest.mark.dist
+def _ended_ranks(run_dir: Path) -> set[int]:
+    """Ranks whose marker agent wrote its last row (the rank's process ended)."""
+    import pyarrow.parquet as pq
+
+    ended = set()
+    for part in run_dir.glob("heartbeats/host=*/part-*.parquet"):
+        for row in pq.read_table(part, columns=["rank", "metric", "value"]).to_pylist():
+            if row["metric"] == "rank_alive" and row["value"] == 0.0:
+                ended.add(int(row["rank"]))
+    return ended
+
+
 def test_fsdp2_tp_job_hang_is_localized_while_the_others_wait_forever(tmp_path: Path) -> None:
     """Functional collectives' waits do not time out on gloo: the job hangs until it is killed,
     as an operator would kill it. The trail on disk names the rank that never arrived."""
     import signal
-    import time
 
     run_dir = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -286,6 +301,11 @@ def test_fsdp2_tp_job_hang_is_localized_while_the_others_wait_forever(tmp_path: 
     finally:
         os.killpg(job.pid, signal.SIGTERM)
         job.wait(timeout=60)
+    # The ranks' marker agents make their last pass as the ranks go; until then the job reads as
+    # live (and a live job is hung only after run state's threshold).
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and len(_ended_ranks(run_dir)) < 4:
+        time.sleep(0.2)
     found = megascope_json("localize", str(run_dir))
     assert found["hung"], found
     first = found["suspects"][0]

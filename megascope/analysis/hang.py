@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import defaultdict, deque
 from typing import Any
 
@@ -223,7 +224,16 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
     silent_ranks = sorted(int(r) for r in activity.loc[activity["silent"], "rank"])
     axes = tuple(run.meta.mesh_axes)
     job_end = _job_end_ns(activity, alive)
-    ended = bool(len(alive)) and bool(alive["ended"].all()) and len(alive) >= len(places)
+    # A rank's process has ended when its agent said so, or when the agent itself went silent
+    # (its rows come every flush interval while it runs).
+    now = time.time_ns() if now_ns is None else now_ns
+    try:
+        flush_s = float((run.meta.config or {}).get("flush_interval_s") or 1.0)
+    except (TypeError, ValueError):
+        flush_s = 1.0
+    gone_after_ns = 5e9 * max(1.0, flush_s)
+    ended = (bool(len(alive)) and len(alive) >= len(places)
+             and bool((alive["ended"] | (now - alive["alive_until_ns"] > gone_after_ns)).all()))
     note: str | None = None
     waited_s: float | None = None
     stuck_since = [float(m["stuck_since_ns"]) for m in members
