@@ -72,13 +72,9 @@ def age_text(seconds: float | None) -> str:
     """``"4 s"``, ``"12 min"``, ``"3 h"``, ``"5 days"``: how long ago, as a person reads it."""
     if seconds is None:
         return "never"
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    if seconds < 172800:
-        return f"{seconds / 3600:.0f} h"
-    return f"{seconds / 86400:.0f} days"
+    from megascope.analysis.runstate import duration_text
+
+    return duration_text(seconds)
 
 
 def run_state_or_none(served: ServedRun) -> dict[str, Any] | None:

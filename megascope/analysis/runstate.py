@@ -206,7 +206,8 @@ def _age_s(now_ns: int, then_ns: int | None) -> float | None:
     return None if then_ns is None else max(0.0, (now_ns - then_ns) / 1e9)
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
+    """``"4 s"``, ``"12 min"``, ``"3 h"``, ``"5 days"``: a duration as a person reads it."""
     if seconds < 120:
         return f"{seconds:.0f} s"
     if seconds < 7200:
@@ -330,12 +331,12 @@ def decide(facts: Mapping[str, Any], *, now_ns: int | None = None, stall_after_s
         state, reason = "running", "no step finished yet; waiting for the first data"
     elif idle < stall_s:
         state = "running"
-        reason = f"progress {_duration(idle)} ago; last finished {step_text}{of_text}"
+        reason = f"progress {duration_text(idle)} ago; last finished {step_text}{of_text}"
     elif idle < hang_s:
         state = "stalled"
         waiting = f"; {in_flight} call(s) in flight" if in_flight else ""
-        reason = (f"no progress on any rank for {_duration(idle)} (a hang is declared after "
-                  f"{_duration(hang_s)}, {source}){waiting}")
+        reason = (f"no progress on any rank for {duration_text(idle)} (a hang is declared after "
+                  f"{duration_text(hang_s)}, {source}){waiting}")
     elif in_flight:
         state = "hung"
         suspects = list(facts.get("suspects") or [])
@@ -345,12 +346,12 @@ def decide(facts: Mapping[str, Any], *, now_ns: int | None = None, stall_after_s
             who = f"; rank {culprit['rank']} never entered {culprit.get('group', '?')} seq {culprit['missing_seq']}"
         elif culprit:
             who = f"; rank {culprit['rank']} stuck in {culprit.get('group', '?')}"
-        reason = (f"no progress on any rank for {_duration(idle)} (>= {_duration(hang_s)}, {source}) with "
+        reason = (f"no progress on any rank for {duration_text(idle)} (>= {duration_text(hang_s)}, {source}) with "
                   f"{in_flight} call(s) never completed{who}")
     else:
         state = "failed"
         reason = (f"stopped at {step_text}{of_text} with no call in flight and no progress for "
-                  f"{_duration(idle)}: the job exited or was killed before its last step")
+                  f"{duration_text(idle)}: the job exited or was killed before its last step")
     return {
         "state": state,
         "reason": reason,
