@@ -600,7 +600,8 @@ class Collector:
         if self._open:
             self._writer.flush()
             if self._agent is not None and not self._agent.flush(timeout_s=10.0):
-                self._internal_error("marker agent flush")
+                self._warn_once("agent-flush", "megascope collector (rank %d): the marker agent did not answer a "
+                                "flush in 10 s; its markers reach the disk at its next pass", self.rank)
 
     def close(self) -> None:
         """Flush everything (waiting up to ``close_timeout_s`` for device events) and stop the writer."""
