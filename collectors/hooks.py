@@ -61,6 +61,19 @@ def inside() -> bool:
     return getattr(_TLS, "busy", False)
 
 
+
+def _call_recorded(original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], handle: Any) -> Any:
+    """Run the job's call with the recording guard up (no second record of what it calls); a call
+    that raises abandons its handle, so no completion is written."""
+    _TLS.busy = True
+    try:
+        return original(*args, **kwargs)
+    except BaseException:
+        handle.abandon()
+        raise
+    finally:
+        _TLS.busy = False
+
 class _Busy:
     __slots__ = ("_prev",)
 
@@ -195,14 +208,7 @@ class Interception:
                 handle = col.comm_begin(op=op, group=col.group_id(group), bytes=nbytes, name=f"{name}")
             except Exception:
                 col._internal_error("intercepted call")
-            _TLS.busy = True
-            try:
-                result = original(*args, **kwargs)
-            except BaseException:
-                handle.abandon()
-                raise
-            finally:
-                _TLS.busy = False
+            result = _call_recorded(original, args, kwargs, handle)
             if async_op and result is not None:
                 interception._end_on_completion(result, handle)
             else:
@@ -285,14 +291,7 @@ class Interception:
                                         name=f"funcol.{name}")
             except Exception:
                 col._internal_error("intercepted functional collective")
-            _TLS.busy = True
-            try:
-                result = original(*args, **kwargs)
-            except BaseException:
-                handle.abandon()
-                raise
-            finally:
-                _TLS.busy = False
+            result = _call_recorded(original, args, kwargs, handle)
             interception._pend(result, handle)
             return result
 
