@@ -34,13 +34,17 @@ from typing import Any
 
 CPU_MESHES = [(2, 2, 2), (1, 2, 4), (4, 1, 2), (2, 1, 4)]  # (tp, pp, dp), 8 ranks each
 GPU_MESHES = [(2, 1, 2), (1, 2, 2), (1, 1, 4), (2, 2, 1)]  # 4 GPUs
+GPU2_MESHES = [(1, 1, 2), (2, 1, 1), (1, 2, 1)]  # 2 GPUs
 FACTORS = [1.1, 1.15, 1.15, 1.3, 1.6]
 SKEWS_MS = [20.0, 50.0, 50.0, 100.0]
 HEALTHY_PER_MESH = 5
 
 
 def plan(meshes: list[tuple[int, int, int]], seed: int, *, gpu: bool) -> list[dict[str, Any]]:
-    """The sweep's runs: per mesh every factor, every skew, one hang and some healthy runs."""
+    """The sweep's runs: per mesh every factor, every skew, one hang and some healthy runs.
+
+    On GPUs the runs come in a seeded random order, so a sweep cut short by its time budget still
+    has every mesh and kind of fault in it."""
     rng = random.Random(seed)
     runs: list[dict[str, Any]] = []
     for tp, pp, dp in meshes:
@@ -56,6 +60,8 @@ def plan(meshes: list[tuple[int, int, int]], seed: int, *, gpu: bool) -> list[di
             rank = rng.randrange(world)
             runs.append({"mesh": (tp, pp, dp), "kind": kind, "rank": rank if spec else None,
                          "inject": spec.format(r=rank) if spec else None})
+    if gpu:
+        rng.shuffle(runs)
     for i, r in enumerate(runs):
         tp, pp, dp = r["mesh"]
         tag = r["inject"].replace(":", "-").replace(",", "-").replace("=", "") if r["inject"] else "healthy"
@@ -73,10 +79,32 @@ def launch(r: dict[str, Any], out: Path, *, gpu: bool, steps: int, profile: int 
     if profile:
         cmd += ["--profile", str(profile)]
     load = os.getloadavg()[0]
+    busy0, kids0 = _busy_cpu_s(), _children_cpu_s()
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    return {"load": load, "wall_s": time.perf_counter() - t0, "rc": proc.returncode,
+    wall = time.perf_counter() - t0
+    # The 1-minute load average before a run mostly counts the previous run's own ranks. What the
+    # run competed with is the CPU that other processes used while it ran: all busy CPU time less
+    # the run's own (its process tree), in cores.
+    other = max(0.0, (_busy_cpu_s() - busy0) - (_children_cpu_s() - kids0)) / wall
+    return {"load": load, "other_cores": round(other, 2), "wall_s": wall, "rc": proc.returncode,
             "err": (proc.stderr.strip().splitlines() or [""])[-1] if proc.returncode else ""}
+
+
+def _busy_cpu_s() -> float:
+    """Seconds of CPU time all processes of the machine have used (non-idle jiffies of /proc/stat)."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except OSError:
+        return 0.0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_s() -> float:
+    import resource
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
 
 
 def score(r: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -138,15 +166,22 @@ def table(rows: list[dict[str, Any]]) -> str:
     order: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         order.setdefault(level(r), []).append(r)
-    lines = ["| fault | runs | named first | right cause | other ranks named | load (1 min), median / max |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| fault | runs | named first | right cause | other ranks named | load (1 min), median / max "
+             "| other processes' cores during the run, median / max |",
+             "|---|---|---|---|---|---|---|"]
     for name, group in order.items():
         ok = [g for g in group if "first_right" in g]
         loads = sorted(g["load"] for g in group)
         lines.append(f"| {name} | {len(group)} | {sum(g['first_right'] for g in ok)}/{len(group)} | "
                      f"{sum(g['cause_right'] for g in ok)}/{len(group)} | "
-                     f"{sum(bool(g['false']) for g in ok)} | {loads[len(loads) // 2]:.1f} / {loads[-1]:.1f} |")
+                     f"{sum(bool(g['false']) for g in ok)} | {loads[len(loads) // 2]:.1f} / {loads[-1]:.1f} | "
+                     f"{_median_max(group, 'other_cores')} |")
     return "\n".join(lines)
+
+
+def _median_max(group: list[dict[str, Any]], key: str) -> str:
+    vals = sorted(g[key] for g in group if g.get(key) is not None)
+    return f"{vals[len(vals) // 2]:.2f} / {vals[-1]:.2f}" if vals else "-"
 
 
 def main() -> int:
@@ -155,13 +190,15 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=22, help="draws the planted ranks")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--gpu", action="store_true", help="4 GPUs (NCCL), straggler mode=time")
+    parser.add_argument("--gpus", type=int, default=4, choices=(2, 4), help="with --gpu: 2 or 4 GPUs")
+    parser.add_argument("--budget-s", type=float, default=0.0, help="start no run after this many seconds")
     parser.add_argument("--score-only", action="store_true", help="score the runs already in --out")
     parser.add_argument("--hta", action="store_true", help="also write profiler traces and run HTA on them")
     parser.add_argument("--limit", type=int, default=0, help="only the first N runs (a quick look)")
     parser.add_argument("--mesh", action="append", default=[], metavar="TPxPPxDP",
                         help="only these meshes (repeatable), e.g. 2x2x2")
     args = parser.parse_args()
-    meshes = GPU_MESHES if args.gpu else CPU_MESHES
+    meshes = (GPU_MESHES if args.gpus == 4 else GPU2_MESHES) if args.gpu else CPU_MESHES
     if args.mesh:
         meshes = [tuple(int(x) for x in m.split("x")) for m in args.mesh]  # type: ignore[misc]
     runs = plan(meshes, args.seed, gpu=args.gpu)
@@ -176,7 +213,11 @@ def main() -> int:
             done[rec["name"]] = rec
     started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     rows = []
+    began = time.monotonic()
     for r in runs:
+        if args.budget_s and time.monotonic() - began > args.budget_s and r["name"] not in done:
+            print(f"time budget spent: {r['name']} and later runs not started", file=sys.stderr)
+            break
         rec = dict(done.get(r["name"], r))
         rec.update(r)
         if not args.score_only and r["name"] not in done:
@@ -192,7 +233,7 @@ def main() -> int:
         if args.hta:
             rec.update(hta_score(rec, args.out / r["name"]))
         rows.append(rec)
-        print(json.dumps({k: rec.get(k) for k in ("name", "load", "named", "cause", "confidence", "hung",
+        print(json.dumps({k: rec.get(k) for k in ("name", "load", "other_cores", "named", "cause", "confidence", "hung",
                                                    "suspects", "first_right", "cause_right", "false", "hta")}),
               file=sys.stderr, flush=True)
     print(f"{'GPU' if args.gpu else 'CPU'} sweep, seed {args.seed}, {len(rows)} runs, scored {started}, "

@@ -12,6 +12,9 @@
 #              variable each: the side-stream clock, the host clock, no flush during the run, no wait
 #              spans, NCCL on a high-priority stream), to find why tp2 is slower with the collector on
 #              (docs/benchmarks.md). Not part of the default.
+#   whole      the collector's cost as a user measures it: whole runs off and on, interleaved,
+#              REPEATS rounds over WHOLE_LAYOUTS (1gpu tp pp dp), within BUDGET_S seconds; mean,
+#              median and p90 step time per layout (bench/whole_run_table.py). Not part of the default.
 #   ab         the collector's cost inside one process (megascope train --collector-ab AB_BLOCK): it
 #              records blocks of AB_BLOCK steps and is paused for the blocks between, so recorded and
 #              unrecorded steps share NCCL communicators, memory layout and clocks; per AB_LAYOUTS
@@ -35,7 +38,8 @@ TPVARIANTS=${TPVARIANTS:-side:MEGASCOPE_CLOCK=side-stream host:MEGASCOPE_CLOCK=h
   noflush:MEGASCOPE_FLUSH_INTERVAL_S=600 nowait:MEGASCOPE_WAIT_SPANS=0 prio:TORCH_NCCL_HIGH_PRIORITY=1}
 AB_BLOCK=${AB_BLOCK:-6}
 AB_LAYOUTS=${AB_LAYOUTS:-1gpu tp pp dp}
-ABVARIANTS=${ABVARIANTS:-unpaced:MEGASCOPE_WRITER_DUTY=1}  # e.g. host:MEGASCOPE_CLOCK=host all:--layer-spans=all
+WHOLE_LAYOUTS=${WHOLE_LAYOUTS:-1gpu tp pp dp}
+ABVARIANTS=${ABVARIANTS-unpaced:MEGASCOPE_WRITER_DUTY=1}  # e.g. host:MEGASCOPE_CLOCK=host all:--layer-spans=all
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 MODEL=(--layers 24 --hidden 2048 --heads 16 --seq-len 2048 --vocab 50304 --lr 3e-4)
 RUNS="$OUT/runs"
@@ -108,6 +112,25 @@ for part in $PARTS; do
           EXTRA_ENV="${variant#*:}" train "2gpu-tp${variant%%:*}-r$r" 2 on $(layout_args tp)
         done
       done ;;
+    whole)
+      # Whole runs, collector off and on, interleaved: per round every layout of WHOLE_LAYOUTS once
+      # each way, the order alternating by round (off first in odd rounds), so drift over the call
+      # falls on both sides. Stops starting runs once BUDGET_S seconds have passed since the part
+      # began, so a cut-off call still brings back whole pairs. Table: bench/whole_run_table.py.
+      start=$SECONDS
+      for r in $(seq "$REPEATS"); do
+        for layout in $WHOLE_LAYOUTS; do
+          gpus=2; name="2gpu-$layout"; [ "$layout" = 1gpu ] && { gpus=1; name=1gpu; }
+          [ "$NGPU" -ge "$gpus" ] || { echo "$layout needs $gpus GPUs"; continue; }
+          [ $((SECONDS - start)) -lt "${BUDGET_S:-100000}" ] || { echo "budget spent: round $r, $layout not run"; break 2; }
+          order="off on"; [ $((r % 2)) = 0 ] && order="on off"
+          for mode in $order; do
+            # shellcheck disable=SC2046
+            train "$name-r$r" "$gpus" "$mode" $(layout_args "$layout")
+          done
+        done
+      done
+      $PY bench/whole_run_table.py "$RUNS" | tee "$OUT/whole.txt" ;;
     ab)
       for r in $(seq "$REPEATS"); do
         for layout in $AB_LAYOUTS; do

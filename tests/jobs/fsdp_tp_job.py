@@ -1,11 +1,12 @@
 """An FSDP2 + tensor-parallel training script on a 2-D DeviceMesh, with megascope's lines added.
 
 Run it under ``torchrun --standalone --nproc-per-node 4 tests/jobs/fsdp_tp_job.py RUN`` (dp = 2,
-tp = 2). Faults for the tests: ``--straggler RANK,FACTOR`` (that rank does FACTOR times a step's
+tp = 2; ``--tp T`` gives dp = world / T, ``--cuda`` NCCL on the GPU of LOCAL_RANK). Faults for the tests: ``--straggler RANK,FACTOR`` (that rank does FACTOR times a step's
 matrix work), ``--hang RANK,STEP`` (that rank sleeps before its forward in STEP).
 """
 
 import argparse
+import os
 import time
 from datetime import timedelta
 
@@ -23,6 +24,8 @@ parser.add_argument("--steps", type=int, default=10)
 parser.add_argument("--straggler", default=None)
 parser.add_argument("--hang", default=None)
 parser.add_argument("--timeout", type=float, default=10.0)
+parser.add_argument("--tp", type=int, default=2)
+parser.add_argument("--cuda", action="store_true", help="NCCL on the GPU of LOCAL_RANK")
 args = parser.parse_args()
 
 
@@ -36,13 +39,16 @@ class Block(nn.Module):
         return x + self.down(torch.relu(self.up(x)))
 
 
-dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
-mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.cuda else torch.device("cpu")
+if args.cuda:
+    torch.cuda.set_device(device)
+dist.init_process_group("nccl" if args.cuda else "gloo", timeout=timedelta(seconds=args.timeout))
+mesh = init_device_mesh(device.type, (dist.get_world_size() // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
 col = Collector.from_env(args.run_dir, mesh=mesh, flush_interval_s=0.25, stacks_after_s=args.timeout / 2)  # megascope
 rank = dist.get_rank()
 torch.manual_seed(0)
 dim = 128
-model = nn.Sequential(*[Block(dim) for _ in range(2)])
+model = nn.Sequential(*[Block(dim) for _ in range(2)]).to(device)
 for block in model:
     parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     fully_shard(block, mesh=mesh["dp"])
@@ -52,10 +58,10 @@ slow_rank, factor = (int(v) if i == 0 else float(v) for i, v in enumerate(args.s
     if args.straggler else (-1, 1.0)
 hang_rank, hang_step = (int(v) for v in args.hang.split(",")) if args.hang else (-1, -1)
 gen = torch.Generator().manual_seed(mesh["dp"].get_local_rank())  # TP peers see the same batch
-extra = torch.randn(256, 4 * dim), torch.randn(4 * dim, 4 * dim)
+extra = torch.randn(256, 4 * dim, device=device), torch.randn(4 * dim, 4 * dim, device=device)
 for step in range(args.steps):
     with col.step(step):                                                                        # megascope
-        x = torch.randn(256, dim, generator=gen)
+        x = torch.randn(256, dim, generator=gen).to(device)
         if rank == hang_rank and step == hang_step:
             time.sleep(3600)
         if rank == slow_rank:  # local matrix work, no collective: this rank alone is slower

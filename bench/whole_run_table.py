@@ -1,0 +1,73 @@
+"""The collector's cost as a user measures it: whole runs with the collector on and off, interleaved.
+
+Reads the trainer's ``--result-json`` files that ``bench/gpu_trainer.sh`` (part ``whole``) wrote,
+named ``<layout>-r<round>-<on|off>.json``, and prints per layout one row per pair (the on and off
+run of one round) and one summary row: the mean, median and p90 step time of each mode over every
+counted step of its runs, and on / off - 1 for each. Steps counted: FIRST to LAST-1 (``--steps``,
+default 4-23, the issue's window), rank 0's host clock between step ends.
+
+    python bench/whole_run_table.py RUNS_DIR [--first 4 --last 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+
+def _p90(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(0.9 * (len(s) - 1))))]
+
+
+def _stats(xs: list[float]) -> tuple[float, float, float]:
+    return statistics.fmean(xs), statistics.median(xs), _p90(xs)
+
+
+def table(runs: Path, first: int, last: int) -> str:
+    by: dict[str, dict[int, dict[str, list[float]]]] = defaultdict(lambda: defaultdict(dict))
+    for f in sorted(runs.glob("*.json")):
+        m = re.match(r"(.+)-r(\d+)-(on|off)$", f.stem)
+        if not m:
+            continue
+        steps = json.loads(f.read_text()).get("step_seconds") or []
+        if len(steps) >= last:
+            by[m.group(1)][int(m.group(2))][m.group(3)] = [s * 1e3 for s in steps[first:last]]
+    lines = ["| layout | pair | off mean (median, p90) ms | on mean (median, p90) ms | on vs off: mean | median | p90 |",
+             "|---|---|---|---|---|---|---|"]
+    for layout, rounds in sorted(by.items()):
+        pooled: dict[str, list[float]] = {"on": [], "off": []}
+        pair_ratios = []
+        for r, modes in sorted(rounds.items()):
+            if set(modes) != {"on", "off"}:
+                continue
+            off, on = _stats(modes["off"]), _stats(modes["on"])
+            pooled["off"] += modes["off"]
+            pooled["on"] += modes["on"]
+            pair_ratios.append(on[0] / off[0] - 1)
+            lines.append(f"| {layout} | {r} | {off[0]:.1f} ({off[1]:.1f}, {off[2]:.1f}) | {on[0]:.1f} ({on[1]:.1f}, "
+                         f"{on[2]:.1f}) | {on[0] / off[0] - 1:+.2%} | {on[1] / off[1] - 1:+.2%} | {on[2] / off[2] - 1:+.2%} |")
+        if pair_ratios:
+            off, on = _stats(pooled["off"]), _stats(pooled["on"])
+            lines.append(f"| **{layout}** | **all {len(pair_ratios)}** | {off[0]:.1f} ({off[1]:.1f}, {off[2]:.1f}) | "
+                         f"{on[0]:.1f} ({on[1]:.1f}, {on[2]:.1f}) | **{on[0] / off[0] - 1:+.2%}** | "
+                         f"{on[1] / off[1] - 1:+.2%} | **{on[2] / off[2] - 1:+.2%}** |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", type=Path)
+    parser.add_argument("--first", type=int, default=4)
+    parser.add_argument("--last", type=int, default=24)
+    args = parser.parse_args()
+    print(f"whole runs, steps {args.first}-{args.last - 1}, rank 0's step time")
+    print(table(args.runs, args.first, args.last))
+
+
+if __name__ == "__main__":
+    main()
