@@ -28,7 +28,7 @@ import duckdb
 import numpy as np
 import pandas as pd
 
-from megascope.analysis import _sql
+from megascope.analysis import _sql, persist
 from megascope.schema import COLLECTOR_CALLS_METRIC
 
 log = logging.getLogger(__name__)
@@ -156,8 +156,15 @@ def _steps(con: duckdb.DuckDBPyConnection) -> list[int]:
     return [int(x) for (x,) in con.execute("SELECT DISTINCT step FROM spans WHERE step IS NOT NULL ORDER BY 1").fetchall()]
 
 
-def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None) -> None:
-    """Build the base tables unless they are current for this run's files."""
+# The base tables, as kept beside the run (megascope.analysis.persist).
+BASE_TABLES = ["rank_info", "clock_offsets", "rank_clock", "inst", "rank_step"]
+
+
+def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None, persist_cache: bool = True) -> None:
+    """Build the base tables unless they are current for this run's files: from the run's cache
+    (``RUN/_cache``, :mod:`megascope.analysis.persist`) when it was built from the same files, else
+    from the parts, then kept there for the next reader (unless ``persist_cache`` is False or the
+    run cannot be written)."""
     # Cursors do not inherit the connection's settings; DuckDB's progress bar would go to stdout.
     con.execute("SET enable_progress_bar = false")
     with _sql.build_lock():
@@ -165,23 +172,44 @@ def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None) -> Non
         if _sql.cache_is_fresh(con, "base"):
             return
         say = progress or (lambda msg: None)
-        say("reading ranks")
-        _sql.execute(con, "base", "rank_info")
-        steps = _steps(con)
-        say("estimating clock offsets")
-        _estimate_offsets(con, steps)
-        _sql.execute(con, "base", "rank_clock")
-        say("matching collectives")
-        _sql.execute(con, "base", "inst")
-        say("splitting step time per rank")
-        probe = _sql.first(con.execute("SELECT min(rank) FROM ms_cache.rank_info"))
-        nested = [str(k) for (k,) in _sql.execute(con, "base", "nested_kinds", rank=int(probe[0]) if probe and probe[0] is not None else 0).fetchall()]
-        stages = _sql.first(con.execute("SELECT count(DISTINCT stage) FROM ms_cache.rank_info"))
-        # Groups whose members do the same work: TP and DP; with one stage every group.
-        peer_kinds = ["tp", "dp"] if stages and stages[0] > 1 else ["tp", "dp", "pp", "other"]
-        _sql.execute(con, "base", "rank_step", calls_prefix=_sql.Raw(COLLECTOR_CALLS_METRIC),
-                     calls_prefix_len=len(COLLECTOR_CALLS_METRIC), peer_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in peer_kinds) + "]::VARCHAR[]"),
-                     nested_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in nested if k.isalnum()) + "]::VARCHAR[]"))
-        _sql.execute(con, "base", "add_unknown_ranks")
+        root = persist.run_dir(con) if persist_cache else None
+        digest = None
+        if root is not None:
+            try:
+                digest = persist.key(con, root)
+            except (OSError, ValueError, duckdb.Error) as exc:
+                log.info("analysis cache: no key for %s (%s)", root, exc)
+        if root is not None and digest is not None:
+            say("reading the analysis cache")
+            if persist.load(con, root, digest, BASE_TABLES):
+                _sql.mark_built(con, "base")
+                log.info("base tables read from %s", persist.cache_dir(root))
+                return
+        _build(con, say)
+        if root is not None and digest is not None:
+            say("keeping the base tables beside the run")
+            persist.save(con, root, digest, BASE_TABLES)
         _sql.mark_built(con, "base")
-        log.info("base tables built for %d steps", len(steps))
+
+
+def _build(con: duckdb.DuckDBPyConnection, say: Callable[[str], None]) -> None:
+    """Build the base tables from the parts (under the build lock)."""
+    say("reading ranks")
+    _sql.execute(con, "base", "rank_info")
+    steps = _steps(con)
+    say("estimating clock offsets")
+    _estimate_offsets(con, steps)
+    _sql.execute(con, "base", "rank_clock")
+    say("matching collectives")
+    _sql.execute(con, "base", "inst")
+    say("splitting step time per rank")
+    probe = _sql.first(con.execute("SELECT min(rank) FROM ms_cache.rank_info"))
+    nested = [str(k) for (k,) in _sql.execute(con, "base", "nested_kinds", rank=int(probe[0]) if probe and probe[0] is not None else 0).fetchall()]
+    stages = _sql.first(con.execute("SELECT count(DISTINCT stage) FROM ms_cache.rank_info"))
+    # Groups whose members do the same work: TP and DP; with one stage every group.
+    peer_kinds = ["tp", "dp"] if stages and stages[0] > 1 else ["tp", "dp", "pp", "other"]
+    _sql.execute(con, "base", "rank_step", calls_prefix=_sql.Raw(COLLECTOR_CALLS_METRIC),
+                 calls_prefix_len=len(COLLECTOR_CALLS_METRIC), peer_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in peer_kinds) + "]::VARCHAR[]"),
+                 nested_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in nested if k.isalnum()) + "]::VARCHAR[]"))
+    _sql.execute(con, "base", "add_unknown_ranks")
+    log.info("base tables built for %d steps", len(steps))

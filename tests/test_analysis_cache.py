@@ -1,0 +1,218 @@
+"""The base tables kept beside the run (RUN/_cache): reused when the parts are the same, rebuilt when
+they change, ignored when damaged, skipped when the run cannot be written; the answers never change."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hand_runs import MS, hand_run, span
+
+from megascope import analysis, layout, schema
+from megascope.analysis import persist
+from megascope.analysis.base import BASE_TABLES, prepare
+from megascope.inject import parse_injects
+from megascope.store import open_run
+from megascope.synth import SynthConfig, synth_run
+
+
+def _report(path: Path) -> dict[str, Any]:
+    result = analysis.report(open_run(path))
+    # The run's state is measured against the wall clock (ages in seconds): not part of the answer.
+    result.pop("state")
+    return result
+
+
+def _uncached(path: Path, tmp: Path) -> dict[str, Any]:
+    """The report of a copy of ``path`` made without its cache, built from the parts alone."""
+    copy = tmp / f"uncached-{len(list(tmp.iterdir()))}"
+    shutil.copytree(path, copy, ignore=shutil.ignore_patterns(persist.CACHE_DIR), copy_function=shutil.copy2)
+    result = _report(copy)
+    result["run"]["path"] = str(path)
+    result["problems"] = [p.replace(str(copy), str(path)) for p in result["problems"]]
+    return result
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Path:
+    path = tmp_path / "run"
+    synth_run(path, SynthConfig(ranks=16, steps=6, tp=2, pp=2, seed=5, gpus_per_host=4,
+                                faults=parse_injects(["straggler:rank=5,factor=1.3"])))
+    return path
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal, floats to 1e-9 relative: DuckDB's parallel sums (regr_slope over instances) round
+    differently from one build to the next, cached or not."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) and isinstance(b, float | int) or isinstance(b, float) and isinstance(a, int):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-6)
+    return bool(a == b) and type(a) is type(b)
+
+
+def _key(path: Path) -> dict[str, Any]:
+    return json.loads((persist.cache_dir(path) / persist.KEY_FILE).read_text())
+
+
+def test_second_report_reads_the_cache_and_answers_the_same(run: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    first = _report(run)
+    assert first["stragglers"] and first["stragglers"][0]["rank"] == 5
+    key = _key(run)
+    assert set(key["tables"]) == set(BASE_TABLES)
+    # The second report builds nothing: the SQL that scans the spans is never run.
+    built: list[str] = []
+    from megascope.analysis import base
+    monkeypatch.setattr(base, "_build", lambda con, say: built.append("built"))
+    second = _report(run)
+    assert built == []
+    assert same(second, first)
+    monkeypatch.undo()
+    assert same(_uncached(run, tmp_path), first)
+
+
+def test_cache_never_read_as_a_table(run: Path) -> None:
+    _report(run)
+    again = open_run(run)
+    assert again.problems == []
+    read = [f.relative_to(run).parts[0] for files in again.files.values() for f in files]
+    assert read and persist.CACHE_DIR not in read
+    # Hive-style readers of the whole directory skip it too (a leading underscore).
+    assert persist.CACHE_DIR.startswith("_") and layout.is_run_dir(run)
+
+
+def test_a_new_part_rebuilds_and_the_answer_follows(run: Path, tmp_path: Path) -> None:
+    before = _report(run)
+    old_key = _key(run)["key"]
+    # One more step for every rank: the parts of step 5, written again as step 6, 1 s later.
+    for rank in range(16):
+        parts = sorted(layout.table_path(run, "spans", rank=rank).glob("*.parquet"))
+        table = pa.concat_tables([pq.read_table(p) for p in parts]).drop_columns(["rank"]) \
+            if "rank" in pq.read_schema(parts[0]).names else pa.concat_tables([pq.read_table(p) for p in parts])
+        rows = [r for r in table.to_pylist() if r["step"] == 5]
+        for r in rows:
+            r.update(step=6, start_ns=r["start_ns"] + 1_000 * MS, rank=rank)
+            if r["seq"] is not None:
+                r["seq"] += 10_000
+        layout.write_part(run, "spans", pa.Table.from_pylist(rows, schema=schema.SPANS), rank=rank)
+    after = _report(run)
+    assert _key(run)["key"] != old_key
+    assert after["run"]["steps"] == before["run"]["steps"] + 1
+    assert same(after, _uncached(run, tmp_path))
+    # Only the current key's files stay.
+    names = {p.name for p in persist.cache_dir(run).iterdir()}
+    assert names == {persist.KEY_FILE} | {e["file"] for e in _key(run)["tables"].values()}
+
+
+def test_a_removed_part_rebuilds(run: Path, tmp_path: Path) -> None:
+    _report(run)
+    victim = sorted(layout.table_path(run, "spans", rank=3).glob("*.parquet"))[0]
+    victim.unlink()
+    assert same(_report(run), _uncached(run, tmp_path))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage key", "wrong key", "missing file", "other run"])
+def test_damaged_or_stale_cache_falls_back(run: Path, tmp_path: Path, damage: str) -> None:
+    first = _report(run)
+    where = persist.cache_dir(run)
+    key = _key(run)
+    target = where / key["tables"]["rank_step"]["file"]
+    if damage == "flip":
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        target.write_bytes(bytes(data))
+    elif damage == "truncate":
+        target.write_bytes(target.read_bytes()[:100])
+    elif damage == "garbage key":
+        (where / persist.KEY_FILE).write_text("{not json")
+    elif damage == "wrong key":
+        # A cache whose files are intact but built from other parts (e.g. copied from another run).
+        key["key"] = "0" * 64
+        (where / persist.KEY_FILE).write_text(json.dumps(key))
+    elif damage == "missing file":
+        target.unlink()
+    else:
+        # Another run's rank_step, with a key.json made to describe it: the key itself differs.
+        other = tmp_path / "other"
+        synth_run(other, SynthConfig(ranks=16, steps=6, tp=2, pp=2, seed=9, gpus_per_host=4))
+        _report(other)
+        shutil.rmtree(where)
+        shutil.copytree(persist.cache_dir(other), where)
+    assert same(_report(run), first)
+
+
+def test_tampered_table_with_matching_digest_is_rejected(run: Path) -> None:
+    """A file that matches its recorded size and sha256 but not its recorded rows or columns."""
+    first = _report(run)
+    where = persist.cache_dir(run)
+    key = _key(run)
+    entry = key["tables"]["rank_step"]
+    target = where / entry["file"]
+    table = pq.read_table(target)
+    pq.write_table(table.slice(0, table.num_rows // 2), target)
+    entry["bytes"] = target.stat().st_size
+    entry["sha256"] = persist._sha256(target)
+    (where / persist.KEY_FILE).write_text(json.dumps(key))
+    assert same(_report(run), first)
+
+
+def test_unwritable_run_still_reports(run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    expected = _uncached(run, tmp_path)
+    # Wherever the cache would go cannot be created (as on a read-only mount).
+    monkeypatch.setattr(persist, "cache_dir", lambda root: Path(root) / "run.json" / "_cache")
+    assert same(_report(run), expected)
+    assert not (run / persist.CACHE_DIR).exists()
+    assert not [p for p in run.iterdir() if p.name.startswith(".tmp-")]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through read-only permissions")
+def test_read_only_run_still_reports(run: Path, tmp_path: Path) -> None:
+    expected = _uncached(run, tmp_path)
+    modes = {}
+    for p in [run, *run.rglob("*")]:
+        modes[p] = p.stat().st_mode
+        p.chmod(p.stat().st_mode & ~0o222)
+    try:
+        assert same(_report(run), expected)
+        assert not (run / persist.CACHE_DIR).exists()
+    finally:
+        for p, mode in modes.items():
+            p.chmod(mode)
+
+
+def test_cache_off_builds_in_memory_only(run: Path) -> None:
+    con = open_run(run).con
+    prepare(con, persist_cache=False)
+    assert not persist.cache_dir(run).exists()
+
+
+def test_hand_built_answers_hold_from_the_cache(tmp_path: Path) -> None:
+    """A hand-built run (rank 1 arrives 30 ms late at each all-reduce): the second, cached report
+    names the same wait as the first."""
+    spans = []
+    for step in range(3):
+        t0 = step * 200 * MS
+        for r in range(3):
+            late = 30 * MS if r == 1 else 0
+            spans.append(span(r, step, "step", t0, 100 * MS))
+            spans.append(span(r, step, "forward", t0, 40 * MS + late))
+            spans.append(span(r, step, "collective", t0 + 40 * MS + late, 60 * MS - late, group="dp:0", seq=step))
+    path = hand_run(tmp_path / "hand", spans, [])
+    first = open_run(path)
+    prepare(first.con)
+    waits = first.con.execute("SELECT rank, sum(wait_ns) FROM ms_cache.rank_step GROUP BY rank ORDER BY rank").fetchall()
+    assert waits == [(0, 90 * MS), (1, 0), (2, 90 * MS)]
+    second = open_run(path)
+    prepare(second.con)
+    assert second.con.execute(
+        "SELECT rank, sum(wait_ns) FROM ms_cache.rank_step GROUP BY rank ORDER BY rank").fetchall() == waits
