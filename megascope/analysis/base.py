@@ -200,6 +200,8 @@ def _build(con: duckdb.DuckDBPyConnection, say: Callable[[str], None]) -> None:
     say("estimating clock offsets")
     _estimate_offsets(con, steps)
     _sql.execute(con, "base", "rank_clock")
+    say("reading the spans (one pass)")
+    _sql.execute(con, "base", "span_sums")
     say("matching collectives")
     _sql.execute(con, "base", "inst")
     say("splitting step time per rank")
@@ -212,4 +214,5 @@ def _build(con: duckdb.DuckDBPyConnection, say: Callable[[str], None]) -> None:
                  calls_prefix_len=len(COLLECTOR_CALLS_METRIC), peer_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in peer_kinds) + "]::VARCHAR[]"),
                  nested_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in nested if k.isalnum()) + "]::VARCHAR[]"))
     _sql.execute(con, "base", "add_unknown_ranks")
+    con.execute("DROP TABLE IF EXISTS ms_cache.span_sums")
     log.info("base tables built for %d steps", len(steps))
