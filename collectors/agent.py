@@ -10,12 +10,17 @@ the rank is doing, and a final pass runs when the rank goes away: its stdin is a
 rank, which reads end-of-file as soon as the rank exits, aborts or is killed. The last
 ``rank_alive`` row (value 0) then records when that happened.
 
+Every part carries the run id (``RUN_ID``, ``run.json``'s; :mod:`megascope.collectors.runid`). A
+rank that learns it only after starting its agent (a rank other than 0 reading rank 0's
+``run.json``) passes an empty ``RUN_ID`` and sends the id later; until then the parts carry none.
+
 Protocol on stdin: a byte ``f`` asks for a flush, answered by advancing the ring's ``flushes``
-counter once the part is written; end-of-file means the rank is gone or closed its collector.
+counter once the part is written; ``r<run id>\n`` gives the run id; end-of-file means the rank is
+gone or closed its collector.
 
 Example (what the collector runs)::
 
-    python -m megascope.collectors.agent RING RUN_DIR RANK HOST PID INTERVAL_S
+    python -m megascope.collectors.agent RING RUN_DIR RANK HOST PID INTERVAL_S [RUN_ID]
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import time
 from pathlib import Path
 
 import pyarrow as pa
+from megascope.collectors.buffers import rows_to_table
 from megascope.collectors.ring import RingReader
 
 from megascope import layout, schema
@@ -46,13 +52,43 @@ def _stop(signum: int, frame: object) -> None:
     raise _Stop
 
 
+class Control:
+    """Parses the rank's messages on stdin (module docstring), which may arrive split anywhere."""
+
+    def __init__(self) -> None:
+        self._partial = b""  # an ``r`` message whose end has not arrived yet
+        self.flushes = 0  # flush requests seen
+        self.run_id: str | None = None  # the last run id given
+
+    def feed(self, data: bytes) -> None:
+        data = self._partial + data
+        self._partial = b""
+        i = 0
+        while i < len(data):
+            byte = data[i:i + 1]
+            if byte == b"r":
+                end = data.find(b"\n", i)
+                if end < 0:
+                    self._partial = data[i:]
+                    return
+                value = data[i + 1:end].decode(errors="replace").strip()
+                self.run_id = value or self.run_id
+                i = end + 1
+                continue
+            if byte == b"f":
+                self.flushes += 1
+            i += 1
+
+
 class Agent:
-    def __init__(self, reader: RingReader, run_dir: Path, *, rank: int, host: str, pid: int) -> None:
+    def __init__(self, reader: RingReader, run_dir: Path, *, rank: int, host: str, pid: int,
+                 run_id: str | None = None) -> None:
         self.reader = reader
         self.run_dir = run_dir
         self.rank = rank
         self.host = host
         self.pid = pid
+        self.run_id = run_id or None
         self.write_errors = 0
         self._lost_reported = 0
 
@@ -61,11 +97,9 @@ class Agent:
         rows = self.reader.read()
         if not rows:
             return 0
-        columns = list(zip(*rows, strict=True))
-        data = pa.Table.from_arrays([pa.array(c, type=f.type) for c, f in zip(columns, schema.MARKERS, strict=True)],
-                                    schema=schema.MARKERS)
+        data = rows_to_table(rows, schema.MARKERS)
         try:
-            layout.write_part(self.run_dir, "markers", data, rank=self.rank)
+            layout.write_part(self.run_dir, "markers", data, rank=self.rank, run_id=self.run_id)
         except OSError as exc:
             self.write_errors += 1
             if self.write_errors == 1:
@@ -81,28 +115,29 @@ class Agent:
                "device": [None], "metric": [ALIVE_METRIC], "value": [value],
                "text": [text if text is not None else (f"{lost} markers lost to a full ring" if lost else None)]}
         try:
-            layout.write_part(self.run_dir, "heartbeats", pa.table(row).cast(schema.HEARTBEATS), host=self.host)
+            layout.write_part(self.run_dir, "heartbeats", pa.table(row).cast(schema.HEARTBEATS), host=self.host,
+                              run_id=self.run_id)
         except OSError:
             self.write_errors += 1
 
     def run(self, control: int, interval_s: float) -> None:
-        flushes = 0
+        messages = Control()
         gone = False
         next_alive = 0.0
         while not gone:
-            asked = 0
+            asked = messages.flushes
             try:
                 ready, _, _ = select.select([control], [], [], interval_s)
                 if ready:
                     data = os.read(control, 4096)
                     gone = not data
-                    asked = data.count(b"f")
+                    messages.feed(data)
             except _Stop:
                 gone = True
+            self.run_id = messages.run_id or self.run_id
             self.drain()
-            if asked:
-                flushes += asked
-                self.reader.ack_flush(flushes)
+            if messages.flushes > asked:
+                self.reader.ack_flush(messages.flushes)
             now = time.monotonic()
             if not gone and now >= next_alive:
                 self.alive(1.0)
@@ -112,7 +147,8 @@ class Agent:
 
 
 def main(argv: list[str]) -> int:
-    ring, run_dir, rank, host, pid, interval = argv
+    ring, run_dir, rank, host, pid, interval, *rest = argv
+    run_id = rest[0] if rest else None
     # The rank's Ctrl-C or job-wide signals must not cut the last pass short: the agent ends when
     # its rank does (end-of-file on stdin), and a SIGTERM only hurries that.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -120,7 +156,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     reader = RingReader(ring, rank=int(rank))
     os.unlink(ring)  # the rank and this process hold it mapped; nothing else needs its name
-    Agent(reader, Path(run_dir), rank=int(rank), host=host, pid=int(pid)).run(0, float(interval))
+    Agent(reader, Path(run_dir), rank=int(rank), host=host, pid=int(pid), run_id=run_id).run(0, float(interval))
     reader.close()
     return 0
 

@@ -32,6 +32,7 @@ in :attr:`Collector.stats`.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import gc
 import logging
 import os
@@ -46,6 +47,7 @@ from megascope.collectors.buffers import rows_to_table
 from megascope.collectors.config import CollectorConfig
 from megascope.collectors.contexts import NOOP, CommHandle, SpanContext, StepContext, StepLevel
 from megascope.collectors.evidence import AgentLink, StackWatch, enable_nccl_flight_recorder
+from megascope.collectors.runid import RunId, new_run_id, resolve_run_id
 from megascope.collectors.timing import Timer, make_timer, resolve_device
 from megascope.collectors.writer import Sink, Writer
 
@@ -127,11 +129,17 @@ class Collector:
             clock=config.clock,
         )
         self._sink = Sink(config.max_buffered_rows)
+        self.start_ns = time.time_ns()
+        # The id every part of this rank carries, run.json's (megascope.collectors.runid): the
+        # launcher's where it gives one, else rank 0's, which the other ranks read from run.json.
+        self._run_id: RunId = resolve_run_id(rank=self.rank, world_size=self.world_size, run_dir=config.run_dir,
+                                             own_id=meta.run_id if meta is not None else None,
+                                             start_ns=self.start_ns)
         self._writer = Writer(
             config.run_dir, rank=self.rank, sink=self._sink, timer=self._timer,
             interval_s=config.flush_interval_s, capacity=config.max_buffered_rows, duty=config.writer_duty,
+            run_id=self._run_id.get,
         )
-        self.start_ns = time.time_ns()
         self._gc_watch: _GcWatch | None = None  # before any thread that reads stats starts
         self._agent: AgentLink | None = None
         self._stacks: StackWatch | None = None
@@ -141,11 +149,16 @@ class Collector:
             self._add_group(group)
         # Without run.json a run directory is unreadable: a plain one stands in for a missing meta.
         self._meta = meta or RunMeta(
-            run_id=config.run_dir.name, source=RunSource.COLLECTOR.value, world_size=self.world_size,
-            start_ns=self.start_ns, device_name=None,
+            run_id=new_run_id(config.run_dir, self.start_ns), source=RunSource.COLLECTOR.value,
+            world_size=self.world_size, start_ns=self.start_ns, device_name=None,
         )
         if self.rank == 0:
+            own = self._run_id.get()
+            if own is not None and own != self._meta.run_id:
+                self._meta = dataclasses.replace(self._meta, run_id=own)
+            # At once, not at the writer's first pass: the other ranks may be waiting to read the id.
             self._writer.set_run_meta(self._meta)
+            self._writer.write_run_meta_now()
         if config.flight_recorder:
             from megascope.collectors.flight_recorder import FlightRecorderPoller
 
@@ -159,6 +172,7 @@ class Collector:
             self._heartbeat = HeartbeatSampler(
                 config.run_dir, rank=self.rank, host=socket.gethostname(), interval_s=config.heartbeat_interval_s,
                 stats_fn=lambda: self.stats, log_path=os.environ.get("MEGASCOPE_LOG_PATH"),
+                run_id=self._run_id.get,
             ).start()
         if config.gc_span_min_ms is not None:
             self._gc_watch = _GcWatch(self, int(config.gc_span_min_ms * 1e6))
@@ -185,7 +199,9 @@ class Collector:
         if config.marker_agent:
             try:
                 self._agent = AgentLink.start(config.run_dir, rank=self.rank, host=socket.gethostname(),
-                                              interval_s=config.flush_interval_s)
+                                              interval_s=config.flush_interval_s, run_id=self._run_id.get())
+                if not self._run_id.known:  # tell the agent once this rank has read it from run.json
+                    self._run_id.on_known(self._agent.set_run_id)
                 self._sink.markers = self._agent.ring  # type: ignore[assignment]
                 self._writer.markers_elsewhere = True
             except Exception as exc:
@@ -585,6 +601,12 @@ class Collector:
         """Record again after :meth:`pause`."""
         if self._open:
             self._active = True
+
+    @property
+    def run_id(self) -> str | None:
+        """The run id this rank stamps into its parts (``run.json``'s), or None while a rank other
+        than 0 has not yet read it from rank 0's ``run.json`` (:mod:`megascope.collectors.runid`)."""
+        return self._run_id.get() if self.enabled else None
 
     @property
     def paused(self) -> bool:

@@ -46,11 +46,13 @@ STACKS_HEADER = "# megascope stacks"
 class AgentLink:
     """The collector's end of its marker agent."""
 
-    def __init__(self, ring: MarkerRing, proc: subprocess.Popen[bytes], run_dir: Path, rank: int) -> None:
+    def __init__(self, ring: MarkerRing, proc: subprocess.Popen[bytes], run_dir: Path, rank: int,
+                 run_id: str | None = None) -> None:
         self.ring = ring
         self.proc = proc
         self.run_dir = run_dir
         self.rank = rank
+        self.run_id = run_id  # stamped into the markers parts (the agent's and any written from here)
         self._flushes = 0
         self._lock = threading.Lock()
         self.fallback_rows = 0  # rows this process had to write itself at close
@@ -58,20 +60,34 @@ class AgentLink:
         self._closed = False
 
     @classmethod
-    def start(cls, run_dir: Path, *, rank: int, host: str, interval_s: float) -> AgentLink:
+    def start(cls, run_dir: Path, *, rank: int, host: str, interval_s: float, run_id: str | None = None) -> AgentLink:
+        """Start the agent. ``run_id``: the run id its parts carry; None while this rank does not know it
+        yet (:meth:`set_run_id` tells the agent later)."""
         ring = MarkerRing.create()
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             # stdout/stderr inherited: the agent prints only its own warnings.
             proc = subprocess.Popen(
                 [sys.executable, "-m", "megascope.collectors.agent", str(ring.path), str(run_dir), str(rank),
-                 host, str(os.getpid()), repr(float(interval_s))],
+                 host, str(os.getpid()), repr(float(interval_s)), run_id or ""],
                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True,
             )
         except BaseException:
             ring.close()
             raise
-        return cls(ring, proc, run_dir, rank)
+        return cls(ring, proc, run_dir, rank, run_id)
+
+    def set_run_id(self, run_id: str) -> None:
+        """Tell the agent the run id (learned after it started): its later parts carry it."""
+        with self._lock:
+            self.run_id = run_id
+            if self._closed or self.proc.stdin is None or not self.alive:
+                return
+            try:
+                self.proc.stdin.write(b"r" + run_id.encode() + b"\n")
+                self.proc.stdin.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                pass
 
     @property
     def alive(self) -> bool:
@@ -115,7 +131,7 @@ class AgentLink:
             self.proc.wait()
         if self.ring.counter(CONSUMED_AT) < self.ring.written:
             try:
-                self.fallback_rows = write_ring(self.ring, self.run_dir, self.rank)
+                self.fallback_rows = write_ring(self.ring, self.run_dir, self.rank, run_id=self.run_id)
             except OSError as exc:
                 log.warning("megascope collector (rank %d): cannot write the last markers under %s (%s)",
                             self.rank, self.run_dir, exc)
@@ -124,9 +140,9 @@ class AgentLink:
         self.ring.close()
 
 
-def write_ring(ring: MarkerRing, run_dir: Path, rank: int) -> int:
+def write_ring(ring: MarkerRing, run_dir: Path, rank: int, *, run_id: str | None = None) -> int:
     """Write the ring's unconsumed markers as one part from this process; rows written."""
-    import pyarrow as pa
+    from megascope.collectors.buffers import rows_to_table
 
     from megascope import layout, schema
 
@@ -134,11 +150,7 @@ def write_ring(ring: MarkerRing, run_dir: Path, rank: int) -> int:
     try:
         rows = reader.read()
         if rows:
-            columns = list(zip(*rows, strict=True))
-            data = pa.Table.from_arrays(
-                [pa.array(c, type=f.type) for c, f in zip(columns, schema.MARKERS, strict=True)],
-                schema=schema.MARKERS)
-            layout.write_part(run_dir, "markers", data, rank=rank)
+            layout.write_part(run_dir, "markers", rows_to_table(rows, schema.MARKERS), rank=rank, run_id=run_id)
             reader.commit()
         return len(rows)
     finally:

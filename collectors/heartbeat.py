@@ -348,7 +348,8 @@ class HeartbeatSampler:
     local rank 0) adds host CPU, memory and NIC rows, so a host of eight ranks reports them once.
     ``gpu_indices`` are NVML indices (default :func:`default_gpu_indices`); ``nvml`` replaces the
     pynvml module (``False`` turns NVML off). ``proc_root``/``sys_root`` point the probes at another
-    /proc and /sys.
+    /proc and /sys. ``run_id``: run.json's run id, stamped into every part (see
+    :mod:`megascope.collectors.runid`).
     """
 
     def __init__(
@@ -368,10 +369,14 @@ class HeartbeatSampler:
         nvml: Any = None,
         proc_root: Path | str = "/proc",
         sys_root: Path | str = "/sys",
+        run_id: str | Callable[[], str | None] | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.run_dir = Path(run_dir)
+        # run.json's run_id, stamped into every part: a string, or a function that gives it (None
+        # while the rank does not know it yet); None: parts without one.
+        self._run_id = run_id
         self.rank = rank
         self.host = host or socket.gethostname()
         self.pid = os.getpid()
@@ -563,7 +568,8 @@ class HeartbeatSampler:
             schema=HEARTBEATS,
         )
         try:
-            path = layout.write_part(self.run_dir, "heartbeats", table, host=self.host)
+            run_id = self._run_id() if callable(self._run_id) else self._run_id
+            path = layout.write_part(self.run_dir, "heartbeats", table, host=self.host, run_id=run_id)
         except Exception as exc:  # a full disk must not kill training: retry next flush
             with self._lock:
                 self._errors += 1

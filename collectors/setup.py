@@ -136,11 +136,14 @@ def from_env(run_dir: str | os.PathLike[str] | None = None, *, mesh: Any = None,
     ``DeviceMesh`` with named dimensions; without one, dp = world. ``intercept``: see every
     collective of the job (DDP's gradient all-reduce, FSDP2, DTensor, ``torch.distributed``
     calls) without wrapping calls by hand; ``MEGASCOPE_INTERCEPT=0`` turns it off. Other keywords
-    are :class:`CollectorConfig` settings. Bad settings raise :class:`megascope.errors.ConfigError`
-    before anything starts; after that the collector never raises into the job.
+    are :class:`CollectorConfig` settings. ``run_id``: ``run.json``'s (rank 0's choice; a launcher's
+    job id wins: :mod:`megascope.collectors.runid`). Bad settings raise
+    :class:`megascope.errors.ConfigError` before anything starts; after that the collector never
+    raises into the job.
     """
     from megascope.collectors.collector import Collector
     from megascope.collectors.config import CollectorConfig, _env_bool
+    from megascope.collectors.runid import new_run_id
 
     if config is None:
         env_dir = os.environ.get("MEGASCOPE_RUN_DIR")
@@ -159,9 +162,12 @@ def from_env(run_dir: str | os.PathLike[str] | None = None, *, mesh: Any = None,
     if mesh is not None and int(mesh.mesh.numel()) != world:
         raise ConfigError(f"the DeviceMesh holds {int(mesh.mesh.numel())} ranks but the job has {world}")
     axes = tuple(a for a in MESH_AXES if a not in layout.axes) + layout.axes  # pp/dp/tp always named
-    meta = RunMeta(run_id=run_id or config.run_dir.name, source=RunSource.COLLECTOR.value, world_size=world,
-                   mesh_axes=axes, mesh_sizes={a: layout.sizes.get(a, 1) for a in axes}, start_ns=time.time_ns(),
-                   config={"flush_interval_s": config.flush_interval_s})
+    # run_id is rank 0's choice; where the launcher names the job (MEGASCOPE_RUN_ID, torchrun's
+    # rendezvous id) that wins, so that every rank stamps the same id (megascope.collectors.runid).
+    start_ns = time.time_ns()
+    meta = RunMeta(run_id=run_id or new_run_id(config.run_dir, start_ns), source=RunSource.COLLECTOR.value,
+                   world_size=world, mesh_axes=axes, mesh_sizes={a: layout.sizes.get(a, 1) for a in axes},
+                   start_ns=start_ns, config={"flush_interval_s": config.flush_interval_s})
     coords = {a: 0 for a in axes if a not in layout.coords} | layout.coords  # pp/dp/tp always placed
     col = Collector(config, rank=rank, world_size=world, coords=coords, meta=meta)
     if not col.enabled:

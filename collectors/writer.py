@@ -240,8 +240,11 @@ class Writer:
         interval_s: float,
         capacity: int,
         duty: float = 1.0,
+        run_id: Callable[[], str | None] | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
+        # run.json's run_id, stamped into every part (None: not known yet, or not stamped).
+        self.run_id: Callable[[], str | None] = run_id if run_id is not None else (lambda: None)
         self.rank = rank
         self.sink = sink
         self.timer = timer
@@ -257,6 +260,8 @@ class Writer:
         self._static: dict[str, pa.Table] = {}  # ranks / groups: whole files, rewritten when changed
         self._run_meta: RunMeta | None = None
         self._retry: dict[str, pa.Table] = {}
+        # ranks / groups written before this rank knew the run id: rewritten, stamped, once it does.
+        self._unstamped: dict[str, pa.Table] = {}
         self.pollers: list[Callable[[], None]] = []  # extra work each pass (flight recorder)
         # Markers leave through the shared-memory ring (the marker agent writes them), not here.
         self.markers_elsewhere = False
@@ -277,6 +282,20 @@ class Writer:
     def set_run_meta(self, meta: RunMeta) -> None:
         with self._static_lock:
             self._run_meta = meta
+
+    def write_run_meta_now(self) -> None:
+        """Write ``run.json`` now, from the calling thread (the writer thread retries on failure)."""
+        with self.lock:
+            with self._static_lock:
+                meta, self._run_meta = self._run_meta, None
+            if meta is None:
+                return
+            try:
+                layout.write_run_meta(self.run_dir, meta)
+            except Exception as exc:
+                self._failed("run.json", exc)
+                with self._static_lock:
+                    self._run_meta = self._run_meta or meta
 
     # ---------------------------------------------------------------- the thread
     def start(self) -> None:
@@ -363,13 +382,22 @@ class Writer:
                 self._failed("run.json", exc)
                 with self._static_lock:
                     self._run_meta = self._run_meta or meta
+        run_id = self.run_id()
+        if run_id is not None and self._unstamped:
+            static = self._unstamped | static
+            self._unstamped = {}
         for table, data in static.items():
             try:
-                layout.write_part(self.run_dir, table, data, rank=self.rank)
+                layout.write_part(self.run_dir, table, data, rank=self.rank, run_id=run_id)
             except Exception as exc:
                 self._failed(table, exc)
                 with self._static_lock:
                     self._static.setdefault(table, data)  # unless a newer version came meanwhile
+                continue
+            if run_id is None:
+                self._unstamped[table] = data
+            else:
+                self._unstamped.pop(table, None)
 
     def _write_rows(self, name: str, table_schema: pa.Schema, pacer: Pacer | None = None) -> None:
         buffer = self.sink.buffer(name)
@@ -390,7 +418,7 @@ class Writer:
         if retry is not None:
             data = pa.concat_tables([retry, data])
         try:
-            layout.write_part(self.run_dir, name, data, rank=self.rank)
+            layout.write_part(self.run_dir, name, data, rank=self.rank, run_id=self.run_id())
         except Exception as exc:
             self._failed(name, exc)
             if data.num_rows > self.capacity:  # keep the newest rows, bounded

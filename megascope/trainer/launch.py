@@ -7,7 +7,8 @@ is named as such, with the ``--collective-timeout`` that fired.
 
 Local ranks are forked on CPU (~0.2 s for 8 ranks; spawn costs ~10 s) and spawned on CUDA (a
 forked CUDA context is unusable); they rendezvous through a ``file://`` store in a temporary
-directory, so no port is fixed. Under torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and
+directory, so no port is fixed. The launcher names the run (``MEGASCOPE_RUN_ID`` in every rank it
+starts: ``run.json``'s ``run_id``, stamped into every part). Under torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and
 ``MASTER_ADDR``/``MASTER_PORT`` set) the process trains its own rank with ``env://``.
 
 Example::
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from megascope.collectors.runid import RUN_ID_VAR, new_run_id
 from megascope.trainer.config import TrainConfig, TrainingError
 from megascope.trainer.loop import env_rank, pick_device, train_rank
 
@@ -59,10 +61,12 @@ def _is_timeout(message: str) -> bool:
     return "timed out" in lowered or "timeout" in lowered
 
 
-def _rank_entry(local_rank: int, cfg: TrainConfig, init_file: str, scratch: str) -> None:
+def _rank_entry(local_rank: int, cfg: TrainConfig, init_file: str, scratch: str, run_id: str) -> None:
     # A forked rank must never finalize objects it inherited: a parent's DuckDB connection or
     # thread pool torn down in the child without its threads crashes it (seen as SIGSEGV).
     gc.freeze()
+    # The run's id, the same in every rank: run.json's, stamped into every part (this process only).
+    os.environ[RUN_ID_VAR] = run_id
     torch.set_num_threads(1)
     logging.getLogger("megascope").setLevel(logging.WARNING)
     try:
@@ -134,7 +138,8 @@ def train(cfg: TrainConfig, *, nproc: int | None = None) -> TrainResult:
 def _run_local(cfg: TrainConfig, nproc: int, start_method: str) -> TrainResult:
     with tempfile.TemporaryDirectory(prefix="megascope-train-") as scratch:
         init_file = os.path.join(scratch, "rendezvous")
-        ctx = mp.start_processes(_rank_entry, args=(cfg, init_file, scratch), nprocs=nproc, join=False,
+        run_id = new_run_id(cfg.out)
+        ctx = mp.start_processes(_rank_entry, args=(cfg, init_file, scratch, run_id), nprocs=nproc, join=False,
                                  start_method=start_method)
         spawn_log = logging.getLogger("torch.multiprocessing.spawn")
         previous = spawn_log.level

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megascope.collectors.runid import job_run_id, new_run_id
 from megascope.schema import RunMeta, RunSource, SpanKind
 from megascope.topology import Mesh
 from megascope.trainer.ab import ab_switch
@@ -68,12 +69,15 @@ def pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
 
 
 def run_meta(cfg: TrainConfig, *, device: torch.device, start_ns: int) -> RunMeta:
-    """``run.json`` for this run (rank 0 writes it through the collector)."""
+    """``run.json`` for this run (rank 0 writes it through the collector). The run id is the
+    launcher's where it names the job (``megascope train --nproc``, torchrun), which every rank
+    stamps into its parts; else rank 0's, which the others read from run.json
+    (:mod:`megascope.collectors.runid`)."""
     device_name, peak = peak_flops(device) if cfg.peak_flops is None else (
         torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", cfg.peak_flops)
     m = cfg.model
     return RunMeta(
-        run_id=f"{cfg.out.name}-{start_ns}",
+        run_id=job_run_id() or new_run_id(cfg.out, start_ns),
         source=RunSource.TRAINER,
         world_size=cfg.world_size,
         mesh_sizes=cfg.mesh_sizes,
