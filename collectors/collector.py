@@ -405,7 +405,7 @@ class Collector:
             timer.release(wait)
             self._sink.pending_spans.dropped += 1
             return
-        if not self._sink.pending_spans.put(
+        if not self._sink.pending_spans.put(  # PENDING_SPAN_ROW (megascope.collectors.buffers)
             (token, end, anchor, step, name, kind, label, microbatch, chunk, group, seq, op, nbytes, peer, wait)
         ):
             timer.release(token)
@@ -423,7 +423,7 @@ class Collector:
             mark = None
         if mark is None:
             self._sink.pending_marks.dropped += 1
-        elif not self._sink.pending_marks.put((mark, step, group, seq, op, nbytes, peer)):
+        elif not self._sink.pending_marks.put((mark, step, group, seq, op, nbytes, peer)):  # PENDING_MARK_ROW
             self._timer.release_mark(mark)
         self._untimed_calls += 1
 
@@ -434,6 +434,7 @@ class Collector:
         return seq
 
     def _enqueue_marker(self, h: CommHandle) -> None:
+        # MARKER_ROW (megascope.collectors.buffers)
         self._sink.markers.put((self.rank, h.group, h.seq, h.op, _ENQUEUED, time.time_ns(), h.step, h.bytes, h.peer))
 
     def comm_begin(self, op: CollectiveOp | str, group: str = "world", bytes: int | None = None,
@@ -525,14 +526,14 @@ class Collector:
                 return
             now = time.time_ns()
             if isinstance(value, int | float):
-                self._sink.metrics.put((self.rank, int(step), name, float(value), now))
+                self._sink.metrics.put((self.rank, int(step), name, float(value), now))  # METRIC_ROW
                 # A Python number from a device value means the host just waited for the device:
                 # a free moment to refresh the clock anchor.
                 self._timer.maybe_refresh()
                 return
             tensor = value.detach()
             if tensor.device.type != "cuda":
-                self._sink.metrics.put((self.rank, int(step), name, float(tensor), now))
+                self._sink.metrics.put((self.rank, int(step), name, float(tensor), now))  # METRIC_ROW
                 return
             free = self._sink.pinned.get(tensor.dtype)
             if free:
@@ -548,7 +549,7 @@ class Collector:
                 free_list = self._sink.pinned.setdefault(tensor.dtype, [])
                 free_list.append(host)
                 return
-            if not self._sink.pending_metrics.put((int(step), name, None, host, mark, now)):
+            if not self._sink.pending_metrics.put((int(step), name, None, host, mark, now)):  # PENDING_METRIC_ROW
                 self._timer.release_mark(mark)
         except Exception:
             self._internal_error("metric")
@@ -672,7 +673,8 @@ class Collector:
             "enabled": True,
             "rows_written": sum(w.rows_written.values()),
             "rows_written_by_table": dict(w.rows_written),
-            "rows_dropped": self._sink.dropped + w.rows_lost + (self._agent.lost_rows if self._agent else 0),
+            "rows_dropped": self._sink.dropped + w.rows_lost + w.rows_malformed
+            + (self._agent.lost_rows if self._agent else 0),
             "write_errors": w.write_errors,
             "spans_pending": len(self._sink.pending_spans),
             "rows_buffered": len(self._sink.spans) + len(self._sink.markers) + len(self._sink.metrics) + w.pending_rows,
@@ -711,6 +713,7 @@ class _GcWatch:
         if dur < self._min_ns or col is None or not col._active:
             return
         end = time.time_ns()
+        # SPAN_ROW (megascope.collectors.buffers)
         if col._sink.spans.put((col.rank, col._step, f"gc.gen{info.get('generation', 2)}", SpanKind.HOST.value,
                                 Stream.HOST.value, end - dur, dur, None, None, None, None, None, None, None)):
             self.recorded += 1

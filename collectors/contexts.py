@@ -147,7 +147,7 @@ class StepContext(SpanContext):
             col._stacks.disarm()
         # The collector's own footprint: every stamp of the step is a timing event on a device
         # clock, which costs the device ~2 us (docs/collector.md).
-        now = time.time_ns()
+        now = time.time_ns()  # METRIC_ROWs (megascope.collectors.buffers)
         col._sink.metrics.put((col.rank, self.step, COLLECTOR_STAMPS_METRIC, float(col._timer.stamps - self._stamps),
                                now))
         # Groups timed in some micro-batches only: how many calls there were (reset at step entry).

@@ -131,7 +131,7 @@ class FlightRecorderPoller:
             for row in rows:
                 order = _STATE_ORDER[row[4]]
                 if order > done:
-                    sink.markers.put((row[0], group, *row[2:]))
+                    sink.markers.put((row[0], group, *row[2:]))  # MARKER_ROW, group named
                     done = order
             self._seen[key] = done
         # Forget entries that fell out of the ring buffer long ago (the dump holds the newest ones).

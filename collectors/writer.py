@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-from megascope.collectors.buffers import RowBuffer, rows_to_table
+from megascope.collectors.buffers import RowBuffer, rows_to_table_dropping
 from megascope.collectors.contexts import WAIT_SUFFIX
 from megascope.collectors.timing import Timer
 
@@ -56,17 +56,17 @@ class Sink:
     """The queues the training thread fills and the writer drains, one per table plus the pending."""
 
     def __init__(self, capacity: int) -> None:
-        self.spans = RowBuffer(capacity)
-        self.markers = RowBuffer(capacity)
-        self.metrics = RowBuffer(capacity)
-        # (start_token, end_token, anchor, step, name, kind, stream, microbatch, chunk, group, seq,
-        #  op, bytes, peer): spans closed on the host whose device events may still be running.
+        # Row layouts: megascope.collectors.buffers (SPAN_ROW, MARKER_ROW, ...), declared once.
+        self.spans = RowBuffer(capacity)  # SPAN_ROW
+        self.markers = RowBuffer(capacity)  # MARKER_ROW
+        self.metrics = RowBuffer(capacity)  # METRIC_ROW
+        # PENDING_SPAN_ROW: spans closed on the host whose device events may still be running.
         self.pending_spans = RowBuffer(capacity)
-        # (mark, step, group, seq, op, bytes, peer): untimed communication calls whose completion
-        # is still to be seen (config.comm_sample_kinds).
+        # PENDING_MARK_ROW: untimed communication calls whose completion is still to be seen
+        # (config.comm_sample_kinds).
         self.pending_marks = RowBuffer(capacity)
-        # (step, name, value | None, host_tensor | None, mark | None, time_ns): a device scalar being
-        # copied into a pinned host scalar, done when the timer's mark (a pooled event) is.
+        # PENDING_METRIC_ROW: a device scalar being copied into a pinned host scalar, done when the
+        # timer's mark (a pooled event) is; value and host_tensor/mark may be None.
         self.pending_metrics = RowBuffer(capacity)
         # Pinned host scalars by dtype, reused: freeing one records CUDA events (torch's host
         # allocator), which can block behind a full launch queue while holding the interpreter.
@@ -124,7 +124,9 @@ _COMPLETED = MarkerState.COMPLETED.value
 def _resolve_span(sink: Sink, timer: Timer, rank: int, item: Any, waiting: list[Any]) -> int:
     """One pending span (and its wait span, if it has one) into the spans queue; 1 if it had to be
     dropped after a device error. Runs once per span in the writer, holding the interpreter: kept
-    to plain local operations."""
+    to plain local operations (the layouts are unpacked and built in place, in the orders declared in
+    megascope.collectors.buffers)."""
+    # PENDING_SPAN_ROW
     start, end, anchor, step, name, kind, stream, microbatch, chunk, group, seq, op, nbytes, peer, wait = item
     try:
         if not timer.ready(end):
@@ -151,14 +153,14 @@ def _resolve_span(sink: Sink, timer: Timer, rank: int, item: Any, waiting: list[
     release(end)
     put = sink.spans.put
     put((rank, step, name, kind, stream, start_ns, end_ns - start_ns if end_ns > start_ns else 0, microbatch,
-         chunk, group, seq, op, nbytes, peer))
+         chunk, group, seq, op, nbytes, peer))  # SPAN_ROW
     if wait_ns is not None:
         release(wait)
         # No group: a span with a group is a communication span to every query of the run.
         put((rank, step, name + WAIT_SUFFIX, _OTHER, stream, wait_ns, end_ns - wait_ns if end_ns > wait_ns else 0,
              microbatch, chunk, None, seq, op, None, peer))
     if group is not None and seq is not None:
-        sink.markers.put((rank, group, seq, op, _COMPLETED, end_ns, step, nbytes, peer))
+        sink.markers.put((rank, group, seq, op, _COMPLETED, end_ns, step, nbytes, peer))  # MARKER_ROW
     return 0
 
 
@@ -188,7 +190,7 @@ def resolve_pending(sink: Sink, timer: Timer, rank: int, pacer: Pacer | None = N
     # localization reads which calls completed, not when).
     marks = sink.pending_marks.drain()
     now = time.time_ns() if marks and timer.is_device else None
-    for i, (mark, step, group, seq, op, nbytes, peer) in enumerate(marks):
+    for i, (mark, step, group, seq, op, nbytes, peer) in enumerate(marks):  # PENDING_MARK_ROW
         try:
             if not timer.mark_done(mark):
                 # Marks are recorded in call order, mostly on one stream: the rest are later.
@@ -199,13 +201,14 @@ def resolve_pending(sink: Sink, timer: Timer, rank: int, pacer: Pacer | None = N
             log.debug("could not resolve the completion of %s %s", group, seq, exc_info=True)
             continue
         timer.release_mark(mark)
-        sink.markers.put((rank, group, seq, op, _COMPLETED, mark if now is None else now, step, nbytes, peer))
+        sink.markers.put((rank, group, seq, op, _COMPLETED, mark if now is None else now, step, nbytes,
+                          peer))  # MARKER_ROW
 
     # No CUDA object is created or destroyed here: on a rank whose peer hangs, destroying an event
     # waits for the driver's lock behind a launch stuck in a full queue, holding the interpreter.
     waiting = []
     for item in sink.pending_metrics.drain():
-        step, name, value, host_tensor, mark, time_ns = item
+        step, name, value, host_tensor, mark, time_ns = item  # PENDING_METRIC_ROW
         try:
             # A device-to-host copy is done when the mark recorded after it is.
             if mark is not None and not timer.mark_done(mark):
@@ -221,7 +224,7 @@ def resolve_pending(sink: Sink, timer: Timer, rank: int, pacer: Pacer | None = N
             timer.release_mark(mark)
         if host_tensor is not None:
             sink.pinned.setdefault(host_tensor.dtype, []).append(host_tensor)
-        sink.metrics.put((rank, step, name, value, time_ns))
+        sink.metrics.put((rank, step, name, value, time_ns))  # METRIC_ROW
     if waiting:
         sink.pending_metrics.push_front(waiting)
     return errors
@@ -269,6 +272,8 @@ class Writer:
         self.parts_written = 0
         self.write_errors = 0
         self.rows_lost = 0  # rows given up after failed writes
+        self.rows_malformed = 0  # rows that did not fit their table's schema, left out
+        self._malformed_warned: set[str] = set()
         self.internal_errors = 0
         self._last_warning = -_WARN_EVERY_S
 
@@ -402,16 +407,18 @@ class Writer:
     def _write_rows(self, name: str, table_schema: pa.Schema, pacer: Pacer | None = None) -> None:
         buffer = self.sink.buffer(name)
         retry = self._retry.pop(name, None)
+        # Rows become Arrow a chunk at a time; a row that does not fit its table is left out and
+        # counted, the rest of its chunk written.
         if pacer is None or len(buffer) <= _PACED_CHUNK_ROWS:
             rows = buffer.drain()
             if not rows and retry is None:
                 return
-            data = rows_to_table(rows, table_schema)
+            data = self._convert(name, rows, table_schema)
         else:  # taking rows out and turning them into Arrow hold the interpreter lock: a chunk at a time
             chunks = []
             for _ in range(0, len(buffer), _PACED_CHUNK_ROWS):
                 pacer.tick()
-                chunks.append(rows_to_table(buffer.drain(_PACED_CHUNK_ROWS), table_schema))
+                chunks.append(self._convert(name, buffer.drain(_PACED_CHUNK_ROWS), table_schema))
             data = pa.concat_tables(chunks)
         if pacer is not None:
             pacer.tick()
@@ -428,6 +435,16 @@ class Writer:
             return
         self.rows_written[name] += data.num_rows
         self.parts_written += 1
+
+    def _convert(self, name: str, rows: list[Any], table_schema: pa.Schema) -> pa.Table:
+        data, bad = rows_to_table_dropping(rows, table_schema)
+        if bad:
+            self.rows_malformed += bad
+            if name not in self._malformed_warned:
+                self._malformed_warned.add(name)
+                log.warning("megascope collector (rank %d): %d %s rows did not fit the table and were dropped "
+                            "(counted in rows_dropped); the rest were written", self.rank, bad, name)
+        return data
 
     def _failed(self, what: str, exc: BaseException) -> None:
         self.write_errors += 1
