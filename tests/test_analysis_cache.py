@@ -91,27 +91,77 @@ def test_cache_never_read_as_a_table(run: Path) -> None:
     assert persist.CACHE_DIR.startswith("_") and layout.is_run_dir(run)
 
 
+def _grow(path: Path, ranks: int) -> None:
+    """One more step for every rank: the spans of the last step written again 1 s later, as a new part."""
+    for rank in range(ranks):
+        parts = sorted(layout.table_path(path, "spans", rank=rank).glob("*.parquet"))
+        rows = pa.concat_tables([pq.read_table(p) for p in parts]).to_pylist()
+        last = max(r["step"] for r in rows)
+        rows = [r for r in rows if r["step"] == last]
+        for r in rows:
+            r.update(step=last + 1, start_ns=r["start_ns"] + 1_000 * MS, rank=rank)
+            if r["seq"] is not None:
+                r["seq"] += 10_000
+        layout.write_part(path, "spans", pa.Table.from_pylist(rows, schema=schema.SPANS), rank=rank)
+
+
 def test_a_new_part_rebuilds_and_the_answer_follows(run: Path, tmp_path: Path) -> None:
     before = _report(run)
     old_key = _key(run)["key"]
-    # One more step for every rank: the parts of step 5, written again as step 6, 1 s later.
-    for rank in range(16):
-        parts = sorted(layout.table_path(run, "spans", rank=rank).glob("*.parquet"))
-        table = pa.concat_tables([pq.read_table(p) for p in parts]).drop_columns(["rank"]) \
-            if "rank" in pq.read_schema(parts[0]).names else pa.concat_tables([pq.read_table(p) for p in parts])
-        rows = [r for r in table.to_pylist() if r["step"] == 5]
-        for r in rows:
-            r.update(step=6, start_ns=r["start_ns"] + 1_000 * MS, rank=rank)
-            if r["seq"] is not None:
-                r["seq"] += 10_000
-        layout.write_part(run, "spans", pa.Table.from_pylist(rows, schema=schema.SPANS), rank=rank)
+    _grow(run, 16)
     after = _report(run)
     assert _key(run)["key"] != old_key
     assert after["run"]["steps"] == before["run"]["steps"] + 1
     assert same(after, _uncached(run, tmp_path))
     # Only the current key's files stay.
+    key = _key(run)
     names = {p.name for p in persist.cache_dir(run).iterdir()}
-    assert names == {persist.KEY_FILE} | {e["file"] for e in _key(run)["tables"].values()}
+    assert names == {persist.KEY_FILE, key["files"]["file"]} | {e["file"] for e in key["tables"].values()}
+
+
+def test_a_growing_run_extends_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """New steps are read, the others kept: no full build, the same answer as one from scratch."""
+    path = tmp_path / "long"
+    synth_run(path, SynthConfig(ranks=16, steps=20, tp=2, pp=2, seed=7, gpus_per_host=4,
+                                faults=parse_injects(["straggler:rank=9,factor=1.3"])))
+    _report(path)
+    from megascope.analysis import base
+    built: list[int] = []
+    real_build = base._build
+    monkeypatch.setattr(base, "_build", lambda con, say: built.append(1) or real_build(con, say))
+    scanned: list[str] = []
+    real_execute = base._sql.execute
+
+    def execute(con: Any, module: str, name: str, **params: Any) -> Any:
+        if name == "span_sums":
+            scanned.append(str(params["where"]))
+        return real_execute(con, module, name, **params)
+
+    monkeypatch.setattr(base._sql, "execute", execute)
+    for _ in range(2):
+        _grow(path, 16)
+        grown = _report(path)
+    assert built == [] and scanned == ["s.step >= 20", "s.step >= 21"]
+    monkeypatch.undo()
+    assert grown["run"]["steps"] == 22 and grown["stragglers"][0]["rank"] == 9
+    assert same(grown, _uncached(path, tmp_path))
+    # A refreshed run (the dashboard's live view) extends the same way.
+    live = open_run(path)
+    prepare(live.con)
+    _grow(path, 16)
+    live.refresh()
+    prepare(live.con)
+    assert live.con.execute("SELECT max(step) FROM ms_cache.rank_step").fetchone() == (22,)
+
+
+def test_new_markers_leave_the_cache_as_it_is(run: Path) -> None:
+    _report(run)
+    key = _key(run)["key"]
+    layout.write_part(run, "markers", pa.Table.from_pylist(
+        [{"rank": 0, "group": "dp:0", "seq": 99_999, "op": "all_reduce", "state": "enqueued",
+          "time_ns": 1, "step": 5, "bytes": None, "peer": None}], schema=schema.MARKERS), rank=0)
+    _report(run)
+    assert _key(run)["key"] == key
 
 
 def test_a_removed_part_rebuilds(run: Path, tmp_path: Path) -> None:

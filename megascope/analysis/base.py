@@ -23,6 +23,8 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import duckdb
 import numpy as np
@@ -44,6 +46,19 @@ def _sample_steps(steps: list[int], count: int) -> list[int]:
         return steps
     # Evenly spaced, skipping the first step (warm-up) when there is a choice.
     pool = steps[1:] if len(steps) > count + 1 else steps
+    stride = len(pool) / count
+    return sorted({pool[int(i * stride)] for i in range(count)})
+
+
+def _clock_sample_steps(steps: list[int], count: int) -> list[int]:
+    """Steps for clock-offset estimation: as :func:`_sample_steps`, spread over the longest
+    power-of-two prefix of the run (at least ``count`` steps), so that the sample, and with it the
+    estimate, stays the same while a live run grows until it doubles: the base tables of the steps
+    already read stay valid and are extended rather than rebuilt."""
+    if len(steps) <= count + 1:
+        return _sample_steps(steps, count)
+    pool = steps[1:]
+    pool = pool[:max(count, 1 << (len(pool).bit_length() - 1))]
     stride = len(pool) / count
     return sorted({pool[int(i * stride)] for i in range(count)})
 
@@ -127,7 +142,7 @@ def _clock_ranks(con: duckdb.DuckDBPyConnection) -> list[int]:
 
 def _estimate_offsets(con: duckdb.DuckDBPyConnection, steps: list[int]) -> pd.DataFrame:
     ranks = _clock_ranks(con)
-    _sql.execute(con, "base", "clock_samples", steps=_sample_steps(steps, CLOCK_SAMPLE_STEPS) or [-1],
+    _sql.execute(con, "base", "clock_samples", steps=_clock_sample_steps(steps, CLOCK_SAMPLE_STEPS) or [-1],
                  ranks=_sql.Raw(", ".join(map(str, ranks)) or "NULL"))
     hosts = [h for (h,) in con.execute("SELECT host FROM ms_cache.rank_info GROUP BY host ORDER BY min(rank)").fetchall()]
     pairs = _sql.query_df(con, "base", "clock_pairs")
@@ -161,10 +176,14 @@ BASE_TABLES = ["rank_info", "clock_offsets", "rank_clock", "inst", "rank_step"]
 
 
 def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None, persist_cache: bool = True) -> None:
-    """Build the base tables unless they are current for this run's files: from the run's cache
-    (``RUN/_cache``, :mod:`megascope.analysis.persist`) when it was built from the same files, else
-    from the parts, then kept there for the next reader (unless ``persist_cache`` is False or the
-    run cannot be written)."""
+    """Build the base tables unless they are current for this run's files.
+
+    With ``persist_cache`` (and a run directory behind ``con``): read them from the run's cache
+    (``RUN/_cache``, :mod:`megascope.analysis.persist`) when it was built from the same files;
+    extend it when the run only grew (new span or metric parts, the clock estimate unchanged):
+    the steps the new parts hold are computed, the others kept; else build them from the parts.
+    What was built is kept there for the next reader, where the run can be written.
+    """
     # Cursors do not inherit the connection's settings; DuckDB's progress bar would go to stdout.
     con.execute("SET enable_progress_bar = false")
     with _sql.build_lock():
@@ -173,27 +192,131 @@ def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None, persis
             return
         say = progress or (lambda msg: None)
         root = persist.run_dir(con) if persist_cache else None
-        digest = None
+        now = None
         if root is not None:
             try:
-                digest = persist.key(con, root)
+                now = persist.key(con, root)
             except (OSError, ValueError, duckdb.Error) as exc:
                 log.info("analysis cache: no key for %s (%s)", root, exc)
-        if root is not None and digest is not None:
-            say("reading the analysis cache")
-            if persist.load(con, root, digest, BASE_TABLES):
-                _sql.mark_built(con, "base")
-                log.info("base tables read from %s", persist.cache_dir(root))
-                return
-        _build(con, say)
-        if root is not None and digest is not None:
+        meta = persist.read_meta(root) if root is not None and now is not None else None
+        if root is not None and meta is not None and now is not None:
+            if meta.get("key") == now.digest:
+                say("reading the analysis cache")
+                if persist.load(con, root, meta, BASE_TABLES):
+                    _sql.mark_built(con, "base")
+                    log.info("base tables read from %s", persist.cache_dir(root))
+                    return
+            elif (new := persist.appended(root, meta, now)) is not None:
+                say("extending the analysis cache")
+                params = _extend(con, root, meta, new, say)
+                if params is not None:
+                    persist.save(con, root, now, BASE_TABLES, params)
+                    _sql.mark_built(con, "base")
+                    return
+        params = _build(con, say)
+        if root is not None and now is not None:
             say("keeping the base tables beside the run")
-            persist.save(con, root, digest, BASE_TABLES)
+            persist.save(con, root, now, BASE_TABLES, params)
         _sql.mark_built(con, "base")
 
 
-def _build(con: duckdb.DuckDBPyConnection, say: Callable[[str], None]) -> None:
-    """Build the base tables from the parts (under the build lock)."""
+def _first_new_step(con: duckdb.DuckDBPyConnection, new: dict[str, list[str]]) -> int | None:
+    """The lowest step in the new parts, from their footers' statistics; None where that cannot
+    be told (no statistics, or spans without a step: those belong to no step the cache could keep)."""
+    files = [f for fs in new.values() for f in fs]
+    if not files:
+        return None
+    spans = set(new.get("spans", []))
+    rows = con.execute(
+        "SELECT file_name, min(TRY_CAST(stats_min_value AS BIGINT)), bool_or(stats_min_value IS NULL), "
+        "sum(stats_null_count) FROM parquet_metadata(?) WHERE path_in_schema = 'step' GROUP BY file_name",
+        [files]).fetchall()
+    if len(rows) != len(files):
+        return None
+    lows = []
+    for name, low, unknown, nulls in rows:
+        if name in spans and (nulls is None or nulls > 0):
+            return None
+        if low is None or unknown:
+            if name in spans:
+                return None
+            continue  # a metrics part of step-less rows only
+        lows.append(int(low))
+    return min(lows) if lows else None
+
+
+def _extend(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], new: dict[str, list[str]],
+            say: Callable[[str], None]) -> dict[str, Any] | None:
+    """Extend the cached base tables by the steps the ``new`` parts hold. Returns the build's
+    parameters, or None where the result could differ from a build from scratch (the clock
+    estimate moved, the peers or nesting of collectives changed, a call spans the new steps' edge,
+    the cache is unusable): then the caller builds."""
+    try:
+        first = _first_new_step(con, new)
+    except duckdb.Error as exc:
+        log.info("analysis cache: new parts unreadable (%s)", exc)
+        return None
+    if first is None or not persist.load(con, root, meta, BASE_TABLES, prefix="old_"):
+        return None
+    try:
+        say("reading ranks")
+        _sql.execute(con, "base", "rank_info")
+        steps = _steps(con)
+        say("estimating clock offsets")
+        _estimate_offsets(con, steps)
+        _sql.execute(con, "base", "rank_clock")
+        moved = _sql.first(con.execute(
+            "SELECT count(*) FROM ms_cache.rank_clock n FULL JOIN ms_cache.old_rank_clock o USING (rank) "
+            "WHERE n.offset_ns IS DISTINCT FROM o.offset_ns"))
+        params = _params(con)
+        if (moved and moved[0]) or params != meta.get("params"):
+            log.info("analysis cache: clock estimate or parameters changed; rebuilding")
+            return None
+        say(f"reading the spans of steps {first} on")
+        _sql.execute(con, "base", "span_sums", where=_sql.Raw(f"s.step >= {int(first)}"))
+        _sql.execute(con, "base", "inst")
+        overlap = _sql.first(con.execute(
+            "SELECT count(*) FROM ms_cache.inst n JOIN ms_cache.old_inst o USING (grp, seq) "
+            f"WHERE o.step IS NULL OR o.step < {int(first)}"))
+        if overlap and overlap[0]:
+            log.info("analysis cache: calls span step %d's edge; rebuilding", first)
+            return None
+        con.execute("CREATE OR REPLACE TABLE ms_cache.inst AS SELECT * FROM ms_cache.old_inst "
+                    f"WHERE step IS NULL OR step < {int(first)} UNION ALL SELECT * FROM ms_cache.inst")
+        _rank_step(con, params, metrics_where=f"step >= {int(first)}")
+        con.execute("CREATE OR REPLACE TABLE ms_cache.rank_step AS SELECT * FROM ms_cache.old_rank_step "
+                    f"WHERE step < {int(first)} UNION ALL SELECT * FROM ms_cache.rank_step")
+        _sql.execute(con, "base", "add_unknown_ranks")
+        log.info("base tables extended from step %d", first)
+        return params
+    except duckdb.Error as exc:
+        log.info("analysis cache: extension failed (%s); rebuilding", exc)
+        return None
+    finally:
+        persist.drop(con, BASE_TABLES, prefix="old_")
+        con.execute("DROP TABLE IF EXISTS ms_cache.span_sums")
+
+
+def _params(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
+    """What rank_step is built with beside the spans: the group kinds whose collectives run inside
+    compute spans (probed on one rank), and the group kinds whose members are peers."""
+    probe = _sql.first(con.execute("SELECT min(rank) FROM ms_cache.rank_info"))
+    nested = [str(k) for (k,) in _sql.execute(con, "base", "nested_kinds", rank=int(probe[0]) if probe and probe[0] is not None else 0).fetchall()]
+    stages = _sql.first(con.execute("SELECT count(DISTINCT stage) FROM ms_cache.rank_info"))
+    # Groups whose members do the same work: TP and DP; with one stage every group.
+    peer_kinds = ["tp", "dp"] if stages and stages[0] > 1 else ["tp", "dp", "pp", "other"]
+    return {"nested_kinds": sorted(k for k in nested if k.isalnum()), "peer_kinds": peer_kinds}
+
+
+def _rank_step(con: duckdb.DuckDBPyConnection, params: dict[str, Any], *, metrics_where: str = "true") -> None:
+    _sql.execute(con, "base", "rank_step", calls_prefix=_sql.Raw(COLLECTOR_CALLS_METRIC),
+                 calls_prefix_len=len(COLLECTOR_CALLS_METRIC), metrics_where=_sql.Raw(metrics_where),
+                 peer_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in params["peer_kinds"]) + "]::VARCHAR[]"),
+                 nested_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in params["nested_kinds"]) + "]::VARCHAR[]"))
+
+
+def _build(con: duckdb.DuckDBPyConnection, say: Callable[[str], None]) -> dict[str, Any]:
+    """Build the base tables from the parts (under the build lock); returns their parameters."""
     say("reading ranks")
     _sql.execute(con, "base", "rank_info")
     steps = _steps(con)
@@ -201,18 +324,13 @@ def _build(con: duckdb.DuckDBPyConnection, say: Callable[[str], None]) -> None:
     _estimate_offsets(con, steps)
     _sql.execute(con, "base", "rank_clock")
     say("reading the spans (one pass)")
-    _sql.execute(con, "base", "span_sums")
+    _sql.execute(con, "base", "span_sums", where=_sql.Raw("true"))
     say("matching collectives")
     _sql.execute(con, "base", "inst")
     say("splitting step time per rank")
-    probe = _sql.first(con.execute("SELECT min(rank) FROM ms_cache.rank_info"))
-    nested = [str(k) for (k,) in _sql.execute(con, "base", "nested_kinds", rank=int(probe[0]) if probe and probe[0] is not None else 0).fetchall()]
-    stages = _sql.first(con.execute("SELECT count(DISTINCT stage) FROM ms_cache.rank_info"))
-    # Groups whose members do the same work: TP and DP; with one stage every group.
-    peer_kinds = ["tp", "dp"] if stages and stages[0] > 1 else ["tp", "dp", "pp", "other"]
-    _sql.execute(con, "base", "rank_step", calls_prefix=_sql.Raw(COLLECTOR_CALLS_METRIC),
-                 calls_prefix_len=len(COLLECTOR_CALLS_METRIC), peer_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in peer_kinds) + "]::VARCHAR[]"),
-                 nested_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in nested if k.isalnum()) + "]::VARCHAR[]"))
+    params = _params(con)
+    _rank_step(con, params)
     _sql.execute(con, "base", "add_unknown_ranks")
     con.execute("DROP TABLE IF EXISTS ms_cache.span_sums")
     log.info("base tables built for %d steps", len(steps))
+    return params

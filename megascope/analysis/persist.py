@@ -7,9 +7,11 @@ the base tables and :func:`save` after; everything else reads ``ms_cache`` as be
     RUN/_cache/key.json                  what the tables were built from, each file's size and sha256
     RUN/_cache/<table>-<key>.parquet     rank_info, clock_offsets, rank_clock, inst, rank_step
 
-The key is a digest of what the store's views read: every file they name or glob (path relative
-to the run, size, modification time), the views' definitions (paths made relative), ``run.json``,
-and the code that builds the tables (``sql/base.sql`` and :data:`CACHE_VERSION`). A new part, a
+The key is a digest of what the base tables are built from, as the store reads it: every file the
+views ``spans``, ``metrics``, ``ranks`` and ``groups`` name or glob (path relative to the run,
+size, modification time), those views' definitions (paths made relative), ``run.json``, and the
+code that builds the tables (``sql/base.sql`` and :data:`CACHE_VERSION`). New markers or
+heartbeats leave it as it is. A new part, a
 part rewritten or removed (compaction), a moved-but-intact run (``cp -a``, ``rsync -a``) keep or
 change the key as they should.
 
@@ -41,6 +43,7 @@ import os
 import re
 import time
 import uuid
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -88,10 +91,15 @@ def _code_digest() -> str:
     return hashlib.sha256(f"{CACHE_VERSION}\n{text}".encode()).hexdigest()
 
 
-def _views(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str]]:
+# The store's views the base tables are built from (markers, heartbeats and diagnostics are not:
+# a marker agent's new part leaves them as they are).
+SOURCE_VIEWS = ("groups", "metrics", "ranks", "spans")
+
+
+def _views(con: duckdb.DuckDBPyConnection, names: tuple[str, ...] = SOURCE_VIEWS) -> list[tuple[str, str]]:
     return [(str(n), str(s)) for n, s in con.execute(
         "SELECT view_name, sql FROM duckdb_views() WHERE NOT internal AND schema_name = 'main' "
-        "AND view_name <> 'store_parts' ORDER BY view_name"
+        "AND list_contains(?, view_name) ORDER BY view_name", [list(names)]
     ).fetchall()]
 
 
@@ -99,37 +107,76 @@ def _is_path(literal: str) -> bool:
     return literal.endswith(".parquet") and ("/" in literal or os.sep in literal)
 
 
-def key(con: duckdb.DuckDBPyConnection, root: Path) -> str:
-    """The digest of everything the base tables are built from (see the module's doc)."""
+# Tables whose new parts may extend the cache instead of replacing it (a live run's growth).
+GROWING_VIEWS = ("metrics", "spans")
+
+
+@dataclass(frozen=True)
+class Key:
+    """What the base tables are built from: ``digest`` of all of it; ``base`` of all but the
+    growing tables' file lists; ``files`` those lists (path relative to the run -> table, size,
+    modification time)."""
+
+    digest: str
+    base: str
+    files: dict[str, tuple[str, int, int]]
+
+
+def key(con: duckdb.DuckDBPyConnection, root: Path) -> Key:
+    """The key of the base tables as the store reads the run now (see the module's doc)."""
     root_abs = os.path.abspath(root)
-    digest = hashlib.sha256()
-    digest.update(_code_digest().encode())
-    files: set[str] = set()
+    base = hashlib.sha256()
+    base.update(_code_digest().encode())
+    fixed: set[str] = set()
+    growing: dict[str, str] = {}
     for name, sql in _views(con):
-        literals = [m.replace("''", "'") for m in _LITERAL.findall(sql)]
-        relative = sql
-        for lit in literals:
-            if not _is_path(lit):
-                continue
-            absolute = os.path.abspath(lit)
-            relative = relative.replace(lit.replace("'", "''"), os.path.relpath(absolute, root_abs))
-            if glob.has_magic(lit):
-                files.update(os.path.abspath(f) for f in glob.glob(absolute))
-            else:
-                files.add(absolute)
-        digest.update(f"view {name}\n{relative}\n".encode())
-    for f in sorted(files):
+        found: list[str] = []
+
+        def relative(match: re.Match[str], found: list[str] = found, name: str = name) -> str:
+            literal = match.group(1).replace("''", "'")
+            if not _is_path(literal):
+                return match.group(0)
+            found.append(os.path.abspath(literal))
+            # A growing table's file list is compared file by file (Key.files), not hashed here.
+            return "'<files>'" if name in GROWING_VIEWS else "'" + os.path.relpath(found[-1], root_abs) + "'"
+
+        text = _LITERAL.sub(relative, sql)
+        if name in GROWING_VIEWS:
+            text = re.sub(r"\[(?:'<files>'(?:, )?)+\]", "[<files>]", text)
+        base.update(f"view {name}\n{text}\n".encode())
+        for lit in found:
+            for f in (glob.glob(lit) if glob.has_magic(lit) else [lit]):
+                if name in GROWING_VIEWS:
+                    growing[os.path.abspath(f)] = name
+                else:
+                    fixed.add(os.path.abspath(f))
+    for f in sorted(fixed):
+        base.update(f"{os.path.relpath(f, root_abs)} {_stamp(f)}\n".encode())
+    try:
+        base.update(b"run.json\n" + (Path(root_abs) / "run.json").read_bytes())
+    except OSError:
+        base.update(b"run.json missing\n")
+    base_digest = base.hexdigest()
+    files: dict[str, tuple[str, int, int]] = {}
+    full = hashlib.sha256(base_digest.encode())
+    for f in sorted(growing):
         try:
             st = os.stat(f)
-            stamp = f"{st.st_size} {st.st_mtime_ns}"
+            entry = (growing[f], st.st_size, st.st_mtime_ns)
         except OSError:
-            stamp = "missing"
-        digest.update(f"{os.path.relpath(f, root_abs)} {stamp}\n".encode())
+            entry = (growing[f], -1, -1)
+        rel = os.path.relpath(f, root_abs)
+        files[rel] = entry
+        full.update(f"{rel} {entry}\n".encode())
+    return Key(full.hexdigest(), base_digest, files)
+
+
+def _stamp(path: str) -> str:
     try:
-        digest.update(b"run.json\n" + (Path(root_abs) / "run.json").read_bytes())
+        st = os.stat(path)
     except OSError:
-        digest.update(b"run.json missing\n")
-    return digest.hexdigest()
+        return "missing"
+    return f"{st.st_size} {st.st_mtime_ns}"
 
 
 def _sha256(path: Path) -> str:
@@ -150,79 +197,125 @@ def _quote(path: Path) -> str:
     return "'" + str(path).replace("'", "''") + "'"
 
 
-def load(con: duckdb.DuckDBPyConnection, root: Path, digest: str, tables: list[str]) -> bool:
-    """Fill ``ms_cache.<table>`` for each of ``tables`` from the cache, if it was built for
-    ``digest`` and every file is intact. All or nothing: False leaves none of them loaded."""
+def read_meta(root: Path) -> dict[str, Any] | None:
+    """The cache's ``key.json``, or None (none, unreadable, of another version)."""
+    try:
+        meta = json.loads((cache_dir(root) / KEY_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        log.debug("analysis cache %s: no key (%s)", cache_dir(root), exc)
+        return None
+    if not isinstance(meta, dict) or meta.get("version") != CACHE_VERSION or not isinstance(meta.get("tables"), dict):
+        return None
+    return meta
+
+
+def _checked(where: Path, entry: dict[str, Any]) -> Path:
+    """The file of a ``key.json`` entry, after checking its size and sha256 (ValueError if off)."""
+    path = where / str(entry["file"])
+    if path.parent != where or path.stat().st_size != int(entry["bytes"]) or _sha256(path) != entry["sha256"]:
+        raise ValueError(f"{path.name} does not match its key")
+    return path
+
+
+def load(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], tables: list[str], *,
+         prefix: str = "") -> bool:
+    """Fill ``ms_cache.<prefix><table>`` for each of ``tables`` from the cache ``meta`` describes,
+    if every file is intact and reads as the table it recorded. All or nothing: False leaves none
+    of them."""
     where = cache_dir(root)
     try:
-        meta = json.loads((where / KEY_FILE).read_text())
-        if not isinstance(meta, dict) or meta.get("key") != digest or meta.get("version") != CACHE_VERSION:
-            return False
-        entries = meta["tables"]
         for table in tables:
-            entry = entries[table]
-            path = where / str(entry["file"])
-            if path.parent != where or path.stat().st_size != int(entry["bytes"]) or _sha256(path) != entry["sha256"]:
-                log.info("analysis cache %s: %s does not match its key; rebuilding", where, path.name)
-                _drop(con, tables)
-                return False
+            entry = meta["tables"][table]
+            path = _checked(where, entry)
             casts = ", ".join(f'CAST("{c}" AS {t}) AS "{c}"' for c, t in entry["columns"])
-            con.execute(f"CREATE OR REPLACE TABLE {_sql.CACHE_SCHEMA}.{table} AS "
+            con.execute(f"CREATE OR REPLACE TABLE {_sql.CACHE_SCHEMA}.{prefix}{table} AS "
                         f"SELECT {casts} FROM read_parquet({_quote(path)})")
-            row = _sql.first(con.execute(f"SELECT count(*) FROM {_sql.CACHE_SCHEMA}.{table}"))
-            if not row or int(row[0]) != int(entry["rows"]) or _columns(con, table) != entry["columns"]:
-                log.info("analysis cache %s: %s is not the table its key describes; rebuilding", where, path.name)
-                _drop(con, tables)
-                return False
+            row = _sql.first(con.execute(f"SELECT count(*) FROM {_sql.CACHE_SCHEMA}.{prefix}{table}"))
+            if not row or int(row[0]) != int(entry["rows"]) or _columns(con, prefix + table) != entry["columns"]:
+                raise ValueError(f"{path.name} is not the table its key describes")
     except (OSError, ValueError, KeyError, TypeError, duckdb.Error) as exc:
         log.info("analysis cache %s unusable (%s); rebuilding", where, exc)
-        _drop(con, tables)
+        drop(con, tables, prefix=prefix)
         return False
     return True
 
 
-def _drop(con: duckdb.DuckDBPyConnection, tables: list[str]) -> None:
+def appended(root: Path, meta: dict[str, Any], now: Key) -> dict[str, list[str]] | None:
+    """The growing tables' files that are new since the cache ``meta`` describes was built, by
+    table (absolute paths), when that is all that changed: the same code, ``run.json``, ranks and
+    groups, and every file it was built from still there as it was. None otherwise."""
+    if meta.get("base_key") != now.base or meta.get("key") == now.digest:
+        return None
+    try:
+        import pyarrow.parquet as pq
+
+        manifest = pq.read_table(_checked(cache_dir(root), meta["files"])).to_pydict()
+        old = dict(zip(manifest["path"], zip(manifest["table"], manifest["bytes"], manifest["mtime_ns"],
+                                             strict=True), strict=True))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.info("analysis cache %s: no file list (%s)", cache_dir(root), exc)
+        return None
+    if any(now.files.get(path) != tuple(entry) for path, entry in old.items()):
+        return None
+    new: dict[str, list[str]] = {}
+    for path, (table, _, _) in now.files.items():
+        if path not in old:
+            new.setdefault(table, []).append(str(Path(os.path.abspath(root)) / path))
+    return new
+
+
+def drop(con: duckdb.DuckDBPyConnection, tables: list[str], *, prefix: str = "") -> None:
     for table in tables:
         with contextlib.suppress(duckdb.Error):
-            con.execute(f"DROP TABLE IF EXISTS {_sql.CACHE_SCHEMA}.{table}")
+            con.execute(f"DROP TABLE IF EXISTS {_sql.CACHE_SCHEMA}.{prefix}{table}")
 
 
-def save(con: duckdb.DuckDBPyConnection, root: Path, digest: str, tables: list[str]) -> bool:
-    """Write ``ms_cache.<table>`` for each of ``tables`` under ``RUN/_cache`` for ``digest``.
-    Returns whether it did; any failure (a read-only run, a full disk) leaves the run as it was,
-    but for temporary files it could not remove."""
+def save(con: duckdb.DuckDBPyConnection, root: Path, now: Key, tables: list[str],
+         params: dict[str, Any] | None = None) -> bool:
+    """Write ``ms_cache.<table>`` for each of ``tables`` under ``RUN/_cache`` for key ``now``, with
+    the build's ``params`` (compared by a later extension). Returns whether it did; any failure (a
+    read-only run, a full disk) leaves the run as it was, but for temporary files it could not
+    remove."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     where = cache_dir(root)
     tag = uuid.uuid4().hex[:12]
-    written: list[Path] = []
+    suffix = now.digest[:16]
+    staged: dict[Path, Path] = {}  # temporary -> final
     try:
         where.mkdir(exist_ok=True)
         entries: dict[str, Any] = {}
         for table in tables:
-            final = where / f"{table}-{digest[:16]}.parquet"
             tmp = where / f".tmp-{tag}-{table}.parquet"
-            written.append(tmp)
+            staged[tmp] = where / f"{table}-{suffix}.parquet"
             con.execute(f"COPY {_sql.CACHE_SCHEMA}.{table} TO {_quote(tmp)} (FORMAT parquet, COMPRESSION zstd)")
             row = _sql.first(con.execute(f"SELECT count(*) FROM {_sql.CACHE_SCHEMA}.{table}"))
-            entries[table] = {"file": final.name, "bytes": tmp.stat().st_size, "sha256": _sha256(tmp),
+            entries[table] = {"file": staged[tmp].name, "bytes": tmp.stat().st_size, "sha256": _sha256(tmp),
                               "rows": int(row[0]) if row else 0, "columns": _columns(con, table)}
-        for table in tables:
-            tmp = where / f".tmp-{tag}-{table}.parquet"
-            os.replace(tmp, where / entries[table]["file"])
-            written.remove(tmp)
-            written.append(where / entries[table]["file"])
+        tmp = where / f".tmp-{tag}-files.parquet"
+        staged[tmp] = where / f"files-{suffix}.parquet"
+        paths = sorted(now.files)
+        pq.write_table(pa.table({"path": paths, "table": [now.files[p][0] for p in paths],
+                                 "bytes": [now.files[p][1] for p in paths],
+                                 "mtime_ns": [now.files[p][2] for p in paths]}), tmp, compression="zstd")
+        files_entry: dict[str, Any] = {"file": staged[tmp].name, "bytes": tmp.stat().st_size, "sha256": _sha256(tmp)}
+        for tmp, final in list(staged.items()):
+            os.replace(tmp, final)
+            del staged[tmp]
         key_tmp = where / f".tmp-{tag}-{KEY_FILE}"
-        written.append(key_tmp)
-        key_tmp.write_text(json.dumps({"version": CACHE_VERSION, "key": digest, "written_ns": time.time_ns(),
-                                       "tables": entries}, indent=1))
+        staged[key_tmp] = where / KEY_FILE
+        key_tmp.write_text(json.dumps({"version": CACHE_VERSION, "key": now.digest, "base_key": now.base,
+                                       "written_ns": time.time_ns(), "params": params or {},
+                                       "files": files_entry, "tables": entries}, indent=1))
         os.replace(key_tmp, where / KEY_FILE)
-    except (OSError, duckdb.Error) as exc:
+    except (OSError, duckdb.Error, pa.ArrowException) as exc:
         log.info("analysis cache not written to %s (%s); kept in memory", where, exc)
-        for path in written:
+        for tmp in staged:
             with contextlib.suppress(OSError):
-                if path.name.startswith(".tmp-"):
-                    path.unlink()
+                tmp.unlink()
         return False
-    _prune(where, {entries[t]["file"] for t in tables} | {KEY_FILE})
+    _prune(where, {e["file"] for e in entries.values()} | {files_entry["file"], KEY_FILE})
     return True
 
 

@@ -96,6 +96,7 @@ FROM ms_cache.rank_info i LEFT JOIN ms_cache.clock_offsets o USING (host);
 --   level 'inst' one row per collective call (group, seq) across its members, arrivals on the
 --                reference clock: what inst is made of.
 -- Rows without a step count in no (rank, step); calls without a group or seq in no instance.
+-- {{where}}: true, or the steps a grown run added (the base tables are then extended).
 CREATE OR REPLACE TABLE ms_cache.span_sums AS
 WITH s AS (
     SELECT s.rank, s.step, s.name, s.op, s.kind, s.start_ns, s.dur_ns,
@@ -103,6 +104,7 @@ WITH s AS (
            CASE WHEN s.kind = 'collective' AND s."group" IS NOT NULL THEN s.seq END AS cseq,
            s.start_ns + coalesce(k.offset_ns, 0) AS a
     FROM spans s LEFT JOIN ms_cache.rank_clock k USING (rank)
+    WHERE {{where}}
 )
 SELECT CASE WHEN GROUPING(rank) = 0 THEN 'rs' ELSE 'inst' END AS level, rank, step, grp, cseq AS seq,
        -- level rs
@@ -214,7 +216,7 @@ WITH lvl AS (
     -- Groups whose calls the collector timed in some micro-batches only: the calls issued per
     -- rank-step (metric collector_calls:<group>). The timed calls' wait and time stand for all.
     SELECT rank, step, substr(name, {{calls_prefix_len}} + 1) AS grp, max(value) AS calls
-    FROM metrics WHERE starts_with(name, '{{calls_prefix}}') AND step IS NOT NULL
+    FROM metrics WHERE starts_with(name, '{{calls_prefix}}') AND step IS NOT NULL AND {{metrics_where}}
     GROUP BY ALL
 ), lvl_s AS (
     SELECT l.*, CASE WHEN sm.calls > l.coll_spans AND l.coll_spans > 0 THEN sm.calls / l.coll_spans ELSE 1.0 END AS scale
