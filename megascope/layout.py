@@ -13,6 +13,8 @@ Layout (ARCHITECTURE.md, contract)::
     RUN/spans/rank=00017/part-<time>-<pid>-<n>.parquet      (also markers/, metrics/)
     RUN/heartbeats/host=NAME/part-*.parquet
     RUN/diagnostics/part-*.parquet
+    RUN/compacted/spans/c-<id>-000.parquet                 (``megascope compact``: many parts merged)
+    RUN/compacted/spans/c-<id>.manifest.json               (commits it: the files it holds, the parts it replaces)
 
 A part is written to a hidden temporary name in the same directory and renamed into place, so a
 reader never sees half a file; temporary files end in ``.tmp`` and are never globbed. A writer that
@@ -36,6 +38,7 @@ import json
 import os
 import re
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +49,10 @@ from megascope.errors import OutputError
 from megascope.schema import TABLES, RunMeta
 
 RUN_JSON = "run.json"
+# megascope compact's merged files and their manifests (``compacted/<table>/``).
+COMPACTED_DIR = "compacted"
+MANIFEST_SUFFIX = ".manifest.json"
+MANIFEST_FORMAT = 1
 # Parquet key-value metadata naming the run a part belongs to (``run.json``'s ``run_id``), so that
 # parts copied in from another run are recognised and skipped instead of read as this run's data.
 RUN_ID_KEY = b"megascope.run_id"
@@ -105,6 +112,133 @@ def table_glob(table: str) -> str:
     if table in HOST_PARTITIONED:
         return f"{table}/host=*/*.parquet"
     return f"{table}/*.parquet"
+
+
+def compacted_dir(run_dir: Path | str, table: str) -> Path:
+    """Where ``megascope compact`` puts the merged files of ``table`` and their manifests.
+
+    Outside the table's own folder on purpose: a compacted file holds many ranks (``rank`` is a
+    column), so it must not sit under ``rank=NNNNN`` directories, and a file without partition
+    directories beside ``spans/rank=*/`` would break Hive partition parsing of ``spans/*/*.parquet``.
+    """
+    if table not in TABLES:
+        raise ValueError(f"unknown table {table!r}")
+    return Path(run_dir) / COMPACTED_DIR / table
+
+
+def compacted_glob(table: str) -> str:
+    """The glob, relative to the run directory, of ``table``'s compacted files (committed or not)."""
+    return f"{COMPACTED_DIR}/{table}/*.parquet"
+
+
+@dataclass(frozen=True)
+class CompactedFile:
+    """One file a manifest commits: its path relative to the run, rows, and the ranks it holds."""
+
+    path: str
+    rows: int
+    ranks: tuple[tuple[int, int], ...]  # inclusive ranges, sorted; empty when no row has a rank
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A committed compaction of one table: the files it wrote and the files they replace.
+
+    Paths are relative to the run directory (``spans/rank=00003/part-...parquet``). ``stamps`` holds
+    ``(size, mtime_ns)`` of replaced single-file tables' files (``ranks``, ``groups``), which a
+    writer may rewrite: a file that changed since is not the one that was merged.
+    """
+
+    path: Path
+    table: str
+    run_id: str | None
+    committed_ns: int
+    files: tuple[CompactedFile, ...]
+    replaces: tuple[str, ...]
+    stamps: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return f"{COMPACTED_DIR}/{self.table}/{self.path.name}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": MANIFEST_FORMAT,
+            "table": self.table,
+            "run_id": self.run_id,
+            "committed_ns": self.committed_ns,
+            "files": [{"path": f.path, "rows": f.rows, "ranks": [list(r) for r in f.ranks]} for f in self.files],
+            "replaces": list(self.replaces),
+            "stamps": {k: list(v) for k, v in sorted(self.stamps.items())},
+        }
+
+
+def _manifest_from_json(path: Path, table: str, data: Any) -> Manifest:
+    if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT or data.get("table") != table:
+        raise ValueError("not a compaction manifest of this table")
+    files = tuple(
+        CompactedFile(str(f["path"]), int(f["rows"]), tuple((int(a), int(b)) for a, b in f.get("ranks", [])))
+        for f in data["files"]
+    )
+    replaces = tuple(str(p) for p in data["replaces"])
+    for rel in (*(f.path for f in files), *replaces):
+        if rel.startswith("/") or ".." in Path(rel).parts:
+            raise ValueError(f"path {rel!r} outside the run")
+    stamps = {str(k): (int(v[0]), int(v[1])) for k, v in (data.get("stamps") or {}).items()}
+    run_id = data.get("run_id")
+    return Manifest(path, table, run_id if isinstance(run_id, str) else None, int(data["committed_ns"]), files,
+                    replaces, stamps)
+
+
+def read_manifests(run_dir: Path | str, table: str) -> tuple[list[Manifest], list[str]]:
+    """Every manifest of ``table`` that parses, and one line per one that does not."""
+    base = compacted_dir(run_dir, table)
+    manifests: list[Manifest] = []
+    problems: list[str] = []
+    try:
+        paths = sorted(p for p in base.iterdir() if p.name.endswith(MANIFEST_SUFFIX))
+    except OSError:
+        return [], []
+    for path in paths:
+        try:
+            manifests.append(_manifest_from_json(path, table, json.loads(path.read_text())))
+        except FileNotFoundError:
+            continue  # removed by a compaction that superseded it
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError) as exc:
+            problems.append(f"{path}: not a readable compaction manifest ({exc}); ignored")
+    return manifests, problems
+
+
+def active_manifests(manifests: list[Manifest]) -> list[Manifest]:
+    """The manifests no other manifest replaced (a later compaction merged their files again)."""
+    replaced = {rel for m in manifests for rel in m.replaces}
+    return [m for m in manifests if m.name not in replaced]
+
+
+def write_manifest(manifest: Manifest) -> None:
+    """Commit ``manifest``: written under a temporary name, flushed to disk, renamed into place."""
+    data = (json.dumps(manifest.to_json(), indent=1) + "\n").encode()
+    tmp = manifest.path.with_name(f".{manifest.path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, manifest.path)
+    fsync_dir(manifest.path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable (where the platform allows a directory fsync)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def is_run_dir(path: Path) -> bool:

@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,7 +64,9 @@ class Run:
     meta: RunMeta
     con: duckdb.DuckDBPyConnection
     problems: list[str] = field(default_factory=list)
-    files: dict[str, list[Path]] = field(default_factory=dict)
+    files: dict[str, list[Path]] = field(default_factory=dict)  # every file a view reads: parts, then compacted
+    compacted: dict[str, list[Path]] = field(default_factory=dict)  # the committed compacted files among them
+    _compacted_ranks: dict[Path, tuple[tuple[int, int], ...]] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -81,6 +84,48 @@ class Run:
 
     def has_rows(self, table: str) -> bool:
         return bool(self.files.get(table))
+
+    def ranks_written(self, tables: tuple[str, ...] = ("spans", "markers")) -> set[int]:
+        """Ranks with any file of ``tables``: from part directory names and the compaction
+        manifests, without reading a file."""
+        ranks: set[int] = set()
+        for table in tables:
+            for f in self.files.get(table, []):
+                ranges = self._compacted_ranks.get(f)
+                if ranges is not None:
+                    for lo, hi in ranges:
+                        ranks.update(range(lo, hi + 1))
+                    continue
+                name = f.stem if table in layout.SINGLE_FILE_TABLES else f.parent.name
+                if name.startswith("rank=") and name[5:].isdigit():
+                    ranks.add(int(name[5:]))
+        return ranks
+
+    def rank_source(self, table: str, ranks: Iterable[int]) -> str:
+        """A SQL subquery over ``table``'s rows of ``ranks`` only, typed as the schema says.
+
+        Reads only the files that can hold those ranks (their part directories, and the compacted
+        files whose manifest names them): binding a view over the ~100k parts of a 12,288-rank run
+        costs seconds per query, reading a few files milliseconds.
+        """
+        wanted = sorted({int(r) for r in ranks})
+        names = {layout.rank_dir_name(r) for r in wanted}
+        single = table in layout.SINGLE_FILE_TABLES
+        parts = [f for f in self.files.get(table, []) if f not in self._compacted_ranks
+                 and (f.stem if single else f.parent.name) in names]
+        # A rewritten single file (ranks, groups) wins over the rows compaction merged earlier.
+        live = {int(f.stem[5:]) for f in parts} if single else set()
+        need = [r for r in wanted if r not in live]
+        compacted = [f for f in self.compacted.get(table, [])
+                     if any(lo <= r <= hi for r in need for lo, hi in self._compacted_ranks.get(f, ()))]
+        selects = []
+        if parts:
+            selects.append(_select(self.con, table, _list_sql(parts), _read_options(table, uniform=False)))
+        if compacted:
+            rank_list = ", ".join(map(str, need))
+            selects.append(f"SELECT * FROM ({_select(self.con, table, _list_sql(compacted), _COMPACTED_OPTIONS)}) "
+                           f"WHERE rank IN ({rank_list})")
+        return "(" + (" UNION ALL ".join(selects) or _empty_select(table)) + ")"
 
     def refresh(self) -> list[str]:
         """Re-scan the directory for new parts (a live run) and rebuild the views.
@@ -198,39 +243,44 @@ class _Parts:
     uniform: bool  # every file has the same columns: no union_by_name (which reads every footer per query)
 
 
-def _scan(run: Run, table: str, *, thorough: bool = False) -> _Parts:
+def _scan(run: Run, table: str, *, thorough: bool = False, ignored: frozenset[Path] = frozenset()) -> _Parts:
     """Finished parts of ``table``: checked cheaply as a whole, file by file only on failure (or when
-    ``thorough``: after the whole failed to read)."""
-    files = sorted(run.path.glob(layout.table_glob(table)))
+    ``thorough``: after the whole failed to read). Parts in ``ignored`` (merged into a committed
+    compacted file, not yet removed) are left out."""
+    every = sorted(run.path.glob(layout.table_glob(table)))
+    files = [f for f in every if f not in ignored] if ignored else every
+    # The glob, not a list of every path: one statement stays small at 100k+ files. While merged
+    # parts wait for removal, the list of the others (few, beside the compacted files).
+    whole_glob = len(files) == len(every)
     if not files:
         return _Parts([], True, True)
     if thorough:
-        return _scan_each(run, table, files)
+        return _scan_each(run, table, files, whole_glob=whole_glob)
     required = _required_columns(table)
     glob = str(run.path / layout.table_glob(table))
+    source = glob if whole_glob else [str(f) for f in files]
     try:
         # Parts stamped with another run's id (copied in from elsewhere) are not this run's data.
         stamped = dict(run.con.execute(
             "SELECT file_name, decode(value) FROM parquet_kv_metadata(?) WHERE decode(key) = ?",
-            [glob, layout.RUN_ID_KEY.decode()],
+            [source, layout.RUN_ID_KEY.decode()],
         ).fetchall())
         foreign = {Path(name) for name, part_run_id in stamped.items() if part_run_id != run.meta.run_id}
         if not foreign and len(stamped) >= len(files):
             # Every part is this run's, written through layout.write_part: its columns are the schema's.
-            return _Parts(files, True, True)
-        # The glob, not a list of every path: one statement stays small at 100k+ files.
+            return _Parts(files, whole_glob, True)
         rows = run.con.execute(
-            "SELECT file_name, list(name ORDER BY name) FROM parquet_schema(?) GROUP BY file_name", [glob],
+            "SELECT file_name, list(name ORDER BY name) FROM parquet_schema(?) GROUP BY file_name", [source],
         ).fetchall()
         bad = foreign | {Path(name) for name, cols in rows if not required <= set(cols)}
         if not bad and len(rows) >= len(files):
-            return _Parts(files, True, len({tuple(cols) for _, cols in rows}) == 1)
+            return _Parts(files, whole_glob, len({tuple(cols) for _, cols in rows}) == 1)
     except duckdb.Error:
         pass
-    return _scan_each(run, table, files, thorough=False)
+    return _scan_each(run, table, files, thorough=False, whole_glob=whole_glob)
 
 
-def _scan_each(run: Run, table: str, files: list[Path], *, thorough: bool = True) -> _Parts:
+def _scan_each(run: Run, table: str, files: list[Path], *, thorough: bool = True, whole_glob: bool = True) -> _Parts:
     good = []
     for f in files:
         problem = _check_part(f, table, run.meta.run_id, run.con if thorough else None)
@@ -239,7 +289,7 @@ def _scan_each(run: Run, table: str, files: list[Path], *, thorough: bool = True
         elif problem not in run.problems:
             run.problems.append(problem)
             log.info(problem)  # reported through Run.problems (the CLI prints each once)
-    return _Parts(good, len(good) == len(files), False)
+    return _Parts(good, whole_glob and len(good) == len(files), False)
 
 
 def _create_views(run: Run) -> None:
@@ -251,55 +301,119 @@ def _create_views(run: Run) -> None:
     run.con.execute(f"CREATE OR REPLACE VIEW store_parts AS SELECT '{digest}' AS digest, {counts}")
 
 
+@dataclass
+class _Compaction:
+    """What the committed compaction manifests of one table say: files to read, parts to skip."""
+
+    files: list[Path]
+    ranks: dict[Path, tuple[tuple[int, int], ...]]
+    ignored: frozenset[Path]
+
+
+def _compaction(run: Run, table: str) -> _Compaction:
+    manifests, problems = layout.read_manifests(run.path, table)
+    files: list[Path] = []
+    ranks: dict[Path, tuple[tuple[int, int], ...]] = {}
+    ignored: set[Path] = set()
+    for m in layout.active_manifests(manifests):
+        if m.run_id is not None and m.run_id != run.meta.run_id:
+            problems.append(f"{m.path}: a compaction manifest of another run ({m.run_id!r}, not "
+                            f"{run.meta.run_id!r}); ignored")
+            continue
+        for f in m.files:
+            path = run.path / f.path
+            problem = _check_part(path, table, run.meta.run_id)
+            if problem is not None:
+                problems.append(problem)
+                continue
+            files.append(path)
+            ranks[path] = f.ranks
+        if table not in layout.SINGLE_FILE_TABLES:
+            # Single files (ranks, groups) are rewritten in place by writers: a file present wins
+            # over its merged rows (see _create_table_view), it is never skipped by name.
+            ignored.update(run.path / rel for rel in m.replaces)
+    for problem in problems:
+        if problem not in run.problems:
+            run.problems.append(problem)
+            log.info(problem)  # reported through Run.problems (the CLI prints each once)
+    return _Compaction(sorted(files), ranks, frozenset(ignored))
+
+
 def _create_table_views(run: Run) -> None:
+    run._compacted_ranks = {}
     for table in TABLES:
+        compaction = _compaction(run, table)
+        run.compacted[table] = compaction.files
+        run._compacted_ranks.update(compaction.ranks)
         try:
-            _create_table_view(run, table, _scan(run, table))
+            _create_table_view(run, table, _scan(run, table, ignored=compaction.ignored), compaction.files)
         except duckdb.Error:
             # A part whose footer DuckDB cannot parse though the quick checks passed: find it, skip it.
             try:
-                _create_table_view(run, table, _scan(run, table, thorough=True))
+                _create_table_view(run, table, _scan(run, table, thorough=True, ignored=compaction.ignored),
+                                   compaction.files)
             except duckdb.Error as exc:
                 reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
                 raise RunDirError(f"{run.path}: the {table} parts cannot be read ({reason})") from None
 
 
-def _create_table_view(run: Run, table: str, parts: _Parts) -> None:
-    schema = TABLES[table]
-    files = parts.files
-    run.files[table] = files
-    if not files:
-        # A typed empty view in SQL, not a registered Arrow table: registrations are local to
-        # one connection, and cursors (one per thread) must see every view.
-        nulls = ", ".join(f'CAST(NULL AS {_DUCK_TYPES[str(f.type)]}) AS "{f.name}"' for f in schema)
-        run.con.execute(f"CREATE OR REPLACE VIEW {table} AS SELECT {nulls} WHERE false")
-        return
-    # Read through the glob when every part is good (new parts of a live run then show up without
-    # a refresh, and the view stays small at 100k+ files); through the list of good parts otherwise.
-    if parts.whole:
-        source = _sql_str(str(run.path / layout.table_glob(table)))
-    else:
-        source = "[" + ", ".join(_sql_str(str(f)) for f in files) + "]"
+def _list_sql(files: list[Path]) -> str:
+    return "[" + ", ".join(_sql_str(str(f)) for f in files) + "]"
+
+
+def _read_options(table: str, *, uniform: bool) -> str:
     hive = _HIVE_TYPES.get(table)
     options = f", hive_partitioning=true, hive_types={{'{hive}': INTEGER}}" if hive else ", hive_partitioning=false"
-    if not parts.uniform:
+    if not uniform:
         options += ", union_by_name=true"
-    # Columns in schema order, each cast to its declared type, so that a writer's older file or
-    # a missing nullable column still reads as the schema says.
+    return options
+
+
+# Compacted files carry every column of the schema (rank too); they sit in no partition directory.
+_COMPACTED_OPTIONS = ", hive_partitioning=false, union_by_name=true"
+
+
+def _empty_select(table: str) -> str:
+    # A typed empty relation in SQL, not a registered Arrow table: registrations are local to
+    # one connection, and cursors (one per thread) must see every view.
+    nulls = ", ".join(f'CAST(NULL AS {_DUCK_TYPES[str(f.type)]}) AS "{f.name}"' for f in TABLES[table])
+    return f"SELECT {nulls} WHERE false"
+
+
+def _select(con: duckdb.DuckDBPyConnection, table: str, source: str, options: str) -> str:
+    """``SELECT`` of ``read_parquet(source options)`` with the schema's columns in order, each cast
+    to its declared type, so that a writer's older file or a missing nullable column still reads as
+    the schema says."""
+    described = {name for name, *_ in con.execute(f"DESCRIBE SELECT * FROM read_parquet({source}{options})").fetchall()}
     casts = []
-    described = {
-        name: typ
-        for name, typ, *_ in run.con.execute(f"DESCRIBE SELECT * FROM read_parquet({source}{options})").fetchall()
-    }
-    for f in schema:
+    for f in TABLES[table]:
         duck_type = _DUCK_TYPES[str(f.type)]
         if f.name in described:
             casts.append(f'CAST("{f.name}" AS {duck_type}) AS "{f.name}"')
         else:
             casts.append(f'CAST(NULL AS {duck_type}) AS "{f.name}"')
-    run.con.execute(
-        f"CREATE OR REPLACE VIEW {table} AS SELECT {', '.join(casts)} FROM read_parquet({source}{options})"
-    )
+    return f"SELECT {', '.join(casts)} FROM read_parquet({source}{options})"
+
+
+def _create_table_view(run: Run, table: str, parts: _Parts, compacted: list[Path] | None = None) -> None:
+    compacted = compacted or []
+    files = parts.files
+    run.files[table] = files + compacted
+    selects = []
+    if files:
+        # Read through the glob when every part is good (new parts of a live run then show up without
+        # a refresh, and the view stays small at 100k+ files); through the list of good parts otherwise.
+        source = _sql_str(str(run.path / layout.table_glob(table))) if parts.whole else _list_sql(files)
+        selects.append(_select(run.con, table, source, _read_options(table, uniform=parts.uniform)))
+    if compacted:
+        merged = _select(run.con, table, _list_sql(compacted), _COMPACTED_OPTIONS)
+        if files and table in layout.SINGLE_FILE_TABLES:
+            # A rank's file present beside the merged rows (rewritten since, or not yet removed)
+            # is the current one: its rank's merged rows step aside.
+            merged = f"SELECT * FROM ({merged}) WHERE rank NOT IN (SELECT rank FROM ({selects[0]}))"
+        selects.append(merged)
+    body = " UNION ALL ".join(selects) if selects else _empty_select(table)
+    run.con.execute(f"CREATE OR REPLACE VIEW {table} AS {body}")
 
 
 _DUCK_TYPES = {
