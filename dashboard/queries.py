@@ -3,10 +3,11 @@
 Role in the data flow: the dashboard's only SQL. Derived numbers (MFU, stragglers, states, hang
 suspects, heat-maps) come from :mod:`megascope.analysis`; this module only *selects* rows for a
 timeline or a table, bounded in size (``LIMIT``, binning), so nothing ships a full run to the
-browser. Functions about a few ranks take the :class:`~megascope.store.Run` and read only those
-ranks' part files (from the store's file lists): binding a view over the ~100k parts of a
-12,288-rank run costs seconds per query, reading four parts costs milliseconds. Run-wide
-selections take a connection with the store's views.
+browser. Functions about a few ranks take the :class:`~megascope.store.Run` and read only the
+files that hold those ranks, through :meth:`~megascope.store.Run.rank_source`: binding a view
+over the ~100k parts of a 12,288-rank run costs seconds per query, reading four parts costs
+milliseconds. Run-wide selections take a connection with the store's views. This module builds no
+``read_parquet`` of its own: the store is the only way into a run directory.
 
 Example::
 
@@ -21,8 +22,6 @@ from collections.abc import Sequence
 import duckdb
 import pandas as pd
 
-from megascope import layout
-from megascope.schema import TABLES
 from megascope.store import Run
 
 log = logging.getLogger(__name__)
@@ -30,42 +29,8 @@ log = logging.getLogger(__name__)
 MAX_TIMELINE_SPANS = 20_000
 MAX_TIMELINE_RANKS = 64
 
-_DUCK_TYPES = {"int32": "INTEGER", "int64": "BIGINT", "string": "VARCHAR", "double": "DOUBLE", "bool": "BOOLEAN",
-               "list<item: int32>": "INTEGER[]"}
-
-
 def _int_list(values: Sequence[int]) -> str:
     return ", ".join(str(int(v)) for v in values) or "NULL"
-
-
-def _sql_str(value: str) -> str:
-    return "'" + value.replace("'", "''") + "'"
-
-
-def rank_parts(run: Run, table: str, ranks: Sequence[int]) -> str:
-    """A SQL subquery over ``table``'s parts of ``ranks`` only, typed as the schema says.
-
-    Columns missing from every selected part read as typed NULLs, as in the store's views.
-    """
-    wanted = {layout.rank_dir_name(int(r)) for r in ranks}
-    if table in layout.SINGLE_FILE_TABLES:
-        files = [f for f in run.files.get(table, []) if f.stem in wanted]
-        hive = ", hive_partitioning=false"
-    else:
-        files = [f for f in run.files.get(table, []) if f.parent.name in wanted]
-        hive = ", hive_partitioning=true, hive_types={'rank': INTEGER}"
-    schema = TABLES[table]
-    if not files:
-        nulls = ", ".join(f'CAST(NULL AS {_DUCK_TYPES[str(f.type)]}) AS "{f.name}"' for f in schema)
-        return f"(SELECT {nulls} WHERE false)"
-    source = f"read_parquet([{', '.join(_sql_str(str(f)) for f in files)}], union_by_name=true{hive})"
-    present = {name for name, *_ in run.con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()}
-    columns = ", ".join(
-        f'CAST("{f.name}" AS {_DUCK_TYPES[str(f.type)]}) AS "{f.name}"' if f.name in present
-        else f'CAST(NULL AS {_DUCK_TYPES[str(f.type)]}) AS "{f.name}"'
-        for f in schema
-    )
-    return f"(SELECT {columns} FROM {source})"
 
 
 def _with_offsets(con: duckdb.DuckDBPyConnection, offsets: pd.DataFrame | None) -> str:
@@ -78,7 +43,7 @@ def _with_offsets(con: duckdb.DuckDBPyConnection, offsets: pd.DataFrame | None) 
 
 def rank_info(run: Run, ranks: Sequence[int] | None = None) -> pd.DataFrame:
     """``rank, host, pp, dp, tp`` of the given ranks (all ranks when None), by rank."""
-    source = rank_parts(run, "ranks", ranks) if ranks is not None else "ranks"
+    source = run.rank_source("ranks", ranks) if ranks is not None else "ranks"
     return run.con.execute(f"SELECT rank, host, pp, dp, tp FROM {source} ORDER BY rank").df()
 
 
@@ -92,7 +57,7 @@ def peers_of(run: Run, rank: int, *, limit: int = 8) -> list[int]:
     """``rank`` first, then its tensor-parallel group, then data-parallel peers doing the same work."""
     rows = run.con.execute(
         f"""
-        SELECT kind, members FROM {rank_parts(run, "groups", [rank])}
+        SELECT kind, members FROM {run.rank_source("groups", [rank])}
         WHERE rank = {int(rank)} AND kind IN ('tp', 'dp')
         ORDER BY CASE kind WHEN 'tp' THEN 0 ELSE 1 END
         """
@@ -127,8 +92,8 @@ def step_range(con: duckdb.DuckDBPyConnection) -> tuple[int, int] | None:
 def last_step_of(run: Run, rank: int) -> int | None:
     """The last step ``rank`` wrote a span or marker for (only its own files are read)."""
     ((last,),) = run.con.execute(
-        f"SELECT max(step) FROM (SELECT max(step) AS step FROM {rank_parts(run, 'spans', [rank])} "
-        f"UNION ALL SELECT max(step) FROM {rank_parts(run, 'markers', [rank])})"
+        f"SELECT max(step) FROM (SELECT max(step) AS step FROM {run.rank_source('spans', [rank])} "
+        f"UNION ALL SELECT max(step) FROM {run.rank_source('markers', [rank])})"
     ).fetchall()
     return int(last) if last is not None else None
 
@@ -157,8 +122,8 @@ def timeline_spans(
     # The ranks whose arrival decides the selected ranks' waits: their groups' members, their p2p peers.
     related = sorted({int(r) for (r,) in con.execute(
         f"""
-        SELECT DISTINCT unnest(members) FROM {rank_parts(run, "groups", ranks)} WHERE kind <> 'world'
-        UNION SELECT DISTINCT peer FROM {rank_parts(run, "spans", ranks)}
+        SELECT DISTINCT unnest(members) FROM {run.rank_source("groups", ranks)} WHERE kind <> 'world'
+        UNION SELECT DISTINCT peer FROM {run.rank_source("spans", ranks)}
         WHERE peer IS NOT NULL AND step BETWEEN {first} AND {last}
         """
     ).fetchall() if r is not None} | set(ranks))
@@ -173,8 +138,8 @@ def timeline_spans(
                             WHEN s.kind = 'send' THEN 'p2p:' || s.rank || '>' || s.peer || '#' || s.seq
                             WHEN s.kind = 'recv' THEN 'p2p:' || s.peer || '>' || s.rank || '#' || s.seq
                        END AS instance
-                FROM {rank_parts(run, "spans", related)} s
-                JOIN {rank_parts(run, "ranks", related)} r ON r.rank = s.rank
+                FROM {run.rank_source("spans", related)} s
+                JOIN {run.rank_source("ranks", related)} r ON r.rank = s.rank
                 LEFT JOIN {offsets_view} o ON o.host = r.host
                 WHERE s.step BETWEEN {first} AND {last}
             ),
@@ -203,7 +168,7 @@ def step_spans(run: Run, *, ranks: Sequence[int], steps: tuple[int, int],
         return run.con.execute(
             f"""
             SELECT s.rank, s.step, s.start_ns + coalesce(o.offset_ns, 0) AS start_ns, s.dur_ns
-            FROM {rank_parts(run, "spans", ranks)} s JOIN {rank_parts(run, "ranks", ranks)} r ON r.rank = s.rank
+            FROM {run.rank_source("spans", ranks)} s JOIN {run.rank_source("ranks", ranks)} r ON r.rank = s.rank
             LEFT JOIN {offsets_view} o ON o.host = r.host
             WHERE s.kind = 'step' AND s.step BETWEEN ? AND ?
             ORDER BY s.rank, s.step

@@ -67,8 +67,8 @@ def _forget_outgrown_problems(run: Run) -> None:
     """Drop what a live run has outgrown since it was opened: "no data written yet" once parts
     exist, "ranks wrote no spans or markers" once every rank has (a starting job's ranks write
     their first parts seconds apart)."""
-    written = {f.parent.name for table in ("spans", "markers") for f in run.files.get(table, [])}
-    everyone = all(layout.rank_dir_name(r) in written for r in range(run.meta.world_size))
+    written = run.ranks_written(("spans", "markers"))
+    everyone = all(r in written for r in range(run.meta.world_size))
     run.problems[:] = [p for p in run.problems
                        if not (p.endswith("no data written yet") and written)
                        and not ("ranks wrote no spans or markers" in p and everyone)]
@@ -124,6 +124,13 @@ class ServedRun:
                 mtime = _stat_mtime(sub)
                 if mtime is not None:
                     marks[sub] = mtime
+        # A compaction commits by writing a manifest there (and gives the part directories back
+        # their mtimes when it removes merged parts): a change, not progress of the job.
+        for table in TABLES:
+            compacted = layout.compacted_dir(self.path, table)
+            mtime = _stat_mtime(compacted)
+            if mtime is not None:
+                marks[compacted] = mtime
         return marks
 
     def poll(self) -> bool:
@@ -136,7 +143,8 @@ class ServedRun:
             if not changed and self.run is not None:
                 return False
             if self._mtimes and any(marks.get(p) != self._mtimes.get(p) for p in marks
-                                    if p.parent.name in _PROGRESS_TABLES or p.name in _PROGRESS_TABLES):
+                                    if (p.parent.name in _PROGRESS_TABLES or p.name in _PROGRESS_TABLES)
+                                    and p.parent.name != layout.COMPACTED_DIR):
                 self.progress_seen_ns = now_ns
             self._mtimes = marks
             if self.run is None:

@@ -201,20 +201,14 @@ def window_from_seconds(run: Run, start_s: float, end_s: float) -> tuple[int, in
     return origin + int(start_s * 1e9), origin + int(end_s * 1e9)
 
 
-_RANK_DIR = re.compile(r"^rank=(\d+)$")
 # Epoch nanoseconds after 1973: a run whose clock reads this is on wall-clock time, where no
 # clock offset (milliseconds to seconds) can take a span below zero.
 EPOCH_FLOOR_NS = 10**17
 
 
 def _ranks_with_spans(run: Run) -> set[int]:
-    """Ranks that have span parts, from the part paths (``spans/rank=00017/part-*.parquet``)."""
-    ranks = set()
-    for path in run.files.get("spans", []):
-        match = _RANK_DIR.match(path.parent.name)
-        if match:
-            ranks.add(int(match.group(1)))
-    return ranks
+    """Ranks that have spans, from the store's file lists (part directories, compaction manifests)."""
+    return run.ranks_written(("spans",))
 
 
 def _time_shift(run: Run, rank_offsets: npt.NDArray[np.int64]) -> int:

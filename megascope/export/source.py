@@ -110,6 +110,9 @@ def iter_span_chunks(run: Run, resolved: Resolved, *, chunk_rows: int = DEFAULT_
     """
     if not len(resolved.ranks):
         return
+    if run.compacted.get("spans"):
+        yield from _iter_rank_blocks(run, resolved, chunk_rows)
+        return
     cols = ", ".join(f'"{c}"' for c in _COLUMNS)
     # plain range filters only: a semi-join would let DuckDB return rows out of file order
     lo, hi = int(resolved.ranks[0]), int(resolved.ranks[-1])
@@ -145,5 +148,48 @@ def iter_span_chunks(run: Run, resolved: Resolved, *, chunk_rows: int = DEFAULT_
             yield chunk
     if pending:
         chunk = _to_chunk(pa.Table.from_batches(pending), resolved)
+        if len(chunk):
+            yield chunk
+
+
+def _iter_rank_blocks(run: Run, resolved: Resolved, chunk_rows: int) -> Iterator[SpanChunk]:
+    """The selected spans of a compacted run, a block of whole ranks per query.
+
+    A compacted file holds many ranks sorted by step, so file order is not rank order: count the
+    rows per rank first (two columns), then read blocks of about ``chunk_rows`` rows, each sorted
+    in DuckDB (memory follows the block). Row groups hold a range of steps and ranks, so a block
+    reads the row groups that can hold its ranks.
+    """
+    cur = run.cursor()
+    where = resolved.span_filter_sql()
+    lo, hi = int(resolved.ranks[0]), int(resolved.ranks[-1])
+    counts = cur.execute(
+        f"SELECT rank, count(*) FROM spans WHERE rank BETWEEN {lo} AND {hi} AND {where} GROUP BY rank ORDER BY rank"
+    ).fetchall()
+    wanted = set(resolved.ranks.tolist())
+    blocks: list[tuple[int, int]] = []
+    start: int | None = None
+    prev = rows = 0
+    for rank, n in counts:
+        if rank not in wanted:
+            continue
+        if start is not None and rows + n > chunk_rows:
+            blocks.append((start, prev))
+            start, rows = None, 0
+        if start is None:
+            start = rank
+        rows += n
+        prev = rank
+    if start is not None:
+        blocks.append((start, prev))
+    cols = ", ".join(f'"{c}"' for c in _COLUMNS)
+    every_rank = len(resolved.ranks) == hi - lo + 1
+    for a, b in blocks:
+        table = cur.sql(
+            f"SELECT {cols} FROM spans WHERE rank BETWEEN {a} AND {b} AND {where} ORDER BY rank, start_ns, dur_ns DESC"
+        ).to_arrow_table()
+        if not every_rank:
+            table = table.filter(pa.array(np.isin(table.column("rank").to_numpy(), resolved.ranks)))
+        chunk = _to_chunk(table, resolved)
         if len(chunk):
             yield chunk
