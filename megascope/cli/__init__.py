@@ -121,9 +121,9 @@ def main(verbose: int) -> None:
 
 
 def _register() -> None:
-    from megascope.cli import analyze, diagnose, export, ingest, serve, synth, train
+    from megascope.cli import analyze, compact, diagnose, export, ingest, serve, synth, train
 
-    for module in (train, synth, ingest, analyze, export, serve, diagnose):
+    for module in (train, synth, ingest, analyze, export, serve, diagnose, compact):
         module.register(main)
 
 

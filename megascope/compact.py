@@ -1,0 +1,498 @@
+"""Merge a run's many small part files into a few large, sorted ones (``megascope compact``).
+
+Role in the data flow: a maintenance pass over a run directory, beside the writers. A job writes
+one part per rank per flush interval; at 12,288 ranks that is ~100k files after a few minutes, and
+every reader pays per file. Compaction merges each table's parts into files of up to
+:data:`FILE_ROWS` rows under ``compacted/<table>/``, sorted for the questions asked of each table
+(spans, markers and metrics by step, then rank), with row groups cut at step boundaries so that a
+step range or a rank range reads only its row groups. Depends on pyarrow and the standard library
+only: the bundled trainer's launcher runs it at the end of a job without the analysis extra.
+
+One pass, and why a reader never sees half of it (docs/run-directory.md, "Compaction"):
+
+1. take ``compacted/.lock`` (one compaction per run at a time; the lock dies with its process);
+2. finish what an interrupted pass left: remove compacted files no manifest commits (a pass
+   killed while writing), then the files that committed manifests replace;
+3. per table, merge the parts older than ``min_age_s`` (never a rank's ``keep_newest`` newest:
+   the job may still be writing beside them, and run state reads them) into new files, each
+   written under a temporary name, flushed and renamed;
+4. commit: a manifest (``c-<id>.manifest.json``, written atomically) names the new files and every
+   file they replace. The store reads a committed manifest's files and skips the parts it names;
+   it ignores compacted files no manifest commits. Before the commit the old parts are the data,
+   after it the new files are: there is no moment where a row counts twice or not at all;
+5. remove the replaced parts (after ``grace_s``: a reader that opened the run before the commit
+   reads through its old file list until it refreshes).
+
+A SIGKILL at any point leaves either the old parts (and an uncommitted file that the next pass
+removes) or a committed manifest (and replaced parts that the next pass removes); both read the
+same rows.
+
+Example::
+
+    from megascope.compact import compact
+    result = compact("runs/demo", everything=True)   # the job has ended: merge every part
+    result.parts_merged, result.files_written
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from megascope import layout
+from megascope.errors import RunDirError
+from megascope.schema import TABLES
+
+log = logging.getLogger(__name__)
+
+# A part younger than this may belong to a flush still being renamed into place next to it, and
+# run state reads the newest ones: a few of the collector's 1 s flush intervals, with margin.
+DEFAULT_MIN_AGE_S = 60.0
+# Newest parts left per rank (or host) directory while a job may still write: run state reads a
+# rank's two newest marker parts for its last progress.
+DEFAULT_KEEP_NEWEST = 2
+# Replaced parts of a live run stay this long after the commit: a reader that opened the run
+# before it reads them until its next refresh (the dashboard refreshes every few seconds).
+DEFAULT_GRACE_S = 60.0
+# Rows per compacted file (memory: one file's rows are sorted in memory, ~100 bytes a span row).
+FILE_ROWS = 4_000_000
+# Rows per row group at most; row groups hold whole steps where a step fits.
+ROW_GROUP_ROWS = 131_072
+# A committed compacted file smaller than this is merged again by the next pass, so that a live
+# run compacted every minute keeps a few files, not one per pass.
+REMERGE_ROWS = FILE_ROWS // 4
+
+# Sort order per table: what each is asked by. The first key also cuts row groups (None: by size).
+SORT_KEYS: dict[str, tuple[list[str], str | None]] = {
+    "spans": (["step", "rank", "start_ns"], "step"),
+    "markers": (["step", "rank", "time_ns"], "step"),
+    "metrics": (["step", "rank", "name"], "step"),
+    "heartbeats": (["time_ns", "host"], None),
+    "diagnostics": (["time_ns", "host"], None),
+    "ranks": (["rank"], None),
+    "groups": (["rank", "group"], None),
+}
+
+_TMP_SUFFIX = ".tmp"
+
+
+@dataclass
+class TableResult:
+    table: str
+    parts_merged: int = 0
+    rows: int = 0
+    files_written: int = 0
+    skipped: list[str] = field(default_factory=list)  # parts left as they are, and why
+
+
+@dataclass
+class CompactResult:
+    run_dir: Path
+    tables: dict[str, TableResult] = field(default_factory=dict)
+    removed: int = 0  # files removed (replaced parts, leftovers of interrupted passes)
+    seconds: float = 0.0
+
+    @property
+    def parts_merged(self) -> int:
+        return sum(t.parts_merged for t in self.tables.values())
+
+    @property
+    def files_written(self) -> int:
+        return sum(t.files_written for t in self.tables.values())
+
+    @property
+    def rows(self) -> int:
+        return sum(t.rows for t in self.tables.values())
+
+
+# Test hook: called with a stage name ("written", "committed", "removing") inside a pass, so a
+# test can stop a pass where a SIGKILL could.
+_Hook = Callable[[str], None]
+
+
+def compact(
+    run_dir: Path | str,
+    *,
+    min_age_s: float = DEFAULT_MIN_AGE_S,
+    keep_newest: int = DEFAULT_KEEP_NEWEST,
+    everything: bool = False,
+    grace_s: float = 0.0,
+    tables: tuple[str, ...] | None = None,
+    threads: int | None = None,
+    _hook: _Hook | None = None,
+) -> CompactResult:
+    """One compaction pass over ``run_dir`` (see the module docstring).
+
+    ``everything``: the job has ended; merge every part whatever its age, each rank's newest and
+    the single-file tables (``ranks``, ``groups``) too. ``grace_s``: replaced files are removed
+    once their manifest is this old (0: right after the commit).
+    """
+    run_dir = Path(run_dir)
+    t0 = time.perf_counter()
+    run_id = _run_id(run_dir)
+    if min_age_s < 0 or keep_newest < 0 or grace_s < 0:
+        raise RunDirError("compaction: --min-age, --keep-newest and --grace must be >= 0")
+    result = CompactResult(run_dir=run_dir)
+    chosen = tables or tuple(TABLES)
+    for table in chosen:
+        if table not in TABLES:
+            raise RunDirError(f"compaction: unknown table {table!r} (one of {', '.join(TABLES)})")
+    hook = _hook or (lambda stage: None)
+    with _locked(run_dir):
+        now_ns = time.time_ns()
+        for table in chosen:
+            result.removed += _clean(run_dir, table, now_ns=now_ns, grace_s=grace_s)
+        for table in chosen:
+            res = _compact_table(run_dir, table, run_id, now_ns=now_ns, min_age_s=min_age_s,
+                                 keep_newest=keep_newest, everything=everything, threads=threads, hook=hook)
+            result.tables[table] = res
+            if res.files_written:
+                hook("committed")
+                result.removed += _clean(run_dir, table, now_ns=time.time_ns(), grace_s=grace_s, hook=hook)
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _run_id(run_dir: Path) -> str:
+    if not run_dir.exists():
+        raise RunDirError(f"{run_dir}: no such run directory")
+    if not run_dir.is_dir():
+        raise RunDirError(f"{run_dir}: not a directory")
+    meta = run_dir / layout.RUN_JSON
+    if not meta.exists():
+        raise RunDirError(f"{run_dir}: not a megascope run directory (no {layout.RUN_JSON})")
+    try:
+        data = layout.read_run_json(run_dir)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise RunDirError(f"{meta}: unreadable ({exc})") from None
+    run_id = data.get("run_id") if isinstance(data, dict) else None
+    if not isinstance(run_id, str):
+        raise RunDirError(f"{meta}: invalid run metadata (run_id is {run_id!r})")
+    return run_id
+
+
+@contextlib.contextmanager
+def _locked(run_dir: Path) -> Iterator[None]:
+    base = run_dir / layout.COMPACTED_DIR
+    try:
+        base.mkdir(exist_ok=True)
+        fd: IO[bytes] = open(base / ".lock", "ab")  # noqa: SIM115 - held for the whole pass
+    except OSError as exc:
+        raise RunDirError(f"{exc.filename or base}: cannot write ({exc.strerror or exc}); "
+                          "compaction needs write access to the run directory") from None
+    try:
+        try:
+            fcntl.flock(fd.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise RunDirError(f"{run_dir}: another compaction of this run is running") from None
+            raise
+        yield
+    finally:
+        fd.close()
+
+
+# ------------------------------------------------------------------------------------ cleaning
+
+
+def _clean(run_dir: Path, table: str, *, now_ns: int, grace_s: float, hook: _Hook | None = None) -> int:
+    """Remove what committed manifests replace (once ``grace_s`` old) and compacted files no
+    manifest commits (a pass killed before its commit). Returns the number of files removed."""
+    base = layout.compacted_dir(run_dir, table)
+    if not base.is_dir():
+        return 0
+    manifests, _problems = layout.read_manifests(run_dir, table)
+    named = {f.path for m in manifests for f in m.files}
+    removed = 0
+    for entry in os.scandir(base):
+        rel = f"{layout.COMPACTED_DIR}/{table}/{entry.name}"
+        stale_tmp = entry.name.startswith(".") and entry.name.endswith(_TMP_SUFFIX)
+        if stale_tmp or (entry.name.endswith(".parquet") and rel not in named):
+            # We hold the lock: no other pass is writing these.
+            removed += _unlink(Path(entry.path))
+    due = [m for m in layout.active_manifests(manifests) if now_ns - m.committed_ns >= grace_s * 1e9]
+    if not due:
+        return removed
+    if hook:
+        hook("removing")
+    # Parts first, replaced compacted files next, their manifests last: a manifest outlives the
+    # files it commits, and a replaced one stays replaced (named by the active one) until removed.
+    ordered = sorted({rel for m in due for rel in m.replaces},
+                     key=lambda rel: (rel.startswith(layout.COMPACTED_DIR + "/"), rel.endswith(layout.MANIFEST_SUFFIX)))
+    stamps = {k: v for m in due for k, v in m.stamps.items()}
+    dirs: dict[Path, tuple[int, int] | None] = {}
+    for rel in ordered:
+        path = run_dir / rel
+        if rel in stamps and not _same_stamp(path, stamps[rel]):
+            continue  # rewritten by its writer since it was merged: the new version stays
+        parent = path.parent
+        if parent not in dirs:
+            dirs[parent] = _dir_times(parent)
+        removed += _unlink(path)
+    _restore_dir_times(dirs)
+    return removed
+
+
+def _unlink(path: Path) -> int:
+    try:
+        path.unlink()
+        return 1
+    except FileNotFoundError:
+        return 0
+
+
+def _same_stamp(path: Path, stamp: tuple[int, int]) -> bool:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return False
+    return (st.st_size, st.st_mtime_ns) == stamp
+
+
+def _dir_times(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_atime_ns, st.st_mtime_ns
+
+
+def _restore_dir_times(dirs: dict[Path, tuple[int, int] | None]) -> None:
+    """Give each directory back the modification time of its newest write.
+
+    Removing a merged part moves its directory's mtime, which run state and the dashboard's
+    watcher read as "the job wrote something" (one stat per rank directory, no listing). The
+    directory keeps the later of its old mtime and its newest remaining file's; the dashboard
+    notices a compaction by ``compacted/<table>/`` instead.
+    """
+    for path, times in dirs.items():
+        if times is None:
+            continue
+        atime, mtime = times
+        try:
+            newest = max((e.stat().st_mtime_ns for e in os.scandir(path)), default=mtime)
+            os.utime(path, ns=(atime, max(mtime, newest)))
+        except OSError:
+            continue
+
+
+# ------------------------------------------------------------------------------------ merging
+
+
+@dataclass
+class _Input:
+    path: Path
+    rel: str
+    rows: int
+    stamp: tuple[int, int] | None = None  # single-file tables: (size, mtime_ns) when read
+    manifest: layout.Manifest | None = None  # a compacted file merged again
+
+
+def _eligible_parts(run_dir: Path, table: str, ignored: set[str], *, now_ns: int, min_age_s: float,
+                    keep_newest: int, everything: bool) -> list[Path]:
+    if table in layout.SINGLE_FILE_TABLES and not everything:
+        return []  # rewritten in place by a live writer: merged only once the job has ended
+    files = sorted(run_dir.glob(layout.table_glob(table)))
+    files = [f for f in files if f.relative_to(run_dir).as_posix() not in ignored]
+    if everything:
+        return files
+    by_dir: dict[Path, list[Path]] = {}
+    for f in files:
+        by_dir.setdefault(f.parent, []).append(f)
+    limit_ns = now_ns - int(min_age_s * 1e9)
+    chosen = []
+    for parts in by_dir.values():
+        # Part names start with their write time: the name order is the write order.
+        parts.sort(key=lambda p: p.name)
+        older = parts[: max(0, len(parts) - keep_newest)]
+        for p in older:
+            try:
+                if p.stat().st_mtime_ns <= limit_ns:
+                    chosen.append(p)
+            except FileNotFoundError:
+                continue
+    return sorted(chosen)
+
+
+def _check(path: Path, table: str, run_id: str) -> tuple[int, str | None]:
+    """Rows of a part, and why it must stay out of the merge (None: it may be merged).
+
+    What the store would skip (unreadable, missing columns, another run's) stays where it is,
+    skipped and named by the store as before."""
+    try:
+        meta = pq.read_metadata(path)
+        names = set(meta.schema.to_arrow_schema().names)
+    except (OSError, pa.ArrowException) as exc:
+        return 0, f"{path}: not a readable Parquet file ({str(exc).splitlines()[0] if str(exc) else exc}); left as it is"
+    required = {f.name for f in TABLES[table] if not f.nullable}
+    if not required <= names:
+        return 0, f"{path}: not a megascope {table} part; left as it is"
+    stamped = (meta.metadata or {}).get(layout.RUN_ID_KEY)
+    if stamped is not None and stamped.decode(errors="replace") != run_id:
+        return 0, f"{path}: a part of another run; left as it is"
+    return meta.num_rows, None
+
+
+def _read(path: Path, table: str) -> pa.Table:
+    schema = TABLES[table]
+    data = pq.read_table(path)
+    columns = []
+    for f in schema:
+        if f.name in data.column_names:
+            columns.append(data.column(f.name).cast(f.type))
+        else:
+            columns.append(pa.nulls(data.num_rows, f.type))
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def _compact_table(run_dir: Path, table: str, run_id: str, *, now_ns: int, min_age_s: float, keep_newest: int,
+                   everything: bool, threads: int | None, hook: _Hook) -> TableResult:
+    res = TableResult(table)
+    manifests, _problems = layout.read_manifests(run_dir, table)
+    active = [m for m in layout.active_manifests(manifests) if m.run_id in (None, run_id)]
+    ignored = {rel for m in active for rel in m.replaces} if table not in layout.SINGLE_FILE_TABLES else set()
+    parts = _eligible_parts(run_dir, table, ignored, now_ns=now_ns, min_age_s=min_age_s,
+                            keep_newest=keep_newest, everything=everything)
+    inputs: list[_Input] = []
+    workers = threads or min(8, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        for path, (rows, problem) in zip(parts, pool.map(lambda p: _check(p, table, run_id), parts), strict=True):
+            if problem is not None:
+                res.skipped.append(problem)
+                continue
+            stamp = None
+            if table in layout.SINGLE_FILE_TABLES:
+                st = path.stat()
+                stamp = (st.st_size, st.st_mtime_ns)
+            inputs.append(_Input(path, path.relative_to(run_dir).as_posix(), rows, stamp))
+        if not inputs:
+            return res
+        # Small compacted files of earlier passes go in again, whole manifests at a time.
+        for m in active:
+            if sum(f.rows for f in m.files) < REMERGE_ROWS:
+                inputs += [_Input(run_dir / f.path, f.path, f.rows, manifest=m) for f in m.files]
+        base = layout.compacted_dir(run_dir, table)
+        base.mkdir(parents=True, exist_ok=True)
+        stem = f"c-{time.time_ns():019d}-{os.getpid()}"
+        written: list[layout.CompactedFile] = []
+        for index, batch in enumerate(_batches(inputs)):
+            data = pa.concat_tables(list(pool.map(lambda i: _read(i.path, table), batch)))
+            name = f"{stem}-{index:03d}.parquet"
+            ranks = _write_sorted(base / name, table, data, run_id)
+            written.append(layout.CompactedFile(f"{layout.COMPACTED_DIR}/{table}/{name}", data.num_rows, ranks))
+            res.rows += data.num_rows
+            hook("written")
+    replaces = [i.rel for i in inputs]
+    for m in {id(i.manifest): i.manifest for i in inputs if i.manifest is not None}.values():
+        replaces.append(m.name)
+        # What it replaced and is still there (a pass killed while removing) stays replaced.
+        replaces += [rel for rel in m.replaces if (run_dir / rel).exists()]
+    manifest = layout.Manifest(
+        path=base / f"{stem}{layout.MANIFEST_SUFFIX}",
+        table=table,
+        run_id=run_id,
+        committed_ns=time.time_ns(),
+        files=tuple(written),
+        replaces=tuple(dict.fromkeys(replaces)),
+        stamps={i.rel: i.stamp for i in inputs if i.stamp is not None},
+    )
+    layout.write_manifest(manifest)
+    res.parts_merged = sum(1 for i in inputs if i.manifest is None)
+    res.files_written = len(written)
+    return res
+
+
+def _batches(inputs: list[_Input]) -> Iterator[list[_Input]]:
+    batch: list[_Input] = []
+    rows = 0
+    for item in inputs:
+        if batch and rows + item.rows > FILE_ROWS:
+            yield batch
+            batch, rows = [], 0
+        batch.append(item)
+        rows += item.rows
+    if batch:
+        yield batch
+
+
+def _write_sorted(path: Path, table: str, data: pa.Table, run_id: str) -> tuple[tuple[int, int], ...]:
+    """Sort ``data`` and write it to ``path`` atomically, row groups cut at step boundaries.
+
+    Returns the ranks it holds, as inclusive ranges."""
+    keys, align = SORT_KEYS[table]
+    data = data.sort_by([(k, "ascending") for k in keys])  # nulls last (the default)
+    data = data.replace_schema_metadata({layout.RUN_ID_KEY: run_id.encode()})
+    tmp = path.with_name(f".{path.name}{_TMP_SUFFIX}")
+    try:
+        with pq.ParquetWriter(tmp, data.schema, compression="zstd") as writer:
+            for lo, hi in _row_groups(data, align):
+                writer.write_table(data.slice(lo, hi - lo), row_group_size=hi - lo)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    layout.fsync_dir(path.parent)
+    return _rank_ranges(data)
+
+
+def _row_groups(data: pa.Table, align: str | None) -> list[tuple[int, int]]:
+    """Row group bounds: at most ROW_GROUP_ROWS rows, cut where ``align`` (sorted) changes when a
+    change lies inside the window, else where ``rank`` changes (one step of many ranks)."""
+    n = data.num_rows
+    if n == 0:
+        return [(0, 0)]
+    if align is None:
+        return [(lo, min(lo + ROW_GROUP_ROWS, n)) for lo in range(0, n, ROW_GROUP_ROWS)]
+    keys = _codes(data.column(align))
+    cuts = np.flatnonzero(np.diff(keys)) + 1
+    rank_cuts = np.flatnonzero(np.diff(_codes(data.column("rank"))) | np.diff(keys)) + 1
+    bounds = []
+    lo = 0
+    while lo < n:
+        hi = lo + ROW_GROUP_ROWS
+        if hi >= n:
+            bounds.append((lo, n))
+            break
+        for candidates in (cuts, rank_cuts):
+            i = int(np.searchsorted(candidates, hi, side="right")) - 1
+            if i >= 0 and candidates[i] > lo:
+                hi = int(candidates[i])
+                break
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def _codes(column: pa.ChunkedArray) -> np.ndarray:
+    """Integer keys of a sorted column, nulls last (as sorted)."""
+    filled = pc.fill_null(column.cast(pa.int64()), np.iinfo(np.int64).max).combine_chunks()
+    return np.asarray(filled.to_numpy(zero_copy_only=False), dtype=np.int64)
+
+
+def _rank_ranges(data: pa.Table) -> tuple[tuple[int, int], ...]:
+    if "rank" not in data.column_names:
+        return ()
+    ranks = pc.unique(data.column("rank").combine_chunks().drop_null()).to_numpy(zero_copy_only=False)
+    if not len(ranks):
+        return ()
+    ranks = np.sort(ranks.astype(np.int64))
+    breaks = np.flatnonzero(np.diff(ranks) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(ranks)]]) - 1
+    return tuple((int(ranks[a]), int(ranks[b])) for a, b in zip(starts, ends, strict=True))

@@ -1,0 +1,384 @@
+"""``megascope compact``: every row exactly once, before, during and after; killed at any point; beside a writer."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pytest
+from safety import assert_one_line_error, megascope
+
+from megascope import compact as compaction
+from megascope import layout
+from megascope.compact import compact
+from megascope.schema import SPANS
+from megascope.store import open_run
+from megascope.synth import SynthConfig, synth_run
+
+# Per table: rows and a sum over a column every row has, so a row lost or read twice shows.
+_FINGERPRINT = """
+SELECT (SELECT count(*) FROM spans), (SELECT sum(dur_ns) FROM spans), (SELECT sum(start_ns % 1000003) FROM spans),
+       (SELECT count(*) FROM markers), (SELECT sum(time_ns % 1000003) FROM markers),
+       (SELECT count(*) FROM metrics), (SELECT sum(value) FROM metrics),
+       (SELECT count(*) FROM ranks), (SELECT sum(rank) FROM ranks),
+       (SELECT count(*) FROM groups), (SELECT sum(len(members)) FROM groups)
+"""
+
+
+def _fingerprint(path: Path) -> tuple[object, ...]:
+    run = open_run(path)
+    try:
+        (row,) = run.con.execute(_FINGERPRINT).fetchall()
+        return tuple(round(v, 6) if isinstance(v, float) else v for v in row)
+    finally:
+        run.con.close()
+
+
+def _parts(path: Path) -> list[Path]:
+    return sorted(p for t in ("spans", "markers", "metrics", "ranks", "groups")
+                  for p in path.glob(layout.table_glob(t)))
+
+
+def _age(path: Path, seconds: float = 3600) -> None:
+    """Make every part look ``seconds`` old."""
+    then = time.time() - seconds
+    for p in _parts(path):
+        os.utime(p, (then, then))
+
+
+@pytest.fixture(scope="module")
+def source_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("compact") / "src"
+    # Small chunks: several parts per rank, as a live job's flushes leave them.
+    synth_run(path, SynthConfig(ranks=16, steps=8, tp=2, pp=2, seed=3, gpus_per_host=4, chunk_rows=1500))
+    return path
+
+
+@pytest.fixture
+def run(source_run: Path, tmp_path: Path) -> Path:
+    path = tmp_path / "run"
+    shutil.copytree(source_run, path)
+    _age(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def expected(source_run: Path) -> tuple[object, ...]:
+    return _fingerprint(source_run)
+
+
+def test_compaction_keeps_every_row_once_and_leaves_few_files(run: Path, expected: tuple[object, ...]) -> None:
+    before = len(_parts(run))
+    assert before > 5 * 16  # several parts per rank and table
+    result = compact(run, everything=True)
+    assert result.parts_merged == before
+    assert _parts(run) == []
+    assert sorted(p.name for p in (run / "compacted").glob("*/*.parquet")).__len__() == result.files_written <= 7
+    assert _fingerprint(run) == expected
+    reopened = open_run(run)
+    assert reopened.problems == []
+    assert reopened.ranks_written() == set(range(16))
+
+
+def test_compaction_is_idempotent(run: Path, expected: tuple[object, ...]) -> None:
+    compact(run, everything=True)
+    files = sorted((run / "compacted").rglob("*"))
+    again = compact(run, everything=True)
+    assert (again.parts_merged, again.files_written, again.removed) == (0, 0, 0)
+    assert sorted((run / "compacted").rglob("*")) == files
+    assert _fingerprint(run) == expected
+
+
+def test_a_live_run_keeps_each_ranks_newest_parts_and_the_young_ones(run: Path, expected: tuple[object, ...]) -> None:
+    young = run / "spans" / layout.rank_dir_name(0)
+    newest = sorted(young.glob("*.parquet"))[-1]
+    os.utime(newest, None)  # written just now
+    result = compact(run, min_age_s=60, keep_newest=2)
+    assert result.parts_merged > 0
+    for table in ("spans", "markers"):
+        for rank_dir in (run / table).iterdir():
+            assert len(list(rank_dir.glob("*.parquet"))) >= min(2, 1)
+    assert newest.exists()
+    # Single-file tables are rewritten by a live writer: merged only with everything=True.
+    assert len(list((run / "ranks").glob("*.parquet"))) == 16
+    assert _fingerprint(run) == expected
+    # A later pass merges what became old, and the small compacted files of the first pass with it.
+    second = compact(run, everything=True)
+    assert second.parts_merged > 0
+    manifests, _ = layout.read_manifests(run, "spans")
+    assert len(layout.active_manifests(manifests)) == 1
+    assert _fingerprint(run) == expected
+
+
+@pytest.mark.parametrize("stage", ["written", "committed", "removing"])
+def test_a_pass_stopped_at_any_stage_leaves_the_same_rows(run: Path, expected: tuple[object, ...], stage: str) -> None:
+    class Stop(Exception):
+        pass
+
+    calls = {"n": 0}
+
+    def hook(at: str) -> None:
+        if at == stage:
+            calls["n"] += 1
+            if calls["n"] == 2:  # in the second table, after the first one completed
+                raise Stop
+
+    with pytest.raises(Stop):
+        compact(run, everything=True, _hook=hook)
+    assert _fingerprint(run) == expected
+    compact(run, everything=True)
+    assert _fingerprint(run) == expected
+    assert _parts(run) == []
+    # No file left that no manifest commits.
+    for table in ("spans", "markers", "metrics", "ranks", "groups"):
+        manifests, problems = layout.read_manifests(run, table)
+        assert problems == []
+        named = {f.path for m in layout.active_manifests(manifests) for f in m.files}
+        on_disk = {p.relative_to(run).as_posix() for p in layout.compacted_dir(run, table).glob("*")}
+        assert on_disk <= named | {m.name for m in layout.active_manifests(manifests)}
+
+
+def test_sigkill_at_random_moments_loses_nothing_and_counts_nothing_twice(tmp_path: Path) -> None:
+    path = tmp_path / "big"
+    synth_run(path, SynthConfig(ranks=32, steps=8, tp=2, pp=4, seed=4, gpus_per_host=8, chunk_rows=3000))
+    _age(path)
+    expected = _fingerprint(path)
+    # Small files and row groups: a pass writes many files, so kills land in every stage.
+    script = ("import sys; from megascope import compact as c; c.FILE_ROWS = 20000; c.REMERGE_ROWS = 0; "
+              "c.compact(sys.argv[1], everything=True)")
+    # How long a whole pass takes, on a copy: the kills are spread over it.
+    shutil.copytree(path, tmp_path / "copy")
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "copy")], check=True)
+    whole = time.perf_counter() - t0
+    rng = random.Random(7)
+    states = []
+    for _ in range(5):
+        proc = subprocess.Popen([sys.executable, "-c", script, str(path)], stderr=subprocess.DEVNULL)
+        time.sleep(whole * rng.uniform(0.3, 0.9))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        assert _fingerprint(path) == expected
+        states.append((len(_parts(path)), len(list(path.glob("compacted/*/*.manifest.json")))))
+    # Some kills landed inside a pass: parts left and manifests committed at once.
+    assert any(parts and manifests for parts, manifests in states), states
+    compact(path, everything=True)
+    assert _fingerprint(path) == expected
+    assert _parts(path) == []
+
+
+def test_compaction_beside_a_writer_and_a_reader(run: Path, expected: tuple[object, ...]) -> None:
+    run_id = layout.read_run_json(run)["run_id"]
+    base_rows = expected[0]
+    written = {"rows": 0}
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def part(rank: int, i: int) -> pa.Table:
+        rows = [{"rank": rank, "step": 100 + i, "name": "extra", "kind": "other", "stream": "host",
+                 "start_ns": j, "dur_ns": 1} for j in range(50)]
+        return pa.Table.from_pylist(rows, schema=SPANS)
+
+    def writer() -> None:
+        i = 0
+        while not stop.is_set():
+            layout.write_part(run, "spans", part(i % 16, i), rank=i % 16, run_id=run_id)
+            written["rows"] += 50
+            i += 1
+            time.sleep(0.002)
+
+    reader_run = open_run(run)
+
+    def reader() -> None:
+        cur = reader_run.cursor()
+        while not stop.is_set():
+            try:
+                low = written["rows"]
+                reader_run.refresh()
+                ((count,),) = cur.execute("SELECT count(*) FROM spans").fetchall()
+                high = written["rows"]
+                if not base_rows + low <= count <= base_rows + high:
+                    errors.append(f"read {count} spans, expected {base_rows + low}..{base_rows + high}")
+            except duckdb.Error as exc:
+                errors.append(str(exc))
+
+    threads = [threading.Thread(target=writer), threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(3):
+            # A live pass: new parts stay; replaced ones wait (grace) for the readers' refresh.
+            compact(run, min_age_s=0, keep_newest=1, grace_s=30)
+            time.sleep(0.3)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert errors == []
+    assert len(layout.active_manifests(layout.read_manifests(run, "spans")[0])) >= 1
+    # Past the grace, a pass removes what was replaced.
+    removed = compact(run, min_age_s=0, keep_newest=1, grace_s=0).removed
+    assert removed > 0
+    final = _fingerprint(run)
+    assert final[0] == base_rows + written["rows"]
+    assert final[3:] == expected[3:]
+
+
+def test_parts_of_another_run_stay_skipped(run: Path, source_run: Path, tmp_path: Path,
+                                           expected: tuple[object, ...]) -> None:
+    other = tmp_path / "other"
+    synth_run(other, SynthConfig(ranks=16, steps=2, tp=2, pp=2, seed=99, gpus_per_host=4))
+    stray = run / "spans" / layout.rank_dir_name(2) / "part-0000000000000000001-1-000000.parquet"
+    shutil.copy(next((other / "spans" / layout.rank_dir_name(2)).glob("*.parquet")), stray)
+    os.utime(stray, (1, 1))
+    result = compact(run, everything=True)
+    assert any("another run" in line for line in result.tables["spans"].skipped)
+    assert stray.exists()
+    reopened = open_run(run)
+    assert any(str(stray) in p and "another run" in p for p in reopened.problems)
+    assert _fingerprint(run) == expected
+    # Another run's compacted files and manifest copied in are not this run's either.
+    compact(other, everything=True)
+    for f in (other / "compacted" / "metrics").iterdir():
+        shutil.copy(f, run / "compacted" / "metrics" / f.name)
+    reopened = open_run(run)
+    assert any("compaction manifest of another run" in p for p in reopened.problems)
+    assert _fingerprint(run) == expected
+
+
+def test_plain_duckdb_reads_parts_and_compacted_files_with_hive_partitioning(run: Path,
+                                                                             expected: tuple[object, ...]) -> None:
+    compact(run, min_age_s=0, keep_newest=1)
+    con = duckdb.connect()
+    parts = con.execute(f"SELECT count(*), sum(dur_ns) FROM read_parquet('{run}/spans/*/*.parquet', "
+                        "hive_partitioning=true, union_by_name=true)").fetchall()[0]
+    merged = con.execute(f"SELECT count(*), sum(dur_ns) FROM read_parquet('{run}/compacted/spans/*.parquet', "
+                         "union_by_name=true)").fetchall()[0]
+    assert parts[0] > 0 and merged[0] > 0
+    assert (parts[0] + merged[0], parts[1] + merged[1]) == expected[:2]
+
+
+@pytest.mark.parametrize("group_rows", [300, 1000])
+def test_row_groups_hold_whole_steps_or_one_steps_rank_range(run: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             group_rows: int) -> None:
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(compaction, "ROW_GROUP_ROWS", group_rows)
+    compact(run, everything=True)
+    (path,) = layout.compacted_dir(run, "spans").glob("*.parquet")
+    meta = pq.ParquetFile(path).metadata
+    previous = None
+    steps_seen = []
+    for i in range(meta.num_row_groups):
+        stats = {meta.row_group(i).column(j).path_in_schema: meta.row_group(i).column(j).statistics
+                 for j in range(meta.num_columns)}
+        step, rank = stats["step"], stats["rank"]
+        assert meta.row_group(i).num_rows <= group_rows
+        if step.min != step.max:
+            assert (rank.min, rank.max) == (0, 15)  # whole steps
+        key = (step.min, rank.min)
+        assert previous is None or key > previous  # sorted, no overlap
+        previous = (step.max, rank.max)
+        steps_seen.append((step.min, step.max))
+    if group_rows < 464:  # a step (16 ranks x 29 spans) split at a rank boundary
+        assert any(a == b for a, b in steps_seen) and meta.num_row_groups > 8
+    else:  # two whole steps a row group
+        assert meta.num_row_groups == 4
+
+
+def test_dashboard_selections_and_exports_read_the_same_after_compaction(run: Path, tmp_path: Path) -> None:
+    import json
+
+    from megascope.dashboard import queries
+
+    from megascope.export.chrome import export_chrome
+
+    def views(path: Path) -> tuple[object, ...]:
+        r = open_run(path)
+        spans = queries.timeline_spans(r, ranks=[1, 2, 5], steps=(2, 4))
+        spans = spans.sort_values(["rank", "start_ns", "name"]).reset_index(drop=True)
+        return (spans.to_json(), queries.rank_info(r, [3, 4]).to_json(), queries.peers_of(r, 5),
+                queries.last_step_of(r, 7))
+
+    def events(path: Path, out: Path) -> list[str]:
+        export_chrome(open_run(path), out, ranks=[0, 1, 2, 3, 9])
+        data = json.loads(out.read_text())
+        items = data["traceEvents"] if isinstance(data, dict) else data
+        return sorted(json.dumps(e, sort_keys=True) for e in items)
+
+    before, before_events = views(run), events(run, tmp_path / "a.json")
+    compact(run, everything=True)
+    assert views(run) == before
+    assert events(run, tmp_path / "b.json") == before_events
+
+
+# ------------------------------------------------------------------------------------ command line
+
+
+@pytest.fixture
+def cli_run(run: Path) -> Iterator[Path]:
+    yield run
+
+
+def test_cli_compacts_and_says_what_it_did(cli_run: Path, expected: tuple[object, ...]) -> None:
+    proc = megascope("compact", cli_run, "--all", "--json")
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    out = json.loads(proc.stdout)
+    assert out["parts_merged"] > 0 and out["files_written"] >= 5
+    assert _fingerprint(cli_run) == expected
+    proc = megascope("compact", cli_run)
+    assert proc.returncode == 0 and "merged 0 parts" in proc.stdout
+
+
+def test_cli_errors_are_one_line(cli_run: Path, tmp_path: Path) -> None:
+    assert_one_line_error(megascope("compact", tmp_path / "nowhere"), mentions="no such run directory")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_one_line_error(megascope("compact", empty), mentions="not a megascope run directory")
+    afile = tmp_path / "file"
+    afile.write_text("x")
+    assert_one_line_error(megascope("compact", afile))
+    assert_one_line_error(megascope("compact", cli_run, "--min-age", "-1"))
+    # Another pass holding the lock.
+    lock_dir = cli_run / "compacted"
+    lock_dir.mkdir(exist_ok=True)
+    import fcntl
+
+    with open(lock_dir / ".lock", "ab") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        assert_one_line_error(megascope("compact", cli_run, "--all"), mentions="another compaction")
+
+
+def test_cli_on_a_read_only_run_is_one_line(cli_run: Path, tmp_path: Path) -> None:
+    where = tmp_path / "ro"
+    where.mkdir()
+    if os.geteuid() == 0:
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)],
+                          capture_output=True).returncode != 0:
+            pytest.skip("cannot mount a filesystem here")
+        try:
+            shutil.copytree(cli_run, where / "run")
+            subprocess.run(["mount", "-o", "remount,ro", str(where)], check=True)
+            line = assert_one_line_error(megascope("compact", where / "run", "--all"))
+            assert "cannot write" in line
+        finally:
+            subprocess.run(["umount", str(where)], check=False)
+    else:
+        shutil.copytree(cli_run, where / "run")
+        (where / "run").chmod(0o500)
+        try:
+            assert_one_line_error(megascope("compact", where / "run", "--all"), mentions="cannot write")
+        finally:
+            (where / "run").chmod(0o700)
