@@ -107,24 +107,25 @@ WITH s AS (
     WHERE {{where}}
 )
 SELECT CASE WHEN GROUPING(rank) = 0 THEN 'rs' ELSE 'inst' END AS level, rank, step, grp, cseq AS seq,
-       -- level rs
+       -- level rs (durations summed within one rank, step and group fit in BIGINT, half the width of
+       -- sum's HUGEINT; arrivals summed do not)
        max(dur_ns) FILTER (WHERE kind = 'step') AS step_ns,
        min(start_ns) FILTER (WHERE kind = 'step') AS step_start_raw,
        min(start_ns) AS first_raw, max(start_ns + dur_ns) AS last_raw,
-       sum(dur_ns) FILTER (WHERE kind = 'forward') AS forward_ns,
-       sum(dur_ns) FILTER (WHERE kind = 'backward') AS backward_ns,
-       sum(dur_ns) FILTER (WHERE kind = 'optimizer') AS optimizer_ns,
-       sum(dur_ns) FILTER (WHERE kind = 'compute') AS compute_ns,
+       sum(dur_ns) FILTER (WHERE kind = 'forward')::BIGINT AS forward_ns,
+       sum(dur_ns) FILTER (WHERE kind = 'backward')::BIGINT AS backward_ns,
+       sum(dur_ns) FILTER (WHERE kind = 'optimizer')::BIGINT AS optimizer_ns,
+       sum(dur_ns) FILTER (WHERE kind = 'compute')::BIGINT AS compute_ns,
        -- Top-level compute: spans named after their kind ("forward", "backward"); module
        -- spans ("layers.3") nest inside them and would count the same time twice.
-       sum(dur_ns) FILTER (WHERE kind IN ('forward', 'backward') AND name IN ('forward', 'backward')) AS top_compute_ns,
-       sum(dur_ns) FILTER (WHERE kind = 'data') AS data_ns,
-       sum(dur_ns) FILTER (WHERE kind = 'host') AS host_ns,
-       sum(dur_ns) FILTER (WHERE kind = 'host' AND starts_with(name, 'gc.')) AS gc_ns,
-       sum(dur_ns) FILTER (WHERE kind = 'other') AS other_ns,
-       sum(dur_ns) FILTER (WHERE kind = 'collective') AS coll_ns,
-       sum(dur_ns) FILTER (WHERE kind = 'recv') AS recv_ns,
-       sum(dur_ns) FILTER (WHERE kind = 'send') AS send_ns,
+       sum(dur_ns) FILTER (WHERE kind IN ('forward', 'backward') AND name IN ('forward', 'backward'))::BIGINT AS top_compute_ns,
+       sum(dur_ns) FILTER (WHERE kind = 'data')::BIGINT AS data_ns,
+       sum(dur_ns) FILTER (WHERE kind = 'host')::BIGINT AS host_ns,
+       sum(dur_ns) FILTER (WHERE kind = 'host' AND starts_with(name, 'gc.'))::BIGINT AS gc_ns,
+       sum(dur_ns) FILTER (WHERE kind = 'other')::BIGINT AS other_ns,
+       sum(dur_ns) FILTER (WHERE kind = 'collective')::BIGINT AS coll_ns,
+       sum(dur_ns) FILTER (WHERE kind = 'recv')::BIGINT AS recv_ns,
+       sum(dur_ns) FILTER (WHERE kind = 'send')::BIGINT AS send_ns,
        -- Raw arrivals summed: with the instances' last arrivals this gives the wait (rank_step).
        sum(start_ns) FILTER (WHERE kind = 'collective') AS arrival_sum,
        count(*) FILTER (WHERE kind = 'collective') AS coll_spans,
