@@ -59,16 +59,20 @@ def _finished(con: duckdb.DuckDBPyConnection) -> bool:
     """Whether every rank wrote a step span for the run's last step (then nothing can be stuck).
     The last step is the highest any rank reached in its spans or its markers: markers leave the
     process on their own (the marker agent) and may be all there is of the step a job died in."""
+    last = _sql.first(con.execute("SELECT max(step) FROM ms_cache.rank_step"))
+    if not last or last[0] is None:
+        return False
+    # A marker of a later step means the job went on past the last step spans show. Asked as "any
+    # marker beyond it", the Parquet readers skip every row group whose statistics end before it
+    # (not one value is decoded on a finished run) where "the largest step" read every one.
+    beyond = _sql.first(con.execute("SELECT count(*) FROM (SELECT 1 FROM markers WHERE step > ? LIMIT 1)",
+                                    [int(last[0])]))
+    if beyond and beyond[0]:
+        return False
     row = _sql.first(con.execute(
-        """
-        WITH last AS (SELECT greatest((SELECT max(step) FROM ms_cache.rank_step),
-                                      (SELECT max(step) FROM markers)) AS step),
-        done AS (SELECT count(DISTINCT r.rank) AS n FROM ms_cache.rank_step r, last
-                 WHERE r.step = last.step AND r.step_ns IS NOT NULL)
-        SELECT done.n = (SELECT count(*) FROM ms_cache.rank_info) AND done.n > 0 FROM done
-        """
-    ))
-    return bool(row and row[0])
+        "SELECT count(DISTINCT rank) FILTER (WHERE step = ? AND step_ns IS NOT NULL), "
+        "(SELECT count(*) FROM ms_cache.rank_info) FROM ms_cache.rank_step", [int(last[0])]))
+    return bool(row and row[0] and row[0] == row[1])
 
 
 def hang_tables(con: duckdb.DuckDBPyConnection) -> tuple[pd.DataFrame, pd.DataFrame]:
