@@ -328,35 +328,46 @@ def _eligible_parts(run_dir: Path, table: str, ignored: set[str], *, now_ns: int
     return sorted(chosen)
 
 
-def _check(path: Path, table: str, run_id: str) -> tuple[int, str | None]:
-    """Rows of a part, and why it must stay out of the merge (None: it may be merged).
+def _load(item: _Input, table: str, run_id: str) -> tuple[pa.Table | None, str | None]:
+    """A part's rows in the table's schema, or why it must stay out of the merge.
 
     What the store would skip (unreadable, missing columns, another run's) stays where it is,
-    skipped and named by the store as before."""
+    skipped and named by the store as before. One open per file: footer, then the rows."""
     try:
-        meta = pq.read_metadata(path)
-        names = set(meta.schema.to_arrow_schema().names)
+        if table in layout.SINGLE_FILE_TABLES:
+            st = item.path.stat()
+            item.stamp = (st.st_size, st.st_mtime_ns)
+        pf = pq.ParquetFile(item.path)
+        names = set(pf.schema_arrow.names)
+        required = {f.name for f in TABLES[table] if not f.nullable}
+        if not required <= names:
+            return None, f"{item.path}: not a megascope {table} part; left as it is"
+        stamped = (pf.metadata.metadata or {}).get(layout.RUN_ID_KEY)
+        if stamped is not None and stamped.decode(errors="replace") != run_id:
+            return None, f"{item.path}: a part of another run; left as it is"
+        data = pf.read()
     except (OSError, pa.ArrowException) as exc:
-        return 0, f"{path}: not a readable Parquet file ({str(exc).splitlines()[0] if str(exc) else exc}); left as it is"
-    required = {f.name for f in TABLES[table] if not f.nullable}
-    if not required <= names:
-        return 0, f"{path}: not a megascope {table} part; left as it is"
-    stamped = (meta.metadata or {}).get(layout.RUN_ID_KEY)
-    if stamped is not None and stamped.decode(errors="replace") != run_id:
-        return 0, f"{path}: a part of another run; left as it is"
-    return meta.num_rows, None
-
-
-def _read(path: Path, table: str) -> pa.Table:
-    schema = TABLES[table]
-    data = pq.read_table(path)
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return None, f"{item.path}: not a readable Parquet file ({reason}); left as it is"
     columns = []
-    for f in schema:
+    for f in TABLES[table]:
         if f.name in data.column_names:
             columns.append(data.column(f.name).cast(f.type))
         else:
             columns.append(pa.nulls(data.num_rows, f.type))
-    return pa.Table.from_arrays(columns, schema=schema)
+    return pa.Table.from_arrays(columns, schema=TABLES[table]), None
+
+
+def _footer_ok(path: Path) -> bool:
+    try:
+        pq.read_metadata(path)
+        return True
+    except (OSError, pa.ArrowException):
+        return False
+
+
+# Files read ahead of the merge, in parallel (memory: their rows, at most a file's worth more).
+_READ_AHEAD = 256
 
 
 def _compact_table(run_dir: Path, table: str, run_id: str, *, now_ns: int, min_age_s: float, keep_newest: int,
@@ -367,37 +378,55 @@ def _compact_table(run_dir: Path, table: str, run_id: str, *, now_ns: int, min_a
     ignored = {rel for m in active for rel in m.replaces} if table not in layout.SINGLE_FILE_TABLES else set()
     parts = _eligible_parts(run_dir, table, ignored, now_ns=now_ns, min_age_s=min_age_s,
                             keep_newest=keep_newest, everything=everything)
-    inputs: list[_Input] = []
+    if not parts:
+        return res
+    inputs = [_Input(p, p.relative_to(run_dir).as_posix(), 0) for p in parts]
+    # Small compacted files of earlier passes go in again, whole manifests at a time.
+    for m in active:
+        if sum(f.rows for f in m.files) < REMERGE_ROWS and all(_footer_ok(run_dir / f.path) for f in m.files):
+            inputs += [_Input(run_dir / f.path, f.path, f.rows, manifest=m) for f in m.files]
+    base = layout.compacted_dir(run_dir, table)
+    base.mkdir(parents=True, exist_ok=True)
+    stem = f"c-{time.time_ns():019d}-{os.getpid()}"
+    written: list[layout.CompactedFile] = []
+    merged: list[_Input] = []
+    pending: list[pa.Table] = []
+    rows = 0
+
+    def flush() -> None:
+        nonlocal pending, rows
+        data = pa.concat_tables(pending)
+        name = f"{stem}-{len(written):03d}.parquet"
+        ranks = _write_sorted(base / name, table, data, run_id)
+        written.append(layout.CompactedFile(f"{layout.COMPACTED_DIR}/{table}/{name}", data.num_rows, ranks))
+        res.rows += data.num_rows
+        pending, rows = [], 0
+        hook("written")
+
     workers = threads or min(8, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        for path, (rows, problem) in zip(parts, pool.map(lambda p: _check(p, table, run_id), parts), strict=True):
-            if problem is not None:
-                res.skipped.append(problem)
-                continue
-            stamp = None
-            if table in layout.SINGLE_FILE_TABLES:
-                st = path.stat()
-                stamp = (st.st_size, st.st_mtime_ns)
-            inputs.append(_Input(path, path.relative_to(run_dir).as_posix(), rows, stamp))
-        if not inputs:
-            return res
-        # Small compacted files of earlier passes go in again, whole manifests at a time.
-        for m in active:
-            if sum(f.rows for f in m.files) < REMERGE_ROWS:
-                inputs += [_Input(run_dir / f.path, f.path, f.rows, manifest=m) for f in m.files]
-        base = layout.compacted_dir(run_dir, table)
-        base.mkdir(parents=True, exist_ok=True)
-        stem = f"c-{time.time_ns():019d}-{os.getpid()}"
-        written: list[layout.CompactedFile] = []
-        for index, batch in enumerate(_batches(inputs)):
-            data = pa.concat_tables(list(pool.map(lambda i: _read(i.path, table), batch)))
-            name = f"{stem}-{index:03d}.parquet"
-            ranks = _write_sorted(base / name, table, data, run_id)
-            written.append(layout.CompactedFile(f"{layout.COMPACTED_DIR}/{table}/{name}", data.num_rows, ranks))
-            res.rows += data.num_rows
-            hook("written")
-    replaces = [i.rel for i in inputs]
-    for m in {id(i.manifest): i.manifest for i in inputs if i.manifest is not None}.values():
+        for lo in range(0, len(inputs), _READ_AHEAD):
+            chunk = inputs[lo:lo + _READ_AHEAD]
+            for item, (data, problem) in zip(chunk, pool.map(lambda i: _load(i, table, run_id), chunk), strict=True):
+                if data is None:
+                    if item.manifest is not None:  # a committed file unreadable: leave its whole manifest be
+                        raise RunDirError(f"compaction: {problem}")
+                    res.skipped.append(problem or f"{item.path}: skipped")
+                    continue
+                if pending and rows + data.num_rows > FILE_ROWS:
+                    flush()
+                pending.append(data)
+                rows += data.num_rows
+                merged.append(item)
+    if not any(i.manifest is None for i in merged):
+        # Nothing new (every part skipped): rewriting the earlier compacted files alone gains nothing.
+        for name in (f.path for f in written):
+            _unlink(run_dir / name)
+        return res
+    if pending:
+        flush()
+    replaces = [i.rel for i in merged]
+    for m in {id(i.manifest): i.manifest for i in merged if i.manifest is not None}.values():
         replaces.append(m.name)
         # What it replaced and is still there (a pass killed while removing) stays replaced.
         replaces += [rel for rel in m.replaces if (run_dir / rel).exists()]
@@ -408,25 +437,12 @@ def _compact_table(run_dir: Path, table: str, run_id: str, *, now_ns: int, min_a
         committed_ns=time.time_ns(),
         files=tuple(written),
         replaces=tuple(dict.fromkeys(replaces)),
-        stamps={i.rel: i.stamp for i in inputs if i.stamp is not None},
+        stamps={i.rel: i.stamp for i in merged if i.stamp is not None},
     )
     layout.write_manifest(manifest)
-    res.parts_merged = sum(1 for i in inputs if i.manifest is None)
+    res.parts_merged = sum(1 for i in merged if i.manifest is None)
     res.files_written = len(written)
     return res
-
-
-def _batches(inputs: list[_Input]) -> Iterator[list[_Input]]:
-    batch: list[_Input] = []
-    rows = 0
-    for item in inputs:
-        if batch and rows + item.rows > FILE_ROWS:
-            yield batch
-            batch, rows = [], 0
-        batch.append(item)
-        rows += item.rows
-    if batch:
-        yield batch
 
 
 def _write_sorted(path: Path, table: str, data: pa.Table, run_id: str) -> tuple[tuple[int, int], ...]:

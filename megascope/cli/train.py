@@ -58,6 +58,9 @@ from megascope.cli.common import inject_option, out_run_option
                    "same step, instead of whenever one rank's allocations trigger it (0: automatic).")
 @click.option("--result-json", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Also write the loss and host seconds of every step here (for benchmarks).")
+@click.option("--compact/--no-compact", "compact_parts", default=True, show_default=True,
+              help="Once the job has ended, merge each rank's parts but its newest into a few sorted files "
+                   "(megascope compact; launched with --nproc only, where every rank has stopped writing).")
 @inject_option
 @out_run_option
 def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed: int, global_batch: int,
@@ -65,7 +68,7 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
           serial_block: bool, no_sequence_parallel: bool, optimizer: str, lr: float, data: Path | None,
           data_dtype: str, collective_timeout: float, device: str, no_overlap: tuple[str, ...], bucket_mb: float,
           layer_spans: str, no_layer_spans: bool, tp_comm_spans: str, collector_ab: int, gc_interval: int,
-          result_json: Path | None, injects: tuple[str, ...], out: Path) -> None:
+          result_json: Path | None, compact_parts: bool, injects: tuple[str, ...], out: Path) -> None:
     """Train the bundled GPT on a TP x PP x DP mesh, fully instrumented, with optional planted faults."""
     from megascope.inject import parse_injects
     from megascope.trainer.config import OVERLAP_DIMS, ModelConfig, TrainConfig
@@ -102,6 +105,28 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
     if int(os.environ.get("RANK", "0")) == 0:
         click.echo(f"{out}: {steps} steps on {world} ranks (pp={cfg.pp} dp={cfg.dp} tp={cfg.tp}), "
                    f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
+    # Under torchrun each rank runs this command and the others may still be flushing: only the
+    # launcher that waited for every rank (--nproc) compacts.
+    if compact_parts and nproc is not None:
+        _compact_at_end(out)
+
+
+def _compact_at_end(out: Path) -> None:
+    """Merge the finished run's parts; a failure leaves the parts as they are and says so."""
+    from megascope.errors import MegascopeError
+
+    try:
+        from megascope.compact import compact
+    except ImportError as exc:  # numpy missing from a minimal install: the parts stay as they are
+        click.echo(f"warning: {out}: parts not compacted ({exc})", err=True)
+        return
+    try:
+        # Each rank's newest part stays, so that every rank keeps its own partition directory
+        # (tools that glob spans/rank=*/ find every rank); everything older is merged.
+        compact(out, min_age_s=0, keep_newest=1, grace_s=0)
+    except (MegascopeError, OSError) as exc:
+        click.echo(f"warning: {out}: parts not compacted ({exc}); run 'megascope compact {out} --all' later",
+                   err=True)
 
 
 def register(group: click.Group) -> None:
