@@ -10,7 +10,7 @@ the base tables and :func:`save` after; everything else reads ``ms_cache`` as be
 The key is a digest of what the base tables are built from, as the store reads it: every file the
 views ``spans``, ``metrics``, ``ranks`` and ``groups`` name or glob (path relative to the run,
 size, modification time), those views' definitions (paths made relative), ``run.json``, and the
-code that builds the tables (``sql/base.sql`` and :data:`CACHE_VERSION`). New markers or
+code that builds the tables (``sql/base.sql``, ``base.py`` and :data:`CACHE_VERSION`). New markers or
 heartbeats leave it as it is. A new part, a
 part rewritten or removed (compaction), a moved-but-intact run (``cp -a``, ``rsync -a``) keep or
 change the key as they should.
@@ -87,7 +87,9 @@ def run_dir(con: duckdb.DuckDBPyConnection) -> Path | None:
 
 
 def _code_digest() -> str:
-    text = resources.files("megascope.analysis").joinpath("sql", "base.sql").read_text()
+    """The code that builds the base tables: its SQL and the Python around it (clock estimation)."""
+    package = resources.files("megascope.analysis")
+    text = package.joinpath("sql", "base.sql").read_text() + package.joinpath("base.py").read_text()
     return hashlib.sha256(f"{CACHE_VERSION}\n{text}".encode()).hexdigest()
 
 
