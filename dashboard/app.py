@@ -49,16 +49,18 @@ def create_app(
     wait: bool = False,
     start_watcher: bool = True,
     perfetto_ui: str = "https://ui.perfetto.dev",
+    compact_every_s: float | None = None,
 ) -> Dash:
     """A dashboard serving ``run_dirs`` (only those: URLs name runs by id, never by path).
 
     ``host`` is where it will listen: anything but loopback needs ``token``. ``wait`` accepts
     directories a job has not written yet. ``perfetto_ui`` is where "Open in Perfetto UI"
-    sends traces (a self-hosted UI, for sites without internet access). The registry is
-    ``registry_of(app)``.
+    sends traces (a self-hosted UI, for sites without internet access). ``compact_every_s``: the
+    watcher compacts each served run this often (``megascope compact``'s live pass; None: never).
+    The registry is ``registry_of(app)``.
     """
     check_bind(host, token)
-    registry = RunRegistry(run_dirs, wait=wait, poll_interval_s=poll_interval_s)
+    registry = RunRegistry(run_dirs, wait=wait, poll_interval_s=poll_interval_s, compact_every_s=compact_every_s)
     for fetch in data.WARM:
         registry.add_warmer(fetch)
     app = Dash(

@@ -227,12 +227,19 @@ class RunRegistry:
     """
 
     def __init__(self, run_dirs: Sequence[Path | str], *, wait: bool = False, poll_interval_s: float = 2.0,
-                 idle_interval_s: float = 30.0) -> None:
+                 idle_interval_s: float = 30.0, compact_every_s: float | None = None) -> None:
         if not run_dirs:
             raise ConfigError("no run directories to serve")
         if poll_interval_s <= 0:
             raise ConfigError(f"poll interval must be > 0, got {poll_interval_s}")
+        if compact_every_s is not None and compact_every_s <= 0:
+            raise ConfigError(f"compaction period must be > 0, got {compact_every_s}")
         self.poll_interval_s = poll_interval_s
+        # Off by default: compacting writes into the served run directories.
+        self.compact_every_s = compact_every_s
+        self._compacting: dict[str, threading.Thread] = {}
+        self._compacted_at: dict[str, float] = {}
+        self._no_compaction: set[str] = set()
         self.idle_interval_s = max(idle_interval_s, poll_interval_s)
         self._runs: dict[str, ServedRun] = {}
         self._warmers: list[Callable[[ServedRun], Any]] = []
@@ -316,6 +323,56 @@ class RunRegistry:
         while not self._stop.wait(self.poll_interval_s):
             for run_id in self.poll_all():
                 self.warm(self._runs[run_id])
+            self.compact_due()
+
+    # ---------------------------------------------------------------- compaction (opt-in)
+
+    def compact_due(self) -> list[str]:
+        """Start a compaction pass, in a thread of its own, for each run whose period is up.
+
+        A live pass (megascope.compact): parts older than a minute, never a rank's two newest;
+        replaced parts stay until well after the watcher's next refresh. The watcher notices the
+        commit by ``compacted/`` and refreshes the views. Returns the ids of the runs started."""
+        if self.compact_every_s is None:
+            return []
+        started = []
+        now = time.monotonic()
+        for served in self._runs.values():
+            if served.run is None or served.id in self._no_compaction:
+                continue
+            running = self._compacting.get(served.id)
+            if running is not None and running.is_alive():
+                continue
+            if now - self._compacted_at.get(served.id, -float("inf")) < self.compact_every_s:
+                continue
+            self._compacted_at[served.id] = now
+            thread = threading.Thread(target=self._compact, args=(served,), name=f"megascope-compact-{served.id}",
+                                      daemon=True)
+            self._compacting[served.id] = thread
+            thread.start()
+            started.append(served.id)
+        return started
+
+    def wait_compactions(self, timeout: float | None = None) -> None:
+        for thread in list(self._compacting.values()):
+            thread.join(timeout)
+
+    def _compact(self, served: ServedRun) -> None:
+        from megascope.compact import DEFAULT_GRACE_S, DEFAULT_KEEP_NEWEST, DEFAULT_MIN_AGE_S, compact
+        from megascope.errors import MegascopeError
+
+        try:
+            result = compact(served.path, min_age_s=DEFAULT_MIN_AGE_S, keep_newest=DEFAULT_KEEP_NEWEST,
+                             grace_s=max(DEFAULT_GRACE_S, 10 * self.poll_interval_s))
+        except (MegascopeError, OSError) as exc:
+            if "another compaction" in str(exc):
+                return  # someone else's pass: try again next period
+            self._no_compaction.add(served.id)
+            log.warning("run %s: not compacted, compaction off for it (%s)", served.id, exc)
+            return
+        if result.parts_merged:
+            log.info("run %s: compacted %d parts into %d files in %.1f s", served.id, result.parts_merged,
+                     result.files_written, result.seconds)
 
     def start(self) -> None:
         """Start the watcher thread (a daemon: it never keeps the process alive)."""

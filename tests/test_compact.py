@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -301,8 +302,6 @@ def test_row_groups_hold_whole_steps_or_one_steps_rank_range(run: Path, monkeypa
 
 
 def test_dashboard_selections_and_exports_read_the_same_after_compaction(run: Path, tmp_path: Path) -> None:
-    import json
-
     from megascope.dashboard import queries
 
     from megascope.export.chrome import export_chrome
@@ -337,8 +336,6 @@ def cli_run(run: Path) -> Iterator[Path]:
 def test_cli_compacts_and_says_what_it_did(cli_run: Path, expected: tuple[object, ...]) -> None:
     proc = megascope("compact", cli_run, "--all", "--json")
     assert proc.returncode == 0, proc.stderr
-    import json
-
     out = json.loads(proc.stdout)
     assert out["parts_merged"] > 0 and out["files_written"] >= 5
     assert _fingerprint(cli_run) == expected
@@ -386,3 +383,58 @@ def test_cli_on_a_read_only_run_is_one_line(cli_run: Path, tmp_path: Path) -> No
             assert_one_line_error(megascope("compact", where / "run", "--all"), mentions="cannot write")
         finally:
             (where / "run").chmod(0o700)
+
+
+# ------------------------------------------------------------------------------------ other filesystems
+
+
+def test_a_run_reads_through_an_fsspec_filesystem_registered_in_duckdb(run: Path, expected: tuple[object, ...]) -> None:
+    """What docs/run-directory.md shows for object stores, on fsspec's in-memory filesystem and on
+    the local disk under a protocol of its own: the same SQL, the same rows."""
+    fsspec = pytest.importorskip("fsspec")
+    from fsspec.implementations.local import LocalFileSystem
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    compact(run, min_age_s=0, keep_newest=1)  # half the rows in parts, half in compacted files
+    memory = MemoryFileSystem()
+    for p in run.rglob("*"):
+        if p.is_file():
+            memory.pipe(f"/bucket/run/{p.relative_to(run).as_posix()}", p.read_bytes())
+
+    class RunsFileSystem(LocalFileSystem):  # the local disk, as "runs://"
+        protocol = "runs"
+
+    for fs, url in ((memory, "memory://bucket/run"), (RunsFileSystem(), f"runs://{run}")):
+        con = duckdb.connect()
+        con.register_filesystem(fs)
+        # Committed compacted files: the manifests name them (and the parts they replace).
+        manifests = [json.loads(fs.cat(m)) for m in fs.glob(f"{url}/compacted/spans/*.manifest.json")]
+        replaced = {rel for m in manifests for rel in m["replaces"]}
+        named = [f"{url}/{f['path']}" for m in manifests if m["table"] == "spans" for f in m["files"]]
+        assert named and not replaced & {f["path"] for m in manifests for f in m["files"]}
+        parts = con.execute(
+            f"SELECT count(*), sum(dur_ns) FROM read_parquet('{url}/spans/*/*.parquet', hive_partitioning=true, "
+            "hive_types={'rank': INTEGER}, union_by_name=true)").fetchall()[0]
+        merged = con.execute("SELECT count(*), sum(dur_ns) FROM read_parquet(?)", [named]).fetchall()[0]
+        assert (parts[0] + merged[0], parts[1] + merged[1]) == expected[:2]
+        con.close()
+    assert fsspec is not None
+
+
+def test_the_dashboard_watcher_compacts_when_asked(run: Path, expected: tuple[object, ...]) -> None:
+    pytest.importorskip("dash")
+    from megascope.dashboard.runs import RunRegistry
+
+    off = RunRegistry([run])
+    assert off.compact_due() == []
+    registry = RunRegistry([run], compact_every_s=3600)
+    (served,) = list(registry)
+    generation = served.generation
+    assert registry.compact_due() == [served.id]
+    registry.wait_compactions(60)
+    assert registry.compact_due() == []  # not again before its period
+    assert list((run / "compacted" / "spans").glob("*.manifest.json"))
+    assert served.poll() and served.generation == generation + 1  # the commit is noticed
+    assert served.run is not None and served.run.compacted["spans"]
+    (row,) = served.run.con.execute(_FINGERPRINT).fetchall()
+    assert tuple(round(v, 6) if isinstance(v, float) else v for v in row) == expected

@@ -44,7 +44,11 @@ def _quiet_request_log() -> None:
               help="Secret every request must carry (open the URL once with ?token=...). Env: MEGASCOPE_TOKEN.")
 @click.option("--poll", "poll_s", type=click.FloatRange(min=0.2), default=2.0, show_default=True,
               help="Seconds between looks for new data of a live run.")
-def serve(run_dirs: tuple[Path, ...], host: str, port: int, token: str | None, poll_s: float) -> None:
+@click.option("--compact", "compact_every_s", type=click.FloatRange(min=1), default=None, metavar="SECONDS",
+              help="Compact each served run this often (megascope compact's live pass: parts older than a minute, "
+                   "never a rank's newest). Off by default: it writes into the run directories.")
+def serve(run_dirs: tuple[Path, ...], host: str, port: int, token: str | None, poll_s: float,
+          compact_every_s: float | None) -> None:
     """Serve the dashboard for RUN directories (the bundled sample runs when none is given).
 
     Only the directories given are ever read; pages name runs by id, never by path.
@@ -56,7 +60,7 @@ def serve(run_dirs: tuple[Path, ...], host: str, port: int, token: str | None, p
     from megascope.dashboard.demo import bundled_sample_runs
 
     dirs = list(run_dirs) or bundled_sample_runs()
-    app = create_app(dirs, host=host, token=token, poll_interval_s=poll_s)
+    app = create_app(dirs, host=host, token=token, poll_interval_s=poll_s, compact_every_s=compact_every_s)
     registry = registry_of(app)
     shown_host = f"[{host}]" if ":" in host else host
     click.echo(f"megascope: serving {len(registry)} run(s) ({', '.join(registry.ids)}) at "
