@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections import deque
 from typing import Any
@@ -299,12 +300,22 @@ Timer = HostTimer | CudaTimer
 
 
 def resolve_device(device: Any) -> Any:
-    """The torch.device a collector times: ``device`` itself, or CUDA's current device, or CPU."""
+    """The torch.device a collector times: ``device`` itself, or the job's CUDA device, or CPU.
+
+    The job's CUDA device is CUDA's current one once the process has used CUDA. A collector made
+    before that (the usual place: first thing in the script, before ``torch.cuda.set_device``)
+    takes the device torchrun's convention gives the process, ``LOCAL_RANK`` modulo the visible
+    devices: a collector on device 0 in every process would stamp every rank's work on one GPU's
+    streams, and the spans and completion markers of the others would be the host's launch times.
+    """
     import torch
 
     if device is not None:
         return torch.device(device)
     if torch.cuda.is_available():
+        local = os.environ.get("LOCAL_RANK", "")
+        if not torch.cuda.is_initialized() and local.isdigit():
+            return torch.device("cuda", int(local) % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

@@ -398,3 +398,42 @@ def test_ddp_on_nccl_records_the_reducer_s_all_reduce_on_every_rank(tmp_path: Pa
     calls = run.con.execute("SELECT rank, count(*) FROM spans WHERE op = 'all_reduce' GROUP BY 1 ORDER BY 1").fetchall()
     assert [r for r, _ in calls] == [0, 1] and calls[0][1] == calls[1][1] >= 12
     assert [s["rank"] for s in megascope_json("report", str(run_dir))["stragglers"]] == [1]
+
+
+def test_a_collector_made_before_set_device_takes_the_local_rank_s_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun's convention, LOCAL_RANK modulo the visible devices, while the process has not used
+    CUDA yet; CUDA's current device once it has; an explicit device always."""
+    from megascope.collectors.timing import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert resolve_device(None) == torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert resolve_device(None) == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.delenv("LOCAL_RANK")
+    assert resolve_device(None) == torch.device("cuda", 0)
+    assert resolve_device("cpu") == torch.device("cpu")
+
+
+@pytest.mark.gpu
+def test_a_hung_ddp_job_on_nccl_is_localized_from_the_markers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The collector is made before ``torch.cuda.set_device`` (tests/jobs/ddp_job.py): the peer's
+    all-reduce must not read completed while the hung rank never entered it."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "8000")  # not NCCL's 60 s wait for the dump
+    proc = torchrun(2, JOBS / "ddp_job.py", str(run_dir), "--cuda", "--steps", "30", "--hang", "0,9", "--timeout", "20",
+                    cwd=tmp_path)
+    assert proc.returncode != 0
+    run = open_run(run_dir)
+    last = dict(run.con.execute("SELECT rank, max(seq) FROM markers WHERE state = 'completed' GROUP BY 1").fetchall())
+    assert last[1] <= last[0], "rank 1 completed all-reduces that rank 0 never entered"
+    from megascope.analysis.hang import localize
+
+    result = localize(run, witnesses=False)
+    assert result["hung"] and result["suspects"][0]["rank"] == 0
