@@ -121,6 +121,7 @@ class Collector:
         self._heartbeat: Any = None
         self._interception: Any = None  # megascope.collectors.hooks.Interception, from from_env
         self.device: Any = None
+        self._device_checked = False
         if not self.enabled:
             return
         self.device = resolve_device(config.device)
@@ -385,7 +386,24 @@ class Collector:
         """A ``step`` span; inside it every span, marker and metric belongs to ``step``."""
         if not self._active:
             return NOOP
+        if not self._device_checked:
+            self._check_device()
         return StepContext(self, int(step), Stream.HOST.value)
+
+    def _check_device(self) -> None:
+        """Once, at the first step: the job's CUDA device is the one the spans are stamped on."""
+        self._device_checked = True
+        if not self._timer.is_device:
+            return
+        try:
+            import torch
+
+            current = torch.cuda.current_device()
+        except Exception:
+            return
+        if current != self.device.index:
+            self._warn_once("device", "megascope collector: spans are stamped on cuda:%d but the job runs on cuda:%d; "
+                            "make the collector after torch.cuda.set_device, or pass device=", self.device.index, current)
 
     def _close_span(self, token: Any, anchor: Any, stream: Any, step: int | None, name: str, kind: str, label: str,
                     microbatch: int | None, chunk: int | None, group: str | None, seq: int | None,
