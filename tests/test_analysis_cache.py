@@ -133,7 +133,7 @@ def test_a_growing_run_extends_the_cache(tmp_path: Path, monkeypatch: pytest.Mon
     real_execute = base._sql.execute
 
     def execute(con: Any, module: str, name: str, **params: Any) -> Any:
-        if name == "span_sums":
+        if name == "inst":
             scanned.append(str(params["where"]))
         return real_execute(con, module, name, **params)
 

@@ -272,9 +272,8 @@ def _extend(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], ne
         if (moved and moved[0]) or params != meta.get("params"):
             log.info("analysis cache: clock estimate or parameters changed; rebuilding")
             return None
-        say(f"reading the spans of steps {first} on")
-        _sql.execute(con, "base", "span_sums", where=_sql.Raw(f"s.step >= {int(first)}"))
-        _sql.execute(con, "base", "inst")
+        say(f"matching collectives of steps {first} on")
+        _sql.execute(con, "base", "inst", where=_sql.Raw(f"s.step >= {int(first)}"))
         overlap = _sql.first(con.execute(
             "SELECT count(*) FROM ms_cache.inst n JOIN ms_cache.old_inst o USING (grp, seq) "
             f"WHERE o.step IS NULL OR o.step < {int(first)}"))
@@ -283,7 +282,8 @@ def _extend(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], ne
             return None
         con.execute("CREATE OR REPLACE TABLE ms_cache.inst AS SELECT * FROM ms_cache.old_inst "
                     f"WHERE step IS NULL OR step < {int(first)} UNION ALL SELECT * FROM ms_cache.inst")
-        _rank_step(con, params, metrics_where=f"step >= {int(first)}")
+        say(f"splitting step time per rank, steps {first} on")
+        _rank_step(con, params, where=f"s.step >= {int(first)}", metrics_where=f"step >= {int(first)}")
         con.execute("CREATE OR REPLACE TABLE ms_cache.rank_step AS SELECT * FROM ms_cache.old_rank_step "
                     f"WHERE step < {int(first)} UNION ALL SELECT * FROM ms_cache.rank_step")
         _sql.execute(con, "base", "add_unknown_ranks")
@@ -294,7 +294,6 @@ def _extend(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], ne
         return None
     finally:
         persist.drop(con, BASE_TABLES, prefix="old_")
-        con.execute("DROP TABLE IF EXISTS ms_cache.span_sums")
 
 
 def _params(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
@@ -308,9 +307,11 @@ def _params(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     return {"nested_kinds": sorted(k for k in nested if k.isalnum()), "peer_kinds": peer_kinds}
 
 
-def _rank_step(con: duckdb.DuckDBPyConnection, params: dict[str, Any], *, metrics_where: str = "true") -> None:
+def _rank_step(con: duckdb.DuckDBPyConnection, params: dict[str, Any], *, where: str = "true",
+               metrics_where: str = "true") -> None:
     _sql.execute(con, "base", "rank_step", calls_prefix=_sql.Raw(COLLECTOR_CALLS_METRIC),
-                 calls_prefix_len=len(COLLECTOR_CALLS_METRIC), metrics_where=_sql.Raw(metrics_where),
+                 calls_prefix_len=len(COLLECTOR_CALLS_METRIC), where=_sql.Raw(where),
+                 metrics_where=_sql.Raw(metrics_where),
                  peer_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in params["peer_kinds"]) + "]::VARCHAR[]"),
                  nested_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in params["nested_kinds"]) + "]::VARCHAR[]"))
 
@@ -323,14 +324,11 @@ def _build(con: duckdb.DuckDBPyConnection, say: Callable[[str], None]) -> dict[s
     say("estimating clock offsets")
     _estimate_offsets(con, steps)
     _sql.execute(con, "base", "rank_clock")
-    say("reading the spans (one pass)")
-    _sql.execute(con, "base", "span_sums", where=_sql.Raw("true"))
     say("matching collectives")
-    _sql.execute(con, "base", "inst")
+    _sql.execute(con, "base", "inst", where=_sql.Raw("true"))
     say("splitting step time per rank")
     params = _params(con)
     _rank_step(con, params)
     _sql.execute(con, "base", "add_unknown_ranks")
-    con.execute("DROP TABLE IF EXISTS ms_cache.span_sums")
     log.info("base tables built for %d steps", len(steps))
     return params

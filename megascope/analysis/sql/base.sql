@@ -2,9 +2,10 @@
 -- communication instance, one row per (rank, step) with its time split by what it was doing.
 -- Built once per run (and rebuilt when the run grows) into schema ms_cache.
 --
--- Cost: the spans are scanned once (span_sums: per-rank-step sums and collective instances in one
--- pass), plus a sample of ranks for clock offsets; nothing joins millions of spans back to their
--- instances.
+-- Cost: the spans are scanned twice (collective instances; per-rank-step sums), plus a sample of
+-- ranks for clock offsets; nothing joins millions of spans back to their instances. (One pass with
+-- GROUPING SETS was measured no faster and took more memory: the hash aggregation, not the reading,
+-- is what costs.)
 --
 -- Vocabulary used across the analysis modules:
 --   arrival      a communication span's start_ns: when the rank reached the collective / p2p op.
@@ -88,56 +89,9 @@ CREATE OR REPLACE TABLE ms_cache.rank_clock AS
 SELECT i.rank, i.host, i.stage, coalesce(o.offset_ns, 0)::BIGINT AS offset_ns
 FROM ms_cache.rank_info i LEFT JOIN ms_cache.clock_offsets o USING (host);
 
--- @statement span_sums
--- The one scan of the spans: two groupings of the same rows, computed in one pass (GROUPING SETS).
---   level 'rs'   one row per (rank, step, collective group or NULL): the sums rank_step splits
---                the step by (a group's collectives apart, so that their wait can be bounded by
---                their extent).
---   level 'inst' one row per collective call (group, seq) across its members, arrivals on the
---                reference clock: what inst is made of.
--- Rows without a step count in no (rank, step); calls without a group or seq in no instance.
--- {{where}}: true, or the steps a grown run added (the base tables are then extended).
-CREATE OR REPLACE TABLE ms_cache.span_sums AS
-WITH s AS (
-    SELECT s.rank, s.step, s.name, s.op, s.kind, s.start_ns, s.dur_ns,
-           CASE WHEN s.kind = 'collective' THEN s."group" END AS grp,
-           CASE WHEN s.kind = 'collective' AND s."group" IS NOT NULL THEN s.seq END AS cseq,
-           s.start_ns + coalesce(k.offset_ns, 0) AS a
-    FROM spans s LEFT JOIN ms_cache.rank_clock k USING (rank)
-    WHERE {{where}}
-)
-SELECT CASE WHEN GROUPING(rank) = 0 THEN 'rs' ELSE 'inst' END AS level, rank, step, grp, cseq AS seq,
-       -- level rs (durations summed within one rank, step and group fit in BIGINT, half the width of
-       -- sum's HUGEINT; arrivals summed do not)
-       max(dur_ns) FILTER (WHERE kind = 'step') AS step_ns,
-       min(start_ns) FILTER (WHERE kind = 'step') AS step_start_raw,
-       min(start_ns) AS first_raw, max(start_ns + dur_ns) AS last_raw,
-       sum(dur_ns) FILTER (WHERE kind = 'forward')::BIGINT AS forward_ns,
-       sum(dur_ns) FILTER (WHERE kind = 'backward')::BIGINT AS backward_ns,
-       sum(dur_ns) FILTER (WHERE kind = 'optimizer')::BIGINT AS optimizer_ns,
-       sum(dur_ns) FILTER (WHERE kind = 'compute')::BIGINT AS compute_ns,
-       -- Top-level compute: spans named after their kind ("forward", "backward"); module
-       -- spans ("layers.3") nest inside them and would count the same time twice.
-       sum(dur_ns) FILTER (WHERE kind IN ('forward', 'backward') AND name IN ('forward', 'backward'))::BIGINT AS top_compute_ns,
-       sum(dur_ns) FILTER (WHERE kind = 'data')::BIGINT AS data_ns,
-       sum(dur_ns) FILTER (WHERE kind = 'host')::BIGINT AS host_ns,
-       sum(dur_ns) FILTER (WHERE kind = 'host' AND starts_with(name, 'gc.'))::BIGINT AS gc_ns,
-       sum(dur_ns) FILTER (WHERE kind = 'other')::BIGINT AS other_ns,
-       sum(dur_ns) FILTER (WHERE kind = 'collective')::BIGINT AS coll_ns,
-       sum(dur_ns) FILTER (WHERE kind = 'recv')::BIGINT AS recv_ns,
-       sum(dur_ns) FILTER (WHERE kind = 'send')::BIGINT AS send_ns,
-       -- Raw arrivals summed: with the instances' last arrivals this gives the wait (rank_step).
-       sum(start_ns) FILTER (WHERE kind = 'collective') AS arrival_sum,
-       count(*) FILTER (WHERE kind = 'collective') AS coll_spans,
-       -- level inst
-       min(step) AS first_step, any_value(name) AS any_name, any_value(op) AS any_op, count(*) AS n,
-       min(a) AS first_arrival_ns, max(a) AS last_arrival_ns, avg(a)::BIGINT AS mean_arrival_ns,
-       arg_max(rank, a) AS last_rank, max(a + dur_ns) AS last_end_ns
-FROM s
-GROUP BY GROUPING SETS ((rank, step, grp), (grp, cseq));
-
 -- @statement inst
--- One row per collective instance, arrivals on the reference clock.
+-- One row per collective instance, arrivals on the reference clock ({{where}}: true, or the
+-- steps a grown run added, when the base tables are extended).
 -- @column grp, seq       the instance
 -- @column step           the step it belongs to (first member's)
 -- @column name, op       span name / collective op of its members
@@ -148,10 +102,16 @@ GROUP BY GROUPING SETS ((rank, step, grp), (grp, cseq));
 -- @column spread_ns      last minus first arrival
 -- @column xfer_ns        completion of the last member minus the last arrival: the transfer
 CREATE OR REPLACE TABLE ms_cache.inst AS
-WITH g AS (
-    SELECT grp, seq, first_step AS step, any_name AS name, any_op AS op, n,
-           first_arrival_ns, last_arrival_ns, mean_arrival_ns, last_rank, last_end_ns
-    FROM ms_cache.span_sums WHERE level = 'inst' AND grp IS NOT NULL AND seq IS NOT NULL
+WITH c AS (
+    SELECT s.rank, s.step, s.name, s.op, s."group" AS grp, s.seq,
+           s.start_ns + coalesce(k.offset_ns, 0) AS a, s.start_ns + coalesce(k.offset_ns, 0) + s.dur_ns AS e
+    FROM spans s LEFT JOIN ms_cache.rank_clock k USING (rank)
+    WHERE s.kind = 'collective' AND s."group" IS NOT NULL AND s.seq IS NOT NULL AND {{where}}
+), g AS (
+    SELECT grp, seq, min(step) AS step, any_value(name) AS name, any_value(op) AS op, count(*) AS n,
+           min(a) AS first_arrival_ns, max(a) AS last_arrival_ns, avg(a)::BIGINT AS mean_arrival_ns,
+           arg_max(rank, a) AS last_rank, max(e) AS last_end_ns
+    FROM c GROUP BY grp, seq
 ), kinds AS (SELECT "group", any_value(kind) AS kind FROM groups GROUP BY "group")
 SELECT g.*,
        coalesce(kinds.kind, CASE WHEN split_part(g.grp, ':', 1) IN ('tp', 'dp', 'pp', 'world')
@@ -161,7 +121,8 @@ SELECT g.*,
 FROM g LEFT JOIN kinds ON kinds."group" = g.grp;
 
 -- @statement rank_step
--- One row per (rank, step): step time and what it was spent on.
+-- One row per (rank, step): step time and what it was spent on ({{where}}, {{metrics_where}}: the
+-- spans' and metrics' steps read, all of them or those a grown run added).
 -- @column stage          pipeline stage
 -- @column step_ns        the rank's step span (NULL when it wrote none: an unfinished step)
 -- @column start_ns       start of the step on the reference clock
@@ -196,11 +157,32 @@ FROM g LEFT JOIN kinds ON kinds."group" = g.grp;
 --                        last arrivals expected by chance (sum of 1/n), their variance, and seen
 CREATE OR REPLACE TABLE ms_cache.rank_step AS
 WITH lvl AS (
-    -- The spans' sums per (rank, step, collective group) from the one scan (span_sums).
-    SELECT rank, step, grp, step_ns, step_start_raw, first_raw, last_raw, forward_ns, backward_ns,
-           optimizer_ns, compute_ns, top_compute_ns, data_ns, host_ns, gc_ns, other_ns, coll_ns, recv_ns,
-           send_ns, arrival_sum, coll_spans
-    FROM ms_cache.span_sums WHERE level = 'rs' AND step IS NOT NULL
+    -- One scan of the spans, grouped by (rank, step, collective group): a group's collectives
+    -- are summed apart so that their wait can be bounded by their extent (below).
+    SELECT s.rank, s.step, CASE WHEN s.kind = 'collective' THEN s."group" END AS grp,
+           max(s.dur_ns) FILTER (WHERE s.kind = 'step') AS step_ns,
+           min(s.start_ns) FILTER (WHERE s.kind = 'step') AS step_start_raw,
+           min(s.start_ns) AS first_raw, max(s.start_ns + s.dur_ns) AS last_raw,
+           sum(s.dur_ns) FILTER (WHERE s.kind = 'forward') AS forward_ns,
+           sum(s.dur_ns) FILTER (WHERE s.kind = 'backward') AS backward_ns,
+           sum(s.dur_ns) FILTER (WHERE s.kind = 'optimizer') AS optimizer_ns,
+           sum(s.dur_ns) FILTER (WHERE s.kind = 'compute') AS compute_ns,
+           -- Top-level compute: spans named after their kind ("forward", "backward"); module
+           -- spans ("layers.3") nest inside them and would count the same time twice.
+           sum(s.dur_ns) FILTER (WHERE s.kind IN ('forward', 'backward') AND s.name IN ('forward', 'backward')) AS top_compute_ns,
+           sum(s.dur_ns) FILTER (WHERE s.kind = 'data') AS data_ns,
+           sum(s.dur_ns) FILTER (WHERE s.kind = 'host') AS host_ns,
+           sum(s.dur_ns) FILTER (WHERE s.kind = 'host' AND starts_with(s.name, 'gc.')) AS gc_ns,
+           sum(s.dur_ns) FILTER (WHERE s.kind = 'other') AS other_ns,
+           sum(s.dur_ns) FILTER (WHERE s.kind = 'collective') AS coll_ns,
+           sum(s.dur_ns) FILTER (WHERE s.kind = 'recv') AS recv_ns,
+           sum(s.dur_ns) FILTER (WHERE s.kind = 'send') AS send_ns,
+           -- Raw arrivals summed: with the instances' last arrivals this gives the wait (below).
+           sum(s.start_ns) FILTER (WHERE s.kind = 'collective') AS arrival_sum,
+           count(*) FILTER (WHERE s.kind = 'collective') AS coll_spans
+    FROM spans s
+    WHERE s.step IS NOT NULL AND {{where}}
+    GROUP BY s.rank, s.step, grp
 ), per_group AS (
     SELECT grp, step, any_value(group_kind) AS group_kind, count(*) FILTER (WHERE n >= 2) AS instances,
            count(*) AS all_instances, sum(last_arrival_ns) AS last_arrival_sum,
