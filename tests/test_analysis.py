@@ -297,6 +297,33 @@ def test_hang_follows_waiters_to_the_root(tmp_path: Path) -> None:
     assert result["stuck_groups"] == [{"group": "dp:0", "seq": 2, "waiting": [0, 1], "missing": [2]}]
 
 
+def test_a_completion_past_a_call_that_a_member_never_entered_is_no_completion(tmp_path: Path) -> None:
+    # NCCL on a hang: rank 1's all-reduces 2 and 3 read "completed" (the communicator was aborted
+    # at the timeout, or a future fired at launch) though rank 0 never entered call 2. Rank 1
+    # entered call 4 at the very end. The completions are set aside: rank 1 waits in call 2 since
+    # it entered it, on rank 0.
+    def marker(rank: int, seq: int, state: str, t: int) -> dict[str, object]:
+        return {"rank": rank, "group": "dp:0", "seq": seq, "op": "all_reduce", "state": state, "time_ns": t,
+                "step": seq, "bytes": None, "peer": None}
+
+    s = 1_000_000_000
+    markers = [marker(r, 1, st, t) for r in range(2) for st, t in (("enqueued", 10), ("completed", 20))]
+    markers += [marker(1, 2, "enqueued", 30), marker(1, 2, "completed", 31),
+                marker(1, 3, "enqueued", 32), marker(1, 3, "completed", 33), marker(1, 4, "enqueued", 50 * s)]
+    path = hand_run(tmp_path / "run", [], markers, world=2)
+    # Both processes seen by their marker agents until they ended, 1 s after rank 1's last entry:
+    # the job is over, and a call entered that late would be in flight, not stuck.
+    alive = [{"host": "h0", "rank": r, "pid": 1, "time_ns": t, "device": None, "metric": "rank_alive",
+              "value": v, "text": None} for r in range(2) for t, v in ((10 * s, 1.0), (51 * s, 0.0))]
+    layout.write_part(path, "heartbeats", pa.Table.from_pylist(alive, schema=schema.HEARTBEATS), host="h0")
+    result = analysis.localize(open_run(path))
+    assert result["hung"] is True
+    assert result["waiting"] == [1]
+    assert [(x["rank"], x["group"], x["last_completed_seq"], x["missing_seq"]) for x in result["suspects"]] == [
+        (0, "dp:0", 1, 2)]
+    assert result["stuck_groups"] == [{"group": "dp:0", "seq": 2, "waiting": [1], "missing": [0]}]
+
+
 def test_cache_follows_a_growing_run_and_serves_cursors(runs: dict[str, Path], tmp_path: Path) -> None:
     spans = [span(r, 0, "step", 0, 5 * MS) for r in range(3)]
     path = hand_run(tmp_path / "run", spans, [])

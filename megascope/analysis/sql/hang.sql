@@ -5,6 +5,14 @@
 -- returns. In a hang the members that reached call N sit between the two; the member that never
 -- reached N has no `enqueued` for it. Point-to-point calls form a two-member group per direction
 -- ('p2p:SENDER>RECEIVER', sequence counted per pair).
+--
+-- A collective cannot complete before every member has entered it, so a `completed` marker past
+-- the last call some member entered is not taken as a completion. NCCL writes such ones: a call
+-- whose completion is read from a device event "completes" when the watchdog aborts the
+-- communicator at the collective timeout, and a job that hooks a future's callback may see it
+-- fire at launch. The member then counts as stuck in the first call past that frontier, since
+-- it entered it. Point-to-point calls are exempt: a small send may complete before its receive
+-- is posted.
 
 -- @statement member_state
 -- One row per (group, member). The markers are read only when {{scan}} is true: a run whose
@@ -49,16 +57,33 @@ WITH raw AS (
     SELECT grp, min(first_enq) AS min_seq FROM per GROUP BY grp
 ), joined AS (
     SELECT e.grp, e.rank, p.last_enq, p.last_done, p.last_enq_ns, p.last_marker_ns,
-           max(p.last_enq) OVER (PARTITION BY e.grp) AS group_max_enq, f.min_seq
+           max(p.last_enq) OVER (PARTITION BY e.grp) AS group_max_enq, f.min_seq,
+           -- the last call every member entered (min_seq - 1 where a member entered none)
+           min(coalesce(p.last_enq, f.min_seq - 1)) OVER (PARTITION BY e.grp) AS frontier
     FROM everyone e LEFT JOIN per p USING (grp, rank) LEFT JOIN first_seq f USING (grp)
+), judged AS (
+    SELECT *, CASE WHEN grp LIKE 'p2p:%' OR last_done IS NULL OR last_done <= frontier THEN last_done
+                   ELSE frontier END AS done_eff
+    FROM joined
+), impossible AS (
+    -- Members whose completions past the frontier were set aside: when they entered the first
+    -- call past it (one lookup per such member; none in a healthy or ordinary hung run).
+    SELECT j.grp, j.rank, min(m.time_ns) + coalesce(any_value(k.offset_ns), 0) AS since_ns
+    FROM judged j
+    JOIN markers m ON m.rank = j.rank AND m."group" = j.grp AND m.seq = j.done_eff + 1 AND m.state = 'enqueued'
+    LEFT JOIN ms_cache.rank_clock k ON k.rank = j.rank
+    WHERE {{scan}} AND j.done_eff < j.last_done
+    GROUP BY j.grp, j.rank
 )
-SELECT grp, rank, last_enq, last_done, group_max_enq, last_marker_ns,
-       coalesce(last_enq < group_max_enq, group_max_enq IS NOT NULL) AS missing,
-       CASE WHEN last_enq IS NULL THEN min_seq WHEN last_enq < group_max_enq THEN last_enq + 1 END AS missing_seq,
-       coalesce(last_enq > coalesce(last_done, -9223372036854775807), false) AS stuck,
-       CASE WHEN last_enq > coalesce(last_done, -9223372036854775807) THEN last_enq END AS stuck_seq,
-       CASE WHEN last_enq > coalesce(last_done, -9223372036854775807) THEN last_enq_ns END AS stuck_since_ns
-FROM joined;
+SELECT j.grp, j.rank, j.last_enq, j.done_eff AS last_done, j.group_max_enq, j.last_marker_ns,
+       coalesce(j.last_enq < j.group_max_enq, j.group_max_enq IS NOT NULL) AS missing,
+       CASE WHEN j.last_enq IS NULL THEN j.min_seq WHEN j.last_enq < j.group_max_enq THEN j.last_enq + 1 END AS missing_seq,
+       coalesce(j.last_enq > coalesce(j.done_eff, -9223372036854775807), false) AS stuck,
+       CASE WHEN j.last_done > j.done_eff THEN j.done_eff + 1
+            WHEN j.last_enq > coalesce(j.done_eff, -9223372036854775807) THEN j.last_enq END AS stuck_seq,
+       CASE WHEN j.last_done > j.done_eff THEN coalesce(i.since_ns, j.last_enq_ns)
+            WHEN j.last_enq > coalesce(j.done_eff, -9223372036854775807) THEN j.last_enq_ns END AS stuck_since_ns
+FROM judged j LEFT JOIN impossible i USING (grp, rank);
 
 -- @statement activity
 -- Each rank's last sign of life on the reference clock: markers, spans, its own heartbeats and
