@@ -324,6 +324,31 @@ def test_a_completion_past_a_call_that_a_member_never_entered_is_no_completion(t
     assert result["stuck_groups"] == [{"group": "dp:0", "seq": 2, "waiting": [1], "missing": [0]}]
 
 
+def test_a_receive_past_the_sender_s_last_send_is_no_completion_but_a_send_may_be(tmp_path: Path) -> None:
+    # Pipeline pair 0 -> 1: rank 0 sent 1 and 2 and then stopped; its send 2 completed unreceived
+    # (that is allowed). Rank 1 "completed" receives 3 and 4, which were never sent (NCCL's abort
+    # at the timeout), then entered receive 5 at the end. Rank 1 waits in receive 3, on rank 0.
+    def marker(rank: int, seq: int, op: str, state: str, t: int) -> dict[str, object]:
+        return {"rank": rank, "group": "pp:0", "seq": seq, "op": op, "state": state, "time_ns": t,
+                "step": seq, "bytes": None, "peer": 1 - rank}
+
+    s = 1_000_000_000
+    markers = [marker(0, q, "send", st, q * 10 + (st == "completed")) for q in (1, 2) for st in ("enqueued", "completed")]
+    markers += [marker(1, 1, "recv", "enqueued", 11), marker(1, 1, "recv", "completed", 12)]
+    markers += [marker(1, q, "recv", st, q * 10 + (st == "completed")) for q in (3, 4) for st in ("enqueued", "completed")]
+    markers += [marker(1, 2, "recv", st, 20 + (st == "completed")) for st in ("enqueued", "completed")]
+    markers.append(marker(1, 5, "recv", "enqueued", 50 * s))
+    path = hand_run(tmp_path / "run", [], markers, world=2)
+    alive = [{"host": "h0", "rank": r, "pid": 1, "time_ns": t, "device": None, "metric": "rank_alive",
+              "value": v, "text": None} for r in range(2) for t, v in ((10 * s, 1.0), (51 * s, 0.0))]
+    layout.write_part(path, "heartbeats", pa.Table.from_pylist(alive, schema=schema.HEARTBEATS), host="h0")
+    state = open_run(path)
+    result = analysis.localize(state)
+    assert result["hung"] is True
+    assert result["waiting"] == [1]
+    assert [(x["rank"], x["missing_seq"]) for x in result["suspects"]][:1] == [(0, 3)]
+
+
 def test_cache_follows_a_growing_run_and_serves_cursors(runs: dict[str, Path], tmp_path: Path) -> None:
     spans = [span(r, 0, "step", 0, 5 * MS) for r in range(3)]
     path = hand_run(tmp_path / "run", spans, [])

@@ -11,8 +11,8 @@
 -- whose completion is read from a device event "completes" when the watchdog aborts the
 -- communicator at the collective timeout, and a job that hooks a future's callback may see it
 -- fire at launch. The member then counts as stuck in the first call past that frontier, since
--- it entered it. Point-to-point calls are exempt: a small send may complete before its receive
--- is posted.
+-- it entered it. Of a point-to-point pair the rule holds for the receiver only: a small send may
+-- complete before its receive is posted.
 
 -- @statement member_state
 -- One row per (group, member). The markers are read only when {{scan}} is true: a run whose
@@ -62,7 +62,9 @@ WITH raw AS (
            min(coalesce(p.last_enq, f.min_seq - 1)) OVER (PARTITION BY e.grp) AS frontier
     FROM everyone e LEFT JOIN per p USING (grp, rank) LEFT JOIN first_seq f USING (grp)
 ), judged AS (
-    SELECT *, CASE WHEN grp LIKE 'p2p:%' OR last_done IS NULL OR last_done <= frontier THEN last_done
+    SELECT *, CASE WHEN last_done IS NULL OR last_done <= frontier THEN last_done
+                   -- of a point-to-point pair only the receiver: a send may complete unreceived
+                   WHEN grp LIKE 'p2p:%' AND rank <> TRY_CAST(split_part(grp, '>', 2) AS INTEGER) THEN last_done
                    ELSE frontier END AS done_eff
     FROM joined
 ), impossible AS (
@@ -70,7 +72,11 @@ WITH raw AS (
     -- call past it (one lookup per such member; none in a healthy or ordinary hung run).
     SELECT j.grp, j.rank, min(m.time_ns) + coalesce(any_value(k.offset_ns), 0) AS since_ns
     FROM judged j
-    JOIN markers m ON m.rank = j.rank AND m."group" = j.grp AND m.seq = j.done_eff + 1 AND m.state = 'enqueued'
+    JOIN markers m ON m.rank = j.rank AND m.seq = j.done_eff + 1 AND m.state = 'enqueued'
+         AND CASE WHEN m.op IN ('send', 'recv') AND m.peer IS NOT NULL
+                  THEN 'p2p:' || CASE WHEN m.op = 'send' THEN m.rank ELSE m.peer END || '>'
+                              || CASE WHEN m.op = 'send' THEN m.peer ELSE m.rank END
+                  ELSE m."group" END = j.grp
     LEFT JOIN ms_cache.rank_clock k ON k.rank = j.rank
     WHERE {{scan}} AND j.done_eff < j.last_done
     GROUP BY j.grp, j.rank
