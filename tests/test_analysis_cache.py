@@ -70,6 +70,8 @@ def test_second_report_reads_the_cache_and_answers_the_same(run: Path, tmp_path:
     assert first["stragglers"] and first["stragglers"][0]["rank"] == 5
     key = _key(run)
     assert set(key["tables"]) == set(BASE_TABLES)
+    # The what-if replay's sampled spans are kept too (a straggler was found, so it ran).
+    assert [t for t in key.get("extra", {}) if t.startswith("whatif_")]
     # The second report builds nothing: the SQL that scans the spans is never run.
     built: list[str] = []
     from megascope.analysis import base
@@ -116,7 +118,8 @@ def test_a_new_part_rebuilds_and_the_answer_follows(run: Path, tmp_path: Path) -
     # Only the current key's files stay.
     key = _key(run)
     names = {p.name for p in persist.cache_dir(run).iterdir()}
-    assert names == {persist.KEY_FILE, key["files"]["file"]} | {e["file"] for e in key["tables"].values()}
+    kept = {e["file"] for e in [*key["tables"].values(), *key.get("extra", {}).values()]}
+    assert names == {persist.KEY_FILE, key["files"]["file"]} | kept
 
 
 def test_a_growing_run_extends_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

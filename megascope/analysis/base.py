@@ -203,6 +203,7 @@ def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None, persis
             if meta.get("key") == now.digest:
                 say("reading the analysis cache")
                 if persist.load(con, root, meta, BASE_TABLES):
+                    persist.remember(con, root, now.digest)
                     _sql.mark_built(con, "base")
                     log.info("base tables read from %s", persist.cache_dir(root))
                     return
@@ -210,13 +211,16 @@ def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None, persis
                 say("extending the analysis cache")
                 params = _extend(con, root, meta, new, say)
                 if params is not None:
-                    persist.save(con, root, now, BASE_TABLES, params)
+                    saved = persist.save(con, root, now, BASE_TABLES, params)
+                    persist.remember(con, root if saved else None, now.digest)
                     _sql.mark_built(con, "base")
                     return
         params = _build(con, say)
+        saved = False
         if root is not None and now is not None:
             say("keeping the base tables beside the run")
-            persist.save(con, root, now, BASE_TABLES, params)
+            saved = persist.save(con, root, now, BASE_TABLES, params)
+        persist.remember(con, root if saved else None, now.digest if now is not None else None)
         _sql.mark_built(con, "base")
 
 

@@ -291,7 +291,7 @@ def save(con: duckdb.DuckDBPyConnection, root: Path, now: Key, tables: list[str]
         for table in tables:
             tmp = where / f".tmp-{tag}-{table}.parquet"
             staged[tmp] = where / f"{table}-{suffix}.parquet"
-            con.execute(f"COPY {_sql.CACHE_SCHEMA}.{table} TO {_quote(tmp)} (FORMAT parquet, COMPRESSION zstd)")
+            con.execute(f"COPY {_sql.CACHE_SCHEMA}.{table} TO {_quote(tmp)} (FORMAT parquet)")
             row = _sql.first(con.execute(f"SELECT count(*) FROM {_sql.CACHE_SCHEMA}.{table}"))
             entries[table] = {"file": staged[tmp].name, "bytes": tmp.stat().st_size, "sha256": _sha256(tmp),
                               "rows": int(row[0]) if row else 0, "columns": _columns(con, table)}
@@ -335,3 +335,68 @@ def _prune(where: Path, keep: set[str]) -> None:
             if entry.name.startswith(".tmp-") and now - entry.stat().st_mtime < _STALE_TMP_S:
                 continue  # another process may be writing it now
             os.unlink(entry.path)
+
+
+# Derived tables beyond the base ones (e.g. the what-if replay's sampled spans) kept under the same
+# key: ``key.json`` lists them under "extra"; a new key drops them with the rest.
+_KEPT = "cache_source"
+
+
+def remember(con: duckdb.DuckDBPyConnection, root: Path | None, digest: str | None) -> None:
+    """Note, for the analyses after :func:`megascope.analysis.base.prepare`, which cache (run
+    directory and key) the base tables in ``ms_cache`` stand for."""
+    con.execute(f"CREATE OR REPLACE TABLE {_sql.CACHE_SCHEMA}.{_KEPT} AS SELECT ?::VARCHAR AS root, ?::VARCHAR AS key",
+                [str(root) if root is not None else None, digest])
+
+
+def _source(con: duckdb.DuckDBPyConnection) -> tuple[Path, str] | None:
+    try:
+        row = _sql.first(con.execute(f"SELECT root, key FROM {_sql.CACHE_SCHEMA}.{_KEPT}"))
+    except duckdb.Error:
+        return None
+    return (Path(row[0]), str(row[1])) if row and row[0] and row[1] else None
+
+
+def load_extra(con: duckdb.DuckDBPyConnection, table: str) -> bool:
+    """Fill ``ms_cache.<table>`` from the cache if it was kept there for the current key."""
+    source = _source(con)
+    if source is None:
+        return False
+    root, digest = source
+    meta = read_meta(root)
+    if meta is None or meta.get("key") != digest or table not in (meta.get("extra") or {}):
+        return False
+    return load(con, root, {"tables": meta["extra"]}, [table])
+
+
+def save_extra(con: duckdb.DuckDBPyConnection, table: str) -> bool:
+    """Keep ``ms_cache.<table>`` in the cache under the current key (if the run can be written and
+    the cache is still the one the base tables came from)."""
+    source = _source(con)
+    if source is None:
+        return False
+    root, digest = source
+    where = cache_dir(root)
+    tag = uuid.uuid4().hex[:12]
+    tmp = where / f".tmp-{tag}-{table}.parquet"
+    key_tmp = where / f".tmp-{tag}-{KEY_FILE}"
+    try:
+        meta = read_meta(root)
+        if meta is None or meta.get("key") != digest:
+            return False
+        con.execute(f"COPY {_sql.CACHE_SCHEMA}.{table} TO {_quote(tmp)} (FORMAT parquet)")
+        row = _sql.first(con.execute(f"SELECT count(*) FROM {_sql.CACHE_SCHEMA}.{table}"))
+        final = where / f"{table}-{digest[:16]}.parquet"
+        entry = {"file": final.name, "bytes": tmp.stat().st_size, "sha256": _sha256(tmp),
+                 "rows": int(row[0]) if row else 0, "columns": _columns(con, table)}
+        os.replace(tmp, final)
+        meta.setdefault("extra", {})[table] = entry
+        key_tmp.write_text(json.dumps(meta, indent=1))
+        os.replace(key_tmp, where / KEY_FILE)
+    except (OSError, duckdb.Error) as exc:
+        log.info("analysis cache: %s not kept (%s)", table, exc)
+        for path in (tmp, key_tmp):
+            with contextlib.suppress(OSError):
+                path.unlink()
+        return False
+    return True

@@ -28,7 +28,7 @@ import duckdb
 import numpy as np
 import pandas as pd
 
-from megascope.analysis import _sql
+from megascope.analysis import _sql, persist
 from megascope.analysis.base import _sample_steps, prepare
 from megascope.schema import COLLECTOR_CALLS_METRIC, RunMeta
 
@@ -91,10 +91,15 @@ def _float_map(series: pd.Series) -> dict[int, float]:
 
 
 def _steps_frame(con: duckdb.DuckDBPyConnection, steps: list[int]) -> pd.DataFrame:
-    """Communication spans of ``steps`` with instance keys, on the reference clock (one scan)."""
+    """Communication spans of ``steps`` with instance keys, on the reference clock (one scan of
+    the spans, kept in the run's analysis cache for the next report)."""
     step_list = ", ".join(str(int(s)) for s in steps) or "NULL"
-    frame = con.execute(
+    table = "whatif_" + "_".join(str(int(s)) for s in steps)[:200]
+    if persist.load_extra(con, table):
+        return con.execute(f"SELECT * EXCLUDE (seq) FROM ms_cache.{table} ORDER BY step, rank, arrival_ns, kind <> 'send', seq").df()
+    con.execute(
         f"""
+        CREATE OR REPLACE TABLE ms_cache.{table} AS
         WITH c AS (
             SELECT s.step, s.rank, s.kind, s.kind = 'collective' AS is_coll,
                    CASE WHEN s.kind = 'collective' THEN s."group" ELSE '' END AS grp, s.seq,
@@ -108,15 +113,15 @@ def _steps_frame(con: duckdb.DuckDBPyConnection, steps: list[int]) -> pd.DataFra
             WHERE s.step IN ({step_list}) AND s.kind IN ('collective', 'send', 'recv') AND s.seq IS NOT NULL
               AND (s.kind = 'collective' AND s."group" IS NOT NULL OR s.kind <> 'collective' AND s.peer IS NOT NULL)
         )
-        SELECT step, rank, kind, arrival_ns, end_ns, step_start_ns, step_end_ns, stage,
+        SELECT step, rank, kind, seq, arrival_ns, end_ns, step_start_ns, step_end_ns, stage,
                (dense_rank() OVER (PARTITION BY step ORDER BY is_coll, grp, seq, sender, receiver) - 1) AS inst,
                greatest(max(end_ns) OVER w - max(arrival_ns) OVER w, 0) AS xfer_ns
         FROM c
         WINDOW w AS (PARTITION BY step, is_coll, grp, seq, sender, receiver)
-        ORDER BY step, rank, arrival_ns, kind <> 'send', seq
         """
-    ).df()
-    return frame
+    )
+    persist.save_extra(con, table)
+    return con.execute(f"SELECT * EXCLUDE (seq) FROM ms_cache.{table} ORDER BY step, rank, arrival_ns, kind <> 'send', seq").df()
 
 
 def _segments(frame: pd.DataFrame) -> tuple[np.ndarray, pd.Series]:
