@@ -400,3 +400,36 @@ def save_extra(con: duckdb.DuckDBPyConnection, table: str) -> bool:
                 path.unlink()
         return False
     return True
+
+
+def memo_get(con: duckdb.DuckDBPyConnection, name: str) -> Any:
+    """A small JSON value kept under the current key by :func:`memo_put`, or None."""
+    source = _source(con)
+    meta = read_meta(source[0]) if source is not None else None
+    if source is None or meta is None or meta.get("key") != source[1]:
+        return None
+    memo = meta.get("memo")
+    return memo.get(name) if isinstance(memo, dict) else None
+
+
+def memo_put(con: duckdb.DuckDBPyConnection, name: str, value: Any) -> bool:
+    """Keep ``value`` (plain JSON) in ``key.json`` under the current key: a result derived from the
+    base tables alone that costs more than reading it back (the what-if replay)."""
+    source = _source(con)
+    if source is None:
+        return False
+    root, digest = source
+    key_tmp = cache_dir(root) / f".tmp-{uuid.uuid4().hex[:12]}-{KEY_FILE}"
+    try:
+        meta = read_meta(root)
+        if meta is None or meta.get("key") != digest:
+            return False
+        meta.setdefault("memo", {})[name] = value
+        key_tmp.write_text(json.dumps(meta, indent=1))
+        os.replace(key_tmp, cache_dir(root) / KEY_FILE)
+    except (OSError, TypeError, ValueError) as exc:
+        log.info("analysis cache: %s not kept (%s)", name, exc)
+        with contextlib.suppress(OSError):
+            key_tmp.unlink()
+        return False
+    return True

@@ -150,7 +150,7 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
     median_step = float(per_step["step_time_ns"].median()) if not per_step.empty else None
     say("measuring skew")
     by_collective = skew_by_collective(con)
-    skew_drifts = skew_drift(con, step_time_ns=median_step)
+    skew_drifts = skew_drift(con, step_time_ns=median_step, by_collective=by_collective)
     state = run_state(run, hang=hang)
     say("pipeline bubbles and exposed communication")
     bubble_frame = bubbles(con)

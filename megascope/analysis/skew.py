@@ -49,16 +49,17 @@ def skew_by_collective(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
 
 
 def skew_drift(con: duckdb.DuckDBPyConnection, *, step_time_ns: float | None = None,
-               min_growth_frac: float = 0.02) -> dict[str, object]:
+               min_growth_frac: float = 0.02, by_collective: pd.DataFrame | None = None) -> dict[str, object]:
     """Name the collectives whose last arrivals grow later over the run, and the ranks behind it.
 
     A collective drifts when its last arriver's lateness (last minus mean arrival) grows by at
     least ``min_growth_frac`` of the median step time over the run, steadily (the linear trend
     explains at least half of its variance) and over at least eight steps. Returns {drifting (bool),
     collectives: [{name, group_kind, late_growth_ns, late_slope_ns_per_step, ranks: [{rank,
-    times_last, late_growth_ns}]}]}.
+    times_last, late_growth_ns}]}]}. ``by_collective``: :func:`skew_by_collective`'s frame, where
+    the caller has it already.
     """
-    by = skew_by_collective(con)
+    by = skew_by_collective(con) if by_collective is None else by_collective
     if step_time_ns is None:
         row = _sql.first(con.execute("SELECT median(coalesce(step_ns, extent_ns)) FROM ms_cache.rank_step"))
         step_time_ns = float(row[0]) if row and row[0] is not None else 0.0

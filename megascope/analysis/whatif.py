@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -201,11 +202,19 @@ def whatif(con: duckdb.DuckDBPyConnection, meta: RunMeta, *, ranks: list[int] | 
         count = int(max(1, min(WHATIF_SAMPLE_STEPS, WHATIF_EVENT_BUDGET // max(per_step_events, 1.0))))
         steps = _sample_steps(full, count)
     base_total = fixed_total = 0.0
-    frames = _steps_frame(con, [int(s) for s in steps])
-    for _, frame in frames.groupby("step", sort=True):
-        base, fixed = replay_step(frame, set(ranks))
-        base_total += base
-        fixed_total += fixed
+    # The replay is a deterministic function of the base tables, the steps and the ranks fixed:
+    # kept in the run's analysis cache, a second report does not replay again.
+    memo_name = f"whatif:{json.dumps({'steps': [int(s) for s in steps], 'ranks': sorted(int(r) for r in ranks)})}"
+    memo = persist.memo_get(con, memo_name)
+    if isinstance(memo, list) and len(memo) == 2 and all(isinstance(v, float) for v in memo):
+        base_total, fixed_total = memo
+    else:
+        frames = _steps_frame(con, [int(s) for s in steps])
+        for _, frame in frames.groupby("step", sort=True):
+            base, fixed = replay_step(frame, set(ranks))
+            base_total += base
+            fixed_total += fixed
+        persist.memo_put(con, memo_name, [float(base_total), float(fixed_total)])
     speedup = base_total / fixed_total if fixed_total > 0 else 1.0
     # Calls the collector left untimed (CollectorConfig.comm_sample_kinds) are no sync points of
     # the replay: the waits behind them count as the waiting ranks' own work, and the fix saves less.
