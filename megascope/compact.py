@@ -37,6 +37,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -163,8 +164,27 @@ def compact(
             if res.files_written:
                 hook("committed")
                 result.removed += _clean(run_dir, table, now_ns=time.time_ns(), grace_s=grace_s, hook=hook)
+        if everything:
+            _remove_empty_partitions(run_dir, chosen)
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _remove_empty_partitions(run_dir: Path, tables: tuple[str, ...]) -> None:
+    """Remove the partition directories left empty (``spans/rank=00017/``), which every reader would
+    list again. Only once the job has ended (``everything``): a live writer creates its directory
+    before it writes into it, and could lose a part to a directory removed in between."""
+    for table in tables:
+        if table in layout.SINGLE_FILE_TABLES or table in layout.UNPARTITIONED:
+            continue
+        try:
+            entries = list(os.scandir(run_dir / table))
+        except OSError:
+            continue
+        for entry in entries:
+            if "=" in entry.name and entry.is_dir(follow_symlinks=False):
+                with contextlib.suppress(OSError):  # not empty: a part left (skipped, or newer)
+                    os.rmdir(entry.path)
 
 
 def _run_id(run_dir: Path) -> str:
@@ -244,6 +264,13 @@ def _clean(run_dir: Path, table: str, *, now_ns: int, grace_s: float, hook: _Hoo
             dirs[parent] = _dir_times(parent)
         removed += _unlink(path)
     _restore_dir_times(dirs)
+    # What is gone need not be named any more: a manifest that lists 100k removed parts costs
+    # every reader time to parse. Rewritten atomically; what still exists stays listed.
+    for m in due:
+        left = tuple(rel for rel in m.replaces if (run_dir / rel).exists())
+        if left != m.replaces:
+            layout.write_manifest(dataclasses.replace(m, replaces=left,
+                                                      stamps={k: v for k, v in m.stamps.items() if k in left}))
     return removed
 
 
@@ -382,14 +409,19 @@ def _compact_table(run_dir: Path, table: str, run_id: str, *, now_ns: int, min_a
         return res
     inputs = [_Input(p, p.relative_to(run_dir).as_posix(), 0) for p in parts]
     # Small compacted files of earlier passes go in again, whole manifests at a time.
+    single = table in layout.SINGLE_FILE_TABLES
     for m in active:
-        if sum(f.rows for f in m.files) < REMERGE_ROWS and all(_footer_ok(run_dir / f.path) for f in m.files):
+        # Single-file tables (one row per rank or group) are always merged whole again, so that a
+        # rank's file rewritten since the last pass replaces its merged rows instead of adding to them.
+        small = single or sum(f.rows for f in m.files) < REMERGE_ROWS
+        if small and all(_footer_ok(run_dir / f.path) for f in m.files):
             inputs += [_Input(run_dir / f.path, f.path, f.rows, manifest=m) for f in m.files]
     base = layout.compacted_dir(run_dir, table)
     base.mkdir(parents=True, exist_ok=True)
     stem = f"c-{time.time_ns():019d}-{os.getpid()}"
     written: list[layout.CompactedFile] = []
     merged: list[_Input] = []
+    fresh: set[int] = set()  # single-file tables: ranks whose current file is being merged
     pending: list[pa.Table] = []
     rows = 0
 
@@ -413,6 +445,11 @@ def _compact_table(run_dir: Path, table: str, run_id: str, *, now_ns: int, min_a
                         raise RunDirError(f"compaction: {problem}")
                     res.skipped.append(problem or f"{item.path}: skipped")
                     continue
+                if single and item.manifest is None:
+                    fresh.update(data.column("rank").to_pylist())
+                elif single and fresh:
+                    keep = pc.invert(pc.is_in(data.column("rank"), value_set=pa.array(sorted(fresh), pa.int32())))
+                    data = data.filter(keep)
                 if pending and rows + data.num_rows > FILE_ROWS:
                     flush()
                 pending.append(data)

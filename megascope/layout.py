@@ -182,7 +182,7 @@ def _manifest_from_json(path: Path, table: str, data: Any) -> Manifest:
     )
     replaces = tuple(str(p) for p in data["replaces"])
     for rel in (*(f.path for f in files), *replaces):
-        if rel.startswith("/") or ".." in Path(rel).parts:
+        if rel.startswith("/") or "/../" in f"/{rel}/":
             raise ValueError(f"path {rel!r} outside the run")
     stamps = {str(k): (int(v[0]), int(v[1])) for k, v in (data.get("stamps") or {}).items()}
     run_id = data.get("run_id")

@@ -243,12 +243,12 @@ class _Parts:
     uniform: bool  # every file has the same columns: no union_by_name (which reads every footer per query)
 
 
-def _scan(run: Run, table: str, *, thorough: bool = False, ignored: frozenset[Path] = frozenset()) -> _Parts:
+def _scan(run: Run, table: str, *, thorough: bool = False, ignored: frozenset[str] = frozenset()) -> _Parts:
     """Finished parts of ``table``: checked cheaply as a whole, file by file only on failure (or when
     ``thorough``: after the whole failed to read). Parts in ``ignored`` (merged into a committed
     compacted file, not yet removed) are left out."""
     every = sorted(run.path.glob(layout.table_glob(table)))
-    files = [f for f in every if f not in ignored] if ignored else every
+    files = [f for f in every if str(f) not in ignored] if ignored else every
     # The glob, not a list of every path: one statement stays small at 100k+ files. While merged
     # parts wait for removal, the list of the others (few, beside the compacted files).
     whole_glob = len(files) == len(every)
@@ -307,14 +307,14 @@ class _Compaction:
 
     files: list[Path]
     ranks: dict[Path, tuple[tuple[int, int], ...]]
-    ignored: frozenset[Path]
+    ignored: frozenset[str]  # absolute paths, as strings (cheap to build for 100k replaced parts)
 
 
 def _compaction(run: Run, table: str) -> _Compaction:
     manifests, problems = layout.read_manifests(run.path, table)
     files: list[Path] = []
     ranks: dict[Path, tuple[tuple[int, int], ...]] = {}
-    ignored: set[Path] = set()
+    ignored: set[str] = set()
     for m in layout.active_manifests(manifests):
         if m.run_id is not None and m.run_id != run.meta.run_id:
             problems.append(f"{m.path}: a compaction manifest of another run ({m.run_id!r}, not "
@@ -331,7 +331,8 @@ def _compaction(run: Run, table: str) -> _Compaction:
         if table not in layout.SINGLE_FILE_TABLES:
             # Single files (ranks, groups) are rewritten in place by writers: a file present wins
             # over its merged rows (see _create_table_view), it is never skipped by name.
-            ignored.update(run.path / rel for rel in m.replaces)
+            root = f"{run.path}/"
+            ignored.update(root + rel for rel in m.replaces)
     for problem in problems:
         if problem not in run.problems:
             run.problems.append(problem)
@@ -430,6 +431,8 @@ def _missing_ranks(run: Run) -> None:
     if not run.files.get("spans") and not run.files.get("markers"):
         return
     world = run.meta.world_size
+    if run.ranks_written(("spans", "markers")) >= set(range(world)):
+        return  # every rank has files (part directories, compacted files' rank ranges): no scan
     seen = {
         r
         for (r,) in run.con.execute(

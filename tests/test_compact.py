@@ -438,3 +438,23 @@ def test_the_dashboard_watcher_compacts_when_asked(run: Path, expected: tuple[ob
     assert served.run is not None and served.run.compacted["spans"]
     (row,) = served.run.con.execute(_FINGERPRINT).fetchall()
     assert tuple(round(v, 6) if isinstance(v, float) else v for v in row) == expected
+
+
+def test_a_ranks_file_rewritten_after_compaction_replaces_its_merged_rows(run: Path) -> None:
+    compact(run, everything=True)
+    run_id = layout.read_run_json(run)["run_id"]
+    r = open_run(run)
+    row = r.con.execute("SELECT * FROM ranks WHERE rank = 3").df()
+    row["host"] = "moved-host"
+    layout.write_part(run, "ranks", pa.Table.from_pandas(row, preserve_index=False), rank=3, run_id=run_id)
+
+    def hosts() -> tuple[int, list[str]]:
+        con = open_run(run).con
+        ((n,),) = con.execute("SELECT count(*) FROM ranks").fetchall()
+        return n, [h for (h,) in con.execute("SELECT host FROM ranks WHERE rank = 3").fetchall()]
+
+    assert hosts() == (16, ["moved-host"])  # the file beside the merged rows wins
+    compact(run, everything=True)
+    assert not (run / "ranks" / "rank=00003.parquet").exists()
+    assert hosts() == (16, ["moved-host"])  # merged again: once, the new version
+    assert len(layout.active_manifests(layout.read_manifests(run, "ranks")[0])) == 1
