@@ -23,8 +23,13 @@ span, and a ``completed`` marker once the operation is done. Three doors cover w
   its own hook keeps it; a Python hook's ``torch.distributed`` calls are seen, a built-in (C++)
   one's are not.
 
-Point-to-point calls (``send``/``recv``/``batch_isend_irecv``, pipeline schedules) are not
-intercepted: time them with ``col.dist``. A call made through ``col.dist`` is recorded once.
+- **Point-to-point**: ``batch_isend_irecv`` (what pipeline schedules, ``torch.distributed.pipelining``
+  included, issue) and the blocking ``send``/``recv``, as send/recv spans with their peer's global
+  rank. ``isend``/``irecv`` called on their own are not wrapped: ``P2POp`` checks its ``op`` against
+  those very functions, and a job holding the original would then be refused; time such calls with
+  ``col.dist``.
+
+A call made through ``col.dist`` is recorded once.
 
 Example::
 
@@ -44,7 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from megascope.collectors.contexts import NOOP
 
-from megascope.schema import CollectiveOp
+from megascope.schema import CollectiveOp, SpanKind
 
 if TYPE_CHECKING:
     from megascope.collectors.collector import Collector
@@ -145,6 +150,34 @@ def _end_on_future(handle: Any, fut: Any) -> None:
     _end_quietly(handle)
 
 
+def _global_peer(peer: Any, group: Any, group_peer: Any) -> int | None:
+    """The global rank of a point-to-point peer given as a global rank or as a rank in ``group``."""
+    if peer is not None:
+        return int(peer)
+    if group_peer is None:
+        return None
+    import torch.distributed as dist
+
+    return int(dist.get_global_rank(group, group_peer))
+
+
+class _Together:
+    """The handles of one batch of point-to-point calls that a single work completes."""
+
+    __slots__ = ("_handles",)
+
+    def __init__(self, handles: list[Any]) -> None:
+        self._handles = handles
+
+    def end(self) -> None:
+        for h in self._handles:
+            _end_quietly(h)
+
+    def abandon(self) -> None:
+        for h in self._handles:
+            h.abandon()
+
+
 class Interception:
     """Wraps torch's collective entry points for one collector; ``install()`` / ``uninstall()``."""
 
@@ -173,6 +206,19 @@ class Interception:
             for owner in (dist, c10d):
                 if getattr(owner, name, None) is original:
                     self._patch(owner, name, wrapped)
+        for name, is_send in (("send", True), ("recv", False)):
+            original = getattr(c10d, name, None)
+            if original is not None:
+                wrapped = self._wrap_p2p(original, is_send)
+                for owner in (dist, c10d):
+                    if getattr(owner, name, None) is original:
+                        self._patch(owner, name, wrapped)
+        original = getattr(c10d, "batch_isend_irecv", None)
+        if original is not None:
+            wrapped = self._wrap_batch_p2p(original, dist)
+            for owner in (dist, c10d):
+                if getattr(owner, "batch_isend_irecv", None) is original:
+                    self._patch(owner, "batch_isend_irecv", wrapped)
         self._install_funcol()
         self._install_ddp()
         self.installed = True
@@ -217,6 +263,85 @@ class Interception:
 
         recorded.__wrapped__ = original  # type: ignore[attr-defined]
         recorded.__name__ = getattr(original, "__name__", name)
+        recorded.__doc__ = original.__doc__
+        return recorded
+
+    # ------------------------------------------------------------------ point-to-point
+    def _wrap_p2p(self, original: Callable[..., Any], is_send: bool) -> Callable[..., Any]:
+        """Blocking ``send(tensor, dst, group, tag, group_dst)`` / ``recv(tensor, src, ...)``. A
+        receive from any source (no ``src``) is not recorded: its peer is known only afterwards."""
+        col_ref = self._col
+        key, group_key = ("dst", "group_dst") if is_send else ("src", "group_src")
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            col = col_ref()
+            if col is None or not col._active or getattr(_TLS, "busy", False):
+                return original(*args, **kwargs)
+            handle: Any = NOOP
+            try:
+                group = _arg(args, kwargs, 2, "group")
+                peer = _global_peer(_arg(args, kwargs, 1, key), group, _arg(args, kwargs, 4, group_key))
+                if peer is not None:
+                    handle = col.comm_begin(op=CollectiveOp.SEND if is_send else CollectiveOp.RECV,
+                                            group=col.group_id(group), bytes=_nbytes(_arg(args, kwargs, 0, "tensor")),
+                                            kind=SpanKind.SEND if is_send else SpanKind.RECV, peer=peer)
+            except Exception:
+                col._internal_error("intercepted point-to-point call")
+            result = _call_recorded(original, args, kwargs, handle)
+            handle.end()
+            return result
+
+        recorded.__wrapped__ = original  # type: ignore[attr-defined]
+        recorded.__name__ = getattr(original, "__name__", "send" if is_send else "recv")
+        recorded.__doc__ = original.__doc__
+        return recorded
+
+    def _wrap_batch_p2p(self, original: Callable[..., Any], dist: Any) -> Callable[..., Any]:
+        """``batch_isend_irecv(ops)``, what pipeline schedules issue: a send or recv span per op, all
+        arriving at the call, each ended when its work completes (one work for the whole batch, as
+        NCCL's coalesced batch returns, ends them all)."""
+        col_ref = self._col
+        interception = self
+
+        def recorded(p2p_op_list: Any) -> Any:
+            col = col_ref()
+            if col is None or not col._active or getattr(_TLS, "busy", False):
+                return original(p2p_op_list)
+            handles: list[Any] = []
+            try:
+                for p2p in p2p_op_list:
+                    is_send = p2p.op in (dist.isend, dist.send) or getattr(p2p.op, "__name__", "") in ("isend", "send")
+                    peer = _global_peer(p2p.peer, p2p.group, getattr(p2p, "group_peer", None))
+                    handles.append(col.comm_begin(
+                        op=CollectiveOp.SEND if is_send else CollectiveOp.RECV, group=col.group_id(p2p.group),
+                        bytes=_nbytes(p2p.tensor), kind=SpanKind.SEND if is_send else SpanKind.RECV, peer=peer))
+            except Exception:
+                col._internal_error("intercepted batch_isend_irecv")
+                for h in handles:
+                    h.abandon()
+                handles = []
+            _TLS.busy = True
+            try:
+                works = original(p2p_op_list)
+            except BaseException:
+                for h in handles:
+                    h.abandon()
+                raise
+            finally:
+                _TLS.busy = False
+            if handles:
+                if works is not None and len(works) == len(handles):
+                    for work, handle in zip(works, handles, strict=True):
+                        interception._end_on_completion(work, handle)
+                elif works:
+                    interception._end_on_completion(works[-1], _Together(handles))
+                else:
+                    for h in handles:
+                        h.end()
+            return works
+
+        recorded.__wrapped__ = original  # type: ignore[attr-defined]
+        recorded.__name__ = getattr(original, "__name__", "batch_isend_irecv")
         recorded.__doc__ = original.__doc__
         return recorded
 

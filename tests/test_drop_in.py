@@ -437,3 +437,21 @@ def test_a_hung_ddp_job_on_nccl_is_localized_from_the_markers(tmp_path: Path, mo
 
     result = localize(run, witnesses=False)
     assert result["hung"] and result["suspects"][0]["rank"] == 0
+
+
+def test_point_to_point_calls_are_seen_and_a_pipeline_hang_is_localized(tmp_path: Path) -> None:
+    """batch_isend_irecv (pipeline schedules) and blocking send/recv, intercepted under torchrun:
+    send and recv spans with their peers, and a stage that stops is named by localize."""
+    proc = torchrun(2, JOBS / "p2p_job.py", str(tmp_path / "ok"), "--steps", "5", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = open_run(tmp_path / "ok")
+    rows = run.con.execute("SELECT rank, kind, peer, count(*) FROM spans WHERE kind IN ('send', 'recv') "
+                           "GROUP BY ALL ORDER BY ALL").fetchall()
+    assert rows == [(0, "recv", 1, 5), (0, "send", 1, 5), (1, "recv", 0, 5), (1, "send", 0, 5)]
+    done = run.con.execute("SELECT count(*) FROM markers WHERE state = 'completed' AND op IN ('send', 'recv')").fetchone()
+    assert done == (20,)
+    proc = torchrun(2, JOBS / "p2p_job.py", str(tmp_path / "hang"), "--steps", "8", "--hang", "0,3", "--timeout", "8",
+                    cwd=tmp_path)
+    assert proc.returncode != 0
+    result = megascope_json("localize", str(tmp_path / "hang"))
+    assert result["hung"] is True and result["suspects"][0]["rank"] == 0
