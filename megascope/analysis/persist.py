@@ -357,28 +357,32 @@ def _source(con: duckdb.DuckDBPyConnection) -> tuple[Path, str] | None:
     return (Path(row[0]), str(row[1])) if row and row[0] and row[1] else None
 
 
-def load_extra(con: duckdb.DuckDBPyConnection, table: str) -> bool:
-    """Fill ``ms_cache.<table>`` from the cache if it was kept there for the current key."""
+def load_extra(con: duckdb.DuckDBPyConnection, name: str, *, table: str | None = None) -> bool:
+    """Fill ``ms_cache.<table>`` (default ``name``) from what :func:`save_extra` kept as ``name``
+    for the current key."""
     source = _source(con)
     if source is None:
         return False
     root, digest = source
     meta = read_meta(root)
-    if meta is None or meta.get("key") != digest or table not in (meta.get("extra") or {}):
+    extra = meta.get("extra") if meta is not None and meta.get("key") == digest else None
+    if not isinstance(extra, dict) or name not in extra:
         return False
-    return load(con, root, {"tables": meta["extra"]}, [table])
+    target = table or name
+    return load(con, root, {"tables": {target: extra[name]}}, [target])
 
 
-def save_extra(con: duckdb.DuckDBPyConnection, table: str) -> bool:
-    """Keep ``ms_cache.<table>`` in the cache under the current key (if the run can be written and
-    the cache is still the one the base tables came from)."""
+def save_extra(con: duckdb.DuckDBPyConnection, name: str, *, table: str | None = None) -> bool:
+    """Keep ``ms_cache.<table>`` (default ``name``) in the cache as ``name`` under the current key
+    (if the run can be written and the cache is still the one the base tables came from)."""
     source = _source(con)
     if source is None:
         return False
     root, digest = source
+    table = table or name
     where = cache_dir(root)
     tag = uuid.uuid4().hex[:12]
-    tmp = where / f".tmp-{tag}-{table}.parquet"
+    tmp = where / f".tmp-{tag}-{name}.parquet"
     key_tmp = where / f".tmp-{tag}-{KEY_FILE}"
     try:
         meta = read_meta(root)
@@ -386,11 +390,11 @@ def save_extra(con: duckdb.DuckDBPyConnection, table: str) -> bool:
             return False
         con.execute(f"COPY {_sql.CACHE_SCHEMA}.{table} TO {_quote(tmp)} (FORMAT parquet)")
         row = _sql.first(con.execute(f"SELECT count(*) FROM {_sql.CACHE_SCHEMA}.{table}"))
-        final = where / f"{table}-{digest[:16]}.parquet"
+        final = where / f"{name}-{digest[:16]}.parquet"
         entry = {"file": final.name, "bytes": tmp.stat().st_size, "sha256": _sha256(tmp),
                  "rows": int(row[0]) if row else 0, "columns": _columns(con, table)}
         os.replace(tmp, final)
-        meta.setdefault("extra", {})[table] = entry
+        meta.setdefault("extra", {})[name] = entry
         key_tmp.write_text(json.dumps(meta, indent=1))
         os.replace(key_tmp, where / KEY_FILE)
     except (OSError, duckdb.Error) as exc:

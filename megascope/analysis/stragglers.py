@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ import duckdb
 import numpy as np
 import pandas as pd
 
-from megascope.analysis import _sql
+from megascope.analysis import _sql, persist
 from megascope.analysis.base import prepare
 from megascope.errors import ConfigError
 
@@ -83,11 +84,19 @@ def has_step_spans(con: duckdb.DuckDBPyConnection) -> bool:
 
 
 def score(con: duckdb.DuckDBPyConnection, config: StragglerConfig | None = None) -> None:
-    """Build ``ms_cache.peer_step`` and ``ms_cache.rank_scores`` (after :func:`prepare`)."""
+    """Build ``ms_cache.rank_scores`` (after :func:`prepare`), through ``ms_cache.peer_step``; or
+    read it from the run's analysis cache, where it was kept for the same base tables, thresholds
+    and SQL (then ``peer_step`` is not built)."""
     config = config or StragglerConfig()
     _sql.execute(con, "stragglers", "macros")
-    _sql.execute(con, "stragglers", "peer_step", has_step_spans=has_step_spans(con), rel_floor=config.rel_floor)
+    spans = has_step_spans(con)
+    text = repr((spans, config.rel_floor, config.min_slowdown, config.z, _sql.statements("stragglers")))
+    kept = "rank_scores_" + hashlib.sha256(text.encode()).hexdigest()[:16]
+    if persist.load_extra(con, kept, table="rank_scores"):
+        return
+    _sql.execute(con, "stragglers", "peer_step", has_step_spans=spans, rel_floor=config.rel_floor)
     _sql.execute(con, "stragglers", "rank_scores", min_slowdown=config.min_slowdown, z=config.z)
+    persist.save_extra(con, kept, table="rank_scores")
 
 
 def _pos(frame: pd.DataFrame, column: str) -> pd.Series:
