@@ -245,7 +245,7 @@ def is_run_dir(path: Path) -> bool:
     """True if ``path`` holds a run: its ``run.json``, or one of its tables' folders (a run being written,
     or one whose ``run.json`` was lost)."""
     path = Path(path)
-    if (path / RUN_JSON).exists():
+    if (path / RUN_JSON).exists() or (path / COMPACTED_DIR).is_dir():
         return True
     return any(next((path / table).glob("rank=*"), None) is not None for table in ("spans", "markers", "ranks", "metrics"))
 

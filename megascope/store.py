@@ -14,6 +14,10 @@ What can go wrong with a run directory, and what happens:
 * ranks of the mesh that wrote nothing -> a line in ``Run.problems`` (silence is information for
   the hang analysis, not an error).
 
+Compacted runs (``megascope compact``, docs/run-directory.md): each view also reads the files under
+``compacted/<table>/`` that a committed manifest names, and skips the parts those manifests
+replace; a compacted file no manifest names (a pass still writing, or killed) is not read.
+
 Example::
 
     from megascope.store import open_run
@@ -456,7 +460,7 @@ def open_run(path: Path | str, *, threads: int | None = None, memory_limit: str 
         raise RunDirError(f"{path}: not a directory")
     has_meta = (path / layout.RUN_JSON).exists()
     if not has_meta:
-        any_part = any(any(path.glob(layout.table_glob(t))) for t in TABLES)
+        any_part = any(any(path.glob(layout.table_glob(t))) or any(path.glob(layout.compacted_glob(t))) for t in TABLES)
         if not any_part:
             raise RunDirError(f"{path}: not a megascope run directory (no run.json and no data)")
         raise RunDirError(f"{path / layout.RUN_JSON}: missing, though the directory holds data; was the run copied whole?")

@@ -458,3 +458,14 @@ def test_a_ranks_file_rewritten_after_compaction_replaces_its_merged_rows(run: P
     assert not (run / "ranks" / "rank=00003.parquet").exists()
     assert hosts() == (16, ["moved-host"])  # merged again: once, the new version
     assert len(layout.active_manifests(layout.read_manifests(run, "ranks")[0])) == 1
+
+
+def test_a_compacted_run_without_its_run_json_is_still_a_run(run: Path, tmp_path: Path) -> None:
+    from megascope.errors import RunDirError
+
+    compact(run, everything=True)
+    (run / layout.RUN_JSON).unlink()
+    assert layout.is_run_dir(run)
+    with pytest.raises(RunDirError, match="missing, though the directory holds data"):
+        open_run(run)
+    assert_one_line_error(megascope("compact", run), mentions="not a megascope run directory")
