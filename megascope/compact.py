@@ -462,6 +462,13 @@ def _compact_table(run_dir: Path, table: str, run_id: str, *, now_ns: int, min_a
         return res
     if pending:
         flush()
+    # A compacted file keeps the newest write time of what it merged, not the time of the merge:
+    # run state reads the age of a run's data from modification times.
+    newest = max((_mtime_ns(i.path) for i in merged), default=None)
+    if newest is not None:
+        for f in written:
+            with contextlib.suppress(OSError):
+                os.utime(run_dir / f.path, ns=(newest, newest))
     replaces = [i.rel for i in merged]
     for m in {id(i.manifest): i.manifest for i in merged if i.manifest is not None}.values():
         replaces.append(m.name)
@@ -480,6 +487,13 @@ def _compact_table(run_dir: Path, table: str, run_id: str, *, now_ns: int, min_a
     res.parts_merged = sum(1 for i in merged if i.manifest is None)
     res.files_written = len(written)
     return res
+
+
+def _mtime_ns(path: Path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except OSError:
+        return 0
 
 
 def _write_sorted(path: Path, table: str, data: pa.Table, run_id: str) -> tuple[tuple[int, int], ...]:

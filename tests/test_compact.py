@@ -469,3 +469,18 @@ def test_a_compacted_run_without_its_run_json_is_still_a_run(run: Path, tmp_path
     with pytest.raises(RunDirError, match="missing, though the directory holds data"):
         open_run(run)
     assert_one_line_error(megascope("compact", run), mentions="not a megascope run directory")
+
+
+def test_run_state_reads_the_data_s_age_after_compacting_everything(run: Path) -> None:
+    """The parts are an hour old; once merged (rank folders gone), the compacted files keep that
+    age rather than the merge's time, and the finished run still reads finished."""
+    from megascope.analysis.runstate import newest_write_ns, run_state
+
+    before = newest_write_ns(run)
+    state_before = run_state(open_run(run))["state"]
+    compact(run, everything=True)
+    assert not list(run.glob("spans/rank=*/*.parquet"))
+    after = newest_write_ns(run)
+    assert after is not None and before is not None
+    assert after <= time.time_ns() - 3000 * 10**9
+    assert run_state(open_run(run))["state"] == state_before

@@ -97,22 +97,25 @@ def newest_write_ns(path: Path) -> int | None:
     """The newest modification time (ns) of the progress tables' partition directories and parts.
 
     A part is renamed into ``spans/rank=N/``, which moves that directory's time: one stat per
-    partition, no file read. Heartbeats are left out on purpose: a sampler thread keeps writing
+    partition (and per compacted file), no file read. Heartbeats are left out on purpose: a sampler thread keeps writing
     them while every rank is blocked in a hang.
     """
     newest: int | None = None
     for table in _PROGRESS_TABLES:
-        base = path / table
-        try:
-            entries = list(os.scandir(base))
-        except OSError:
-            continue
-        for entry in entries:
+        # Compacted files (megascope.compact) keep the newest write time of the parts they merged.
+        for base, only_data in ((path / table, False), (layout.compacted_dir(path, table), True)):
             try:
-                mtime = entry.stat().st_mtime_ns
+                entries = list(os.scandir(base))
             except OSError:
                 continue
-            newest = mtime if newest is None or mtime > newest else newest
+            for entry in entries:
+                if only_data and (entry.name.startswith(".") or not entry.name.endswith(".parquet")):
+                    continue
+                try:
+                    mtime = entry.stat().st_mtime_ns
+                except OSError:
+                    continue
+                newest = mtime if newest is None or mtime > newest else newest
     return newest
 
 
