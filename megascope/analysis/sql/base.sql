@@ -39,6 +39,7 @@ FROM ms_cache.rank_step r ANTI JOIN ms_cache.rank_info i USING (rank);
 
 -- @statement step_list
 -- The steps of one rank ({{rank}}; a cheap read of its partition), in order.
+-- @column step           a step the rank recorded spans in
 SELECT DISTINCT step FROM spans WHERE rank = {{rank}} AND step IS NOT NULL ORDER BY step;
 
 -- @statement clock_samples
@@ -85,6 +86,9 @@ GROUP BY m.host, m.ref_host, m.diff_ns;
 
 -- @statement rank_clock
 -- Each rank's clock offset (that of its host): add offset_ns to its times.
+-- @column rank, host     the rank and its host
+-- @column stage          as in rank_info
+-- @column offset_ns      its host's clock offset (0 when unknown)
 CREATE OR REPLACE TABLE ms_cache.rank_clock AS
 SELECT i.rank, i.host, i.stage, coalesce(o.offset_ns, 0)::BIGINT AS offset_ns
 FROM ms_cache.rank_info i LEFT JOIN ms_cache.clock_offsets o USING (host);
@@ -101,6 +105,7 @@ FROM ms_cache.rank_info i LEFT JOIN ms_cache.clock_offsets o USING (host);
 -- @column last_rank      the last member to arrive: the one the others waited for
 -- @column spread_ns      last minus first arrival
 -- @column xfer_ns        completion of the last member minus the last arrival: the transfer
+-- @column last_end_ns    latest completion among its members (reference clock)
 CREATE OR REPLACE TABLE ms_cache.inst AS
 WITH c AS (
     SELECT s.rank, s.step, s.name, s.op, s."group" AS grp, s.seq,
@@ -123,6 +128,7 @@ FROM g LEFT JOIN kinds ON kinds."group" = g.grp;
 -- @statement rank_step
 -- One row per (rank, step): step time and what it was spent on ({{where}}, {{metrics_where}}: the
 -- spans' and metrics' steps read, all of them or those a grown run added).
+-- @column rank, step     the rank and the step
 -- @column stage          pipeline stage
 -- @column step_ns        the rank's step span (NULL when it wrote none: an unfinished step)
 -- @column start_ns       start of the step on the reference clock
@@ -274,6 +280,7 @@ FROM j LEFT JOIN lasts l ON l.rank = j.rank AND l.step = j.step;
 -- @statement nested_kinds
 -- Group kinds whose collectives start inside the rank's compute spans, probed on one rank's
 -- partition ({{rank}}): their wait is inside the compute spans' durations.
+-- @column group_kind     tp | dp | pp | world | other
 WITH s AS (SELECT * FROM spans WHERE rank = {{rank}} AND step IS NOT NULL),
 c AS (SELECT step, start_ns AS s, start_ns + dur_ns AS e FROM s WHERE kind IN ('forward', 'backward', 'compute')),
 k AS (

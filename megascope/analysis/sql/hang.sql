@@ -27,6 +27,7 @@
 -- @column stuck        it enqueued a seq it never completed
 -- @column stuck_seq    that seq
 -- @column stuck_since_ns  when it enqueued it (reference clock)
+-- @column last_marker_ns  its latest marker of the group (reference clock)
 CREATE OR REPLACE TABLE ms_cache.member_state AS
 WITH raw AS (
     -- Aggregated on integer keys first; the p2p group name is built on the few result rows.
@@ -95,6 +96,11 @@ FROM judged j LEFT JOIN impossible i USING (grp, rank);
 -- Each rank's last sign of life on the reference clock: markers, spans, its own heartbeats and
 -- its host's host-wide heartbeats. The marker agent's `rank_alive` rows are left out: they say
 -- the process exists, not that its Python runs (a frozen rank's process lives on).
+-- @column rank, host    the rank and its host
+-- @column marker_ns     its latest marker (reference clock; NULL: none)
+-- @column span_ns       end of its latest step's spans
+-- @column rank_hb_ns    its latest own heartbeat
+-- @column host_hb_ns    its host's latest host-wide heartbeat
 -- @column last_seen_ns  latest of those (NULL: never seen)
 WITH hb AS (
     SELECT h.rank, h.host, max(h.time_ns) AS t FROM heartbeats h WHERE h.metric <> 'rank_alive'

@@ -27,6 +27,9 @@ GROUP BY stage ORDER BY stage;
 -- was issued (the collector's blocking form) or ran on a stream of its own (Kineto kernels): its
 -- overlapped part is what leaf compute spans of the rank cover (a leaf encloses no communication
 -- span, so a block that merely contains a blocking collective does not hide it), the rest is exposed.
+-- @column group_kind    tp | dp | pp | world | other, or p2p
+-- @column name          span name of the calls
+-- @column spans         calls with a span (timed)
 -- @column comm_ns       summed communication time, issue to completion (concurrent asynchronous
 --                       calls each count their whole span, so this can exceed the step)
 -- @column overlapped_ns of which the rank was computing (hidden)

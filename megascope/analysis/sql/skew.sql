@@ -4,6 +4,13 @@
 -- @statement instances
 -- One row per collective instance (limit {{limit}}, 0 = all), filtered to group kind
 -- {{kind_filter}} ('' = all).
+-- @column group, seq    the instance
+-- @column step          the step it belongs to
+-- @column name, op      span name / collective op
+-- @column group_kind    tp | dp | pp | world | other
+-- @column n             members that recorded it
+-- @column xfer_ns       completion of the last member minus the last arrival
+-- @column last_host, last_pp, last_dp, last_tp  the last arriver's host and coordinates
 -- @column spread_ns     last minus first arrival (reference clock)
 -- @column last_late_ns  last arrival minus mean arrival: how late the straggler came
 -- @column last_rank     the last arriver, with its host and coordinates
@@ -18,6 +25,9 @@ LIMIT CASE WHEN {{limit}} > 0 THEN {{limit}} ELSE 9223372036854775807 END;
 -- @statement by_collective
 -- One row per collective (span name and group kind): instances, arrival spread, the most
 -- frequent last arriver, and the growth of lateness over the run.
+-- @column name, group_kind  the collective (span name) and its group kind
+-- @column instances         its instances
+-- @column steps, first_step, last_step  the steps they cover
 -- @column spread_median_ns, spread_p99_ns  arrival spread across its instances
 -- @column late_median_ns                   last arrival minus mean arrival, median
 -- @column top_last_rank, top_last_frac     the rank most often last, and the share of instances

@@ -15,6 +15,12 @@ CREATE OR REPLACE MACRO ms_cache.loo(n, s, x, med) AS
 
 -- @statement peer_step
 -- One row per (rank, step) with peer baselines.
+-- @column rank, step, stage  the rank-step and its pipeline stage
+-- @column own_ns, step_ns, xfer_ns, wait_ns  as in rank_step
+-- @column coll_count, coll_tp, coll_dp, coll_pp, coll_other  as in rank_step
+-- @column last_count, last_expected, last_var, last_peer  as in rank_step
+-- @column last_tp, last_dp, last_pp, last_other  as in rank_step
+-- @column z_xfer      robust z-score of the transfer time, as z_own
 -- @column n           peers in the (stage, step), the rank included
 -- @column base_own_ns peer baseline of own time
 -- @column z_own       robust z-score of own time: (own - median) / max(1.4826 MAD, {{rel_floor}} median)
@@ -89,6 +95,7 @@ FROM rs JOIN p USING (stage, step) JOIN m USING (stage, step);
 -- baseline and, with five or more peers, its robust z-score is at least {{z}}; strictly slow
 -- when also above exp({{z}} sigma). A step is comm-slow when own time is not slow but the
 -- transfer time is slow by the same rules (a bad link: normal arrival, slow transfers).
+-- @column rank, stage   the rank and its pipeline stage
 -- @column steps, slow_steps, strict_steps, comm_slow_steps  counted steps
 -- @column median_slowdown  median slowdown over all its steps
 -- @column median_ex_recv_ns, median_ex_own_ns  median excess of pipeline receive wait and of own
@@ -106,6 +113,9 @@ FROM rs JOIN p USING (stage, step) JOIN m USING (stage, step);
 -- @column last_z        t-statistic over steps of how far above chance (1 / group size) it
 --                       arrived last among its peers (same-stage groups)
 -- @column last_tp, last_dp, last_pp, last_other  that share per group kind
+-- @column xfer_slowdown  median transfer slowdown over its comm-slow steps
+-- @column base_own_ns   median peer baseline of its own time
+-- @column max_z         its largest z_own over its steps
 CREATE OR REPLACE TABLE ms_cache.rank_scores AS
 WITH per_rank AS (
     SELECT rank, 1.4826 * mad(ln(slowdown)) AS s,
@@ -190,6 +200,14 @@ FROM f GROUP BY rank;
 -- of a slow stage): that one is named instead. Not a rank whose TP partners are, in the median,
 -- at least 3/4 as slow as it is: a whole TP group late is a group effect (a straggler's TP
 -- partner, whose spans hold its waits, reads slow too, but clearly less).
+-- @column rank, stage, steps, slow_steps, strict_steps, comm_slow_steps  as in rank_scores
+-- @column median_slowdown, slowdown, xfer_slowdown, ex_*_ns, base_own_ns  as in rank_scores
+-- @column median_ex_recv_ns, median_ex_own_ns, median_ex_spans_ns  as in rank_scores
+-- @column sigma, bsigma, m_own, m_blame, t_spans, blame_ns  as in rank_scores
+-- @column last_arrival_frac, last_z, last_tp, last_dp, last_pp, last_other, max_z  as in rank_scores
+-- @column host, pp, dp, tp  its host and coordinates
+-- @column flag          it passes every test above but the shadow one
+-- @column steps_slow_frac, steps_comm_slow_frac  slow_steps / steps, comm_slow_steps / steps
 -- @column t_own, t_blame, z  the evidence
 -- @column partners_m_own  median m_own of its TP partners (NULL without any)
 -- @column straggler     named

@@ -2,6 +2,7 @@
 
 -- @statement step_times
 -- One row per (rank, step) that has a step span (or, when the run has none, spans in a step).
+-- @column rank, step  the rank and the step
 -- @column start_ns  step start on the reference clock (clock offsets applied)
 -- @column dur_ns    the step span's duration (or the extent of its spans)
 SELECT rank, step, start_ns, coalesce(step_ns, extent_ns) AS dur_ns
@@ -19,6 +20,7 @@ ORDER BY rank, step;
 -- @column rank_lo, rank_hi, step_lo, step_hi  the bin's range
 -- @column value_ns, norm      the worst cell's value and value / peer median (both plus a
 --                             thousandth of the peers' median step)
+-- @column host, pp, dp, tp  the cell's rank's host and coordinates
 WITH v AS (
     SELECT rank, step, stage, {{value}} AS value_ns, coalesce(step_ns, extent_ns) AS step_ns
     FROM ms_cache.rank_step LEFT JOIN {{gaps}} USING (rank, step)
@@ -53,6 +55,7 @@ ORDER BY b.rank_bin, b.step_bin;
 -- Per (rank, step): time inside the step that no span of the rank covers (the union of its
 -- spans, nested and overlapping ones included, subtracted from the step span). A host pause
 -- outside every span (a stall before a collective, a slow launch) shows here and nowhere else.
+-- @column rank, step  the rank and the step
 -- @column gap_ns  uncovered time of the step
 CREATE OR REPLACE TABLE ms_cache.host_gaps AS
 WITH steps AS (
@@ -75,6 +78,9 @@ FROM o GROUP BY rank, step;
 -- @statement step_summary
 -- One row per step: the job's step time (median over ranks of their step span) and how many
 -- ranks finished it.
+-- @column step          the step
+-- @column step_time_ns  median step time over ranks
+-- @column ranks         ranks that finished it
 SELECT step, median(coalesce(step_ns, extent_ns))::BIGINT AS step_time_ns, count(*) AS ranks
 FROM ms_cache.rank_step
 WHERE step_ns IS NOT NULL OR NOT {{has_step_spans}}
@@ -82,4 +88,6 @@ GROUP BY step ORDER BY step;
 
 -- @statement tokens_per_step
 -- Tokens per step from the metrics table (summed over ranks that logged "tokens").
+-- @column step    the step
+-- @column tokens  tokens of the step, summed over ranks
 SELECT step, sum(value) AS tokens FROM metrics WHERE name = 'tokens' GROUP BY step ORDER BY step;

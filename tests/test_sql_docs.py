@@ -1,0 +1,124 @@
+"""Every statement of the SQL modules (``megascope/analysis/sql/*.sql``) documents its output
+columns with ``-- @column`` lines, and the documented names are the columns it really returns.
+
+A statement that returns rows (SELECT, WITH) or creates a table from a query documents every
+column of its result; a ``-- @column a, b, c  text`` line documents several, and ``ex_*_ns``
+stands for a family. Statements that return no rows of their own (INSERT into a documented
+table, CREATE MACRO) document none.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterator
+from importlib import resources
+
+import duckdb
+import pytest
+from conftest import Synth
+
+from megascope import analysis
+from megascope.analysis import _sql
+from megascope.store import open_run
+
+MODULES = sorted(p.name[:-4] for p in resources.files("megascope.analysis").joinpath("sql").iterdir()
+                 if p.name.endswith(".sql"))
+_COLUMN = re.compile(r"^-- @column\s+([\w*]+(?:\s*,\s*[\w*]+)*)", re.MULTILINE)
+_TABLE = re.compile(r"^CREATE\s+(?:OR\s+REPLACE\s+)?(?:TEMP(?:ORARY)?\s+)?(?:TABLE|VIEW)\s+(\S+)\s+AS\b", re.I)
+_NO_ROWS = re.compile(r"^(INSERT|UPDATE|DELETE|DROP|CREATE\s+(?:OR\s+REPLACE\s+)?(?:TEMP\s+)?MACRO)\b", re.I)
+_ROWS = re.compile(r"^(SELECT|WITH|FROM|VALUES)\b", re.I)
+
+
+def _code(text: str) -> str:
+    """A statement without its comment lines."""
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--")).strip()
+
+
+def documented(text: str) -> list[str]:
+    """The column names (or ``*`` patterns) that a statement's ``@column`` lines document."""
+    return [name.strip() for group in _COLUMN.findall(text) for name in group.split(",")]
+
+
+def _all_statements() -> list[tuple[str, str, str]]:
+    return [(module, name, text) for module in MODULES for name, text in _sql.statements(module).items()]
+
+
+def test_the_modules_are_found() -> None:
+    assert {"base", "stragglers", "hang"} <= set(MODULES)
+    assert len(_all_statements()) >= 20
+
+
+@pytest.mark.parametrize("module,name,text", _all_statements(), ids=lambda v: v if "\n" not in v else "")
+def test_every_statement_that_yields_rows_documents_its_columns(module: str, name: str, text: str) -> None:
+    code = _code(text)
+    if _NO_ROWS.match(code):
+        return
+    assert _TABLE.match(code) or _ROWS.match(code), \
+        f"{module}.sql/{name}: neither a query, a table built from one, nor a statement without rows"
+    assert documented(text), f"{module}.sql/{name}: no '-- @column' line for its output"
+
+
+def _undocumented(columns: list[str], names: list[str]) -> list[str]:
+    return [c for c in columns if not any(fnmatch.fnmatchcase(c, n) for n in names)]
+
+
+def _stale(columns: list[str], names: list[str]) -> list[str]:
+    return [n for n in names if not any(fnmatch.fnmatchcase(c, n) for c in columns)]
+
+
+@pytest.fixture(scope="module")
+def executed(synth: Synth, tmp_path_factory: pytest.TempPathFactory,
+             monkeypatch_module: pytest.MonkeyPatch) -> dict[tuple[str, str], list[str]]:
+    """The output columns of every statement that a report and a hang localization execute on a
+    pipelined run with a straggler and a hang, keyed by (module, statement)."""
+    seen: dict[tuple[str, str], list[str]] = {}
+    execute = _sql.execute
+
+    def recording(con: duckdb.DuckDBPyConnection, module: str, name: str, **params: object) -> duckdb.DuckDBPyConnection:
+        result = execute(con, module, name, **params)
+        code = _code(_sql.render(module, name, **params))
+        table = _TABLE.match(code)
+        if table:
+            # A fresh cursor: reading the table must not replace the caller's pending result.
+            seen[(module, name)] = [r[0] for r in con.cursor().execute(f"DESCRIBE {table.group(1)}").fetchall()]
+        elif _ROWS.match(code):
+            seen[(module, name)] = [d[0] for d in result.description or []]
+        return result
+
+    monkeypatch_module.setattr(_sql, "execute", recording)
+    run_dir = synth(tmp_path_factory.mktemp("sqldocs") / "run", "straggler:rank=5,factor=1.3", "hang:rank=9,step=4",
+                    ranks=16, steps=6, tp=2, pp=2, seed=5, gpus_per_host=4)
+    run = open_run(run_dir)
+    analysis.report(run)
+    analysis.localize(run)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module() -> Iterator[pytest.MonkeyPatch]:
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def test_documented_columns_are_the_columns_each_statement_returns(
+        executed: dict[tuple[str, str], list[str]]) -> None:
+    # The report runs the base tables, stragglers, skew and hang modules: most of the statements.
+    assert {("base", "rank_step"), ("stragglers", "candidates"), ("hang", "member_state")} <= set(executed)
+    problems = []
+    for (module, name), columns in sorted(executed.items()):
+        names = documented(_sql.statements(module)[name])
+        if missing := _undocumented(columns, names):
+            problems.append(f"{module}.sql/{name}: undocumented output columns {missing}")
+        if stale := _stale(columns, names):
+            problems.append(f"{module}.sql/{name}: documented but not returned {stale}")
+    assert not problems, "\n".join(problems)
+
+
+def test_column_lines_parse_as_intended() -> None:
+    text = ("-- @column a, b_ns  two columns\n-- @column ex_*_ns excess per kind\n"
+            "-- @column c      one, with a comma in its text\nSELECT 1")
+    assert documented(text) == ["a", "b_ns", "ex_*_ns", "c"]
+    assert _undocumented(["a", "b_ns", "ex_own_ns", "c", "d"], documented(text)) == ["d"]
+    assert _stale(["a", "c"], documented(text)) == ["b_ns", "ex_*_ns"]
+
