@@ -8,26 +8,21 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from conftest import Synth
 
 from megascope.cli import main
-from megascope.inject import parse_injects
-from megascope.synth import SynthConfig, synth_run
 
 
 @pytest.fixture(scope="module")
-def hung_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("cli") / "hung"
-    synth_run(path, SynthConfig(ranks=16, steps=6, tp=2, pp=2, seed=5, gpus_per_host=4,
-                                faults=parse_injects(["straggler:rank=3,factor=1.3", "hang:rank=9,step=4"])))
-    return path
+def hung_run(synth: Synth, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return synth(tmp_path_factory.mktemp("cli") / "hung", "straggler:rank=3,factor=1.3", "hang:rank=9,step=4",
+                 ranks=16, steps=6, tp=2, pp=2, seed=5, gpus_per_host=4)
 
 
 @pytest.fixture(scope="module")
-def slow_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("cli") / "slow"
-    synth_run(path, SynthConfig(ranks=16, steps=6, tp=2, pp=2, seed=5, gpus_per_host=4,
-                                faults=parse_injects(["straggler:rank=3,factor=1.3"])))
-    return path
+def slow_run(synth: Synth, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return synth(tmp_path_factory.mktemp("cli") / "slow", "straggler:rank=3,factor=1.3",
+                 ranks=16, steps=6, tp=2, pp=2, seed=5, gpus_per_host=4)
 
 
 def test_report_json_contract(hung_run: Path, slow_run: Path) -> None:

@@ -6,25 +6,22 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import Synth
 from megascope.dashboard.replay import replay_run
 
 from megascope import analysis, layout
 from megascope.analysis.runstate import decide, run_facts, run_state, thresholds
-from megascope.inject import parse_injects
 from megascope.store import open_run
-from megascope.synth import SynthConfig, synth_run
 
 S = 1_000_000_000
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def runs(synth: Synth, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("state")
     out = {}
     for name, specs in (("healthy", []), ("hang", ["hang:rank=6,step=5"])):
-        synth_run(root / name, SynthConfig(ranks=8, steps=8, tp=2, pp=2, gpus_per_host=4, seed=5,
-                                           faults=parse_injects(specs)))
-        out[name] = root / name
+        out[name] = synth(root / name, *specs, ranks=8, steps=8, tp=2, pp=2, gpus_per_host=4, seed=5)
     # A live job that wrote three of its eight steps so far (times shifted to now).
     replay_run(out["healthy"], root / "partial", step_interval_s=0.0, max_steps=3)
     out["partial"] = root / "partial"

@@ -8,19 +8,17 @@ import socket
 from pathlib import Path
 
 import pytest
+from conftest import Synth
 from megascope.dashboard.app import create_app
 from megascope.dashboard.security import check_bind
 from safety import assert_one_line_error, megascope
 
 from megascope.errors import ConfigError
-from megascope.synth import SynthConfig, synth_run
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("serve") / "run"
-    synth_run(out, SynthConfig(ranks=4, steps=3, tp=2, seed=2))
-    return out
+def run_dir(synth: Synth, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return synth(tmp_path_factory.mktemp("serve") / "run", ranks=4, steps=3, tp=2, seed=2)
 
 
 @pytest.mark.parametrize("host_header,allowed", [
