@@ -7,8 +7,8 @@ for the Perfetto export is >= 1M spans/s on a 2-core machine, with memory flat i
 On a shared machine, compare only within one call: ``--baseline-src DIR`` (a checkout of another
 version's source tree, e.g. ``git archive COMMIT megascope | tar -x -C DIR``) runs that version's
 export on the same runs, interleaved with this one, ``--repeats`` times each; the table gives mean
-and p90 wall time, and the ratio of means against the baseline. ``--clocks none`` exports host
-clocks as recorded (no clock-offset analysis), ``analysis`` (default) as ``megascope export`` does.
+and p90 wall time, and the ratio of means against the baseline. ``--clock raw`` exports host
+clocks as recorded (no clock-offset estimate), ``estimated`` (default) as ``megascope export`` does.
 
     python bench/export_speed.py                       # 256 and 1,024 ranks, 10 steps, tp=8 pp=8
     python bench/export_speed.py --runs 1024x20 12288x10 --formats perfetto --repeats 3 \\
@@ -28,18 +28,18 @@ from pathlib import Path
 
 _CHILD = r"""
 import json, resource, sys, time
-fmt, run_dir, out, clocks = sys.argv[1:5]
-if clocks == "none":
-    from megascope import analysis
-    if hasattr(analysis, "clock_offsets"):
-        del analysis.clock_offsets
+fmt, run_dir, out, clock = sys.argv[1:5]
 from megascope.export import export_chrome, export_perfetto
 from megascope.store import open_run
 began = time.perf_counter()
 run = open_run(run_dir)
 opened = time.perf_counter() - began
 began, cpu = time.perf_counter(), time.process_time()
-stats = (export_perfetto if fmt == "perfetto" else export_chrome)(run, out)
+export = export_perfetto if fmt == "perfetto" else export_chrome
+try:
+    stats = export(run, out, clock=clock)
+except TypeError:  # a baseline from before the clock argument
+    stats = export(run, out, correct_clocks=clock == "estimated")
 seconds, cpu = time.perf_counter() - began, time.process_time() - cpu
 print(json.dumps({"spans": stats.spans, "bytes": stats.bytes, "seconds": seconds, "cpu": cpu, "open_s": opened,
                   "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
@@ -79,7 +79,7 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=8)
     parser.add_argument("--formats", nargs="+", default=["perfetto", "chrome"], choices=["perfetto", "chrome"])
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--clocks", choices=["analysis", "none"], default="analysis")
+    parser.add_argument("--clock", choices=["estimated", "raw"], default="estimated")
     parser.add_argument("--baseline-src", type=Path, default=None, help="Source tree of the version to compare with.")
     parser.add_argument("--workdir", type=Path, default=None, help="Keep runs here (reused).")
     args = parser.parse_args()
@@ -98,10 +98,10 @@ def main() -> None:
             for fmt in args.formats:
                 for name, src in variants:  # interleaved: a load change hits both alike
                     out = workdir / f"{run_dir.name}.{name}.{'pftrace' if fmt == 'perfetto' else 'json'}"
-                    results.setdefault((spec, fmt, name), []).append(_export(src, fmt, run_dir, out, args.clocks))
+                    results.setdefault((spec, fmt, name), []).append(_export(src, fmt, run_dir, out, args.clock))
 
     print(f"load average (1, 5, 15 min) at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
-          f"clocks: {args.clocks}; repeats: {args.repeats}")
+          f"clock: {args.clock}; repeats: {args.repeats}")
     print("| ranks x steps | format | version | spans | output | wall s mean / p90 | CPU s mean | open_run s | "
           "spans/s (wall, mean) | spans per CPU-s | peak RSS | wall vs baseline |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

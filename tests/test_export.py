@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import io
+import json
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
 
+from megascope.cli import main
 from megascope.errors import ConfigError
 from megascope.export import export_perfetto
 from megascope.export.protowire import Const, Fixed64, Message, Varint, encode
@@ -20,14 +23,6 @@ from megascope.store import open_run
 from megascope.synth import SynthConfig, synth_run
 
 STRAGGLER = 5
-
-
-@pytest.fixture(autouse=True)
-def host_clocks_as_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Exact-time checks compare with the recorded clocks: no analysis offsets unless a test sets them."""
-    from megascope import analysis
-
-    monkeypatch.delattr(analysis, "clock_offsets", raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +100,9 @@ class Decoded:
 
 
 def _export(run_dir: Path, **kwargs: Any) -> Decoded:
+    """Exact-time checks compare with the recorded clocks: ``clock="raw"`` unless a test asks."""
     buf = io.BytesIO()
-    export_perfetto(run_dir, buf, **kwargs)
+    export_perfetto(run_dir, buf, **{"clock": "raw", **kwargs})
     return Decoded(buf.getvalue())
 
 
@@ -187,7 +183,7 @@ def test_same_run_same_bytes(run_dir: Path) -> None:
     outputs = []
     for _ in range(2):
         buf = io.BytesIO()
-        export_perfetto(run_dir, buf, chunk_rows=300)  # several chunks
+        export_perfetto(run_dir, buf, chunk_rows=300, clock="raw")  # several chunks
         outputs.append(buf.getvalue())
     assert outputs[0] == outputs[1]
     # chunking changes the packing, never the content
@@ -224,27 +220,72 @@ def test_around_stragglers_keeps_the_straggler_and_who_waits_for_it(run_dir: Pat
     assert proc[STRAGGLER].endswith("straggler")
 
 
-def test_clock_offsets_from_the_analysis_are_applied_and_stated(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_estimated_clock_offsets_are_applied_and_stated(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import pandas as pd
 
-    import megascope.analysis as analysis
+    from megascope.export import selection
 
     hosts = sorted({r["host"] for r in open_run(run_dir).con.sql("SELECT host FROM ranks").to_arrow_table().to_pylist()})
     offsets = {h: (i + 1) * 1_000_000 for i, h in enumerate(hosts)}
     frame = pd.DataFrame({"host": hosts, "offset_ns": [offsets[h] for h in hosts], "error_ns": 5_000, "samples": 10})
-    monkeypatch.setattr(analysis, "clock_offsets", lambda con: frame, raising=False)
-    trace = _export(run_dir, ranks=[0, 15])
+    monkeypatch.setattr(selection, "estimate_clock_offsets", lambda con: frame)
+    trace = _export(run_dir, ranks=[0, 15], clock="estimated")
     host_of = {r["rank"]: r["host"] for r in open_run(run_dir).con.sql("SELECT * FROM ranks").to_arrow_table().to_pylist()}
     want = Counter((s["rank"], s["start_ns"] + offsets[host_of[s["rank"]]] + trace.shift)
                    for s in _spans(run_dir, "rank IN (0, 15)"))
     assert Counter((trace.rank_of(sl["track"]), sl["ts"]) for sl in trace.slices) == want
-    assert trace.metadata["megascope.clock_correction"].startswith("analysis")
+    assert trace.metadata["megascope.clock_correction"].startswith("estimated")
     assert str(offsets[hosts[-1]]) in trace.metadata["megascope.clock_offsets_ns"]
 
 
-def test_uncorrected_clocks_are_stated(run_dir: Path) -> None:
+def test_raw_clocks_are_stated(run_dir: Path) -> None:
     trace = _export(run_dir, ranks=[0])
-    assert trace.metadata["megascope.clock_correction"].startswith("none")
+    assert trace.metadata["megascope.clock_correction"].startswith("raw")
+    assert trace.metadata["megascope.clock_offsets_ns"] == "{}"
+
+
+def test_the_export_estimates_the_offsets_the_analysis_does(tmp_path: Path) -> None:
+    """The offsets-only estimate gives the analysis' offsets, on a fresh run and from built base tables."""
+    from megascope import analysis
+    from megascope.analysis.base import estimate_clock_offsets
+
+    out = tmp_path / "run"
+    synth_run(out, SynthConfig(ranks=32, steps=4, tp=2, pp=2, gpus_per_host=4, seed=11))
+    alone = estimate_clock_offsets(open_run(out).con)
+    run = open_run(out)
+    full = analysis.clock_offsets(run.con)
+    assert alone["host"].tolist() == full["host"].tolist()
+    assert alone["offset_ns"].tolist() == full["offset_ns"].tolist()
+    assert estimate_clock_offsets(run.con)["offset_ns"].tolist() == full["offset_ns"].tolist()  # read back
+    truth = run.meta.config["synth"]["clock_offsets_ns"]
+    ref = truth[alone["host"][0]]
+    for host, offset in zip(alone["host"], alone["offset_ns"], strict=True):
+        assert abs(offset - (ref - truth[host])) < 1_000_000
+
+
+def test_a_failed_clock_estimate_is_one_line_naming_the_raw_clock(run_dir: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import duckdb
+
+    from megascope.errors import ExportError
+    from megascope.export import selection
+
+    def broken(con: Any) -> Any:
+        raise duckdb.IOException("IO Error: cannot read part-7.parquet\nmore detail")
+
+    monkeypatch.setattr(selection, "estimate_clock_offsets", broken)
+    with pytest.raises(ExportError, match="--clock raw") as info:
+        export_perfetto(run_dir, io.BytesIO())
+    assert "\n" not in str(info.value) and "part-7" in str(info.value)
+    out = tmp_path / "t.pftrace"
+    result = CliRunner().invoke(main, ["export", "perfetto", str(run_dir), "-o", str(out)])
+    assert result.exit_code == 1 and result.stderr.startswith("Error: ") and len(result.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+    result = CliRunner().invoke(main, ["export", "perfetto", str(run_dir), "-o", str(out), "--clock", "raw", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["clock_correction"].startswith("raw")
+    with pytest.raises(ConfigError, match="unknown clock"):
+        export_perfetto(run_dir, io.BytesIO(), clock="wrong")
 
 
 def test_step_time_counters_match_step_spans(run_dir: Path) -> None:
@@ -299,17 +340,13 @@ def test_file_output_is_atomic_and_errors_are_export_errors(run_dir: Path, tmp_p
         export_perfetto(run_dir, tmp_path / "missing" / "t.pftrace")
 
 
-def test_single_host_run_exports_with_analysis_offsets(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """One host: the analysis has no offset error to give (NA); the export still states its clocks."""
-    from megascope import analysis
-    from megascope.analysis.report import clock_offsets
-
-    monkeypatch.setattr(analysis, "clock_offsets", clock_offsets, raising=False)
+def test_single_host_run_exports_with_estimated_offsets(tmp_path: Path) -> None:
+    """One host: the estimate has no offset error to give (NA); the export still states its clocks."""
     out = tmp_path / "one-host"
     synth_run(out, SynthConfig(ranks=4, steps=2, tp=2, gpus_per_host=8))
-    trace = _export(out)
+    trace = _export(out, clock="estimated")
     assert trace.slices
-    assert trace.metadata["megascope.clock_correction"].startswith("analysis")
+    assert trace.metadata["megascope.clock_correction"].startswith("estimated")
 
 
 def test_prefetch_keeps_order_and_raises_the_producers_error() -> None:
@@ -351,15 +388,15 @@ def test_background_writer_keeps_byte_order_and_reports_a_failed_write() -> None
         failing.close()
 
 
-def test_uncorrected_export_on_request_states_it(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from megascope import analysis
+def test_raw_clock_estimates_nothing(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from megascope.export import selection
 
     def must_not_run(con: Any) -> Any:
         raise AssertionError("clock offsets estimated although not requested")
 
-    monkeypatch.setattr(analysis, "clock_offsets", must_not_run, raising=False)
-    trace = _export(run_dir, correct_clocks=False, steps=(1, 1))
-    assert trace.metadata["megascope.clock_correction"].startswith("none (not requested")
+    monkeypatch.setattr(selection, "estimate_clock_offsets", must_not_run)
+    trace = _export(run_dir, clock="raw", steps=(1, 1))
+    assert trace.metadata["megascope.clock_correction"].startswith("raw (")
     want = Counter((s["rank"], s["start_ns"]) for s in _spans(run_dir, "step = 1"))
     assert Counter((trace.rank_of(s["track"]), s["ts"] - trace.shift) for s in trace.slices) == want
 

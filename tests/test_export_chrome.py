@@ -19,14 +19,6 @@ from megascope.store import open_run
 from megascope.synth import SynthConfig, synth_run
 
 
-@pytest.fixture(autouse=True)
-def host_clocks_as_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Exact-time checks compare with the recorded clocks: no analysis offsets unless a test sets them."""
-    from megascope import analysis
-
-    monkeypatch.delattr(analysis, "clock_offsets", raising=False)
-
-
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("chrome") / "run"
@@ -48,7 +40,7 @@ def _ns(micros: float) -> int:
 
 def test_chrome_json_has_every_span_with_exact_times(run_dir: Path) -> None:
     buf = io.BytesIO()
-    stats = export_chrome(run_dir, buf)
+    stats = export_chrome(run_dir, buf, clock="raw")  # exact times: the host clocks as recorded
     doc = _load(buf.getvalue())
     shift = doc["otherData"]["megascope"]["time_shift_ns"]
     base = doc["baseTimeNanoseconds"]  # ts is relative to it, as in Kineto traces
@@ -61,6 +53,7 @@ def test_chrome_json_has_every_span_with_exact_times(run_dir: Path) -> None:
     assert {"group", "seq", "op", "bytes", "step"} <= set(comm["args"])
     names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"}
     assert names[1].startswith("rank 0 · ")
+    assert doc["otherData"]["megascope"]["clock_correction"].startswith("raw")
 
 
 def test_chrome_flows_pair_each_send_with_its_receive(run_dir: Path) -> None:

@@ -162,6 +162,36 @@ def _estimate_offsets(con: duckdb.DuckDBPyConnection, steps: list[int]) -> pd.Da
     return offsets
 
 
+def estimate_clock_offsets(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
+    """Per host: host, offset_ns, error_ns (NULL without samples), samples, as :func:`prepare`
+    estimates them, without building the other base tables (an export needs only the offsets).
+
+    Read from the base tables where they are current; otherwise estimated from the sampled
+    ranks' communication alone (``rank_info`` and ``clock_samples``), the host pairs taken in a
+    fixed order so that the same spans give the same offsets however the run is stored. The base
+    tables are not marked built: the next :func:`prepare` builds them as before.
+    """
+    con.execute("SET enable_progress_bar = false")
+    query = "SELECT host, offset_ns, error_ns, samples FROM ms_cache.clock_offsets ORDER BY host"
+    with _sql.build_lock():
+        _sql.ensure_schema(con)
+        if _sql.cache_is_fresh(con, "base"):
+            return con.execute(query).df()
+        _sql.execute(con, "base", "rank_info")
+        ranks = _clock_ranks(con)
+        _sql.execute(con, "base", "clock_samples", steps=_clock_sample_steps(_steps(con), CLOCK_SAMPLE_STEPS) or [-1],
+                     ranks=_sql.Raw(", ".join(map(str, ranks)) or "NULL"))
+        hosts = [h for (h,) in con.execute(
+            "SELECT host FROM ms_cache.rank_info GROUP BY host ORDER BY min(rank)").fetchall()]
+        pairs = _sql.query_df(con, "base", "clock_pairs").sort_values(["host", "ref_host"], ignore_index=True)
+        con.execute("DROP TABLE IF EXISTS ms_cache.clock_samples")
+        offsets = solve_offsets(hosts, pairs)
+        return offsets.assign(
+            offset_ns=offsets["offset_ns"].round().astype("int64"),
+            error_ns=np.ceil(offsets["error_ns"]).astype("Int64"),
+        ).sort_values("host", ignore_index=True)
+
+
 def _steps(con: duckdb.DuckDBPyConnection) -> list[int]:
     """The run's steps, read from one rank's partition (the lowest rank with spans)."""
     for (rank,) in con.execute("SELECT rank FROM ms_cache.rank_info ORDER BY rank LIMIT 4").fetchall():

@@ -19,6 +19,9 @@ def _selection_options(func: Callable[..., Any]) -> Callable[..., Any]:
                      help="Seconds since the run's first span; keeps spans that overlap, e.g. 12.5:14."),
         click.option("--around-stragglers", is_flag=True,
                      help="Keep only the stragglers and the peers they make wait."),
+        click.option("--clock", type=click.Choice(["estimated", "raw"]), default="estimated", show_default=True,
+                     help="estimated: add each host's clock offset, estimated from the collectives "
+                          "(an estimate that fails is an error); raw: host clocks as recorded."),
         json_option,
     ]
     for option in reversed(options):
@@ -31,7 +34,7 @@ force_option = click.option("--force", is_flag=True,
 
 
 def _run_export(kind: str, run_dir: Path, out: Path, ranks: str | None, steps: str | None, window: str | None,
-                around_stragglers: bool, as_json: bool, force: bool, **extra: Any) -> None:
+                around_stragglers: bool, clock: str, as_json: bool, force: bool, **extra: Any) -> None:
     from megascope import layout
     from megascope.export import export_chrome, export_perfetto
     from megascope.export.selection import parse_ranks, parse_steps, parse_window, window_from_seconds
@@ -51,7 +54,7 @@ def _run_export(kind: str, run_dir: Path, out: Path, ranks: str | None, steps: s
     window_ns = window_from_seconds(run, *seconds) if seconds else None
     export = export_perfetto if kind == "perfetto" else export_chrome
     stats = export(run, out, ranks=rank_list, steps=step_range, window=window_ns,
-                   around_stragglers=around_stragglers, **extra)
+                   around_stragglers=around_stragglers, clock=clock, **extra)
     if as_json:
         echo_json({"out": str(out), **stats.to_json()})
     else:
@@ -71,9 +74,9 @@ def export() -> None:
 @_selection_options
 @force_option
 def perfetto(run_dir: Path, out: Path, ranks: str | None, steps: str | None, window: str | None,
-             around_stragglers: bool, as_json: bool, force: bool) -> None:
+             around_stragglers: bool, clock: str, as_json: bool, force: bool) -> None:
     """Perfetto protobuf trace: a process per rank, flows across ranks, corrected clocks."""
-    _run_export("perfetto", run_dir, out, ranks, steps, window, around_stragglers, as_json, force)
+    _run_export("perfetto", run_dir, out, ranks, steps, window, around_stragglers, clock, as_json, force)
 
 
 @export.command()
@@ -84,9 +87,9 @@ def perfetto(run_dir: Path, out: Path, ranks: str | None, steps: str | None, win
 @_selection_options
 @force_option
 def chrome(run_dir: Path, out: Path, ranks: str | None, steps: str | None, window: str | None,
-           around_stragglers: bool, as_json: bool, split_ranks: bool, force: bool) -> None:
+           around_stragglers: bool, clock: str, as_json: bool, split_ranks: bool, force: bool) -> None:
     """Chrome trace-event JSON (for HTA and chrome://tracing)."""
-    _run_export("chrome", run_dir, out, ranks, steps, window, around_stragglers, as_json, force,
+    _run_export("chrome", run_dir, out, ranks, steps, window, around_stragglers, clock, as_json, force,
                 split_ranks=split_ranks)
 
 

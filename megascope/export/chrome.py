@@ -202,15 +202,17 @@ def export_chrome(
     around_stragglers: bool = False,
     split_ranks: bool = False,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    clock: str = "estimated",
 ) -> ExportStats:
     """Write ``run`` (or the selected part) as Chrome trace-event JSON.
 
     Same selection arguments as :func:`megascope.export.export_perfetto`. With ``split_ranks``,
-    ``out`` is a directory that receives ``rank-00017.json`` per rank (for HTA).
+    ``out`` is a directory that receives ``rank-00017.json`` per rank (for HTA). ``clock``:
+    ``"estimated"`` (host clock offsets added) or ``"raw"`` (host clocks as recorded).
     """
     began = time.perf_counter()
     run = as_run(run)
-    resolved = resolve(run, make_selection(ranks, steps, window, around_stragglers))
+    resolved = resolve(run, make_selection(ranks, steps, window, around_stragglers), clock=clock)
     stats = ExportStats(format="chrome", clock_correction=resolved.clock_source,
                         selection=resolved.selection.describe(), stragglers=resolved.stragglers)
     writer = _ChromeWriter(run, resolved, stats)

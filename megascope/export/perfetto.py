@@ -14,8 +14,9 @@ dashboard's "download this selection" call :func:`export_perfetto`. What the tra
   heartbeat metric (GPU, host, NIC) under its rank or host;
 * trace metadata (Info and stats): run id, selection, clock correction and the offsets used.
 
-Times are host wall-clock epoch ns plus the host's clock offset from
-``megascope.analysis.clock_offsets`` when it is available (zero otherwise, and the metadata says so).
+Times are host wall-clock epoch ns plus the host's estimated clock offset
+(``megascope.analysis.base.estimate_clock_offsets``), or as recorded with ``clock="raw"``; the
+metadata says which.
 
 Low-volume packets (descriptors, interned strings, metadata) go through the ``perfetto`` package's
 ``StreamingTraceProtoBuilder``; the per-span packets through :mod:`megascope.export.protowire`,
@@ -470,20 +471,21 @@ def export_perfetto(
     window: tuple[int, int] | None = None,
     around_stragglers: bool = False,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
-    correct_clocks: bool = True,
+    clock: str = "estimated",
 ) -> ExportStats:
     """Write ``run`` (or the selected part) as a Perfetto protobuf trace to ``out``.
 
     ``ranks``: ranks to keep; ``steps``: inclusive ``(first, last)``; ``window``: ``(start_ns,
     end_ns)`` in corrected epoch ns, keeping spans that overlap it; ``around_stragglers``: keep only
-    the stragglers and the peers they make wait; ``correct_clocks=False``: host clocks as
-    recorded, without the analysis' offset estimate. ``out`` is a path (written atomically) or a
+    the stragglers and the peers they make wait; ``clock``: ``"estimated"`` adds each
+    host's estimated clock offset (an estimate that fails is an error), ``"raw"`` keeps the host
+    clocks as recorded. ``out`` is a path (written atomically) or a
     binary stream. Memory follows ``chunk_rows`` spans, not the run: the scan runs one chunk
     ahead of the encoding and the writes a bounded queue behind it.
     """
     began = time.perf_counter()
     run = as_run(run)
-    resolved = resolve(run, make_selection(ranks, steps, window, around_stragglers), correct_clocks=correct_clocks)
+    resolved = resolve(run, make_selection(ranks, steps, window, around_stragglers), clock=clock)
     stats = ExportStats(format="perfetto", clock_correction=resolved.clock_source,
                         selection=resolved.selection.describe(), stragglers=resolved.stragglers)
     with output_stream(out) as stream:

@@ -4,9 +4,10 @@ Role in the data flow: both exporters (Perfetto and Chrome JSON) and the dashboa
 selection" turn their options into a :class:`Selection`, then :func:`resolve` it against an opened
 run: which ranks, which steps, which time window (in corrected time), and the per-rank clock offset.
 
-Clock offsets come from ``megascope.analysis.clock_offsets(con)`` (one row per host: ``offset_ns``
-to add to that host's times). When the analysis is not installed or fails, offsets are zero and the
-export says so in its metadata; the trace never silently mixes corrected and raw clocks.
+The clock is chosen explicitly: ``"estimated"`` (the default) adds each host's offset from
+``megascope.analysis.base.estimate_clock_offsets`` (the analysis' estimate, without its other base
+tables), and an estimate that fails stops the export with one line naming ``--clock raw``;
+``"raw"`` keeps the host clocks as recorded. The metadata of every export states which.
 
 Example::
 
@@ -22,10 +23,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import duckdb
 import numpy as np
 import numpy.typing as npt
 import pandas as pd
 
+from megascope.analysis.base import estimate_clock_offsets
 from megascope.errors import ConfigError, ExportError
 from megascope.store import Run
 
@@ -133,7 +136,7 @@ class Resolved:
     window: tuple[int, int] | None  # corrected ns
     rank_offsets_ns: npt.NDArray[np.int64]  # indexed by rank, 0 for unknown ranks
     host_offsets: dict[str, tuple[int, int | None]]  # host -> (offset_ns, error_ns)
-    clock_source: str  # "analysis" or "none"
+    clock_source: str  # CLOCK_ESTIMATED or CLOCK_RAW
     shift_ns: int = 0  # added to every time (already inside rank_offsets_ns) so none is negative
     stragglers: list[int] = field(default_factory=list)
     selection: Selection = field(default_factory=Selection)
@@ -165,25 +168,25 @@ class Resolved:
         }
 
 
-def _clock_offsets(run: Run) -> tuple[dict[str, tuple[int, int | None]], str]:
+CLOCKS = ("estimated", "raw")
+CLOCK_ESTIMATED = "estimated (host offsets from collective completions)"
+CLOCK_RAW = "raw (host clocks as recorded)"
+
+
+def _clock_offsets(run: Run) -> dict[str, tuple[int, int | None]]:
+    """Each host's estimated offset and error bound; a failure is an :class:`ExportError`."""
     try:
-        from megascope.analysis import clock_offsets  # type: ignore[attr-defined]
-    except ImportError:
-        log.info("megascope.analysis.clock_offsets not available; exporting uncorrected host clocks")
-        return {}, "none (analysis not available; host clocks as recorded)"
-    try:
-        frame = clock_offsets(run.cursor())
-    except Exception as exc:  # the analysis is optional here: a failure must not stop the export
-        log.warning("clock offset estimation failed (%s); exporting uncorrected host clocks", exc)
-        return {}, f"none (estimation failed: {exc}; host clocks as recorded)"
+        frame = estimate_clock_offsets(run.cursor())
+    except (duckdb.Error, np.linalg.LinAlgError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ExportError(f"{run.path}: cannot estimate the hosts' clock offsets ({first_line}); "
+                          "--clock raw exports the host clocks as recorded") from None
     offsets: dict[str, tuple[int, int | None]] = {}
-    for row in frame.itertuples(index=False):
-        offset = getattr(row, "offset_ns", None)
+    for host, offset, error in zip(frame["host"], frame["offset_ns"], frame["error_ns"], strict=True):
         if offset is None or pd.isna(offset):  # host without an estimate
             continue
-        error = getattr(row, "error_ns", None)
-        offsets[str(row.host)] = (int(offset), None if error is None or pd.isna(error) else int(error))
-    return offsets, "analysis (megascope.analysis.clock_offsets)"
+        offsets[str(host)] = (int(offset), None if error is None or pd.isna(error) else int(error))
+    return offsets
 
 
 def _run_start_ns(run: Run) -> int:
@@ -226,20 +229,23 @@ def _time_shift(run: Run, rank_offsets: npt.NDArray[np.int64]) -> int:
     return max(0, -min(corrected)) if corrected else 0
 
 
-def resolve(run: Run, selection: Selection, *, correct_clocks: bool = True) -> Resolved:
+def resolve(run: Run, selection: Selection, *, clock: str = "estimated") -> Resolved:
     """Make ``selection`` concrete for ``run``: ranks, offsets and (if asked) the stragglers.
 
-    ``correct_clocks=False`` keeps the host clocks as recorded (and says so) without estimating
-    the offsets, which costs a pass of the analysis over the run's collectives.
+    ``clock="estimated"`` adds each host's clock offset, estimated from the completions of the
+    collectives its ranks share with other hosts (a sample of steps and ranks; an estimate that
+    fails is an :class:`ExportError`); ``clock="raw"`` keeps the host clocks as recorded and says so.
     """
+    if clock not in CLOCKS:
+        raise ConfigError(f"unknown clock {clock!r}: expected one of {', '.join(CLOCKS)}")
     cur = run.cursor()
     rank_rows = cur.execute("SELECT rank, host, pp, dp, tp FROM ranks ORDER BY rank").fetchall()
     host_rows = [(r, h) for r, h, *_ in rank_rows]
     known = _ranks_with_spans(run) | {int(r) for r, _ in host_rows}
-    if correct_clocks:
-        host_offsets, source = _clock_offsets(run)
+    if clock == "estimated":
+        host_offsets, source = _clock_offsets(run), CLOCK_ESTIMATED
     else:
-        host_offsets, source = {}, "none (not requested; host clocks as recorded)"
+        host_offsets, source = {}, CLOCK_RAW
     size = max([*known, run.meta.world_size - 1, 0]) + 1
     rank_offsets = np.zeros(size, dtype=np.int64)
     for rank, host in host_rows:
