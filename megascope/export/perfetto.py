@@ -32,13 +32,14 @@ Example::
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -50,7 +51,7 @@ from perfetto.trace_builder.proto_builder import StreamingTraceProtoBuilder
 from megascope.export import perfetto_layouts as lay
 from megascope.export.common import ExportStats, as_run, make_selection, output_stream
 from megascope.export.overlap import BackgroundWriter, prefetch
-from megascope.export.protowire import encode
+from megascope.export.protowire import Node, encode, varint_width
 from megascope.export.selection import Resolved, resolve
 from megascope.export.source import DEFAULT_CHUNK_ROWS, SpanChunk, iter_span_chunks
 from megascope.export.tracks import (
@@ -105,45 +106,67 @@ def p2p_flow_ids(sender: I64, receiver: I64, seq: I64) -> U64:
 
 
 class _Interner:
-    """Per-sequence interning tables; new entries go out in one InternedData packet per chunk."""
+    """Per-sequence interning tables. A value gets its iid where the lowest rank that uses it is
+    written (iids in the order (that rank, value)), and goes out in one InternedData packet just
+    before that rank's events: the same spans give the same packets however they are chunked."""
+
+    TABLES = ("names", "categories", "strings")
 
     def __init__(self) -> None:
-        self.tables: dict[str, dict[str, int]] = {"names": {}, "categories": {}, "strings": {}}
-        self.pending: dict[str, list[tuple[int, str]]] = {k: [] for k in self.tables}
+        self.tables: dict[str, dict[str, int]] = {k: {} for k in self.TABLES}
+        self.pending: dict[int, list[tuple[str, int, str]]] = {}  # rank -> (table, iid, value)
 
-    def iids(self, table: str, values: list[str | None]) -> U64:
-        """iid per dictionary value (0 for null)."""
+    def iids(self, table: str, columns: list[tuple[list[str | None], I64]], ranks: I64) -> list[U64]:
+        """Per column (dictionary values, per-span codes with -1 for null): the iid of each
+        dictionary value (0 for null or unused ones). ``ranks`` per span say which rank uses a
+        value first; the columns of one table are numbered together."""
         known = self.tables[table]
-        out = np.zeros(len(values), dtype=np.uint64)
-        for i, value in enumerate(values):
-            if value is None:
+        never = np.iinfo(np.int64).max
+        first_use: dict[str, int] = {}
+        for values, codes in columns:
+            if all(v is None or v in known for v in values):
                 continue
-            iid = known.get(value)
-            if iid is None:
-                iid = known[value] = len(known) + 1
-                self.pending[table].append((iid, value))
-            out[i] = iid
-        return out
+            first = np.full(len(values), never, dtype=np.int64)
+            used = codes >= 0
+            np.minimum.at(first, codes[used], ranks[used])
+            for value, rank in zip(values, first.tolist(), strict=True):
+                if value is not None and value not in known and rank != never:
+                    first_use[value] = min(rank, first_use.get(value, never))
+        for value in sorted(first_use, key=lambda v: (first_use[v], v)):
+            iid = known[value] = len(known) + 1
+            self.pending.setdefault(first_use[value], []).append((table, iid, value))
+        return [np.array([0 if v is None else known.get(v, 0) for v in values], dtype=np.uint64)
+                for values, _ in columns]
 
-    def flush(self, builder: StreamingTraceProtoBuilder, *, first: bool = False) -> None:
-        if not first and not any(self.pending.values()):
+    def write_header(self, builder: StreamingTraceProtoBuilder) -> None:
+        packet = builder.create_packet()
+        packet.trusted_packet_sequence_id = lay.SEQUENCE_ID
+        packet.sequence_flags = lay.SEQ_INCREMENTAL_STATE_CLEARED
+        packet.first_packet_on_sequence = True
+        for name, iid, _ in lay.ANNOTATIONS:
+            packet.interned_data.debug_annotation_names.add(iid=iid, name=name)
+        builder.write_packet(packet)
+
+    def flush(self, builder: StreamingTraceProtoBuilder, rank: int) -> None:
+        """The values first used by ``rank``, if any."""
+        entries = self.pending.pop(rank, None)
+        if not entries:
             return
         packet = builder.create_packet()
         packet.trusted_packet_sequence_id = lay.SEQUENCE_ID
-        packet.sequence_flags = lay.SEQ_INCREMENTAL_STATE_CLEARED if first else lay.SEQ_NEEDS_INCREMENTAL_STATE
+        packet.sequence_flags = lay.SEQ_NEEDS_INCREMENTAL_STATE
         interned = packet.interned_data
-        if first:
-            packet.first_packet_on_sequence = True
-            for name, iid, _ in lay.ANNOTATIONS:
-                interned.debug_annotation_names.add(iid=iid, name=name)
-        for iid, name in self.pending["names"]:
-            interned.event_names.add(iid=iid, name=name)
-        for iid, name in self.pending["categories"]:
-            interned.event_categories.add(iid=iid, name=name)
-        for iid, text in self.pending["strings"]:
-            interned.debug_annotation_string_values.add(iid=iid, str=text.encode())
+        for table in self.TABLES:
+            for kind, iid, value in entries:
+                if kind != table:
+                    continue
+                if table == "names":
+                    interned.event_names.add(iid=iid, name=value)
+                elif table == "categories":
+                    interned.event_categories.add(iid=iid, name=value)
+                else:
+                    interned.debug_annotation_string_values.add(iid=iid, str=value.encode())
         builder.write_packet(packet)
-        self.pending = {k: [] for k in self.tables}
 
 
 class _PerfettoWriter:
@@ -168,7 +191,7 @@ class _PerfettoWriter:
         return packet
 
     def write_header(self) -> None:
-        self.interner.flush(self.builder, first=True)
+        self.interner.write_header(self.builder)
         meta = self.run.meta
         packet = self._packet()
         bundle = packet.chrome_events
@@ -236,8 +259,8 @@ class _PerfettoWriter:
         self.tracks_written.add(uuid)
         self.stats.tracks += 1
 
-    def _stream_tracks(self, uuids: U64) -> None:
-        for uuid in np.unique(uuids).tolist():
+    def _stream_tracks(self, uuids: list[int]) -> None:
+        for uuid in uuids:
             if uuid in self.tracks_written:
                 continue
             rank, code, lane = (uuid >> 24) - 1, (uuid >> 8) & 0xFFFF, uuid & 0xFF
@@ -258,27 +281,41 @@ class _PerfettoWriter:
         return out
 
     def write_chunk(self, chunk: SpanChunk) -> None:
+        """The chunk's spans, rank by rank: each rank's new track descriptors and interned strings,
+        its begin/end events, its step-time counter. Nothing depends on where the chunks are cut
+        or on the order the spans came in, so a run gives the same bytes however it is stored."""
         n = len(chunk)
+        if n == 0:
+            return
+        rank = chunk.rank
         stream_idx, stream_dict = chunk.codes("stream")
         codes_of_dict = np.array([stream_code(s or "") for s in stream_dict], dtype=np.int64)
         for s, c in zip(stream_dict, codes_of_dict.tolist(), strict=True):
             self.stream_names.setdefault(c, s or "")
         start = chunk.start_ns
         end = start + chunk.dur_ns
-        track, span_index, is_end = assign_lanes(track_base(chunk.rank, codes_of_dict[stream_idx]), start, end)
-        self._stream_tracks(track)
-
         name_idx, name_dict = chunk.codes("name")
         kind_idx, kind_dict = chunk.codes("kind")
-        name_iid = self.interner.iids("names", name_dict)[name_idx]
-        kind_iid = self.interner.iids("categories", kind_dict)[kind_idx]
         group_idx, group_dict = chunk.codes("group")
         op_idx, op_dict = chunk.codes("op")
-        strings = {
-            "group": (self.interner.iids("strings", group_dict)[group_idx], group_idx >= 0),
-            "op": (self.interner.iids("strings", op_dict)[op_idx], op_idx >= 0),
-        }
-        self.interner.flush(self.builder)
+
+        def tiebreak(spans: I64) -> list[I64]:
+            """What tells apart spans of one track with the same start and end: every field the
+            begin event carries, strings by value rather than by their place in the chunk."""
+            keys = [_value_order(idx[spans], values) for idx, values in
+                    ((name_idx, name_dict), (kind_idx, kind_dict), (group_idx, group_dict), (op_idx, op_dict))]
+            for column in ("step", "microbatch", "chunk", "seq", "bytes", "peer"):
+                values, ok = chunk.ints[column]
+                keys += [ok[spans].astype(np.int64), values[spans]]
+            return keys
+
+        track, span_index, is_end = assign_lanes(track_base(rank, codes_of_dict[stream_idx]), start, end, tiebreak)
+
+        (name_iids,) = self.interner.iids("names", [(name_dict, name_idx)], rank)
+        (kind_iids,) = self.interner.iids("categories", [(kind_dict, kind_idx)], rank)
+        group_iids, op_iids = self.interner.iids("strings", [(group_dict, group_idx), (op_dict, op_idx)], rank)
+        name_iid, kind_iid = name_iids[name_idx], kind_iids[kind_idx]
+        strings = {"group": (group_iids[group_idx], group_idx >= 0), "op": (op_iids[op_idx], op_idx >= 0)}
 
         # Flows: every collective member starts or steps its instance's flow; a send starts the
         # flow that its receive's end terminates.
@@ -292,9 +329,9 @@ class _PerfettoWriter:
             gh = self._group_hashes(group_dict)[group_idx]
             flow[is_coll] = collective_flow_ids(gh[is_coll], seq[is_coll])
         if is_send.any():
-            flow[is_send] = p2p_flow_ids(chunk.rank[is_send], peer[is_send], seq[is_send])
+            flow[is_send] = p2p_flow_ids(rank[is_send], peer[is_send], seq[is_send])
         if is_recv.any():
-            flow[is_recv] = p2p_flow_ids(peer[is_recv], chunk.rank[is_recv], seq[is_recv])
+            flow[is_recv] = p2p_flow_ids(peer[is_recv], rank[is_recv], seq[is_recv])
         begin_flow = is_coll | is_send
         self.stats.flows += int((is_coll | is_send | is_recv).sum())
 
@@ -314,58 +351,88 @@ class _PerfettoWriter:
             signature |= ok.astype(np.int64) << bit
         signature |= begin_flow.astype(np.int64) << len(present)
 
-        ev_sig = np.where(is_end, (1 << 20) + is_recv[span_index].astype(np.int64), signature[span_index])
-        by_sig = np.argsort(ev_sig, kind="stable")
-        bounds = np.flatnonzero(np.diff(ev_sig[by_sig])) + 1
-        arrays = []
-        for rows in np.split(by_sig, bounds):
+        # Every varint is written in its shortest form (the canonical encoding), so that a value
+        # has the same bytes whatever else shares its chunk: events are grouped by layout and by
+        # the byte widths of the fields whose width varies.
+        begin_key = signature.copy()
+        for column in (start, track, name_iid, kind_iid):
+            begin_key = _with_width(begin_key, column, None)
+        for column, ok in zip(values, present, strict=True):
+            begin_key = _with_width(begin_key, column, ok)
+        end_key = _with_width(_with_width(is_recv.astype(np.int64), end, None), track, None)
+        ev_key = np.where(is_end, end_key[span_index] | _END_KEY, begin_key[span_index])
+
+        def layout(rows: I64) -> Node:
             spans = span_index[rows]
-            sig = int(ev_sig[rows[0]])
-            if sig >= 1 << 20:
-                node = lay.slice_end(end[spans].astype(np.uint64), track[spans],
-                                     flow[spans] if sig & 1 else None)
-            else:
-                anns = [(iid, is_string, values[b][spans])
-                        for b, (_, iid, is_string) in enumerate(lay.ANNOTATIONS) if sig >> b & 1]
-                node = lay.slice_begin(start[spans].astype(np.uint64), track[spans], name_iid[spans],
-                                       kind_iid[spans], anns,
-                                       flow[spans] if sig >> len(lay.ANNOTATIONS) & 1 else None)
-            arrays.append(_fixed_rows(encode(node, len(spans))))
-        combined = pa.concat_arrays(arrays)
-        inverse = np.empty(len(by_sig), dtype=np.int64)
-        inverse[by_sig] = np.arange(len(by_sig))
-        self._write_binary(pc.take(combined, pa.array(inverse)))
+            if is_end[rows[0]]:
+                return lay.slice_end(end[spans].astype(np.uint64), track[spans],
+                                     flow[spans] if is_recv[spans[0]] else None)
+            sig = int(signature[spans[0]])
+            anns = [(iid, is_string, values[b][spans])
+                    for b, (_, iid, is_string) in enumerate(lay.ANNOTATIONS) if sig >> b & 1]
+            return lay.slice_begin(start[spans].astype(np.uint64), track[spans], name_iid[spans],
+                                   kind_iid[spans], anns,
+                                   flow[spans] if sig >> len(lay.ANNOTATIONS) & 1 else None)
+
+        events = _encode_grouped(ev_key, layout)
+        event_bytes = _value_offsets(events)
+        data = memoryview(events.buffers()[2])  # type: ignore[arg-type]
         self.stats.spans += n
 
+        # Step-time counters, per rank in time order.
         is_step = _is_kind(kind_idx, kind_dict, SpanKind.STEP)
+        counter_rows = self._step_counters(rank[is_step], start[is_step], chunk.dur_ns[is_step])
         if is_step.any():
-            self._step_counters(chunk.rank[is_step], start[is_step], chunk.dur_ns[is_step])
             step, step_ok = chunk.ints["step"]
             for s, t, d in zip(step[is_step & step_ok].tolist(), start[is_step & step_ok].tolist(),
                                chunk.dur_ns[is_step & step_ok].tolist(), strict=True):
                 first, slowest = self.job_steps.get(s, (t, d))
                 self.job_steps[s] = (min(first, t), max(slowest, d))
 
-    def _step_counters(self, ranks: I64, start: I64, dur: I64) -> None:
-        for rank in np.unique(ranks).tolist():
-            uuid = step_counter_uuid(rank)
-            if uuid not in self.tracks_written:
-                self._add_track(uuid, "step time (ms)", parent=process_uuid(rank), unit="ms", order=0)
+        # Rank by rank (tracks sort by rank first, so each rank's events are one run).
+        event_rank = (track[span_index] >> np.uint64(24)).astype(np.int64) - 1
+        cuts = np.flatnonzero(np.diff(event_rank)) + 1
+        firsts = np.concatenate([[0], cuts]).tolist()
+        lasts = np.concatenate([cuts, [len(event_rank)]]).tolist()
+        tracks_of = np.unique(track).tolist()
+        track_ranks = [(t >> 24) - 1 for t in tracks_of]
+        t_lo = 0
+        for a, b in zip(firsts, lasts, strict=True):
+            r = int(event_rank[a])
+            t_hi = bisect.bisect_right(track_ranks, r, lo=t_lo)
+            self._stream_tracks(tracks_of[t_lo:t_hi])
+            t_lo = t_hi
+            counters = counter_rows.get(r)
+            if counters is not None and step_counter_uuid(r) not in self.tracks_written:
+                self._add_track(step_counter_uuid(r), "step time (ms)", parent=process_uuid(r), unit="ms", order=0)
+            self.interner.flush(self.builder, r)
+            self.out.write(data[int(event_bytes[a]):int(event_bytes[b])])
+            if counters is not None:
+                self.out.write(counters)
+
+    def _step_counters(self, ranks: I64, start: I64, dur: I64) -> dict[int, bytes]:
+        """Each rank's step-time samples, encoded, in (time, value) order."""
+        if not len(ranks):
+            return {}
         uuids = np.uint64(step_counter_uuid(0) - process_uuid(0)) | (
             (ranks.astype(np.uint64) + np.uint64(1)) << np.uint64(24))
-        order = np.lexsort((start, uuids))
-        self._write_counters(start[order], uuids[order], dur[order] / 1e6)
+        order = np.lexsort((dur, start, ranks))
+        rows = _encode_counters(start[order], uuids[order], dur[order] / 1e6)
+        self.stats.counter_samples += len(order)
+        offsets = _value_offsets(rows)
+        data = memoryview(rows.buffers()[2])  # type: ignore[arg-type]
+        sorted_ranks = ranks[order]
+        cuts = np.flatnonzero(np.diff(sorted_ranks)) + 1
+        out: dict[int, bytes] = {}
+        for a, b in zip(np.concatenate([[0], cuts]).tolist(), np.concatenate([cuts, [len(order)]]).tolist(), strict=True):
+            out[int(sorted_ranks[a])] = data[int(offsets[a]):int(offsets[b])].tobytes()
+        return out
 
     def _write_counters(self, ts: I64, track: U64, values: npt.NDArray[np.float64]) -> None:
         if len(ts):
-            self.out.write(encode(lay.counter(ts.astype(np.uint64), track, values), len(ts)).tobytes())
+            rows = _encode_counters(ts, track, values)
+            self.out.write(memoryview(rows.buffers()[2])[_value_offsets(rows)[0]:_value_offsets(rows)[-1]])  # type: ignore[arg-type]
             self.stats.counter_samples += len(ts)
-
-    def _write_binary(self, arr: pa.Array) -> None:
-        offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32, count=len(arr) + 1, offset=arr.offset * 4)
-        data = arr.buffers()[2]
-        if data is not None:
-            self.out.write(memoryview(data)[int(offsets[0]):int(offsets[-1])])
 
     # ---- job counters and heartbeats ---------------------------------------------------------
 
@@ -453,6 +520,57 @@ def _is_kind(kind_idx: I64, kind_dict: list[str | None], kind: str) -> npt.NDArr
     """Rows whose kind is ``kind``, compared on dictionary codes rather than strings."""
     codes = [i for i, k in enumerate(kind_dict) if k == kind]
     return kind_idx == codes[0] if codes else np.zeros(len(kind_idx), dtype=np.bool_)
+
+
+_END_KEY = np.int64(1 << 62)
+# The smallest value of each varint width past one byte: 2**7, 2**14, ... 2**63.
+_VARINT_STEPS = np.array([1 << (7 * k) for k in range(1, 10)], dtype=np.uint64)
+
+
+def _with_width(key: I64, column: npt.NDArray[np.integer[Any]], present: npt.NDArray[np.bool_] | None) -> I64:
+    """``key`` extended by the shortest varint width of each row's value (where ``present``),
+    unless every row's value takes the same width."""
+    values = column.view(np.uint64) if column.dtype == np.int64 else column
+    lo, hi = (int(values.min()), int(values.max())) if len(values) else (0, 0)
+    if varint_width(lo) == varint_width(hi):
+        return key
+    width = np.searchsorted(_VARINT_STEPS, values, side="right").astype(np.int64)
+    if present is not None:
+        width *= present
+    return key * 10 + width
+
+
+def _encode_grouped(keys: I64, layout: Callable[[I64], Node]) -> pa.Array:
+    """Rows encoded by group (rows with equal ``keys`` share one layout), back in row order, as
+    a binary array of one encoded row each."""
+    by_key = np.argsort(keys, kind="stable")
+    bounds = np.flatnonzero(np.diff(keys[by_key])) + 1
+    arrays = [_fixed_rows(encode(layout(rows), len(rows))) for rows in np.split(by_key, bounds)]
+    combined = pa.concat_arrays(arrays) if len(arrays) > 1 else arrays[0]
+    if len(arrays) == 1:
+        return combined
+    inverse = np.empty(len(by_key), dtype=np.int64)
+    inverse[by_key] = np.arange(len(by_key))
+    return pc.take(combined, pa.array(inverse))
+
+
+def _encode_counters(ts: I64, track: U64, values: npt.NDArray[np.float64]) -> pa.Array:
+    """Counter samples in canonical encoding, one binary value per sample, in the given order."""
+    keys = _with_width(_with_width(np.zeros(len(ts), dtype=np.int64), ts, None), track, None)
+    return _encode_grouped(keys, lambda rows: lay.counter(ts[rows].astype(np.uint64), track[rows], values[rows]))
+
+
+def _value_offsets(arr: pa.Array) -> npt.NDArray[np.int32]:
+    return np.frombuffer(arr.buffers()[1], dtype=np.int32, count=len(arr) + 1, offset=arr.offset * 4)
+
+
+def _value_order(codes: I64, values: list[str | None]) -> I64:
+    """Per span, the place of its dictionary value among the values sorted (-1 for null)."""
+    order = sorted(range(len(values)), key=lambda i: (values[i] is not None, values[i] or ""))
+    place = np.empty(len(values) + 1, dtype=np.int64)
+    place[np.array(order, dtype=np.int64)] = np.arange(len(values))
+    place[-1] = -1  # code -1 (null) indexes the last entry
+    return place[codes]
 
 
 def _fixed_rows(block: npt.NDArray[np.uint8]) -> pa.Array:

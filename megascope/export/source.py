@@ -186,7 +186,7 @@ def _iter_rank_blocks(run: Run, resolved: Resolved, chunk_rows: int) -> Iterator
     every_rank = len(resolved.ranks) == hi - lo + 1
     for a, b in blocks:
         table = cur.sql(
-            f"SELECT {cols} FROM spans WHERE rank BETWEEN {a} AND {b} AND {where} ORDER BY rank, start_ns, dur_ns DESC"
+            f"SELECT {cols} FROM spans WHERE rank BETWEEN {a} AND {b} AND {where}"
         ).to_arrow_table()
         if not every_rank:
             table = table.filter(pa.array(np.isin(table.column("rank").to_numpy(), resolved.ranks)))

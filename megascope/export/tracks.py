@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 
 import numpy as np
 import numpy.typing as npt
@@ -67,13 +68,19 @@ def step_counter_uuid(rank: int) -> int:
     return process_uuid(rank) | (STEP_COUNTER_CODE << 8)
 
 
-def event_order(track: U64, start: I64, end: I64) -> tuple[I64, npt.NDArray[np.bool_]]:
+Tiebreak = Callable[[I64], list[I64]]
+
+
+def event_order(track: U64, start: I64, end: I64, tiebreak: Tiebreak | None = None) -> tuple[I64, npt.NDArray[np.bool_]]:
     """The write order of the 2n begin/end events of n spans.
 
     Returns ``(span_index, is_end)`` per event, sorted by track, then time; at equal times ends of
     non-empty spans come first, then begins (outer before inner), then ends of empty spans; ends at
     one time close inner spans first. Span ``i`` is "outer" to ``j`` when it sorts first by
-    (start, longer first, index).
+    (start, longer first, ``tiebreak``). ``tiebreak(spans)`` gives further keys (most significant
+    first) for those spans, which share a track, start and end; with keys that tell every two
+    different spans apart, the order depends on the spans only, never on the order they came in
+    (without, the input order decides).
 
     Tracks, times and the event kind are packed into one int64 key where they fit (the usual
     case: a few thousand tracks, hours of nanoseconds), so each ordering is one stable sort of
@@ -87,20 +94,22 @@ def event_order(track: U64, start: I64, end: I64) -> tuple[I64, npt.NDArray[np.b
     code_bits = max(1, (len(uniques) - 1).bit_length())
     time_bits = max(1, (int(max(end.max(), start.max())) - t0).bit_length())
     if code_bits + time_bits + 2 > 63 or int(end.min()) < t0:
-        return _event_order_lexsort(track, start, end)
+        return _event_order_lexsort(track, start, end, tiebreak)
     track_key = codes.astype(np.int64) << np.int64(time_bits + 2)
     start_key = track_key | ((start - t0) << np.int64(2))
-    # spans outer-first: by (track, start), ties by longer first, then index (the sorts are stable)
+    # spans outer-first: by (track, start), ties by longer first, then the tiebreak keys
     spans = np.argsort(start_key, kind="stable")
     sorted_keys = start_key[spans]
     tie = sorted_keys[1:] == sorted_keys[:-1]
     if tie.any():
-        block = np.concatenate([[0], np.cumsum(~tie)])
-        last_end = int(end.max())
-        end_bits = max(1, (last_end - int(end.min())).bit_length())
-        if end_bits + int(block[-1]).bit_length() > 62:
-            return _event_order_lexsort(track, start, end)
-        spans = spans[np.argsort((block << np.int64(end_bits)) | (last_end - end[spans]), kind="stable")]
+        tied = np.zeros(n, dtype=np.bool_)
+        tied[1:] = tie
+        tied[:-1] |= tie
+        pos = np.flatnonzero(tied)  # whole blocks of equal (track, start), in place
+        sub = spans[pos]
+        block = np.cumsum(np.concatenate([[0], ~tie]))[pos]
+        keys = [block, -end[sub], *(tiebreak(sub) if tiebreak is not None else []), sub]
+        spans[pos] = sub[np.lexsort(keys[::-1])]
     # begins in that order carry kind 1; ends in the reverse order (inner first at equal times),
     # kind 0 (2 for an empty span, whose end follows the begins at its time)
     begin_keys = start_key[spans] | 1
@@ -112,13 +121,16 @@ def event_order(track: U64, start: I64, end: I64) -> tuple[I64, npt.NDArray[np.b
     return np.concatenate([spans, closing[by_end]])[order], order >= n
 
 
-def _event_order_lexsort(track: U64, start: I64, end: I64) -> tuple[I64, npt.NDArray[np.bool_]]:
-    """:func:`event_order` by a four-key sort, for keys too wide to pack."""
+def _event_order_lexsort(track: U64, start: I64, end: I64, tiebreak: Tiebreak | None = None,
+                         ) -> tuple[I64, npt.NDArray[np.bool_]]:
+    """:func:`event_order` by a many-key sort, for keys too wide to pack."""
     n = len(track)
-    # rank spans outer-first within equal starts: by (track, start, -end, index)
+    everyone = np.arange(n)
+    # rank spans outer-first within equal starts: by (track, start, -end, tiebreak, index)
+    extra = tiebreak(everyone) if tiebreak is not None else []
     span_rank = np.empty(n, dtype=np.int64)
-    span_rank[np.lexsort((np.arange(n), -end, start, track))] = np.arange(n)
-    idx = np.concatenate([np.arange(n), np.arange(n)])
+    span_rank[np.lexsort([everyone, *extra[::-1], -end, start, track])] = everyone
+    idx = np.concatenate([everyone, everyone])
     is_end = np.concatenate([np.zeros(n, dtype=np.bool_), np.ones(n, dtype=np.bool_)])
     ts = np.concatenate([start, end])
     empty = end == start
@@ -163,10 +175,12 @@ def _greedy_lanes(start: I64, end: I64) -> I64:
     return lanes
 
 
-def assign_lanes(base: U64, start: I64, end: I64) -> tuple[U64, I64, npt.NDArray[np.bool_]]:
+def assign_lanes(base: U64, start: I64, end: I64, tiebreak: Tiebreak | None = None,
+                 ) -> tuple[U64, I64, npt.NDArray[np.bool_]]:
     """``base`` with a lane added where spans of one track overlap without nesting, and the
-    write order of the events on the final tracks (as :func:`event_order` gives it)."""
-    span_index, is_end = event_order(base, start, end)
+    write order of the events on the final tracks (as :func:`event_order` gives it). Spans with
+    the same start and end get the same lane, so lanes do not depend on the input order."""
+    span_index, is_end = event_order(base, start, end, tiebreak)
     bad = nesting_violations(base, span_index, is_end)
     if len(bad) == 0:
         return base, span_index, is_end
@@ -174,5 +188,5 @@ def assign_lanes(base: U64, start: I64, end: I64) -> tuple[U64, I64, npt.NDArray
     for track in bad.tolist():
         rows = np.flatnonzero(base == np.uint64(track))
         out[rows] = base[rows] | _greedy_lanes(start[rows], end[rows]).astype(np.uint64)
-    span_index, is_end = event_order(out, start, end)
+    span_index, is_end = event_order(out, start, end, tiebreak)
     return out, span_index, is_end
