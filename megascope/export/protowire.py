@@ -21,6 +21,8 @@ Example::
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -33,9 +35,6 @@ U64 = npt.NDArray[np.uint64]
 WIRE_VARINT = 0
 WIRE_FIXED64 = 1
 WIRE_LEN = 2
-
-_SEVEN = np.uint64(7)
-_LOW7 = np.uint64(0x7F)
 
 
 def varint_bytes(value: int) -> bytes:
@@ -62,6 +61,10 @@ def varint_width(max_value: int) -> int:
     return max(1, (int(max_value).bit_length() + 6) // 7)
 
 
+# A write of the bytes that differ between rows, into the whole block.
+Op = Callable[[U8], None]
+
+
 @dataclass(frozen=True)
 class Const:
     """The same raw bytes in every row (a whole pre-encoded field)."""
@@ -71,8 +74,8 @@ class Const:
     def width(self) -> int:
         return len(self.raw)
 
-    def write(self, block: U8, col: int) -> int:
-        block[:, col:col + len(self.raw)] = np.frombuffer(self.raw, dtype=np.uint8)
+    def plan(self, template: U8, col: int, ops: list[Op]) -> int:
+        template[col:col + len(self.raw)] = np.frombuffer(self.raw, dtype=np.uint8)
         return col + len(self.raw)
 
 
@@ -83,20 +86,35 @@ class Varint:
         self.field_number = field_number
         self.values = values.astype(np.uint64, copy=False)
         self._tag = tag_bytes(field_number, WIRE_VARINT)
-        self._vwidth = varint_width(int(self.values.max()) if len(self.values) else 0)
+        self._lo, self._hi = (int(self.values.min()), int(self.values.max())) if len(self.values) else (0, 0)
+        self._vwidth = varint_width(self._hi)
 
     def width(self) -> int:
         return len(self._tag) + self._vwidth
 
-    def write(self, block: U8, col: int) -> int:
-        block[:, col:col + len(self._tag)] = np.frombuffer(self._tag, dtype=np.uint8)
+    def plan(self, template: U8, col: int, ops: list[Op]) -> int:
+        template[col:col + len(self._tag)] = np.frombuffer(self._tag, dtype=np.uint8)
         col += len(self._tag)
-        for k in range(self._vwidth):
-            group = ((self.values >> (_SEVEN * np.uint64(k))) & _LOW7).astype(np.uint8)
+        # Bytes from the first one where the lowest and highest value agree on all higher bits
+        # on are the same in every row: they go in the template.
+        varying = 0
+        while varying < self._vwidth and (self._lo >> (7 * varying)) != (self._hi >> (7 * varying)):
+            varying += 1
+        for k in range(varying, self._vwidth):
+            group = (self._hi >> (7 * k)) & 0x7F
+            template[col + k] = group | (0x80 if k < self._vwidth - 1 else 0)
+        if varying:
+            ops.append(functools.partial(self._write, col=col, varying=varying))
+        return col + self._vwidth
+
+    def _write(self, block: U8, col: int, varying: int) -> None:
+        for k in range(varying):
+            group = (self.values >> np.uint64(7 * k)).astype(np.uint8) if k else self.values.astype(np.uint8)
             if k < self._vwidth - 1:
                 group |= np.uint8(0x80)
+            else:
+                group &= np.uint8(0x7F)
             block[:, col + k] = group
-        return col + self._vwidth
 
 
 @dataclass(frozen=True)
@@ -109,22 +127,26 @@ class Fixed64:
     def width(self) -> int:
         return len(tag_bytes(self.field_number, WIRE_FIXED64)) + 8
 
-    def write(self, block: U8, col: int) -> int:
+    def plan(self, template: U8, col: int, ops: list[Op]) -> int:
         tag = tag_bytes(self.field_number, WIRE_FIXED64)
-        block[:, col:col + len(tag)] = np.frombuffer(tag, dtype=np.uint8)
+        template[col:col + len(tag)] = np.frombuffer(tag, dtype=np.uint8)
         col += len(tag)
+        ops.append(functools.partial(self._write, col=col))
+        return col + 8
+
+    def _write(self, block: U8, col: int) -> None:
         rows = block.shape[0]
         little = np.ascontiguousarray(self.values).astype(self.values.dtype.newbyteorder("<"), copy=False)
         block[:, col:col + 8] = little.view(np.uint8).reshape(rows, 8)
-        return col + 8
 
 
 class Node(Protocol):
-    """A field of a layout: its constant width and how to write all rows of it."""
+    """A field of a layout: its constant width, its bytes common to every row (written into the
+    template row) and the writes of those that differ."""
 
     def width(self) -> int: ...
 
-    def write(self, block: U8, col: int) -> int: ...
+    def plan(self, template: U8, col: int, ops: list[Op]) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -141,19 +163,29 @@ class Message:
         body = self.body_width()
         return len(tag_bytes(self.field_number, WIRE_LEN)) + len(varint_bytes(body)) + body
 
-    def write(self, block: U8, col: int) -> int:
+    def plan(self, template: U8, col: int, ops: list[Op]) -> int:
         head = tag_bytes(self.field_number, WIRE_LEN) + varint_bytes(self.body_width())
-        block[:, col:col + len(head)] = np.frombuffer(head, dtype=np.uint8)
+        template[col:col + len(head)] = np.frombuffer(head, dtype=np.uint8)
         col += len(head)
         for child in self.children:
-            col = child.write(block, col)
+            col = child.plan(template, col, ops)
         return col
 
 
 def encode(node: Node, rows: int) -> U8:
-    """All ``rows`` rows of ``node``, one row per line of the returned ``(rows, width)`` block."""
-    block = np.empty((rows, node.width()), dtype=np.uint8)
-    if rows:
-        end = node.write(block, 0)
-        assert end == block.shape[1]
+    """All ``rows`` rows of ``node``, one row per line of the returned ``(rows, width)`` block.
+
+    The bytes every row shares (tags, lengths, constants, the high bytes of varints whose values
+    agree there) are laid out once in a template row and tiled; only the bytes that differ are
+    then written, column by column."""
+    width = node.width()
+    if not rows:
+        return np.empty((0, width), dtype=np.uint8)
+    template = np.zeros(width, dtype=np.uint8)
+    ops: list[Op] = []
+    end = node.plan(template, 0, ops)
+    assert end == width
+    block = np.tile(template, rows).reshape(rows, width)
+    for op in ops:
+        op(block)
     return block

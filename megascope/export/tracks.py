@@ -106,10 +106,20 @@ def event_order(track: U64, start: I64, end: I64, tiebreak: Tiebreak | None = No
         tied[1:] = tie
         tied[:-1] |= tie
         pos = np.flatnonzero(tied)  # whole blocks of equal (track, start), in place
-        sub = spans[pos]
         block = np.cumsum(np.concatenate([[0], ~tie]))[pos]
-        keys = [block, -end[sub], *(tiebreak(sub) if tiebreak is not None else []), sub]
-        spans[pos] = sub[np.lexsort(keys[::-1])]
+        order = np.lexsort((spans[pos], -end[spans[pos]], block))
+        spans[pos], block = spans[pos][order], block[order]
+        if tiebreak is not None:  # spans that also end together: their fields decide
+            sub = spans[pos]
+            same = (block[1:] == block[:-1]) & (end[sub[1:]] == end[sub[:-1]])
+            if same.any():
+                both = np.zeros(len(pos), dtype=np.bool_)
+                both[1:] = same
+                both[:-1] |= same
+                inner = np.flatnonzero(both)
+                group = np.cumsum(np.concatenate([[0], ~same]))[inner]
+                keys = [group, *tiebreak(sub[inner]), sub[inner]]
+                spans[pos[inner]] = sub[inner][np.lexsort(keys[::-1])]
     # begins in that order carry kind 1; ends in the reverse order (inner first at equal times),
     # kind 0 (2 for an empty span, whose end follows the begins at its time)
     begin_keys = start_key[spans] | 1
