@@ -228,7 +228,7 @@ def test_estimated_clock_offsets_are_applied_and_stated(run_dir: Path, monkeypat
     hosts = sorted({r["host"] for r in open_run(run_dir).con.sql("SELECT host FROM ranks").to_arrow_table().to_pylist()})
     offsets = {h: (i + 1) * 1_000_000 for i, h in enumerate(hosts)}
     frame = pd.DataFrame({"host": hosts, "offset_ns": [offsets[h] for h in hosts], "error_ns": 5_000, "samples": 10})
-    monkeypatch.setattr(selection, "estimate_clock_offsets", lambda con: frame)
+    monkeypatch.setattr(selection, "estimate_clock_offsets", lambda con, spans_of=None: frame)
     trace = _export(run_dir, ranks=[0, 15], clock="estimated")
     host_of = {r["rank"]: r["host"] for r in open_run(run_dir).con.sql("SELECT * FROM ranks").to_arrow_table().to_pylist()}
     want = Counter((s["rank"], s["start_ns"] + offsets[host_of[s["rank"]]] + trace.shift)
@@ -270,7 +270,7 @@ def test_a_failed_clock_estimate_is_one_line_naming_the_raw_clock(run_dir: Path,
     from megascope.errors import ExportError
     from megascope.export import selection
 
-    def broken(con: Any) -> Any:
+    def broken(con: Any, spans_of: Any = None) -> Any:
         raise duckdb.IOException("IO Error: cannot read part-7.parquet\nmore detail")
 
     monkeypatch.setattr(selection, "estimate_clock_offsets", broken)
@@ -391,7 +391,7 @@ def test_background_writer_keeps_byte_order_and_reports_a_failed_write() -> None
 def test_raw_clock_estimates_nothing(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from megascope.export import selection
 
-    def must_not_run(con: Any) -> Any:
+    def must_not_run(con: Any, spans_of: Any = None) -> Any:
         raise AssertionError("clock offsets estimated although not requested")
 
     monkeypatch.setattr(selection, "estimate_clock_offsets", must_not_run)

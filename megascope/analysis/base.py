@@ -162,14 +162,17 @@ def _estimate_offsets(con: duckdb.DuckDBPyConnection, steps: list[int]) -> pd.Da
     return offsets
 
 
-def estimate_clock_offsets(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
+def estimate_clock_offsets(con: duckdb.DuckDBPyConnection,
+                           spans_of: Callable[[list[int]], str] | None = None) -> pd.DataFrame:
     """Per host: host, offset_ns, error_ns (NULL without samples), samples, as :func:`prepare`
     estimates them, without building the other base tables (an export needs only the offsets).
 
     Read from the base tables where they are current; otherwise estimated from the sampled
     ranks' communication alone (``rank_info`` and ``clock_samples``), the host pairs taken in a
     fixed order so that the same spans give the same offsets however the run is stored. The base
-    tables are not marked built: the next :func:`prepare` builds them as before.
+    tables are not marked built: the next :func:`prepare` builds them as before. ``spans_of``
+    (e.g. ``Run.rank_source`` for spans) gives a SQL source of the sampled ranks' spans, read in
+    place of the whole ``spans`` view: on a run of many part files, only those ranks' files.
     """
     con.execute("SET enable_progress_bar = false")
     query = "SELECT host, offset_ns, error_ns, samples FROM ms_cache.clock_offsets ORDER BY host"
@@ -179,8 +182,12 @@ def estimate_clock_offsets(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
             return con.execute(query).df()
         _sql.execute(con, "base", "rank_info")
         ranks = _clock_ranks(con)
-        _sql.execute(con, "base", "clock_samples", steps=_clock_sample_steps(_steps(con), CLOCK_SAMPLE_STEPS) or [-1],
-                     ranks=_sql.Raw(", ".join(map(str, ranks)) or "NULL"))
+        sql = _sql.render("base", "clock_samples", steps=_clock_sample_steps(_steps(con), CLOCK_SAMPLE_STEPS) or [-1],
+                          ranks=_sql.Raw(", ".join(map(str, ranks)) or "NULL"))
+        if spans_of is not None:
+            assert sql.count("FROM spans s ") == 1
+            sql = sql.replace("FROM spans s ", f"FROM {spans_of(ranks)} s ")
+        con.execute(sql)
         hosts = [h for (h,) in con.execute(
             "SELECT host FROM ms_cache.rank_info GROUP BY host ORDER BY min(rank)").fetchall()]
         pairs = _sql.query_df(con, "base", "clock_pairs").sort_values(["host", "ref_host"], ignore_index=True)

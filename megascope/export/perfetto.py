@@ -43,6 +43,7 @@ from typing import IO, Any
 
 import numpy as np
 import numpy.typing as npt
+import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as pb
@@ -390,11 +391,12 @@ class _PerfettoWriter:
                 self.job_steps[s] = (min(first, t), max(slowest, d))
 
         # Rank by rank (tracks sort by rank first, so each rank's events are one run).
-        event_rank = (track[span_index] >> np.uint64(24)).astype(np.int64) - 1
+        event_track = track[span_index]  # ascending: events sort by track first
+        event_rank = (event_track >> np.uint64(24)).astype(np.int64) - 1
         cuts = np.flatnonzero(np.diff(event_rank)) + 1
         firsts = np.concatenate([[0], cuts]).tolist()
         lasts = np.concatenate([cuts, [len(event_rank)]]).tolist()
-        tracks_of = np.unique(track).tolist()
+        tracks_of = event_track[np.concatenate([[0], np.flatnonzero(np.diff(event_track)) + 1])].tolist()
         track_ranks = [(t >> 24) - 1 for t in tracks_of]
         t_lo = 0
         for a, b in zip(firsts, lasts, strict=True):
@@ -543,8 +545,11 @@ def _with_width(key: I64, column: npt.NDArray[np.integer[Any]], present: npt.NDA
 def _encode_grouped(keys: I64, layout: Callable[[I64], Node]) -> pa.Array:
     """Rows encoded by group (rows with equal ``keys`` share one layout), back in row order, as
     a binary array of one encoded row each."""
-    by_key = np.argsort(keys, kind="stable")
-    bounds = np.flatnonzero(np.diff(keys[by_key])) + 1
+    # few distinct keys: as 16-bit codes, numpy's stable sort is a radix sort
+    codes, uniques = pd.factorize(keys, sort=True)
+    small = codes.astype(np.uint16) if len(uniques) <= 1 << 16 else codes
+    by_key = np.argsort(small, kind="stable")
+    bounds = np.flatnonzero(np.diff(small[by_key])) + 1
     arrays = [_fixed_rows(encode(layout(rows), len(rows))) for rows in np.split(by_key, bounds)]
     combined = pa.concat_arrays(arrays) if len(arrays) > 1 else arrays[0]
     if len(arrays) == 1:

@@ -176,7 +176,7 @@ CLOCK_RAW = "raw (host clocks as recorded)"
 def _clock_offsets(run: Run) -> dict[str, tuple[int, int | None]]:
     """Each host's estimated offset and error bound; a failure is an :class:`ExportError`."""
     try:
-        frame = estimate_clock_offsets(run.cursor())
+        frame = estimate_clock_offsets(run.cursor(), lambda ranks: run.rank_source("spans", ranks))
     except (duckdb.Error, np.linalg.LinAlgError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ExportError(f"{run.path}: cannot estimate the hosts' clock offsets ({first_line}); "
