@@ -91,7 +91,13 @@ class _ChromeWriter:
         return events
 
     def chunk_lines(self, chunk: SpanChunk) -> tuple[pa.Array, npt.NDArray[np.int64], list[str]]:
-        """One JSON text per event (spans, then flows), their ranks, and thread-name lines."""
+        """One JSON text per event (spans, then flows), their ranks, and thread-name lines.
+
+        Spans go out by rank, then start time, longer first, whatever order the store read them in
+        (part files are in time order per rank, compacted files by step)."""
+        order = np.lexsort((-chunk.dur_ns, chunk.start_ns, chunk.rank))
+        if (np.diff(order) != 1).any():
+            chunk = chunk.take(order)
         n = len(chunk)
         stream_idx, stream_dict = chunk.codes("stream")
         codes = np.array([stream_code(s or "") for s in stream_dict], dtype=np.int64)
