@@ -9,21 +9,27 @@ version's source tree, e.g. ``git archive COMMIT megascope | tar -x -C DIR``) ru
 export on the same runs, interleaved with this one, ``--repeats`` times each; the table gives mean
 and p90 wall time, and the ratio of means against the baseline. ``--clock raw`` exports host
 clocks as recorded (no clock-offset estimate), ``estimated`` (default) as ``megascope export`` does.
+``--compacted`` also exports a copy of each run after ``megascope compact --all``; the last lines
+say whether every export of a run (parts and compacted, every repeat) wrote the same bytes. The
+machine's 1-minute load average is sampled every second during each row's exports and reported.
 
     python bench/export_speed.py                       # 256 and 1,024 ranks, 10 steps, tp=8 pp=8
-    python bench/export_speed.py --runs 1024x20 12288x10 --formats perfetto --repeats 3 \\
+    python bench/export_speed.py --runs 1024x20 12288x10 --formats perfetto --repeats 3 --compacted \\
         --baseline-src /tmp/megascope-base --workdir /tmp/export-bench
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 _CHILD = r"""
@@ -59,17 +65,38 @@ def _p90(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, round(0.9 * (len(ordered) - 1)))]
 
 
-def _export(src: Path | None, fmt: str, run_dir: Path, out: Path, clocks: str) -> dict[str, float]:
+class _LoadSampler:
+    """The 1-minute load average, sampled every second in a thread: what else ran meanwhile."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            self.samples.append(os.getloadavg()[0])
+
+    def since(self, mark: int) -> list[float]:
+        return self.samples[mark:] or [os.getloadavg()[0]]
+
+
+def _export(src: Path | None, fmt: str, run_dir: Path, out: Path, clock: str) -> tuple[dict[str, float], str]:
     env = dict(os.environ)
     if src is not None:
         env["PYTHONPATH"] = str(src) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _CHILD, fmt, str(run_dir), str(out), clocks],
+    proc = subprocess.run([sys.executable, "-c", _CHILD, fmt, str(run_dir), str(out), clock],
                           capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"export of {run_dir} failed:\n{proc.stderr[-2000:]}")
+    digest = hashlib.sha256()
+    with open(out, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
     out.unlink(missing_ok=True)
     result: dict[str, float] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result
+    return result, digest.hexdigest()
 
 
 def main() -> None:
@@ -80,6 +107,8 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=["perfetto", "chrome"], choices=["perfetto", "chrome"])
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--clock", choices=["estimated", "raw"], default="estimated")
+    parser.add_argument("--compacted", action="store_true",
+                        help="Also export a copy of each run after `megascope compact --all` (and compare the bytes).")
     parser.add_argument("--baseline-src", type=Path, default=None, help="Source tree of the version to compare with.")
     parser.add_argument("--workdir", type=Path, default=None, help="Keep runs here (reused).")
     args = parser.parse_args()
@@ -89,34 +118,57 @@ def main() -> None:
     variants: list[tuple[str, Path | None]] = [("this", None)]
     if args.baseline_src is not None:
         variants.insert(0, ("baseline", args.baseline_src.resolve()))
-    results: dict[tuple[str, str, str], list[dict[str, float]]] = {}
+    load = _LoadSampler()
+    results: dict[tuple[str, str, str, str], list[dict[str, float]]] = {}
+    loads: dict[tuple[str, str, str, str], list[float]] = {}
+    digests: dict[tuple[str, str, str], set[str]] = {}
     for spec in args.runs:
         ranks, steps = (int(x) for x in spec.lower().split("x"))
         run_dir = workdir / f"synth-{ranks}r-{steps}s-tp{args.tp}-pp{args.pp}"
         _synth(run_dir, ranks, steps, args.tp, args.pp)
+        stores = [("parts", run_dir)]
+        if args.compacted:
+            compacted = run_dir.with_name(run_dir.name + "-compacted")
+            if not (compacted / "run.json").exists():
+                from megascope.compact import compact
+
+                shutil.copytree(run_dir, compacted, ignore=shutil.ignore_patterns("_cache"))
+                compact(compacted, everything=True)
+            stores.append(("compacted", compacted))
         for _ in range(args.repeats):
             for fmt in args.formats:
-                for name, src in variants:  # interleaved: a load change hits both alike
-                    out = workdir / f"{run_dir.name}.{name}.{'pftrace' if fmt == 'perfetto' else 'json'}"
-                    results.setdefault((spec, fmt, name), []).append(_export(src, fmt, run_dir, out, args.clock))
+                for store, path in stores:
+                    for name, src in variants:  # interleaved: a load change hits both alike
+                        out = workdir / f"{path.name}.{name}.{'pftrace' if fmt == 'perfetto' else 'json'}"
+                        key = (spec, store, fmt, name)
+                        mark = len(load.samples)
+                        result, digest = _export(src, fmt, path, out, args.clock)
+                        results.setdefault(key, []).append(result)
+                        loads.setdefault(key, []).extend(load.since(mark))
+                        digests.setdefault((spec, fmt, name), set()).add(digest)
 
-    print(f"load average (1, 5, 15 min) at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}; "
-          f"clock: {args.clock}; repeats: {args.repeats}")
-    print("| ranks x steps | format | version | spans | output | wall s mean / p90 | CPU s mean | open_run s | "
-          "spans/s (wall, mean) | spans per CPU-s | peak RSS | wall vs baseline |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for (spec, fmt, name), rows in results.items():
+    print(f"clock: {args.clock}; repeats: {args.repeats}; load average (1 min) sampled every second during each row's "
+          f"exports: mean / max")
+    print("| ranks x steps | store | format | version | spans | output | wall s mean / p90 | CPU s mean | open_run s | "
+          "spans/s (wall, mean) | spans per CPU-s | peak RSS | load mean / max | wall vs baseline |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (spec, store, fmt, name), rows in results.items():
         wall = [r["seconds"] for r in rows]
         cpu = [r["cpu"] for r in rows]
         spans = rows[0]["spans"]
-        base = results.get((spec, fmt, "baseline"))
+        base = results.get((spec, store, fmt, "baseline"))
         ratio = ""
         if base is not None and name != "baseline":
             ratio = f"{statistics.mean(r['seconds'] for r in base) / statistics.mean(wall):.2f}x faster"
-        print(f"| {spec} | {fmt} | {name} | {spans:,} | {rows[0]['bytes'] / 1e6:,.0f} MB | "
+        sampled = loads[(spec, store, fmt, name)]
+        print(f"| {spec} | {store} | {fmt} | {name} | {spans:,} | {rows[0]['bytes'] / 1e6:,.0f} MB | "
               f"{statistics.mean(wall):.2f} / {_p90(wall):.2f} | {statistics.mean(cpu):.2f} | "
               f"{statistics.mean(r['open_s'] for r in rows):.2f} | {spans / statistics.mean(wall):,.0f} | "
-              f"{spans / statistics.mean(cpu):,.0f} | {max(r['rss_mb'] for r in rows):,.0f} MB | {ratio} |")
+              f"{spans / statistics.mean(cpu):,.0f} | {max(r['rss_mb'] for r in rows):,.0f} MB | "
+              f"{statistics.mean(sampled):.1f} / {max(sampled):.1f} | {ratio} |")
+    for (spec, fmt, name), seen in digests.items():
+        print(f"{spec} {fmt} {name}: {'the same bytes' if len(seen) == 1 else f'{len(seen)} different outputs'}"
+              f" over every export{' (parts and compacted)' if args.compacted else ''}")
 
 
 if __name__ == "__main__":
