@@ -68,6 +68,7 @@ from megascope.store import Run
 
 log = logging.getLogger(__name__)
 
+U8 = npt.NDArray[np.uint8]
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
 
@@ -375,9 +376,7 @@ class _PerfettoWriter:
                                    kind_iid[spans], anns,
                                    flow[spans] if sig >> len(lay.ANNOTATIONS) & 1 else None)
 
-        events = _encode_grouped(ev_key, layout)
-        event_bytes = _value_offsets(events)
-        data = memoryview(events.buffers()[2])  # type: ignore[arg-type]
+        data, event_bytes = _encode_grouped(ev_key, layout)
         self.stats.spans += n
 
         # Step-time counters, per rank in time order.
@@ -408,7 +407,7 @@ class _PerfettoWriter:
             if counters is not None and step_counter_uuid(r) not in self.tracks_written:
                 self._add_track(step_counter_uuid(r), "step time (ms)", parent=process_uuid(r), unit="ms", order=0)
             self.interner.flush(self.builder, r)
-            self.out.write(data[int(event_bytes[a]):int(event_bytes[b])])
+            self.out.write(data[int(event_bytes[a]):int(event_bytes[b])].data)
             if counters is not None:
                 self.out.write(counters)
 
@@ -419,10 +418,8 @@ class _PerfettoWriter:
         uuids = np.uint64(step_counter_uuid(0) - process_uuid(0)) | (
             (ranks.astype(np.uint64) + np.uint64(1)) << np.uint64(24))
         order = np.lexsort((dur, start, ranks))
-        rows = _encode_counters(start[order], uuids[order], dur[order] / 1e6)
+        data, offsets = _encode_counters(start[order], uuids[order], dur[order] / 1e6)
         self.stats.counter_samples += len(order)
-        offsets = _value_offsets(rows)
-        data = memoryview(rows.buffers()[2])  # type: ignore[arg-type]
         sorted_ranks = ranks[order]
         cuts = np.flatnonzero(np.diff(sorted_ranks)) + 1
         out: dict[int, bytes] = {}
@@ -432,8 +429,8 @@ class _PerfettoWriter:
 
     def _write_counters(self, ts: I64, track: U64, values: npt.NDArray[np.float64]) -> None:
         if len(ts):
-            rows = _encode_counters(ts, track, values)
-            self.out.write(memoryview(rows.buffers()[2])[_value_offsets(rows)[0]:_value_offsets(rows)[-1]])  # type: ignore[arg-type]
+            data, _ = _encode_counters(ts, track, values)
+            self.out.write(data.tobytes())
             self.stats.counter_samples += len(ts)
 
     # ---- job counters and heartbeats ---------------------------------------------------------
@@ -542,31 +539,33 @@ def _with_width(key: I64, column: npt.NDArray[np.integer[Any]], present: npt.NDA
     return key * 10 + width
 
 
-def _encode_grouped(keys: I64, layout: Callable[[I64], Node]) -> pa.Array:
-    """Rows encoded by group (rows with equal ``keys`` share one layout), back in row order, as
-    a binary array of one encoded row each."""
+def _encode_grouped(keys: I64, layout: Callable[[I64], Node]) -> tuple[U8, I64]:
+    """Rows encoded by group (rows with equal ``keys`` share one layout), laid out in row order:
+    the bytes, and where each row starts (one more offset: the end)."""
     # few distinct keys: as 16-bit codes, numpy's stable sort is a radix sort
     codes, uniques = pd.factorize(keys, sort=True)
     small = codes.astype(np.uint16) if len(uniques) <= 1 << 16 else codes
     by_key = np.argsort(small, kind="stable")
     bounds = np.flatnonzero(np.diff(small[by_key])) + 1
-    arrays = [_fixed_rows(encode(layout(rows), len(rows))) for rows in np.split(by_key, bounds)]
-    combined = pa.concat_arrays(arrays) if len(arrays) > 1 else arrays[0]
-    if len(arrays) == 1:
-        return combined
-    inverse = np.empty(len(by_key), dtype=np.int64)
-    inverse[by_key] = np.arange(len(by_key))
-    return pc.take(combined, pa.array(inverse))
+    groups = [(rows, layout(rows)) for rows in np.split(by_key, bounds)]
+    widths = np.array([node.width() for _, node in groups], dtype=np.int64)
+    offsets = np.zeros(len(keys) + 1, dtype=np.int64)
+    np.cumsum(widths[codes], out=offsets[1:])
+    if len(groups) == 1:
+        rows, node = groups[0]
+        return encode(node, len(rows)).reshape(-1), offsets
+    out = np.empty(int(offsets[-1]), dtype=np.uint8)
+    for (rows, node), width in zip(groups, widths.tolist(), strict=True):
+        # every window of ``width`` bytes of ``out`` as a row: the group's rows go to their offsets
+        windows = np.lib.stride_tricks.as_strided(out, shape=(len(out) - width + 1, width), strides=(1, 1))
+        windows[offsets[rows]] = encode(node, len(rows))
+    return out, offsets
 
 
-def _encode_counters(ts: I64, track: U64, values: npt.NDArray[np.float64]) -> pa.Array:
-    """Counter samples in canonical encoding, one binary value per sample, in the given order."""
+def _encode_counters(ts: I64, track: U64, values: npt.NDArray[np.float64]) -> tuple[U8, I64]:
+    """Counter samples in canonical encoding, in the given order: bytes and row offsets."""
     keys = _with_width(_with_width(np.zeros(len(ts), dtype=np.int64), ts, None), track, None)
     return _encode_grouped(keys, lambda rows: lay.counter(ts[rows].astype(np.uint64), track[rows], values[rows]))
-
-
-def _value_offsets(arr: pa.Array) -> npt.NDArray[np.int32]:
-    return np.frombuffer(arr.buffers()[1], dtype=np.int32, count=len(arr) + 1, offset=arr.offset * 4)
 
 
 def _value_order(codes: I64, values: list[str | None]) -> I64:
@@ -576,13 +575,6 @@ def _value_order(codes: I64, values: list[str | None]) -> I64:
     place[np.array(order, dtype=np.int64)] = np.arange(len(values))
     place[-1] = -1  # code -1 (null) indexes the last entry
     return place[codes]
-
-
-def _fixed_rows(block: npt.NDArray[np.uint8]) -> pa.Array:
-    """A binary array whose i-th value is row i of ``block``."""
-    rows, width = block.shape
-    offsets = np.arange(rows + 1, dtype=np.int32) * np.int32(width)
-    return pa.Array.from_buffers(pa.binary(), rows, [None, pa.py_buffer(offsets), pa.py_buffer(np.ascontiguousarray(block))])
 
 
 def export_perfetto(
