@@ -38,6 +38,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -171,6 +172,40 @@ class _Interner:
         builder.write_packet(packet)
 
 
+@dataclass
+class _OrderedChunk:
+    """A chunk with its spans placed on tracks and its begin/end events in write order."""
+
+    chunk: SpanChunk
+    track: U64
+    span_index: I64
+    is_end: npt.NDArray[np.bool_]
+    streams: list[tuple[str, int]]  # (stream name, code) of the chunk's streams
+
+
+def _order_chunk(chunk: SpanChunk) -> _OrderedChunk:
+    """Tracks (lanes where spans overlap) and the event order of one chunk: pure, so it runs in
+    the reading thread, beside the encoding of the chunk before."""
+    stream_idx, stream_dict = chunk.codes("stream")
+    codes_of_dict = np.array([stream_code(s or "") for s in stream_dict], dtype=np.int64)
+    streams = [(s or "", c) for s, c in zip(stream_dict, codes_of_dict.tolist(), strict=True)]
+    columns = [chunk.codes(c) for c in ("name", "kind", "group", "op")]
+
+    def tiebreak(spans: I64) -> list[I64]:
+        """What tells apart spans of one track with the same start and end: every field the
+        begin event carries, strings by value rather than by their place in the chunk."""
+        keys = [_value_order(idx[spans], values) for idx, values in columns]
+        for column in ("step", "microbatch", "chunk", "seq", "bytes", "peer"):
+            values, ok = chunk.ints[column]
+            keys += [ok[spans].astype(np.int64), values[spans]]
+        return keys
+
+    start = chunk.start_ns
+    track, span_index, is_end = assign_lanes(track_base(chunk.rank, codes_of_dict[stream_idx]), start,
+                                             start + chunk.dur_ns, tiebreak)
+    return _OrderedChunk(chunk, track, span_index, is_end, streams)
+
+
 class _PerfettoWriter:
     def __init__(self, run: Run, resolved: Resolved, out: BackgroundWriter, stats: ExportStats) -> None:
         self.run = run
@@ -282,36 +317,23 @@ class _PerfettoWriter:
                 out[i] = self.group_hashes[g]
         return out
 
-    def write_chunk(self, chunk: SpanChunk) -> None:
+    def write_chunk(self, ordered: _OrderedChunk) -> None:
         """The chunk's spans, rank by rank: each rank's new track descriptors and interned strings,
         its begin/end events, its step-time counter. Nothing depends on where the chunks are cut
         or on the order the spans came in, so a run gives the same bytes however it is stored."""
+        chunk, track, span_index, is_end = ordered.chunk, ordered.track, ordered.span_index, ordered.is_end
         n = len(chunk)
         if n == 0:
             return
         rank = chunk.rank
-        stream_idx, stream_dict = chunk.codes("stream")
-        codes_of_dict = np.array([stream_code(s or "") for s in stream_dict], dtype=np.int64)
-        for s, c in zip(stream_dict, codes_of_dict.tolist(), strict=True):
-            self.stream_names.setdefault(c, s or "")
+        for s, c in ordered.streams:
+            self.stream_names.setdefault(c, s)
         start = chunk.start_ns
         end = start + chunk.dur_ns
         name_idx, name_dict = chunk.codes("name")
         kind_idx, kind_dict = chunk.codes("kind")
         group_idx, group_dict = chunk.codes("group")
         op_idx, op_dict = chunk.codes("op")
-
-        def tiebreak(spans: I64) -> list[I64]:
-            """What tells apart spans of one track with the same start and end: every field the
-            begin event carries, strings by value rather than by their place in the chunk."""
-            keys = [_value_order(idx[spans], values) for idx, values in
-                    ((name_idx, name_dict), (kind_idx, kind_dict), (group_idx, group_dict), (op_idx, op_dict))]
-            for column in ("step", "microbatch", "chunk", "seq", "bytes", "peer"):
-                values, ok = chunk.ints[column]
-                keys += [ok[spans].astype(np.int64), values[spans]]
-            return keys
-
-        track, span_index, is_end = assign_lanes(track_base(rank, codes_of_dict[stream_idx]), start, end, tiebreak)
 
         (name_iids,) = self.interner.iids("names", [(name_dict, name_idx)], rank)
         (kind_iids,) = self.interner.iids("categories", [(kind_dict, kind_idx)], rank)
@@ -607,8 +629,8 @@ def export_perfetto(
         with BackgroundWriter(stream) as background:
             writer = _PerfettoWriter(run, resolved, background, stats)
             writer.write_header()
-            for chunk in prefetch(iter_span_chunks(run, resolved, chunk_rows=chunk_rows)):
-                writer.write_chunk(chunk)
+            for ordered in prefetch(map(_order_chunk, iter_span_chunks(run, resolved, chunk_rows=chunk_rows))):
+                writer.write_chunk(ordered)
             writer.write_job_counters()
             writer.write_heartbeats()
         stats.bytes = stream.bytes
