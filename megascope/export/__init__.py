@@ -2,8 +2,8 @@
 
 Role in the data flow: store -> export. The CLI (``megascope export perfetto|chrome``) and the
 dashboard's "download this selection" call these two functions; both stream a chunk of ranks at a
-time, apply the host clock offsets of ``megascope.analysis.clock_offsets`` when available, and
-write the same bytes for the same run and selection.
+time, add the hosts' estimated clock offsets (or, with ``clock="raw"``, keep the host clocks as
+recorded), and write the same bytes for the same run and selection.
 
 Example::
 
