@@ -324,6 +324,25 @@ def test_a_completion_past_a_call_that_a_member_never_entered_is_no_completion(t
     assert result["stuck_groups"] == [{"group": "dp:0", "seq": 2, "waiting": [1], "missing": [0]}]
 
 
+def test_a_member_with_no_markers_at_all_sets_no_completion_aside(tmp_path: Path) -> None:
+    # Rank 2 of the group wrote no marker (its parts lost, or its collector off): that says nothing
+    # about the calls ranks 0 and 1 completed together, so nobody is stuck.
+    def marker(rank: int, seq: int, state: str, t: int) -> dict[str, object]:
+        return {"rank": rank, "group": "dp:0", "seq": seq, "op": "all_reduce", "state": state, "time_ns": t,
+                "step": seq, "bytes": None, "peer": None}
+
+    s = 1_000_000_000
+    markers = [marker(r, q, st, q * s + (st == "completed")) for r in range(2) for q in range(1, 4)
+               for st in ("enqueued", "completed")]
+    path = hand_run(tmp_path / "run", [], markers, world=3)
+    alive = [{"host": "h0", "rank": r, "pid": 1, "time_ns": t, "device": None, "metric": "rank_alive",
+              "value": v, "text": None} for r in range(3) for t, v in ((1 * s, 1.0), (60 * s, 0.0))]
+    layout.write_part(path, "heartbeats", pa.Table.from_pylist(alive, schema=schema.HEARTBEATS), host="h0")
+    result = analysis.localize(open_run(path))
+    assert result["waiting"] == []
+    assert result["hung"] is False
+
+
 def test_a_receive_past_the_sender_s_last_send_is_no_completion_but_a_send_may_be(tmp_path: Path) -> None:
     # Pipeline pair 0 -> 1: rank 0 sent 1 and 2 and then stopped; its send 2 completed unreceived
     # (that is allowed). Rank 1 "completed" receives 3 and 4, which were never sent (NCCL's abort

@@ -59,8 +59,9 @@ WITH raw AS (
 ), joined AS (
     SELECT e.grp, e.rank, p.last_enq, p.last_done, p.last_enq_ns, p.last_marker_ns,
            max(p.last_enq) OVER (PARTITION BY e.grp) AS group_max_enq, f.min_seq,
-           -- the last call every member entered (min_seq - 1 where a member entered none)
-           min(coalesce(p.last_enq, f.min_seq - 1)) OVER (PARTITION BY e.grp) AS frontier
+           -- the last call every member with markers entered (one with none tells nothing: its
+           -- parts may be lost, or its collector off)
+           min(p.last_enq) OVER (PARTITION BY e.grp) AS frontier
     FROM everyone e LEFT JOIN per p USING (grp, rank) LEFT JOIN first_seq f USING (grp)
 ), judged AS (
     SELECT *, CASE WHEN last_done IS NULL OR last_done <= frontier THEN last_done
