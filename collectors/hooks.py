@@ -3,7 +3,7 @@
 Role in the data flow: part of the in-job collector, installed by ``Collector.from_env`` (or
 ``Interception(col).install()``). It gives the collective calls that torch itself issues the same
 record as ``col.dist``: an ``enqueued`` marker at the call (the rank's arrival), a communication
-span, and a ``completed`` marker once the operation is done. Three doors cover what a job issues:
+span, and a ``completed`` marker once the operation is done. Four doors cover what a job issues:
 
 - **torch.distributed functions** (``all_reduce``, ``all_gather_single``/``all_gather_into_tensor``,
   ``reduce_scatter_single``/``reduce_scatter_tensor``, ``all_gather``, ``broadcast``,
