@@ -150,6 +150,14 @@ def _end_on_future(handle: Any, fut: Any) -> None:
     _end_quietly(handle)
 
 
+def _like(wrapper: Callable[..., Any], original: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``wrapper`` dressed as the torch function it stands in for (name, doc, ``__wrapped__``)."""
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    wrapper.__name__ = getattr(original, "__name__", name)
+    wrapper.__doc__ = original.__doc__
+    return wrapper
+
+
 def _global_peer(peer: Any, group: Any, group_peer: Any) -> int | None:
     """The global rank of a point-to-point peer given as a global rank or as a rank in ``group``."""
     if peer is not None:
@@ -261,10 +269,7 @@ class Interception:
                 handle.end()
             return result
 
-        recorded.__wrapped__ = original  # type: ignore[attr-defined]
-        recorded.__name__ = getattr(original, "__name__", name)
-        recorded.__doc__ = original.__doc__
-        return recorded
+        return _like(recorded, original, name)
 
     # ------------------------------------------------------------------ point-to-point
     def _wrap_p2p(self, original: Callable[..., Any], is_send: bool) -> Callable[..., Any]:
@@ -291,10 +296,7 @@ class Interception:
             handle.end()
             return result
 
-        recorded.__wrapped__ = original  # type: ignore[attr-defined]
-        recorded.__name__ = getattr(original, "__name__", "send" if is_send else "recv")
-        recorded.__doc__ = original.__doc__
-        return recorded
+        return _like(recorded, original, "send" if is_send else "recv")
 
     def _wrap_batch_p2p(self, original: Callable[..., Any], dist: Any) -> Callable[..., Any]:
         """``batch_isend_irecv(ops)``, what pipeline schedules issue: a send or recv span per op, all
@@ -340,10 +342,7 @@ class Interception:
                         h.end()
             return works
 
-        recorded.__wrapped__ = original  # type: ignore[attr-defined]
-        recorded.__name__ = getattr(original, "__name__", "batch_isend_irecv")
-        recorded.__doc__ = original.__doc__
-        return recorded
+        return _like(recorded, original, "batch_isend_irecv")
 
     def _end_on_completion(self, work: Any, handle: Any) -> None:
         """End the span when the work completes, without waiting: a callback on its future.
@@ -420,10 +419,7 @@ class Interception:
             interception._pend(result, handle)
             return result
 
-        recorded.__wrapped__ = original  # type: ignore[attr-defined]
-        recorded.__name__ = getattr(original, "__name__", name)
-        recorded.__doc__ = original.__doc__
-        return recorded
+        return _like(recorded, original, name)
 
     def _pend(self, result: Any, handle: Any) -> None:
         if handle is NOOP:

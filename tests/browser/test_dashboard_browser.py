@@ -92,19 +92,6 @@ def driver() -> Iterator[Any]:
         yield browser
 
 
-@pytest.fixture(autouse=True)
-def _own_console(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Each test reads only its own page's console: the browser is shared by the module, and a page
-    left open when its test's server shut down logs refused requests into the next test's log."""
-    browser = request.getfixturevalue("driver") if "driver" in request.fixturenames else None
-    if browser is not None:
-        console_errors(browser)
-    yield
-    if browser is not None:
-        browser.get("about:blank")
-        console_errors(browser)
-
-
 def _no_errors(driver: Any) -> None:
     assert console_errors(driver) == []
     shown = [e.text for e in driver.find_elements(By.CSS_SELECTOR, ".notice-error")]

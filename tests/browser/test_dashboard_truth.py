@@ -57,19 +57,6 @@ def driver() -> Iterator[Any]:
         yield browser
 
 
-@pytest.fixture(autouse=True)
-def _own_console(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Each test reads only its own page's console: the browser is shared by the module, and a page
-    left open when its test's server shut down logs refused requests into the next test's log."""
-    browser = request.getfixturevalue("driver") if "driver" in request.fixturenames else None
-    if browser is not None:
-        console_errors(browser)
-    yield
-    if browser is not None:
-        browser.get("about:blank")
-        console_errors(browser)
-
-
 def _screen_pixels(driver: Any, x0: int, x1: int, y: int) -> list[tuple[int, int, int]]:
     """RGB of screenshot pixels (x0..x1, y), decoded by the browser itself from a real screenshot."""
     png = driver.get_screenshot_as_base64()
