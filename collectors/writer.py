@@ -295,12 +295,16 @@ class Writer:
                 meta, self._run_meta = self._run_meta, None
             if meta is None:
                 return
-            try:
-                layout.write_run_meta(self.run_dir, meta)
-            except Exception as exc:
-                self._failed("run.json", exc)
-                with self._static_lock:
-                    self._run_meta = self._run_meta or meta
+            self._write_run_meta(meta)
+
+    def _write_run_meta(self, meta: Any) -> None:
+        """Write ``run.json``; on failure keep it for the next pass (unless a newer one came)."""
+        try:
+            layout.write_run_meta(self.run_dir, meta)
+        except Exception as exc:
+            self._failed("run.json", exc)
+            with self._static_lock:
+                self._run_meta = self._run_meta or meta
 
     # ---------------------------------------------------------------- the thread
     def start(self) -> None:
@@ -381,12 +385,7 @@ class Writer:
             meta, self._run_meta = self._run_meta, None
             static, self._static = self._static, {}
         if meta is not None:
-            try:
-                layout.write_run_meta(self.run_dir, meta)
-            except Exception as exc:
-                self._failed("run.json", exc)
-                with self._static_lock:
-                    self._run_meta = self._run_meta or meta
+            self._write_run_meta(meta)
         run_id = self.run_id()
         if run_id is not None and self._unstamped:
             static = self._unstamped | static

@@ -300,12 +300,7 @@ def _extend(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], ne
     if first is None or not persist.load(con, root, meta, BASE_TABLES, prefix="old_"):
         return None
     try:
-        say("reading ranks")
-        _sql.execute(con, "base", "rank_info")
-        steps = _steps(con)
-        say("estimating clock offsets")
-        _estimate_offsets(con, steps)
-        _sql.execute(con, "base", "rank_clock")
+        _ranks_and_clock(con, say)
         moved = _sql.first(con.execute(
             "SELECT count(*) FROM ms_cache.rank_clock n FULL JOIN ms_cache.old_rank_clock o USING (rank) "
             "WHERE n.offset_ns IS DISTINCT FROM o.offset_ns"))
@@ -357,14 +352,20 @@ def _rank_step(con: duckdb.DuckDBPyConnection, params: dict[str, Any], *, where:
                  nested_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in params["nested_kinds"]) + "]::VARCHAR[]"))
 
 
-def _build(con: duckdb.DuckDBPyConnection, say: Callable[[str], None]) -> dict[str, Any]:
-    """Build the base tables from the parts (under the build lock); returns their parameters."""
+def _ranks_and_clock(con: duckdb.DuckDBPyConnection, say: Callable[[str], None]) -> list[int]:
+    """The ranks table and each rank's clock offset; returns the run's steps."""
     say("reading ranks")
     _sql.execute(con, "base", "rank_info")
     steps = _steps(con)
     say("estimating clock offsets")
     _estimate_offsets(con, steps)
     _sql.execute(con, "base", "rank_clock")
+    return steps
+
+
+def _build(con: duckdb.DuckDBPyConnection, say: Callable[[str], None]) -> dict[str, Any]:
+    """Build the base tables from the parts (under the build lock); returns their parameters."""
+    steps = _ranks_and_clock(con, say)
     say("matching collectives")
     _sql.execute(con, "base", "inst", where=_sql.Raw("true"))
     say("splitting step time per rank")
