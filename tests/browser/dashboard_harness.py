@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from selenium import webdriver
 from selenium.common.exceptions import TimeoutException
 from selenium.webdriver.chrome.service import Service
@@ -75,6 +76,20 @@ def chromium(width: int = 1400, height: int = 1000) -> Iterator[webdriver.Chrome
 def console_errors(driver: webdriver.Chrome) -> list[str]:
     """SEVERE browser-console lines since the last call (reading the log empties it)."""
     return [entry["message"] for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+
+
+@pytest.fixture(autouse=True)
+def own_console(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each test reads only its own page's console: a module shares one browser, and a page left
+    open when its test's server shut down logs refused requests into the next test's log. Import
+    it into a browser test module to have it there."""
+    browser = request.getfixturevalue("driver") if "driver" in request.fixturenames else None
+    if browser is not None:
+        console_errors(browser)
+    yield
+    if browser is not None:
+        browser.get("about:blank")
+        console_errors(browser)
 
 
 def wait_for_text(driver: webdriver.Chrome, css: str, text: str, timeout: float = 40) -> Any:

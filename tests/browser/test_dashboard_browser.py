@@ -17,6 +17,7 @@ from dashboard_harness import (
     browser_available,
     chromium,
     console_errors,
+    own_console,  # noqa: F401 (an autouse fixture)
     serving,
     wait_for_graph,
     wait_for_text,
