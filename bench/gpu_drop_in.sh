@@ -12,6 +12,8 @@ OUT=${OUT:-gpu-drop-in}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=1 PYTHONPATH=${PYTHONPATH:-$PWD} TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=8000
+# The GPU tests of the drop-in path first (DDP straggler and hang, FSDP2 + TP straggler, on NCCL).
+"$PY" -m pytest -m gpu -p no:cacheprovider -q tests/test_drop_in.py 2>&1 | tail -15 | tee "$OUT/tests.txt"
 TR=("$PY" -m torch.distributed.run --standalone --nproc-per-node 2)
 RUN=("${TR[@]}" tests/jobs/ddp_job.py)
 check() {  # name job-args... : run the job, then report (straggler) or localize (hang), one summary line

@@ -400,6 +400,19 @@ def test_ddp_on_nccl_records_the_reducer_s_all_reduce_on_every_rank(tmp_path: Pa
     assert [s["rank"] for s in megascope_json("report", str(run_dir))["stragglers"]] == [1]
 
 
+@pytest.mark.gpu
+def test_fsdp2_with_tp_on_nccl_names_a_slow_gpu(tmp_path: Path) -> None:
+    """Two ranks, one TP group and nothing else to compare with: the slow GPU (its stream sleeps
+    twice the step's time) is the one the other waits for at DTensor's all-reduces."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    run_dir = tmp_path / "run"
+    proc = torchrun(2, JOBS / "fsdp_tp_job.py", str(run_dir), "--cuda", "--tp", "2", "--steps", "30",
+                    "--straggler", "1,3", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [s["rank"] for s in megascope_json("report", str(run_dir))["stragglers"]] == [1]
+
+
 def test_a_collector_made_before_set_device_takes_the_local_rank_s_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     """torchrun's convention, LOCAL_RANK modulo the visible devices, while the process has not used
     CUDA yet; CUDA's current device once it has; an explicit device always."""

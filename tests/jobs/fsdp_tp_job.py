@@ -1,8 +1,10 @@
 """An FSDP2 + tensor-parallel training script on a 2-D DeviceMesh, with megascope's lines added.
 
 Run it under ``torchrun --standalone --nproc-per-node 4 tests/jobs/fsdp_tp_job.py RUN`` (dp = 2,
-tp = 2; ``--tp T`` gives dp = world / T, ``--cuda`` NCCL on the GPU of LOCAL_RANK). Faults for the tests: ``--straggler RANK,FACTOR`` (that rank does FACTOR times a step's
-matrix work), ``--hang RANK,STEP`` (that rank sleeps before its forward in STEP).
+tp = 2; ``--tp T`` gives dp = world / T, ``--cuda`` NCCL on the GPU of LOCAL_RANK). Faults for the tests: ``--straggler RANK,FACTOR`` (that rank is FACTOR times slower: on CPU it does
+FACTOR times a step's matrix work; on GPU, where this small model leaves the device idle and extra
+work would only fill the gaps, its stream sleeps FACTOR-1 times the step's measured time, as a slow
+GPU would), ``--hang RANK,STEP`` (that rank sleeps before its forward in STEP).
 """
 
 import argparse
@@ -57,20 +59,30 @@ opt = torch.optim.SGD(model.parameters(), lr=0.01)
 slow_rank, factor = (int(v) if i == 0 else float(v) for i, v in enumerate(args.straggler.split(","))) \
     if args.straggler else (-1, 1.0)
 hang_rank, hang_step = (int(v) for v in args.hang.split(",")) if args.hang else (-1, -1)
+if rank == slow_rank and args.cuda:
+    from megascope.trainer.faults import sleep_cycles_per_ns
+    cycles_per_ns = sleep_cycles_per_ns(device)
 gen = torch.Generator().manual_seed(mesh["dp"].get_local_rank())  # TP peers see the same batch
 extra = torch.randn(256, 4 * dim, device=device), torch.randn(4 * dim, 4 * dim, device=device)
+warm_steps: list[float] = []  # GPU straggler: the step's time, measured on its first steps
 for step in range(args.steps):
+    began = time.perf_counter()
     with col.step(step):                                                                        # megascope
         x = torch.randn(256, dim, generator=gen).to(device)
         if rank == hang_rank and step == hang_step:
             time.sleep(3600)
-        if rank == slow_rank:  # local matrix work, no collective: this rank alone is slower
+        if rank == slow_rank and not args.cuda:  # local matrix work, no collective: this rank alone is slower
             for _ in range(round(12 * (factor - 1))):
                 torch.tanh(extra[0] @ extra[1])
+        if rank == slow_rank and args.cuda and len(warm_steps) == 3:  # a slow device, whatever the work
+            torch.cuda._sleep(int((factor - 1) * sorted(warm_steps)[1] * 1e9 * cycles_per_ns))
         loss = model(x).square().mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
+    if rank == slow_rank and args.cuda and len(warm_steps) < 3 and step >= 2:
+        torch.cuda.synchronize()  # measuring steps only, before the fault starts
+        warm_steps.append(time.perf_counter() - began)
     col.metric("loss", loss.full_tensor() if hasattr(loss, "full_tensor") else loss)
 col.close()
 dist.destroy_process_group()
