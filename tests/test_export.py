@@ -446,6 +446,74 @@ def test_same_bytes_before_and_after_compaction_and_for_any_chunking(tmp_path: P
     Decoded(before["estimated"])  # still a trace the perfetto protos parse, descriptors first
 
 
+def test_compacted_files_read_directly_give_the_bytes_of_parts_for_any_selection(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fully compacted run is read from its files (no per-block queries): any selection, any
+    chunking (a small one re-reads row groups that do not fit the budget), the same bytes."""
+    import shutil
+
+    from megascope.compact import compact
+    from megascope.export import source
+
+    parts = tmp_path / "parts"
+    synth_run(parts, SynthConfig(ranks=16, steps=6, tp=2, pp=2, seed=3))
+    shutil.copytree(parts, tmp_path / "compacted")
+    compact(tmp_path / "compacted", everything=True)
+    lo, hi = open_run(parts).con.execute("SELECT min(start_ns), max(start_ns + dur_ns) FROM spans").fetchone()
+    selections: list[dict[str, Any]] = [
+        {}, {"ranks": [1, 2, 5, 11, 12]}, {"steps": (2, 4)}, {"ranks": range(4, 10), "steps": (1, 1)},
+        {"window": (lo + (hi - lo) // 3, lo + (hi - lo) // 2)},
+    ]
+
+    def no_queries(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a fully compacted run went through per-block queries")
+
+    monkeypatch.setattr(source, "_iter_rank_blocks", no_queries)
+    for selection in selections:
+        expected = io.BytesIO()
+        export_perfetto(parts, expected, clock="raw", **selection)
+        for chunk_rows in (150, 400_000):
+            got = io.BytesIO()
+            export_perfetto(tmp_path / "compacted", got, clock="raw", chunk_rows=chunk_rows, **selection)
+            assert got.getvalue() == expected.getvalue(), (selection, chunk_rows)
+
+
+def test_track_descriptors_are_the_bytes_the_perfetto_classes_write() -> None:
+    from megascope.export import perfetto_layouts as lay
+
+    def reference(**fields: Any) -> bytes:
+        packet = pb.TracePacket()
+        packet.trusted_packet_sequence_id = lay.SEQUENCE_ID
+        desc = packet.track_descriptor
+        desc.uuid = fields["uuid"]
+        for key in ("name", "parent_uuid", "sibling_order_rank", "child_ordering"):
+            if key in fields:
+                setattr(desc, key, fields[key])
+        if "unit" in fields:
+            desc.counter.unit_name = fields["unit"]
+        if "pid" in fields:
+            desc.process.pid = fields["pid"]
+            desc.process.process_name = fields["process_name"]
+            desc.process.process_labels.extend(fields["labels"])
+        trace = pb.Trace()
+        trace.packet.append(packet)
+        return trace.SerializeToString()
+
+    uuid = (5 << 24) | (3 << 8) | 2
+    assert lay.track_descriptor(uuid, name="comm #3", parent=5 << 24, order=3 * 256 + 2) == reference(
+        uuid=uuid, name="comm #3", parent_uuid=5 << 24, sibling_order_rank=3 * 256 + 2)
+    assert lay.track_descriptor(7, name="", parent=1, unit="ms", order=0) == reference(
+        uuid=7, name="", parent_uuid=1, unit="ms", sibling_order_rank=0)
+    assert lay.track_descriptor(1 << 62, name="gpu_util 0", parent=1 << 61, order=-1) == reference(
+        uuid=1 << 62, name="gpu_util 0", parent_uuid=1 << 61, sibling_order_rank=-1)
+    explicit = pb.TrackDescriptor.ChildTracksOrdering.EXPLICIT
+    labels = ["host=node-03", "pp=1", "clock_offset_ns=-1234", "straggler"]
+    got = lay.track_descriptor(18 << 24, process=lay.process_descriptor(18, "rank 17 · node-03", labels),
+                               child_ordering=explicit)
+    assert got == reference(uuid=18 << 24, pid=18, process_name="rank 17 · node-03", labels=labels,
+                            child_ordering=explicit)
+
+
 def test_event_order_does_not_depend_on_the_input_order() -> None:
     rng = np.random.default_rng(5)
     n = 400

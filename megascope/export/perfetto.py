@@ -80,6 +80,7 @@ _P2P_SALT = 0x5EED0FF10D2D
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_EXPLICIT = pb.TrackDescriptor.ChildTracksOrdering.EXPLICIT
 
 
 def _splitmix(x: U64) -> U64:
@@ -266,33 +267,17 @@ class _PerfettoWriter:
             name = f"rank {rank} · {host}" + (f" · {placed}" if placed else "")
             if rank in stragglers:
                 name += " · straggler"
-            packet = self._packet()
-            desc = packet.track_descriptor
-            desc.uuid = process_uuid(rank)
-            desc.process.pid = rank + 1
-            desc.process.process_name = name
             offset = int(self.resolved.rank_offsets_ns[rank]) if rank < len(self.resolved.rank_offsets_ns) else 0
-            desc.process.process_labels.extend(
-                [f"host={host}", *(f"{a}={v}" for a, v in coords.items() if v is not None),
-                 f"clock_offset_ns={offset}"] + (["straggler"] if rank in stragglers else [])
-            )
-            desc.child_ordering = pb.TrackDescriptor.ChildTracksOrdering.EXPLICIT
-            self.builder.write_packet(packet)
+            labels = [f"host={host}", *(f"{a}={v}" for a, v in coords.items() if v is not None),
+                      f"clock_offset_ns={offset}"] + (["straggler"] if rank in stragglers else [])
+            self.out.write(lay.track_descriptor(process_uuid(rank), process=lay.process_descriptor(rank + 1, name, labels),
+                                                child_ordering=_EXPLICIT))
             self.ranks_with_processes.add(rank)
             self.stats.tracks += 1
         self.stats.ranks = len(ordered)
 
     def _add_track(self, uuid: int, name: str, *, parent: int, unit: str | None = None, order: int | None = None) -> None:
-        packet = self._packet()
-        desc = packet.track_descriptor
-        desc.uuid = uuid
-        desc.parent_uuid = parent
-        desc.name = name
-        if order is not None:
-            desc.sibling_order_rank = order
-        if unit is not None:
-            desc.counter.unit_name = unit
-        self.builder.write_packet(packet)
+        self.out.write(lay.track_descriptor(uuid, name=name, parent=parent, unit=unit, order=order))
         self.tracks_written.add(uuid)
         self.stats.tracks += 1
 

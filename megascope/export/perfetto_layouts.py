@@ -109,3 +109,53 @@ def counter(ts: U64, track: U64, values: npt.NDArray[np.float64]) -> Node:
 def int_annotation_values(values: npt.NDArray[np.int64]) -> U64:
     """int64 annotation values as protobuf varints see them (two's complement)."""
     return values.astype(np.int64).view(np.uint64)
+
+
+# Track descriptors, encoded one at a time (tens of thousands per run, each different): the bytes
+# the ``perfetto`` package's classes serialize, fields in number order, without building objects.
+_TRACK_DESCRIPTOR = 60
+_TD_UUID = 1
+_TD_NAME = 2
+_TD_PROCESS = 3
+_TD_PARENT_UUID = 5
+_TD_COUNTER = 8
+_TD_CHILD_ORDERING = 11
+_TD_SIBLING_ORDER_RANK = 12
+_PD_PID = 1
+_PD_PROCESS_NAME = 6
+_PD_PROCESS_LABELS = 8
+_CD_UNIT_NAME = 6
+_PACKET_TAG = tag_bytes(1, 2)
+_TD_TAG = tag_bytes(_TRACK_DESCRIPTOR, 2)
+_SEQ_FIELD = _varint_field(_SEQUENCE_ID_FIELD, SEQUENCE_ID)
+
+
+def _len_field(field: int, payload: bytes) -> bytes:
+    return tag_bytes(field, 2) + varint_bytes(len(payload)) + payload
+
+
+def track_descriptor(uuid: int, *, name: str | None = None, parent: int | None = None, unit: str | None = None,
+                     order: int | None = None, process: bytes | None = None, child_ordering: int | None = None,
+                     ) -> bytes:
+    """One ``Trace.packet`` holding a ``TrackDescriptor`` on the export's sequence."""
+    desc = _varint_field(_TD_UUID, uuid)
+    if name is not None:
+        desc += _len_field(_TD_NAME, name.encode())
+    if process is not None:
+        desc += _len_field(_TD_PROCESS, process)
+    if parent is not None:
+        desc += _varint_field(_TD_PARENT_UUID, parent)
+    if unit is not None:
+        desc += _len_field(_TD_COUNTER, _len_field(_CD_UNIT_NAME, unit.encode()))
+    if child_ordering is not None:
+        desc += _varint_field(_TD_CHILD_ORDERING, child_ordering)
+    if order is not None:
+        desc += _varint_field(_TD_SIBLING_ORDER_RANK, order)
+    body = _SEQ_FIELD + _TD_TAG + varint_bytes(len(desc)) + desc
+    return _PACKET_TAG + varint_bytes(len(body)) + body
+
+
+def process_descriptor(pid: int, name: str, labels: list[str]) -> bytes:
+    """The ``ProcessDescriptor`` of a ``TrackDescriptor`` (pid, name, labels)."""
+    return (_varint_field(_PD_PID, pid) + _len_field(_PD_PROCESS_NAME, name.encode())
+            + b"".join(_len_field(_PD_PROCESS_LABELS, label.encode()) for label in labels))

@@ -24,9 +24,11 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from megascope.errors import ExportError
 from megascope.export.selection import Resolved
+from megascope.schema import SPANS
 from megascope.store import Run
 
 log = logging.getLogger(__name__)
@@ -110,8 +112,12 @@ def iter_span_chunks(run: Run, resolved: Resolved, *, chunk_rows: int = DEFAULT_
     """
     if not len(resolved.ranks):
         return
-    if run.compacted.get("spans"):
-        yield from _iter_rank_blocks(run, resolved, chunk_rows)
+    compacted = run.compacted.get("spans")
+    if compacted:
+        if set(run.files.get("spans", [])) == set(compacted):
+            yield from _iter_compacted_files(compacted, resolved, chunk_rows)
+        else:  # compacted files beside parts: the store's view merges them
+            yield from _iter_rank_blocks(run, resolved, chunk_rows)
         return
     cols = ", ".join(f'"{c}"' for c in _COLUMNS)
     # plain range filters only: a semi-join would let DuckDB return rows out of file order
@@ -191,5 +197,175 @@ def _iter_rank_blocks(run: Run, resolved: Resolved, chunk_rows: int) -> Iterator
         if not every_rank:
             table = table.filter(pa.array(np.isin(table.column("rank").to_numpy(), resolved.ranks)))
         chunk = _to_chunk(table, resolved)
+        if len(chunk):
+            yield chunk
+
+
+@dataclass
+class _Group:
+    """One row group of a compacted file that may hold selected spans."""
+
+    file: pq.ParquetFile
+    index: int
+    ranks: tuple[int, int]  # lowest and highest rank (the whole range when the file has no statistics)
+
+
+def _minmax(row_group: pq.RowGroupMetaData, column: int | None) -> tuple[float, float]:
+    stats = row_group.column(column).statistics if column is not None else None
+    if stats is None or not stats.has_min_max:
+        return (-np.inf, np.inf)
+    return (stats.min, stats.max)
+
+
+class _CompactedReader:
+    """Row groups of compacted span files read with pyarrow, strings kept as the file's
+    dictionaries, the selection applied in numpy and each group's rows put in rank order."""
+
+    def __init__(self, paths: list, resolved: Resolved) -> None:
+        self.resolved = resolved
+        ranks = resolved.ranks
+        self.lo, self.hi = int(ranks[0]), int(ranks[-1])
+        self.every_rank = len(ranks) == self.hi - self.lo + 1
+        self.groups: list[_Group] = []
+        for path in paths:
+            file = pq.ParquetFile(path, read_dictionary=list(_STRINGS))
+            names = file.schema_arrow.names
+            rank_col = names.index("rank") if "rank" in names else None
+            step_col = names.index("step") if "step" in names else None
+            meta = file.metadata
+            for i in range(meta.num_row_groups):
+                row_group = meta.row_group(i)
+                if not row_group.num_rows:
+                    continue
+                r_lo, r_hi = _minmax(row_group, rank_col)
+                if r_hi < self.lo or r_lo > self.hi:
+                    continue
+                if resolved.steps is not None:
+                    s_lo, s_hi = _minmax(row_group, step_col)
+                    if s_hi < resolved.steps[0] or s_lo > resolved.steps[1]:
+                        continue
+                bounds = (int(max(r_lo, self.lo)), int(min(r_hi, self.hi)))
+                self.groups.append(_Group(file, i, bounds))
+
+    def _keep(self, table: pa.Table) -> npt.NDArray[np.bool_] | None:
+        """The rows of ``table`` the selection keeps (``span_filter_sql`` in numpy), or None for all."""
+        rank = table.column("rank").to_numpy()
+        keep = None
+        if not self.every_rank:
+            keep = np.isin(rank, self.resolved.ranks)
+        elif int(rank.min()) < self.lo or int(rank.max()) > self.hi:
+            keep = (rank >= self.lo) & (rank <= self.hi)
+        masks = []
+        if self.resolved.steps is not None:
+            step = table.column("step")
+            first, last = self.resolved.steps
+            ok = step.is_valid().to_numpy(zero_copy_only=False) if step.null_count else None
+            values = pc.fill_null(step, first - 1).to_numpy(zero_copy_only=False) if step.null_count else step.to_numpy()
+            in_range = (values >= first) & (values <= last)
+            masks.append(in_range if ok is None else in_range & ok)
+        if self.resolved.window is not None:
+            margin = self.resolved.max_abs_offset_ns + self.resolved.shift_ns
+            start = table.column("start_ns").to_numpy()
+            dur = table.column("dur_ns").to_numpy()
+            masks.append((start <= int(self.resolved.window[1]) + margin)
+                         & (start + dur >= int(self.resolved.window[0]) - margin))
+        for mask in masks:
+            keep = mask if keep is None else keep & mask
+        return keep
+
+    def counts(self) -> npt.NDArray[np.int64]:
+        """Selected spans per rank, ``lo`` to ``hi``: reads only the columns the selection needs."""
+        columns = ["rank"] + (["step"] if self.resolved.steps is not None else []) + (
+            ["start_ns", "dur_ns"] if self.resolved.window is not None else [])
+        counts = np.zeros(self.hi - self.lo + 1, dtype=np.int64)
+        for group in self.groups:
+            table = _conform(group.file.read_row_group(group.index, columns=columns, use_threads=False), columns)
+            keep = self._keep(table)
+            rank = table.column("rank").to_numpy()
+            if keep is not None:
+                rank = rank[keep]
+            counts += np.bincount(rank - self.lo, minlength=len(counts))
+        return counts
+
+    def read(self, group: _Group) -> tuple[pa.Table, npt.NDArray[np.int64]]:
+        """The group's selected rows in rank order (stable), and their ranks."""
+        table = _conform(group.file.read_row_group(group.index, columns=_COLUMNS, use_threads=False), _COLUMNS)
+        keep = self._keep(table)
+        if keep is not None:
+            table = table.filter(pa.array(keep))
+        rank = table.column("rank").to_numpy()
+        if len(rank) > 1 and (np.diff(rank) < 0).any():  # several steps in one group
+            order = np.argsort(rank, kind="stable")
+            table, rank = table.take(pa.array(order)), rank[order]
+        return table, rank.astype(np.int64)
+
+
+def _conform(table: pa.Table, columns: list[str]) -> pa.Table:
+    """``columns`` of ``table`` typed as the schema says (strings as dictionaries), missing ones null."""
+    arrays = []
+    for name in columns:
+        field = SPANS.field(name)
+        want = pa.dictionary(pa.int32(), pa.string()) if name in _STRINGS else field.type
+        if name not in table.column_names:
+            arrays.append(pa.nulls(table.num_rows, want))
+            continue
+        column = table.column(name)
+        if column.type != want:
+            column = column.cast(want)
+        arrays.append(column)
+    return pa.table(arrays, names=columns)
+
+
+def _iter_compacted_files(paths: list, resolved: Resolved, chunk_rows: int) -> Iterator[SpanChunk]:
+    """The selected spans of a fully compacted run, a block of whole ranks per chunk, in one pass.
+
+    A compacted file is sorted by step, so a block of ranks has rows in every step's row groups.
+    Each row group is read once (pyarrow, strings as the file's dictionaries), put in rank order
+    and kept, for the blocks after, with the rows it still holds, up to ``4 * chunk_rows`` rows in
+    all: memory follows the chunk. A group that does not fit is read again by the next block that
+    needs it.
+    """
+    reader = _CompactedReader(paths, resolved)
+    counts = reader.counts()
+    blocks: list[tuple[int, int]] = []
+    start: int | None = None
+    prev = rows = 0
+    for rank in (resolved.ranks - reader.lo).tolist():
+        n = int(counts[rank])
+        if not n:
+            continue
+        if start is not None and rows + n > chunk_rows:
+            blocks.append((start, prev))
+            start, rows = None, 0
+        if start is None:
+            start = rank + reader.lo
+        rows += n
+        prev = rank + reader.lo
+    if start is not None:
+        blocks.append((start, prev))
+    budget = 4 * chunk_rows
+    kept: dict[int, tuple[pa.Table, npt.NDArray[np.int64], int]] = {}  # group -> (rows, ranks, rows read)
+    kept_rows = 0
+    for a, b in blocks:
+        pieces = []
+        for g, group in enumerate(reader.groups):
+            if group.ranks[1] < a or group.ranks[0] > b:
+                continue
+            if g in kept:
+                table, rank, size = kept.pop(g)
+                kept_rows -= size
+            else:
+                table, rank = reader.read(group)
+                size = len(rank)
+            i = int(np.searchsorted(rank, a, side="left"))
+            j = int(np.searchsorted(rank, b, side="right"))
+            if j > i:
+                pieces.append(table.slice(i, j - i))
+            if j < len(rank) and kept_rows + size <= budget:
+                kept[g] = (table.slice(j), rank[j:], size)
+                kept_rows += size
+        if not pieces:
+            continue
+        chunk = _to_chunk(pa.concat_tables(pieces).unify_dictionaries(), resolved)
         if len(chunk):
             yield chunk
