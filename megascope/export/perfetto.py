@@ -52,6 +52,7 @@ from perfetto.trace_builder.proto_builder import StreamingTraceProtoBuilder
 
 from megascope.export import perfetto_layouts as lay
 from megascope.export.common import ExportStats, as_run, make_selection, output_stream
+from megascope.export.memory import kept_heap
 from megascope.export.overlap import BackgroundWriter, prefetch
 from megascope.export.protowire import Node, encode, varint_width
 from megascope.export.selection import Resolved, resolve
@@ -610,7 +611,7 @@ def export_perfetto(
     resolved = resolve(run, make_selection(ranks, steps, window, around_stragglers), clock=clock)
     stats = ExportStats(format="perfetto", clock_correction=resolved.clock_source,
                         selection=resolved.selection.describe(), stragglers=resolved.stragglers)
-    with output_stream(out) as stream:
+    with output_stream(out) as stream, kept_heap():
         with BackgroundWriter(stream) as background:
             writer = _PerfettoWriter(run, resolved, background, stats)
             writer.write_header()

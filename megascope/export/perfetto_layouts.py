@@ -130,6 +130,11 @@ _TD_TAG = tag_bytes(_TRACK_DESCRIPTOR, 2)
 _SEQ_FIELD = _varint_field(_SEQUENCE_ID_FIELD, SEQUENCE_ID)
 
 
+_TAGS = {f: tag_bytes(f, w) for f, w in ((_TD_UUID, 0), (_TD_NAME, 2), (_TD_PROCESS, 2), (_TD_PARENT_UUID, 0),
+                                          (_TD_COUNTER, 2), (_TD_CHILD_ORDERING, 0), (_TD_SIBLING_ORDER_RANK, 0))}
+_LABEL_TAG = tag_bytes(_PD_PROCESS_LABELS, 2)
+
+
 def _len_field(field: int, payload: bytes) -> bytes:
     return tag_bytes(field, 2) + varint_bytes(len(payload)) + payload
 
@@ -138,24 +143,33 @@ def track_descriptor(uuid: int, *, name: str | None = None, parent: int | None =
                      order: int | None = None, process: bytes | None = None, child_ordering: int | None = None,
                      ) -> bytes:
     """One ``Trace.packet`` holding a ``TrackDescriptor`` on the export's sequence."""
-    desc = _varint_field(_TD_UUID, uuid)
+    parts = [_TAGS[_TD_UUID], varint_bytes(uuid)]
     if name is not None:
-        desc += _len_field(_TD_NAME, name.encode())
+        encoded = name.encode()
+        parts += [_TAGS[_TD_NAME], varint_bytes(len(encoded)), encoded]
     if process is not None:
-        desc += _len_field(_TD_PROCESS, process)
+        parts += [_TAGS[_TD_PROCESS], varint_bytes(len(process)), process]
     if parent is not None:
-        desc += _varint_field(_TD_PARENT_UUID, parent)
+        parts += [_TAGS[_TD_PARENT_UUID], varint_bytes(parent)]
     if unit is not None:
-        desc += _len_field(_TD_COUNTER, _len_field(_CD_UNIT_NAME, unit.encode()))
+        parts += [_TAGS[_TD_COUNTER], *_with_length(_len_field(_CD_UNIT_NAME, unit.encode()))]
     if child_ordering is not None:
-        desc += _varint_field(_TD_CHILD_ORDERING, child_ordering)
+        parts += [_TAGS[_TD_CHILD_ORDERING], varint_bytes(child_ordering)]
     if order is not None:
-        desc += _varint_field(_TD_SIBLING_ORDER_RANK, order)
-    body = _SEQ_FIELD + _TD_TAG + varint_bytes(len(desc)) + desc
-    return _PACKET_TAG + varint_bytes(len(body)) + body
+        parts += [_TAGS[_TD_SIBLING_ORDER_RANK], varint_bytes(order)]
+    desc = b"".join(parts)
+    body = b"".join((_SEQ_FIELD, _TD_TAG, varint_bytes(len(desc)), desc))
+    return b"".join((_PACKET_TAG, varint_bytes(len(body)), body))
+
+
+def _with_length(payload: bytes) -> tuple[bytes, bytes]:
+    return varint_bytes(len(payload)), payload
 
 
 def process_descriptor(pid: int, name: str, labels: list[str]) -> bytes:
     """The ``ProcessDescriptor`` of a ``TrackDescriptor`` (pid, name, labels)."""
-    return (_varint_field(_PD_PID, pid) + _len_field(_PD_PROCESS_NAME, name.encode())
-            + b"".join(_len_field(_PD_PROCESS_LABELS, label.encode()) for label in labels))
+    parts = [_varint_field(_PD_PID, pid), _len_field(_PD_PROCESS_NAME, name.encode())]
+    for label in labels:
+        encoded = label.encode()
+        parts += [_LABEL_TAG, varint_bytes(len(encoded)), encoded]
+    return b"".join(parts)

@@ -37,21 +37,24 @@ WIRE_FIXED64 = 1
 WIRE_LEN = 2
 
 
+_ONE_BYTE = [bytes((i,)) for i in range(128)]
+
+
 def varint_bytes(value: int) -> bytes:
     """The minimal varint of one integer (negative ones as 64-bit two's complement)."""
+    if 0 <= value < 128:
+        return _ONE_BYTE[value]
     if value < 0:
         value += 1 << 64
     out = bytearray()
-    while True:
-        byte = value & 0x7F
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
         value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
+    out.append(value)
+    return bytes(out)
 
 
+@functools.lru_cache(maxsize=256)
 def tag_bytes(field_number: int, wire_type: int) -> bytes:
     return varint_bytes((field_number << 3) | wire_type)
 
