@@ -218,6 +218,7 @@ class _PerfettoWriter:
         self.interner = _Interner()
         self.tracks_written: set[int] = set()
         self.stream_names: dict[int, str] = {}
+        self.track_names: dict[int, tuple[str, int]] = {}  # stream code << 8 | lane -> (name, sibling order)
         self.group_hashes: dict[str, int] = {}
         self.ranks_with_processes: set[int] = set()
         self.job_steps: dict[int, tuple[int, int]] = {}  # step -> (first start, slowest rank's duration)
@@ -286,11 +287,13 @@ class _PerfettoWriter:
         for uuid in uuids:
             if uuid in self.tracks_written:
                 continue
-            rank, code, lane = (uuid >> 24) - 1, (uuid >> 8) & 0xFFFF, uuid & 0xFF
-            stream = self.stream_names[code]
-            kind_order, _ = stream_sort_key(stream)
-            name = stream if lane == 0 else f"{stream} #{lane + 1}"
-            self._add_track(uuid, name, parent=process_uuid(rank), order=kind_order * 256 + lane)
+            kind = uuid & 0xFFFFFF  # stream code and lane
+            named = self.track_names.get(kind)
+            if named is None:
+                stream, lane = self.stream_names[kind >> 8], kind & 0xFF
+                name = stream if lane == 0 else f"{stream} #{lane + 1}"
+                named = self.track_names[kind] = (name, stream_sort_key(stream)[0] * 256 + lane)
+            self._add_track(uuid, named[0], parent=uuid & ~0xFFFFFF, order=named[1])
 
     # ---- spans -------------------------------------------------------------------------------
 
@@ -564,9 +567,11 @@ def _encode_grouped(keys: I64, layout: Callable[[I64], Node]) -> tuple[U8, I64]:
         return encode(node, len(rows)).reshape(-1), offsets
     out = np.empty(int(offsets[-1]), dtype=np.uint8)
     for (rows, node), width in zip(groups, widths.tolist(), strict=True):
-        # every window of ``width`` bytes of ``out`` as a row: the group's rows go to their offsets
-        windows = np.lib.stride_tricks.as_strided(out, shape=(len(out) - width + 1, width), strides=(1, 1))
-        windows[offsets[rows]] = encode(node, len(rows))
+        # every window of ``width`` bytes of ``out`` as one opaque item: the group's rows go to
+        # their offsets, a copy of ``width`` bytes each
+        item = np.dtype((np.void, width))
+        windows = np.ndarray(shape=(len(out) - width + 1,), dtype=item, buffer=out, strides=(1,))
+        windows[offsets[rows]] = encode(node, len(rows)).view(item).reshape(-1)
     return out, offsets
 
 
