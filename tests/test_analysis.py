@@ -3,40 +3,33 @@ follows from the numbers in them."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pytest
-from click.testing import CliRunner
+from click.testing import Result
+from conftest import Synth
 from hand_runs import MS, hand_run, host_bound_run, span
 
 from megascope import analysis, layout, schema
 from megascope.analysis.base import prepare, solve_offsets
-from megascope.cli import main
+from megascope.analysis.runstate import run_state
 from megascope.errors import ConfigError
-from megascope.inject import parse_injects
 from megascope.store import open_run
-from megascope.synth import SynthConfig, synth_run
-
-
-def _synth(path: Path, *specs: str, ranks: int = 32, steps: int = 8, tp: int = 2, pp: int = 2, seed: int = 3) -> Path:
-    synth_run(path, SynthConfig(ranks=ranks, steps=steps, tp=tp, pp=pp, seed=seed,
-                                gpus_per_host=4, faults=parse_injects(specs)))
-    return path
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def runs(synth: Synth, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("synth")
-    return {
-        "healthy": _synth(base / "healthy"),
-        "straggler": _synth(base / "straggler", "straggler:rank=13,factor=1.25"),
-        "skew": _synth(base / "skew", "skew:rank=6,ms=40"),
-        "hang": _synth(base / "hang", "hang:rank=22,step=5"),
-    }
+    faults = {"healthy": (), "straggler": ("straggler:rank=13,factor=1.25",), "skew": ("skew:rank=6,ms=40",),
+              "hang": ("hang:rank=22,step=5",)}
+    return {name: synth(base / name, *specs, ranks=32, steps=8, tp=2, pp=2, seed=3, gpus_per_host=4)
+            for name, specs in faults.items()}
 
 
 def test_healthy_run_has_no_findings(runs: dict[str, Path]) -> None:
@@ -215,7 +208,7 @@ def test_exposed_communication_arithmetic(tmp_path: Path) -> None:
     assert got["exposed_ns_per_rank_step"].sum() == (5 + 10 + 13) * MS
 
 
-def test_host_lead_names_the_rank_whose_device_waited_for_its_host(tmp_path: Path) -> None:
+def test_host_lead_names_the_rank_whose_device_waited_for_its_host(tmp_path: Path, cli: Callable[..., Result]) -> None:
     """host_bound_run: rank 1's device reached a quarter of its calls 0.1 ms after the host issued
     them (it had run dry), rank 0's always 10 ms after; rank 2 is host-timed and left out."""
     run = open_run(host_bound_run(tmp_path / "run"))
@@ -225,7 +218,7 @@ def test_host_lead_names_the_rank_whose_device_waited_for_its_host(tmp_path: Pat
     assert got.loc[1, "starved_frac"] == 0.25 and got.loc[1, "lead_p10_ns"] == 100_000
     lead = analysis.report(run, with_whatif=False)["host_lead"]
     assert [x["rank"] for x in lead["host_bound"]] == [1]
-    out = CliRunner().invoke(main, ["report", str(tmp_path / "run"), "--no-whatif", "-q"])
+    out = cli("report", str(tmp_path / "run"), "--no-whatif", "-q")
     assert out.exit_code == 0, out.output
     assert "host-bound: rank 1: the device was idle at 25% of 40 calls (lead p10 0.1 ms)" in out.output
     plain = open_run(host_bound_run(tmp_path / "cpu", devices=None))  # no device recorded: nothing to say
@@ -322,6 +315,34 @@ def test_a_completion_past_a_call_that_a_member_never_entered_is_no_completion(t
     assert [(x["rank"], x["group"], x["last_completed_seq"], x["missing_seq"]) for x in result["suspects"]] == [
         (0, "dp:0", 1, 2)]
     assert result["stuck_groups"] == [{"group": "dp:0", "seq": 2, "waiting": [1], "missing": [0]}]
+
+
+def test_completions_set_aside_are_no_progress_while_the_processes_wind_down(tmp_path: Path) -> None:
+    # A 2-rank NCCL job with a 20 s collective timeout: rank 0 stops before call 2; rank 1 enters
+    # it at 20 s, and NCCL's abort at 40 s makes it read "completed" and ends rank 1's step span
+    # there. Read at 45 s, the processes' agents were seen 1 s ago (not yet ended), so run_state
+    # decides: the last progress is call 1 at 3 s, not the abort, and the job is hung.
+    s = 1_000_000_000
+
+    def marker(rank: int, seq: int, state: str, t: int) -> dict[str, object]:
+        return {"rank": rank, "group": "dp:0", "seq": seq, "op": "all_reduce", "state": state, "time_ns": t,
+                "step": seq - 1, "bytes": None, "peer": None}
+
+    markers = [marker(r, 1, st, t) for r in range(2) for st, t in (("enqueued", 1 * s), ("completed", 3 * s))]
+    markers += [marker(1, 2, "enqueued", 20 * s), marker(1, 2, "completed", 40 * s)]
+    spans = [span(r, 0, "step", 0, 3 * s) for r in range(2)] + [span(1, 1, "step", 19 * s, 21 * s)]
+    path = hand_run(tmp_path / "run", spans, markers, world=2)
+    meta = open_run(path).meta
+    layout.write_run_meta(path, dataclasses.replace(meta, config={**meta.config, "collective_timeout_s": 20.0}))
+    alive = [{"host": "h0", "rank": r, "pid": 1, "time_ns": t, "device": None, "metric": "rank_alive",
+              "value": 1.0, "text": None} for r in range(2) for t in (1 * s, 44 * s)]
+    layout.write_part(path, "heartbeats", pa.Table.from_pylist(alive, schema=schema.HEARTBEATS), host="h0")
+    result = analysis.localize(open_run(path), now_ns=45 * s)
+    assert result["set_aside_since_ns"] == {1: 20 * s}
+    assert result["hung"] is True, result["note"]
+    assert [x["rank"] for x in result["suspects"]] == [0]
+    state = run_state(open_run(path), now_ns=45 * s, hang=result)
+    assert state["state"] == "hung" and state["last_progress_ns"] == 3 * s
 
 
 def test_a_member_with_no_markers_at_all_sets_no_completion_aside(tmp_path: Path) -> None:
@@ -439,7 +460,7 @@ def test_collector_footprint_estimates_device_time_from_the_stamps_per_step() ->
     assert collector_footprint(con, step_time_ns=None) == {"stamps_per_step": None}
 
 
-def test_gc_pauses_inside_steps_per_rank(tmp_path: Path) -> None:
+def test_gc_pauses_inside_steps_per_rank(tmp_path: Path, cli: Callable[..., Result]) -> None:
     """gc.* host spans inside steps add up per rank; a collection outside any step is not counted,
     and other host spans are not collections."""
     spans = []
@@ -455,6 +476,6 @@ def test_gc_pauses_inside_steps_per_rank(tmp_path: Path) -> None:
     assert got["ranks_with_gc"] == 2 and got["ranks"] == 3 and got["total_ns"] == 47 * MS
     assert got["top"] == [{"rank": 1, "steps": 2, "total_ns": 42 * MS, "max_step_ns": 40 * MS},
                           {"rank": 2, "steps": 1, "total_ns": 5 * MS, "max_step_ns": 5 * MS}]
-    out = CliRunner().invoke(main, ["report", str(tmp_path / "run"), "--no-whatif", "-q"])
+    out = cli("report", str(tmp_path / "run"), "--no-whatif", "-q")
     assert out.exit_code == 0, out.output
     assert "GC PAUSES inside steps: 2 of 3 ranks, 47.0 ms in all; longest: rank 1, 42.0 ms over 2 steps" in out.output

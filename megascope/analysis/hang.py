@@ -206,7 +206,9 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
     missing), ``silent`` (ranks with no sign of life near the end), ``markers`` (whether the run
     has a marker trail), ``ended`` (every rank's process was seen to end), ``waited_s`` (how long
     the first stuck call had waited when the evidence ends), ``note`` (why calls in flight are
-    not a hang, where that applies), ``flight_recorder`` (what torch's dumps say, or None).
+    not a hang, where that applies), ``flight_recorder`` (what torch's dumps say, or None),
+    ``set_aside_since_ns`` (rank -> when it entered the call its set-aside completions belong to:
+    what it wrote later is no progress, see hang.sql).
 
     A call counts as stuck only if its members had waited in it for run_state's stall threshold
     by the time the job's evidence ends, so a job killed mid-step is not a hang. On a live run
@@ -300,6 +302,9 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
         "markers": has_markers,
         "ended": ended,
         "waited_s": waited_s if stuck else None,
+        # Ranks whose completions were set aside (NCCL's abort "completes" a waiting call): from
+        # when each entered the call it waits in; later spans and completions of it are no progress.
+        "set_aside_since_ns": _set_aside_since(stuck),
         "note": note,
         "flight_recorder": None,
     }
@@ -316,6 +321,16 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
             result["hung"] = False
             result["note"] = f"not (yet) a hang: the run is {state['state']} ({state['reason']})"
     return result
+
+
+def _set_aside_since(stuck: list[Record]) -> dict[int, int]:
+    """Per rank whose completions past the frontier were set aside: when it entered its first such call."""
+    since: dict[int, int] = {}
+    for m in stuck:
+        t = m["stuck_since_ns"]
+        if m.get("set_aside") and t is not None and not pd.isna(t):
+            since[int(m["rank"])] = min(int(t), since.get(int(m["rank"]), int(t)))
+    return since
 
 
 def _evidence_order(suspect: Record) -> int:

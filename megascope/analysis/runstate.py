@@ -127,15 +127,25 @@ def _newest_parts(run: Run, table: str, count: int) -> list[Path]:
     return [p for files in by_dir.values() for p in sorted(files, key=lambda p: p.name)[-count:]]
 
 
-def _last_completion_ns(con: duckdb.DuckDBPyConnection, run: Run) -> int | None:
-    """Newest completed-call marker of any rank, from each rank's newest parts."""
+def _cut_values(cut: Mapping[int, int]) -> str:
+    """The progress cut-offs as a DuckDB VALUES list of (rank, cut_ns)."""
+    return "VALUES " + ", ".join(f"({int(r)}, {int(t)})" for r, t in cut.items())
+
+
+def _last_completion_ns(con: duckdb.DuckDBPyConnection, run: Run, cut: Mapping[int, int]) -> int | None:
+    """Newest completed-call marker of any rank (reference clock), from each rank's newest parts;
+    a rank in ``cut`` counts only up to its cut-off."""
     parts = _newest_parts(run, "markers", NEWEST_PARTS)
     if not parts:
         return None
     files = ", ".join("'" + str(p).replace("'", "''") + "'" for p in parts)
+    join_cut = f" LEFT JOIN ({_cut_values(cut)}) c(rank, cut_ns) USING (rank)" if cut else ""
+    keep = " AND (c.cut_ns IS NULL OR t <= c.cut_ns)" if cut else ""
     try:
         row = _sql.first(con.execute(
-            f"SELECT max(time_ns) FROM read_parquet([{files}], union_by_name=true) WHERE state = 'completed'"
+            f"SELECT max(t) FROM (SELECT m.rank, m.time_ns + coalesce(k.offset_ns, 0) AS t, m.state "
+            f"FROM read_parquet([{files}], union_by_name=true) m LEFT JOIN ms_cache.rank_clock k USING (rank)){join_cut} "
+            f"WHERE state = 'completed'{keep}"
         ))
     except duckdb.Error as exc:  # a part replaced under us: the spans still tell
         log.info("run state: newest markers unreadable: %s", exc)
@@ -159,10 +169,16 @@ def _in_flight(con: duckdb.DuckDBPyConnection) -> int:
     return int(row[0]) if row and row[0] is not None else 0
 
 
-def _step_facts(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
-    """Ranks, their last finished step, the run's median step and newest span end (reference clock)."""
+def _step_facts(con: duckdb.DuckDBPyConnection, cut: Mapping[int, int]) -> dict[str, Any]:
+    """Ranks, their last finished step, the run's median step and newest span end (reference clock;
+    a rank in ``cut`` counts only up to its cut-off)."""
+    span_end = "SELECT max(start_ns + extent_ns) FROM ms_cache.rank_step"
+    if cut:
+        span_end = (f"SELECT max(r.start_ns + r.extent_ns) FROM ms_cache.rank_step r "
+                    f"LEFT JOIN ({_cut_values(cut)}) c(rank, cut_ns) USING (rank) "
+                    "WHERE c.cut_ns IS NULL OR r.start_ns + r.extent_ns <= c.cut_ns")
     row = _sql.first(con.execute(
-        """
+        f"""
         WITH ranks_all AS (SELECT DISTINCT rank FROM ms_cache.rank_info),
         done AS (SELECT rank, max(step) AS last FROM ms_cache.rank_step WHERE step_ns IS NOT NULL GROUP BY rank)
         SELECT (SELECT count(*) FROM ranks_all),
@@ -170,7 +186,7 @@ def _step_facts(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
                (SELECT min(coalesce(d.last, -1)) FROM ranks_all a LEFT JOIN done d USING (rank)),
                (SELECT count(*) FROM done WHERE last = (SELECT max(last) FROM done)),
                (SELECT median(step_ns) FROM ms_cache.rank_step WHERE step_ns IS NOT NULL),
-               (SELECT max(start_ns + extent_ns) FROM ms_cache.rank_step)
+               ({span_end})
         """
     ))
     assert row is not None
@@ -230,8 +246,11 @@ def run_facts(run: Run, *, hang: Mapping[str, Any] | None = None) -> dict[str, A
     con = run.cursor()
     try:
         prepare(con)
-        facts = _step_facts(con)
-        completion = _last_completion_ns(con, run)
+        # NCCL's abort "completes" the calls a rank waits in: from when localize says it entered
+        # the first of them, that rank's completions and span ends are no sign of progress.
+        cut = {int(r): int(t) for r, t in ((hang or {}).get("set_aside_since_ns") or {}).items()}
+        facts = _step_facts(con, cut)
+        completion = _last_completion_ns(con, run, cut)
         if hang is not None:
             in_flight = len(hang.get("waiting") or [])
         else:

@@ -27,6 +27,8 @@
 -- @column stuck        it enqueued a seq it never completed
 -- @column stuck_seq    that seq
 -- @column stuck_since_ns  when it enqueued it (reference clock)
+-- @column set_aside    completions of its past the frontier were set aside (NCCL's abort): what it
+--                      wrote after stuck_since_ns is no sign of progress
 -- @column last_marker_ns  its latest marker of the group (reference clock)
 CREATE OR REPLACE TABLE ms_cache.member_state AS
 WITH raw AS (
@@ -90,7 +92,8 @@ SELECT j.grp, j.rank, j.last_enq, j.done_eff AS last_done, j.group_max_enq, j.la
        CASE WHEN j.last_done > j.done_eff THEN j.done_eff + 1
             WHEN j.last_enq > coalesce(j.done_eff, -9223372036854775807) THEN j.last_enq END AS stuck_seq,
        CASE WHEN j.last_done > j.done_eff THEN coalesce(i.since_ns, j.last_enq_ns)
-            WHEN j.last_enq > coalesce(j.done_eff, -9223372036854775807) THEN j.last_enq_ns END AS stuck_since_ns
+            WHEN j.last_enq > coalesce(j.done_eff, -9223372036854775807) THEN j.last_enq_ns END AS stuck_since_ns,
+       coalesce(j.last_done > j.done_eff, false) AS set_aside
 FROM judged j LEFT JOIN impossible i USING (grp, rank);
 
 -- @statement activity
