@@ -9,8 +9,9 @@ version's source tree, e.g. ``git archive COMMIT megascope | tar -x -C DIR``) ru
 export on the same runs, interleaved with this one, ``--repeats`` times each; the table gives mean
 and p90 wall time, and the ratio of means against the baseline. ``--clock raw`` exports host
 clocks as recorded (no clock-offset estimate), ``estimated`` (default) as ``megascope export`` does.
-``--compacted`` also exports a copy of each run after ``megascope compact --all``; the last lines
-say whether every export of a run (parts and compacted, every repeat) wrote the same bytes. The
+``--compacted`` also exports a copy of each run after ``megascope compact --all`` (``--only-compacted``:
+that copy alone); the last lines say whether every export of a run (parts and compacted, every
+repeat) wrote the same bytes. The
 machine's 1-minute load average is sampled every second during each row's exports and reported.
 
     python bench/export_speed.py                       # 256 and 1,024 ranks, 10 steps, tp=8 pp=8
@@ -37,6 +38,8 @@ import json, resource, sys, time
 fmt, run_dir, out, clock = sys.argv[1:5]
 from megascope.export import export_chrome, export_perfetto
 from megascope.store import open_run
+import megascope
+print(megascope.__file__)
 began = time.perf_counter()
 run = open_run(run_dir)
 opened = time.perf_counter() - began
@@ -82,14 +85,21 @@ class _LoadSampler:
         return self.samples[mark:] or [os.getloadavg()[0]]
 
 
+_THIS_TREE = Path(__file__).resolve().parents[1]
+
+
 def _export(src: Path | None, fmt: str, run_dir: Path, out: Path, clock: str) -> tuple[dict[str, float], str]:
+    # -P: the working directory is not on the path, so a baseline tree is not shadowed by this one
+    tree = src or _THIS_TREE
     env = dict(os.environ)
-    if src is not None:
-        env["PYTHONPATH"] = str(src) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _CHILD, fmt, str(run_dir), str(out), clock],
+    env["PYTHONPATH"] = str(tree) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-P", "-c", _CHILD, fmt, str(run_dir), str(out), clock],
                           capture_output=True, text=True, env=env, check=False)
     if proc.returncode != 0:
         raise SystemExit(f"export of {run_dir} failed:\n{proc.stderr[-2000:]}")
+    ran = Path(proc.stdout.strip().splitlines()[-2]).resolve()
+    if not ran.is_relative_to(tree.resolve()):
+        raise SystemExit(f"the export meant to run {tree} ran {ran}")
     digest = hashlib.sha256()
     with open(out, "rb") as f:
         while block := f.read(1 << 24):
@@ -109,6 +119,8 @@ def main() -> None:
     parser.add_argument("--clock", choices=["estimated", "raw"], default="estimated")
     parser.add_argument("--compacted", action="store_true",
                         help="Also export a copy of each run after `megascope compact --all` (and compare the bytes).")
+    parser.add_argument("--only-compacted", action="store_true",
+                        help="With --compacted: export the compacted copy only, not the run's parts.")
     parser.add_argument("--baseline-src", type=Path, default=None, help="Source tree of the version to compare with.")
     parser.add_argument("--workdir", type=Path, default=None, help="Keep runs here (reused).")
     args = parser.parse_args()
@@ -135,6 +147,8 @@ def main() -> None:
                 shutil.copytree(run_dir, compacted, ignore=shutil.ignore_patterns("_cache"))
                 compact(compacted, everything=True)
             stores.append(("compacted", compacted))
+            if args.only_compacted:
+                stores = stores[1:]
         for _ in range(args.repeats):
             for fmt in args.formats:
                 for store, path in stores:
@@ -167,8 +181,9 @@ def main() -> None:
               f"{spans / statistics.mean(cpu):,.0f} | {max(r['rss_mb'] for r in rows):,.0f} MB | "
               f"{statistics.mean(sampled):.1f} / {max(sampled):.1f} | {ratio} |")
     for (spec, fmt, name), seen in digests.items():
+        stores_seen = "compacted" if args.only_compacted else "parts and compacted"
         print(f"{spec} {fmt} {name}: {'the same bytes' if len(seen) == 1 else f'{len(seen)} different outputs'}"
-              f" over every export{' (parts and compacted)' if args.compacted else ''}")
+              f" over every export{f' ({stores_seen})' if args.compacted else ''}; sha256 {', '.join(sorted(seen))}")
 
 
 if __name__ == "__main__":
