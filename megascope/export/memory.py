@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -35,7 +34,7 @@ def _glibc() -> Any | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL("libc.so.6")  # the process's own C library, already loaded
         version = libc.gnu_get_libc_version  # glibc only
     except (OSError, AttributeError):
         return None

@@ -208,6 +208,17 @@ def _order_chunk(chunk: SpanChunk) -> _OrderedChunk:
     return _OrderedChunk(chunk, track, span_index, is_end, streams)
 
 
+@dataclass
+class _EncodedChunk:
+    """A chunk's events encoded in write order, cut rank by rank."""
+
+    data: U8
+    bounds: list[int]  # where each rank's events begin in ``data``, and the end
+    ranks: list[int]
+    tracks: list[int]  # the chunk's tracks, ascending (so by rank)
+    counters: dict[int, bytes]  # rank -> its step-time samples, encoded
+
+
 class _PerfettoWriter:
     def __init__(self, run: Run, resolved: Resolved, out: BackgroundWriter, stats: ExportStats) -> None:
         self.run = run
@@ -306,14 +317,14 @@ class _PerfettoWriter:
                 out[i] = self.group_hashes[g]
         return out
 
-    def write_chunk(self, ordered: _OrderedChunk) -> None:
-        """The chunk's spans, rank by rank: each rank's new track descriptors and interned strings,
-        its begin/end events, its step-time counter. Nothing depends on where the chunks are cut
-        or on the order the spans came in, so a run gives the same bytes however it is stored."""
+    def encode_chunk(self, ordered: _OrderedChunk) -> _EncodedChunk | None:
+        """The chunk's begin/end events and step-time samples, encoded, and where each rank's
+        begin: runs in a thread of its own, a chunk ahead of :meth:`write_chunk`. It alone numbers
+        interned strings (chunk after chunk, in order), so the iids are those of a serial export."""
         chunk, track, span_index, is_end = ordered.chunk, ordered.track, ordered.span_index, ordered.is_end
         n = len(chunk)
         if n == 0:
-            return
+            return None
         rank = chunk.rank
         for s, c in ordered.streams:
             self.stream_names.setdefault(c, s)
@@ -404,13 +415,21 @@ class _PerfettoWriter:
         event_track = track[span_index]  # ascending: events sort by track first
         event_rank = (event_track >> np.uint64(24)).astype(np.int64) - 1
         cuts = np.flatnonzero(np.diff(event_rank)) + 1
-        firsts = np.concatenate([[0], cuts]).tolist()
-        lasts = np.concatenate([cuts, [len(event_rank)]]).tolist()
+        firsts = np.concatenate([[0], cuts])
         tracks_of = event_track[np.concatenate([[0], np.flatnonzero(np.diff(event_track)) + 1])].tolist()
+        return _EncodedChunk(data, event_bytes[np.concatenate([firsts, [len(event_rank)]])].tolist(),
+                             event_rank[firsts].tolist(), tracks_of, counter_rows)
+
+    def write_chunk(self, encoded: _EncodedChunk | None) -> None:
+        """The chunk's spans, rank by rank: each rank's new track descriptors and interned strings,
+        its begin/end events, its step-time counter. Nothing depends on where the chunks are cut
+        or on the order the spans came in, so a run gives the same bytes however it is stored."""
+        if encoded is None:
+            return
+        data, bounds, tracks_of, counter_rows = encoded.data, encoded.bounds, encoded.tracks, encoded.counters
         track_ranks = [(t >> 24) - 1 for t in tracks_of]
         t_lo = 0
-        for a, b in zip(firsts, lasts, strict=True):
-            r = int(event_rank[a])
+        for i, r in enumerate(encoded.ranks):
             t_hi = bisect.bisect_right(track_ranks, r, lo=t_lo)
             self._stream_tracks(tracks_of[t_lo:t_hi])
             t_lo = t_hi
@@ -418,7 +437,7 @@ class _PerfettoWriter:
             if counters is not None and step_counter_uuid(r) not in self.tracks_written:
                 self._add_track(step_counter_uuid(r), "step time (ms)", parent=process_uuid(r), unit="ms", order=0)
             self.interner.flush(self.builder, r)
-            self.out.write(data[int(event_bytes[a]):int(event_bytes[b])].data)
+            self.out.write(data[bounds[i]:bounds[i + 1]].data)
             if counters is not None:
                 self.out.write(counters)
 
@@ -620,8 +639,10 @@ def export_perfetto(
         with BackgroundWriter(stream) as background:
             writer = _PerfettoWriter(run, resolved, background, stats)
             writer.write_header()
-            for ordered in prefetch(map(_order_chunk, iter_span_chunks(run, resolved, chunk_rows=chunk_rows))):
-                writer.write_chunk(ordered)
+            # three stages in threads of their own: read and order, encode, write out
+            ordered = prefetch(map(_order_chunk, iter_span_chunks(run, resolved, chunk_rows=chunk_rows)))
+            for encoded in prefetch(map(writer.encode_chunk, ordered)):
+                writer.write_chunk(encoded)
             writer.write_job_counters()
             writer.write_heartbeats()
         stats.bytes = stream.bytes
