@@ -56,7 +56,7 @@ from megascope.export.memory import kept_heap
 from megascope.export.overlap import BackgroundWriter, prefetch
 from megascope.export.protowire import Node, encode, varint_width
 from megascope.export.selection import Resolved, resolve
-from megascope.export.source import DEFAULT_CHUNK_ROWS, SpanChunk, iter_span_chunks
+from megascope.export.source import SpanChunk, iter_span_chunks
 from megascope.export.tracks import (
     assign_lanes,
     process_uuid,
@@ -74,6 +74,9 @@ U8 = npt.NDArray[np.uint8]
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
 
+# Spans per chunk: smaller chunks keep less memory in flight (three stages hold a chunk each) and
+# fill the pipeline sooner; much smaller ones pay the per-chunk work more often.
+CHUNK_ROWS = 200_000
 JOB_TRACK_UUID = 1 << 60
 _HOST_TRACK_BIT = 1 << 61
 _HEARTBEAT_TRACK_BIT = 1 << 62
@@ -617,7 +620,7 @@ def export_perfetto(
     steps: tuple[int, int] | None = None,
     window: tuple[int, int] | None = None,
     around_stragglers: bool = False,
-    chunk_rows: int = DEFAULT_CHUNK_ROWS,
+    chunk_rows: int = CHUNK_ROWS,
     clock: str = "estimated",
 ) -> ExportStats:
     """Write ``run`` (or the selected part) as a Perfetto protobuf trace to ``out``.
@@ -627,8 +630,9 @@ def export_perfetto(
     the stragglers and the peers they make wait; ``clock``: ``"estimated"`` adds each
     host's estimated clock offset (an estimate that fails is an error), ``"raw"`` keeps the host
     clocks as recorded. ``out`` is a path (written atomically) or a
-    binary stream. Memory follows ``chunk_rows`` spans, not the run: the scan runs one chunk
-    ahead of the encoding and the writes a bounded queue behind it.
+    binary stream. Memory follows ``chunk_rows`` spans, not the run: reading (and ordering),
+    encoding and writing run in three threads, each a chunk (the writes a bounded queue) behind
+    the one before.
     """
     began = time.perf_counter()
     run = as_run(run)

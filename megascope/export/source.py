@@ -34,6 +34,9 @@ from megascope.store import Run
 log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_ROWS = 400_000
+# Rows of a compacted run's row groups kept decoded for the blocks after (at least four chunks):
+# a step-sorted file of a 1,024-rank run holds every rank in each row group.
+READ_AHEAD_ROWS = 1_600_000
 
 _COLUMNS = ["rank", "step", "name", "kind", "stream", "start_ns", "dur_ns", "microbatch", "chunk",
             "group", "seq", "op", "bytes", "peer"]
@@ -321,9 +324,9 @@ def _iter_compacted_files(paths: list, resolved: Resolved, chunk_rows: int) -> I
 
     A compacted file is sorted by step, so a block of ranks has rows in every step's row groups.
     Each row group is read once (pyarrow, strings as the file's dictionaries), put in rank order
-    and kept, for the blocks after, with the rows it still holds, up to ``4 * chunk_rows`` rows in
-    all: memory follows the chunk. A group that does not fit is read again by the next block that
-    needs it.
+    and kept, for the blocks after, with the rows it still holds, up to ``READ_AHEAD_ROWS`` rows
+    or four chunks in all, whichever is more: memory stays bounded whatever the run's size. A group
+    that does not fit is read again by the next block that needs it.
     """
     reader = _CompactedReader(paths, resolved)
     counts = reader.counts()
@@ -343,7 +346,7 @@ def _iter_compacted_files(paths: list, resolved: Resolved, chunk_rows: int) -> I
         prev = rank + reader.lo
     if start is not None:
         blocks.append((start, prev))
-    budget = 4 * chunk_rows
+    budget = max(4 * chunk_rows, READ_AHEAD_ROWS)
     kept: dict[int, tuple[pa.Table, npt.NDArray[np.int64], int]] = {}  # group -> (rows, ranks, rows read)
     kept_rows = 0
     for a, b in blocks:

@@ -107,7 +107,15 @@ def event_order(track: U64, start: I64, end: I64, tiebreak: Tiebreak | None = No
         tied[:-1] |= tie
         pos = np.flatnonzero(tied)  # whole blocks of equal (track, start), in place
         block = np.cumsum(np.concatenate([[0], ~tie]))[pos]
-        order = np.lexsort((spans[pos], -end[spans[pos]], block))
+        # by (block, longer first, index): within a block ``spans`` is in index order already, so
+        # one stable sort of (block, end descending) packed into an int64 where it fits
+        later = end[spans[pos]] - t0
+        block_bits = max(1, int(block[-1]).bit_length())
+        end_bits = max(1, int(later.max()).bit_length())
+        if block_bits + end_bits <= 62:
+            order = np.argsort((block << np.int64(end_bits)) | ((1 << end_bits) - 1 - later), kind="stable")
+        else:
+            order = np.lexsort((spans[pos], -end[spans[pos]], block))
         spans[pos], block = spans[pos][order], block[order]
         if tiebreak is not None:  # spans that also end together: their fields decide
             sub = spans[pos]
