@@ -13,14 +13,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import Synth
 from hand_runs import MS, hand_run, span
 
 from megascope import analysis, layout, schema
 from megascope.analysis import persist
 from megascope.analysis.base import BASE_TABLES, prepare
-from megascope.inject import parse_injects
 from megascope.store import open_run
-from megascope.synth import SynthConfig, synth_run
 
 
 def _report(path: Path) -> dict[str, Any]:
@@ -41,11 +40,8 @@ def _uncached(path: Path, tmp: Path) -> dict[str, Any]:
 
 
 @pytest.fixture
-def run(tmp_path: Path) -> Path:
-    path = tmp_path / "run"
-    synth_run(path, SynthConfig(ranks=16, steps=6, tp=2, pp=2, seed=5, gpus_per_host=4,
-                                faults=parse_injects(["straggler:rank=5,factor=1.3"])))
-    return path
+def run(synth: Synth, tmp_path: Path) -> Path:
+    return synth(tmp_path / "run", "straggler:rank=5,factor=1.3", ranks=16, steps=6, tp=2, pp=2, seed=5, gpus_per_host=4)
 
 
 def same(a: Any, b: Any) -> bool:
@@ -122,11 +118,10 @@ def test_a_new_part_rebuilds_and_the_answer_follows(run: Path, tmp_path: Path) -
     assert names == {persist.KEY_FILE, key["files"]["file"]} | kept
 
 
-def test_a_growing_run_extends_the_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_growing_run_extends_the_cache(tmp_path: Path, synth: Synth, monkeypatch: pytest.MonkeyPatch) -> None:
     """New steps are read, the others kept: no full build, the same answer as one from scratch."""
-    path = tmp_path / "long"
-    synth_run(path, SynthConfig(ranks=16, steps=20, tp=2, pp=2, seed=7, gpus_per_host=4,
-                                faults=parse_injects(["straggler:rank=9,factor=1.3"])))
+    path = synth(tmp_path / "long", "straggler:rank=9,factor=1.3", ranks=16, steps=20, tp=2, pp=2, seed=7,
+                 gpus_per_host=4)
     _report(path)
     from megascope.analysis import base
     built: list[int] = []
@@ -175,7 +170,7 @@ def test_a_removed_part_rebuilds(run: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "garbage key", "wrong key", "missing file", "other run"])
-def test_damaged_or_stale_cache_falls_back(run: Path, tmp_path: Path, damage: str) -> None:
+def test_damaged_or_stale_cache_falls_back(run: Path, tmp_path: Path, synth: Synth, damage: str) -> None:
     first = _report(run)
     where = persist.cache_dir(run)
     key = _key(run)
@@ -196,8 +191,7 @@ def test_damaged_or_stale_cache_falls_back(run: Path, tmp_path: Path, damage: st
         target.unlink()
     else:
         # Another run's rank_step, with a key.json made to describe it: the key itself differs.
-        other = tmp_path / "other"
-        synth_run(other, SynthConfig(ranks=16, steps=6, tp=2, pp=2, seed=9, gpus_per_host=4))
+        other = synth(tmp_path / "other", ranks=16, steps=6, tp=2, pp=2, seed=9, gpus_per_host=4)
         _report(other)
         shutil.rmtree(where)
         shutil.copytree(persist.cache_dir(other), where)

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from click.testing import Result
 from conftest import Synth
-
-from megascope.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +24,8 @@ def slow_run(synth: Synth, tmp_path_factory: pytest.TempPathFactory) -> Path:
                  ranks=16, steps=6, tp=2, pp=2, seed=5, gpus_per_host=4)
 
 
-def test_report_json_contract(hung_run: Path, slow_run: Path) -> None:
-    result = CliRunner().invoke(main, ["report", str(hung_run), "--json"])
+def test_report_json_contract(hung_run: Path, slow_run: Path, cli: Callable[..., Result]) -> None:
+    result = cli("report", str(hung_run), "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert {"run", "mfu", "stragglers", "skew", "hang"} <= set(report)
@@ -36,52 +35,51 @@ def test_report_json_contract(hung_run: Path, slow_run: Path) -> None:
     assert report["hang"]["hung"] is True and report["hang"]["suspects"][0]["rank"] == 9
     # In a hung run every rank is a hang suspect or its victim: no straggler is named.
     assert report["stragglers"] == [] and report["stragglers_withheld"] == "hung"
-    slow = json.loads(CliRunner().invoke(main, ["report", str(slow_run), "--json"]).stdout)
+    slow = json.loads(cli("report", str(slow_run), "--json").stdout)
     top = slow["stragglers"][0]
     assert {"rank", "host", "coords", "phase", "slowdown", "steps_slow_frac", "cause", "confidence", "evidence"} <= set(top)
     assert top["rank"] == 3 and top["cause"] == "compute" and set(top["coords"]) == {"pp", "dp", "tp"}
     assert slow["stragglers_withheld"] is None
 
 
-def test_localize_json_and_text(hung_run: Path) -> None:
-    result = CliRunner().invoke(main, ["localize", str(hung_run), "--json"])
+def test_localize_json_and_text(hung_run: Path, cli: Callable[..., Result]) -> None:
+    result = cli("localize", str(hung_run), "--json")
     assert result.exit_code == 0, result.output
     found = json.loads(result.stdout)
     assert found["hung"] is True
     suspect = found["suspects"][0]
     assert {"rank", "host", "coords", "group", "last_completed_seq", "missing_seq"} <= set(suspect)
     assert suspect["rank"] == 9
-    text = CliRunner().invoke(main, ["localize", str(hung_run)])
+    text = cli("localize", str(hung_run))
     assert text.exit_code == 0 and "rank 9" in text.output
-    report = CliRunner().invoke(main, ["report", str(hung_run), "--no-whatif"])
+    report = cli("report", str(hung_run), "--no-whatif")
     assert report.exit_code == 0 and "STRAGGLERS none" in report.output and "HANG" in report.output
 
 
-def test_heatmap_html(hung_run: Path, tmp_path: Path) -> None:
+def test_heatmap_html(hung_run: Path, tmp_path: Path, cli: Callable[..., Result]) -> None:
     out = tmp_path / "heat.html"
-    result = CliRunner().invoke(main, ["heatmap", str(hung_run), "-o", str(out), "--phase", "compute",
-                                       "--max-ranks", "8"])
+    result = cli("heatmap", str(hung_run), "-o", str(out), "--phase", "compute", "--max-ranks", "8")
     assert result.exit_code == 0, result.output
     assert out.stat().st_size > 1000 and "plotly" in out.read_text()[:200_000].lower()
 
 
 @pytest.mark.browser
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Chromium")
-def test_heatmap_png(hung_run: Path, tmp_path: Path) -> None:
+def test_heatmap_png(hung_run: Path, tmp_path: Path, cli: Callable[..., Result]) -> None:
     out = tmp_path / "heat.png"
-    result = CliRunner().invoke(main, ["heatmap", str(hung_run), "-o", str(out)])
+    result = cli("heatmap", str(hung_run), "-o", str(out))
     assert result.exit_code == 0, result.output
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("args", [["report"], ["localize"], ["heatmap", "-o", "x.html"]])
-def test_bad_run_dir_is_one_line(tmp_path: Path, args: list[str]) -> None:
-    result = CliRunner().invoke(main, [args[0], str(tmp_path / "missing"), *args[1:]])
+def test_bad_run_dir_is_one_line(tmp_path: Path, args: list[str], cli: Callable[..., Result]) -> None:
+    result = cli(args[0], str(tmp_path / "missing"), *args[1:])
     assert result.exit_code == 1
     assert result.output.strip().count("\n") == 0 and "no such run directory" in result.output
     assert "Traceback" not in result.output
 
 
-def test_heatmap_rejects_other_suffixes(hung_run: Path, tmp_path: Path) -> None:
-    result = CliRunner().invoke(main, ["heatmap", str(hung_run), "-o", str(tmp_path / "heat.svg")])
+def test_heatmap_rejects_other_suffixes(hung_run: Path, tmp_path: Path, cli: Callable[..., Result]) -> None:
+    result = cli("heatmap", str(hung_run), "-o", str(tmp_path / "heat.svg"))
     assert result.exit_code == 1 and ".html or .png" in result.output

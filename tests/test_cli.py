@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 import pytest
-from click.testing import CliRunner
+from click.testing import Result
 
 from megascope.cli import main
 
@@ -23,8 +24,8 @@ def _commands(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[st
 
 
 @pytest.mark.parametrize("path", _commands(main), ids=" ".join)
-def test_help_of_every_command(path: tuple[str, ...]) -> None:
-    result = CliRunner().invoke(main, [*path, "--help"])
+def test_help_of_every_command(path: tuple[str, ...], cli: Callable[..., Result]) -> None:
+    result = cli(*path, "--help")
     assert result.exit_code == 0, result.output
     assert "Usage:" in result.output
 
@@ -36,8 +37,8 @@ def test_contract_commands_exist() -> None:
         assert expected in names
 
 
-def test_version() -> None:
-    result = CliRunner().invoke(main, ["--version"])
+def test_version(cli: Callable[..., Result]) -> None:
+    result = cli("--version")
     assert result.exit_code == 0 and "megascope" in result.output
 
 

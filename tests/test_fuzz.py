@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner, Result
+from conftest import Synth
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ingest_fixtures import fr_dump, fr_entry, gpu_trace
@@ -34,7 +35,6 @@ from safety import tree_digest
 
 from megascope.cli import main
 from megascope.store import open_run
-from megascope.synth import SynthConfig, synth_run
 
 pytestmark = pytest.mark.fuzz
 
@@ -71,10 +71,8 @@ def assert_contract(result: Result) -> None:
 
 
 @pytest.fixture(scope="module")
-def valid_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("fuzz") / "run"
-    synth_run(out, SynthConfig(ranks=4, steps=3, tp=2, seed=11))
-    return out
+def valid_run(synth: Synth, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return synth(tmp_path_factory.mktemp("fuzz") / "run", ranks=4, steps=3, tp=2, seed=11)
 
 
 @contextlib.contextmanager

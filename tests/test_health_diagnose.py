@@ -6,14 +6,14 @@ import json
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from click.testing import CliRunner
+from click.testing import Result
 
-from megascope.cli import main
 from megascope.health import selftest
 from megascope.health.datasheet import datasheet_for
 from megascope.health.diagnose import DiagnoseConfig, build_report, run_diagnose
@@ -132,16 +132,17 @@ def test_four_gloo_ranks_name_the_slowed_rank(tmp_path: Path) -> None:
     (["--nproc", "3", "--tp", "2"], "not divisible"),
     (["--nproc", "2", "--slow-rank", "5"], "outside a world of 2"),
 ])
-def test_bad_arguments_are_one_line_errors(tmp_path: Path, args: list[str], message: str) -> None:
-    result = CliRunner().invoke(main, ["diagnose", *args, "-o", str(tmp_path / "d")])
+def test_bad_arguments_are_one_line_errors(tmp_path: Path, args: list[str], message: str,
+                                           cli: Callable[..., Result]) -> None:
+    result = cli("diagnose", *args, "-o", str(tmp_path / "d"))
     assert result.exit_code == 1 and message in result.output
     assert not (tmp_path / "d").exists()
 
 
-def test_out_that_is_a_file_is_refused(tmp_path: Path) -> None:
+def test_out_that_is_a_file_is_refused(tmp_path: Path, cli: Callable[..., Result]) -> None:
     target = tmp_path / "f"
     target.write_text("keep me")
-    result = CliRunner().invoke(main, ["diagnose", "-o", str(target)])
+    result = cli("diagnose", "-o", str(target))
     assert result.exit_code != 0 and target.read_text() == "keep me"
 
 
@@ -154,10 +155,10 @@ def test_report_compares_with_the_datasheet() -> None:
     assert datasheet_for("cpu") is None
 
 
-def test_health_command_prints_findings_as_json(tmp_path: Path) -> None:
+def test_health_command_prints_findings_as_json(tmp_path: Path, cli: Callable[..., Result]) -> None:
     out = tmp_path / "diag"
     run_diagnose(DiagnoseConfig(out=out, iters=2))
-    result = CliRunner().invoke(main, ["health", str(out), "--json"])
+    result = cli("health", str(out), "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.output) == {"run": str(out), "findings": []}
 
@@ -174,11 +175,11 @@ def test_gpu_diagnose_reaches_a_sane_share_of_the_datasheet(tmp_path: Path) -> N
         assert 20 < gemm["median_pct_of_datasheet"] < 110
 
 
-def test_health_command_on_a_run_without_heartbeats(tmp_path: Path) -> None:
+def test_health_command_on_a_run_without_heartbeats(tmp_path: Path, cli: Callable[..., Result]) -> None:
     from megascope import layout
     from megascope.schema import RunMeta, RunSource
 
     layout.write_run_meta(tmp_path, RunMeta(run_id="x", source=RunSource.SYNTH, world_size=2))
-    result = CliRunner().invoke(main, ["health", str(tmp_path)])
+    result = cli("health", str(tmp_path))
     assert result.exit_code == 0, result.output
     assert "no health findings" in result.output

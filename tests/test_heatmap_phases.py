@@ -5,24 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import Synth
 
 from megascope import analysis
-from megascope.inject import parse_injects
 from megascope.store import open_run
-from megascope.synth import SynthConfig, synth_run
-
-
-def _run(root: Path, name: str, spec: str, **sizes: int) -> Path:
-    config = {"ranks": 8, "steps": 8, "tp": 2, "pp": 2, "gpus_per_host": 4, "seed": 11, **sizes}
-    synth_run(root / name, SynthConfig(**config, faults=parse_injects([spec])))  # type: ignore[arg-type]
-    return root / name
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def runs(synth: Synth, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("phases")
-    return {"skew": _run(root, "skew", "skew:rank=3,ms=120"),
-            "straggler": _run(root, "straggler", "straggler:rank=77,factor=1.15", ranks=128, tp=4, pp=4, steps=6)}
+    config = {"ranks": 8, "steps": 8, "tp": 2, "pp": 2, "gpus_per_host": 4, "seed": 11}
+    return {"skew": synth(root / "skew", "skew:rank=3,ms=120", **config),
+            "straggler": synth(root / "straggler", "straggler:rank=77,factor=1.15",
+                               **{**config, "ranks": 128, "tp": 4, "pp": 4, "steps": 6})}
 
 
 def _worst_rank(cells: object) -> int:

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import pickle
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from click.testing import Result
 from ingest_fixtures import SHARED_DATA, fr_dump, fr_entry, write_pickle
 
-from megascope.cli import main
 from megascope.errors import IngestError
 from megascope.ingest import ingest_flight_recorder, load_dump
 from megascope.store import open_run
@@ -129,7 +129,7 @@ def test_hostile_pickle_is_refused_and_never_runs(tmp_path: Path, monkeypatch: p
         (b"{not json", "malformed JSON"),
     ],
 )
-def test_bad_dumps_fail_cleanly(tmp_path: Path, content: bytes, message: str) -> None:
+def test_bad_dumps_fail_cleanly(tmp_path: Path, content: bytes, message: str, cli: Callable[..., Result]) -> None:
     src = tmp_path / "dumps"
     src.mkdir()
     (src / "fr_0").write_bytes(content)
@@ -137,7 +137,7 @@ def test_bad_dumps_fail_cleanly(tmp_path: Path, content: bytes, message: str) ->
     with pytest.raises(IngestError, match=message):
         ingest_flight_recorder(src, out)
     assert not out.exists()
-    result = CliRunner().invoke(main, ["ingest", "flight-recorder", str(src), "-o", str(out)])
+    result = cli("ingest", "flight-recorder", str(src), "-o", str(out))
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert len(result.output.strip().splitlines()) == 1
 

@@ -7,14 +7,14 @@ import json
 import logging
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner
+from click.testing import Result
 from ingest_fixtures import BASE_NS, GEN_KINETO, SHARED_DATA, gpu_trace, write_trace
 
-from megascope.cli import main
 from megascope.errors import IngestError
 from megascope.ingest import ingest_kineto
 from megascope.ingest.groups import ProcessGroup, axis_from_desc, parse_mesh_spec, plan_groups
@@ -195,7 +195,8 @@ def test_missing_rank_is_recorded(tmp_path: Path) -> None:
         ("empty", "no Kineto traces"),
     ],
 )
-def test_bad_inputs_fail_cleanly_and_write_nothing(tmp_path: Path, case: str, message: str) -> None:
+def test_bad_inputs_fail_cleanly_and_write_nothing(tmp_path: Path, case: str, message: str,
+                                                   cli: Callable[..., Result]) -> None:
     src = tmp_path / "src"
     src.mkdir()
     if case != "empty":
@@ -215,7 +216,7 @@ def test_bad_inputs_fail_cleanly_and_write_nothing(tmp_path: Path, case: str, me
         ingest_kineto(src, out, workers=2)
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
-    result = CliRunner().invoke(main, ["ingest", "kineto", str(src), "-o", str(out)])
+    result = cli("ingest", "kineto", str(src), "-o", str(out))
     assert result.exit_code == 1
     assert "Traceback" not in result.output
     assert result.output.strip().splitlines()[-1].startswith("Error: ")
@@ -230,10 +231,9 @@ def test_refuses_to_overwrite_a_run(tmp_path: Path) -> None:
     assert (tmp_path / "run" / "keep.txt").read_text() == "mine"
 
 
-def test_cli_json_summary(tmp_path: Path) -> None:
+def test_cli_json_summary(tmp_path: Path, cli: Callable[..., Result]) -> None:
     _write_job(tmp_path / "src", 2)
-    result = CliRunner().invoke(main, ["ingest", "kineto", str(tmp_path / "src"), "-o", str(tmp_path / "run"),
-                                       "--json", "--workers", "1"])
+    result = cli("ingest", "kineto", str(tmp_path / "src"), "-o", str(tmp_path / "run"), "--json", "--workers", "1")
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output.strip().splitlines()[-1])
     assert summary["world_size"] == 2 and summary["ranks_found"] == [0, 1] and summary["spans"] > 0

@@ -9,26 +9,20 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import Synth
 from ingest_fixtures import fr_dump, fr_entry, gpu_trace, write_pickle, write_trace
 from safety import megascope
 
 from megascope import layout, schema
 from megascope.ingest import ingest_flight_recorder, ingest_kineto
-from megascope.inject import parse_injects
 from megascope.store import open_run
-from megascope.synth import SynthConfig, synth_run
 
 
 @pytest.fixture(scope="module")
-def two_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+def two_runs(synth: Synth, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("runs")
-    planted = root / "planted"
-    other = root / "other"
-    synth_run(planted, SynthConfig(ranks=8, steps=6, tp=2, pp=2, seed=1,
-                                   faults=parse_injects(["straggler:rank=5,factor=1.5"])))
-    synth_run(other, SynthConfig(ranks=8, steps=6, tp=2, pp=2, seed=1,
-                                 faults=parse_injects(["skew:rank=3,ms=400"])))
-    return planted, other
+    return (synth(root / "planted", "straggler:rank=5,factor=1.5", ranks=8, steps=6, tp=2, pp=2, seed=1),
+            synth(root / "other", "skew:rank=3,ms=400", ranks=8, steps=6, tp=2, pp=2, seed=1))
 
 
 def _part_ids(run: Path) -> set[str | None]:

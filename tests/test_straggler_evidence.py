@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import Synth
 from hand_runs import MS, hand_run, span
 
 from megascope import analysis
@@ -20,7 +21,6 @@ from megascope.analysis.stragglers import StragglerConfig, p_value
 from megascope.errors import ConfigError
 from megascope.inject import parse_inject, parse_injects
 from megascope.store import open_run
-from megascope.synth import SynthConfig, synth_run
 
 RANKS = 8
 
@@ -113,10 +113,9 @@ def test_config_refuses_meaningless_thresholds() -> None:
         StragglerConfig(z_comb=-1.0)
 
 
-def test_a_hung_run_names_no_straggler(tmp_path: Path) -> None:
-    synth_run(tmp_path / "run", SynthConfig(ranks=16, steps=8, tp=2, pp=2, seed=3, gpus_per_host=4,
-                                            faults=parse_injects(["straggler:rank=5,factor=1.5", "hang:rank=9,step=5"])))
-    run = open_run(tmp_path / "run")
+def test_a_hung_run_names_no_straggler(tmp_path: Path, synth: Synth) -> None:
+    run = open_run(synth(tmp_path / "run", "straggler:rank=5,factor=1.5", "hang:rank=9,step=5",
+                         ranks=16, steps=8, tp=2, pp=2, seed=3, gpus_per_host=4))
     assert not analysis.stragglers(run.con).empty  # the steps before the hang do show it
     result = analysis.report(run, with_whatif=False)
     assert result["hang"]["hung"] is True and result["hang"]["suspects"][0]["rank"] == 9

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from click.testing import Result
 
-from megascope.cli import main
 from megascope.errors import ConfigError
 from megascope.inject import parse_injects
 from megascope.store import open_run
@@ -133,17 +133,16 @@ def test_bad_config() -> None:
         SynthConfig(ranks=4, steps=3, faults=parse_injects(["hang:rank=1,step=3"]))
 
 
-def test_cli_refuses_to_overwrite(tmp_path: Path) -> None:
+def test_cli_refuses_to_overwrite(tmp_path: Path, cli: Callable[..., Result]) -> None:
     out = tmp_path / "r"
-    runner = CliRunner()
-    first = runner.invoke(main, ["synth", "--ranks", "8", "--steps", "2", "--tp", "2", "-o", str(out)])
+    first = cli("synth", "--ranks", "8", "--steps", "2", "--tp", "2", "-o", str(out))
     assert first.exit_code == 0, first.output
     assert "8 ranks (tp=2 pp=1 dp=4)" in first.output
     before = sorted(p.name for p in out.rglob("*"))
-    second = runner.invoke(main, ["synth", "--ranks", "8", "--steps", "2", "-o", str(out)])
+    second = cli("synth", "--ranks", "8", "--steps", "2", "-o", str(out))
     assert second.exit_code == 1 and "already exists" in second.output
     assert sorted(p.name for p in out.rglob("*")) == before
-    bad = runner.invoke(main, ["synth", "--ranks", "8", "--steps", "2", "--inject", "slow:rank=1", "-o", str(tmp_path / "x")])
+    bad = cli("synth", "--ranks", "8", "--steps", "2", "--inject", "slow:rank=1", "-o", str(tmp_path / "x"))
     assert bad.exit_code == 1 and "unknown fault kind" in bad.output and not (tmp_path / "x").exists()
 
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
+from click.testing import Result
 from torch.utils.flop_counter import FlopCounterMode
 
-from megascope.cli import main
 from megascope.errors import ConfigError
 from megascope.inject import parse_injects
 from megascope.trainer.config import ModelConfig, TrainConfig
@@ -58,9 +58,9 @@ def test_bad_configs_are_rejected_with_the_reason(tmp_path: Path, kwargs: dict, 
     ],
 )
 def test_cli_bad_arguments_fail_in_one_line_before_any_rank_starts(tmp_path: Path, args: list[str],
-                                                                   message: str) -> None:
+                                                                   message: str, cli: Callable[..., Result]) -> None:
     out = tmp_path / "run"
-    result = CliRunner().invoke(main, ["train", *args, "-o", str(out)])
+    result = cli("train", *args, "-o", str(out))
     assert result.exit_code == 1
     assert message in result.output
     assert len(result.output.strip().splitlines()) == 1
@@ -90,8 +90,8 @@ def test_manual_gc_freezes_disables_and_collects_on_the_same_steps_everywhere() 
         gc.unfreeze()
 
 
-def test_cli_rejects_a_negative_gc_interval(tmp_path: Path) -> None:
-    result = CliRunner().invoke(main, ["train", "--nproc", "1", "--gc-interval", "-1", "-o", str(tmp_path / "r")])
+def test_cli_rejects_a_negative_gc_interval(tmp_path: Path, cli: Callable[..., Result]) -> None:
+    result = cli("train", "--nproc", "1", "--gc-interval", "-1", "-o", str(tmp_path / "r"))
     assert result.exit_code != 0 and "--gc-interval" in result.output and "Traceback" not in result.output
     with pytest.raises(ConfigError, match="--gc-interval must be >= 0"):
         TrainConfig(out=tmp_path / "r", world_size=1, gc_interval=-1)
