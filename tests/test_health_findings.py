@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import pyarrow as pa
 import pytest
+from conftest import wait_until
 from megascope.collectors.heartbeat import HeartbeatSampler
 
 from megascope import layout
@@ -146,9 +146,14 @@ def test_sampler_made_silent_is_flagged(tmp_path: Path) -> None:
     alive = HeartbeatSampler(run, rank=0, host="node0", interval_s=0.05, flush_interval_s=0.05, nvml=False).start()
     dead = HeartbeatSampler(run, rank=1, host="node0", interval_s=0.05, flush_interval_s=0.05, nvml=False,
                             host_wide=False).start()
-    time.sleep(0.15)
+    wait_until(lambda: dead.stats["samples"] >= 3, timeout=30, message="the second sampler beat")
     dead.stop()
-    time.sleep(0.6)
+    # Silent: no heartbeat for 3 periods (0.15 s) before the newest one of the run. The live
+    # sampler's slots are a period apart at least and none starts before the previous sample ended,
+    # so its 12th sample from here (the 1st may have begun before the stop) began 10 periods or more
+    # after the other's last beat.
+    beats = alive.stats["samples"]
+    wait_until(lambda: alive.stats["samples"] >= beats + 12, timeout=30, message="the live sampler beat on")
     alive.stop()
     found = [(r, f) for r, f, _ in _findings(run)]
     assert (1, "silent") in found

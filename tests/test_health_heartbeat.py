@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from conftest import wait_until
 from megascope.collectors.heartbeat import HeartbeatSampler, decode_throttle_reasons, default_gpu_indices
 
 from megascope import layout
@@ -35,7 +36,8 @@ def test_thread_writes_parts_the_store_reads(tmp_path: Path) -> None:
     sampler = HeartbeatSampler(run, rank=0, host="node0", interval_s=0.05, flush_interval_s=0.1, nvml=False,
                                stats_fn=lambda: {"rows_dropped": 3, "name": "not a number"})
     sampler.start()
-    time.sleep(0.4)
+    wait_until(lambda: sampler.stats["samples"] >= 4 and sampler.stats["parts_written"] >= 2, timeout=30,
+               message="four samples in two parts")
     sampler.stop()
     sampler.stop()  # twice is harmless
     stats = sampler.stats
@@ -67,11 +69,9 @@ def test_survives_sigkill_like_spans(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-c", script])
     try:
         part_dir = run / "heartbeats" / "host=victim"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and len(list(part_dir.glob("*.parquet"))) < 5:
-            time.sleep(0.05)
-        os.kill(proc.pid, signal.SIGKILL)  # no atexit, no final flush
+        wait_until(lambda: len(list(part_dir.glob("*.parquet"))) >= 5, timeout=60, message="five parts written")
     finally:
+        os.kill(proc.pid, signal.SIGKILL)  # no atexit, no final flush
         proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL
     r = open_run(run)
