@@ -17,6 +17,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 import pytest
+from conftest import Synth, wait_until
 from safety import assert_one_line_error, megascope
 
 from megascope import compact as compaction
@@ -24,7 +25,6 @@ from megascope import layout
 from megascope.compact import compact
 from megascope.schema import SPANS
 from megascope.store import open_run
-from megascope.synth import SynthConfig, synth_run
 
 # Per table: rows and a sum over a column every row has, so a row lost or read twice shows.
 _FINGERPRINT = """
@@ -58,11 +58,10 @@ def _age(path: Path, seconds: float = 3600) -> None:
 
 
 @pytest.fixture(scope="module")
-def source_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("compact") / "src"
+def source_run(synth: Synth, tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Small chunks: several parts per rank, as a live job's flushes leave them.
-    synth_run(path, SynthConfig(ranks=16, steps=8, tp=2, pp=2, seed=3, gpus_per_host=4, chunk_rows=1500))
-    return path
+    return synth(tmp_path_factory.mktemp("compact") / "src", ranks=16, steps=8, tp=2, pp=2, seed=3, gpus_per_host=4,
+                 chunk_rows=1500)
 
 
 @pytest.fixture
@@ -149,9 +148,8 @@ def test_a_pass_stopped_at_any_stage_leaves_the_same_rows(run: Path, expected: t
         assert on_disk <= named | {m.name for m in layout.active_manifests(manifests)}
 
 
-def test_sigkill_at_random_moments_loses_nothing_and_counts_nothing_twice(tmp_path: Path) -> None:
-    path = tmp_path / "big"
-    synth_run(path, SynthConfig(ranks=32, steps=8, tp=2, pp=4, seed=4, gpus_per_host=8, chunk_rows=3000))
+def test_sigkill_at_random_moments_loses_nothing_and_counts_nothing_twice(tmp_path: Path, synth: Synth) -> None:
+    path = synth(tmp_path / "big", ranks=32, steps=8, tp=2, pp=4, seed=4, gpus_per_host=8, chunk_rows=3000)
     _age(path)
     expected = _fingerprint(path)
     # Small files: a pass writes many, so there are many moments to be killed at. The pass says
@@ -224,7 +222,10 @@ def test_compaction_beside_a_writer_and_a_reader(run: Path, expected: tuple[obje
         for _ in range(3):
             # A live pass: new parts stay; replaced ones wait (grace) for the readers' refresh.
             compact(run, min_age_s=0, keep_newest=1, grace_s=30)
-            time.sleep(0.3)
+            # New parts on every rank before the next pass (not a guessed pause).
+            target = written["rows"] + 16 * 50
+            wait_until(lambda target=target: written["rows"] >= target, timeout=60,
+                       message="the writer added a part per rank")
     finally:
         stop.set()
         for t in threads:
@@ -239,10 +240,9 @@ def test_compaction_beside_a_writer_and_a_reader(run: Path, expected: tuple[obje
     assert final[3:] == expected[3:]
 
 
-def test_parts_of_another_run_stay_skipped(run: Path, source_run: Path, tmp_path: Path,
+def test_parts_of_another_run_stay_skipped(run: Path, source_run: Path, tmp_path: Path, synth: Synth,
                                            expected: tuple[object, ...]) -> None:
-    other = tmp_path / "other"
-    synth_run(other, SynthConfig(ranks=16, steps=2, tp=2, pp=2, seed=99, gpus_per_host=4))
+    other = synth(tmp_path / "other", ranks=16, steps=2, tp=2, pp=2, seed=99, gpus_per_host=4)
     stray = run / "spans" / layout.rank_dir_name(2) / "part-0000000000000000001-1-000000.parquet"
     shutil.copy(next((other / "spans" / layout.rank_dir_name(2)).glob("*.parquet")), stray)
     os.utime(stray, (1, 1))

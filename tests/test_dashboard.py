@@ -10,11 +10,13 @@ import json
 import re
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from click.testing import CliRunner
+from click.testing import Result
+from conftest import Synth, wait_until
 from hand_runs import host_bound_run
 from megascope.dashboard import create_app, registry_of
 from megascope.dashboard import data as dash_data
@@ -24,23 +26,30 @@ from megascope.dashboard.runs import RunRegistry, run_id_for
 from megascope.dashboard.security import check_bind, is_loopback
 
 from megascope import analysis, layout, schema
-from megascope.cli import main
 from megascope.errors import ConfigError, RunDirError
-from megascope.inject import parse_injects
 from megascope.store import open_run
-from megascope.synth import SynthConfig, synth_run
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def runs(synth: Synth, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """Two seeded 2x2x2 synth runs: one with a compute straggler, one hung."""
     root = tmp_path_factory.mktemp("runs")
-    out = {}
-    for name, spec in (("straggler", "straggler:rank=5,factor=1.4"), ("hang", "hang:rank=6,step=5")):
-        synth_run(root / name, SynthConfig(ranks=8, steps=10, tp=2, pp=2, gpus_per_host=4, seed=3,
-                                           faults=parse_injects([spec])))
-        out[name] = root / name
-    return out
+    return {name: synth(root / name, spec, ranks=8, steps=10, tp=2, pp=2, gpus_per_host=4, seed=3)
+            for name, spec in (("straggler", "straggler:rank=5,factor=1.4"), ("hang", "hang:rank=6,step=5"))}
+
+
+def _after_last_write(run_dir: Path) -> None:
+    """Wait until the file system's clock has moved past the newest modification time under
+    ``run_dir``, so that a part written next changes its directory's mtime (what a poll looks at)."""
+    newest = max(p.stat().st_mtime_ns for p in [run_dir, *run_dir.rglob("*")])
+    probe = run_dir.parent / f".{run_dir.name}.clock"
+
+    def fs_now() -> int:
+        probe.touch()
+        return probe.stat().st_mtime_ns
+
+    wait_until(lambda: fs_now() > newest, timeout=10, message="the file system clock ticked")
+    probe.unlink()
 
 
 def _metric(text: str, name: str, run: str) -> float:
@@ -163,7 +172,7 @@ def test_poll_sees_new_parts_and_bumps_the_generation(tmp_path: Path) -> None:
     assert served.result(("n",), count) == 2 and served.result(("n",), count) == 2
     assert len(calls) == 1  # cached within a generation
     served.poll()  # may report once more while the directory's mtime is fresh
-    time.sleep(0.01)
+    _after_last_write(run_dir)
     layout.write_part(run_dir, "spans", _spans_for_step(1, 1), rank=1)
     assert served.poll() is True
     assert served.result(("n",), count) == 3 and len(calls) == 2
@@ -191,13 +200,12 @@ def test_watcher_thread_refreshes_and_stops(tmp_path: Path) -> None:
     registry = RunRegistry([run_dir], poll_interval_s=0.05)
     served = registry.get("w")
     assert served is not None
+    _after_last_write(run_dir)
     registry.start()
     try:
         before = served.generation
         layout.write_part(run_dir, "spans", _spans_for_step(0, 1), rank=0)
-        deadline = time.monotonic() + 5
-        while served.generation == before and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: served.generation > before, timeout=30, message="the watcher saw the new part")
         assert served.generation > before
     finally:
         registry.stop()
@@ -317,6 +325,7 @@ def test_a_live_run_with_calls_in_flight_shows_no_hang(runs: dict[str, Path], tm
     assert re.search(r'^megascope_run_state\{run="live",state="running"\} 1\.0$', text, re.M)
 
 
+@pytest.mark.timing
 def test_a_live_run_turns_hung_after_the_collective_timeout_without_new_data(runs: dict[str, Path],
                                                                               tmp_path: Path) -> None:
     live = tmp_path / "live"
@@ -332,7 +341,8 @@ def test_a_live_run_turns_hung_after_the_collective_timeout_without_new_data(run
     assert _metric(first, "megascope_hung", "live") == 0
     generation = served.generation
     # The replay shifted the run's first span to "now", so its last progress lies a little ahead:
-    # wait until the collective timeout has passed since then.
+    # wait until the collective timeout has passed since then. (The served run state reads the wall
+    # clock and takes no other: the time going by without new data is what this test is about.)
     facts = dash_data.run_facts(served)
     last = max(t for t in (facts["last_progress_ns"], facts["last_data_ns"]) if t is not None)
     time.sleep(max(0.0, last / 1e9 + 2.0 + 0.5 - time.time()))
@@ -396,20 +406,20 @@ def test_replay_writes_a_run_step_by_step(runs: dict[str, Path], tmp_path: Path)
         replay_run(runs["straggler"], dst)
 
 
-def test_serve_refuses_open_bind_without_token(runs: dict[str, Path]) -> None:
-    result = CliRunner().invoke(main, ["serve", str(runs["straggler"]), "--host", "0.0.0.0"])
+def test_serve_refuses_open_bind_without_token(runs: dict[str, Path], cli: Callable[..., Result]) -> None:
+    result = cli("serve", str(runs["straggler"]), "--host", "0.0.0.0")
     assert result.exit_code != 0
     assert "--token" in result.output and "Traceback" not in result.output
 
 
-def test_serve_missing_run_is_one_line(tmp_path: Path) -> None:
-    result = CliRunner().invoke(main, ["serve", str(tmp_path / "nope")])
+def test_serve_missing_run_is_one_line(tmp_path: Path, cli: Callable[..., Result]) -> None:
+    result = cli("serve", str(tmp_path / "nope"))
     assert result.exit_code != 0 and "no such run directory" in result.output
     assert len(result.output.strip().splitlines()) == 1
 
 
-def test_demo_bad_inject_is_one_line() -> None:
-    result = CliRunner().invoke(main, ["demo", "--inject", "straggler:rank=x"])
+def test_demo_bad_inject_is_one_line(cli: Callable[..., Result]) -> None:
+    result = cli("demo", "--inject", "straggler:rank=x")
     assert result.exit_code != 0 and "not a valid int" in result.output
 
 
@@ -429,7 +439,7 @@ def test_a_failing_analysis_is_not_rerun_until_new_data(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match="cannot analyse"):
             served.result(("broken",), broken)
     assert len(calls) == 1
-    time.sleep(0.01)
+    _after_last_write(run_dir)
     layout.write_part(run_dir, "spans", _spans_for_step(0, 1), rank=0)
     assert served.poll()
     with pytest.raises(ConfigError):
@@ -457,18 +467,17 @@ def test_demo_stop_ends_the_whole_job(tmp_path: Path) -> None:
     # A launcher with a child, like the trainer and its ranks, in its own process group.
     process = subprocess.Popen(["bash", "-c", "sleep 60 & echo $! > child.pid; wait"], cwd=tmp_path,
                                start_new_session=True)
-    deadline = time.monotonic() + 10
-    while not (tmp_path / "child.pid").exists() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    child = int((tmp_path / "child.pid").read_text())
+    pid_file = tmp_path / "child.pid"
+    wait_until(lambda: pid_file.exists() and pid_file.read_text().strip(), timeout=30, message="the child started")
+    child = int(pid_file.read_text())
     DemoJob(out=tmp_path, process=process).stop(timeout_s=4)
     assert process.poll() is not None
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
+
+    def child_gone() -> bool:
         try:
             os.kill(child, 0)
         except ProcessLookupError:
-            break
-        time.sleep(0.05)
-    else:
-        pytest.fail("the launcher's child survived")
+            return True
+        return False
+
+    wait_until(child_gone, timeout=5, message="the launcher's child survived")
