@@ -10,6 +10,7 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import wait_until
 from megascope.collectors import NOOP, Collector, CollectorConfig, instrument_module, match_modules
 from megascope.collectors.buffers import RowBuffer
 from megascope.collectors.flight_recorder import entry_markers, op_name
@@ -583,12 +584,12 @@ def test_parts_are_written_while_the_job_runs(tmp_path: Path) -> None:
             pass
         # The enqueued marker of a call in progress reaches the disk without any flush() call.
         h = col.comm_begin(op="all_reduce", group="world")
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and len(list((run / "markers").glob("rank=*/*.parquet"))) == 0:
-            time.sleep(0.02)
-        parts = list((run / "markers").glob("rank=*/*.parquet"))
-        states = [s for p in parts for s in pq.ParquetFile(p).read().column("state").to_pylist()]
-        h.end()
+        try:
+            parts = wait_until(lambda: list((run / "markers").glob("rank=*/*.parquet")), timeout=30,
+                               message="a markers part on disk")
+            states = [s for p in parts for s in pq.ParquetFile(p).read().column("state").to_pylist()]
+        finally:
+            h.end()
     col.close()
     assert "enqueued" in states
 
@@ -614,7 +615,8 @@ def test_heartbeats_from_the_collector_join_its_rank_by_host(tmp_path: Path) -> 
     cfg = CollectorConfig(run_dir=tmp_path / "run", flush_interval_s=0.2, heartbeat_interval_s=0.1)
     col = Collector(cfg, rank=0, world_size=1)
     with col.step(0), col.span("forward", kind=SpanKind.FORWARD):
-        time.sleep(0.3)
+        # A step long enough for the sampler (every 0.1 s) to beat during it.
+        wait_until(lambda: col._heartbeat.stats["samples"] >= 3, timeout=30, message="three heartbeats")
     col.close()
     run = open_run(tmp_path / "run")
     joined = run.con.execute("""

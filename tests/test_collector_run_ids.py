@@ -17,6 +17,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import wait_until
 from megascope.collectors import Collector, CollectorConfig
 from megascope.collectors.agent import Control
 from megascope.collectors.ring import FLUSHES_AT, MarkerRing
@@ -83,6 +84,16 @@ def _write_run_json(run: Path, run_id: str, *, world: int = 2, start_ns: int | N
                                        start_ns=time.time_ns() if start_ns is None else start_ns))
 
 
+@pytest.fixture
+def looks_every_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank not knowing the id looks at run.json on every get() instead of at most every 0.2 s,
+    so that a test sees the file it has just written without waiting out the interval."""
+    from megascope.collectors import runid
+
+    monkeypatch.setattr(runid, "_LOOK_EVERY_S", 0.0)
+
+
+@pytest.mark.usefixtures("looks_every_time")
 def test_a_rank_reads_rank_0_s_id_from_run_json_and_never_guesses(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
@@ -91,15 +102,14 @@ def test_a_rank_reads_rank_0_s_id_from_run_json_and_never_guesses(tmp_path: Path
     seen: list[str] = []
     rid.on_known(seen.append)
     _write_run_json(run, "job-a", world=3)
-    time.sleep(0.25)
     assert rid.get() is None  # another world size: not this job's
     _write_run_json(run, "job-a")
-    time.sleep(0.25)
     assert rid.get() == "job-a" and seen == ["job-a"]
     _write_run_json(run, "job-b")
     assert rid.get() == "job-a"  # once known, it stays
 
 
+@pytest.mark.usefixtures("looks_every_time")
 def test_a_stale_run_json_is_left_for_rank_0_to_replace(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
@@ -109,7 +119,6 @@ def test_a_stale_run_json_is_left_for_rank_0_to_replace(tmp_path: Path) -> None:
     rid = RunId.from_run_json(run, world_size=2, since_ns=time.time_ns())
     assert rid.get() is None
     _write_run_json(run, "this-job")  # rank 0 of this job, a moment later
-    time.sleep(0.25)
     assert rid.get() == "this-job"
     # A run.json written moments before this rank started is rank 0's: taken at once.
     fresh = tmp_path / "fresh"
@@ -140,13 +149,13 @@ def test_every_part_of_two_ranks_carries_run_json_s_id(tmp_path: Path) -> None:
     assert r.con.execute("SELECT count(*) FROM markers").fetchone() == (8,)
 
 
+@pytest.mark.usefixtures("looks_every_time")
 def test_a_rank_that_starts_before_rank_0_learns_the_id_and_tells_its_agent(tmp_path: Path) -> None:
     run = tmp_path / "run"
     late = _collector(run, 1, 2)  # rank 1 first: no run.json, its marker agent starts without an id
     assert late.run_id is None and late._agent is not None and late._agent.run_id is None
     first = _collector(run, 0, 2)
     run_id = first.run_id
-    time.sleep(0.3)
     late.flush()  # the writer reads run.json and passes the id to the agent
     assert late.run_id == run_id and late._agent.run_id == run_id
     for col in (first, late):
@@ -225,10 +234,9 @@ def _flush(proc: subprocess.Popen[bytes], ring: MarkerRing, message: bytes, answ
     assert proc.stdin is not None
     proc.stdin.write(message)
     proc.stdin.flush()
-    deadline = time.monotonic() + 30
-    while ring.counter(FLUSHES_AT) < answers:
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.01)
+    wait_until(lambda: ring.counter(FLUSHES_AT) >= answers or proc.poll() is not None, timeout=30,
+               message="the agent answered the flush")
+    assert ring.counter(FLUSHES_AT) >= answers, f"the agent ended with {proc.returncode}"
 
 
 def _end(proc: subprocess.Popen[bytes], ring: MarkerRing) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from conftest import wait_until
 from megascope.collectors import Collector, CollectorConfig
 from megascope.collectors.evidence import AgentLink, enable_nccl_flight_recorder
 from megascope.collectors.ring import MarkerRing, RingReader
@@ -120,24 +121,18 @@ def test_a_frozen_process_gets_its_markers_out_and_a_sigkill_loses_none(tmp_path
     with subprocess.Popen([sys.executable, "-c", FROZEN_RANK, str(run)], stdout=subprocess.PIPE, text=True) as proc:
         try:
             assert proc.stdout is not None and proc.stdout.readline().strip() == "frozen"
-            deadline = time.monotonic() + 10
-            entered = []
-            while time.monotonic() < deadline:  # written while the process is frozen: the agent's doing
-                entered = [r for r in _markers_on_disk(run) if r["step"] == 1]
-                if entered:
-                    break
-                time.sleep(0.1)
+            # Written while the process is frozen: the agent's doing.
+            entered = wait_until(lambda: [r for r in _markers_on_disk(run) if r["step"] == 1], timeout=30,
+                                 interval=0.1, message="the frozen rank's markers on disk")
             assert [(r["seq"], r["state"]) for r in entered] == [(5, "enqueued")]
             assert proc.poll() is None  # still frozen
         finally:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
-    deadline = time.monotonic() + 10
-    ended: list[dict[str, object]] = []
-    while time.monotonic() < deadline and not ended:
-        ended = [r for p in run.glob("heartbeats/host=*/part-*.parquet") for r in pq.read_table(p).to_pylist()
-                 if r["metric"] == "rank_alive" and r["value"] == 0.0]
-        time.sleep(0.1)
+    ended = wait_until(
+        lambda: [r for p in run.glob("heartbeats/host=*/part-*.parquet") for r in pq.read_table(p).to_pylist()
+                 if r["metric"] == "rank_alive" and r["value"] == 0.0],
+        timeout=30, interval=0.1, message="the agent's last row after its rank was killed")
     assert ended, "the agent wrote no last row after its rank was killed"
     rows = _markers_on_disk(run)
     assert sorted((r["seq"], r["state"]) for r in rows if r["state"] == "enqueued") == [(s, "enqueued") for s in range(6)]
@@ -145,6 +140,7 @@ def test_a_frozen_process_gets_its_markers_out_and_a_sigkill_loses_none(tmp_path
     assert set(pq.read_schema(next(run.glob("markers/rank=*/part-*.parquet"))).names) >= set(MARKERS.names)
 
 
+@pytest.mark.timing
 def test_a_stalled_step_leaves_every_threads_stack(tmp_path: Path) -> None:
     run = tmp_path / "run"
     col = Collector(CollectorConfig(run_dir=run, stacks_after_s=0.2, marker_agent=False), rank=1, world_size=2)
@@ -202,14 +198,12 @@ def test_markers_reach_the_disk_while_the_rank_waits_without_any_flush(tmp_path:
     assert col._agent is not None and col._agent.flush(timeout_s=10.0)  # the agent is up
     with col.step(0):
         col.comm_begin("all_reduce", group="world", bytes=8)  # entered; this thread now only waits
-        deadline = time.monotonic() + 10
-        while not _markers_on_disk(run) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        on_disk = _markers_on_disk(run)
+        on_disk = wait_until(lambda: _markers_on_disk(run), timeout=30, message="the marker on disk")
     col.close()
     assert [(r["seq"], r["state"]) for r in on_disk] == [(0, "enqueued")]
 
 
+@pytest.mark.timing
 def test_the_topology_page_shows_the_culprits_stack(tmp_path: Path) -> None:
     from megascope.dashboard.pages.topology import stack_block, suspect_row
 
