@@ -407,10 +407,15 @@ class _PerfettoWriter:
         # Step-time counters, per rank in time order.
         is_step = _is_kind(kind_idx, kind_dict, SpanKind.STEP)
         counter_rows = self._step_counters(rank[is_step], start[is_step], chunk.dur_ns[is_step])
-        if is_step.any():
-            step, step_ok = chunk.ints["step"]
-            for s, t, d in zip(step[is_step & step_ok].tolist(), start[is_step & step_ok].tolist(),
-                               chunk.dur_ns[is_step & step_ok].tolist(), strict=True):
+        step, step_ok = chunk.ints["step"]
+        with_step = is_step & step_ok
+        if with_step.any():  # per step: the chunk's first start and slowest step span
+            by_step = np.argsort(step[with_step], kind="stable")
+            steps = step[with_step][by_step]
+            heads = np.concatenate([[0], np.flatnonzero(np.diff(steps)) + 1])
+            firsts = np.minimum.reduceat(start[with_step][by_step], heads)
+            slowests = np.maximum.reduceat(chunk.dur_ns[with_step][by_step], heads)
+            for s, t, d in zip(steps[heads].tolist(), firsts.tolist(), slowests.tolist(), strict=True):
                 first, slowest = self.job_steps.get(s, (t, d))
                 self.job_steps[s] = (min(first, t), max(slowest, d))
 
@@ -564,9 +569,14 @@ def _with_width(key: I64, column: npt.NDArray[np.integer[Any]], present: npt.NDA
     unless every row's value takes the same width."""
     values = column.view(np.uint64) if column.dtype == np.int64 else column
     lo, hi = (int(values.min()), int(values.max())) if len(values) else (0, 0)
-    if varint_width(lo) == varint_width(hi):
+    narrow, wide = varint_width(lo), varint_width(hi)
+    if narrow == wide:
         return key
-    width = np.searchsorted(_VARINT_STEPS, values, side="right").astype(np.int64)
+    # the number of steps at or below each value (its width less one), counting only the
+    # steps between the lowest and highest value's widths
+    width = np.full(len(values), narrow - 1, dtype=np.int64)
+    for step in _VARINT_STEPS[narrow - 1:wide - 1]:
+        width += values >= step
     if present is not None:
         width *= present
     return key * 10 + width
