@@ -137,8 +137,8 @@ def _print_report(r: dict[str, Any]) -> None:
             click.echo(f"  host-bound: rank {x['rank']}: the device was idle at {100 * x['starved_frac']:.0f}% of "
                        f"{x['calls']} calls (lead p10 {_ms(x['lead_p10_ns'])}); host time is step time there")
         if lead.get("host_bound"):
-            click.echo("  a deeper launch queue (CUDA_SCALE_LAUNCH_QUEUES=4x), fewer and larger kernels "
-                       "(torch.compile, CUDA graphs) or no host syncs in the step keep the host ahead")
+            click.echo("  fewer and larger kernels (torch.compile, CUDA graphs) and no host syncs inside the step "
+                       "keep the host ahead")
     pauses = r.get("gc") or {}
     if pauses.get("total_ns"):
         worst = pauses["top"][0]

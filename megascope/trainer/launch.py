@@ -100,13 +100,6 @@ def failure_message(failures: dict[int, str], timeout_s: float, exited: str | No
 def train(cfg: TrainConfig, *, nproc: int | None = None) -> TrainResult:
     """Run ``cfg``: ``nproc`` local ranks, or this process's rank under torchrun."""
     cfg.out.mkdir(parents=True, exist_ok=True)
-    # CUDA's launch queue four times as deep: a rank whose host launches many small kernels (a TP
-    # block) can run further ahead of its device, so host hiccups (the collector's stamps, a GC
-    # pause) stop reaching the device (docs/benchmarks.md: tp2 was host-bound at up to 23% of its
-    # calls with the default queue, 1% with this). Read when CUDA starts, so the ranks spawned
-    # below (and under torchrun, this process if it has not used CUDA yet) inherit it. A user's
-    # own setting wins.
-    os.environ.setdefault("CUDA_SCALE_LAUNCH_QUEUES", "4x")
     env = env_rank()
     if nproc is None and env is not None:
         rank, world, local_rank = env
