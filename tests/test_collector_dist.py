@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp_mp
+from conftest import wait_until
 from megascope.collectors import Collector, CollectorConfig
 
 from megascope.schema import RunMeta, SpanKind
@@ -175,14 +176,17 @@ def test_markers_tell_waiting_ranks_from_the_missing_one(tmp_path: Path) -> None
     run, world, hang_step = tmp_path / "run", 3, 3
     ctx = _launch(_hang_rank, world, (world, tmp_path, run, hang_step), join=False)
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        def told() -> bool:
+            """Every rank's completion of the step before the hang, and the waiting ranks' entries."""
             markers = _markers(run)
             waiting = {r for r, seq, st in markers if seq == hang_step and st == "enqueued"}
-            if waiting >= {0, 1}:
-                break
-            time.sleep(0.1)
-        # The job is still hung (no rank has returned from seq hang_step), yet the files tell:
+            done = {r for r, seq, st in markers if seq == hang_step - 1 and st == "completed"}
+            return waiting >= {0, 1} and done == set(range(world))
+
+        wait_until(told, timeout=60, interval=0.1, message="the trail of the hang on disk")
+        # The job is still hung (no rank has returned from seq hang_step), yet the files tell; two
+        # more flush intervals give a wrong marker (a completion, the missing rank's entry) the time
+        # to show up.
         time.sleep(2 * INTERVAL_S)
         markers = _markers(run)
     finally:
@@ -212,22 +216,23 @@ def _steady_rank(rank: int, run: Path, progress: Any) -> None:
         step += 1
 
 
+@pytest.mark.timing
 def test_sigkilled_rank_leaves_a_readable_run_losing_at_most_one_interval(tmp_path: Path) -> None:
     run = tmp_path / "run"
     progress = tmp_mp.get_context("fork").Value("l", -1)
     ctx = _launch(_steady_rank, 1, (run, progress), join=False)
     history: list[tuple[float, int]] = []
     try:
-        started = time.monotonic() + 60  # a busy machine may take a while to get the child going
-        while progress.value < 5 and time.monotonic() < started:
-            time.sleep(0.01)
+        # A busy machine may take a while to get the child going.
+        wait_until(lambda: progress.value >= 5, timeout=60, interval=0.01, message="five steps done")
+        # The rank's progress against the clock for 1.5 s: what was done when, to compare with the disk.
         deadline = time.monotonic() + 1.5
         while time.monotonic() < deadline:
             history.append((time.monotonic(), progress.value))
             time.sleep(0.01)
         killed_at = time.monotonic()
-        os.kill(ctx.processes[0].pid, signal.SIGKILL)
     finally:
+        os.kill(ctx.processes[0].pid, signal.SIGKILL)
         ctx.processes[0].join(timeout=30)
     r = open_run(run)
     assert r.problems == []  # every part readable: no half-written file is visible
@@ -284,12 +289,10 @@ def test_sigterm_flushes_then_terminates(tmp_path: Path) -> None:
     ctx = _launch(_parked_rank, 1, (run, progress), join=False)
     proc = ctx.processes[0]
     try:
-        deadline = time.monotonic() + 60
-        while progress.value < 10 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: progress.value >= 10, timeout=60, interval=0.01, message="ten steps done")
+    finally:
         done = progress.value
         os.kill(proc.pid, signal.SIGTERM)
-    finally:
         proc.join(timeout=30)
     assert proc.exitcode == -signal.SIGTERM  # the default action still happens after the flush
     steps = [s for (s,) in open_run(run).con.sql("SELECT step FROM spans WHERE kind = 'step' ORDER BY 1").fetchall()]

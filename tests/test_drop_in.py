@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import wait_until
 from megascope.collectors import Collector, CollectorConfig
 from megascope.collectors.hooks import Interception
 from megascope.collectors.setup import data_parallel_layout, device_mesh_layout, place_from_env
@@ -232,9 +233,8 @@ def test_ddp_job_hang_is_localized_to_the_rank_that_never_entered(tmp_path: Path
     proc = torchrun(3, JOBS / "ddp_job.py", str(run_dir), "--steps", "12", "--hang", "2,3", "--timeout", "8",
                     cwd=tmp_path)
     assert proc.returncode != 0  # the waiting ranks' all-reduce timed out
-    deadline = time.monotonic() + 30  # the marker agents' last passes, as the ranks went
-    while time.monotonic() < deadline and len(_ended_ranks(run_dir)) < 3:
-        time.sleep(0.2)
+    wait_until(lambda: len(_ended_ranks(run_dir)) >= 3, timeout=60, interval=0.2,
+               message="the marker agents' last passes, as the ranks went")
     found = megascope_json("localize", str(run_dir))
     assert found["hung"], found
     first = found["suspects"][0]
@@ -262,7 +262,6 @@ def test_fsdp2_tp_job_sees_fsdp_and_dtensor_collectives_and_names_the_straggler(
     assert report["stragglers"][0]["coords"] == {"pp": 0, "dp": 1, "tp": 0}
 
 
-@pytest.mark.dist
 def _ended_ranks(run_dir: Path) -> set[int]:
     """Ranks whose marker agent wrote its last row (the rank's process ended)."""
     import pyarrow.parquet as pq
@@ -275,6 +274,8 @@ def _ended_ranks(run_dir: Path) -> set[int]:
     return ended
 
 
+@pytest.mark.dist
+@pytest.mark.timing
 def test_fsdp2_tp_job_hang_is_localized_while_the_others_wait_forever(tmp_path: Path) -> None:
     """Functional collectives' waits do not time out on gloo: the job hangs until it is killed,
     as an operator would kill it. The trail on disk names the rank that never arrived."""
@@ -287,25 +288,21 @@ def test_fsdp2_tp_job_hang_is_localized_while_the_others_wait_forever(tmp_path: 
          str(JOBS / "fsdp_tp_job.py"), str(run_dir), "--steps", "12", "--hang", "3,5", "--timeout", "8"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=tmp_path, start_new_session=True)
     try:
-        deadline = time.monotonic() + 180
         # A step stalled for 4 s has its stacks dumped under the file's header; then let the wait
         # grow past localize's threshold for calls in flight before killing the job.
         def dumped() -> bool:
             return any(len(p.read_text().splitlines()) > 2 for p in (run_dir / "stacks").glob("rank=*.txt"))
 
-        while not dumped():
-            assert job.poll() is None, "the job ended instead of hanging"
-            assert time.monotonic() < deadline, "no stalled step"
-            time.sleep(0.5)
-        time.sleep(12)
+        wait_until(lambda: dumped() or job.poll() is not None, timeout=180, interval=0.5, message="no stalled step")
+        assert job.poll() is None, "the job ended instead of hanging"
+        time.sleep(12)  # the hang itself, lasting past the threshold (localize reads the wall clock)
     finally:
         os.killpg(job.pid, signal.SIGTERM)
         job.wait(timeout=60)
     # The ranks' marker agents make their last pass as the ranks go; until then the job reads as
     # live (and a live job is hung only after run state's threshold).
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and len(_ended_ranks(run_dir)) < 4:
-        time.sleep(0.2)
+    wait_until(lambda: len(_ended_ranks(run_dir)) >= 4, timeout=60, interval=0.2,
+               message="the marker agents' last passes")
     found = megascope_json("localize", str(run_dir))
     assert found["hung"], found
     first = found["suspects"][0]

@@ -9,10 +9,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_until
 from ingest_fixtures import SHARED_DATA
 
 from megascope.analysis import localize
@@ -61,32 +61,28 @@ def test_a_job_killed_mid_step_is_not_a_hang(tmp_path: Path) -> None:
     with subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                           start_new_session=True) as proc:
         try:
-            deadline = time.monotonic() + 120
-            pids: list[int] = []
-            while time.monotonic() < deadline:
-                time.sleep(0.5)
+            def going() -> list[int] | None:
+                """The ranks' pids once every rank has finished step 3."""
                 try:
                     run = open_run(out)
                     steps = run.con.execute("SELECT min(s) FROM (SELECT rank, max(step) AS s FROM spans "
                                             "WHERE kind = 'step' GROUP BY rank)").fetchone()
                     ranks = run.con.execute("SELECT pid FROM ranks").fetchall()
                 except Exception:  # not written yet
-                    continue
+                    return None
                 if steps and steps[0] is not None and steps[0] >= 3 and len(ranks) == 4:
-                    pids = [int(p) for (p,) in ranks]
-                    break
+                    return [int(p) for (p,) in ranks]
+                return None
+
+            pids = wait_until(going, timeout=120, interval=0.5, message="the job did not get going")
             assert pids, "the job did not get going"
             for pid in pids:  # every rank at once, mid-step: no hang, a kill
                 os.kill(pid, signal.SIGKILL)
         finally:
             proc.wait(timeout=60)
-    deadline = time.monotonic() + 20  # the agents' last passes
-    while time.monotonic() < deadline:
-        alive = open_run(out).con.execute(
-            "SELECT count(DISTINCT rank) FROM heartbeats WHERE metric = 'rank_alive' AND value = 0").fetchone()
-        if alive == (4,):
-            break
-        time.sleep(0.2)
+    wait_until(lambda: open_run(out).con.execute(  # the agents' last passes
+        "SELECT count(DISTINCT rank) FROM heartbeats WHERE metric = 'rank_alive' AND value = 0").fetchone() == (4,),
+        timeout=60, interval=0.2, message="every rank's marker agent made its last pass")
     found = localize(open_run(out))
     assert not found["hung"], found
     # Calls were in flight (entered, their completion lost with the process): read as a kill.
