@@ -188,12 +188,30 @@ def test_token_file_batches_are_slices_of_the_file(tmp_path: Path) -> None:
         TokenFile(path, dtype="uint16", vocab=300, seq_len=6000, seed=0)
 
 
-def test_prefetcher_yields_this_ranks_rows_in_step_order() -> None:
+@pytest.mark.parametrize("process", [False, True], ids=["thread", "process"])
+def test_prefetcher_yields_this_ranks_rows_in_step_order(process: bool) -> None:
     lang = SyntheticLanguage(vocab=64, seq_len=8, seed=0)
-    with Prefetcher(lang, steps=range(3), global_batch=8, rows=slice(4, 8)) as data:
+    with Prefetcher(lang, steps=range(3), global_batch=8, rows=slice(4, 8), process=process) as data:
         got = [data.next() for _ in range(3)]
     for step, batch in enumerate(got):
         assert torch.equal(batch, lang.batch(step, 8)[4:8])
+
+
+def test_a_data_worker_s_error_reaches_the_rank_and_the_worker_ends() -> None:
+    class Broken:
+        seq_len = 4
+
+        def batch(self, step: int, global_batch: int) -> torch.Tensor:
+            if step == 1:
+                raise ValueError("token file truncated")
+            return torch.zeros(global_batch, 5, dtype=torch.long)
+
+    data = Prefetcher(Broken(), steps=range(3), global_batch=2, rows=slice(0, 2), process=True)
+    with data:
+        assert data.next().shape == (2, 5)
+        with pytest.raises(RuntimeError, match="data worker: ValueError: token file truncated"):
+            data.next()
+    assert data._worker is not None and not data._worker.is_alive()
 
 
 def test_straggler_burner_does_proportional_matmul_work() -> None:

@@ -24,11 +24,13 @@ Example::
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import os
 import queue
 import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -97,21 +99,44 @@ class TokenFile:
 
 
 class Prefetcher:
-    """Produces this rank's rows of each step's batch on a background thread, ``depth`` steps ahead."""
+    """Produces this rank's rows of each step's batch ``depth`` steps ahead, on a background thread
+    or (``process=True``) in a forked worker process.
+
+    A thread shares the training thread's interpreter lock: the synthetic language builds a batch
+    token by token (thousands of small tensor operations a step), and on a GPU rank whose host is
+    barely ahead of its device every switch of the lock to that thread is launch time lost. A
+    worker process, as a DataLoader's workers are, keeps that work off the training process
+    entirely; it uses no CUDA (its batches are pinned in the rank's process on arrival). It exits
+    with the rank, killed or not.
+    """
 
     def __init__(self, source: Source, *, steps: Iterable[int], global_batch: int, rows: slice,
-                 device: torch.device | None = None, depth: int = 2) -> None:
+                 device: torch.device | None = None, depth: int = 2, process: bool = False) -> None:
         self.source = source
         self.steps = list(steps)
         self.global_batch = global_batch
         self.rows = rows
         self.device = device
+        self.process = process
         self._queue: queue.Queue[torch.Tensor | BaseException] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="megascope-data", daemon=True)
+        self._worker: Any = None
+        self._results: Any = None
+        if process:
+            # Batches travel pickled by value (numpy arrays): torch's shared-memory tensors would
+            # need the worker alive until the rank has read them.
+            ctx = multiprocessing.get_context("fork")
+            self._results = ctx.Queue(maxsize=depth)
+            self._worker = ctx.Process(target=_produce, name="megascope-data",
+                                       args=(source, self.steps, global_batch, rows, self._results, os.getpid()),
+                                       daemon=True)
 
     def __enter__(self) -> Prefetcher:
-        self._thread.start()
+        if self._worker is not None:
+            self._worker.start()
+        else:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -135,14 +160,52 @@ class Prefetcher:
             self._queue.put(exc)
 
     def next(self) -> torch.Tensor:
-        item = self._queue.get()
+        if self._worker is not None:
+            item = self._from_worker()
+        else:
+            item = self._queue.get()
         if isinstance(item, BaseException):
             raise item
         if self.device is not None and self.device.type == "cuda":
+            if self._worker is not None:
+                item = item.pin_memory()
             return item.to(self.device, non_blocking=True)
         return item
 
+    def _from_worker(self) -> torch.Tensor | BaseException:
+        while True:
+            try:
+                item: np.ndarray | BaseException = self._results.get(timeout=1.0)
+                return item if isinstance(item, BaseException) else torch.from_numpy(item)
+            except queue.Empty:
+                if not self._worker.is_alive():
+                    return RuntimeError(f"the data worker process ended (exit code {self._worker.exitcode})")
+
     def close(self) -> None:
         self._stop.set()
-        if self._thread.is_alive():
+        if self._worker is not None:
+            if self._worker.is_alive():
+                self._worker.terminate()
+            self._worker.join(timeout=5)
+            self._results.close()
+            self._results.cancel_join_thread()
+        elif self._thread.is_alive():
             self._thread.join(timeout=5)
+
+
+def _produce(source: Source, steps: list[int], global_batch: int, rows: slice, results: Any, parent: int) -> None:
+    """The worker process of :class:`Prefetcher`: every step's rows, in order, into ``results``.
+    Ends when the rank's process is gone (it may be killed without closing its prefetcher)."""
+    torch.set_num_threads(1)
+    try:
+        for step in steps:
+            batch = source.batch(step, global_batch)[rows].contiguous().numpy()
+            while True:
+                try:
+                    results.put(batch, timeout=0.5)
+                    break
+                except queue.Full:
+                    if os.getppid() != parent:
+                        return
+    except BaseException as exc:  # noqa: BLE001 - handed to the rank, which raises it
+        results.put(RuntimeError(f"data worker: {type(exc).__name__}: {exc}"))

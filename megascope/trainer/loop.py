@@ -214,8 +214,10 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -
     ab_on: list[bool] = []
     ab_flushes: list[float] = []
     previous_step_done: torch.cuda.Event | None = None
+    # On GPUs the batches come from a worker process: the synthetic language's token-by-token
+    # build would otherwise take the training thread's interpreter lock thousands of times a step.
     prefetch = Prefetcher(_source(cfg), steps=range(cfg.steps), global_batch=cfg.global_batch, rows=rows,
-                          device=device)
+                          device=device, process=device.type == "cuda")
     with manual_gc(cfg.gc_interval) as collect_now, prefetch as data:
         for step in range(cfg.steps):
             if cfg.collector_ab:
