@@ -54,6 +54,10 @@ class StragglerConfig:
     a straggler needs. On 8-rank CPU runs with eight processes sharing two cores at load average
     12-30, healthy ranks reached 4.3 (docs/benchmarks.md).
     ``shadow``: a second rank is named only with at least this share of the worst one's evidence.
+    ``own_shadow``: ... and at least this share of the largest own-time evidence (t_own) named: a
+    straggler's TP partner carries much of its evidence (waits inside its spans, its group's late
+    arrival at the DP collectives) but little own time (a 1.6x straggler's partner: t_own 3.5
+    against 31.8, z 8.7 against 11.1, on a real 8-rank CPU run).
     """
 
     min_slowdown: float = 1.05
@@ -64,6 +68,7 @@ class StragglerConfig:
     last_z: float = 3.0
     z_comb: float = 4.5
     shadow: float = 0.75
+    own_shadow: float = 0.5
 
     def __post_init__(self) -> None:
         if self.min_slowdown <= 1.0:
@@ -72,6 +77,8 @@ class StragglerConfig:
             raise ConfigError(f"min_frac must be in (0, 1], got {self.min_frac}")
         if not 0.0 < self.shadow <= 1.0:
             raise ConfigError(f"shadow must be in (0, 1], got {self.shadow}")
+        if not 0.0 < self.own_shadow <= 1.0:
+            raise ConfigError(f"own_shadow must be in (0, 1], got {self.own_shadow}")
         if self.z_comb <= 0:
             raise ConfigError(f"z_comb must be > 0, got {self.z_comb}")
         if self.min_steps < 1:
@@ -160,7 +167,8 @@ def stragglers(con: duckdb.DuckDBPyConnection, config: StragglerConfig | None = 
     prepare(con)
     score(con, config)
     c = _sql.query_df(con, "stragglers", "candidates", min_frac=config.min_frac, min_steps=config.min_steps,
-                      min_slowdown=config.min_slowdown, z_comb=config.z_comb, rel_floor=config.rel_floor, shadow=config.shadow)
+                      min_slowdown=config.min_slowdown, z_comb=config.z_comb, rel_floor=config.rel_floor, shadow=config.shadow,
+                      own_shadow=config.own_shadow)
     if c.empty:
         return pd.DataFrame({col: pd.Series(dtype="object") for col in COLUMNS})
     own_slow = c["straggler"].fillna(False).astype(bool)

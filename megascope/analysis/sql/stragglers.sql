@@ -190,11 +190,17 @@ FROM f GROUP BY rank;
 --   * last_z: how far above chance it was the last to arrive, a t-statistic over steps;
 --   * t_spans: how far its own compute spans (raw) are longer than its peers'.
 -- z = their sum over sqrt(count), each clipped to [-3, 6] so that no one piece decides alone
--- against the others (a rank can arrive last at every collective by the pipeline's timing).
+-- against the others (a rank can arrive last at every collective by the pipeline's timing);
+-- t_spans to [0, 6]: compute spans shorter than the peers' are no sign of innocence. A rank that
+-- pauses outside its spans makes its TP peers' spans hold the wait, and on shared CPU cores it
+-- computes faster while they wait (real 50-100 ms skews read t_spans -3 and went unnamed).
 -- A straggler: z >= {{z_comb}}, own time at least {{min_slowdown}} x its peers' and t_own >= 1,
--- and not a shadow of a worse one: its z at least {{shadow}} x the largest z named (a fault makes
+-- and not a shadow of a worse one: its z at least {{shadow}} x the largest z named, and its t_own
+-- at least {{own_shadow}} x the largest t_own named (a fault makes
 -- its peers' times move too, its TP partner's spans hold the waits for it, its pipeline
--- neighbours run late: a rank with clearly less evidence shows the fault's wake). Two real
+-- neighbours run late: a rank with clearly less evidence shows the fault's wake; a TP partner of
+-- a straggler reads high on the waits its spans hold and on the blame its whole group takes at
+-- the DP collectives, but its own time barely moves). Two real
 -- stragglers of very different size: the worse is named first; the other after it is fixed.
 -- Not a rank whose excess over its peers is explained by longer pipeline receives (a neighbour
 -- of a slow stage): that one is named instead. Not a rank whose TP partners are, in the median,
@@ -221,7 +227,7 @@ WITH e AS (
 ), z AS (
     SELECT e.*,
            (least(greatest(coalesce(t_own, 0), -3), 6) + least(greatest(coalesce(t_blame, 0), -3), 6)
-            + least(greatest(coalesce(last_z, 0), -3), 6) + least(greatest(coalesce(t_spans, 0), -3), 6))
+            + least(greatest(coalesce(last_z, 0), -3), 6) + least(greatest(coalesce(t_spans, 0), 0), 6))
                / sqrt(1 + (t_blame IS NOT NULL)::INT + (last_z IS NOT NULL)::INT + (t_spans IS NOT NULL)::INT) AS z
     FROM e
 ), grp AS (
@@ -242,5 +248,6 @@ WITH e AS (
 )
 SELECT f.*, i.host, i.pp, i.dp, i.tp,
        f.slow_steps / f.steps AS steps_slow_frac, f.comm_slow_steps / f.steps AS steps_comm_slow_frac,
-       f.flag AND f.z >= {{shadow}} * max(f.z) FILTER (WHERE f.flag) OVER () AS straggler
+       f.flag AND f.z >= {{shadow}} * max(f.z) FILTER (WHERE f.flag) OVER ()
+              AND f.t_own >= {{own_shadow}} * max(f.t_own) FILTER (WHERE f.flag) OVER () AS straggler
 FROM flagged f JOIN ms_cache.rank_info i USING (rank);
