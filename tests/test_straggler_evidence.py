@@ -113,6 +113,55 @@ def test_config_refuses_meaningless_thresholds() -> None:
         StragglerConfig(z_comb=-1.0)
 
 
+def _named_from_scores(evidence: dict[int, tuple[float, float, float, float, float]], *, tp: int) -> list[int]:
+    """The ``candidates`` rule alone, on per-rank evidence (t_own, t_blame, last_z, t_spans, median
+    slowdown) as real 8-rank CPU runs gave it: one stage, ``tp`` ranks per TP group."""
+    import duckdb
+    import pandas as pd
+
+    from megascope.analysis import _sql
+
+    steps, sigma = 16, 0.06
+    unit = 1.25 * sigma / np.sqrt(steps)  # what t_own and t_blame are measured in
+    rows = []
+    for rank in range(RANKS):
+        t_own, t_blame, last_z, t_spans, slowdown = evidence.get(rank, (0.0, 0.0, 0.0, 0.0, 1.0))
+        rows.append({"rank": rank, "stage": 0, "steps": steps, "sigma": sigma, "bsigma": sigma, "m_own": t_own * unit,
+                     "m_blame": t_blame * unit, "t_spans": t_spans, "last_z": last_z, "median_slowdown": slowdown,
+                     "median_ex_spans_ns": 0.0, "blame_ns": 0.0, "slow_steps": 0, "strict_steps": 0,
+                     "comm_slow_steps": 0, "slowdown": slowdown, "xfer_slowdown": None, "base_own_ns": 1e8,
+                     "median_ex_recv_ns": 0.0, "median_ex_own_ns": 1e6, "last_arrival_frac": 0.2, "max_z": 1.0})
+    con = duckdb.connect()
+    con.execute("ATTACH ':memory:' AS ms_cache")
+    scores = pd.DataFrame(rows)
+    places = pd.DataFrame({"rank": range(RANKS), "host": "h0", "stage": 0, "pp": 0,
+                           "dp": [r // tp for r in range(RANKS)], "tp": [r % tp for r in range(RANKS)]})
+    con.register("scores", scores)
+    con.register("places", places)
+    con.execute("CREATE TABLE ms_cache.rank_scores AS SELECT * FROM scores")
+    con.execute("CREATE TABLE ms_cache.rank_info AS SELECT * FROM places")
+    cfg = StragglerConfig()
+    c = _sql.query_df(con, "stragglers", "candidates", min_frac=cfg.min_frac, min_steps=cfg.min_steps,
+                      min_slowdown=cfg.min_slowdown, z_comb=cfg.z_comb, rel_floor=cfg.rel_floor, shadow=cfg.shadow,
+                      own_shadow=cfg.own_shadow)
+    return sorted(int(r) for r in c.loc[c["straggler"], "rank"])
+
+
+def test_a_skewed_rank_whose_spans_read_short_is_still_named() -> None:
+    # A real 50 ms skew on a tp2 x dp4 CPU run: rank 6 late at the collectives (own time and the
+    # wait it caused clear), its compute spans shorter than its peers' (t_spans -3.1: its TP peer's
+    # spans held the wait, and it computed faster while the others waited), last less than chance.
+    assert _named_from_scores({6: (5.59, 23.28, -2.06, -3.10, 1.14)}, tp=2) == [6]
+
+
+def test_a_straggler_s_tp_partner_is_not_named_beside_it() -> None:
+    # A real 1.6x straggler (rank 0) on a tp4 x dp2 CPU run and its TP partner rank 3: the
+    # partner's spans hold the waits and its group is late at the DP collectives, but its own
+    # time barely moves (t_own 3.5 against 31.8).
+    named = _named_from_scores({0: (31.81, 53.47, 4.24, 29.22, 1.79), 3: (3.47, 10.74, 1.91, 22.19, 1.07)}, tp=4)
+    assert named == [0]
+
+
 def test_a_hung_run_names_no_straggler(tmp_path: Path, synth: Synth) -> None:
     run = open_run(synth(tmp_path / "run", "straggler:rank=5,factor=1.5", "hang:rank=9,step=5",
                          ranks=16, steps=8, tp=2, pp=2, seed=3, gpus_per_host=4))
