@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -195,6 +196,30 @@ def test_prefetcher_yields_this_ranks_rows_in_step_order(process: bool) -> None:
         got = [data.next() for _ in range(3)]
     for step, batch in enumerate(got):
         assert torch.equal(batch, lang.batch(step, 8)[4:8])
+
+
+def test_closing_a_data_worker_runs_none_of_the_rank_s_sigterm_handlers(tmp_path: Path) -> None:
+    # A collector in the rank flushes its buffers on SIGTERM; the forked worker must not.
+    import signal
+
+    mark = tmp_path / "handled"
+    rank = os.getpid()
+
+    def handler(*_: object) -> None:
+        if os.getpid() != rank:  # only ever run in a worker: say so, and end it
+            mark.write_text(str(os.getpid()))
+            os._exit(0)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        data = Prefetcher(SyntheticLanguage(vocab=64, seq_len=8, seed=0), steps=range(50), global_batch=8,
+                          rows=slice(0, 8), process=True)
+        with data:
+            data.next()
+        assert data._worker is not None and data._worker.exitcode == -signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not mark.exists()
 
 
 def test_a_data_worker_s_error_reaches_the_rank_and_the_worker_ends() -> None:

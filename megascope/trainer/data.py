@@ -27,6 +27,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import signal
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -196,6 +197,10 @@ class Prefetcher:
 def _produce(source: Source, steps: list[int], global_batch: int, rows: slice, results: Any, parent: int) -> None:
     """The worker process of :class:`Prefetcher`: every step's rows, in order, into ``results``.
     Ends when the rank's process is gone (it may be killed without closing its prefetcher)."""
+    # Not the rank's signal handlers: the collector's SIGTERM handler would flush the copy of its
+    # buffers this process was forked with (spans written twice). Ctrl-C is the rank's to handle.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     try:
         for step in steps:
