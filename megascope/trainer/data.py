@@ -29,6 +29,7 @@ import os
 import queue
 import signal
 import threading
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -135,7 +136,11 @@ class Prefetcher:
 
     def __enter__(self) -> Prefetcher:
         if self._worker is not None:
-            self._worker.start()
+            with warnings.catch_warnings():
+                # Python 3.12+ warns on any fork of a process with threads (the collector's): the
+                # worker only builds batches, touching no lock those threads may hold.
+                warnings.filterwarnings("ignore", message=r".*multi-threaded.*fork", category=DeprecationWarning)
+                self._worker.start()
         else:
             self._thread.start()
         return self
