@@ -212,6 +212,13 @@ def _steps(con: duckdb.DuckDBPyConnection) -> list[int]:
 BASE_TABLES = ["rank_info", "clock_offsets", "rank_clock", "inst", "rank_step"]
 
 
+def has_step_spans(con: duckdb.DuckDBPyConnection) -> bool:
+    """Whether any rank-step has a step span (after :func:`prepare`); the analyses' SQL takes
+    step times from step spans when there are any, else from the spans' extent."""
+    row = _sql.first(con.execute("SELECT count(*) FROM ms_cache.rank_step WHERE step_ns IS NOT NULL"))
+    return bool(row and row[0])
+
+
 def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None, persist_cache: bool = True) -> None:
     """Build the base tables unless they are current for this run's files.
 

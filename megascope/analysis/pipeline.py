@@ -21,8 +21,7 @@ import duckdb
 import pandas as pd
 
 from megascope.analysis import _sql
-from megascope.analysis.base import _sample_steps, prepare
-from megascope.analysis.timeline import _has_step_spans
+from megascope.analysis.base import _sample_steps, has_step_spans, prepare
 from megascope.schema import RunSource
 
 if TYPE_CHECKING:
@@ -53,7 +52,7 @@ def _sample(con: duckdb.DuckDBPyConnection, steps: list[int] | None,
 def bubbles(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
     """Per pipeline stage: stage, ranks, steps, bubble_ns, step_ns, bubble_frac."""
     prepare(con)
-    return _sql.query_df(con, "pipeline", "bubbles", has_step_spans=_has_step_spans(con))
+    return _sql.query_df(con, "pipeline", "bubbles", has_step_spans=has_step_spans(con))
 
 
 def exposed_comm(con: duckdb.DuckDBPyConnection, *, steps: list[int] | None = None) -> pd.DataFrame:

@@ -30,7 +30,7 @@ import numpy as np
 import pandas as pd
 
 from megascope.analysis import _sql, persist
-from megascope.analysis.base import prepare
+from megascope.analysis.base import has_step_spans, prepare
 from megascope.errors import ConfigError
 
 COLUMNS = [
@@ -83,11 +83,6 @@ class StragglerConfig:
             raise ConfigError(f"z_comb must be > 0, got {self.z_comb}")
         if self.min_steps < 1:
             raise ConfigError(f"min_steps must be >= 1, got {self.min_steps}")
-
-
-def has_step_spans(con: duckdb.DuckDBPyConnection) -> bool:
-    row = _sql.first(con.execute("SELECT count(*) FROM ms_cache.rank_step WHERE step_ns IS NOT NULL"))
-    return bool(row and row[0])
 
 
 def score(con: duckdb.DuckDBPyConnection, config: StragglerConfig | None = None) -> None:

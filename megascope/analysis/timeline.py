@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from megascope.analysis import _sql
-from megascope.analysis.base import prepare
+from megascope.analysis.base import has_step_spans, prepare
 from megascope.errors import ConfigError
 from megascope.schema import RunMeta
 
@@ -42,15 +42,10 @@ PHASES: dict[str, str] = {
 }
 
 
-def _has_step_spans(con: duckdb.DuckDBPyConnection) -> bool:
-    row = _sql.first(con.execute("SELECT count(*) FROM ms_cache.rank_step WHERE step_ns IS NOT NULL"))
-    return bool(row and row[0])
-
-
 def step_times(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
     """Per (rank, step): start_ns (reference clock) and dur_ns of the step."""
     prepare(con)
-    return _sql.query_df(con, "timeline", "step_times", has_step_spans=_has_step_spans(con))
+    return _sql.query_df(con, "timeline", "step_times", has_step_spans=has_step_spans(con))
 
 
 def heatmap(con: duckdb.DuckDBPyConnection, *, phase: str = "step", max_ranks: int | None = None,
@@ -82,7 +77,7 @@ def heatmap(con: duckdb.DuckDBPyConnection, *, phase: str = "step", max_ranks: i
         gaps = "ms_cache.host_gaps"
     return _sql.query_df(
         con, "timeline", "heat_cells", value=_sql.Raw(PHASES[phase]), gaps=_sql.Raw(gaps),
-        has_step_spans=_has_step_spans(con),
+        has_step_spans=has_step_spans(con),
         rank_per_bin=rank_per_bin, step_per_bin=step_per_bin,
         rank_bins=max_ranks or 0, step_bins=max_steps or 0,
     )
@@ -103,7 +98,7 @@ def mfu(con: duckdb.DuckDBPyConnection, meta: RunMeta) -> pd.DataFrame:
     MFU = model_flops_per_step / (step_time * world_size * peak_flops_per_device).
     """
     prepare(con)
-    steps = _sql.query_df(con, "timeline", "step_summary", has_step_spans=_has_step_spans(con))
+    steps = _sql.query_df(con, "timeline", "step_summary", has_step_spans=has_step_spans(con))
     seconds = steps["step_time_ns"].astype(float) / 1e9
     if meta.model_flops_per_step and meta.peak_flops_per_device:
         steps["mfu"] = meta.model_flops_per_step / (seconds * meta.world_size * meta.peak_flops_per_device)
