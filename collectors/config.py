@@ -43,7 +43,7 @@ _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
 
-def _env_bool(name: str, raw: str) -> bool:
+def env_bool(name: str, raw: str) -> bool:
     value = raw.strip().lower()
     if value in _TRUE:
         return True
@@ -162,7 +162,7 @@ class CollectorConfig:
         env = os.environ if environ is None else environ
         changes: dict[str, Any] = {}
         if "MEGASCOPE_DISABLE" in env:
-            changes["enabled"] = not _env_bool("MEGASCOPE_DISABLE", env["MEGASCOPE_DISABLE"])
+            changes["enabled"] = not env_bool("MEGASCOPE_DISABLE", env["MEGASCOPE_DISABLE"])
         if env.get("MEGASCOPE_RUN_DIR"):
             changes["run_dir"] = Path(env["MEGASCOPE_RUN_DIR"])
         if "MEGASCOPE_FLUSH_INTERVAL_S" in env:
@@ -174,12 +174,12 @@ class CollectorConfig:
                 "MEGASCOPE_MAX_BUFFERED_ROWS", env["MEGASCOPE_MAX_BUFFERED_ROWS"], int
             )
         if "MEGASCOPE_FLIGHT_RECORDER" in env:
-            changes["flight_recorder"] = _env_bool("MEGASCOPE_FLIGHT_RECORDER", env["MEGASCOPE_FLIGHT_RECORDER"])
+            changes["flight_recorder"] = env_bool("MEGASCOPE_FLIGHT_RECORDER", env["MEGASCOPE_FLIGHT_RECORDER"])
         if "MEGASCOPE_HEARTBEAT_S" in env:
             seconds = _env_number("MEGASCOPE_HEARTBEAT_S", env["MEGASCOPE_HEARTBEAT_S"], float)
             changes["heartbeat_interval_s"] = seconds if seconds > 0 else None
         if "MEGASCOPE_WAIT_SPANS" in env:
-            changes["wait_spans"] = _env_bool("MEGASCOPE_WAIT_SPANS", env["MEGASCOPE_WAIT_SPANS"])
+            changes["wait_spans"] = env_bool("MEGASCOPE_WAIT_SPANS", env["MEGASCOPE_WAIT_SPANS"])
         if "MEGASCOPE_CLOCK" in env:
             changes["clock"] = env["MEGASCOPE_CLOCK"].strip().lower()
         if "MEGASCOPE_WRITER_DUTY" in env:
@@ -191,11 +191,11 @@ class CollectorConfig:
             kinds = [k.strip() for k in env["MEGASCOPE_COMM_SAMPLE"].split(",") if k.strip()]
             changes["comm_sample_kinds"] = () if kinds in ([], ["none"]) else tuple(kinds)
         if "MEGASCOPE_MARKER_AGENT" in env:
-            changes["marker_agent"] = _env_bool("MEGASCOPE_MARKER_AGENT", env["MEGASCOPE_MARKER_AGENT"])
+            changes["marker_agent"] = env_bool("MEGASCOPE_MARKER_AGENT", env["MEGASCOPE_MARKER_AGENT"])
         if "MEGASCOPE_STACKS_AFTER_S" in env:
             after = _env_number("MEGASCOPE_STACKS_AFTER_S", env["MEGASCOPE_STACKS_AFTER_S"], float)
             changes["stacks_after_s"] = after if after > 0 else None
         if "MEGASCOPE_NCCL_FLIGHT_RECORDER" in env:
-            changes["nccl_flight_recorder"] = _env_bool("MEGASCOPE_NCCL_FLIGHT_RECORDER",
+            changes["nccl_flight_recorder"] = env_bool("MEGASCOPE_NCCL_FLIGHT_RECORDER",
                                                         env["MEGASCOPE_NCCL_FLIGHT_RECORDER"])
         return dataclasses.replace(self, **changes) if changes else self

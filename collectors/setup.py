@@ -142,7 +142,7 @@ def from_env(run_dir: str | os.PathLike[str] | None = None, *, mesh: Any = None,
     raises into the job.
     """
     from megascope.collectors.collector import Collector
-    from megascope.collectors.config import CollectorConfig, _env_bool
+    from megascope.collectors.config import CollectorConfig, env_bool
     from megascope.collectors.runid import new_run_id
 
     if config is None:
@@ -156,7 +156,7 @@ def from_env(run_dir: str | os.PathLike[str] | None = None, *, mesh: Any = None,
     elif settings:
         raise ConfigError("Collector.from_env: pass settings either in config= or as keywords, not both")
     if "MEGASCOPE_INTERCEPT" in os.environ:
-        intercept = _env_bool("MEGASCOPE_INTERCEPT", os.environ["MEGASCOPE_INTERCEPT"])
+        intercept = env_bool("MEGASCOPE_INTERCEPT", os.environ["MEGASCOPE_INTERCEPT"])
     rank, world, _local = place_from_env()
     layout = device_mesh_layout(mesh, rank) if mesh is not None else data_parallel_layout(rank, world)
     if mesh is not None and int(mesh.mesh.numel()) != world:

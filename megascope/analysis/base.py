@@ -41,7 +41,7 @@ Progress = Callable[[str], None] | None
 CLOCK_SAMPLE_STEPS = 8
 
 
-def _sample_steps(steps: list[int], count: int) -> list[int]:
+def sample_steps(steps: list[int], count: int) -> list[int]:
     if len(steps) <= count:
         return steps
     # Evenly spaced, skipping the first step (warm-up) when there is a choice.
@@ -51,12 +51,12 @@ def _sample_steps(steps: list[int], count: int) -> list[int]:
 
 
 def _clock_sample_steps(steps: list[int], count: int) -> list[int]:
-    """Steps for clock-offset estimation: as :func:`_sample_steps`, spread over the longest
+    """Steps for clock-offset estimation: as :func:`sample_steps`, spread over the longest
     power-of-two prefix of the run (at least ``count`` steps), so that the sample, and with it the
     estimate, stays the same while a live run grows until it doubles: the base tables of the steps
     already read stay valid and are extended rather than rebuilt."""
     if len(steps) <= count + 1:
-        return _sample_steps(steps, count)
+        return sample_steps(steps, count)
     pool = steps[1:]
     pool = pool[:max(count, 1 << (len(pool).bit_length() - 1))]
     stride = len(pool) / count

@@ -21,7 +21,7 @@ import duckdb
 import pandas as pd
 
 from megascope.analysis import _sql
-from megascope.analysis.base import _sample_steps, has_step_spans, prepare
+from megascope.analysis.base import has_step_spans, prepare, sample_steps
 from megascope.schema import RunSource
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def _sample(con: duckdb.DuckDBPyConnection, steps: list[int] | None,
     prepare(con)
     if steps is None:
         all_steps = [int(s) for (s,) in con.execute("SELECT DISTINCT step FROM ms_cache.rank_step ORDER BY step").fetchall()]
-        steps = _sample_steps(all_steps, EXPOSED_SAMPLE_STEPS)
+        steps = sample_steps(all_steps, EXPOSED_SAMPLE_STEPS)
     if ranks is None:
         ranks = [int(r) for (r,) in con.execute(
             f"SELECT rank FROM (SELECT rank, row_number() OVER (PARTITION BY stage ORDER BY hash(rank)) AS k "

@@ -30,7 +30,7 @@ import numpy as np
 import pandas as pd
 
 from megascope.analysis import _sql, persist
-from megascope.analysis.base import _sample_steps, prepare
+from megascope.analysis.base import prepare, sample_steps
 from megascope.schema import COLLECTOR_CALLS_METRIC, RunMeta
 
 log = logging.getLogger(__name__)
@@ -200,7 +200,7 @@ def whatif(con: duckdb.DuckDBPyConnection, meta: RunMeta, *, ranks: list[int] | 
         ))
         per_step_events = float(row[0]) if row and row[0] else 1.0
         count = int(max(1, min(WHATIF_SAMPLE_STEPS, WHATIF_EVENT_BUDGET // max(per_step_events, 1.0))))
-        steps = _sample_steps(full, count)
+        steps = sample_steps(full, count)
     base_total = fixed_total = 0.0
     # The replay is a deterministic function of the base tables, the steps and the ranks fixed:
     # kept in the run's analysis cache, a second report does not replay again.
