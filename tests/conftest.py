@@ -67,6 +67,19 @@ def cli() -> Callable[..., Result]:
     return invoke
 
 
+def ended_ranks(run_dir: Path) -> set[int]:
+    """Ranks whose marker agent made its last pass (its ``rank_alive`` row of value 0): the rank's
+    process ended and everything its agent will write is on disk."""
+    import pyarrow.parquet as pq
+
+    ended = set()
+    for part in run_dir.glob("heartbeats/host=*/part-*.parquet"):
+        for row in pq.read_table(part, columns=["rank", "metric", "value"]).to_pylist():
+            if row["metric"] == "rank_alive" and row["value"] == 0.0:
+                ended.add(int(row["rank"]))
+    return ended
+
+
 def wait_until(condition: Callable[[], Any], *, timeout: float, interval: float = 0.02,
                message: str = "condition") -> Any:
     """Poll ``condition`` until it returns something true; fail after ``timeout`` seconds."""

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import wait_until
+from conftest import ended_ranks, wait_until
 from megascope.collectors import Collector, CollectorConfig
 from megascope.collectors.hooks import Interception
 from megascope.collectors.setup import data_parallel_layout, device_mesh_layout, place_from_env
@@ -233,7 +233,7 @@ def test_ddp_job_hang_is_localized_to_the_rank_that_never_entered(tmp_path: Path
     proc = torchrun(3, JOBS / "ddp_job.py", str(run_dir), "--steps", "12", "--hang", "2,3", "--timeout", "8",
                     cwd=tmp_path)
     assert proc.returncode != 0  # the waiting ranks' all-reduce timed out
-    wait_until(lambda: len(_ended_ranks(run_dir)) >= 3, timeout=60, interval=0.2,
+    wait_until(lambda: len(ended_ranks(run_dir)) >= 3, timeout=60, interval=0.2,
                message="the marker agents' last passes, as the ranks went")
     found = megascope_json("localize", str(run_dir))
     assert found["hung"], found
@@ -260,18 +260,6 @@ def test_fsdp2_tp_job_sees_fsdp_and_dtensor_collectives_and_names_the_straggler(
     assert report["run"]["mesh"] == {"pp": 1, "dp": 2, "tp": 2}
     assert [s["rank"] for s in report["stragglers"]] == [2], report["stragglers"]
     assert report["stragglers"][0]["coords"] == {"pp": 0, "dp": 1, "tp": 0}
-
-
-def _ended_ranks(run_dir: Path) -> set[int]:
-    """Ranks whose marker agent wrote its last row (the rank's process ended)."""
-    import pyarrow.parquet as pq
-
-    ended = set()
-    for part in run_dir.glob("heartbeats/host=*/part-*.parquet"):
-        for row in pq.read_table(part, columns=["rank", "metric", "value"]).to_pylist():
-            if row["metric"] == "rank_alive" and row["value"] == 0.0:
-                ended.add(int(row["rank"]))
-    return ended
 
 
 @pytest.mark.dist
@@ -301,7 +289,7 @@ def test_fsdp2_tp_job_hang_is_localized_while_the_others_wait_forever(tmp_path: 
         job.wait(timeout=60)
     # The ranks' marker agents make their last pass as the ranks go; until then the job reads as
     # live (and a live job is hung only after run state's threshold).
-    wait_until(lambda: len(_ended_ranks(run_dir)) >= 4, timeout=60, interval=0.2,
+    wait_until(lambda: len(ended_ranks(run_dir)) >= 4, timeout=60, interval=0.2,
                message="the marker agents' last passes")
     found = megascope_json("localize", str(run_dir))
     assert found["hung"], found

@@ -22,7 +22,7 @@ from typing import Any, cast
 
 import pytest
 from click.testing import Result
-from conftest import wait_until
+from conftest import ended_ranks, wait_until
 
 from megascope.inject import parse_injects
 from megascope.store import open_run
@@ -146,18 +146,6 @@ def test_skew_delays_the_ranks_arrival_at_the_dp_sync(tmp_path: Path) -> None:
     assert all(gap > 0.6 * ms * 1e6 for step, gap in gaps if step > 0), gaps
 
 
-def _ended_ranks(run_dir: Path) -> set[int]:
-    """Ranks whose marker agent made its last pass (the ``rank_alive`` row of value 0)."""
-    import pyarrow.parquet as pq
-
-    ended = set()
-    for part in run_dir.glob("heartbeats/host=*/part-*.parquet"):
-        for row in pq.read_table(part, columns=["rank", "metric", "value"]).to_pylist():
-            if row["metric"] == "rank_alive" and row["value"] == 0.0:
-                ended.add(int(row["rank"]))
-    return ended
-
-
 @pytest.mark.timing
 @pytest.mark.parametrize("tp_spans", ["all", "first"])
 def test_hang_times_out_the_job_and_leaves_the_trail(tmp_path: Path, tp_spans: str) -> None:
@@ -172,7 +160,7 @@ def test_hang_times_out_the_job_and_leaves_the_trail(tmp_path: Path, tp_spans: s
     assert "\n" not in str(err.value)
     # train() waits a bounded 10 s for the marker agents' last passes; on a loaded machine the
     # killed ranks' agents can take longer, and the trail asserted below is what they write.
-    wait_until(lambda: _ended_ranks(cfg.out) == set(range(8)), timeout=120,
+    wait_until(lambda: ended_ranks(cfg.out) == set(range(8)), timeout=120,
                message="every rank's marker agent made its last pass")
     run = open_run(cfg.out)
     con = run.con
