@@ -1,5 +1,5 @@
 """Training data: a seeded synthetic language with learnable structure, or a flat token file; both
-prefetched on a background thread.
+prefetched ahead (a background thread, or on GPUs a worker process).
 
 Role in the data flow: ``loop.py`` asks a :class:`Prefetcher` for each step's batch inside a
 ``data`` span, so a slow input pipeline shows up as data wait in the run directory.
