@@ -119,13 +119,14 @@ class Prefetcher:
         self.global_batch = global_batch
         self.rows = rows
         self.device = device
-        self.process = process
         self._queue: queue.Queue[torch.Tensor | BaseException] = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="megascope-data", daemon=True)
+        self._thread: threading.Thread | None = None
         self._worker: Any = None
         self._results: Any = None
-        if process:
+        if not process:
+            self._thread = threading.Thread(target=self._run, name="megascope-data", daemon=True)
+        else:
             # Batches travel pickled by value (numpy arrays): torch's shared-memory tensors would
             # need the worker alive until the rank has read them.
             ctx = multiprocessing.get_context("fork")
@@ -141,7 +142,7 @@ class Prefetcher:
                 # worker only builds batches, touching no lock those threads may hold.
                 warnings.filterwarnings("ignore", message=r".*multi-threaded.*fork", category=DeprecationWarning)
                 self._worker.start()
-        else:
+        elif self._thread is not None:
             self._thread.start()
         return self
 
@@ -195,7 +196,7 @@ class Prefetcher:
             self._worker.join(timeout=5)
             self._results.close()
             self._results.cancel_join_thread()
-        elif self._thread.is_alive():
+        elif self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout=5)
 
 
