@@ -181,17 +181,19 @@ class Collector:
         self._install_exit_hooks()
 
     @classmethod
-    def from_env(cls, run_dir: Any = None, *, mesh: Any = None, intercept: bool = True, **settings: Any) -> Collector:
-        """A collector laid out from the launcher's environment (torchrun, Slurm) or a ``DeviceMesh``,
-        with run.json written and every collective of the job seen (see
+    def from_env(cls, run_dir: Any = None, *, mesh: Any = None, groups: Any = None, intercept: bool = True,
+                 **settings: Any) -> Collector:
+        """A collector laid out from the launcher's environment (torchrun, Slurm), a ``DeviceMesh`` or
+        the job's own process groups, with run.json written and every collective of the job seen (see
         :mod:`megascope.collectors.setup`)::
 
             col = Collector.from_env("runs/job42")                 # DDP / FSDP: dp = world
             col = Collector.from_env("runs/job42", mesh=mesh)      # mesh dims named e.g. ("dp", "tp")
+            col = Collector.from_env("runs/job42", groups={"tp": tp_pg, "pp": pp_pg, "dp": dp_pg})
         """
         from megascope.collectors.setup import from_env
 
-        return from_env(run_dir, mesh=mesh, intercept=intercept, **settings)
+        return from_env(run_dir, mesh=mesh, groups=groups, intercept=intercept, **settings)
 
     # ------------------------------------------------------------------ setup helpers
     def _start_witnesses(self) -> None:
@@ -342,6 +344,11 @@ class Collector:
             name = str(getattr(pg, "group_name", "") or len(self._groups))
         except Exception:
             members, name = (self.rank,), str(len(self._groups))
+        # Another communicator over the ranks of a named group (a job may keep several over the same
+        # ranks, e.g. data-parallel with and without context parallelism): it is that group.
+        for known in list(self._groups.values()):
+            if known.members == members and known.kind != GroupKind.WORLD.value:
+                return known
         self._warn_once(f"unregistered:{name}", "megascope collector: process group %s was not registered; "
                         "recording it as group 'pg:%s' (call Collector.register_group to name it)", name, name)
         return Group(f"pg:{name}", GroupKind.OTHER.value, members)

@@ -229,8 +229,39 @@ class Interception:
                     self._patch(owner, "batch_isend_irecv", wrapped)
         self._install_funcol()
         self._install_ddp()
+        self._rebind_copies(dist, c10d)
         self.installed = True
         return self
+
+    def _rebind_copies(self, *doors: Any) -> None:
+        """Point the copies other modules took of the wrapped functions at the wrappers.
+
+        A library may bind a collective once at import (Megatron's tensor-parallel mappings and
+        gradient buffers keep ``torch.distributed.all_gather_into_tensor`` and
+        ``reduce_scatter_tensor`` in module variables); imported before the collector, its calls
+        would bypass the doors above. Every loaded module's variables that hold one of the
+        originals now hold its wrapper (restored by ``uninstall``). Modules imported later look
+        the function up in torch.distributed and get the wrapper anyway.
+        """
+        import sys
+
+        wrapped: dict[int, Any] = {}
+        for owner, name, original in self._saved:
+            if owner in doors:
+                wrapped[id(original)] = getattr(owner, name)
+        if not wrapped:
+            return
+        skip = {id(d) for d in doors}
+        for module in list(sys.modules.values()):
+            if module is None or id(module) in skip or getattr(module, "__name__", "").startswith("megascope"):
+                continue
+            try:
+                items = [(k, v) for k, v in vars(module).items() if id(v) in wrapped]
+            except TypeError:  # an object in sys.modules without a __dict__
+                continue
+            for name, value in items:
+                if value is not wrapped[id(value)]:
+                    self._patch(module, name, wrapped[id(value)])
 
     def uninstall(self) -> None:
         for owner, name, original in reversed(self._saved):

@@ -21,6 +21,10 @@ Without a mesh the whole world is one data-parallel group (``dp`` = world size),
 plain DDP or FSDP job is. With ``mesh=`` (a ``torch.distributed.DeviceMesh``), the mesh's dimension
 names become the axes: ``pp``, ``dp`` and ``tp`` are understood by every analysis; other names
 (``cp``, ``ep``) are kept in ``run.json`` and their groups recorded with kind ``other``.
+A job that makes its process groups itself (Megatron's ``parallel_state``) passes them by axis
+instead, ``groups={"tp": ..., "pp": ..., "dp": ...}``. A collective on another group of the job
+with the same members as one of these (Megatron keeps several: data-parallel with and without
+context parallelism, model-parallel) is recorded as that group.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -128,12 +133,59 @@ def device_mesh_layout(mesh: Any, rank: int) -> Layout:
     return Layout(axes, dict(zip(axes, shape, strict=True)), coords, groups)
 
 
-def from_env(run_dir: str | os.PathLike[str] | None = None, *, mesh: Any = None, config: CollectorConfig | None = None,
-             intercept: bool = True, run_id: str | None = None, **settings: Any) -> Collector:
+def process_groups_layout(groups: Mapping[str, Any], rank: int, world: int) -> Layout:
+    """The layout a job's own process groups describe, one per axis: ``{"tp": tp_pg, "dp": dp_pg, ...}``.
+
+    For jobs that build their groups themselves rather than through a ``DeviceMesh`` (Megatron's
+    ``parallel_state``, say). Each group's members, read from torch, give the axis's size and this
+    rank's coordinate on it (its place in the group). A group is numbered by this rank's
+    coordinates on the other axes, taken in the order given: every member of a group shares them,
+    so every member names the group alike. The axes must tile the world: the product of their
+    sizes is the world size.
+    """
+    import torch.distributed as dist
+
+    if not groups:
+        raise ConfigError("groups= is empty: give one process group per axis, e.g. {'tp': tp_group, 'dp': dp_group}")
+    axes = tuple(str(a) for a in groups)
+    members: dict[str, tuple[int, ...]] = {}
+    for axis, pg in groups.items():
+        try:
+            members[axis] = tuple(int(r) for r in dist.get_process_group_ranks(pg))
+        except Exception as exc:
+            raise ConfigError(f"groups[{axis!r}] is not a process group of this job ({exc})") from None
+        if rank not in members[axis]:
+            raise ConfigError(f"groups[{axis!r}] does not hold this rank ({rank}): give the groups this process is in")
+    sizes = {axis: len(m) for axis, m in members.items()}
+    product = 1
+    for size in sizes.values():
+        product *= size
+    if product != world:
+        raise ConfigError(f"the groups' sizes {sizes} multiply to {product}, not to the world size {world}: "
+                          "give one group per axis, every axis of the job")
+    coords = {axis: m.index(rank) for axis, m in members.items()}
+    layout_groups: list[tuple[Any, Group]] = []
+    for axis in axes:
+        if sizes[axis] == 1:
+            continue
+        index = 0
+        for other in axes:
+            if other != axis:
+                index = index * sizes[other] + coords[other]
+        kind = axis if axis in _KINDS else GroupKind.OTHER.value
+        layout_groups.append((groups[axis], Group(f"{axis}:{index}", kind, members[axis])))
+    return Layout(axes, sizes, coords, layout_groups)
+
+
+def from_env(run_dir: str | os.PathLike[str] | None = None, *, mesh: Any = None, groups: Mapping[str, Any] | None = None,
+             config: CollectorConfig | None = None, intercept: bool = True, run_id: str | None = None,
+             **settings: Any) -> Collector:
     """A collector for this process of a torchrun, Slurm or single-process job.
 
     ``run_dir`` (or ``MEGASCOPE_RUN_DIR``, which wins): where the run directory goes. ``mesh``: a
-    ``DeviceMesh`` with named dimensions; without one, dp = world. ``intercept``: see every
+    ``DeviceMesh`` with named dimensions; without one, dp = world. ``groups``: instead of a mesh, the
+    job's own process groups by axis (``{"tp": ..., "pp": ..., "dp": ...}``, see
+    :func:`process_groups_layout`). ``intercept``: see every
     collective of the job (DDP's gradient all-reduce, FSDP2, DTensor, ``torch.distributed``
     calls) without wrapping calls by hand; ``MEGASCOPE_INTERCEPT=0`` turns it off. Other keywords
     are :class:`CollectorConfig` settings. ``run_id``: ``run.json``'s (rank 0's choice; a launcher's
@@ -158,7 +210,14 @@ def from_env(run_dir: str | os.PathLike[str] | None = None, *, mesh: Any = None,
     if "MEGASCOPE_INTERCEPT" in os.environ:
         intercept = env_bool("MEGASCOPE_INTERCEPT", os.environ["MEGASCOPE_INTERCEPT"])
     rank, world, _local = place_from_env()
-    layout = device_mesh_layout(mesh, rank) if mesh is not None else data_parallel_layout(rank, world)
+    if mesh is not None and groups is not None:
+        raise ConfigError("Collector.from_env: pass mesh= or groups=, not both")
+    if mesh is not None:
+        layout = device_mesh_layout(mesh, rank)
+    elif groups is not None:
+        layout = process_groups_layout(groups, rank, world)
+    else:
+        layout = data_parallel_layout(rank, world)
     if mesh is not None and int(mesh.mesh.numel()) != world:
         raise ConfigError(f"the DeviceMesh holds {int(mesh.mesh.numel())} ranks but the job has {world}")
     axes = tuple(a for a in MESH_AXES if a not in layout.axes) + layout.axes  # pp/dp/tp always named

@@ -20,7 +20,12 @@ import torch.distributed as dist
 from conftest import ended_ranks, wait_until
 from megascope.collectors import Collector, CollectorConfig
 from megascope.collectors.hooks import Interception
-from megascope.collectors.setup import data_parallel_layout, device_mesh_layout, place_from_env
+from megascope.collectors.setup import (
+    data_parallel_layout,
+    device_mesh_layout,
+    place_from_env,
+    process_groups_layout,
+)
 
 from megascope.errors import ConfigError
 from megascope.store import open_run
@@ -92,6 +97,35 @@ def test_a_device_mesh_gives_coordinates_and_groups_from_its_rank_tensor() -> No
         device_mesh_layout(_FakeMesh(ranks, ("dp", "tp")), rank=9)
 
 
+class _FakeGroup:
+    def __init__(self, *members: int) -> None:
+        self.members = list(members)
+
+
+def test_a_job_s_own_process_groups_give_its_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Megatron's order: tp varies fastest, then dp, then pp (rank = pp * 4 + dp * 2 + tp on 8 ranks).
+    monkeypatch.setattr(dist, "get_process_group_ranks", lambda pg: pg.members)
+    groups = {"tp": _FakeGroup(4, 5), "pp": _FakeGroup(1, 5), "dp": _FakeGroup(5, 7)}
+    layout = process_groups_layout(groups, rank=5, world=8)
+    assert layout.axes == ("tp", "pp", "dp")
+    assert layout.coords == {"tp": 1, "pp": 1, "dp": 0} and layout.sizes == {"tp": 2, "pp": 2, "dp": 2}
+    named = {g.kind: g for _, g in layout.groups}
+    # A group is numbered by its members' shared coordinates on the other axes: rank 4 (tp 0, pp 1,
+    # dp 0) names its tp group alike, rank 7 (pp 1, dp 1, tp 1) names its own tp group differently.
+    assert named["tp"].id == "tp:2" and named["tp"].members == (4, 5)
+    assert process_groups_layout({"tp": _FakeGroup(4, 5), "pp": _FakeGroup(0, 4), "dp": _FakeGroup(4, 6)},
+                                 rank=4, world=8).groups[0][1].id == "tp:2"
+    assert process_groups_layout({"tp": _FakeGroup(6, 7), "pp": _FakeGroup(3, 7), "dp": _FakeGroup(5, 7)},
+                                 rank=7, world=8).groups[0][1].id == "tp:3"
+    assert named["pp"].id == "pp:2" and named["dp"].id == "dp:3" and named["dp"].members == (5, 7)
+    with pytest.raises(ConfigError, match="multiply to 4, not to the world size 8"):
+        process_groups_layout({"tp": _FakeGroup(4, 5), "dp": _FakeGroup(5, 7)}, rank=5, world=8)
+    with pytest.raises(ConfigError, match="does not hold this rank"):
+        process_groups_layout({"tp": _FakeGroup(0, 1)}, rank=5, world=2)
+    with pytest.raises(ConfigError, match="not a process group"):
+        process_groups_layout({"tp": object()}, rank=0, world=1)
+
+
 def test_from_env_refuses_bad_settings_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MEGASCOPE_RUN_DIR", raising=False)
     with pytest.raises(ConfigError, match="no run directory"):
@@ -140,6 +174,29 @@ def test_torch_distributed_and_functional_collectives_are_recorded_once(one_rank
     assert [r[2] for r in rows] == [0, 1, 2, 3] and {r[1] for r in rows} == {"dp:0"}
     states = run.con.execute("SELECT state, count(*) FROM markers GROUP BY 1 ORDER BY 1").fetchall()
     assert states == [("completed", 4), ("enqueued", 4)]
+
+
+def test_copies_bound_before_the_collector_and_other_groups_over_the_same_ranks_are_seen(
+        one_rank: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    # A library that bound the collectives at import, as Megatron's mappings do, and a second
+    # communicator over the ranks of the job's data-parallel group.
+    lib = types.ModuleType("bound_at_import")
+    lib.all_reduce = dist.all_reduce  # type: ignore[attr-defined]
+    lib.gather_into = dist.all_gather_into_tensor  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, lib.__name__, lib)
+    again = dist.new_group([0])
+    col = Collector.from_env(one_rank, flush_interval_s=0.2, device=torch.device("cpu"), marker_agent=False)
+    t = torch.ones(4)
+    with col.step(0):
+        lib.all_reduce(t)                                      # type: ignore[attr-defined]
+        lib.gather_into(torch.empty(4), t, group=again)        # type: ignore[attr-defined]
+    col.close()
+    assert lib.all_reduce is dist.all_reduce                   # type: ignore[attr-defined]  # put back
+    rows = open_run(one_rank).con.execute(
+        'SELECT name, "group" FROM spans WHERE kind = \'collective\' ORDER BY seq').fetchall()
+    assert rows == [("all_reduce", "dp:0"), ("all_gather_into_tensor", "dp:0")]
 
 
 def test_an_unwaited_functional_result_is_not_left_looking_stuck(one_rank: Path) -> None:
