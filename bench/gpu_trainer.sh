@@ -13,7 +13,7 @@
 #              spans, NCCL on a high-priority stream), to find why tp2 is slower with the collector on
 #              (docs/benchmarks.md). Not part of the default.
 #   whole      the collector's cost as a user measures it: whole runs off and on, interleaved,
-#              REPEATS rounds over WHOLE_LAYOUTS (1gpu tp pp dp), within BUDGET_S seconds; mean,
+#              REPEATS rounds over WHOLE_LAYOUTS (1gpu tp pp dp, and tpdp: tp2 x dp2 on 4 GPUs), within BUDGET_S seconds; mean,
 #              median and p90 step time per layout (bench/whole_run_table.py); WHOLE_QUEUES="default 4x"
 #              also runs each pair with CUDA_SCALE_LAUNCH_QUEUES=4x (CUDA's launch queue four times as
 #              deep, so a host-bound rank's host can run further ahead). Not part of the default.
@@ -67,10 +67,11 @@ train() {  # name gpus collector(on|off|ab) extra-args...
   tar czf "$OUT/results-so-far.tar.gz" -C "$OUT" runs --exclude='runs/*/*' 2>/dev/null || true
 }
 
-layout_args() {  # tp|pp|dp -> the 2-GPU arguments (PP gets 8 micro-batches: a 1/9 bubble instead of 1/5)
+layout_args() {  # tp|pp|dp -> the 2-GPU arguments (PP gets 8 micro-batches: a 1/9 bubble instead of 1/5); tpdp: 4 GPUs
   case $1 in
     1gpu) echo "--global-batch 8 --micro-batches 1" ;;
     pp) echo "--pp 2 --global-batch 16 --micro-batches 8" ;;
+    tpdp) echo "--tp 2 --dp 2 --global-batch 32 --micro-batches 4" ;;
     *) echo "--$1 2 --global-batch 16 --micro-batches 4" ;;
   esac
 }
@@ -123,6 +124,7 @@ for part in $PARTS; do
       for r in $(seq "$REPEATS"); do
         for layout in $WHOLE_LAYOUTS; do
           gpus=2; name="2gpu-$layout"; [ "$layout" = 1gpu ] && { gpus=1; name=1gpu; }
+          [ "$layout" = tpdp ] && { gpus=4; name=4gpu-tpdp; }
           [ "$NGPU" -ge "$gpus" ] || { echo "$layout needs $gpus GPUs"; continue; }
           [ $((SECONDS - start)) -lt "${BUDGET_S:-100000}" ] || { echo "budget spent: round $r, $layout not run"; break 2; }
           order="off on"; [ $((r % 2)) = 0 ] && order="on off"

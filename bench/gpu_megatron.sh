@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# megascope inside a Megatron-core job on NCCL (tests/jobs/megatron_job.py: Megatron's GPTModel,
+# parallel_state, pipeline schedule and DDP; megascope's four added lines). On 4 GPUs: a planted
+# straggler on tp2 x pp2 named by report, a planted hang on tp2 x dp2 named by localize, and the
+# job's step time with megascope off and on (MEGASCOPE_DISABLE=1), interleaved, AB_PAIRS pairs.
+# On 2 GPUs the same on tp2 alone. Needs the megatron-core wheel (cp312) in .wheels/ (gpu_setup.sh
+# installs it). Logs under $OUT; summary.txt has one line per check, ab.txt the timing table.
+#
+#   OUT=/tmp/o bash bench/gpu_megatron.sh
+#   CHECKS="straggler" AB_PAIRS=0 OUT=/tmp/o bash bench/gpu_megatron.sh
+set -uo pipefail
+OUT=${OUT:-gpu-megatron}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+export OMP_NUM_THREADS=1 PYTHONPATH=${PYTHONPATH:-$PWD} TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC=8000
+NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
+TR=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU")
+if [ "$NGPU" -ge 4 ]; then STRAGGLER_MESH=(--tp 2 --pp 2); AB_MESH=(--tp 2); SLOW=2; HUNG=3
+else STRAGGLER_MESH=(--tp 2); AB_MESH=(--tp 2); SLOW=1; HUNG=1; fi
+CHECKS=${CHECKS:-straggler hang}
+check() {  # name job-args... : run the job, then report and localize, one summary line
+  local name=$1; shift
+  [[ " $CHECKS " == *" $name "* ]] || return 0
+  timeout 240 "${TR[@]}" tests/jobs/megatron_job.py "$OUT/$name" "$@" >"$OUT/$name.txt" 2>&1
+  echo "exit $? ($name)" >>"$OUT/$name.txt"
+  "$PY" -m megascope report --json "$OUT/$name" >"$OUT/$name-report.json" 2>>"$OUT/$name.txt"
+  "$PY" -m megascope localize "$OUT/$name" >"$OUT/$name-localize.txt" 2>&1
+  "$PY" - "$OUT/$name" "$name" <<'PY' | tee -a "$OUT/summary.txt"
+import json, sys
+from megascope.store import open_run
+run = open_run(sys.argv[1])
+rep = json.load(open(sys.argv[1] + "-report.json"))
+ops = run.con.execute("""SELECT g.kind || ' ' || s.op, count(*) FROM spans s
+    LEFT JOIN (SELECT DISTINCT "group", kind FROM groups) g USING ("group")
+    WHERE s.kind IN ('collective', 'send', 'recv') GROUP BY 1 ORDER BY 1""").fetchall()
+hang = rep["hang"]
+print(f"{sys.argv[2]}: mesh {rep['run']['mesh']}; calls {dict(ops)}; "
+      f"stragglers {[(s['rank'], s['cause'], round(s['slowdown'], 2)) for s in rep['stragglers']]}; "
+      f"hung {hang.get('hung')} suspects {[s['rank'] for s in hang.get('suspects', [])][:3]}")
+PY
+}
+check straggler "${STRAGGLER_MESH[@]}" --steps 30 --straggler "$SLOW,1.5"
+check hang --tp 2 --steps 30 --hang "$HUNG,9" --timeout 30
+for i in $(seq "${AB_PAIRS:-2}"); do
+  order="0 1"; [ $((i % 2)) = 0 ] && order="1 0"
+  for off in $order; do
+    MEGASCOPE_DISABLE=$off timeout 240 "${TR[@]}" tests/jobs/megatron_job.py "$OUT/ab-$i-$off" "${AB_MESH[@]}" \
+      --steps 44 >"$OUT/ab-$i-$off.txt" 2>&1
+  done
+done
+"$PY" - "$OUT" <<'PY' | tee "$OUT/ab.txt"
+import re, statistics, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+def steps(path):  # steps 4-43 of rank 0's "step N ms" lines
+    ms = [float(m.group(2)) for m in re.finditer(r"^step (\d+) ([\d.]+) ms$", path.read_text(), re.M)
+          if 4 <= int(m.group(1)) < 44]
+    return ms if len(ms) == 40 else None
+def p90(xs):
+    s = sorted(xs); return s[min(len(s) - 1, round(0.9 * (len(s) - 1)))]
+pooled = {"on": [], "off": []}
+print("| pair | off mean (median, p90) ms | on mean (median, p90) ms | on vs off, mean |")
+print("|---|---|---|---|")
+for f in sorted(out.glob("ab-*-1.txt")):
+    i = f.stem.split("-")[1]
+    off, on = steps(f), steps(out / f"ab-{i}-0.txt")
+    if not off or not on:
+        print(f"| {i} | incomplete | | |"); continue
+    pooled["off"] += off; pooled["on"] += on
+    print(f"| {i} | {statistics.fmean(off):.2f} ({statistics.median(off):.2f}, {p90(off):.2f}) | "
+          f"{statistics.fmean(on):.2f} ({statistics.median(on):.2f}, {p90(on):.2f}) | "
+          f"{statistics.fmean(on) / statistics.fmean(off) - 1:+.2%} |")
+if pooled["off"]:
+    a, b = pooled["off"], pooled["on"]
+    print(f"| all | {statistics.fmean(a):.2f} ({statistics.median(a):.2f}, {p90(a):.2f}) | "
+          f"{statistics.fmean(b):.2f} ({statistics.median(b):.2f}, {p90(b):.2f}) | "
+          f"mean {statistics.fmean(b) / statistics.fmean(a) - 1:+.2%}, median {statistics.median(b) / statistics.median(a) - 1:+.2%}, "
+          f"p90 {p90(b) / p90(a) - 1:+.2%} |")
+PY
