@@ -4,8 +4,8 @@ megascope's four lines added (marked ``# megascope``).
 Run it on GPUs under ``torchrun --standalone --nproc-per-node N tests/jobs/megatron_job.py RUN
 --tp T --pp P`` (dp = N / (T * P); needs ``pip install megatron-core``, no Transformer Engine or
 Apex). Megatron makes its own process groups (``parallel_state``); megascope is given the three
-it lays the job out by and sees every collective through them, including the ones Megatron's
-modules bound at import (sequence parallelism's all-gather and reduce-scatter).
+it lays the job out by and sees every collective through them. (Sequence parallelism needs
+Transformer Engine or Apex layer norms, so it is off here.)
 
 Faults for the checks: ``--straggler RANK,FACTOR`` (that rank's GPU is FACTOR times slower: its
 stream sleeps FACTOR-1 times the step's measured time), ``--hang RANK,STEP`` (that rank sleeps
@@ -60,7 +60,7 @@ rank = dist.get_rank()
 
 config = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                            tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
-                           sequence_parallel=args.tp > 1, pipeline_dtype=torch.float32, use_cpu_initialization=True)
+                           pipeline_dtype=torch.float32, use_cpu_initialization=True)
 model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=args.vocab,
                  max_sequence_length=args.seq, pre_process=ps.is_pipeline_first_stage(),
                  post_process=ps.is_pipeline_last_stage()).cuda()
