@@ -227,9 +227,10 @@ class Collector:
                 device_name = torch.cuda.get_device_name(self.device)
             except Exception:
                 device_name = None
-        c = self.coords
+        # Every axis of the mesh, in its order (run.json's mesh_axes): cp and ep as pp, dp and tp.
+        coords = [(axis, int(index)) for axis, index in self.coords.items()]
         return (self.rank, socket.gethostname(), _env_int("LOCAL_RANK"), os.getpid(), str(self.device),
-                device_name, c.get("pp"), c.get("dp"), c.get("tp"), self.start_ns)
+                device_name, coords, self.start_ns)
 
     def _add_group(self, group: Group) -> None:
         if group.id in self._groups and self._groups[group.id] == group:

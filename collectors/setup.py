@@ -19,8 +19,9 @@ Example::
 
 Without a mesh the whole world is one data-parallel group (``dp`` = world size), which is what a
 plain DDP or FSDP job is. With ``mesh=`` (a ``torch.distributed.DeviceMesh``), the mesh's dimension
-names become the axes: ``pp``, ``dp`` and ``tp`` are understood by every analysis; other names
-(``cp``, ``ep``) are kept in ``run.json`` and their groups recorded with kind ``other``.
+names become the axes: ``pp``, ``dp`` and ``tp`` are understood by every analysis, ``cp`` and
+``ep`` are groups of their own kind (``GroupKind``), shown with the others; any other name is kept
+in ``run.json`` and the rank's coordinates, its groups recorded with kind ``other``.
 A job that makes its process groups itself (Megatron's ``parallel_state``) passes them by axis
 instead, ``groups={"tp": ..., "pp": ..., "dp": ...}``. A collective on another group of the job
 with the same members as one of these (Megatron keeps several: data-parallel with and without

@@ -226,7 +226,7 @@ WARM: list[Callable[[ServedRun], Any]] = [per_step, localized, run_facts, stragg
 
 
 def empty_stragglers() -> pd.DataFrame:
-    return pd.DataFrame(columns=["rank", "host", "pp", "dp", "tp", "phase", "cause", "slowdown", "steps_slow_frac"])
+    return pd.DataFrame(columns=["rank", "host", "coords", "pp", "dp", "tp", "phase", "cause", "slowdown", "steps_slow_frac"])
 
 
 def peers(served: ServedRun, rank: int) -> list[int]:

@@ -23,6 +23,7 @@ import duckdb
 import pandas as pd
 
 from megascope.store import Run
+from megascope.topology import format_coords
 
 log = logging.getLogger(__name__)
 
@@ -42,15 +43,15 @@ def _with_offsets(con: duckdb.DuckDBPyConnection, offsets: pd.DataFrame | None) 
 
 
 def rank_info(run: Run, ranks: Sequence[int] | None = None) -> pd.DataFrame:
-    """``rank, host, pp, dp, tp`` of the given ranks (all ranks when None), by rank."""
+    """``rank, host, coords`` of the given ranks (all ranks when None), by rank; ``coords`` holds
+    every axis of the mesh (axis -> index)."""
     source = run.rank_source("ranks", ranks) if ranks is not None else "ranks"
-    return run.con.execute(f"SELECT rank, host, pp, dp, tp FROM {source} ORDER BY rank").df()
+    return run.con.execute(f"SELECT rank, host, coords FROM {source} ORDER BY rank").df()
 
 
-def rank_label(row: pd.Series) -> str:
-    """``"r5 pp0 dp1 tp1"``: a rank as the timeline's y axis names it."""
-    coords = " ".join(f"{axis}{int(row[axis])}" for axis in ("pp", "dp", "tp") if pd.notna(row.get(axis)))
-    return f"r{int(row['rank'])} {coords}".strip()
+def rank_label(row: pd.Series, axes: Sequence[str] = ()) -> str:
+    """``"r5 pp0 dp1 tp1"``: a rank as the timeline's y axis names it (``axes``: the run's order)."""
+    return f"r{int(row['rank'])} {format_coords(row.get('coords'), axes)}".strip()
 
 
 def peers_of(run: Run, rank: int, *, limit: int = 8) -> list[int]:
@@ -71,8 +72,8 @@ def peers_of(run: Run, rank: int, *, limit: int = 8) -> list[int]:
         # No groups table (an importer without one): fall back to ranks of the same pipeline stage.
         same_stage = run.con.execute(
             """
-            SELECT r.rank FROM ranks r, (SELECT pp FROM ranks WHERE rank = ?) me
-            WHERE r.pp IS NOT DISTINCT FROM me.pp AND r.rank <> ? ORDER BY abs(r.rank - ?) LIMIT ?
+            SELECT r.rank FROM ranks r, (SELECT coords['pp'] AS pp FROM ranks WHERE rank = ?) me
+            WHERE r.coords['pp'] IS NOT DISTINCT FROM me.pp AND r.rank <> ? ORDER BY abs(r.rank - ?) LIMIT ?
             """,
             [int(rank), int(rank), int(rank), limit - 1],
         ).fetchall()

@@ -56,7 +56,7 @@ import pyarrow.parquet as pq
 
 from megascope import layout
 from megascope.errors import RunDirError
-from megascope.schema import TABLES
+from megascope.schema import RANKS_V1_COORD_COLUMNS, TABLES
 
 log = logging.getLogger(__name__)
 
@@ -380,9 +380,21 @@ def _load(item: _Input, table: str, run_id: str) -> tuple[pa.Table | None, str |
     for f in TABLES[table]:
         if f.name in data.column_names:
             columns.append(data.column(f.name).cast(f.type))
+        elif table == "ranks" and f.name == "coords":
+            columns.append(_v1_coords(data, f.type))
         else:
             columns.append(pa.nulls(data.num_rows, f.type))
     return pa.Table.from_arrays(columns, schema=TABLES[table]), None
+
+
+def _v1_coords(data: pa.Table, map_type: pa.DataType) -> pa.Array:
+    """``ranks.coords`` from a schema 1 part's ``pp``, ``dp``, ``tp`` columns (as the store reads them)."""
+    legacy = [c for c in RANKS_V1_COORD_COLUMNS if c in data.column_names]
+    if not legacy:
+        return pa.nulls(data.num_rows, map_type)
+    values = [data.column(c).to_pylist() for c in legacy]
+    rows = [[(c, v) for c, v in zip(legacy, row, strict=True) if v is not None] for row in zip(*values, strict=True)]
+    return pa.array(rows, type=map_type)
 
 
 def _footer_ok(path: Path) -> bool:

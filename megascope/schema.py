@@ -10,7 +10,9 @@ Conventions (see ARCHITECTURE.md):
   nanoseconds since the Unix epoch, as each rank's host saw them (clock offsets between hosts are
   estimated later by the analysis, never baked into the data);
 * nulls instead of sentinels: a span that belongs to no micro-batch has ``microbatch = NULL``;
-* mesh coordinates are data (the ``ranks`` table), never recomputed from rank arithmetic elsewhere;
+* mesh coordinates are data (the ``ranks`` table's ``coords``, one entry per axis), never recomputed
+  from rank arithmetic elsewhere; a group's kind is data too (``groups.kind``), never read out of
+  its id;
 * categorical columns are plain strings whose allowed values are the StrEnums below.
 
 Example::
@@ -23,19 +25,39 @@ Example::
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
-"""Bumped on any incompatible change to a table below or to ``run.json``."""
+SCHEMA_VERSION = 2
+"""Bumped on any incompatible change to a table below or to ``run.json``.
 
-SUPPORTED_SCHEMA_VERSIONS = frozenset({1})
+2: ``ranks.coords`` (axis -> coordinate) replaced the fixed ``pp``, ``dp``, ``tp`` columns of 1.
+"""
 
-# Mesh axes megascope knows by name. Sizes are free; the order in ``RunMeta.mesh_axes`` says how
-# ranks are laid out (last axis varies fastest, as in torch's DeviceMesh).
+SUPPORTED_SCHEMA_VERSIONS = frozenset({1, 2})
+
+# The axes every run names (with size 1 where the job does not use one): what the analyses read
+# specially (pp: pipeline stage; dp: gradient sync; tp: tensor parallel, nested in compute).
 MESH_AXES = ("pp", "dp", "tp")
+
+# Every axis megascope knows by name, outermost first: the one order in which known axes are laid
+# out and shown. tp varies fastest (torch's ``init_device_mesh`` and Megatron's default both put
+# it innermost), then cp, ep and dp (Megatron's "tp-cp-ep-dp-pp"). A run's own order is
+# ``RunMeta.mesh_axes``; axes not known here keep the place the writer gave them.
+AXIS_ORDER = ("pp", "dp", "ep", "cp", "tp")
+
+# Schema 1's ``ranks`` columns that held the coordinates; readers fold them into ``coords``.
+RANKS_V1_COORD_COLUMNS = ("pp", "dp", "tp")
+
+
+def ordered_axes(axes: Iterable[str]) -> tuple[str, ...]:
+    """``axes`` (names) in :data:`AXIS_ORDER`, names it does not know after them in the order given."""
+    names = [str(a) for a in axes]
+    known = [a for a in AXIS_ORDER if a in names]
+    return tuple(known + [a for a in dict.fromkeys(names) if a not in AXIS_ORDER])
 
 
 class SpanKind(enum.StrEnum):
@@ -72,9 +94,11 @@ class Stream(enum.StrEnum):
 class GroupKind(enum.StrEnum):
     """The role of a process group in the mesh."""
 
-    TP = "tp"
-    PP = "pp"
-    DP = "dp"
+    TP = "tp"  # tensor parallel
+    PP = "pp"  # pipeline parallel (p2p between stages)
+    DP = "dp"  # data parallel (gradient sync)
+    CP = "cp"  # context parallel (sequence split; key/value exchange)
+    EP = "ep"  # expert parallel (token all-to-all of MoE layers)
     WORLD = "world"
     OTHER = "other"
 
@@ -186,10 +210,10 @@ RANKS = pa.schema(
         pa.field("pid", pa.int64()),
         pa.field("device", pa.string()),  # "cuda:3", "cpu"
         pa.field("device_name", pa.string()),  # "NVIDIA H100 80GB HBM3"
-        # Mesh coordinates (null where the axis does not exist or is unknown).
-        pa.field("pp", pa.int32()),
-        pa.field("dp", pa.int32()),
-        pa.field("tp", pa.int32()),
+        # Mesh coordinates: axis name -> this rank's index on it, for the axes of run.json's
+        # mesh_axes ({"pp": 1, "dp": 0, "cp": 1, "tp": 3}); an axis left out is unknown. Schema 1
+        # had columns pp, dp, tp instead (RANKS_V1_COORD_COLUMNS); the store reads them as this.
+        pa.field("coords", pa.map_(pa.string(), pa.int32())),
         pa.field("started_at_ns", pa.int64()),  # when this rank's collector started (named apart from spans.start_ns so joins stay unambiguous)
     ]
 )
@@ -198,8 +222,8 @@ RANKS = pa.schema(
 GROUPS = pa.schema(
     [
         pa.field("rank", pa.int32(), nullable=False),  # the rank that is a member
-        pa.field("group", pa.string(), nullable=False),  # unique group id, e.g. "tp:3", "dp:0", "world"
-        pa.field("kind", pa.string(), nullable=False),  # GroupKind
+        pa.field("group", pa.string(), nullable=False),  # unique group id, e.g. "tp:3", "dp:0", "world": a name, nothing is read out of it
+        pa.field("kind", pa.string(), nullable=False),  # GroupKind: the only place a group's kind is said
         pa.field("group_rank", pa.int32()),  # this rank's index inside the group
         pa.field("members", pa.list_(pa.int32()), nullable=False),  # global ranks, in group order
     ]

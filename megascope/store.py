@@ -42,7 +42,7 @@ import pyarrow.parquet as pq
 
 from megascope import layout
 from megascope.errors import RunDirError, SchemaVersionError
-from megascope.schema import SUPPORTED_SCHEMA_VERSIONS, TABLES, RunMeta
+from megascope.schema import RANKS_V1_COORD_COLUMNS, SUPPORTED_SCHEMA_VERSIONS, TABLES, RunMeta
 from megascope.topology import Mesh
 
 log = logging.getLogger(__name__)
@@ -393,11 +393,24 @@ def _select(con: duckdb.DuckDBPyConnection, table: str, source: str, options: st
     casts = []
     for f in TABLES[table]:
         duck_type = _DUCK_TYPES[str(f.type)]
-        if f.name in described:
+        if table == "ranks" and f.name == "coords":
+            casts.append(f'{_coords_select(described, duck_type)} AS "coords"')
+        elif f.name in described:
             casts.append(f'CAST("{f.name}" AS {duck_type}) AS "{f.name}"')
         else:
             casts.append(f'CAST(NULL AS {duck_type}) AS "{f.name}"')
     return f"SELECT {', '.join(casts)} FROM read_parquet({source}{options})"
+
+
+def _coords_select(described: set[str], duck_type: str) -> str:
+    """``ranks.coords`` as schema 2 has it, from schema 1's columns ``pp``, ``dp``, ``tp`` where
+    the files have those (a null column is an axis left out), from ``coords`` where they have that."""
+    legacy = [c for c in RANKS_V1_COORD_COLUMNS if c in described]
+    if not legacy:
+        return f'CAST({"coords" if "coords" in described else "NULL"} AS {duck_type})'
+    entries = ", ".join(f"{{'key': '{c}', 'value': CAST(\"{c}\" AS INTEGER)}}" for c in legacy)
+    folded = f"CAST(map_from_entries(list_filter([{entries}], lambda e: e.value IS NOT NULL)) AS {duck_type})"
+    return f"coalesce(CAST(coords AS {duck_type}), {folded})" if "coords" in described else folded
 
 
 def _create_table_view(run: Run, table: str, parts: _Parts, compacted: list[Path] | None = None) -> None:
@@ -428,6 +441,7 @@ _DUCK_TYPES = {
     "double": "DOUBLE",
     "bool": "BOOLEAN",
     "list<item: int32>": "INTEGER[]",
+    "map<string, int32>": "MAP(VARCHAR, INTEGER)",
 }
 
 

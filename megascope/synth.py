@@ -471,7 +471,8 @@ def _static_tables(sim: _Sim, out: Path, pool: ThreadPoolExecutor, run_id: str) 
         c = mesh.coords(r)
         host = f"node{r // cfg.gpus_per_host:05d}"
         ranks_row = {"rank": r, "host": host, "local_rank": r % cfg.gpus_per_host, "pid": 10_000 + r,
-                     "device": f"cuda:{r % cfg.gpus_per_host}", "device_name": SYNTH_DEVICE, **c, "started_at_ns": EPOCH_NS}
+                     "device": f"cuda:{r % cfg.gpus_per_host}", "device_name": SYNTH_DEVICE, "coords": c,
+                     "started_at_ns": EPOCH_NS}
         futures.append(pool.submit(layout.write_part, out, "ranks", pa.Table.from_pylist([ranks_row], schema=RANKS), rank=r,
                                    run_id=run_id))
         groups = [{"rank": r, "group": g.id, "kind": g.kind, "group_rank": g.index_of(r), "members": list(g.members)}

@@ -3,24 +3,55 @@
 Role in the data flow: the writers (trainer, synth, importers) build a :class:`Mesh` once and store
 its answers in the ``ranks`` and ``groups`` tables; analyses join on those tables and never redo
 rank arithmetic. Axis sizes are free; the axis order says how ranks are laid out, the last axis
-varying fastest (torch's ``init_device_mesh`` and Megatron's default both put TP innermost).
+varying fastest (torch's ``init_device_mesh`` and Megatron's default both put TP innermost). The
+order of known axes is ``schema.AXIS_ORDER``; :func:`format_coords` is how a rank's place is shown,
+everywhere (reports, the dashboard, exports).
 
 Example::
 
     mesh = Mesh.from_sizes(tp=2, pp=2, dp=2)          # axes ("pp", "dp", "tp")
     mesh.coords(5)                                     # {"pp": 1, "dp": 0, "tp": 1}
     mesh.group_of(5, "tp")                             # Group(id="tp:2", kind="tp", members=(4, 5))
+    format_coords(mesh.coords(5))                      # "pp1 dp0 tp1"
+    Mesh.for_world(16, tp=2, pp=2, cp=2).axes          # ("pp", "dp", "cp", "tp")
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from math import prod
+from typing import Any
 
 from megascope.errors import ConfigError
-from megascope.schema import MESH_AXES, GroupKind
+from megascope.schema import AXIS_ORDER, MESH_AXES, GroupKind, ordered_axes
+
+
+def coords_of(value: Any, axes: Iterable[str] = ()) -> dict[str, int]:
+    """A rank's coordinates as a dict in axis order, from what a reader holds: a ``coords`` value
+    of the ranks table as DuckDB (a dict), pandas (a dict or NA) or pyarrow (a list of pairs) gives
+    it, or None. ``axes`` (a run's ``mesh_axes``) gives the order; axes it does not name follow in
+    :data:`~megascope.schema.AXIS_ORDER`. Entries without a value are left out."""
+    if value is None or isinstance(value, float) or type(value).__name__ == "NAType":  # None, NaN, pandas' NA
+        return {}
+    pairs = value.items() if isinstance(value, Mapping) else value
+    place: dict[str, int] = {}
+    for axis, index in pairs:
+        if index is not None and index == index:  # NaN is not equal to itself
+            place[str(axis)] = int(index)
+    order = [a for a in dict.fromkeys(axes) if a in place]
+    order += [a for a in ordered_axes(place) if a not in order]
+    return {a: place[a] for a in order}
+
+
+def format_coords(coords: Any, axes: Iterable[str] = ()) -> str:
+    """``"pp1 dp0 cp1 tp3"``: how a rank's place in the mesh is shown, the one way.
+
+    ``coords`` and ``axes`` as :func:`coords_of` takes them. Unknown coordinates are left out; no
+    coordinates at all give ``""``.
+    """
+    return " ".join(f"{a}{i}" for a, i in coords_of(coords, axes).items())
 
 
 @dataclass(frozen=True)
@@ -52,29 +83,40 @@ class Mesh:
                 raise ConfigError(f"mesh axis {axis} must have size >= 1, got {size}")
 
     @classmethod
-    def from_sizes(cls, order: tuple[str, ...] = MESH_AXES, **sizes: int) -> Mesh:
-        """Mesh over ``order`` (default pp, dp, tp); axes not given have size 1."""
+    def from_sizes(cls, order: tuple[str, ...] | None = None, **sizes: int) -> Mesh:
+        """Mesh over ``order``; axes of it not given have size 1. Without ``order``: pp, dp, tp and
+        the known axes given (say cp, ep), in :data:`~megascope.schema.AXIS_ORDER`."""
+        if order is None:
+            unknown = set(sizes) - set(AXIS_ORDER)
+            if unknown:
+                raise ConfigError(f"unknown mesh axes {sorted(unknown)}; known: {', '.join(AXIS_ORDER)}")
+            order = ordered_axes((*MESH_AXES, *sizes))
         unknown = set(sizes) - set(order)
         if unknown:
             raise ConfigError(f"unknown mesh axes {sorted(unknown)}; known: {', '.join(order)}")
         return cls(tuple(order), tuple(int(sizes.get(a, 1)) for a in order))
 
     @classmethod
-    def from_mapping(cls, sizes: Mapping[str, int], order: tuple[str, ...] = MESH_AXES) -> Mesh:
+    def from_mapping(cls, sizes: Mapping[str, int], order: tuple[str, ...] | None = None) -> Mesh:
         return cls.from_sizes(order=order, **dict(sizes))
 
     @classmethod
-    def for_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, dp: int | None = None) -> Mesh:
-        """The mesh of a job of ``world_size`` ranks; ``dp`` defaults to what is left."""
-        if tp < 1 or pp < 1:
-            raise ConfigError(f"tp and pp must be >= 1, got tp={tp} pp={pp}")
+    def for_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, dp: int | None = None, cp: int = 1,
+                  ep: int = 1) -> Mesh:
+        """The mesh of a job of ``world_size`` ranks; ``dp`` defaults to what is left. cp and ep
+        are axes of the mesh only where their size is above 1."""
+        if min(tp, pp, cp, ep) < 1:
+            raise ConfigError(f"tp, pp, cp and ep must be >= 1, got tp={tp} pp={pp} cp={cp} ep={ep}")
+        extra = {a: n for a, n in (("cp", cp), ("ep", ep)) if n > 1}
+        inner = tp * pp * prod(extra.values())
+        named = "*".join(["tp", "pp", *extra])
         if dp is None:
-            if world_size % (tp * pp):
-                raise ConfigError(f"world size {world_size} is not divisible by tp*pp = {tp * pp}")
-            dp = world_size // (tp * pp)
-        if tp * pp * dp != world_size:
-            raise ConfigError(f"tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp} does not match world size {world_size}")
-        return cls.from_sizes(tp=tp, pp=pp, dp=dp)
+            if world_size % inner:
+                raise ConfigError(f"world size {world_size} is not divisible by {named} = {inner}")
+            dp = world_size // inner
+        if inner * dp != world_size:
+            raise ConfigError(f"{named}*dp = {inner}*{dp} = {inner * dp} does not match world size {world_size}")
+        return cls.from_mapping({"tp": tp, "pp": pp, "dp": dp, **extra})
 
     @property
     def world_size(self) -> int:
@@ -133,5 +175,5 @@ class Mesh:
         return out
 
     def describe(self, rank: int) -> str:
-        """``"pp=1 dp=0 tp=1"``: how a person names a rank's place in the mesh."""
-        return " ".join(f"{a}={v}" for a, v in self.coords(rank).items())
+        """``"pp1 dp0 tp1"``: how a person names a rank's place in the mesh (:func:`format_coords`)."""
+        return format_coords(self.coords(rank), self.axes)

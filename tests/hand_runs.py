@@ -26,7 +26,7 @@ def hand_run(path: Path, spans: list[dict[str, object]], markers: list[dict[str,
                                                mesh_sizes={"pp": 1, "dp": world, "tp": 1}))
     for r in range(world):
         layout.write_part(path, "ranks", pa.Table.from_pylist(
-            [{"rank": r, "host": hosts[r], "pp": 0, "dp": r, "tp": 0, "device": devices[r] if devices else None}],
+            [{"rank": r, "host": hosts[r], "coords": {"pp": 0, "dp": r, "tp": 0}, "device": devices[r] if devices else None}],
             schema=schema.RANKS), rank=r)
         layout.write_part(path, "groups", pa.Table.from_pylist(
             [{"rank": r, "group": "dp:0", "kind": "dp", "group_rank": r, "members": list(range(world))}],

@@ -46,7 +46,7 @@ def test_compute_straggler_is_named_with_place_and_cause(runs: dict[str, Path]) 
     found = analysis.stragglers(run.con)
     assert list(found["rank"]) == [13]
     row = found.iloc[0]
-    expected = run.con.execute("SELECT host, pp, dp, tp FROM ranks WHERE rank = 13").fetchone()
+    expected = run.con.execute("SELECT host, coords['pp'], coords['dp'], coords['tp'] FROM ranks WHERE rank = 13").fetchone()
     assert (row["host"], row["pp"], row["dp"], row["tp"]) == expected
     assert row["cause"] == "compute" and row["phase"] in ("forward", "backward")
     # Own time is mostly compute, so the slowdown is close to the planted factor.
@@ -71,7 +71,7 @@ def test_hang_root_and_states(runs: dict[str, Path]) -> None:
     result = analysis.localize(run)
     assert result["hung"] is True
     top = result["suspects"][0]
-    expected = run.con.execute("SELECT host, pp, dp, tp FROM ranks WHERE rank = 22").fetchone()
+    expected = run.con.execute("SELECT host, coords['pp'], coords['dp'], coords['tp'] FROM ranks WHERE rank = 22").fetchone()
     assert top["rank"] == 22
     assert (top["host"], top["coords"]["pp"], top["coords"]["dp"], top["coords"]["tp"]) == expected
     assert top["missing_seq"] == top["last_completed_seq"] + 1
@@ -258,7 +258,7 @@ def test_pipeline_neighbour_of_a_straggler_is_not_named(tmp_path: Path) -> None:
                                                mesh_sizes={"pp": 2, "dp": 1, "tp": 2}))
     for r in range(4):
         layout.write_part(path, "ranks", pa.Table.from_pylist(
-            [{"rank": r, "host": f"h{r}", "pp": r // 2, "dp": 0, "tp": r % 2}], schema=schema.RANKS), rank=r)
+            [{"rank": r, "host": f"h{r}", "coords": {"pp": r // 2, "dp": 0, "tp": r % 2}}], schema=schema.RANKS), rank=r)
         layout.write_part(path, "groups", pa.Table.from_pylist(
             [{"rank": r, "group": f"tp:{r // 2}", "kind": "tp", "group_rank": r % 2, "members": [r // 2 * 2, r // 2 * 2 + 1]}],
             schema=schema.GROUPS), rank=r)

@@ -115,7 +115,7 @@ def test_spans_steps_and_metrics_land_in_the_run(tmp_path: Path) -> None:
     stamps = r.con.sql("SELECT step, value FROM metrics WHERE name = 'collector_stamps' ORDER BY step").fetchall()
     per_step = [2 * sum(1 for s in spans if s["step"] == step) for step in range(3)]
     assert stamps == [(step, float(n)) for step, n in enumerate(per_step)] and per_step[0] > 2
-    ranks = r.con.sql("SELECT rank, pp, dp, tp, device, pid FROM ranks").fetchall()
+    ranks = r.con.sql("SELECT rank, coords['pp'], coords['dp'], coords['tp'], device, pid FROM ranks").fetchall()
     assert ranks[0][:5] == (0, 0, 0, 0, "cpu") and ranks[0][5] > 0
     assert r.meta.run_id == "t" and r.problems == []
 

@@ -98,7 +98,7 @@ def test_every_rank_writes_and_members_agree_on_sequence_numbers(tmp_path: Path)
     r = open_run(run)
     assert r.problems == []
     con = r.con
-    ranks = con.sql("SELECT rank, pp, dp, tp FROM ranks ORDER BY rank").fetchall()
+    ranks = con.sql("SELECT rank, coords['pp'], coords['dp'], coords['tp'] FROM ranks ORDER BY rank").fetchall()
     mesh = Mesh.for_world(world, tp=2)
     assert ranks == [(i, *(mesh.coords(i)[a] for a in ("pp", "dp", "tp"))) for i in range(world)]
 

@@ -23,7 +23,7 @@ from safety import assert_one_line_error, megascope
 from megascope import compact as compaction
 from megascope import layout
 from megascope.compact import compact
-from megascope.schema import SPANS
+from megascope.schema import RANKS, SPANS
 from megascope.store import open_run
 
 # Per table: rows and a sum over a column every row has, so a row lost or read twice shows.
@@ -446,7 +446,7 @@ def test_a_ranks_file_rewritten_after_compaction_replaces_its_merged_rows(run: P
     r = open_run(run)
     row = r.con.execute("SELECT * FROM ranks WHERE rank = 3").df()
     row["host"] = "moved-host"
-    layout.write_part(run, "ranks", pa.Table.from_pandas(row, preserve_index=False), rank=3, run_id=run_id)
+    layout.write_part(run, "ranks", pa.Table.from_pandas(row, schema=RANKS, preserve_index=False), rank=3, run_id=run_id)
 
     def hosts() -> tuple[int, list[str]]:
         con = open_run(run).con

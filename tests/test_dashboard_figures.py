@@ -32,7 +32,7 @@ def test_topology_colours_each_rank_by_its_state() -> None:
     # the stage gap column stays empty, and every rank's hover names its coordinates
     assert np.isnan(z).sum() == z.shape[0]
     assert custom[int(np.where(z == STATES.index("hung"))[0][0]), int(np.where(z == STATES.index("hung"))[1][0])][2] \
-        == "pp=1 dp=1 tp=0"
+        == "pp1 dp1 tp0"
     ringed = [t for t in fig.data if t.name == "suspect"]
     assert len(ringed) == 1 and list(ringed[0].text) == ["rank 6"]
 

@@ -90,7 +90,9 @@ def test_a_device_mesh_gives_coordinates_and_groups_from_its_rank_tensor() -> No
     assert groups["tp"][1].members == (1, 4) and groups["tp"][1].id == "tp:1" and groups["tp"][0] == "pg-tp"
     assert groups["dp"][1].members == (3, 4, 5) and groups["dp"][1].id == "dp:1"
     odd = device_mesh_layout(_FakeMesh(torch.arange(4).reshape(2, 2), ("dp_shard", "cp")), rank=2)
-    assert {g.kind for _, g in odd.groups} == {"other"}
+    # cp (and ep) are kinds of their own; a name megascope does not know is "other"
+    assert {g.id: g.kind for _, g in odd.groups} == {"dp_shard:0": "other", "cp:1": "cp"}
+    assert odd.coords == {"dp_shard": 1, "cp": 0}
     with pytest.raises(ConfigError, match="no dimension names"):
         device_mesh_layout(_FakeMesh(ranks, None), rank=0)
     with pytest.raises(ConfigError, match="rank 9 is not in the DeviceMesh"):

@@ -137,11 +137,12 @@ def test_every_span_is_one_slice_on_its_rank_and_stream(run_dir: Path) -> None:
         got[(trace.rank_of(sl["track"]), sl["name"], stream, sl["ts"], sl["dur"])] += 1
     assert got == expected
     # processes are named with host and mesh coordinates from the ranks table
-    ranks = {r["rank"]: r for r in open_run(run_dir).con.sql("SELECT * FROM ranks").to_arrow_table().to_pylist()}
+    ranks = {r["rank"]: r for r in open_run(run_dir).con.sql("SELECT * FROM ranks").fetchdf().to_dict("records")}
     proc = {d.process.pid - 1: d.process.process_name for d in trace.tracks.values() if d.HasField("process")}
     assert set(proc) == set(ranks)
     r = ranks[9]
-    assert proc[9].startswith(f"rank 9 · {r['host']} · pp={r['pp']} dp={r['dp']} tp={r['tp']}")
+    c = r["coords"]
+    assert proc[9].startswith(f"rank 9 · {r['host']} · pp{c['pp']} dp{c['dp']} tp{c['tp']}")
     assert "straggler" not in proc[9]
 
 

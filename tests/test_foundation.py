@@ -38,7 +38,7 @@ def make_run(tmp_path: Path, world: int = 4, tp: int = 2) -> Path:
     for r in range(world):
         layout.write_part(run, "spans", _spans(r), rank=r)
         c = mesh.coords(r)
-        layout.write_part(run, "ranks", pa.Table.from_pylist([{"rank": r, "host": f"h{r // 2}", **c}], schema=schema.RANKS), rank=r)
+        layout.write_part(run, "ranks", pa.Table.from_pylist([{"rank": r, "host": f"h{r // 2}", "coords": c}], schema=schema.RANKS), rank=r)
     return run
 
 
@@ -59,7 +59,7 @@ def test_open_run_views(tmp_path: Path) -> None:
     run = open_run(make_run(tmp_path))
     assert run.con.execute("SELECT count(*) FROM spans").fetchone() == (12,)
     assert run.con.execute("SELECT typeof(rank) FROM spans LIMIT 1").fetchone() == ("INTEGER",)
-    assert run.con.execute("SELECT tp FROM ranks WHERE rank = 3").fetchone() == (1,)
+    assert run.con.execute("SELECT coords['tp'] FROM ranks WHERE rank = 3").fetchone() == (1,)
     assert run.con.execute("SELECT count(*) FROM markers").fetchone() == (0,)
     assert run.problems == []
     assert run.mesh.size == {"pp": 1, "dp": 2, "tp": 2}

@@ -95,7 +95,7 @@ def test_alone_writes_a_run_with_diagnostics_ranks_and_heartbeats(tmp_path: Path
     assert run.problems == [] and run.meta.source == "diagnose"
     got = run.con.execute("SELECT test, ok, outlier, host FROM diagnostics ORDER BY test").fetchall()
     assert got == [("gemm", True, False, socket.gethostname()), ("membw", True, False, socket.gethostname())]
-    assert run.con.execute("SELECT rank, pp, dp, tp, device FROM ranks").fetchall() == [(0, 0, 0, 0, "cpu")]
+    assert run.con.execute("SELECT rank, coords['pp'], coords['dp'], coords['tp'], device FROM ranks").fetchall() == [(0, 0, 0, 0, "cpu")]
     assert run.con.execute("SELECT count(*) FROM heartbeats WHERE metric = 'heartbeat'").fetchone()[0] >= 1
     # Into an existing run: only a diagnostics part is added.
     before = run.meta

@@ -26,8 +26,8 @@ def _run_dir(tmp_path: Path, world: int = 4, ranks_per_host: int = 2) -> Path:
     layout.write_run_meta(run, RunMeta(run_id="t", source=RunSource.COLLECTOR, world_size=world))
     for r in range(world):
         row = {"rank": r, "host": f"node{r // ranks_per_host}", "local_rank": r % ranks_per_host, "pid": 100 + r,
-               "device": f"cuda:{r % ranks_per_host}", "device_name": "GPU", "pp": 0, "dp": r, "tp": 0,
-               "start_ns": T0}
+               "device": f"cuda:{r % ranks_per_host}", "device_name": "GPU", "coords": {"pp": 0, "dp": r, "tp": 0},
+               "started_at_ns": T0}
         layout.write_part(run, "ranks", pa.Table.from_pylist([row], schema=RANKS), rank=r)
     return run
 

@@ -82,7 +82,7 @@ def test_mesh_option_maps_unnamed_groups(tmp_path: Path) -> None:
     con = run.con
     assert con.execute("SELECT rank, \"group\" FROM markers WHERE state = 'enqueued' ORDER BY rank").fetchall() == [
         (0, "tp:0"), (1, "tp:0"), (2, "tp:1"), (3, "tp:1")]
-    assert con.execute("SELECT rank, tp, dp FROM ranks ORDER BY rank").fetchall() == [
+    assert con.execute("SELECT rank, coords['tp'], coords['dp'] FROM ranks ORDER BY rank").fetchall() == [
         (0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
     # the dp groups come from the mesh even though no dump named them
     assert ("dp:0", [0, 2]) in con.execute("SELECT DISTINCT \"group\", members FROM groups").fetchall()

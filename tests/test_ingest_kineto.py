@@ -159,7 +159,7 @@ def test_gpu_trace_maps_onto_the_schema(tmp_path: Path) -> None:
     assert [r[1] for r in last] == [1, 1, 1]
     groups = con.execute("SELECT rank, \"group\", kind, members FROM groups ORDER BY rank").fetchall()
     assert groups == [(r, "world", "world", [0, 1, 2]) for r in range(world)]
-    ranks = con.execute("SELECT rank, device, device_name, dp FROM ranks ORDER BY rank").fetchall()
+    ranks = con.execute("SELECT rank, device, device_name, coords['dp'] FROM ranks ORDER BY rank").fetchall()
     assert ranks == [(r, "cuda:0", "Test GPU", r) for r in range(world)]
     assert run.meta.source == "kineto" and run.meta.mesh_sizes == {"pp": 1, "dp": 3, "tp": 1}
 
@@ -370,7 +370,7 @@ def test_generated_3d_job_maps_megatron_groups(tmp_path: Path) -> None:
     run = open_run(tmp_path / "run")
     con = run.con
     assert run.meta.mesh_sizes == {"pp": 2, "dp": 2, "tp": 2}
-    coords = con.execute("SELECT rank, tp, dp, pp FROM ranks ORDER BY rank").fetchall()
+    coords = con.execute("SELECT rank, coords['tp'], coords['dp'], coords['pp'] FROM ranks ORDER BY rank").fetchall()
     assert coords == [(r, r % 2, (r // 2) % 2, r // 4) for r in range(8)]
     groups = {g for (g,) in con.execute("SELECT DISTINCT \"group\" FROM spans WHERE \"group\" IS NOT NULL").fetchall()}
     assert {"tp:0", "dp:0", "pp:0"} <= groups
@@ -382,7 +382,7 @@ def test_generated_3d_job_maps_megatron_groups(tmp_path: Path) -> None:
     assert unmatched == (0,) and con.execute("SELECT count(*) FROM spans WHERE kind = 'send'").fetchone()[0] > 0
     # the straggler's compute is the longest among its pipeline stage
     stage = truth["straggler_coords_tp_dp_pp"][2]
-    top = con.execute(f"""SELECT s.rank FROM spans s JOIN ranks USING (rank) WHERE ranks.pp = {stage}
+    top = con.execute(f"""SELECT s.rank FROM spans s JOIN ranks USING (rank) WHERE ranks.coords['pp'] = {stage}
                       AND s.kind IN ('forward', 'backward') GROUP BY s.rank ORDER BY sum(s.dur_ns) DESC LIMIT 1""").fetchone()
     assert top == (truth["straggler_rank"],)
 

@@ -134,12 +134,13 @@ def _named_from_scores(evidence: dict[int, tuple[float, float, float, float, flo
     con = duckdb.connect()
     con.execute("ATTACH ':memory:' AS ms_cache")
     scores = pd.DataFrame(rows)
-    places = pd.DataFrame({"rank": range(RANKS), "host": "h0", "stage": 0, "pp": 0,
+    places = pd.DataFrame({"rank": range(RANKS), "host": "h0", "pp": 0,
                            "dp": [r // tp for r in range(RANKS)], "tp": [r % tp for r in range(RANKS)]})
     con.register("scores", scores)
     con.register("places", places)
     con.execute("CREATE TABLE ms_cache.rank_scores AS SELECT * FROM scores")
-    con.execute("CREATE TABLE ms_cache.rank_info AS SELECT * FROM places")
+    con.execute("CREATE VIEW ranks AS SELECT rank, host, MAP {'pp': pp, 'dp': dp, 'tp': tp} AS coords FROM places")
+    _sql.execute(con, "base", "rank_info")
     cfg = StragglerConfig()
     c = _sql.query_df(con, "stragglers", "candidates", min_frac=cfg.min_frac, min_steps=cfg.min_steps,
                       min_slowdown=cfg.min_slowdown, z_comb=cfg.z_comb, rel_floor=cfg.rel_floor, shadow=cfg.shadow,

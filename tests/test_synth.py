@@ -38,7 +38,7 @@ def test_healthy_run_is_consistent(tmp_path: Path) -> None:
     assert run.meta.world_size == 16 and run.meta.mesh_sizes == {"pp": 2, "dp": 4, "tp": 2}
     # ranks and groups agree with the topology module
     mesh = Mesh.for_world(16, tp=2, pp=2)
-    for rank, pp, dp, tp in con.execute("SELECT rank, pp, dp, tp FROM ranks").fetchall():
+    for rank, pp, dp, tp in con.execute("SELECT rank, coords['pp'], coords['dp'], coords['tp'] FROM ranks").fetchall():
         assert mesh.coords(rank) == {"pp": pp, "dp": dp, "tp": tp}
     for rank, group, members in con.execute("SELECT rank, \"group\", members FROM groups").fetchall():
         axis = group.split(":")[0]

@@ -115,7 +115,7 @@ def test_straggler_does_real_extra_compute(tmp_path: Path) -> None:
                )
     run = open_run(train(cfg, nproc=8).out)
     own = {r: _self_compute(run.con, r) for r in range(8)}
-    stage = run.con.execute(f"SELECT rank FROM ranks WHERE pp = (SELECT pp FROM ranks WHERE rank = {rank}) "
+    stage = run.con.execute(f"SELECT rank FROM ranks WHERE coords['pp'] = (SELECT coords['pp'] FROM ranks WHERE rank = {rank}) "
                         f"AND rank <> {rank}").fetchall()
     peers = sorted(own[r] for (r,) in stage)
     assert own[rank] > 2.0 * peers[len(peers) // 2], own

@@ -18,6 +18,7 @@ from megascope.dashboard.runs import RunRegistry, ServedRun
 from megascope.dashboard.shell import age_text, served_from
 
 from megascope.figures.overview import step_series_figure
+from megascope.topology import format_coords
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +34,8 @@ def layout(served: ServedRun, query: dict[str, str]) -> html.Div:
 
 
 def coords_text(coords: Any) -> str:
-    if isinstance(coords, dict):
-        return " ".join(f"{k}={v}" for k, v in coords.items())
-    return str(coords) if coords is not None else ""
+    """A rank's coordinates as every page shows them (:func:`megascope.topology.format_coords`)."""
+    return format_coords(coords)
 
 
 def alerts(served: ServedRun) -> list[Any]:
@@ -59,8 +59,7 @@ def alerts(served: ServedRun) -> list[Any]:
                             className="alert alert-hang"))
     frame = data.stragglers(served)
     for row in frame.head(5).to_dict("records"):
-        coords = {a: row[a] for a in ("pp", "dp", "tp") if a in row and row[a] == row[a]}
-        text = (f"Straggler: rank {row['rank']} ({row.get('host', '?')}, {coords_text(coords)}) "
+        text = (f"Straggler: rank {row['rank']} ({row.get('host', '?')}, {coords_text(row.get('coords'))}) "
                 f"{row.get('phase', '')} x{float(row.get('slowdown', float('nan'))):.2f}, "
                 f"cause {row.get('cause', '?')}, slow in {100 * float(row.get('steps_slow_frac', 0)):.0f}% of steps")
         out.append(html.Div([text, " ", dcc.Link("details", href=routes.href(served.id, "stragglers"))],

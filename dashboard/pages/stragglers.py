@@ -15,7 +15,9 @@ from megascope.dashboard.components import card, contained, notice, table
 from megascope.dashboard.runs import RunRegistry, ServedRun
 from megascope.dashboard.shell import served_from
 
-COLUMNS = ("rank", "host", "pp", "dp", "tp", "cause", "phase", "slowdown", "steps_slow_frac", "last_arrival_frac",
+from megascope.topology import format_coords
+
+COLUMNS = ("rank", "host", "coords", "cause", "phase", "slowdown", "steps_slow_frac", "last_arrival_frac",
            "late_at")
 NAMES = {"steps_slow_frac": "steps slow", "slowdown": "own time vs peers",
          "last_arrival_frac": "collectives it arrives last at", "late_at": "last at (group)",
@@ -25,6 +27,8 @@ NAMES = {"steps_slow_frac": "steps slow", "slowdown": "own time vs peers",
 def shown_frame(frame: Any) -> Any:
     """The straggler frame as a person reads it: shares in %, slowdowns as "x1.15"."""
     out = frame.copy()
+    if "coords" in out:
+        out["coords"] = [format_coords(c) for c in out["coords"]]
     for column in ("steps_slow_frac", "last_arrival_frac"):
         if column in out:
             out[column] = [f"{100 * float(v):.0f}%" if v == v and v is not None else "" for v in out[column]]

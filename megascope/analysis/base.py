@@ -209,7 +209,7 @@ def _steps(con: duckdb.DuckDBPyConnection) -> list[int]:
 
 
 # The base tables, as kept beside the run (megascope.analysis.persist).
-BASE_TABLES = ["rank_info", "clock_offsets", "rank_clock", "inst", "rank_step"]
+BASE_TABLES = ["rank_info", "group_kind", "clock_offsets", "rank_clock", "inst", "rank_step"]
 
 
 def has_step_spans(con: duckdb.DuckDBPyConnection) -> bool:
@@ -360,9 +360,10 @@ def _rank_step(con: duckdb.DuckDBPyConnection, params: dict[str, Any], *, where:
 
 
 def _ranks_and_clock(con: duckdb.DuckDBPyConnection, say: Callable[[str], None]) -> list[int]:
-    """The ranks table and each rank's clock offset; returns the run's steps."""
+    """The ranks and groups tables and each rank's clock offset; returns the run's steps."""
     say("reading ranks")
     _sql.execute(con, "base", "rank_info")
+    _sql.execute(con, "base", "group_kind")
     steps = _steps(con)
     say("estimating clock offsets")
     _estimate_offsets(con, steps)

@@ -29,8 +29,8 @@ import pandas as pd
 
 from megascope.analysis import _sql
 from megascope.analysis.base import prepare
-from megascope.schema import MESH_AXES
 from megascope.store import Run
+from megascope.topology import coords_of
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def _suspect(rank: int, grp: str, state: Record | None, place: Record | None, ax
     return {
         "rank": rank,
         "host": str(place["host"]) if place is not None else "unknown",
-        "coords": {a: int(place[a]) for a in axes if a in MESH_AXES and place is not None and not pd.isna(place.get(a))},
+        "coords": coords_of(place.get("coords"), axes) if place is not None else {},
         "group": grp,
         "last_completed_seq": _int_or_none(state["last_done"]) if state else None,
         "missing_seq": _int_or_none(state["missing_seq"]) if state and kind != "waiting" else None,
@@ -386,7 +386,7 @@ def rank_states(run: Run, *, stragglers_frame: pd.DataFrame | None = None,
 
     con = run.cursor()
     prepare(con)
-    info = con.execute("SELECT rank, host, pp, dp, tp FROM ms_cache.rank_info ORDER BY rank").df()
+    info = con.execute("SELECT rank, host, coords, pp, dp, tp FROM ms_cache.rank_info ORDER BY rank").df()
     hang = hang if hang is not None else localize(run)
     slow = stragglers_frame if stragglers_frame is not None else stragglers(con)
     state = pd.Series("healthy", index=info.index, dtype="object")

@@ -5,7 +5,7 @@ Role in the data flow: :func:`megascope.analysis.base.prepare` asks :func:`load`
 the base tables and :func:`save` after; everything else reads ``ms_cache`` as before. Layout::
 
     RUN/_cache/key.json                  what the tables were built from, each file's size and sha256
-    RUN/_cache/<table>-<key>.parquet     rank_info, clock_offsets, rank_clock, inst, rank_step
+    RUN/_cache/<table>-<key>.parquet     rank_info, group_kind, clock_offsets, rank_clock, inst, rank_step
 
 The key is a digest of what the base tables are built from, as the store reads it: every file the
 views ``spans``, ``metrics``, ``ranks`` and ``groups`` name or glob (path relative to the run,

@@ -33,8 +33,9 @@ from megascope.analysis.skew import skew_by_collective, skew_drift
 from megascope.analysis.stragglers import StragglerConfig, stragglers
 from megascope.analysis.timeline import mfu, mfu_drift
 from megascope.analysis.whatif import whatif
-from megascope.schema import COLLECTOR_STAMPS_METRIC, MESH_AXES
+from megascope.schema import COLLECTOR_STAMPS_METRIC
 from megascope.store import Run
+from megascope.topology import coords_of
 
 
 def clock_offsets(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
@@ -105,15 +106,11 @@ def gc_pauses(con: duckdb.DuckDBPyConnection, *, top: int = 8) -> dict[str, Any]
     }
 
 
-def _coords(row: Any, axes: tuple[str, ...]) -> dict[str, int]:
-    return {a: int(row[a]) for a in axes if a in MESH_AXES and pd.notna(row.get(a))}
-
-
 def _straggler_list(frame: pd.DataFrame, axes: tuple[str, ...]) -> list[dict[str, Any]]:
     out = []
     for _, row in frame.iterrows():
         out.append({
-            "rank": int(row["rank"]), "host": row["host"], "coords": _coords(row, axes),
+            "rank": int(row["rank"]), "host": row["host"], "coords": coords_of(row.get("coords"), axes),
             "phase": row["phase"], "slowdown": float(row["slowdown"]), "steps_slow_frac": float(row["steps_slow_frac"]),
             "cause": row["cause"], "excess_ns": row["excess_ns"], "last_arrival_frac": row["last_arrival_frac"],
             "late_at": row["late_at"], "steps": int(row["steps"]),

@@ -22,15 +22,17 @@ import pandas as pd
 from megascope.analysis import _sql
 from megascope.analysis.base import prepare
 from megascope.errors import ConfigError
+from megascope.schema import GroupKind
 
-GROUP_KINDS = ("tp", "dp", "pp", "world", "other")
+GROUP_KINDS = tuple(str(k) for k in GroupKind)
 MIN_DRIFT_STEPS = 8
 MIN_R2 = 0.5
 
 
 def skew(con: duckdb.DuckDBPyConnection, *, group_kind: str | None = None, limit: int | None = None) -> pd.DataFrame:
     """Per collective instance: group, seq, step, name, op, group_kind, n, spread_ns (arrival
-    spread), last_late_ns (last minus median arrival), xfer_ns, last_rank and its host/pp/dp/tp.
+    spread), last_late_ns (last minus median arrival), xfer_ns, last_rank and its host and coordinates
+    (last_coords, every axis; last_pp, last_dp, last_tp).
 
     At 12k ranks there are millions of instances: filter by ``group_kind`` or ``limit`` them.
     """

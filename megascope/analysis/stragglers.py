@@ -34,7 +34,7 @@ from megascope.analysis.base import has_step_spans, prepare
 from megascope.errors import ConfigError
 
 COLUMNS = [
-    "rank", "host", "pp", "dp", "tp", "phase", "cause", "slowdown", "steps_slow_frac", "steps",
+    "rank", "host", "coords", "pp", "dp", "tp", "phase", "cause", "slowdown", "steps_slow_frac", "steps",
     "excess_ns", "base_own_ns", "last_arrival_frac", "late_at", "impact",
     "z", "p_value", "confidence", "t_own", "t_blame", "last_z", "spans_share", "t_spans",
 ]
@@ -150,7 +150,7 @@ def p_value(z: float, ranks: int) -> float:
 def stragglers(con: duckdb.DuckDBPyConnection, config: StragglerConfig | None = None) -> pd.DataFrame:
     """One row per straggler, strongest evidence first; empty when healthy.
 
-    Columns: rank, host, pp, dp, tp, phase, cause (compute | communication | data | host),
+    Columns: rank, host, coords (axis -> index, every axis of the mesh), pp, dp, tp, phase, cause (compute | communication | data | host),
     slowdown (own time / peer baseline; transfer time for communication), steps_slow_frac,
     steps, excess_ns (median extra own time per step it was slower), base_own_ns,
     last_arrival_frac (share of its collectives where it arrived last), late_at (group kind it is

@@ -41,7 +41,9 @@ def _ms(ns: Any) -> str:
 
 
 def _coords(coords: dict[str, int]) -> str:
-    return " ".join(f"{k}={v}" for k, v in coords.items()) or "-"
+    from megascope.topology import format_coords
+
+    return format_coords(coords) or "-"
 
 
 def _print_report(r: dict[str, Any]) -> None:

@@ -41,6 +41,7 @@ from megascope.export.source import DEFAULT_CHUNK_ROWS, SpanChunk, iter_span_chu
 from megascope.export.tracks import assign_lanes, stream_code, stream_sort_key, track_base
 from megascope.schema import SpanKind
 from megascope.store import Run
+from megascope.topology import format_coords
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class _ChromeWriter:
         stragglers = set(self.resolved.stragglers)
         for rank in ranks:
             host, coords = info.get(rank, ("unknown host", {}))
-            placed = " ".join(f"{a}={v}" for a, v in coords.items() if v is not None)
+            placed = format_coords(coords)
             name = f"rank {rank} · {host}" + (f" · {placed}" if placed else "")
             name += " · straggler" if rank in stragglers else ""
             events.append({"ph": "M", "pid": rank + 1, "tid": 0, "name": "process_name", "args": {"name": name}})

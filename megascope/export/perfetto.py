@@ -67,6 +67,7 @@ from megascope.export.tracks import (
 )
 from megascope.schema import SpanKind
 from megascope.store import Run
+from megascope.topology import format_coords
 
 log = logging.getLogger(__name__)
 
@@ -279,12 +280,12 @@ class _PerfettoWriter:
         for rank in ordered:
             rank = int(rank)
             host, coords = hosts.get(rank, ("unknown host", {}))
-            placed = " ".join(f"{a}={v}" for a, v in coords.items() if v is not None)
+            placed = format_coords(coords)
             name = f"rank {rank} · {host}" + (f" · {placed}" if placed else "")
             if rank in stragglers:
                 name += " · straggler"
             offset = int(self.resolved.rank_offsets_ns[rank]) if rank < len(self.resolved.rank_offsets_ns) else 0
-            labels = [f"host={host}", *(f"{a}={v}" for a, v in coords.items() if v is not None),
+            labels = [f"host={host}", *(f"{a}={v}" for a, v in coords.items()),
                       f"clock_offset_ns={offset}"] + (["straggler"] if rank in stragglers else [])
             self.out.write(lay.track_descriptor(process_uuid(rank), process=lay.process_descriptor(rank + 1, name, labels),
                                                 child_ordering=_EXPLICIT))

@@ -31,6 +31,7 @@ import pandas as pd
 from megascope.analysis.base import estimate_clock_offsets
 from megascope.errors import ConfigError, ExportError
 from megascope.store import Run
+from megascope.topology import coords_of
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class Resolved:
     shift_ns: int = 0  # added to every time (already inside rank_offsets_ns) so none is negative
     stragglers: list[int] = field(default_factory=list)
     selection: Selection = field(default_factory=Selection)
-    rank_info: dict[int, tuple[str, dict[str, int | None]]] = field(default_factory=dict)  # rank -> (host, coords)
+    rank_info: dict[int, tuple[str, dict[str, int]]] = field(default_factory=dict)  # rank -> (host, coords in axis order)
 
     @property
     def max_abs_offset_ns(self) -> int:
@@ -239,7 +240,7 @@ def resolve(run: Run, selection: Selection, *, clock: str = "estimated") -> Reso
     if clock not in CLOCKS:
         raise ConfigError(f"unknown clock {clock!r}: expected one of {', '.join(CLOCKS)}")
     cur = run.cursor()
-    rank_rows = cur.execute("SELECT rank, host, pp, dp, tp FROM ranks ORDER BY rank").fetchall()
+    rank_rows = cur.execute("SELECT rank, host, coords FROM ranks ORDER BY rank").fetchall()
     host_rows = [(r, h) for r, h, *_ in rank_rows]
     known = _ranks_with_spans(run) | {int(r) for r, _ in host_rows}
     if clock == "estimated":
@@ -282,5 +283,5 @@ def resolve(run: Run, selection: Selection, *, clock: str = "estimated") -> Reso
         shift_ns=shift,
         stragglers=stragglers,
         selection=selection,
-        rank_info={int(r): (h, {"pp": pp, "dp": dp, "tp": tp}) for r, h, pp, dp, tp in rank_rows},
+        rank_info={int(r): (h, coords_of(c, run.meta.mesh_axes)) for r, h, c in rank_rows},
     )

@@ -24,6 +24,9 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from megascope.schema import AXIS_ORDER
+from megascope.topology import format_coords
+
 # Colours at fixed ratios to the peer median, placed on a log axis: white within 2%, then pale
 # orange, orange at 1.15x, red at 1.5x, dark red at 3x and darker past it; blue below. A 1.15x
 # straggler and a 38x one never look alike, and noise of a few percent stays white.
@@ -75,13 +78,15 @@ def _label(lo: pd.Series, hi: pd.Series) -> pd.Series:
 
 def worst_ranks(cells: pd.DataFrame, limit: int = 10, *, min_norm: float = 1.05) -> pd.DataFrame:
     """The ranks of ``cells`` whose worst cell is at least ``min_norm`` x their peers, worst first:
-    rank, host, pp, dp, tp, worst (ratio), step (where), slow_steps (cells at ``min_norm`` or more).
+    rank, host, coords (where ``cells`` has them), pp, dp, tp, worst (ratio), step (where),
+    slow_steps (cells at ``min_norm`` or more).
     """
     if cells.empty:
         return pd.DataFrame(columns=["rank", "host", "pp", "dp", "tp", "worst", "step", "slow_steps"])
     frame = cells.dropna(subset=["norm"])
     idx = frame.groupby("rank")["norm"].idxmax()
-    top = frame.loc[idx, ["rank", "host", "pp", "dp", "tp", "norm", "step"]].rename(columns={"norm": "worst"})
+    place = [c for c in ("coords", "pp", "dp", "tp") if c in frame]
+    top = frame.loc[idx, ["rank", "host", *place, "norm", "step"]].rename(columns={"norm": "worst"})
     slow = frame[frame["norm"] >= min_norm].groupby("rank").size().rename("slow_steps")
     top = top.join(slow, on="rank").fillna({"slow_steps": 0})
     top = top[top["worst"] >= min_norm]
@@ -89,12 +94,21 @@ def worst_ranks(cells: pd.DataFrame, limit: int = 10, *, min_norm: float = 1.05)
     return top.sort_values(["slow_steps", "worst", "rank"], ascending=[False, False, True]).head(limit).reset_index(drop=True)
 
 
+def _places(cells: pd.DataFrame) -> list[str]:
+    """Each cell's rank's coordinates as text: from ``coords``, or the axis-named columns of a
+    frame without one."""
+    if "coords" in cells:
+        return [format_coords(c) for c in cells["coords"]]
+    axes = [a for a in AXIS_ORDER if a in cells]
+    return [format_coords(row) for row in cells[axes].to_dict("records")]
+
+
 def heatmap_figure(cells: pd.DataFrame, *, phase: str = "step", title: str | None = None,
                    flagged: Sequence[int] = (), spread: float | None = None) -> go.Figure:
     """A heat-map of ``norm`` per (rank bin, step bin) on a log colour axis.
 
     ``cells`` has the columns of :func:`megascope.analysis.heatmap`. Hover names the worst rank
-    of each bin with its host and pp/dp/tp coordinates. ``flagged`` ranks (the stragglers) are
+    of each bin with its host and coordinates. ``flagged`` ranks (the stragglers) are
     marked beside the rank axis, so they stay findable however many ranks share a pixel row.
     ``spread`` fixes the colour range to 1/(1+spread)..1+spread instead of fitting it to the data.
     """
@@ -108,8 +122,7 @@ def heatmap_figure(cells: pd.DataFrame, *, phase: str = "step", title: str | Non
     cells = cells.assign(
         ranks_label=_label(cells["rank_lo"], cells["rank_hi"]),
         steps_label=_label(cells["step_lo"], cells["step_hi"]),
-        coords=cells["pp"].astype("string").fillna("-") + "/" + cells["dp"].astype("string").fillna("-") + "/"
-        + cells["tp"].astype("string").fillna("-"),
+        coords=_places(cells),
         ms=cells["value_ns"].astype(float) / 1e6,
     )
     text = cells.pivot(index="rank_bin", columns="step_bin", values="ranks_label").reindex_like(z)

@@ -1,9 +1,11 @@
-"""The TP/PP/DP grid of a job, each rank one cell coloured by its state.
+"""The mesh of a job as a grid, each rank one cell coloured by its state.
 
 Role in the data flow: pure ``(DataFrame, ...) -> Figure`` over
-:func:`megascope.analysis.rank_states`'s frame (``rank, host, pp, dp, tp, state``). The grid is a
-single heat-map image (one block of columns per pipeline stage, TP across, DP down), so 12,288
-ranks are 12,288 numbers in one trace, not 12,288 DOM nodes. Hang suspects are ringed on top.
+:func:`megascope.analysis.rank_states`'s frame (``rank, host, coords, state``; a frame with
+``pp``, ``dp``, ``tp`` columns instead of ``coords`` also works). The grid is a single heat-map
+image (one block of columns per pipeline stage, DP down, every other axis across: ep, cp, tp
+nested in that order, tp fastest), so 12,288 ranks are 12,288 numbers in one trace, not 12,288
+DOM nodes. Hang suspects are ringed on top.
 
 Example::
 
@@ -19,6 +21,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
+
+from megascope.schema import AXIS_ORDER, ordered_axes
+from megascope.topology import coords_of, format_coords
 
 # Order = colour index. Culprits (hung, silent) in the strongest colours; their victims (waiting)
 # pale, so that during a hang the one red cell stands out among hundreds of waiting ones.
@@ -52,15 +57,25 @@ def grid_positions(states: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, Any]]:
     centres) the figure needs for its axes.
     """
     frame = states.copy()
-    for axis in ("pp", "dp", "tp"):
-        frame[axis] = frame[axis].fillna(0).astype(int) if axis in frame else 0
-    tp_size = int(frame["tp"].max()) + 1 if len(frame) else 1
+    places = _places(frame)
+    frame["place"] = [format_coords(p) for p in places]
+    # Columns within a stage: every axis but pp and dp, the outer ones in blocks (ep, then cp, tp fastest).
+    inner_axes = [a for a in ordered_axes({a for p in places for a in p}) if a not in ("pp", "dp")]
+    sizes = {a: max((p.get(a, 0) for p in places), default=0) + 1 for a in inner_axes}
+    inner = np.zeros(len(frame), dtype=np.int64)
+    for axis in inner_axes:
+        inner = inner * sizes[axis] + np.array([p.get(axis, 0) for p in places], dtype=np.int64)
+    frame["inner"] = inner
+    frame["inner_label"] = [format_coords({a: p.get(a, 0) for a in inner_axes}) for p in places]
+    frame["pp"] = np.array([p.get("pp", 0) for p in places], dtype=np.int64)
+    frame["dp"] = np.array([p.get("dp", 0) for p in places], dtype=np.int64)
+    inner_size = math.prod(sizes.values())
     dp_size = int(frame["dp"].max()) + 1 if len(frame) else 1
     pp_size = int(frame["pp"].max()) + 1 if len(frame) else 1
     folds = math.ceil(dp_size / MAX_ROWS)
     rows = math.ceil(dp_size / folds)
-    stage_width = tp_size * folds
-    frame["x"] = frame["pp"] * (stage_width + 1) + (frame["dp"] // rows) * tp_size + frame["tp"]
+    stage_width = inner_size * folds
+    frame["x"] = frame["pp"] * (stage_width + 1) + (frame["dp"] // rows) * inner_size + frame["inner"]
     frame["y"] = frame["dp"] % rows
     geometry = {
         "width": pp_size * (stage_width + 1) - 1,
@@ -70,6 +85,15 @@ def grid_positions(states: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, Any]]:
         "folds": folds,
     }
     return frame, geometry
+
+
+def _places(frame: pd.DataFrame) -> list[dict[str, int]]:
+    """Each row's coordinates: its ``coords``, or the axis-named columns of a frame without one."""
+    if "coords" in frame:
+        return [coords_of(c) for c in frame["coords"]]
+    axes = [a for a in AXIS_ORDER if a in frame]
+    return [coords_of(dict(zip(axes, values, strict=True))) for values in zip(*(frame[a] for a in axes), strict=True)] \
+        if axes else [{} for _ in range(len(frame))]
 
 
 def rank_at(states: pd.DataFrame, x: float, y: float) -> int | None:
@@ -100,8 +124,7 @@ def topology_figure(states: pd.DataFrame, *, suspects: Sequence[dict[str, Any]] 
     host_grid[ys, xs] = frame["host"].astype(str).to_numpy() if "host" in frame else ""
     state_grid[ys, xs] = frame["state"].to_numpy()
     coords_grid = np.full((height, width), "", dtype=object)
-    coords_grid[ys, xs] = ("pp=" + frame["pp"].astype(str) + " dp=" + frame["dp"].astype(str)
-                           + " tp=" + frame["tp"].astype(str)).to_numpy()
+    coords_grid[ys, xs] = frame["place"].to_numpy()
     customdata = np.dstack([rank_grid, host_grid, coords_grid, state_grid])
     fig = go.Figure(
         go.Heatmap(
@@ -132,15 +155,16 @@ def topology_figure(states: pd.DataFrame, *, suspects: Sequence[dict[str, Any]] 
                 marker={"symbol": "circle-open", "size": 22, "color": "#111", "line": {"width": 3}},
                 hoverinfo="skip",
             ))
-    # Stages across the top; TP index of each column along the bottom where columns are few enough
-    # to read; DP row numbers down the side (every few rows on tall grids).
+    # Stages across the top; each column's place within its stage (tp, or cp and tp, ...) along
+    # the bottom where columns are few enough to read; DP row numbers down the side (every few
+    # rows on tall grids).
     fig.update_xaxes(tickvals=geo["stage_centres"], ticktext=[f"pp {p}" for p in range(geo["pp_size"])],
                      showgrid=False, zeroline=False, range=[-0.5, width - 0.5], side="top")
     if width <= 64:
         columns = frame.drop_duplicates("x").sort_values("x")
-        for x, tp in zip(columns["x"], columns["tp"], strict=True):
+        for x, label in zip(columns["x"], columns["inner_label"], strict=True):
             fig.add_annotation(x=x, y=0, xref="x", yref="paper", yanchor="top", showarrow=False,
-                               text=f"tp{int(tp)}", font={"size": 11, "color": "#555"})
+                               text=label, font={"size": 11, "color": "#555"})
     step = max(1, math.ceil(height / 32))
     rows = list(range(0, height, step))
     fig.update_yaxes(title_text="dp" if geo["folds"] == 1 else f"dp (folded x{geo['folds']}: row + {height} x fold)",

@@ -49,7 +49,7 @@ from megascope.errors import ConfigError, MegascopeError
 from megascope.health import outliers
 from megascope.health.datasheet import datasheet_for
 from megascope.schema import DIAGNOSTICS, GROUPS, RANKS, DiagnosticTest, RunMeta, RunSource
-from megascope.topology import Group, Mesh
+from megascope.topology import Group, Mesh, format_coords
 
 log = logging.getLogger(__name__)
 
@@ -288,14 +288,14 @@ def _finish(cfg: DiagnoseConfig, mesh: Mesh, gathered: list[Any], fresh: bool, b
     device_name = infos[0]["device_name"]
     if fresh:
         meta = RunMeta(run_id=f"diagnose-{uuid.uuid4().hex[:8]}", source=RunSource.DIAGNOSE, world_size=world,
-                       mesh_sizes={a: s for a, s in mesh.size.items()}, start_ns=min(r["time_ns"] for r in rows),
+                       mesh_axes=mesh.axes, mesh_sizes=dict(mesh.size), start_ns=min(r["time_ns"] for r in rows),
                        device_name=device_name,
                        config={"backend": backend, "tolerance": cfg.tolerance, "sizes": infos[0]["sizes"],
                                "slow_rank": cfg.slow_rank})
         for rank, info in infos.items():
             row = {"rank": rank, "host": info["host"], "local_rank": info["local_rank"], "pid": info["pid"],
-                   "device": info["device"], "device_name": info["device_name"], **info["coords"],
-                   "start_ns": meta.start_ns}
+                   "device": info["device"], "device_name": info["device_name"], "coords": info["coords"],
+                   "started_at_ns": meta.start_ns}
             layout.write_part(cfg.out, "ranks", pa.Table.from_pylist([row], schema=RANKS), rank=rank)
             groups = [{"rank": rank, "group": gid, "kind": kind, "group_rank": members.index(rank),
                        "members": members} for gid, kind, members in info["groups"]]
@@ -353,7 +353,6 @@ def format_report(report: dict[str, Any]) -> str:
     if not report["suspects"]:
         lines.append("no outliers: every rank within tolerance of its peers, every result checked out")
     for s in report["suspects"]:
-        coords = " ".join(f"{a}={v}" for a, v in s["coords"].items())
-        lines.append(f"SUSPECT rank {s['rank']} on {s['host']} ({coords}):")
+        lines.append(f"SUSPECT rank {s['rank']} on {s['host']} ({format_coords(s['coords'])}):")
         lines.extend(f"    {reason}" for reason in s["reasons"])
     return "\n".join(lines)

@@ -372,6 +372,7 @@ def ingest_flight_recorder(
             run_id=stage.run_id,
             source=RunSource.FLIGHT_RECORDER,
             world_size=world,
+            mesh_axes=tuple(plan.mesh_sizes),
             mesh_sizes=plan.mesh_sizes,
             start_ns=min(starts) if starts else None,
             config={

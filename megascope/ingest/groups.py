@@ -34,7 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from megascope.errors import ConfigError
-from megascope.schema import MESH_AXES, GroupKind
+from megascope.schema import AXIS_ORDER, MESH_AXES, GroupKind, ordered_axes
 from megascope.topology import Mesh
 
 log = logging.getLogger(__name__)
@@ -43,10 +43,13 @@ _AXIS_WORDS = {
     "tp": {"tp", "tensor"},
     "pp": {"pp", "pipeline", "pipe"},
     "dp": {"dp", "data", "fsdp", "ddp"},
+    "cp": {"cp", "context"},
 }
 # Words that make a group something else even if an axis word appears (Megatron's
-# DATA_MODULO_EXPERT_PARALLEL_GROUP, MODEL_PARALLEL_GROUP, context-parallel variants...).
-_NOT_AXIS_WORDS = {"expert", "modulo", "cp", "context", "with", "embedding", "position", "amax", "mp"}
+# DATA_MODULO_EXPERT_PARALLEL_GROUP, DATA_PARALLEL_GROUP_WITH_CP, MODEL_PARALLEL_GROUP...). Expert
+# groups are not an axis of the grid: Megatron carves them out of data parallelism, so they do
+# not tile the world with the others (a --mesh with ep lays them out).
+_NOT_AXIS_WORDS = {"expert", "modulo", "with", "embedding", "position", "amax", "mp"}
 _SLUG = re.compile(r"[^a-z0-9]+")
 
 
@@ -104,8 +107,8 @@ def parse_mesh_spec(spec: str) -> dict[str, int]:
             continue
         axis, sep, value = part.partition("=")
         axis = axis.strip().lower()
-        if not sep or axis not in MESH_AXES:
-            raise ConfigError(f"--mesh {spec!r}: expected AXIS=SIZE pairs with AXIS in {', '.join(MESH_AXES)}")
+        if not sep or axis not in AXIS_ORDER:
+            raise ConfigError(f"--mesh {spec!r}: expected AXIS=SIZE pairs with AXIS in {', '.join(AXIS_ORDER)}")
         try:
             size = int(value)
         except ValueError:
@@ -269,9 +272,10 @@ def _derive_mesh(
         for bucket in buckets.values():
             for index, member in enumerate(sorted(bucket)):
                 coords[member][axis] = index
+    axes = ordered_axes((*MESH_AXES, *sizes))
     for r in range(world_size):
-        for axis in MESH_AXES:
+        for axis in axes:
             coords[r].setdefault(axis, 0)
-    plan.mesh_sizes = {a: sizes[a] for a in MESH_AXES}
+    plan.mesh_sizes = {a: sizes[a] for a in axes}
     plan.coords = coords
     plan.mesh_source = "names"

@@ -428,6 +428,7 @@ def ingest_kineto(
             run_id=stage.run_id,
             source=RunSource.KINETO,
             world_size=world,
+            mesh_axes=tuple(plan.mesh_sizes),
             mesh_sizes=plan.mesh_sizes,
             start_ns=min(starts) if starts else None,
             device_name=device_names.pop() if len(device_names) == 1 else None,

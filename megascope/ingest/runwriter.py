@@ -112,10 +112,8 @@ def write_rank_tables(run_dir: Path, plan: GroupPlan, infos: Mapping[int, RankIn
             "pid": info.pid,
             "device": info.device,
             "device_name": info.device_name,
-            "pp": coords.get("pp"),
-            "dp": coords.get("dp"),
-            "tp": coords.get("tp"),
-            "start_ns": info.start_ns,
+            "coords": coords,
+            "started_at_ns": info.start_ns,
         }
         layout.write_part(run_dir, "ranks", pa.Table.from_pylist([row], schema=schema.RANKS), rank=rank,
                           run_id=run_id)

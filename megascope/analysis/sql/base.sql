@@ -18,24 +18,38 @@
 --                equal, so own time is where a straggler differs from its peers.
 --   stage        the pipeline stage (pp coordinate, 0 without pipeline): ranks of one stage do the
 --                same work and are each other's peers.
+--   group kind   what a group is for (tp | dp | pp | cp | ep | world | other): the groups
+--                table's kind, never read out of the group's id; 'other' for a group it lacks.
 
 -- @statement rank_info
 -- One row per rank of the ranks table (ranks that wrote spans but no ranks row are added after
 -- rank_step, as 'unknown' hosts).
 -- @column rank   global rank
 -- @column host   host name from the ranks table
--- @column pp, dp, tp  mesh coordinates as written (never recomputed here)
+-- @column coords  mesh coordinates as written, axis -> index, every axis (never recomputed here)
+-- @column pp, dp, tp  of which the axes the analyses read by name (NULL where absent)
 -- @column stage  pp, or 0 when the run has no pipeline axis
+-- @column tp_key  its coordinates on every axis but tp, sorted: ranks alike in it (and with a
+--                 tp coordinate) are one tensor-parallel group
 CREATE OR REPLACE TABLE ms_cache.rank_info AS
-SELECT rank, any_value(host) AS host, any_value(pp) AS pp, any_value(dp) AS dp, any_value(tp) AS tp,
-       coalesce(any_value(pp), 0) AS stage
-FROM ranks GROUP BY rank ORDER BY rank;
+WITH r AS (SELECT rank, any_value(host) AS host, any_value(coords) AS coords FROM ranks GROUP BY rank)
+SELECT rank, host, coords, coords['pp'] AS pp, coords['dp'] AS dp, coords['tp'] AS tp,
+       coalesce(coords['pp'], 0) AS stage,
+       list_sort(list_filter(map_entries(coords), lambda e: e.key <> 'tp')) AS tp_key
+FROM r ORDER BY rank;
 
 -- @statement add_unknown_ranks
 -- Ranks seen in rank_step but missing from the ranks table.
-INSERT INTO ms_cache.rank_info
-SELECT DISTINCT r.rank, 'unknown', NULL, NULL, NULL, 0
+INSERT INTO ms_cache.rank_info (rank, host, stage)
+SELECT DISTINCT r.rank, 'unknown', 0
 FROM ms_cache.rank_step r ANTI JOIN ms_cache.rank_info i USING (rank);
+
+-- @statement group_kind
+-- One row per group of the groups table: its kind, as the writer recorded it.
+-- @column group   the group id
+-- @column kind    tp | dp | pp | cp | ep | world | other
+CREATE OR REPLACE TABLE ms_cache.group_kind AS
+SELECT "group", any_value(kind) AS kind FROM groups GROUP BY "group";
 
 -- @statement step_list
 -- The steps of one rank ({{rank}}; a cheap read of its partition), in order.
@@ -99,7 +113,7 @@ FROM ms_cache.rank_info i LEFT JOIN ms_cache.clock_offsets o USING (host);
 -- @column grp, seq       the instance
 -- @column step           the step it belongs to (first member's)
 -- @column name, op       span name / collective op of its members
--- @column group_kind     tp | dp | pp | world | other
+-- @column group_kind     tp | dp | pp | cp | ep | world | other (ms_cache.group_kind)
 -- @column n              members that recorded it
 -- @column first_arrival_ns, last_arrival_ns, mean_arrival_ns  arrivals
 -- @column last_rank      the last member to arrive: the one the others waited for
@@ -117,13 +131,11 @@ WITH c AS (
            min(a) AS first_arrival_ns, max(a) AS last_arrival_ns, avg(a)::BIGINT AS mean_arrival_ns,
            arg_max(rank, a) AS last_rank, max(e) AS last_end_ns
     FROM c GROUP BY grp, seq
-), kinds AS (SELECT "group", any_value(kind) AS kind FROM groups GROUP BY "group")
-SELECT g.*,
-       coalesce(kinds.kind, CASE WHEN split_part(g.grp, ':', 1) IN ('tp', 'dp', 'pp', 'world')
-                                 THEN split_part(g.grp, ':', 1) ELSE 'other' END) AS group_kind,
+)
+SELECT g.*, coalesce(k.kind, 'other') AS group_kind,
        g.last_arrival_ns - g.first_arrival_ns AS spread_ns,
        greatest(g.last_end_ns - g.last_arrival_ns, 0) AS xfer_ns
-FROM g LEFT JOIN kinds ON kinds."group" = g.grp;
+FROM g LEFT JOIN ms_cache.group_kind k ON k."group" = g.grp;
 
 -- @statement rank_step
 -- One row per (rank, step): step time and what it was spent on ({{where}}, {{metrics_where}}: the
@@ -156,7 +168,7 @@ FROM g LEFT JOIN kinds ON kinds."group" = g.grp;
 --                        asynchronous collectives overlap compute and each other; a posted send
 --                        is not subtracted (the sender goes on computing)
 -- @column coll_count     collective instances it took part in (with >= 2 members recorded)
--- @column coll_tp, coll_dp, coll_pp, coll_other  collectives by group kind
+-- @column coll_tp, coll_dp, coll_pp, coll_other  collectives by group kind (other: every kind but tp, dp and pp)
 -- @column last_tp, last_dp, last_pp, last_other  of which it arrived last
 -- @column last_count     their sum
 -- @column last_expected, last_var, last_peer  in groups of peers ({{peer_kinds}}: same stage),
@@ -280,14 +292,13 @@ FROM j LEFT JOIN lasts l ON l.rank = j.rank AND l.step = j.step;
 -- @statement nested_kinds
 -- Group kinds whose collectives start inside the rank's compute spans, probed on one rank's
 -- partition ({{rank}}): their wait is inside the compute spans' durations.
--- @column group_kind     tp | dp | pp | world | other
+-- @column group_kind     tp | dp | pp | cp | ep | world | other
 WITH s AS (SELECT * FROM spans WHERE rank = {{rank}} AND step IS NOT NULL),
 c AS (SELECT step, start_ns AS s, start_ns + dur_ns AS e FROM s WHERE kind IN ('forward', 'backward', 'compute')),
 k AS (
-    SELECT row_number() OVER () AS id, step, start_ns,
-           CASE WHEN split_part("group", ':', 1) IN ('tp', 'dp', 'pp', 'world') THEN split_part("group", ':', 1)
-                ELSE 'other' END AS group_kind
-    FROM s WHERE kind = 'collective' AND "group" IS NOT NULL
+    SELECT row_number() OVER () AS id, s.step, s.start_ns, coalesce(gk.kind, 'other') AS group_kind
+    FROM s LEFT JOIN ms_cache.group_kind gk ON gk."group" = s."group"
+    WHERE s.kind = 'collective' AND s."group" IS NOT NULL
 ), inside AS (
     SELECT DISTINCT k.id FROM k JOIN c ON k.step = c.step AND k.start_ns > c.s AND k.start_ns < c.e
 )

@@ -27,7 +27,7 @@ GROUP BY stage ORDER BY stage;
 -- was issued (the collector's blocking form) or ran on a stream of its own (Kineto kernels): its
 -- overlapped part is what leaf compute spans of the rank cover (a leaf encloses no communication
 -- span, so a block that merely contains a blocking collective does not hide it), the rest is exposed.
--- @column group_kind    tp | dp | pp | world | other, or p2p
+-- @column group_kind    tp | dp | pp | cp | ep | world | other (ms_cache.group_kind), or p2p
 -- @column name          span name of the calls
 -- @column spans         calls with a span (timed)
 -- @column comm_ns       summed communication time, issue to completion (concurrent asynchronous
@@ -104,20 +104,17 @@ WITH c AS (
                 ELSE greatest(0, cw.e - cw.eff_s - coalesce(os.ov, 0)) END AS stall_ns
     FROM cw LEFT JOIN o_sync os USING (id) LEFT JOIN o_async oa USING (id)
 ), xb AS (
-    SELECT CASE WHEN kind <> 'collective' THEN 'p2p'
-                WHEN split_part("group", ':', 1) IN ('tp', 'dp', 'pp', 'world') THEN split_part("group", ':', 1)
-                ELSE 'other' END AS group_kind,
-           name, op, bytes, count(*) AS spans, sum(dur_ns) AS comm_ns, sum(hidden_ns) AS hidden_ns,
-           sum(stall_ns) AS stall_ns
-    FROM x GROUP BY ALL
+    SELECT CASE WHEN x.kind <> 'collective' THEN 'p2p' ELSE coalesce(gk.kind, 'other') END AS group_kind,
+           x.name, x.op, x.bytes, count(*) AS spans, sum(x.dur_ns) AS comm_ns, sum(x.hidden_ns) AS hidden_ns,
+           sum(x.stall_ns) AS stall_ns
+    FROM x LEFT JOIN ms_cache.group_kind gk ON gk."group" = x."group" GROUP BY ALL
 ), issued AS (
     -- Every call issued, timed or not: its enqueued marker (once, whatever else wrote markers).
-    SELECT CASE WHEN op IN ('send', 'recv') THEN 'p2p'
-                WHEN split_part("group", ':', 1) IN ('tp', 'dp', 'pp', 'world') THEN split_part("group", ':', 1)
-                ELSE 'other' END AS group_kind,
-           op, bytes, count(*) AS calls
+    SELECT CASE WHEN m.op IN ('send', 'recv') THEN 'p2p' ELSE coalesce(gk.kind, 'other') END AS group_kind,
+           m.op, m.bytes, count(*) AS calls
     FROM (SELECT DISTINCT rank, "group", seq, op, peer, bytes FROM markers
-          WHERE rank IN ({{ranks}}) AND state = 'enqueued' AND list_contains({{steps}}, step))
+          WHERE rank IN ({{ranks}}) AND state = 'enqueued' AND list_contains({{steps}}, step)) m
+    LEFT JOIN ms_cache.group_kind gk ON gk."group" = m."group"
     GROUP BY ALL
 ), est AS (
     -- Calls of one (group kind, op, size) are alike: the untimed ones are counted at the timed

@@ -7,16 +7,17 @@
 -- @column group, seq    the instance
 -- @column step          the step it belongs to
 -- @column name, op      span name / collective op
--- @column group_kind    tp | dp | pp | world | other
+-- @column group_kind    tp | dp | pp | cp | ep | world | other
 -- @column n             members that recorded it
 -- @column xfer_ns       completion of the last member minus the last arrival
--- @column last_host, last_pp, last_dp, last_tp  the last arriver's host and coordinates
+-- @column last_host, last_coords  the last arriver's host and coordinates (every axis)
+-- @column last_pp, last_dp, last_tp  of which the axes read by name
 -- @column spread_ns     last minus first arrival (reference clock)
 -- @column last_late_ns  last arrival minus mean arrival: how late the straggler came
 -- @column last_rank     the last arriver, with its host and coordinates
 SELECT i.grp AS "group", i.seq, i.step, i.name, i.op, i.group_kind, i.n,
        i.spread_ns, i.last_arrival_ns - i.mean_arrival_ns AS last_late_ns, i.xfer_ns,
-       i.last_rank, r.host AS last_host, r.pp AS last_pp, r.dp AS last_dp, r.tp AS last_tp
+       i.last_rank, r.host AS last_host, r.coords AS last_coords, r.pp AS last_pp, r.dp AS last_dp, r.tp AS last_tp
 FROM ms_cache.inst i LEFT JOIN ms_cache.rank_info r ON r.rank = i.last_rank
 WHERE i.n >= 2 AND ('{{kind_filter}}' = '' OR i.group_kind = '{{kind_filter}}')
 ORDER BY i.step, i.grp, i.seq

@@ -211,7 +211,7 @@ FROM f GROUP BY rank;
 -- @column median_ex_recv_ns, median_ex_own_ns, median_ex_spans_ns  as in rank_scores
 -- @column sigma, bsigma, m_own, m_blame, t_spans, blame_ns  as in rank_scores
 -- @column last_arrival_frac, last_z, last_tp, last_dp, last_pp, last_other, max_z  as in rank_scores
--- @column host, pp, dp, tp  its host and coordinates
+-- @column host, coords, pp, dp, tp  its host and coordinates (every axis; the three read by name)
 -- @column flag          it passes every test above but the shadow one
 -- @column steps_slow_frac, steps_comm_slow_frac  slow_steps / steps, comm_slow_steps / steps
 -- @column t_own, t_blame, z  the evidence
@@ -231,11 +231,11 @@ WITH e AS (
                / sqrt(1 + (t_blame IS NOT NULL)::INT + (last_z IS NOT NULL)::INT + (t_spans IS NOT NULL)::INT) AS z
     FROM e
 ), grp AS (
-    -- Its tensor-parallel partners (same stage and dp index): a whole TP group slower than the
+    -- Its tensor-parallel partners (alike on every axis but tp): a whole TP group slower than the
     -- rest of its stage is a group effect (a replica its host scheduled late), not a rank.
     SELECT z.rank, median(o.m_own) AS partners_m_own
     FROM z JOIN ms_cache.rank_info i USING (rank)
-    JOIN ms_cache.rank_info j ON j.stage = i.stage AND j.dp IS NOT DISTINCT FROM i.dp AND j.rank <> i.rank
+    JOIN ms_cache.rank_info j ON j.stage = i.stage AND j.tp_key IS NOT DISTINCT FROM i.tp_key AND j.rank <> i.rank
     JOIN z o ON o.rank = j.rank
     GROUP BY z.rank
 ), flagged AS (
@@ -246,7 +246,7 @@ WITH e AS (
                     false) AS flag
     FROM z LEFT JOIN grp USING (rank) WHERE z.steps >= {{min_steps}}
 )
-SELECT f.*, i.host, i.pp, i.dp, i.tp,
+SELECT f.*, i.host, i.coords, i.pp, i.dp, i.tp,
        f.slow_steps / f.steps AS steps_slow_frac, f.comm_slow_steps / f.steps AS steps_comm_slow_frac,
        f.flag AND f.z >= {{shadow}} * max(f.z) FILTER (WHERE f.flag) OVER ()
               AND f.t_own >= {{own_shadow}} * max(f.t_own) FILTER (WHERE f.flag) OVER () AS straggler

@@ -20,7 +20,7 @@ ORDER BY rank, step;
 -- @column rank_lo, rank_hi, step_lo, step_hi  the bin's range
 -- @column value_ns, norm      the worst cell's value and value / peer median (both plus a
 --                             thousandth of the peers' median step)
--- @column host, pp, dp, tp  the cell's rank's host and coordinates
+-- @column host, coords, pp, dp, tp  the cell's rank's host and coordinates (every axis; the three read by name)
 WITH v AS (
     SELECT rank, step, stage, {{value}} AS value_ns, coalesce(step_ns, extent_ns) AS step_ns
     FROM ms_cache.rank_step LEFT JOIN {{gaps}} USING (rank, step)
@@ -47,7 +47,7 @@ WITH v AS (
     FROM cells GROUP BY rank_bin, step_bin
 )
 SELECT b.rank_bin, b.step_bin, b.rank, b.step, b.rank_lo, b.rank_hi, b.step_lo, b.step_hi,
-       b.value_ns, b.norm, i.host, i.pp, i.dp, i.tp
+       b.value_ns, b.norm, i.host, i.coords, i.pp, i.dp, i.tp
 FROM binned b JOIN ms_cache.rank_info i USING (rank)
 ORDER BY b.rank_bin, b.step_bin;
 
