@@ -1,7 +1,7 @@
 """Synthetic run directories at any scale, with the faults of the ``--inject`` grammar planted.
 
 Role in the data flow: a writer, like the collector and the importers. ``synth`` simulates a
-synchronous 3D-parallel (TP x PP x DP) training job step by step and writes what megascope's
+synchronous 3D-parallel (TP x PP x DP, optionally x CP x EP) training job step by step and writes what megascope's
 collector would have recorded: per-rank spans with arrival semantics, collective markers, per-step
 metrics, ranks and groups, and ``run.json``. Users try the analyses and the dashboard on it; tests
 and the scale benchmarks use it.
@@ -11,9 +11,12 @@ The simulation follows the dependencies that make real jobs behave as they do:
 * each pipeline stage runs a 1F1B schedule over ``micro_batches``; a forward waits for the previous
   stage's activation (p2p), a backward for the next stage's gradient;
 * after each forward and backward compute, the TP group all-reduces: it completes when its last
-  member arrives, so a slow rank makes its TP peers wait inside the collective;
+  member arrives, so a slow rank makes its TP peers wait inside the collective; with ``cp`` > 1 the
+  context-parallel group first all-gathers keys and values, with ``ep`` > 1 the expert-parallel
+  group exchanges tokens (all-to-all), each completing at its last member's arrival too;
 * after the last backward the DP group reduce-scatters gradients, the optimizer runs, and the DP
-  group all-gathers parameters: a late DP member stalls its whole DP group;
+  group all-gathers parameters: a late DP member stalls its whole DP group (the gradient sync runs
+  over the dp axis alone: a simplification where cp or ep ranks share parameters);
 * every host has its own wall-clock offset (recorded in ``run.json`` under
   ``config.synth.clock_offsets_ns`` so that clock estimation can be checked).
 
@@ -50,6 +53,7 @@ from megascope import layout
 from megascope.errors import ConfigError, OutputError
 from megascope.inject import Faults
 from megascope.schema import (
+    AXIS_ORDER,
     GROUPS,
     MARKERS,
     METRICS,
@@ -93,6 +97,8 @@ class SynthConfig:
     steps: int
     tp: int = 1
     pp: int = 1
+    cp: int = 1  # context parallel: an all-gather of keys and values per forward and backward
+    ep: int = 1  # expert parallel: a token all-to-all per forward and backward
     micro_batches: int | None = None  # default: max(4, pp)
     seed: int = 0
     gpus_per_host: int = 8
@@ -100,6 +106,8 @@ class SynthConfig:
     fwd_ms: float = 12.0  # forward of one micro-batch on one stage
     bwd_ratio: float = 2.0
     tp_comm_ms: float = 1.2
+    cp_comm_ms: float = 0.8
+    ep_comm_ms: float = 1.5
     p2p_ms: float = 0.4
     dp_reduce_scatter_ms: float = 18.0
     dp_all_gather_ms: float = 12.0
@@ -137,8 +145,13 @@ class SynthConfig:
             if f.ms is not None and not (math.isfinite(f.ms) and 0 < f.ms <= MAX_PAUSE_MS):
                 raise ConfigError(f"--inject {f.kind}:rank={f.rank},ms={f.ms}: ms must be a number above 0 and at "
                                   f"most {MAX_PAUSE_MS:g} (an hour)")
-        if self.ranks % (self.tp * self.pp):
-            raise ConfigError(f"--ranks {self.ranks} is not divisible by tp*pp = {self.tp}*{self.pp} = {self.tp * self.pp}")
+        if min(self.tp, self.pp, self.cp, self.ep) < 1:
+            raise ConfigError(f"tp, pp, cp and ep must be >= 1 (got tp={self.tp} pp={self.pp} cp={self.cp} ep={self.ep})")
+        inner = self.tp * self.pp * self.cp * self.ep
+        if self.ranks % inner:
+            named = "*".join(a for a in ("tp", "pp", "cp", "ep") if a in ("tp", "pp") or getattr(self, a) > 1)
+            sizes = "*".join(str(getattr(self, a)) for a in named.split("*"))
+            raise ConfigError(f"--ranks {self.ranks} is not divisible by {named} = {sizes} = {inner}")
         if self.micro_batches is not None and self.micro_batches < 1:
             raise ConfigError(f"micro_batches must be >= 1, got {self.micro_batches}")
         if self.gpus_per_host < 1:
@@ -147,7 +160,7 @@ class SynthConfig:
 
     @property
     def dp(self) -> int:
-        return self.ranks // (self.tp * self.pp)
+        return self.ranks // (self.tp * self.pp * self.cp * self.ep)
 
     @property
     def m(self) -> int:
@@ -208,22 +221,42 @@ def _pick(value: Any, ok: np.ndarray) -> Any:
     return np.broadcast_to(value, ok.shape)[ok] if isinstance(value, np.ndarray) else value
 
 
+# The simulation puts pp outermost and tp innermost (stage rows, TP columns); the axes between
+# (dp, ep, cp) are the rows of a stage, in schema.AXIS_ORDER.
+assert AXIS_ORDER[0] == "pp" and AXIS_ORDER[-1] == "tp"
+
+
 class _Sim:
-    """One synthetic job. Arrays of shape (pp, dp, tp) index ranks in mesh order."""
+    """One synthetic job. Arrays of shape (pp, rows, tp) index ranks in mesh order; a stage's rows
+    are its (dp, ep, cp) places, in ``schema.AXIS_ORDER`` (just dp without cp and ep)."""
 
     def __init__(self, cfg: SynthConfig) -> None:
         self.cfg = cfg
-        self.mesh = Mesh.for_world(cfg.ranks, tp=cfg.tp, pp=cfg.pp)
-        P, D, T = cfg.pp, cfg.dp, cfg.tp
+        self.mesh = Mesh.for_world(cfg.ranks, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, ep=cfg.ep)
+        # Every known axis, size 1 where the mesh lacks it: collectives along an axis reduce over it.
+        self.full = tuple(self.mesh.size.get(a, 1) for a in AXIS_ORDER)
+        P, T = cfg.pp, cfg.tp
+        D = cfg.ranks // (P * T)  # rows per stage
         self.shape = (P, D, T)
         self.rng = np.random.default_rng(cfg.seed)
         self.rank = np.arange(cfg.ranks, dtype=np.int32).reshape(self.shape)
-        pi, di, ti = np.indices(self.shape)
-        # Group ids as codes into self.group_names; the same enumeration as topology.Mesh.group_of.
+        place = {a: i.reshape(self.shape) for a, i in zip(AXIS_ORDER, np.indices(self.full), strict=True)}
+        # Group ids as codes into self.group_names; the same enumeration as topology.Mesh.group_of
+        # (row-major over the other axes; axes of size 1 add nothing).
         self.group_names: list[str] = []
-        self.tp_code = self._group_codes("tp", pi * D + di)
-        self.dp_code = self._group_codes("dp", pi * T + ti)
-        self.pp_code = self._group_codes("pp", di * T + ti)
+
+        def codes(axis: str) -> np.ndarray:
+            index = np.zeros(self.shape, dtype=np.int64)
+            for a, size in zip(AXIS_ORDER, self.full, strict=True):
+                if a != axis:
+                    index = index * size + place[a]
+            return self._group_codes(axis, index)
+
+        self.tp_code = codes("tp")
+        self.dp_code = codes("dp")
+        self.pp_code = codes("pp")
+        self.cp_code = codes("cp") if cfg.cp > 1 else None
+        self.ep_code = codes("ep") if cfg.ep > 1 else None
         hosts = self.rank // cfg.gpus_per_host
         self.n_hosts = int(hosts.max()) + 1
         offsets = self.rng.normal(0.0, cfg.clock_skew_ms * MS, self.n_hosts)
@@ -240,7 +273,17 @@ class _Sim:
         self.spans = _Columns(["rank", "step", "name", "kind", "stream", "start", "dur", "mb", "group", "seq", "op", "bytes", "peer"])
         self.markers = _Columns(["rank", "group", "seq", "op", "state", "time", "step", "bytes", "peer"])
         self.tp_seq = np.zeros(P, dtype=np.int64)
+        self.cp_seq = np.zeros(P, dtype=np.int64)
+        self.ep_seq = np.zeros(P, dtype=np.int64)
         self.dp_seq = 0
+
+    def _complete(self, arrive: np.ndarray, axis: str, ms: float, *, stage: bool = False) -> np.ndarray:
+        """When each member's collective along ``axis`` completes: its group's last arrival plus a
+        noisy transfer. ``arrive`` is shaped like the whole job, or like one stage (``stage``)."""
+        full = self.full[1:] if stage else self.full
+        last = arrive.reshape(full).max(axis=AXIS_ORDER.index(axis) - int(stage), keepdims=True)
+        done = last + ms * MS * self._noise(self.cfg.comm_noise, last.shape)
+        return np.broadcast_to(done, full).reshape(arrive.shape).copy()
 
     def _group_codes(self, axis: str, index: np.ndarray) -> np.ndarray:
         base = len(self.group_names)
@@ -280,7 +323,7 @@ class _Sim:
     # -- one step -------------------------------------------------------------------------
 
     def step(self, s: int, clock: np.ndarray) -> np.ndarray:
-        """Simulate step ``s`` starting at ``clock`` (true ns, shape (P, D, T)); return its end."""
+        """Simulate step ``s`` starting at ``clock`` (true ns, shape (P, rows, T)); return its end."""
         cfg, (P, D, T), M = self.cfg, self.shape, self.cfg.m
         hung_now = self.hang_step == s
         step_start = clock.copy()
@@ -353,6 +396,21 @@ class _Sim:
         end = start + base * self.speed[p] * self._noise(cfg.compute_noise, (D, T))
         kind = SpanKind.FORWARD if forward else SpanKind.BACKWARD
         self.emit_span(sel, s, _NAMES[str(kind)], _KINDS[kind], _STREAMS[Stream.COMPUTE], start, end, mb=i)
+        for code, seq, name, op, ms, nbytes in (
+            (self.cp_code, self.cp_seq, "cp.all_gather", CollectiveOp.ALL_GATHER, cfg.cp_comm_ms,
+             cfg.micro_batch_size * cfg.seq_len * 2 * 1024),
+            (self.ep_code, self.ep_seq, "ep.all_to_all", CollectiveOp.ALL_TO_ALL, cfg.ep_comm_ms,
+             cfg.micro_batch_size * cfg.seq_len * 2 * 4096),
+        ):
+            if code is None:
+                continue
+            arrive = self._arrive(p, end, pending_hang)
+            done = self._complete(arrive, name.split(".")[0], ms, stage=True)
+            seq[p] += 1
+            self.emit_span(sel, s, _NAMES[name], _KINDS[SpanKind.COLLECTIVE], _STREAMS[Stream.COMM], arrive, done, mb=i,
+                           group=code[p], seq=seq[p], op=_OPS[op], nbytes=nbytes)
+            self.emit_markers(sel, s, code[p], seq[p], _OPS[op], arrive, done, nbytes)
+            end = done
         if T > 1:
             arrive = self._arrive(p, end, pending_hang)
             last = arrive.max(axis=1, keepdims=True)  # the TP group completes after its last arriver
@@ -368,17 +426,16 @@ class _Sim:
         (fwd_out if forward else bwd_out)[p, i] = end
 
     def _dp_sync(self, s: int, clock: np.ndarray, pending_hang: np.ndarray) -> np.ndarray:
-        cfg, (P, D, T) = self.cfg, self.shape
+        cfg, P = self.cfg, self.shape[0]
         grad_bytes = 64 * 1024 * 1024
         everyone = np.s_[:, :, :]
-        if D > 1:
+        if cfg.dp > 1:
             # The skew fault: a host pause (no span, like GC) right before the gradient sync.
             arrive = clock + self.skew
             for p in range(P):
                 arrive[p] = self._arrive(p, arrive[p], pending_hang)
             self.dp_seq += 1
-            last = arrive.max(axis=1, keepdims=True)
-            done = np.broadcast_to(last + cfg.dp_reduce_scatter_ms * MS * self._noise(cfg.comm_noise, (P, 1, T)), self.shape).copy()
+            done = self._complete(arrive, "dp", cfg.dp_reduce_scatter_ms)
             self.emit_span(everyone, s, _NAMES["dp.reduce_scatter"], _KINDS[SpanKind.COLLECTIVE], _STREAMS[Stream.COMM],
                            arrive, done, group=self.dp_code, seq=self.dp_seq, op=_OPS[CollectiveOp.REDUCE_SCATTER], nbytes=grad_bytes)
             self.emit_markers(everyone, s, self.dp_code, self.dp_seq, _OPS[CollectiveOp.REDUCE_SCATTER], arrive, done, grad_bytes)
@@ -386,11 +443,10 @@ class _Sim:
         opt_end = clock + cfg.optimizer_ms * MS * self.speed * self._noise(cfg.compute_noise, self.shape)
         self.emit_span(everyone, s, _NAMES["optimizer"], _KINDS[SpanKind.OPTIMIZER], _STREAMS[Stream.COMPUTE], clock, opt_end)
         clock = opt_end
-        if D > 1:
+        if cfg.dp > 1:
             arrive = clock
             self.dp_seq += 1
-            last = arrive.max(axis=1, keepdims=True)
-            done = np.broadcast_to(last + cfg.dp_all_gather_ms * MS * self._noise(cfg.comm_noise, (P, 1, T)), self.shape).copy()
+            done = self._complete(arrive, "dp", cfg.dp_all_gather_ms)
             self.emit_span(everyone, s, _NAMES["dp.all_gather"], _KINDS[SpanKind.COLLECTIVE], _STREAMS[Stream.COMM],
                            arrive, done, group=self.dp_code, seq=self.dp_seq, op=_OPS[CollectiveOp.ALL_GATHER], nbytes=grad_bytes)
             self.emit_markers(everyone, s, self.dp_code, self.dp_seq, _OPS[CollectiveOp.ALL_GATHER], arrive, done, grad_bytes)
@@ -399,7 +455,8 @@ class _Sim:
 
 
 # Categorical values as small codes while simulating; strings only when a part is written.
-_NAME_LIST = ["data", "step", "recv", "send", "forward", "backward", "tp.all_reduce", "dp.reduce_scatter", "optimizer", "dp.all_gather"]
+_NAME_LIST = ["data", "step", "recv", "send", "forward", "backward", "tp.all_reduce", "dp.reduce_scatter", "optimizer", "dp.all_gather",
+              "cp.all_gather", "ep.all_to_all"]
 _NAMES = {n: i for i, n in enumerate(_NAME_LIST)}
 _KIND_LIST = list(SpanKind)
 _KINDS = {k: i for i, k in enumerate(_KIND_LIST)}
@@ -585,7 +642,7 @@ def _simulate(cfg: SynthConfig, tmp: Path, stats: SynthStats, progress: Callable
         mesh_sizes=sim.mesh.size,
         start_ns=EPOCH_NS,
         model_flops_per_step=model_flops_per_step(cfg),
-        tokens_per_step=cfg.dp * cfg.m * cfg.micro_batch_size * cfg.seq_len,
+        tokens_per_step=cfg.dp * cfg.ep * cfg.m * cfg.micro_batch_size * cfg.seq_len,  # cp ranks share sequences
         device_name=SYNTH_DEVICE,
         peak_flops_per_device=SYNTH_PEAK_FLOPS,
         micro_batches=cfg.m,
