@@ -396,7 +396,7 @@ class _Sim:
         end = start + base * self.speed[p] * self._noise(cfg.compute_noise, (D, T))
         kind = SpanKind.FORWARD if forward else SpanKind.BACKWARD
         self.emit_span(sel, s, _NAMES[str(kind)], _KINDS[kind], _STREAMS[Stream.COMPUTE], start, end, mb=i)
-        for code, seq, name, op, ms, nbytes in (
+        for code, seq, call, op, ms, nbytes in (
             (self.cp_code, self.cp_seq, "cp.all_gather", CollectiveOp.ALL_GATHER, cfg.cp_comm_ms,
              cfg.micro_batch_size * cfg.seq_len * 2 * 1024),
             (self.ep_code, self.ep_seq, "ep.all_to_all", CollectiveOp.ALL_TO_ALL, cfg.ep_comm_ms,
@@ -405,9 +405,9 @@ class _Sim:
             if code is None:
                 continue
             arrive = self._arrive(p, end, pending_hang)
-            done = self._complete(arrive, name.split(".")[0], ms, stage=True)
+            done = self._complete(arrive, call.split(".")[0], ms, stage=True)
             seq[p] += 1
-            self.emit_span(sel, s, _NAMES[name], _KINDS[SpanKind.COLLECTIVE], _STREAMS[Stream.COMM], arrive, done, mb=i,
+            self.emit_span(sel, s, _NAMES[call], _KINDS[SpanKind.COLLECTIVE], _STREAMS[Stream.COMM], arrive, done, mb=i,
                            group=code[p], seq=seq[p], op=_OPS[op], nbytes=nbytes)
             self.emit_markers(sel, s, code[p], seq[p], _OPS[op], arrive, done, nbytes)
             end = done
