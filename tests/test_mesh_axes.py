@@ -14,10 +14,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from megascope.collectors import Collector
 
 from megascope import analysis, layout, schema
 from megascope.analysis.report import report
-from megascope.collectors import Collector
 from megascope.compact import compact
 from megascope.figures.topology import topology_figure
 from megascope.store import open_run
