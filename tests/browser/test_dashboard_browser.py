@@ -153,7 +153,7 @@ def test_hung_run_shows_the_culprit_on_the_topology(site: str, driver: Any, run_
     # Both runs plant the hang at rank 6 (pp=1 dp=1 tp=0): the synth one and the trainer's sample.
     driver.get(f"{site}/run/{run_id}/topology")
     banner = wait_for_text(driver, "#topology-culprit", "HANG: rank 6")
-    assert "pp=1 dp=1 tp=0" in banner.text
+    assert "pp1 dp1 tp0" in banner.text
     wait_for_graph(driver, ids.TOPOLOGY_GRAPH)
     traces = _plot_data(driver, ids.TOPOLOGY_GRAPH)
     assert [t["text"] for t in traces if t["name"] == "suspect"] == [["rank 6"]]
