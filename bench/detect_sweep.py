@@ -35,6 +35,10 @@ from typing import Any
 CPU_MESHES = [(2, 2, 2), (1, 2, 4), (4, 1, 2), (2, 1, 4)]  # (tp, pp, dp), 8 ranks each
 GPU_MESHES = [(2, 1, 2), (1, 2, 2), (1, 1, 4), (2, 2, 1)]  # 4 GPUs
 GPU2_MESHES = [(1, 1, 2), (2, 1, 1), (1, 2, 1)]  # 2 GPUs
+# On GPUs the model is big enough that the device, not the host, sets the step time: in a host-bound
+# run (the trainer's default tiny model on an H100 leaves the device idle most of the time) a slow
+# device's extra time falls into idle gaps and slows nothing, so a planted slow GPU is no straggler.
+GPU_MODEL = ["--layers", "8", "--hidden", "2048", "--heads", "16", "--seq-len", "1024", "--vocab", "32000"]
 FACTORS = [1.1, 1.15, 1.15, 1.3, 1.6]
 SKEWS_MS = [20.0, 50.0, 50.0, 100.0]
 HEALTHY_PER_MESH = 5
@@ -74,6 +78,8 @@ def launch(r: dict[str, Any], out: Path, *, gpu: bool, steps: int, profile: int 
     cmd = [sys.executable, "-c", "from megascope.cli import main; main()", "train", "--nproc", str(tp * pp * dp), "--tp", str(tp),
            "--pp", str(pp), "--dp", str(dp), "--steps", str(steps), "--seed", str(abs(hash(r["name"])) % 1000),
            "--collective-timeout", "15", "--device", "cuda" if gpu else "cpu", "-o", str(out / r["name"])]
+    if gpu:
+        cmd += GPU_MODEL
     if r["inject"]:
         cmd += ["--inject", r["inject"]]
     if profile:
