@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megascope.errors import ConfigError
-from megascope.schema import MESH_AXES, GroupKind, RunMeta, RunSource
+from megascope.schema import MESH_AXES, GroupKind, RunMeta, RunSource, ordered_axes
 from megascope.topology import Group
 
 if TYPE_CHECKING:
@@ -148,7 +148,8 @@ def process_groups_layout(groups: Mapping[str, Any], rank: int, world: int) -> L
 
     if not groups:
         raise ConfigError("groups= is empty: give one process group per axis, e.g. {'tp': tp_group, 'dp': dp_group}")
-    axes = tuple(str(a) for a in groups)
+    groups = {str(a): pg for a, pg in groups.items()}
+    axes = ordered_axes(groups)  # pp outermost, tp fastest, whatever the dict's order
     members: dict[str, tuple[int, ...]] = {}
     for axis, pg in groups.items():
         try:

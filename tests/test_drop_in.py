@@ -109,17 +109,18 @@ def test_a_job_s_own_process_groups_give_its_layout(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(dist, "get_process_group_ranks", lambda pg: pg.members)
     groups = {"tp": _FakeGroup(4, 5), "pp": _FakeGroup(1, 5), "dp": _FakeGroup(5, 7)}
     layout = process_groups_layout(groups, rank=5, world=8)
-    assert layout.axes == ("tp", "pp", "dp")
+    assert layout.axes == ("pp", "dp", "tp")  # the canonical order, whatever the dict's
     assert layout.coords == {"tp": 1, "pp": 1, "dp": 0} and layout.sizes == {"tp": 2, "pp": 2, "dp": 2}
     named = {g.kind: g for _, g in layout.groups}
     # A group is numbered by its members' shared coordinates on the other axes: rank 4 (tp 0, pp 1,
     # dp 0) names its tp group alike, rank 7 (pp 1, dp 1, tp 1) names its own tp group differently.
     assert named["tp"].id == "tp:2" and named["tp"].members == (4, 5)
-    assert process_groups_layout({"tp": _FakeGroup(4, 5), "pp": _FakeGroup(0, 4), "dp": _FakeGroup(4, 6)},
-                                 rank=4, world=8).groups[0][1].id == "tp:2"
-    assert process_groups_layout({"tp": _FakeGroup(6, 7), "pp": _FakeGroup(3, 7), "dp": _FakeGroup(5, 7)},
-                                 rank=7, world=8).groups[0][1].id == "tp:3"
-    assert named["pp"].id == "pp:2" and named["dp"].id == "dp:3" and named["dp"].members == (5, 7)
+    def tp_id(groups: dict[str, _FakeGroup], rank: int) -> str:
+        return next(g.id for _, g in process_groups_layout(groups, rank=rank, world=8).groups if g.kind == "tp")
+
+    assert tp_id({"tp": _FakeGroup(4, 5), "pp": _FakeGroup(0, 4), "dp": _FakeGroup(4, 6)}, 4) == "tp:2"
+    assert tp_id({"tp": _FakeGroup(6, 7), "pp": _FakeGroup(3, 7), "dp": _FakeGroup(5, 7)}, 7) == "tp:3"
+    assert named["pp"].id == "pp:1" and named["dp"].id == "dp:3" and named["dp"].members == (5, 7)
     with pytest.raises(ConfigError, match="multiply to 4, not to the world size 8"):
         process_groups_layout({"tp": _FakeGroup(4, 5), "dp": _FakeGroup(5, 7)}, rank=5, world=8)
     with pytest.raises(ConfigError, match="does not hold this rank"):
