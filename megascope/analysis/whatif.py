@@ -96,33 +96,10 @@ def _steps_frame(con: duckdb.DuckDBPyConnection, steps: list[int]) -> pd.DataFra
     the spans, kept in the run's analysis cache for the next report)."""
     step_list = ", ".join(str(int(s)) for s in steps) or "NULL"
     table = "whatif_" + "_".join(str(int(s)) for s in steps)[:200]
-    if persist.load_extra(con, table):
-        return con.execute(f"SELECT * EXCLUDE (seq) FROM ms_cache.{table} ORDER BY step, rank, arrival_ns, kind <> 'send', seq").df()
-    con.execute(
-        f"""
-        CREATE OR REPLACE TABLE ms_cache.{table} AS
-        WITH c AS (
-            SELECT s.step, s.rank, s.kind, s.kind = 'collective' AS is_coll,
-                   CASE WHEN s.kind = 'collective' THEN s."group" ELSE '' END AS grp, s.seq,
-                   CASE WHEN s.kind = 'collective' THEN -1 WHEN s.kind = 'send' THEN s.rank ELSE s.peer END AS sender,
-                   CASE WHEN s.kind = 'collective' THEN -1 WHEN s.kind = 'send' THEN s.peer ELSE s.rank END AS receiver,
-                   s.start_ns + k.offset_ns AS arrival_ns, s.start_ns + k.offset_ns + s.dur_ns AS end_ns,
-                   r.start_ns AS step_start_ns, r.start_ns + coalesce(r.step_ns, r.extent_ns) AS step_end_ns, r.stage
-            FROM spans s
-            JOIN ms_cache.rank_clock k USING (rank)
-            JOIN ms_cache.rank_step r ON r.rank = s.rank AND r.step = s.step
-            WHERE s.step IN ({step_list}) AND s.kind IN ('collective', 'send', 'recv') AND s.seq IS NOT NULL
-              AND (s.kind = 'collective' AND s."group" IS NOT NULL OR s.kind <> 'collective' AND s.peer IS NOT NULL)
-        )
-        SELECT step, rank, kind, seq, arrival_ns, end_ns, step_start_ns, step_end_ns, stage,
-               (dense_rank() OVER (PARTITION BY step ORDER BY is_coll, grp, seq, sender, receiver) - 1) AS inst,
-               greatest(max(end_ns) OVER w - max(arrival_ns) OVER w, 0) AS xfer_ns
-        FROM c
-        WINDOW w AS (PARTITION BY step, is_coll, grp, seq, sender, receiver)
-        """
-    )
-    persist.save_extra(con, table)
-    return con.execute(f"SELECT * EXCLUDE (seq) FROM ms_cache.{table} ORDER BY step, rank, arrival_ns, kind <> 'send', seq").df()
+    if not persist.load_extra(con, table):
+        _sql.execute(con, "whatif", "events", table=table, steps=_sql.Raw(step_list))
+        persist.save_extra(con, table)
+    return _sql.query_df(con, "whatif", "events_in_order", table=table)
 
 
 def _segments(frame: pd.DataFrame) -> tuple[np.ndarray, pd.Series]:
@@ -195,9 +172,7 @@ def whatif(con: duckdb.DuckDBPyConnection, meta: RunMeta, *, ranks: list[int] | 
     mean_mfu = float(per_step["mfu"].mean()) if per_step["mfu"].notna().any() else None
     if steps is None:
         full = per_step[per_step["ranks"] == per_step["ranks"].max()]["step"].astype(int).tolist()
-        row = _sql.first(con.execute(
-            "SELECT sum(coll_count + 1) / nullif(count(DISTINCT step), 0) FROM ms_cache.rank_step"
-        ))
+        row = _sql.first(_sql.execute(con, "whatif", "events_per_step"))
         per_step_events = float(row[0]) if row and row[0] else 1.0
         count = int(max(1, min(WHATIF_SAMPLE_STEPS, WHATIF_EVENT_BUDGET // max(per_step_events, 1.0))))
         steps = sample_steps(full, count)
@@ -218,7 +193,7 @@ def whatif(con: duckdb.DuckDBPyConnection, meta: RunMeta, *, ranks: list[int] | 
     speedup = base_total / fixed_total if fixed_total > 0 else 1.0
     # Calls the collector left untimed (CollectorConfig.comm_sample_kinds) are no sync points of
     # the replay: the waits behind them count as the waiting ranks' own work, and the fix saves less.
-    row = _sql.first(con.execute("SELECT count(*) FROM metrics WHERE starts_with(name, ?)", [COLLECTOR_CALLS_METRIC]))
+    row = _sql.first(_sql.execute(con, "whatif", "sampled_groups", calls_prefix=_sql.Raw(COLLECTOR_CALLS_METRIC)))
     return {
         "ranks": ranks,
         "steps_modeled": [int(s) for s in steps],
