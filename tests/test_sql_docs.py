@@ -21,6 +21,7 @@ from conftest import Synth
 
 from megascope import analysis
 from megascope.analysis import _sql
+from megascope.analysis.runstate import run_state
 from megascope.store import open_run
 
 MODULES = sorted(p.name[:-4] for p in resources.files("megascope.analysis").joinpath("sql").iterdir()
@@ -102,6 +103,7 @@ def executed(synth: Synth, tmp_path_factory: pytest.TempPathFactory,
     analysis.mfu(run.con, run.meta)
     analysis.skew(run.con, limit=10)
     analysis.whatif(run.con, run.meta)
+    run_state(run)  # without a localization: it counts the calls in flight itself
     # Branches this run does not take: a drifting collective's ranks (after the report's skew_drift
     # built ms_cache.skew_collectives), tokens logged as metrics rather than given in run.json.
     _sql.execute(run.con, "skew", "growing_ranks", name_index=0).fetchall()

@@ -127,9 +127,11 @@ def _newest_parts(run: Run, table: str, count: int) -> list[Path]:
     return [p for files in by_dir.values() for p in sorted(files, key=lambda p: p.name)[-count:]]
 
 
-def _cut_values(cut: Mapping[int, int]) -> str:
-    """The progress cut-offs as a DuckDB VALUES list of (rank, cut_ns)."""
-    return "VALUES " + ", ".join(f"({int(r)}, {int(t)})" for r, t in cut.items())
+def _cut_values(cut: Mapping[int, int]) -> _sql.Raw:
+    """The progress cut-offs as a relation c(rank, cut_ns), empty without any."""
+    if not cut:
+        return _sql.Raw("(SELECT NULL::BIGINT AS rank, NULL::BIGINT AS cut_ns WHERE false) c")
+    return _sql.Raw("(VALUES " + ", ".join(f"({int(r)}, {int(t)})" for r, t in cut.items()) + ") c(rank, cut_ns)")
 
 
 def _last_completion_ns(con: duckdb.DuckDBPyConnection, run: Run, cut: Mapping[int, int]) -> int | None:
@@ -139,14 +141,8 @@ def _last_completion_ns(con: duckdb.DuckDBPyConnection, run: Run, cut: Mapping[i
     if not parts:
         return None
     files = ", ".join("'" + str(p).replace("'", "''") + "'" for p in parts)
-    join_cut = f" LEFT JOIN ({_cut_values(cut)}) c(rank, cut_ns) USING (rank)" if cut else ""
-    keep = " AND (c.cut_ns IS NULL OR t <= c.cut_ns)" if cut else ""
     try:
-        row = _sql.first(con.execute(
-            f"SELECT max(t) FROM (SELECT m.rank, m.time_ns + coalesce(k.offset_ns, 0) AS t, m.state "
-            f"FROM read_parquet([{files}], union_by_name=true) m LEFT JOIN ms_cache.rank_clock k USING (rank)){join_cut} "
-            f"WHERE state = 'completed'{keep}"
-        ))
+        row = _sql.first(_sql.execute(con, "runstate", "last_completion", files=_sql.Raw(files), cut=_cut_values(cut)))
     except duckdb.Error as exc:  # a part replaced under us: the spans still tell
         log.info("run state: newest markers unreadable: %s", exc)
         return None
@@ -155,40 +151,14 @@ def _last_completion_ns(con: duckdb.DuckDBPyConnection, run: Run, cut: Mapping[i
 
 def _in_flight(con: duckdb.DuckDBPyConnection) -> int:
     """Calls some rank entered and never completed (per rank, group and p2p direction)."""
-    row = _sql.first(con.execute(
-        """
-        SELECT count(*) FROM (
-            -- A p2p pair counts its sequence per direction: sends and receives apart.
-            SELECT rank, "group", peer, CASE WHEN op IN ('send', 'recv') THEN op END AS direction,
-                   max(seq) FILTER (WHERE state = 'enqueued') AS entered,
-                   max(seq) FILTER (WHERE state = 'completed') AS done
-            FROM markers GROUP BY ALL
-        ) WHERE entered > coalesce(done, -9223372036854775807)
-        """
-    ))
+    row = _sql.first(_sql.execute(con, "runstate", "in_flight"))
     return int(row[0]) if row and row[0] is not None else 0
 
 
 def _step_facts(con: duckdb.DuckDBPyConnection, cut: Mapping[int, int]) -> dict[str, Any]:
     """Ranks, their last finished step, the run's median step and newest span end (reference clock;
     a rank in ``cut`` counts only up to its cut-off)."""
-    span_end = "SELECT max(start_ns + extent_ns) FROM ms_cache.rank_step"
-    if cut:
-        span_end = (f"SELECT max(r.start_ns + r.extent_ns) FROM ms_cache.rank_step r "
-                    f"LEFT JOIN ({_cut_values(cut)}) c(rank, cut_ns) USING (rank) "
-                    "WHERE c.cut_ns IS NULL OR r.start_ns + r.extent_ns <= c.cut_ns")
-    row = _sql.first(con.execute(
-        f"""
-        WITH ranks_all AS (SELECT DISTINCT rank FROM ms_cache.rank_info),
-        done AS (SELECT rank, max(step) AS last FROM ms_cache.rank_step WHERE step_ns IS NOT NULL GROUP BY rank)
-        SELECT (SELECT count(*) FROM ranks_all),
-               (SELECT max(last) FROM done),
-               (SELECT min(coalesce(d.last, -1)) FROM ranks_all a LEFT JOIN done d USING (rank)),
-               (SELECT count(*) FROM done WHERE last = (SELECT max(last) FROM done)),
-               (SELECT median(step_ns) FROM ms_cache.rank_step WHERE step_ns IS NOT NULL),
-               ({span_end})
-        """
-    ))
+    row = _sql.first(_sql.execute(con, "runstate", "step_facts", cut=_cut_values(cut)))
     assert row is not None
     ranks, last, slowest, at_last, median_step, span_end = row
     return {
