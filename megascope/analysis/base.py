@@ -152,11 +152,7 @@ def _estimate_offsets(con: duckdb.DuckDBPyConnection, steps: list[int]) -> pd.Da
         error_ns=np.ceil(offsets["error_ns"]).astype("Int64"),
     )
     con.register("_ms_offsets_df", frame)
-    con.execute(
-        "CREATE OR REPLACE TABLE ms_cache.clock_offsets AS "
-        "SELECT host::VARCHAR AS host, offset_ns::BIGINT AS offset_ns, error_ns::BIGINT AS error_ns, "
-        "samples::BIGINT AS samples FROM _ms_offsets_df"
-    )
+    _sql.execute(con, "base", "clock_offsets", frame="_ms_offsets_df")
     con.unregister("_ms_offsets_df")
     con.execute("DROP TABLE IF EXISTS ms_cache.clock_samples")
     return offsets
@@ -175,11 +171,10 @@ def estimate_clock_offsets(con: duckdb.DuckDBPyConnection,
     place of the whole ``spans`` view: on a run of many part files, only those ranks' files.
     """
     con.execute("SET enable_progress_bar = false")
-    query = "SELECT host, offset_ns, error_ns, samples FROM ms_cache.clock_offsets ORDER BY host"
     with _sql.build_lock():
         _sql.ensure_schema(con)
         if _sql.cache_is_fresh(con, "base"):
-            return con.execute(query).df()
+            return _sql.query_df(con, "base", "offsets")
         _sql.execute(con, "base", "rank_info")
         ranks = _clock_ranks(con)
         sql = _sql.render("base", "clock_samples", steps=_clock_sample_steps(_steps(con), CLOCK_SAMPLE_STEPS) or [-1],

@@ -43,7 +43,7 @@ def clock_offsets(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
     clock of rank 0's host), error_ns (bound on the estimate; NULL without samples), samples
     (collective completions used). Hosts in no multi-host collective keep offset 0."""
     prepare(con)
-    return con.execute("SELECT host, offset_ns, error_ns, samples FROM ms_cache.clock_offsets ORDER BY host").df()
+    return _sql.query_df(con, "base", "offsets")
 
 
 def jsonable(value: Any) -> Any:
@@ -72,13 +72,11 @@ def collector_footprint(con: duckdb.DuckDBPyConnection, step_time_ns: float | No
     """What the collector itself cost the run, as far as its own records tell: the median number of
     stamps per rank and step and, on CUDA ranks, an estimate of their device time (each stamp is a
     timing event, ~2 us of the device). Empty (``stamps_per_step`` None) for runs without them."""
-    row = _sql.first(con.execute("SELECT median(value), count(*) FROM metrics WHERE name = ?",
-                                 [COLLECTOR_STAMPS_METRIC]))
+    row = _sql.first(_sql.execute(con, "report", "collector_stamps", stamps_metric=COLLECTOR_STAMPS_METRIC))
     if not row or not row[1] or row[0] is None:
         return {"stamps_per_step": None}
-    cuda = _sql.first(con.execute("SELECT count(*) FROM ranks WHERE device LIKE 'cuda%'"))
     stamps = float(row[0])
-    device_ns = stamps * STAMP_DEVICE_NS if cuda and cuda[0] else None
+    device_ns = stamps * STAMP_DEVICE_NS if row[2] else None
     return {
         "stamps_per_step": stamps,
         "device_ns_per_step_est": device_ns,
@@ -91,13 +89,8 @@ def gc_pauses(con: duckdb.DuckDBPyConnection, *, top: int = 8) -> dict[str, Any]
     """Python garbage collections inside steps (the collector's ``gc.*`` host spans): how many
     ranks stopped for them, for how long in all, and the ``top`` ranks that stopped longest. A
     collection stops every thread of its rank, and in a synchronous job the others wait."""
-    totals = _sql.first(con.execute(
-        "SELECT count(DISTINCT rank) FILTER (WHERE gc_ns > 0), coalesce(sum(gc_ns), 0), count(DISTINCT rank) "
-        "FROM ms_cache.rank_step"))
-    ranks = con.execute(
-        "SELECT rank, count(*) FILTER (WHERE gc_ns > 0) AS steps, sum(gc_ns) AS total_ns, max(gc_ns) AS max_step_ns "
-        "FROM ms_cache.rank_step GROUP BY rank HAVING sum(gc_ns) > 0 ORDER BY total_ns DESC, rank LIMIT ?",
-        [top]).fetchall()
+    totals = _sql.first(_sql.execute(con, "report", "gc_totals"))
+    ranks = _sql.execute(con, "report", "gc_ranks", top=int(top)).fetchall()
     return {
         "ranks_with_gc": int(totals[0]) if totals else 0,
         "ranks": int(totals[2]) if totals else 0,
@@ -131,8 +124,8 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
     con = run.cursor()
     prepare(con, progress=say)
     axes = tuple(run.meta.mesh_axes)
-    steps_row = _sql.first(con.execute("SELECT count(DISTINCT step), min(step), max(step) FROM ms_cache.rank_step"))
-    n_steps = int(steps_row[0]) if steps_row else 0
+    extent = _sql.first(_sql.execute(con, "report", "extent"))
+    n_steps = int(extent[0]) if extent else 0
     say("localizing hangs")
     hang = localize(run)
     say("scoring stragglers")
@@ -164,8 +157,8 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
         "run": {
             "path": str(run.path), "source": run.meta.source, "run_id": run.meta.run_id,
             "world_size": run.meta.world_size, "mesh": mesh, "steps": n_steps,
-            "first_step": steps_row[1] if steps_row else None, "last_step": steps_row[2] if steps_row else None,
-            "ranks_seen": int(_sql.first(con.execute("SELECT count(*) FROM ms_cache.rank_info"))[0]),  # type: ignore[index]
+            "first_step": extent[1] if extent else None, "last_step": extent[2] if extent else None,
+            "ranks_seen": int(extent[3]) if extent else 0,
             "step_time_ns": median_step,
         },
         "mfu": {

@@ -98,6 +98,23 @@ SELECT m.host, m.ref_host, m.diff_ns, median(abs(d.d - m.diff_ns)) AS mad_ns, an
 FROM m JOIN d USING (host, ref_host)
 GROUP BY m.host, m.ref_host, m.diff_ns;
 
+-- @statement clock_offsets
+-- Per host its clock offset, as solved in Python from clock_pairs (base.solve_offsets) and
+-- registered as {{frame}}.
+-- @column host       the host
+-- @column offset_ns  add it to the host's times to put them on the reference clock
+-- @column error_ns   bound on the estimate (NULL without samples)
+-- @column samples    collective completions used
+CREATE OR REPLACE TABLE ms_cache.clock_offsets AS
+SELECT host::VARCHAR AS host, offset_ns::BIGINT AS offset_ns, error_ns::BIGINT AS error_ns,
+       samples::BIGINT AS samples
+FROM {{frame}};
+
+-- @statement offsets
+-- ms_cache.clock_offsets by host.
+-- @column host, offset_ns, error_ns, samples  as in clock_offsets
+SELECT host, offset_ns, error_ns, samples FROM ms_cache.clock_offsets ORDER BY host;
+
 -- @statement rank_clock
 -- Each rank's clock offset (that of its host): add offset_ns to its times.
 -- @column rank, host     the rank and its host
