@@ -43,7 +43,7 @@ STATES = ("healthy", "slow", "waiting", "silent", "hung")
 
 
 def _median_step_ns(con: duckdb.DuckDBPyConnection) -> float:
-    row = _sql.first(con.execute("SELECT median(step_ns) FROM ms_cache.rank_step WHERE step_ns IS NOT NULL"))
+    row = _sql.first(_sql.execute(con, "hang", "median_step"))
     return float(row[0]) if row and row[0] is not None else 0.0
 
 
@@ -59,19 +59,14 @@ def _finished(con: duckdb.DuckDBPyConnection) -> bool:
     """Whether every rank wrote a step span for the run's last step (then nothing can be stuck).
     The last step is the highest any rank reached in its spans or its markers: markers leave the
     process on their own (the marker agent) and may be all there is of the step a job died in."""
-    last = _sql.first(con.execute("SELECT max(step) FROM ms_cache.rank_step"))
+    last = _sql.first(_sql.execute(con, "hang", "last_step"))
     if not last or last[0] is None:
         return False
-    # A marker of a later step means the job went on past the last step spans show. Asked as "any
-    # marker beyond it", the Parquet readers skip every row group whose statistics end before it
-    # (not one value is decoded on a finished run) where "the largest step" read every one.
-    beyond = _sql.first(con.execute("SELECT count(*) FROM (SELECT 1 FROM markers WHERE step > ? LIMIT 1)",
-                                    [int(last[0])]))
+    # A marker of a later step means the job went on past the last step spans show.
+    beyond = _sql.first(_sql.execute(con, "hang", "markers_beyond", step=int(last[0])))
     if beyond and beyond[0]:
         return False
-    row = _sql.first(con.execute(
-        "SELECT count(DISTINCT rank) FILTER (WHERE step = ? AND step_ns IS NOT NULL), "
-        "(SELECT count(*) FROM ms_cache.rank_info) FROM ms_cache.rank_step", [int(last[0])]))
+    row = _sql.first(_sql.execute(con, "hang", "finished_ranks", step=int(last[0])))
     return bool(row and row[0] and row[0] == row[1])
 
 
@@ -79,7 +74,7 @@ def hang_tables(con: duckdb.DuckDBPyConnection) -> tuple[pd.DataFrame, pd.DataFr
     """(member_state, activity) frames, built after :func:`prepare`."""
     prepare(con)
     _sql.execute(con, "hang", "member_state", scan=not _finished(con))
-    members = con.execute("SELECT * FROM ms_cache.member_state WHERE missing OR stuck").df()
+    members = _sql.query_df(con, "hang", "waiting_members")
     activity = _sql.query_df(con, "hang", "activity")
     activity["silent"] = _silent(activity, _median_step_ns(con))
     return members, activity
@@ -220,11 +215,11 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
     member_frame, activity = hang_tables(con)
     members: list[Record] = [{str(k): v for k, v in m.items()} for m in member_frame.to_dict("records")]
     alive = _sql.query_df(con, "hang", "process_alive")
-    row = _sql.first(con.execute("SELECT count(*) > 0 FROM markers"))
+    row = _sql.first(_sql.execute(con, "hang", "has_markers"))
     has_markers = bool(row and row[0])
     places: dict[int, Record] = {
         int(r["rank"]): {str(k): v for k, v in r.items()}
-        for r in con.execute("SELECT * FROM ms_cache.rank_info").df().to_dict("records")
+        for r in _sql.query_df(con, "base", "places").to_dict("records")
     }
     last_seen = {int(r): v for r, v in zip(activity["rank"], activity["last_seen_ns"], strict=True)}
     silent_ranks = sorted(int(r) for r in activity.loc[activity["silent"], "rank"])
@@ -386,7 +381,7 @@ def rank_states(run: Run, *, stragglers_frame: pd.DataFrame | None = None,
 
     con = run.cursor()
     prepare(con)
-    info = con.execute("SELECT rank, host, coords, pp, dp, tp FROM ms_cache.rank_info ORDER BY rank").df()
+    info = _sql.query_df(con, "base", "places")[["rank", "host", "coords", "pp", "dp", "tp"]]
     hang = hang if hang is not None else localize(run)
     slow = stragglers_frame if stragglers_frame is not None else stragglers(con)
     state = pd.Series("healthy", index=info.index, dtype="object")

@@ -38,6 +38,11 @@ SELECT rank, host, coords, coords['pp'] AS pp, coords['dp'] AS dp, coords['tp'] 
        list_sort(list_filter(map_entries(coords), lambda e: e.key <> 'tp')) AS tp_key
 FROM r ORDER BY rank;
 
+-- @statement places
+-- rank_info by rank: each rank's place.
+-- @column rank, host, coords, pp, dp, tp, stage, tp_key  as in rank_info
+SELECT * FROM ms_cache.rank_info ORDER BY rank;
+
 -- @statement add_unknown_ranks
 -- Ranks seen in rank_step but missing from the ranks table.
 INSERT INTO ms_cache.rank_info (rank, host, stage)

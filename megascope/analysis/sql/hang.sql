@@ -133,3 +133,39 @@ SELECT h.rank, max(h.time_ns) + coalesce(any_value(k.offset_ns), 0) AS alive_unt
 FROM heartbeats h LEFT JOIN ms_cache.rank_clock k ON k.rank = h.rank
 WHERE h.metric = 'rank_alive' AND h.rank IS NOT NULL
 GROUP BY h.rank ORDER BY h.rank;
+
+-- @statement waiting_members
+-- The rows of member_state of a member missing from a call or stuck in one.
+-- @column grp, rank, last_enq, last_done, group_max_enq, missing, missing_seq, stuck, stuck_seq  as in member_state
+-- @column stuck_since_ns, set_aside, last_marker_ns                                            as in member_state
+SELECT * FROM ms_cache.member_state WHERE missing OR stuck;
+
+-- @statement last_step
+-- The highest step of the base tables.
+-- @column step  that step (NULL without rank-steps)
+SELECT max(step) AS step FROM ms_cache.rank_step;
+
+-- @statement markers_beyond
+-- Whether any marker is of a step after {{step}}. Asked as "any marker beyond it", the Parquet
+-- readers skip every row group whose statistics end before it (not one value is decoded on a
+-- finished run) where "the largest step" read every one.
+-- @column markers  1 where one is, else 0
+SELECT count(*) AS markers FROM (SELECT 1 FROM markers WHERE step > {{step}} LIMIT 1);
+
+-- @statement finished_ranks
+-- Ranks that wrote a step span for step {{step}}, against all ranks.
+-- @column finished  ranks with a step span for it
+-- @column ranks     ranks of rank_info
+SELECT count(DISTINCT rank) FILTER (WHERE step = {{step}} AND step_ns IS NOT NULL) AS finished,
+       (SELECT count(*) FROM ms_cache.rank_info) AS ranks
+FROM ms_cache.rank_step;
+
+-- @statement median_step
+-- The median step span over all rank-steps.
+-- @column step_ns  that median (NULL without step spans)
+SELECT median(step_ns) AS step_ns FROM ms_cache.rank_step WHERE step_ns IS NOT NULL;
+
+-- @statement has_markers
+-- Whether the run has markers at all.
+-- @column any_markers  true where it has
+SELECT count(*) > 0 AS any_markers FROM markers;
