@@ -102,6 +102,7 @@ def executed(synth: Synth, tmp_path_factory: pytest.TempPathFactory,
     analysis.host_lead(run.con)
     analysis.mfu(run.con, run.meta)
     analysis.skew(run.con, limit=10)
+    analysis.skew_drift(run.con)  # without the report's median step: it reads its own
     analysis.whatif(run.con, run.meta)
     run_state(run)  # without a localization: it counts the calls in flight itself
     # Branches this run does not take: a drifting collective's ranks (after the report's skew_drift

@@ -39,13 +39,11 @@ def _sample(con: duckdb.DuckDBPyConnection, steps: list[int] | None,
     to four per pipeline stage spread by hash (every stage, many hosts), so joins read few partitions."""
     prepare(con)
     if steps is None:
-        all_steps = [int(s) for (s,) in con.execute("SELECT DISTINCT step FROM ms_cache.rank_step ORDER BY step").fetchall()]
+        all_steps = [int(s) for (s,) in _sql.execute(con, "pipeline", "sample_steps").fetchall()]
         steps = sample_steps(all_steps, EXPOSED_SAMPLE_STEPS)
     if ranks is None:
-        ranks = [int(r) for (r,) in con.execute(
-            f"SELECT rank FROM (SELECT rank, row_number() OVER (PARTITION BY stage ORDER BY hash(rank)) AS k "
-            f"FROM ms_cache.rank_info) WHERE k <= {EXPOSED_RANKS_PER_STAGE} ORDER BY rank"
-        ).fetchall()]
+        ranks = [int(r) for (r,) in _sql.execute(con, "pipeline", "sample_ranks",
+                                                 per_stage=EXPOSED_RANKS_PER_STAGE).fetchall()]
     return [int(s) for s in steps] or [-1], ", ".join(str(int(r)) for r in ranks) or "NULL"
 
 
@@ -67,9 +65,8 @@ def exposed_comm(con: duckdb.DuckDBPyConnection, *, steps: list[int] | None = No
     """
     step_list, rank_list = _sample(con, steps)
     df = _sql.query_df(con, "pipeline", "exposed", steps=step_list, ranks=_sql.Raw(rank_list))
-    ((rank_steps,),) = con.execute(
-        f"SELECT count(*) FROM ms_cache.rank_step WHERE rank IN ({rank_list}) AND list_contains(?, step)",
-        [step_list]).fetchall()
+    ((rank_steps,),) = _sql.execute(con, "pipeline", "rank_steps", ranks=_sql.Raw(rank_list),
+                                    steps=step_list).fetchall()
     df["exposed_ns_per_rank_step"] = df["exposed_ns"].astype(float) / rank_steps if rank_steps else float("nan")
     df["timed_frac"] = (df["spans"] / df["calls"]).clip(upper=1.0)
     df["exposed_ns_per_rank_step_all"] = (df["exposed_all_ns"].astype(float) / rank_steps if rank_steps

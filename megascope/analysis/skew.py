@@ -63,7 +63,7 @@ def skew_drift(con: duckdb.DuckDBPyConnection, *, step_time_ns: float | None = N
     """
     by = skew_by_collective(con) if by_collective is None else by_collective
     if step_time_ns is None:
-        row = _sql.first(con.execute("SELECT median(coalesce(step_ns, extent_ns)) FROM ms_cache.rank_step"))
+        row = _sql.first(_sql.execute(con, "skew", "median_step"))
         step_time_ns = float(row[0]) if row and row[0] is not None else 0.0
     threshold = max(min_growth_frac * step_time_ns, 1.0)
     by = by.reset_index(drop=True)

@@ -169,9 +169,7 @@ def stragglers(con: duckdb.DuckDBPyConnection, config: StragglerConfig | None = 
     own_slow = c["straggler"].fillna(False).astype(bool)
     out_own = c[own_slow].copy()
     if not out_own.empty:
-        row = _sql.first(con.execute(
-            "SELECT count(DISTINCT tp), count(DISTINCT dp), count(DISTINCT pp) FROM ms_cache.rank_info"
-        )) or (1, 1, 1)
+        row = _sql.first(_sql.execute(con, "stragglers", "axis_sizes")) or (1, 1, 1)
         sizes = {"tp": max(int(row[0]), 1), "dp": max(int(row[1]), 1), "pp": max(int(row[2]), 1), "other": 2}
         out_own = pd.concat([out_own, _attribute(out_own, sizes)], axis=1)
     out_comm = c[~own_slow & (c["steps_comm_slow_frac"] >= config.min_frac)

@@ -63,9 +63,7 @@ def heatmap(con: duckdb.DuckDBPyConnection, *, phase: str = "step", max_ranks: i
         if value is not None and value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
     prepare(con)
-    n_ranks, n_steps = _sql.first(con.execute(
-        "SELECT count(DISTINCT rank), count(DISTINCT step) FROM ms_cache.rank_step"
-    )) or (0, 0)
+    n_ranks, n_steps = _sql.first(_sql.execute(con, "timeline", "extent")) or (0, 0)
     rank_per_bin = max(1, math.ceil(n_ranks / max_ranks)) if max_ranks else 1
     step_per_bin = max(1, math.ceil(n_steps / max_steps)) if max_steps else 1
     gaps = "(SELECT NULL::INTEGER AS rank, NULL::INTEGER AS step, NULL::BIGINT AS gap_ns WHERE false)"

@@ -160,3 +160,20 @@ JOIN ranks r ON r.rank = s.rank
 WHERE s.rank IN ({{ranks}}) AND m.rank IN ({{ranks}}) AND list_contains({{steps}}, s.step)
   AND r.rank IN ({{ranks}}) AND s.kind IN ('collective', 'send', 'recv') AND r.device LIKE 'cuda%'
 GROUP BY s.rank ORDER BY s.rank;
+
+-- @statement sample_steps
+-- The steps of the base tables, in order (exposed and host_lead sample a few of them).
+-- @column step  a step
+SELECT DISTINCT step FROM ms_cache.rank_step ORDER BY step;
+
+-- @statement sample_ranks
+-- Up to {{per_stage}} ranks per pipeline stage, spread by hash (every stage, many hosts), so that
+-- exposed and host_lead read few partitions.
+-- @column rank  a sampled rank
+SELECT rank FROM (SELECT rank, row_number() OVER (PARTITION BY stage ORDER BY hash(rank)) AS k FROM ms_cache.rank_info)
+WHERE k <= {{per_stage}} ORDER BY rank;
+
+-- @statement rank_steps
+-- The rank-steps of ranks {{ranks}} in steps {{steps}}: what exposed's sums are spread over.
+-- @column rank_steps  their number
+SELECT count(*) AS rank_steps FROM ms_cache.rank_step WHERE rank IN ({{ranks}}) AND list_contains({{steps}}, step);

@@ -69,3 +69,8 @@ WHERE n >= 2 AND name = (SELECT name FROM ms_cache.skew_collectives WHERE idx = 
 GROUP BY last_rank HAVING count(*) >= 3
 ORDER BY late_growth_ns DESC
 LIMIT 10;
+
+-- @statement median_step
+-- The median step time over all rank-steps (step span, else the spans' extent).
+-- @column step_ns  that median (NULL without rank-steps)
+SELECT median(coalesce(step_ns, extent_ns)) AS step_ns FROM ms_cache.rank_step;

@@ -251,3 +251,8 @@ SELECT f.*, i.host, i.coords, i.pp, i.dp, i.tp,
        f.flag AND f.z >= {{shadow}} * max(f.z) FILTER (WHERE f.flag) OVER ()
               AND f.t_own >= {{own_shadow}} * max(f.t_own) FILTER (WHERE f.flag) OVER () AS straggler
 FROM flagged f JOIN ms_cache.rank_info i USING (rank);
+
+-- @statement axis_sizes
+-- How many distinct coordinates the ranks have on the axes a straggler's place is told on.
+-- @column tp, dp, pp  distinct tp, dp and pp coordinates (0 where the run lacks the axis)
+SELECT count(DISTINCT tp) AS tp, count(DISTINCT dp) AS dp, count(DISTINCT pp) AS pp FROM ms_cache.rank_info;

@@ -91,3 +91,8 @@ GROUP BY step ORDER BY step;
 -- @column step    the step
 -- @column tokens  tokens of the step, summed over ranks
 SELECT step, sum(value) AS tokens FROM metrics WHERE name = 'tokens' GROUP BY step ORDER BY step;
+
+-- @statement extent
+-- The ranks and steps of the base tables: how many the heat-map bins.
+-- @column ranks, steps  distinct ranks and steps of rank_step
+SELECT count(DISTINCT rank) AS ranks, count(DISTINCT step) AS steps FROM ms_cache.rank_step;
