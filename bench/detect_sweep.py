@@ -117,7 +117,8 @@ def score(r: dict[str, Any], path: Path) -> dict[str, Any]:
     from megascope.analysis.report import report
     from megascope.store import open_run
 
-    res = report(open_run(path), with_whatif=False)
+    run = open_run(path)
+    res = report(run, with_whatif=False)
     named = [s["rank"] for s in res["stragglers"]]
     first = res["stragglers"][0] if res["stragglers"] else None
     hung = bool(res["hang"].get("hung"))
@@ -126,6 +127,7 @@ def score(r: dict[str, Any], path: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"named": named, "hung": hung, "suspects": suspects[:3],
                            "cause": first["cause"] if first else None,
                            "confidence": first.get("confidence") if first else None}
+    out.update(measured(run, want))
     if kind in ("straggler", "skew"):
         out["first_right"] = bool(first and first["rank"] == want) and not hung
         out["cause_right"] = bool(out["first_right"] and first and first["cause"] == ("host" if kind == "skew" else "compute"))
@@ -139,6 +141,27 @@ def score(r: dict[str, Any], path: Path) -> dict[str, Any]:
         out["cause_right"] = out["first_right"]
         out["false"] = named + (["hang"] if hung else [])
     return out
+
+
+def measured(run: Any, planted: int | None) -> dict[str, Any]:
+    """What the run's own spans say, planted fault aside: per rank the median over steps (from
+    step 3) of its forward + backward time against the median of its pipeline stage, the slowest
+    rank and that ratio, and the planted rank's. A machine can slow a rank nobody planted (on a
+    host-bound GPU run, a rank whose host launches its kernels slower); a run where such a rank
+    is slower than the planted one is a miss of the scoring, not of the detection."""
+    frame = run.con.execute("""
+        WITH own AS (SELECT step, rank, sum(dur_ns) AS ns FROM spans
+                     WHERE step >= 3 AND kind IN ('forward', 'backward') AND name IN ('forward', 'backward')
+                     GROUP BY 1, 2),
+        per AS (SELECT o.rank, coalesce(r.coords['pp'], 0) AS stage, median(o.ns) AS ns
+                FROM own o JOIN ranks r USING (rank) GROUP BY 1, 2)
+        SELECT rank, ns / median(ns) OVER (PARTITION BY stage) AS ratio FROM per ORDER BY ratio DESC""").fetchall()
+    if not frame:
+        return {}
+    ratios = {int(r): float(x) for r, x in frame}
+    slowest = max(ratios, key=lambda r: ratios[r])
+    return {"slowest": slowest, "slowest_ratio": round(ratios[slowest], 3),
+            "planted_ratio": round(ratios[planted], 3) if planted in ratios else None}
 
 
 def hta_score(r: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -172,17 +195,29 @@ def table(rows: list[dict[str, Any]]) -> str:
     order: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         order.setdefault(level(r), []).append(r)
-    lines = ["| fault | runs | named first | right cause | other ranks named | load (1 min), median / max "
-             "| other processes' cores during the run, median / max |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| fault | runs | named first | right cause | other ranks named | another rank measured slower "
+             "than the planted one | load (1 min), median / max | other processes' cores during the run, median / max |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, group in order.items():
         ok = [g for g in group if "first_right" in g]
         loads = sorted(g["load"] for g in group)
         lines.append(f"| {name} | {len(group)} | {sum(g['first_right'] for g in ok)}/{len(group)} | "
                      f"{sum(g['cause_right'] for g in ok)}/{len(group)} | "
-                     f"{sum(bool(g['false']) for g in ok)} | {loads[len(loads) // 2]:.1f} / {loads[-1]:.1f} | "
+                     f"{sum(bool(g['false']) for g in ok)} | {_overshadowed(group)} | "
+                     f"{loads[len(loads) // 2]:.1f} / {loads[-1]:.1f} | "
                      f"{_median_max(group, 'other_cores')} |")
     return "\n".join(lines)
+
+
+def _overshadowed(group: list[dict[str, Any]]) -> str:
+    """Runs where the spans show another rank slower than the planted one (its ratio over the
+    planted rank's, median), or "-" for runs with no planted rank."""
+    planted = [g for g in group if g.get("kind") in ("straggler", "skew")
+               and g.get("planted_ratio") is not None and g.get("slowest_ratio") is not None]
+    if not planted:
+        return "-"
+    over = [g for g in planted if g["slowest"] != g.get("rank") and g["slowest_ratio"] > g["planted_ratio"]]
+    return f"{len(over)}/{len(planted)}" + (f" (ranks {', '.join(str(g['slowest']) for g in over)})" if over else "")
 
 
 def _median_max(group: list[dict[str, Any]], key: str) -> str:
