@@ -47,7 +47,7 @@ def judge(kind: str, specs: list[str], run_dir: Path) -> tuple[bool, bool]:
         found = analysis.localize(run)
         named = [s["rank"] for s in found["suspects"]]
         return bool(found["hung"] and named[:1] == [planted]), any(r != planted for r in named)
-    slow = analysis.stragglers(run.con)
+    slow = analysis.stragglers(run)
     ranks = list(slow["rank"])
     hang = analysis.localize(run)
     extra = any(r != planted for r in ranks) or hang["hung"]

@@ -39,10 +39,10 @@ def _megascope_view(run_dir: Path) -> tuple[float, dict[str, tuple[float, float]
     except ImportError:
         return None
     run = open_run(run_dir)
-    per_step = mfu(run.con, run.meta)
+    per_step = mfu(run)
     steps = [int(s) for s in per_step["step"] if s >= WARMUP]
     med = float(per_step[per_step["step"] >= WARMUP]["mfu"].median())
-    ex = exposed_comm(run.con, steps=steps)
+    ex = exposed_comm(run, steps=steps)
     n = max(1, len(steps) * run.meta.world_size)
     kinds: dict[str, tuple[float, float]] = {}
     for kind, rows in ex.groupby("group_kind"):
@@ -51,7 +51,7 @@ def _megascope_view(run_dir: Path) -> tuple[float, dict[str, tuple[float, float]
         scale = rows["calls"] / rows["spans"]
         kinds[str(kind)] = (float(rows["exposed_all_ns"].sum()) / n / 1e6,
                             float((rows["comm_ns"] * scale).sum()) / n / 1e6)
-    lead = host_lead(run.con, steps=steps)
+    lead = host_lead(run, steps=steps)
     return med, kinds, float(lead["starved_frac"].max()) if len(lead) else None
 
 

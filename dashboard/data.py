@@ -39,15 +39,15 @@ def _analysis() -> Any:
 
 
 def _compute_per_step(run: Run) -> pd.DataFrame:
-    return _analysis().mfu(run.con, run.meta)
+    return _analysis().mfu(run)
 
 
 def _compute_stragglers(run: Run) -> pd.DataFrame:
-    return _analysis().stragglers(run.con)
+    return _analysis().stragglers(run)
 
 
 def _compute_skew_drift(run: Run) -> dict[str, Any]:
-    return dict(_analysis().skew_drift(run.con))
+    return dict(_analysis().skew_drift(run))
 
 
 def _compute_hang(run: Run) -> dict[str, Any]:
@@ -60,15 +60,15 @@ _NO_HANG: dict[str, Any] = {"hung": False, "suspects": [], "waiting": [], "stuck
 
 
 def _compute_whatif(run: Run) -> dict[str, Any]:
-    return dict(_analysis().whatif(run.con, run.meta))
+    return dict(_analysis().whatif(run))
 
 
 def _compute_offsets(run: Run) -> pd.DataFrame:
-    return _analysis().clock_offsets(run.con)
+    return _analysis().clock_offsets(run)
 
 
 def _compute_bubbles(run: Run) -> pd.DataFrame:
-    return _analysis().bubbles(run.con)
+    return _analysis().bubbles(run)
 
 
 def _compute_host_lead(run: Run) -> dict[str, Any]:
@@ -76,7 +76,7 @@ def _compute_host_lead(run: Run) -> dict[str, Any]:
 
 
 def _compute_skew(run: Run) -> pd.DataFrame:
-    return _analysis().skew(run.con)
+    return _analysis().skew(run)
 
 
 def _compute_loss(run: Run) -> pd.DataFrame:
@@ -206,7 +206,7 @@ def heatmap(served: ServedRun, phase: str) -> pd.DataFrame:
     """The rank x step frame of ``phase``, binned server-side to at most 256 x 400 cells."""
     return served.result(
         ("heatmap", phase),
-        lambda run: _analysis().heatmap(run.con, phase=phase, max_ranks=HEATMAP_MAX_RANKS,
+        lambda run: _analysis().heatmap(run, phase=phase, max_ranks=HEATMAP_MAX_RANKS,
                                         max_steps=HEATMAP_MAX_STEPS),
     )
 

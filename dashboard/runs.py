@@ -13,13 +13,12 @@ Example::
 
     registry = RunRegistry([Path("runs/demo")])
     served = registry.get("demo")
-    frame = served.result(("mfu",), lambda run: analysis.mfu(run.con, run.meta))
+    frame = served.result(("mfu",), lambda run: analysis.mfu(run))
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import re
@@ -186,15 +185,15 @@ class ServedRun:
                 return hit[1]  # type: ignore[no-any-return]
             started = time.perf_counter()
             # A fresh cursor per computation: one analysis' half-read result never blocks the next.
-            cursor = self.run.cursor()
+            run = self.run.with_cursor()
             try:
-                value = compute(dataclasses.replace(self.run, con=cursor))
+                value = compute(run)
             except Exception as exc:
                 # Remembered for this generation: a failing analysis is not re-run on every view.
                 self._cache[key] = (self.generation, _Failed(exc))
                 raise
             finally:
-                cursor.close()
+                run.con.close()
             log.debug("run %s: %s computed in %.3f s", self.id, key, time.perf_counter() - started)
             self._cache[key] = (self.generation, value)
             return value
@@ -205,11 +204,11 @@ class ServedRun:
         with self._lock:
             if self.run is None:
                 raise RunDirError(self.error or f"{self.path}: no data yet")
-            cursor = self.run.cursor()
+            run = self.run.with_cursor()
             try:
-                yield dataclasses.replace(self.run, con=cursor)
+                yield run
             finally:
-                cursor.close()
+                run.con.close()
 
     def cached(self, key: tuple[Any, ...]) -> Any | None:
         """The result for ``key`` of the current generation if already computed (never computes)."""

@@ -33,7 +33,7 @@ import logging
 import math
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import duckdb
@@ -85,6 +85,11 @@ class Run:
         """A cursor for the calling thread (Dash serves callbacks on threads)."""
         with self._lock:
             return self.con.cursor()
+
+    def with_cursor(self) -> Run:
+        """This run read through a fresh :meth:`cursor`: what an analysis on another thread is
+        given (close its ``con`` when done)."""
+        return replace(self, con=self.cursor())
 
     def has_rows(self, table: str) -> bool:
         return bool(self.files.get(table))

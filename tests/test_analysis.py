@@ -43,7 +43,7 @@ def test_healthy_run_has_no_findings(runs: dict[str, Path]) -> None:
 
 def test_compute_straggler_is_named_with_place_and_cause(runs: dict[str, Path]) -> None:
     run = open_run(runs["straggler"])
-    found = analysis.stragglers(run.con)
+    found = analysis.stragglers(run)
     assert list(found["rank"]) == [13]
     row = found.iloc[0]
     expected = run.con.execute("SELECT host, coords['pp'], coords['dp'], coords['tp'] FROM ranks WHERE rank = 13").fetchone()
@@ -58,7 +58,7 @@ def test_compute_straggler_is_named_with_place_and_cause(runs: dict[str, Path]) 
 
 def test_skew_is_a_host_cause_late_at_dp(runs: dict[str, Path]) -> None:
     run = open_run(runs["skew"])
-    found = analysis.stragglers(run.con)
+    found = analysis.stragglers(run)
     assert list(found["rank"]) == [6]
     assert found.iloc[0]["cause"] == "host"
     assert found.iloc[0]["late_at"] == "dp"
@@ -85,7 +85,7 @@ def test_hang_root_and_states(runs: dict[str, Path]) -> None:
 def test_clock_offsets_recover_the_planted_ones(runs: dict[str, Path]) -> None:
     run = open_run(runs["straggler"])
     truth = run.meta.config["synth"]["clock_offsets_ns"]
-    est = analysis.clock_offsets(run.con).set_index("host")
+    est = analysis.clock_offsets(run).set_index("host")
     for host, planted in truth.items():
         # Offsets are what to add to a host's times; synth adds `planted` to the true time.
         assert abs(est.at[host, "offset_ns"] + planted) <= max(2 * (est.at[host, "error_ns"] or 0), 50_000)
@@ -107,20 +107,20 @@ def test_solve_offsets_links_hosts_through_chains() -> None:
 
 def test_heatmap_bins_keep_the_straggler(runs: dict[str, Path]) -> None:
     run = open_run(runs["straggler"])
-    full = analysis.heatmap(run.con, phase="own")
+    full = analysis.heatmap(run, phase="own")
     assert len(full) == 32 * 8
     assert full.groupby("rank")["norm"].median().idxmax() == 13
-    small = analysis.heatmap(run.con, phase="own", max_ranks=4, max_steps=2)
+    small = analysis.heatmap(run, phase="own", max_ranks=4, max_steps=2)
     assert small["rank_bin"].nunique() == 4 and small["step_bin"].nunique() == 2
     worst = small.loc[small["norm"].idxmax()]
     assert worst["rank"] == 13 and worst["rank_lo"] <= 13 <= worst["rank_hi"]
     with pytest.raises(ConfigError, match="phase"):
-        analysis.heatmap(run.con, phase="nope")
+        analysis.heatmap(run, phase="nope")
 
 
 def test_mfu_follows_run_json(runs: dict[str, Path]) -> None:
     run = open_run(runs["healthy"])
-    per_step = analysis.mfu(run.con, run.meta)
+    per_step = analysis.mfu(run)
     meta = run.meta
     assert meta.model_flops_per_step and meta.peak_flops_per_device
     expected = meta.model_flops_per_step / (per_step["step_time_ns"] / 1e9 * meta.world_size * meta.peak_flops_per_device)
@@ -130,29 +130,29 @@ def test_mfu_follows_run_json(runs: dict[str, Path]) -> None:
 
 def test_whatif_gains_only_with_a_straggler(runs: dict[str, Path]) -> None:
     slow = open_run(runs["straggler"])
-    fixed = analysis.whatif(slow.con, slow.meta)
+    fixed = analysis.whatif(slow)
     assert fixed["ranks"] == [13]
     assert fixed["speedup"] > 1.0
     assert fixed["whatif_step_time_ns"] < fixed["step_time_ns"]
     # The model replays the measured step closely.
     assert abs(fixed["modeled_baseline_ns"] / fixed["step_time_ns"] - 1) < 0.1
     healthy = open_run(runs["healthy"])
-    assert analysis.whatif(healthy.con, healthy.meta)["speedup"] == pytest.approx(1.0)
+    assert analysis.whatif(healthy)["speedup"] == pytest.approx(1.0)
 
 
 def test_skew_instances_and_bubbles(runs: dict[str, Path]) -> None:
     run = open_run(runs["skew"])
-    dp = analysis.skew(run.con, group_kind="dp")
+    dp = analysis.skew(run, group_kind="dp")
     assert set(dp["group_kind"]) == {"dp"}
     rs = dp[dp["name"] == "dp.reduce_scatter"]
     # The paused rank is last at its DP group's reduce-scatter, about 40 ms late.
     ours = rs[rs["last_rank"] == 6]
     assert len(ours) == 8 and (ours["spread_ns"] > 30 * MS).all()
-    assert len(analysis.skew(run.con, limit=5)) == 5
-    stages = analysis.bubbles(run.con)
+    assert len(analysis.skew(run, limit=5)) == 5
+    stages = analysis.bubbles(run)
     assert list(stages["stage"]) == [0, 1]
     assert ((stages["bubble_frac"] > 0) & (stages["bubble_frac"] < 1)).all()
-    exposed = analysis.exposed_comm(run.con)
+    exposed = analysis.exposed_comm(run)
     assert {"tp", "dp", "p2p"} <= set(exposed["group_kind"])
     assert ((exposed["exposed_frac"] >= 0) & (exposed["exposed_frac"] <= 1)).all()
 
@@ -201,7 +201,7 @@ def test_exposed_communication_arithmetic(tmp_path: Path) -> None:
         {**comm("send", 88, 10, "pp.send", "pp:0", 0, "send"), "peer": 1},
     ]
     run = open_run(hand_run(tmp_path / "run", spans, [], world=1, hosts=("h0",)))
-    got = analysis.exposed_comm(run.con, steps=[0]).set_index("name")
+    got = analysis.exposed_comm(run, steps=[0]).set_index("name")
     assert got.loc["tp.reduce_scatter", ["comm_ns", "overlapped_ns", "exposed_ns"]].tolist() == [5 * MS, 0, 5 * MS]
     assert got.loc["dp.reduce_scatter", ["comm_ns", "overlapped_ns", "exposed_ns"]].tolist() == [70 * MS, 45 * MS, 10 * MS]
     assert got.loc["pp.recv", "exposed_ns"] + got.loc["pp.send", "exposed_ns"] == 13 * MS
@@ -212,7 +212,7 @@ def test_host_lead_names_the_rank_whose_device_waited_for_its_host(tmp_path: Pat
     """host_bound_run: rank 1's device reached a quarter of its calls 0.1 ms after the host issued
     them (it had run dry), rank 0's always 10 ms after; rank 2 is host-timed and left out."""
     run = open_run(host_bound_run(tmp_path / "run"))
-    got = analysis.host_lead(run.con, steps=[0]).set_index("rank")
+    got = analysis.host_lead(run, steps=[0]).set_index("rank")
     assert list(got.index) == [0, 1]
     assert got.loc[0, ["calls", "lead_p50_ns", "starved_frac"]].tolist() == [40, 10 * MS, 0.0]
     assert got.loc[1, "starved_frac"] == 0.25 and got.loc[1, "lead_p10_ns"] == 100_000
@@ -223,7 +223,7 @@ def test_host_lead_names_the_rank_whose_device_waited_for_its_host(tmp_path: Pat
     assert "host-bound: rank 1: the device was idle at 25% of 40 calls (lead p10 0.1 ms)" in out.output
     assert "keep the host ahead" in out.output  # and what to do about it
     plain = open_run(host_bound_run(tmp_path / "cpu", devices=None))  # no device recorded: nothing to say
-    assert analysis.host_lead(plain.con, steps=[0]).empty
+    assert analysis.host_lead(plain, steps=[0]).empty
     # A synthetic run has no host clock apart from its device's: the report leaves it out.
     synth = open_run(host_bound_run(tmp_path / "synth", source="synth"))
     assert analysis.report(synth, with_whatif=False)["host_lead"]["ranks"] == []
@@ -265,7 +265,7 @@ def test_pipeline_neighbour_of_a_straggler_is_not_named(tmp_path: Path) -> None:
         layout.write_part(path, "spans", pa.Table.from_pylist([x for x in spans if x["rank"] == r], schema=schema.SPANS),
                           rank=r)
     run = open_run(path)
-    named = analysis.stragglers(run.con)
+    named = analysis.stragglers(run)
     assert named["rank"].tolist() == [3]
     scores = run.con.execute("SELECT rank, median_slowdown, median_ex_recv_ns, median_ex_own_ns, last_z "
                              "FROM ms_cache.rank_scores WHERE rank = 1").fetchone()
@@ -394,13 +394,13 @@ def test_cache_follows_a_growing_run_and_serves_cursors(runs: dict[str, Path], t
     spans = [span(r, 0, "step", 0, 5 * MS) for r in range(3)]
     path = hand_run(tmp_path / "run", spans, [])
     run = open_run(path)
-    assert len(analysis.step_times(run.con)) == 3
+    assert len(analysis.step_times(run)) == 3
     layout.write_part(path, "spans", pa.Table.from_pylist([span(0, 1, "step", 5 * MS, 5 * MS)], schema=schema.SPANS),
                       rank=0)
     run.refresh()
-    assert len(analysis.step_times(run.con)) == 4
+    assert len(analysis.step_times(run)) == 4
     seen: list[int] = []
-    thread = threading.Thread(target=lambda: seen.append(len(analysis.step_times(run.cursor()))))
+    thread = threading.Thread(target=lambda: seen.append(len(analysis.step_times(run.with_cursor()))))
     thread.start()
     thread.join()
     assert seen == [4]
@@ -424,12 +424,12 @@ def test_drift_names_the_collective_and_the_rank(tmp_path: Path) -> None:
             ]
         t0 += step_len
     run = open_run(hand_run(tmp_path / "run", spans, []))
-    drift = analysis.skew_drift(run.con)
+    drift = analysis.skew_drift(run)
     assert drift["drifting"] is True
     top = drift["collectives"][0]
     assert top["name"] == "dp.reduce_scatter" and top["group_kind"] == "dp"
     assert [r["rank"] for r in top["ranks"]] == [2]
-    per_step = analysis.mfu(run.con, run.meta)
+    per_step = analysis.mfu(run)
     assert analysis.mfu_drift(per_step)["drifting"] is True
     flat = per_step.assign(step_time_ns=22 * MS)
     assert analysis.mfu_drift(flat)["drifting"] is False

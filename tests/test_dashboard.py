@@ -221,7 +221,7 @@ def test_dashboard_numbers_are_the_analysis_numbers(runs: dict[str, Path]) -> No
     straggler, hang = registry.get("straggler"), registry.get("hang")
     assert straggler is not None and hang is not None
     run = open_run(runs["straggler"])
-    expected = analysis.stragglers(run.con)
+    expected = analysis.stragglers(run)
     assert dash_data.stragglers(straggler)["rank"].tolist() == expected["rank"].tolist()
     assert dash_data.focus_rank(straggler) == int(expected.iloc[0]["rank"])
     states = dash_data.rank_states(hang).set_index("rank")["state"]
@@ -277,8 +277,8 @@ def test_metrics_endpoint(runs: dict[str, Path]) -> None:
     assert response.status_code == 200 and response.mimetype == "text/plain"
     text = response.get_data(as_text=True)
     run = open_run(runs["straggler"])
-    expected = analysis.stragglers(run.con)
-    per_step = analysis.mfu(run.con, run.meta)
+    expected = analysis.stragglers(run)
+    per_step = analysis.mfu(run)
     assert _metric(text, "megascope_stragglers", "straggler") == len(expected) > 0
     assert _metric(text, "megascope_straggler_worst_slowdown_ratio", "straggler") == pytest.approx(
         expected["slowdown"].max())

@@ -254,7 +254,7 @@ def test_the_export_estimates_the_offsets_the_analysis_does(tmp_path: Path) -> N
     synth_run(out, SynthConfig(ranks=32, steps=4, tp=2, pp=2, gpus_per_host=4, seed=11))
     alone = estimate_clock_offsets(open_run(out).con)
     run = open_run(out)
-    full = analysis.clock_offsets(run.con)
+    full = analysis.clock_offsets(run)
     assert alone["host"].tolist() == full["host"].tolist()
     assert alone["offset_ns"].tolist() == full["offset_ns"].tolist()
     assert estimate_clock_offsets(run.con)["offset_ns"].tolist() == full["offset_ns"].tolist()  # read back

@@ -29,9 +29,9 @@ def _worst_rank(cells: object) -> int:
 
 def test_a_host_pause_outside_spans_shows_in_the_host_phase(runs: dict[str, Path]) -> None:
     run = open_run(runs["skew"])
-    slow = analysis.stragglers(run.con)
+    slow = analysis.stragglers(run)
     assert slow.iloc[0]["rank"] == 3 and slow.iloc[0]["cause"] == "host"
-    host = analysis.heatmap(run.con, phase="host")
+    host = analysis.heatmap(run, phase="host")
     assert _worst_rank(host) == 3
     paused = host[host["rank"] == 3]["value_ns"].median()
     assert paused >= 100e6, "the 120 ms pause is host time of rank 3"
@@ -41,14 +41,14 @@ def test_a_host_pause_outside_spans_shows_in_the_host_phase(runs: dict[str, Path
 def test_own_time_is_never_negative_and_points_at_the_straggler(runs: dict[str, Path]) -> None:
     for name, culprit in (("skew", 3), ("straggler", 77)):
         run = open_run(runs[name])
-        own = analysis.heatmap(run.con, phase="own")
+        own = analysis.heatmap(run, phase="own")
         assert own["value_ns"].min() >= 0
-        assert _worst_rank(own) == culprit == int(analysis.stragglers(run.con).iloc[0]["rank"])
+        assert _worst_rank(own) == culprit == int(analysis.stragglers(run).iloc[0]["rank"])
 
 
 def test_binning_keeps_the_straggler_cell(runs: dict[str, Path]) -> None:
     run = open_run(runs["straggler"])
-    cells = analysis.heatmap(run.con, phase="own", max_ranks=16)
+    cells = analysis.heatmap(run, phase="own", max_ranks=16)
     assert cells["rank_bin"].nunique() == 16
     worst = cells.loc[cells["norm"].idxmax()]
     assert int(worst["rank"]) == 77 and worst["rank_lo"] <= 77 <= worst["rank_hi"]

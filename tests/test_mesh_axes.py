@@ -51,8 +51,8 @@ def test_a_synthetic_cp_ep_run_places_and_names_every_rank(tmp_path: Path, synth
     assert {kind for _, kind, _ in groups} == {"pp", "dp", "ep", "cp", "tp"}
     for gid, kind, members in groups:
         assert mesh.group_of(members[0], kind) == Group(gid, kind, tuple(members))
-    assert set(analysis.skew(run.con)["group_kind"]) == {"dp", "ep", "cp", "tp"}
-    assert set(analysis.skew(run.con, group_kind="cp")["name"]) == {"cp.all_gather"}
+    assert set(analysis.skew(run)["group_kind"]) == {"dp", "ep", "cp", "tp"}
+    assert set(analysis.skew(run, group_kind="cp")["name"]) == {"cp.all_gather"}
 
     # report and CLI name the straggler with every axis, in the run's order
     found = report(run)
@@ -130,7 +130,7 @@ def test_a_group_s_kind_is_read_from_the_groups_table_only(tmp_path: Path) -> No
               "start_ns": t0 + 10 * r, "dur_ns": 100 - 10 * r, "group": group, "seq": 1, "op": "all_reduce"}
              for r in range(3) for group in ("tp:0", "dp:0")]
     run = open_run(hand_run(tmp_path / "run", spans, []))
-    kinds = dict(analysis.skew(run.con)[["group", "group_kind"]].itertuples(index=False))
+    kinds = dict(analysis.skew(run)[["group", "group_kind"]].itertuples(index=False))
     assert kinds == {"tp:0": "other", "dp:0": "dp"}
 
 

@@ -95,15 +95,15 @@ def executed(synth: Synth, tmp_path_factory: pytest.TempPathFactory,
     analysis.report(run)
     analysis.localize(run)
     # What the report leaves out: the dashboard's views and the CLI's tables.
-    analysis.step_times(run.con)
-    analysis.heatmap(run.con, phase="host", max_ranks=4, max_steps=3)
-    analysis.bubbles(run.con)
-    analysis.exposed_comm(run.con)
-    analysis.host_lead(run.con)
-    analysis.mfu(run.con, run.meta)
-    analysis.skew(run.con, limit=10)
-    analysis.skew_drift(run.con)  # without the report's median step: it reads its own
-    analysis.whatif(run.con, run.meta)
+    analysis.step_times(run)
+    analysis.heatmap(run, phase="host", max_ranks=4, max_steps=3)
+    analysis.bubbles(run)
+    analysis.exposed_comm(run)
+    analysis.host_lead(run)
+    analysis.mfu(run)
+    analysis.skew(run, limit=10)
+    analysis.skew_drift(run)  # without the report's median step: it reads its own
+    analysis.whatif(run)
     run_state(run)  # without a localization: it counts the calls in flight itself
     # Branches this run does not take: a drifting collective's ranks (after the report's skew_drift
     # built ms_cache.skew_collectives), tokens logged as metrics rather than given in run.json.

@@ -53,7 +53,7 @@ def noisy_run(path: Path, *, seed: int, slow: int | None = None, factor: float =
 def test_a_mild_straggler_in_noisy_steps_is_named_with_its_evidence(tmp_path: Path, seed: int) -> None:
     planted = [5, 2][seed - 1]
     run = open_run(noisy_run(tmp_path / "run", seed=seed, slow=planted, factor=1.2))
-    found = analysis.stragglers(run.con)
+    found = analysis.stragglers(run)
     assert list(found["rank"]) == [planted]
     row = found.iloc[0]
     assert row["cause"] == "compute"
@@ -77,7 +77,7 @@ def test_report_json_carries_confidence_and_evidence(tmp_path: Path) -> None:
 @pytest.mark.parametrize("seed", [4, 5, 6])
 def test_a_pause_outside_every_span_is_a_host_cause(tmp_path: Path, seed: int) -> None:
     run = open_run(noisy_run(tmp_path / "run", seed=seed, paused=3, pause_ms=12.0, noise=0.08))
-    found = analysis.stragglers(run.con)
+    found = analysis.stragglers(run)
     assert list(found["rank"]) == [3]
     assert found.iloc[0]["cause"] == "host"
     # Its compute spans are no longer than its peers' beyond their noise.
@@ -89,14 +89,14 @@ def test_a_pause_outside_every_span_is_a_host_cause(tmp_path: Path, seed: int) -
 @pytest.mark.parametrize("seed", range(10, 16))
 def test_noisy_healthy_runs_name_nobody(tmp_path: Path, seed: int) -> None:
     run = open_run(noisy_run(tmp_path / "run", seed=seed))
-    assert analysis.stragglers(run.con).empty
+    assert analysis.stragglers(run).empty
 
 
 def test_the_fault_does_not_raise_its_own_bar(tmp_path: Path) -> None:
     """Noise is read from the ranks' step-to-step spread, not from the spread between ranks, which a
     gross straggler widens: x1.6 in steps noisier than its slowdown is still named, and alone."""
     run = open_run(noisy_run(tmp_path / "run", seed=7, slow=0, factor=1.6, noise=0.3))
-    found = analysis.stragglers(run.con)
+    found = analysis.stragglers(run)
     assert list(found["rank"]) == [0]
 
 
@@ -166,7 +166,7 @@ def test_a_straggler_s_tp_partner_is_not_named_beside_it() -> None:
 def test_a_hung_run_names_no_straggler(tmp_path: Path, synth: Synth) -> None:
     run = open_run(synth(tmp_path / "run", "straggler:rank=5,factor=1.5", "hang:rank=9,step=5",
                          ranks=16, steps=8, tp=2, pp=2, seed=3, gpus_per_host=4))
-    assert not analysis.stragglers(run.con).empty  # the steps before the hang do show it
+    assert not analysis.stragglers(run).empty  # the steps before the hang do show it
     result = analysis.report(run, with_whatif=False)
     assert result["hang"]["hung"] is True and result["hang"]["suspects"][0]["rank"] == 9
     assert result["stragglers"] == []

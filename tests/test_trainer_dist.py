@@ -277,7 +277,7 @@ def test_overlap_is_what_the_exposed_comm_analysis_sees(tmp_path: Path, referenc
             assert {"pp.send:wait", "pp.recv:wait"} <= waits
         if "tp" in overlap:
             assert {"tp.all_gather:wait", "tp.reduce_scatter:wait"} <= waits
-        rows = exposed_comm(run.con, steps=[1, 2]).set_index(["group_kind", "name"])
+        rows = exposed_comm(run, steps=[1, 2]).set_index(["group_kind", "name"])
         return result.losses, rows.loc[("dp", "dp.reduce_scatter")], rows.loc[("dp", "dp.all_gather")]
 
     on_losses, on, on_ag = dp_rs(frozenset({"tp", "pp", "dp"}))
@@ -322,10 +322,10 @@ def test_tp_calls_timed_in_the_first_microbatch_still_find_the_straggler(tmp_pat
     assert issued == done and 3 * timed < issued
     calls = con.execute("SELECT sum(value) FROM metrics WHERE name LIKE 'collector_calls:tp:%'").fetchone()[0]
     assert calls == issued
-    found = stragglers(con).sort_values("slowdown", ascending=False)
+    found = stragglers(run).sort_values("slowdown", ascending=False)
     assert found["rank"].tolist()[0] == rank and found["cause"].tolist()[0] == "compute"
     assert set(found["rank"]) <= {rank, 0}  # the straggler and at most its TP peer
     own = dict(con.execute("SELECT rank, median(own_ns) FROM ms_cache.rank_step WHERE step > 0 GROUP BY rank").fetchall())
     assert own[rank] > 1.4 * own[0]
-    tp = exposed_comm(con).query("group_kind == 'tp'")
+    tp = exposed_comm(run).query("group_kind == 'tp'")
     assert (tp["timed_frac"] < 0.5).all() and (tp["exposed_all_ns"] > tp["exposed_ns"]).all()

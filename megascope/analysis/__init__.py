@@ -10,7 +10,7 @@ Example::
     from megascope.store import open_run
     from megascope import analysis
     run = open_run("runs/demo")
-    analysis.stragglers(run.con)          # who is slow, where in TP/PP/DP, why
+    analysis.stragglers(run)              # who is slow, where in TP/PP/DP, why
     analysis.localize(run)["suspects"]    # where the hang is
     analysis.report(run)                  # everything, as `megascope report --json` prints it
 """

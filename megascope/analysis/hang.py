@@ -29,6 +29,7 @@ import pandas as pd
 
 from megascope.analysis import _sql
 from megascope.analysis.base import prepare
+from megascope.analysis.stragglers import stragglers
 from megascope.store import Run
 from megascope.topology import coords_of
 
@@ -377,13 +378,12 @@ def rank_states(run: Run, *, stragglers_frame: pd.DataFrame | None = None,
     (a silent root is ``silent``), ``waiting`` ranks stuck inside a call, ``slow`` stragglers.
     Pass already computed ``stragglers_frame`` / ``hang`` to skip recomputing them.
     """
-    from megascope.analysis.stragglers import stragglers
-
-    con = run.cursor()
+    run = run.with_cursor()
+    con = run.con
     prepare(con)
     info = _sql.query_df(con, "base", "places")[["rank", "host", "coords", "pp", "dp", "tp"]]
     hang = hang if hang is not None else localize(run)
-    slow = stragglers_frame if stragglers_frame is not None else stragglers(con)
+    slow = stragglers_frame if stragglers_frame is not None else stragglers(run)
     state = pd.Series("healthy", index=info.index, dtype="object")
     state[info["rank"].isin(set(slow["rank"]))] = "slow"
     state[info["rank"].isin(set(hang["waiting"]))] = "waiting"

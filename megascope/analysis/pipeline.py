@@ -7,15 +7,15 @@ so it runs on a few sampled steps (all steps of a small run).
 Example::
 
     from megascope.analysis import bubbles, exposed_comm
-    bubbles(run.con)          # stage, bubble_frac, ...
-    exposed_comm(run.con)     # group_kind, name, exposed_frac, ...
-    host_lead(run.con)        # rank, lead_p10_ns, starved_frac
+    bubbles(run)              # stage, bubble_frac, ...
+    exposed_comm(run)         # group_kind, name, exposed_frac, ...
+    host_lead(run)            # rank, lead_p10_ns, starved_frac
     host_lead_summary(run)    # the same for the report, host-bound ranks named
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import duckdb
 import pandas as pd
@@ -23,9 +23,7 @@ import pandas as pd
 from megascope.analysis import _sql
 from megascope.analysis.base import has_step_spans, prepare, sample_steps
 from megascope.schema import RunSource
-
-if TYPE_CHECKING:
-    from megascope.store import Run
+from megascope.store import Run
 
 EXPOSED_SAMPLE_STEPS = 3
 EXPOSED_RANKS_PER_STAGE = 4
@@ -47,13 +45,13 @@ def _sample(con: duckdb.DuckDBPyConnection, steps: list[int] | None,
     return [int(s) for s in steps] or [-1], ", ".join(str(int(r)) for r in ranks) or "NULL"
 
 
-def bubbles(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
+def bubbles(run: Run) -> pd.DataFrame:
     """Per pipeline stage: stage, ranks, steps, bubble_ns, step_ns, bubble_frac."""
-    prepare(con)
-    return _sql.query_df(con, "pipeline", "bubbles", has_step_spans=has_step_spans(con))
+    prepare(run.con)
+    return _sql.query_df(run.con, "pipeline", "bubbles", has_step_spans=has_step_spans(run.con))
 
 
-def exposed_comm(con: duckdb.DuckDBPyConnection, *, steps: list[int] | None = None) -> pd.DataFrame:
+def exposed_comm(run: Run, *, steps: list[int] | None = None) -> pd.DataFrame:
     """Per (group_kind, name): op, spans, comm_ns, overlapped_ns, exposed_ns, exposed_frac, calls,
     exposed_all_ns; exposed_ns_per_rank_step (exposed_ns over the sampled rank-steps: the stall one
     rank sees per step); timed_frac (spans / calls: below 1 where the collector timed a group kind's
@@ -63,6 +61,7 @@ def exposed_comm(con: duckdb.DuckDBPyConnection, *, steps: list[int] | None = No
     ``steps`` defaults to up to three steps spread over the run; up to 4 ranks per pipeline stage
     are sampled. Definitions in ``sql/pipeline.sql``.
     """
+    con = run.con
     step_list, rank_list = _sample(con, steps)
     df = _sql.query_df(con, "pipeline", "exposed", steps=step_list, ranks=_sql.Raw(rank_list))
     ((rank_steps,),) = _sql.execute(con, "pipeline", "rank_steps", ranks=_sql.Raw(rank_list),
@@ -74,13 +73,13 @@ def exposed_comm(con: duckdb.DuckDBPyConnection, *, steps: list[int] | None = No
     return df
 
 
-def host_lead(con: duckdb.DuckDBPyConnection, *, steps: list[int] | None = None,
+def host_lead(run: Run, *, steps: list[int] | None = None,
               ranks: list[int] | None = None) -> pd.DataFrame:
     """Per device-timed rank: calls, lead_p10_ns, lead_p50_ns, starved_frac: how far the host ran
     ahead of the device at each communication call (``sql/pipeline.sql``). Sampled like
     :func:`exposed_comm`, or the given ``ranks``. Empty for host-timed runs."""
-    step_list, rank_list = _sample(con, steps, ranks)
-    return _sql.query_df(con, "pipeline", "host_lead", steps=step_list, ranks=_sql.Raw(rank_list),
+    step_list, rank_list = _sample(run.con, steps, ranks)
+    return _sql.query_df(run.con, "pipeline", "host_lead", steps=step_list, ranks=_sql.Raw(rank_list),
                          starved_ns=HOST_STARVED_NS)
 
 
@@ -94,7 +93,7 @@ def host_lead_summary(run: Run) -> dict[str, Any]:
     """``{ranks, host_bound, starved_ns}``: :func:`host_lead` of the sampled ranks (least lead first,
     at most 64) and the host-bound ones among them. Synthetic runs stamp issue and start alike, with
     no host ahead of a device: they get empty lists."""
-    lead = host_lead(run.con) if run.meta.source != RunSource.SYNTH else pd.DataFrame()
+    lead = host_lead(run) if run.meta.source != RunSource.SYNTH else pd.DataFrame()
     if lead.empty:
         return {"ranks": [], "host_bound": [], "starved_ns": HOST_STARVED_NS}
     bound = lead[(lead["starved_frac"] >= HOST_BOUND_FRAC) & (lead["calls"] >= HOST_BOUND_MIN_CALLS)]

@@ -38,12 +38,12 @@ from megascope.store import Run
 from megascope.topology import coords_of
 
 
-def clock_offsets(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
+def clock_offsets(run: Run) -> pd.DataFrame:
     """Per host: offset_ns (add it to the host's times to put them on the reference clock, the
     clock of rank 0's host), error_ns (bound on the estimate; NULL without samples), samples
     (collective completions used). Hosts in no multi-host collective keep offset 0."""
-    prepare(con)
-    return _sql.query_df(con, "base", "offsets")
+    prepare(run.con)
+    return _sql.query_df(run.con, "base", "offsets")
 
 
 def jsonable(value: Any) -> Any:
@@ -121,7 +121,8 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
            config: StragglerConfig | None = None, with_whatif: bool = True) -> dict[str, Any]:
     """Analyse ``run`` and return the ``megascope report --json`` object."""
     say = progress or (lambda msg: None)
-    con = run.cursor()
+    run = run.with_cursor()
+    con = run.con
     prepare(con, progress=say)
     axes = tuple(run.meta.mesh_axes)
     extent = _sql.first(_sql.execute(con, "report", "extent"))
@@ -131,27 +132,27 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
     say("scoring stragglers")
     # In a hung run every rank is a hang suspect or its victim: the steps before the hang say
     # nothing an on-call engineer should act on first, so no straggler is named.
-    slow = stragglers(con, config)
+    slow = stragglers(run, config)
     if hang.get("hung"):
         slow = slow.iloc[0:0]
     say("computing MFU")
-    per_step = mfu(con, run.meta)
+    per_step = mfu(run)
     drift = mfu_drift(per_step) if not per_step.empty else {"drifting": False}
     median_step = float(per_step["step_time_ns"].median()) if not per_step.empty else None
     say("measuring skew")
-    by_collective = skew_by_collective(con)
-    skew_drifts = skew_drift(con, step_time_ns=median_step, by_collective=by_collective)
+    by_collective = skew_by_collective(run)
+    skew_drifts = skew_drift(run, step_time_ns=median_step, by_collective=by_collective)
     state = run_state(run, hang=hang)
     say("pipeline bubbles and exposed communication")
-    bubble_frame = bubbles(con)
-    exposed = exposed_comm(con)
+    bubble_frame = bubbles(run)
+    exposed = exposed_comm(run)
     lead = host_lead_summary(run)
-    offsets = clock_offsets(con)
+    offsets = clock_offsets(run)
     whatif_result = None
     causal = slow[slow["cause"] != "communication"] if not slow.empty else slow
     if with_whatif and not causal.empty and not per_step.empty:
         say("replaying steps without stragglers")
-        whatif_result = whatif(con, run.meta, ranks=[int(r) for r in causal["rank"]])
+        whatif_result = whatif(run, ranks=[int(r) for r in causal["rank"]])
     mesh = {a: int(run.meta.mesh_sizes.get(a, 1)) for a in axes} if run.meta.mesh_sizes else run.mesh.size
     result = {
         "run": {

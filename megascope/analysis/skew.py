@@ -8,28 +8,28 @@ them.
 Example::
 
     from megascope.analysis import skew, skew_drift
-    skew(run.con, group_kind="dp").nlargest(5, "spread_ns")
-    skew_drift(run.con)["drifting"]
+    skew(run, group_kind="dp").nlargest(5, "spread_ns")
+    skew_drift(run)["drifting"]
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import duckdb
 import pandas as pd
 
 from megascope.analysis import _sql
 from megascope.analysis.base import prepare
 from megascope.errors import ConfigError
 from megascope.schema import GroupKind
+from megascope.store import Run
 
 GROUP_KINDS = tuple(str(k) for k in GroupKind)
 MIN_DRIFT_STEPS = 8
 MIN_R2 = 0.5
 
 
-def skew(con: duckdb.DuckDBPyConnection, *, group_kind: str | None = None, limit: int | None = None) -> pd.DataFrame:
+def skew(run: Run, *, group_kind: str | None = None, limit: int | None = None) -> pd.DataFrame:
     """Per collective instance: group, seq, step, name, op, group_kind, n, spread_ns (arrival
     spread), last_late_ns (last minus median arrival), xfer_ns, last_rank and its host and coordinates
     (last_coords, every axis; last_pp, last_dp, last_tp).
@@ -40,17 +40,17 @@ def skew(con: duckdb.DuckDBPyConnection, *, group_kind: str | None = None, limit
         raise ConfigError(f"unknown group kind {group_kind!r} (known: {', '.join(GROUP_KINDS)})")
     if limit is not None and limit < 1:
         raise ConfigError(f"limit must be >= 1, got {limit}")
-    prepare(con)
-    return _sql.query_df(con, "skew", "instances", kind_filter=group_kind or "", limit=limit or 0)
+    prepare(run.con)
+    return _sql.query_df(run.con, "skew", "instances", kind_filter=group_kind or "", limit=limit or 0)
 
 
-def skew_by_collective(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
+def skew_by_collective(run: Run) -> pd.DataFrame:
     """Per collective (span name, group kind): spread statistics, top last arriver, lateness growth."""
-    prepare(con)
-    return _sql.query_df(con, "skew", "by_collective")
+    prepare(run.con)
+    return _sql.query_df(run.con, "skew", "by_collective")
 
 
-def skew_drift(con: duckdb.DuckDBPyConnection, *, step_time_ns: float | None = None,
+def skew_drift(run: Run, *, step_time_ns: float | None = None,
                min_growth_frac: float = 0.02, by_collective: pd.DataFrame | None = None) -> dict[str, object]:
     """Name the collectives whose last arrivals grow later over the run, and the ranks behind it.
 
@@ -61,7 +61,8 @@ def skew_drift(con: duckdb.DuckDBPyConnection, *, step_time_ns: float | None = N
     times_last, late_growth_ns}]}]}. ``by_collective``: :func:`skew_by_collective`'s frame, where
     the caller has it already.
     """
-    by = skew_by_collective(con) if by_collective is None else by_collective
+    con = run.con
+    by = skew_by_collective(run) if by_collective is None else by_collective
     if step_time_ns is None:
         row = _sql.first(_sql.execute(con, "skew", "median_step"))
         step_time_ns = float(row[0]) if row and row[0] is not None else 0.0

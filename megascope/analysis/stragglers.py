@@ -16,7 +16,7 @@ Causes, from the excess own time over the peer baseline in the rank's slow steps
 Example::
 
     from megascope.analysis import stragglers
-    stragglers(run.con)[["rank", "host", "cause", "slowdown", "steps_slow_frac"]]
+    stragglers(run)[["rank", "host", "cause", "slowdown", "steps_slow_frac"]]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import pandas as pd
 from megascope.analysis import _sql, persist
 from megascope.analysis.base import has_step_spans, prepare
 from megascope.errors import ConfigError
+from megascope.store import Run
 
 COLUMNS = [
     "rank", "host", "coords", "pp", "dp", "tp", "phase", "cause", "slowdown", "steps_slow_frac", "steps",
@@ -147,7 +148,7 @@ def p_value(z: float, ranks: int) -> float:
     return min(1.0, 0.5 * math.erfc(z / math.sqrt(2.0)) * max(ranks, 1))
 
 
-def stragglers(con: duckdb.DuckDBPyConnection, config: StragglerConfig | None = None) -> pd.DataFrame:
+def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
     """One row per straggler, strongest evidence first; empty when healthy.
 
     Columns: rank, host, coords (axis -> index, every axis of the mesh), pp, dp, tp, phase, cause (compute | communication | data | host),
@@ -159,6 +160,7 @@ def stragglers(con: duckdb.DuckDBPyConnection, config: StragglerConfig | None = 
     excess own time inside its own compute spans), t_spans (that excess over its noise).
     """
     config = config or StragglerConfig()
+    con = run.con
     prepare(con)
     score(con, config)
     c = _sql.query_df(con, "stragglers", "candidates", min_frac=config.min_frac, min_steps=config.min_steps,

@@ -6,8 +6,8 @@ the dashboard's heat-map and MFU pages, and ``megascope heatmap`` call them.
 Example::
 
     from megascope.analysis import heatmap, mfu
-    cells = heatmap(run.con, phase="compute", max_ranks=512, max_steps=200)
-    per_step = mfu(run.con, run.meta)
+    cells = heatmap(run, phase="compute", max_ranks=512, max_steps=200)
+    per_step = mfu(run)
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from megascope.analysis import _sql
 from megascope.analysis.base import has_step_spans, prepare
 from megascope.errors import ConfigError
 from megascope.schema import RunMeta
+from megascope.store import Run
 
 # Heat-map phases: name -> SQL expression over ms_cache.rank_step.
 PHASES: dict[str, str] = {
@@ -42,13 +43,14 @@ PHASES: dict[str, str] = {
 }
 
 
-def step_times(con: duckdb.DuckDBPyConnection) -> pd.DataFrame:
+def step_times(run: Run) -> pd.DataFrame:
     """Per (rank, step): start_ns (reference clock) and dur_ns of the step."""
+    con = run.con
     prepare(con)
     return _sql.query_df(con, "timeline", "step_times", has_step_spans=has_step_spans(con))
 
 
-def heatmap(con: duckdb.DuckDBPyConnection, *, phase: str = "step", max_ranks: int | None = None,
+def heatmap(run: Run, *, phase: str = "step", max_ranks: int | None = None,
             max_steps: int | None = None) -> pd.DataFrame:
     """Rank x step cells of ``phase`` normalised within peers, binned server-side.
 
@@ -62,6 +64,7 @@ def heatmap(con: duckdb.DuckDBPyConnection, *, phase: str = "step", max_ranks: i
     for name, value in (("max_ranks", max_ranks), ("max_steps", max_steps)):
         if value is not None and value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value}")
+    con = run.con
     prepare(con)
     n_ranks, n_steps = _sql.first(_sql.execute(con, "timeline", "extent")) or (0, 0)
     rank_per_bin = max(1, math.ceil(n_ranks / max_ranks)) if max_ranks else 1
@@ -90,11 +93,12 @@ def _tokens(con: duckdb.DuckDBPyConnection, meta: RunMeta, steps: pd.Series) -> 
     return steps.map(logged.set_index("step")["tokens"]).astype(float)
 
 
-def mfu(con: duckdb.DuckDBPyConnection, meta: RunMeta) -> pd.DataFrame:
+def mfu(run: Run) -> pd.DataFrame:
     """Per step: step_time_ns (median over ranks), mfu (NaN without FLOPs/peak in run.json), tokens_per_s.
 
     MFU = model_flops_per_step / (step_time * world_size * peak_flops_per_device).
     """
+    con, meta = run.con, run.meta
     prepare(con)
     steps = _sql.query_df(con, "timeline", "step_summary", has_step_spans=has_step_spans(con))
     seconds = steps["step_time_ns"].astype(float) / 1e9

@@ -16,7 +16,7 @@ slack absorbs it saves nothing, one on the critical path saves all.
 Example::
 
     from megascope.analysis import whatif
-    whatif(run.con, run.meta)["speedup"]
+    whatif(run)["speedup"]
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ import pandas as pd
 
 from megascope.analysis import _sql, persist
 from megascope.analysis.base import prepare, sample_steps
-from megascope.schema import COLLECTOR_CALLS_METRIC, RunMeta
+from megascope.analysis.stragglers import stragglers
+from megascope.analysis.timeline import mfu
+from megascope.schema import COLLECTOR_CALLS_METRIC
+from megascope.store import Run
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +153,7 @@ def replay_step(frame: pd.DataFrame, fixed_ranks: set[int]) -> tuple[float, floa
     return base, fixed
 
 
-def whatif(con: duckdb.DuckDBPyConnection, meta: RunMeta, *, ranks: list[int] | None = None,
+def whatif(run: Run, *, ranks: list[int] | None = None,
            steps: list[int] | None = None) -> dict[str, Any]:
     """Step time and MFU if ``ranks`` (default: the detected stragglers) ran at their peers' median.
 
@@ -160,14 +163,12 @@ def whatif(con: duckdb.DuckDBPyConnection, meta: RunMeta, *, ranks: list[int] | 
     micro-batches only), so the replay cannot free the waits behind them and the speedup is a
     lower bound.
     """
-    from megascope.analysis.stragglers import stragglers
-    from megascope.analysis.timeline import mfu
-
+    con = run.con
     prepare(con)
     if ranks is None:
-        found = stragglers(con)
+        found = stragglers(run)
         ranks = [int(r) for r, c in zip(found["rank"], found["cause"], strict=True) if c != "communication"]
-    per_step = mfu(con, meta)
+    per_step = mfu(run)
     measured = float(per_step["step_time_ns"].median()) if not per_step.empty else 0.0
     mean_mfu = float(per_step["mfu"].mean()) if per_step["mfu"].notna().any() else None
     if steps is None:

@@ -275,7 +275,7 @@ def heatmap(run_dir: Path, out: Path, phase: str, max_ranks: int, max_steps: int
     layout.check_output_file(out, replace=force)
     run = _open(run_dir)
     echo_problems(run.problems)
-    cells = cells_of(run.cursor(), phase=phase, max_ranks=max_ranks, max_steps=max_steps)
+    cells = cells_of(run, phase=phase, max_ranks=max_ranks, max_steps=max_steps)
     fig = heatmap_figure(cells, phase=phase, title=f"{run.path.name}: {phase} time / peer median")
     # Written under a hidden name and renamed: the file appears whole, and a --force that fails
     # leaves the old one as it was.

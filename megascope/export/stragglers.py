@@ -36,7 +36,7 @@ def _from_analysis(run: Run) -> list[int] | None:
     except ImportError:
         return None
     try:
-        frame = stragglers(run.cursor())
+        frame = stragglers(run.with_cursor())
         return [int(r) for r in frame["rank"].tolist()][:MAX_STRAGGLERS]
     except Exception as exc:  # an optional helper: fall back to the spans' own evidence
         log.info("megascope.analysis.stragglers unusable here (%s); using last-arrival counts", exc)

@@ -10,7 +10,7 @@ Example::
 
     from megascope.analysis import heatmap
     from megascope.figures.heatmap import heatmap_figure
-    fig = heatmap_figure(heatmap(run.con, phase="compute", max_ranks=512), phase="compute")
+    fig = heatmap_figure(heatmap(run, phase="compute", max_ranks=512), phase="compute")
     fig.write_html("heat.html")
 """
 

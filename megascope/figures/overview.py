@@ -6,7 +6,7 @@ CLI HTML export call it with :func:`megascope.analysis.mfu`'s frame
 
 Example::
 
-    fig = step_series_figure(analysis.mfu(run.con, run.meta), loss=loss_frame)
+    fig = step_series_figure(analysis.mfu(run), loss=loss_frame)
     fig.write_html("overview.html")
 """
 
