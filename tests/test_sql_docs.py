@@ -109,6 +109,15 @@ def executed(synth: Synth, tmp_path_factory: pytest.TempPathFactory,
     # built ms_cache.skew_collectives), tokens logged as metrics rather than given in run.json.
     _sql.execute(run.con, "skew", "growing_ranks", name_index=0).fetchall()
     _sql.execute(run.con, "timeline", "tokens_per_step").fetchall()
+    # The steps of a run whose lowest ranks recorded none; extending the base tables of a run that
+    # grew (the cached tables loaded as old_*, here copies of the current ones).
+    _sql.execute(run.con, "base", "all_steps").fetchall()
+    for table in ("rank_clock", "inst", "rank_step"):
+        run.con.execute(f"CREATE OR REPLACE TABLE ms_cache.old_{table} AS SELECT * FROM ms_cache.{table}")
+    _sql.execute(run.con, "base", "moved_clocks").fetchall()
+    _sql.execute(run.con, "base", "calls_across_edge", first=3).fetchall()
+    _sql.execute(run.con, "base", "extend_inst", first=3)
+    _sql.execute(run.con, "base", "extend_rank_step", first=3)
     return seen
 
 

@@ -127,24 +127,20 @@ def solve_offsets(hosts: list[str], pairs: pd.DataFrame) -> pd.DataFrame:
 
 
 def _clock_ranks(con: duckdb.DuckDBPyConnection) -> list[int]:
-    """Ranks whose spans suffice for clock offsets: every rank of the TP index that each host's
-    lowest rank has. Their collectives (DP, PP, world) and pipeline pairs are complete, every host
-    is covered, and only 1/tp of the partitions is read."""
-    rows = con.execute(
-        """
-        WITH firsts AS (SELECT host, arg_min(tp, rank) AS tp FROM ms_cache.rank_info GROUP BY host)
-        SELECT rank FROM ms_cache.rank_info
-        WHERE tp IS NULL OR tp IN (SELECT tp FROM firsts) ORDER BY rank
-        """
-    ).fetchall()
-    return [int(r) for (r,) in rows]
+    """Ranks whose spans suffice for clock offsets (``sql/base.sql``'s clock_ranks)."""
+    return [int(r) for (r,) in _sql.execute(con, "base", "clock_ranks").fetchall()]
+
+
+def _clock_hosts(con: duckdb.DuckDBPyConnection) -> list[str]:
+    """The hosts, the reference clock's first."""
+    return [str(h) for (h,) in _sql.execute(con, "base", "clock_hosts").fetchall()]
 
 
 def _estimate_offsets(con: duckdb.DuckDBPyConnection, steps: list[int]) -> pd.DataFrame:
     ranks = _clock_ranks(con)
     _sql.execute(con, "base", "clock_samples", steps=_clock_sample_steps(steps, CLOCK_SAMPLE_STEPS) or [-1],
                  ranks=_sql.Raw(", ".join(map(str, ranks)) or "NULL"))
-    hosts = [h for (h,) in con.execute("SELECT host FROM ms_cache.rank_info GROUP BY host ORDER BY min(rank)").fetchall()]
+    hosts = _clock_hosts(con)
     pairs = _sql.query_df(con, "base", "clock_pairs")
     offsets = solve_offsets(hosts, pairs)
     frame = offsets.assign(
@@ -154,7 +150,7 @@ def _estimate_offsets(con: duckdb.DuckDBPyConnection, steps: list[int]) -> pd.Da
     con.register("_ms_offsets_df", frame)
     _sql.execute(con, "base", "clock_offsets", frame="_ms_offsets_df")
     con.unregister("_ms_offsets_df")
-    con.execute("DROP TABLE IF EXISTS ms_cache.clock_samples")
+    _sql.execute(con, "base", "drop_clock_samples")
     return offsets
 
 
@@ -183,10 +179,9 @@ def estimate_clock_offsets(con: duckdb.DuckDBPyConnection,
             assert sql.count("FROM spans s ") == 1
             sql = sql.replace("FROM spans s ", f"FROM {spans_of(ranks)} s ")
         con.execute(sql)
-        hosts = [h for (h,) in con.execute(
-            "SELECT host FROM ms_cache.rank_info GROUP BY host ORDER BY min(rank)").fetchall()]
+        hosts = _clock_hosts(con)
         pairs = _sql.query_df(con, "base", "clock_pairs").sort_values(["host", "ref_host"], ignore_index=True)
-        con.execute("DROP TABLE IF EXISTS ms_cache.clock_samples")
+        _sql.execute(con, "base", "drop_clock_samples")
         offsets = solve_offsets(hosts, pairs)
         return offsets.assign(
             offset_ns=offsets["offset_ns"].round().astype("int64"),
@@ -196,11 +191,11 @@ def estimate_clock_offsets(con: duckdb.DuckDBPyConnection,
 
 def _steps(con: duckdb.DuckDBPyConnection) -> list[int]:
     """The run's steps, read from one rank's partition (the lowest rank with spans)."""
-    for (rank,) in con.execute("SELECT rank FROM ms_cache.rank_info ORDER BY rank LIMIT 4").fetchall():
+    for (rank,) in _sql.execute(con, "base", "first_ranks").fetchall():
         steps = [int(x) for (x,) in _sql.execute(con, "base", "step_list", rank=int(rank)).fetchall()]
         if steps:
             return steps
-    return [int(x) for (x,) in con.execute("SELECT DISTINCT step FROM spans WHERE step IS NOT NULL ORDER BY 1").fetchall()]
+    return [int(x) for (x,) in _sql.execute(con, "base", "all_steps").fetchall()]
 
 
 # The base tables, as kept beside the run (megascope.analysis.persist).
@@ -210,7 +205,7 @@ BASE_TABLES = ["rank_info", "group_kind", "clock_offsets", "rank_clock", "inst",
 def has_step_spans(con: duckdb.DuckDBPyConnection) -> bool:
     """Whether any rank-step has a step span (after :func:`prepare`); the analyses' SQL takes
     step times from step spans when there are any, else from the spans' extent."""
-    row = _sql.first(con.execute("SELECT count(*) FROM ms_cache.rank_step WHERE step_ns IS NOT NULL"))
+    row = _sql.first(_sql.execute(con, "base", "has_step_spans"))
     return bool(row and row[0])
 
 
@@ -270,6 +265,8 @@ def _first_new_step(con: duckdb.DuckDBPyConnection, new: dict[str, list[str]]) -
     if not files:
         return None
     spans = set(new.get("spans", []))
+    # Inline with a bound parameter: the part files' paths are a list of strings, which the SQL
+    # modules' placeholders do not take (no path reaches SQL text).
     rows = con.execute(
         "SELECT file_name, min(TRY_CAST(stats_min_value AS BIGINT)), bool_or(stats_min_value IS NULL), "
         "sum(stats_null_count) FROM parquet_metadata(?) WHERE path_in_schema = 'step' GROUP BY file_name",
@@ -303,27 +300,21 @@ def _extend(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], ne
         return None
     try:
         _ranks_and_clock(con, say)
-        moved = _sql.first(con.execute(
-            "SELECT count(*) FROM ms_cache.rank_clock n FULL JOIN ms_cache.old_rank_clock o USING (rank) "
-            "WHERE n.offset_ns IS DISTINCT FROM o.offset_ns"))
+        moved = _sql.first(_sql.execute(con, "base", "moved_clocks"))
         params = _params(con)
         if (moved and moved[0]) or params != meta.get("params"):
             log.info("analysis cache: clock estimate or parameters changed; rebuilding")
             return None
         say(f"matching collectives of steps {first} on")
         _sql.execute(con, "base", "inst", where=_sql.Raw(f"s.step >= {int(first)}"))
-        overlap = _sql.first(con.execute(
-            "SELECT count(*) FROM ms_cache.inst n JOIN ms_cache.old_inst o USING (grp, seq) "
-            f"WHERE o.step IS NULL OR o.step < {int(first)}"))
+        overlap = _sql.first(_sql.execute(con, "base", "calls_across_edge", first=int(first)))
         if overlap and overlap[0]:
             log.info("analysis cache: calls span step %d's edge; rebuilding", first)
             return None
-        con.execute("CREATE OR REPLACE TABLE ms_cache.inst AS SELECT * FROM ms_cache.old_inst "
-                    f"WHERE step IS NULL OR step < {int(first)} UNION ALL SELECT * FROM ms_cache.inst")
+        _sql.execute(con, "base", "extend_inst", first=int(first))
         say(f"splitting step time per rank, steps {first} on")
         _rank_step(con, params, where=f"s.step >= {int(first)}", metrics_where=f"step >= {int(first)}")
-        con.execute("CREATE OR REPLACE TABLE ms_cache.rank_step AS SELECT * FROM ms_cache.old_rank_step "
-                    f"WHERE step < {int(first)} UNION ALL SELECT * FROM ms_cache.rank_step")
+        _sql.execute(con, "base", "extend_rank_step", first=int(first))
         _sql.execute(con, "base", "add_unknown_ranks")
         log.info("base tables extended from step %d", first)
         return params
@@ -337,11 +328,11 @@ def _extend(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], ne
 def _params(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     """What rank_step is built with beside the spans: the group kinds whose collectives run inside
     compute spans (probed on one rank), and the group kinds whose members are peers."""
-    probe = _sql.first(con.execute("SELECT min(rank) FROM ms_cache.rank_info"))
-    nested = [str(k) for (k,) in _sql.execute(con, "base", "nested_kinds", rank=int(probe[0]) if probe and probe[0] is not None else 0).fetchall()]
-    stages = _sql.first(con.execute("SELECT count(DISTINCT stage) FROM ms_cache.rank_info"))
+    shape = _sql.first(_sql.execute(con, "base", "rank_shape"))
+    probe = int(shape[0]) if shape and shape[0] is not None else 0
+    nested = [str(k) for (k,) in _sql.execute(con, "base", "nested_kinds", rank=probe).fetchall()]
     # Groups whose members do the same work: TP and DP; with one stage every group.
-    peer_kinds = ["tp", "dp"] if stages and stages[0] > 1 else ["tp", "dp", "pp", "other"]
+    peer_kinds = ["tp", "dp"] if shape and shape[1] > 1 else ["tp", "dp", "pp", "other"]
     return {"nested_kinds": sorted(k for k in nested if k.isalnum()), "peer_kinds": peer_kinds}
 
 

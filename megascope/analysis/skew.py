@@ -69,7 +69,7 @@ def skew_drift(run: Run, *, step_time_ns: float | None = None,
     threshold = max(min_growth_frac * step_time_ns, 1.0)
     by = by.reset_index(drop=True)
     con.register("_ms_skew_df", by.assign(idx=range(len(by)))[["idx", "name", "group_kind"]])
-    con.execute("CREATE OR REPLACE TABLE ms_cache.skew_collectives AS SELECT * FROM _ms_skew_df")
+    _sql.execute(con, "skew", "collectives", frame="_ms_skew_df")
     con.unregister("_ms_skew_df")
     drifting: list[dict[str, Any]] = []
     for idx, coll in enumerate(by.to_dict("records")):

@@ -56,10 +56,45 @@ FROM ms_cache.rank_step r ANTI JOIN ms_cache.rank_info i USING (rank);
 CREATE OR REPLACE TABLE ms_cache.group_kind AS
 SELECT "group", any_value(kind) AS kind FROM groups GROUP BY "group";
 
+-- @statement rank_shape
+-- What rank_step is built with, read off rank_info: the rank whose spans are probed for nested
+-- collectives, and whether there is more than one pipeline stage.
+-- @column first_rank  the lowest rank (NULL without ranks)
+-- @column stages      distinct pipeline stages
+SELECT min(rank) AS first_rank, count(DISTINCT stage) AS stages FROM ms_cache.rank_info;
+
+-- @statement first_ranks
+-- The lowest four ranks: the run's steps are read from the first of them that has spans.
+-- @column rank  a rank of rank_info
+SELECT rank FROM ms_cache.rank_info ORDER BY rank LIMIT 4;
+
+-- @statement all_steps
+-- Every step of the spans (where none of first_ranks recorded one): a scan of every partition.
+-- @column step  a step some rank recorded spans in
+SELECT DISTINCT step FROM spans WHERE step IS NOT NULL ORDER BY step;
+
 -- @statement step_list
 -- The steps of one rank ({{rank}}; a cheap read of its partition), in order.
 -- @column step           a step the rank recorded spans in
 SELECT DISTINCT step FROM spans WHERE rank = {{rank}} AND step IS NOT NULL ORDER BY step;
+
+-- @statement clock_ranks
+-- Ranks whose spans suffice for clock offsets: every rank of the TP index that each host's lowest
+-- rank has. Their collectives (DP, PP, world) and pipeline pairs are complete, every host is
+-- covered, and only 1/tp of the partitions is read.
+-- @column rank  a sampled rank
+WITH firsts AS (SELECT host, arg_min(tp, rank) AS tp FROM ms_cache.rank_info GROUP BY host)
+SELECT rank FROM ms_cache.rank_info
+WHERE tp IS NULL OR tp IN (SELECT tp FROM firsts) ORDER BY rank;
+
+-- @statement clock_hosts
+-- The hosts in the order of their lowest rank: the first is the reference clock (rank 0's host).
+-- @column host  a host of rank_info
+SELECT host FROM ms_cache.rank_info GROUP BY host ORDER BY min(rank);
+
+-- @statement drop_clock_samples
+-- The samples are read once, by clock_pairs.
+DROP TABLE IF EXISTS ms_cache.clock_samples;
 
 -- @statement clock_samples
 -- Completion times of communication in the sampled steps {{steps}} on the sampled ranks
@@ -326,3 +361,39 @@ k AS (
 )
 SELECT group_kind FROM k LEFT JOIN inside i USING (id)
 GROUP BY group_kind HAVING count(i.id) >= 0.5 * count(*);
+
+-- @statement has_step_spans
+-- Whether any rank-step has a step span: the analyses take step times from step spans when there
+-- are any, else from the spans' extent.
+-- @column rank_steps  rank-steps with a step span
+SELECT count(*) AS rank_steps FROM ms_cache.rank_step WHERE step_ns IS NOT NULL;
+
+-- Extending the base tables of a run that grew (base._extend): the cached tables are loaded as
+-- ms_cache.old_*, the new ones built from the first new step on, and the two joined where nothing
+-- crosses that edge.
+
+-- @statement moved_clocks
+-- Ranks whose clock offset differs between the cached and the new estimate.
+-- @column ranks  ranks whose offset moved (0: the cached tables may be kept)
+SELECT count(*) AS ranks FROM ms_cache.rank_clock n FULL JOIN ms_cache.old_rank_clock o USING (rank)
+WHERE n.offset_ns IS DISTINCT FROM o.offset_ns;
+
+-- @statement calls_across_edge
+-- Calls of the new steps' instances that the cached tables already hold before step {{first}}.
+-- @column calls  such instances (0: the edge cuts no call)
+SELECT count(*) AS calls FROM ms_cache.inst n JOIN ms_cache.old_inst o USING (grp, seq)
+WHERE o.step IS NULL OR o.step < {{first}};
+
+-- @statement extend_inst
+-- The cached instances before step {{first}} followed by the new ones.
+-- @column grp, seq, step, *  every column of inst, as there
+CREATE OR REPLACE TABLE ms_cache.inst AS
+SELECT * FROM ms_cache.old_inst WHERE step IS NULL OR step < {{first}}
+UNION ALL SELECT * FROM ms_cache.inst;
+
+-- @statement extend_rank_step
+-- The cached rank-steps before step {{first}} followed by the new ones.
+-- @column rank, step, *  every column of rank_step, as there
+CREATE OR REPLACE TABLE ms_cache.rank_step AS
+SELECT * FROM ms_cache.old_rank_step WHERE step < {{first}}
+UNION ALL SELECT * FROM ms_cache.rank_step;

@@ -56,6 +56,14 @@ FROM x LEFT JOIN top t ON t.name = x.name AND t.group_kind = x.group_kind AND t.
 GROUP BY x.name, x.group_kind
 ORDER BY late_growth_ns DESC;
 
+-- @statement collectives
+-- The by_collective list as the caller holds it (registered as {{frame}}), numbered, so that
+-- growing_ranks can name a collective by its position and no span name reaches SQL text.
+-- @column idx               its position in the list
+-- @column name, group_kind  the collective
+CREATE OR REPLACE TABLE ms_cache.skew_collectives AS
+SELECT idx::BIGINT AS idx, name::VARCHAR AS name, group_kind::VARCHAR AS group_kind FROM {{frame}};
+
 -- @statement growing_ranks
 -- For collective {{name_index}} of the by_collective list: ranks whose lateness when last grows.
 -- @column rank, times_last, late_slope_ns_per_step, late_growth_ns, late_median_ns
