@@ -29,7 +29,9 @@ import pandas as pd
 
 from megascope.analysis import _sql
 from megascope.analysis.base import prepare
+from megascope.analysis.runstate import run_state, thresholds
 from megascope.analysis.stragglers import stragglers
+from megascope.analysis.witness import flight_recorder_hang, read_stacks
 from megascope.store import Run
 from megascope.topology import coords_of
 
@@ -175,8 +177,6 @@ def _wait_threshold_s(run: Run, con: duckdb.DuckDBPyConnection) -> float:
     the collective timeout aborts them, seconds to minutes. So: three flush intervals or three
     median steps, at least 2 s, and at most half the hang threshold (the collective timeout when
     run.json has it)."""
-    from megascope.analysis.runstate import thresholds
-
     config = run.meta.config or {}
 
     def number(key: str) -> float | None:
@@ -310,8 +310,6 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
         _join_witnesses(run, result, places, axes)
     if result["hung"] and len(alive) and not ended:
         # A live job: hung only by the dashboard's rule (no progress anywhere for the hang threshold).
-        from megascope.analysis.runstate import run_state
-
         state = run_state(run, hang=result, now_ns=now_ns)
         if not state["hung"]:
             result["hung"] = False
@@ -336,8 +334,6 @@ def _evidence_order(suspect: Record) -> int:
 
 def _join_witnesses(run: Run, result: dict[str, Any], places: dict[int, Record], axes: tuple[str, ...]) -> None:
     """Add the flight recorder's verdict and the suspects' stacks (megascope.analysis.witness)."""
-    from megascope.analysis.witness import flight_recorder_hang, read_stacks
-
     fr = flight_recorder_hang(run)
     suspects: list[Record] = result["suspects"]
     if fr is not None:

@@ -131,6 +131,8 @@ def flight_recorder_hang(run: Run) -> dict[str, Any] | None:
             return None
     except OSError:
         return None
+    # Deferred: the hang localization imports this module (its witnesses), and the importer is
+    # needed only where a run has dumps.
     from megascope.analysis.hang import localize
     from megascope.ingest.flight_recorder import ingest_flight_recorder
     from megascope.store import open_run
