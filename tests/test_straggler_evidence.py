@@ -8,6 +8,7 @@ last member arrives. A straggler's compute spans stretch; a skewed rank pauses o
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import sys
 from pathlib import Path
 
@@ -26,11 +27,15 @@ RANKS = 8
 
 
 def noisy_run(path: Path, *, seed: int, slow: int | None = None, factor: float = 1.0, paused: int | None = None,
-              pause_ms: float = 0.0, steps: int = 16, noise: float = 0.15) -> Path:
+              pause_ms: float = 0.0, steps: int = 16, noise: float = 0.15, idle: int | None = None,
+              on_gpus: bool = False) -> Path:
     """``RANKS`` ranks of one stage; per step a forward span, then (after an optional pause outside
-    every span) a data-parallel all-reduce that completes 1 ms after the last arrival."""
+    every span) a data-parallel all-reduce that completes 1 ms after the last arrival. ``on_gpus``:
+    the ranks are timed on CUDA devices and each call's ``enqueued`` marker is written 10 ms before
+    its device reaches it (a host ahead of its device), 0.1 ms before on rank ``idle`` (a device
+    that had run dry, waiting for its host)."""
     rng = np.random.default_rng(seed)
-    spans = []
+    spans, markers = [], []
     t0 = 0
     for step in range(steps):
         compute = 50 * MS * np.exp(rng.normal(0.0, noise, RANKS))
@@ -45,8 +50,14 @@ def noisy_run(path: Path, *, seed: int, slow: int | None = None, factor: float =
             spans.append(span(r, step, "step", t0, end + MS - t0))
             spans.append(span(r, step, "forward", t0, int(compute[r])))
             spans.append(span(r, step, "collective", int(arrival[r]), end - int(arrival[r]), group="dp:0", seq=step))
+            if on_gpus:
+                lead = MS // 10 if r == idle else 10 * MS
+                markers.append({"rank": r, "group": "dp:0", "seq": step, "op": "all_reduce", "state": "enqueued",
+                                "time_ns": int(arrival[r]) - lead, "step": step, "bytes": None, "peer": None})
         t0 = end + 2 * MS
-    return hand_run(path, spans, [], world=RANKS, hosts=tuple(f"h{r // 4}" for r in range(RANKS)))
+    return hand_run(path, spans, markers, world=RANKS, hosts=tuple(f"h{r // 4}" for r in range(RANKS)),
+                    devices=tuple(f"cuda:{r % 4}" for r in range(RANKS)) if on_gpus else None,
+                    source="collector" if on_gpus else "synth")
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -63,13 +74,49 @@ def test_a_mild_straggler_in_noisy_steps_is_named_with_its_evidence(tmp_path: Pa
     assert 0.99 < row["confidence"] <= 1.0 and row["p_value"] == pytest.approx(1 - row["confidence"])
 
 
+def test_a_rank_whose_device_waited_for_its_host_is_slow_for_its_host(tmp_path: Path) -> None:
+    """The same stretched compute spans read ``compute`` on a device kept busy (a slow GPU) and
+    ``host`` on a device that was idle at every call (its host issued the work slower)."""
+    busy = analysis.stragglers(open_run(noisy_run(tmp_path / "busy", seed=4, slow=3, factor=1.3, steps=24,
+                                                  on_gpus=True)))
+    assert list(busy["rank"]) == [3] and busy.iloc[0]["cause"] == "compute"
+    assert busy.iloc[0]["device_idle_frac"] == 0.0
+    starved = analysis.stragglers(open_run(noisy_run(tmp_path / "starved", seed=4, slow=3, factor=1.3, steps=24,
+                                                     on_gpus=True, idle=3)))
+    assert list(starved["rank"]) == [3]
+    assert starved.iloc[0]["cause"] == "host" and starved.iloc[0]["phase"] == "host"
+    assert starved.iloc[0]["device_idle_frac"] == 1.0
+    # Host-timed ranks (CPU) have no such measure and keep their cause.
+    cpu = analysis.stragglers(open_run(noisy_run(tmp_path / "cpu", seed=4, slow=3, factor=1.3, steps=24)))
+    assert cpu.iloc[0]["cause"] == "compute" and np.isnan(cpu.iloc[0]["device_idle_frac"])
+
+
+def test_on_a_real_host_bound_gpu_run_the_rank_with_the_slow_host_is_named_for_it(tmp_path: Path) -> None:
+    """tests/data/gpu-host-bound: the bundled trainer's default tiny model on 4x H100 (tp1 pp1 dp4,
+    16 steps, NCCL), rank 3's GPU planted 1.6x slow (its stream sleeps 0.6x each phase's device
+    time). The devices idled most of the time, so the planted sleeps fell into idle gaps, while
+    rank 2's host issued its work slower: its spans were 5x its peers' in every step, its device
+    idle at every call, its peers waiting for it in every all-reduce. Rank 2 is named, for its host."""
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "gpu-host-bound", tmp_path / "run"))
+    own = run.con.execute("""
+        SELECT rank, median(ns) FROM (SELECT step, rank, sum(dur_ns) AS ns FROM spans
+            WHERE step >= 3 AND name IN ('forward', 'backward') AND kind IN ('forward', 'backward') GROUP BY 1, 2)
+        GROUP BY 1 ORDER BY 1""").fetchall()
+    peers = float(np.median([ns for _, ns in own]))
+    ratio = {int(r): ns / peers for r, ns in own}
+    assert 1.2 < ratio[3] < 1.8 and ratio[2] > 3          # the planted GPU shows; rank 2's host shows more
+    found = analysis.stragglers(run)
+    assert list(found["rank"]) == [2]
+    assert found.iloc[0]["cause"] == "host" and found.iloc[0]["device_idle_frac"] > 0.9
+
+
 def test_report_json_carries_confidence_and_evidence(tmp_path: Path) -> None:
     run = open_run(noisy_run(tmp_path / "run", seed=3, slow=6, factor=1.3))
     result = analysis.report(run, with_whatif=False)
     first = result["stragglers"][0]
     assert first["rank"] == 6
     assert set(first["evidence"]) == {"z", "own_time_t", "wait_caused_t", "last_arrival_z", "compute_span_share",
-                                      "compute_span_t"}
+                                      "compute_span_t", "device_idle_frac"}
     assert first["evidence"]["last_arrival_z"] > 0 and first["evidence"]["wait_caused_t"] > 0
     assert 0.0 <= first["p_value"] < 0.01 and first["confidence"] == pytest.approx(1 - first["p_value"])
 

@@ -31,13 +31,15 @@ import pandas as pd
 
 from megascope.analysis import _sql, persist
 from megascope.analysis.base import has_step_spans, prepare
+from megascope.analysis.pipeline import HOST_BOUND_MIN_CALLS, host_lead
 from megascope.errors import ConfigError
+from megascope.schema import RunSource
 from megascope.store import Run
 
 COLUMNS = [
     "rank", "host", "coords", "pp", "dp", "tp", "phase", "cause", "slowdown", "steps_slow_frac", "steps",
     "excess_ns", "base_own_ns", "last_arrival_frac", "late_at", "impact",
-    "z", "p_value", "confidence", "t_own", "t_blame", "last_z", "spans_share", "t_spans",
+    "z", "p_value", "confidence", "t_own", "t_blame", "last_z", "spans_share", "t_spans", "device_idle_frac",
 ]
 
 
@@ -113,6 +115,8 @@ def _pos(frame: pd.DataFrame, column: str) -> pd.Series:
 # Either a small share beyond doubt, or a clear share (real skews gave at most 0.22 with t up to
 # 1.6, real stragglers at least 0.25 with t from 2, on loaded CPU runs) beyond moderate doubt.
 COMPUTE_SHARE = 0.1
+# A compute straggler whose device waited for its host at this share of its calls reads ``host``.
+LAUNCH_BOUND_FRAC = 0.5
 COMPUTE_T = 3.0
 CLEAR_SHARE = 0.25
 CLEAR_T = 2.0
@@ -157,7 +161,10 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
     last_arrival_frac (share of its collectives where it arrived last), late_at (group kind it is
     most often last at), impact, and the evidence: z (combined), p_value (one-sided, times the
     ranks tested), confidence (1 - p_value), t_own, t_blame, last_z, spans_share (share of its
-    excess own time inside its own compute spans), t_spans (that excess over its noise).
+    excess own time inside its own compute spans), t_spans (that excess over its noise),
+    device_idle_frac (share of its communication calls at which its device was idle, waiting for
+    its host; NaN where not timed on a device): a ``compute`` straggler at ``LAUNCH_BOUND_FRAC`` or
+    more reads ``host`` (see :func:`_launch_bound`).
     """
     config = config or StragglerConfig()
     con = run.con
@@ -201,4 +208,35 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
     # slowdown x persistence would put its own wake ahead of it), then impact.
     out["_z"] = out["z"].astype(float).where(out["cause"] != "communication", -np.inf)
     out = out.sort_values(["_z", "impact", "rank"], ascending=[False, False, True], kind="stable")
-    return out[COLUMNS].reset_index(drop=True)
+    return _launch_bound(run, out)[COLUMNS].reset_index(drop=True)
+
+
+def _launch_bound(run: Run, out: pd.DataFrame) -> pd.DataFrame:
+    """``device_idle_frac`` of each own-time straggler timed on a device, and cause ``host`` for a
+    ``compute`` one whose device was idle, waiting for its host, at ``LAUNCH_BOUND_FRAC`` of its
+    communication calls or more.
+
+    Its compute spans are long, but on a device that ran dry: each kernel began as soon as its host
+    launched it, so a span lasted as long as the host took to issue its work. Its host is slower
+    (Python, a busy core, a data loader on the same core), not its GPU; a slow GPU keeps its device
+    busy and its host ahead. On 4x H100 runs of a small host-bound model, every rank named for its
+    compute had its device idle at 68-100% of its calls, and the ranks whose GPU was planted slow
+    at 0-18% (docs/benchmarks.md). Host-timed ranks (CPU) and synthetic runs have no such
+    measure and keep their cause.
+    """
+    out = out.copy()
+    out["device_idle_frac"] = np.nan
+    compute = out["cause"] == "compute"
+    if not compute.any() or run.meta.source == RunSource.SYNTH:
+        return out
+    steps = [int(s) for (s,) in _sql.execute(run.con, "pipeline", "sample_steps").fetchall()]
+    lead = host_lead(run, steps=steps, ranks=sorted({int(r) for r in out.loc[compute, "rank"]}))
+    if lead.empty:
+        return out
+    lead = lead[lead["calls"] >= HOST_BOUND_MIN_CALLS]
+    idle = dict(zip(lead["rank"].astype(int), lead["starved_frac"].astype(float), strict=True))
+    out["device_idle_frac"] = [idle.get(int(r), np.nan) for r in out["rank"]]
+    bound = compute & (out["device_idle_frac"] >= LAUNCH_BOUND_FRAC)
+    out.loc[bound, "cause"] = "host"
+    out.loc[bound, "phase"] = "host"
+    return out
