@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from hand_runs import hand_run
 from megascope.collectors import Collector
 
 from megascope import analysis, layout, schema
@@ -22,7 +23,6 @@ from megascope.compact import compact
 from megascope.figures.topology import topology_figure
 from megascope.store import open_run
 from megascope.topology import Group, Mesh, coords_of, format_coords
-from tests.hand_runs import hand_run
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_traces"
 
