@@ -30,6 +30,7 @@ import pandas as pd
 
 from megascope.analysis.base import estimate_clock_offsets
 from megascope.errors import ConfigError, ExportError
+from megascope.export.stragglers import straggler_neighbourhood
 from megascope.store import Run
 from megascope.topology import coords_of
 
@@ -261,9 +262,7 @@ def resolve(run: Run, selection: Selection, *, clock: str = "estimated") -> Reso
     ranks = sorted(known)
     stragglers: list[int] = []
     if selection.around_stragglers:
-        from megascope.export.stragglers import straggler_neighbourhood
-
-        stragglers, around = straggler_neighbourhood(run, rank_offsets)
+        stragglers, around = straggler_neighbourhood(run)
         ranks = [r for r in ranks if r in around]
     if selection.ranks is not None:
         missing = sorted(set(selection.ranks) - known)
