@@ -190,7 +190,8 @@ def _named_from_scores(evidence: dict[int, tuple[float, float, float, float, flo
     _sql.execute(con, "base", "rank_info")
     cfg = StragglerConfig()
     c = _sql.query_df(con, "stragglers", "candidates", min_frac=cfg.min_frac, min_steps=cfg.min_steps,
-                      min_slowdown=cfg.min_slowdown, z_comb=cfg.z_comb, rel_floor=cfg.rel_floor, shadow=cfg.shadow,
+                      min_slowdown=cfg.min_slowdown, min_named_slowdown=cfg.min_named_slowdown, z_comb=cfg.z_comb,
+                      rel_floor=cfg.rel_floor, shadow=cfg.shadow,
                       own_shadow=cfg.own_shadow)
     return sorted(int(r) for r in c.loc[c["straggler"], "rank"])
 
