@@ -110,6 +110,23 @@ def test_on_a_real_host_bound_gpu_run_the_rank_with_the_slow_host_is_named_for_i
     assert found.iloc[0]["cause"] == "host" and found.iloc[0]["device_idle_frac"] > 0.9
 
 
+def test_a_compute_straggler_needs_ten_percent_where_a_host_pause_needs_five(tmp_path: Path) -> None:
+    """Quiet steps (2% noise): a rank whose compute is 7% longer is not named, one 12% longer is
+    (cause compute), and a rank that pauses outside its spans for 7% of its own time is (cause
+    host); with ``min_named_slowdown=1.05`` the 7% compute rank is named too."""
+    small = open_run(noisy_run(tmp_path / "small", seed=5, slow=2, factor=1.07, noise=0.02, steps=24))
+    assert analysis.stragglers(small).empty
+    loose = analysis.stragglers(small, StragglerConfig(min_named_slowdown=1.05))
+    assert list(loose["rank"]) == [2] and loose.iloc[0]["cause"] == "compute"
+    big = analysis.stragglers(open_run(noisy_run(tmp_path / "big", seed=5, slow=2, factor=1.12, noise=0.02, steps=24)))
+    assert list(big["rank"]) == [2] and big.iloc[0]["cause"] == "compute" and big.iloc[0]["slowdown"] >= 1.10
+    paused = analysis.stragglers(open_run(noisy_run(tmp_path / "paused", seed=5, paused=2, pause_ms=3.5, noise=0.02,
+                                                    steps=24)))
+    assert list(paused["rank"]) == [2] and paused.iloc[0]["cause"] == "host" and paused.iloc[0]["slowdown"] < 1.10
+    with pytest.raises(ConfigError, match="min_named_slowdown"):
+        StragglerConfig(min_named_slowdown=0.9)
+
+
 def test_report_json_carries_confidence_and_evidence(tmp_path: Path) -> None:
     run = open_run(noisy_run(tmp_path / "run", seed=3, slow=6, factor=1.3))
     result = analysis.report(run, with_whatif=False)
@@ -190,8 +207,7 @@ def _named_from_scores(evidence: dict[int, tuple[float, float, float, float, flo
     _sql.execute(con, "base", "rank_info")
     cfg = StragglerConfig()
     c = _sql.query_df(con, "stragglers", "candidates", min_frac=cfg.min_frac, min_steps=cfg.min_steps,
-                      min_slowdown=cfg.min_slowdown, min_named_slowdown=cfg.min_named_slowdown, z_comb=cfg.z_comb,
-                      rel_floor=cfg.rel_floor, shadow=cfg.shadow,
+                      min_slowdown=cfg.min_slowdown, z_comb=cfg.z_comb, rel_floor=cfg.rel_floor, shadow=cfg.shadow,
                       own_shadow=cfg.own_shadow)
     return sorted(int(r) for r in c.loc[c["straggler"], "rank"])
 

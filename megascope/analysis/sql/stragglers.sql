@@ -194,7 +194,7 @@ FROM f GROUP BY rank;
 -- t_spans to [0, 6]: compute spans shorter than the peers' are no sign of innocence. A rank that
 -- pauses outside its spans makes its TP peers' spans hold the wait, and on shared CPU cores it
 -- computes faster while they wait (real 50-100 ms skews read t_spans -3 and went unnamed).
--- A straggler: z >= {{z_comb}}, own time over all steps at least {{min_named_slowdown}} x its peers' and t_own >= 1,
+-- A straggler: z >= {{z_comb}}, own time over all steps at least {{min_slowdown}} x its peers' and t_own >= 1,
 -- and not a shadow of a worse one: its z at least {{shadow}} x the largest z named, and its t_own
 -- at least {{own_shadow}} x the largest t_own named (a fault makes
 -- its peers' times move too, its TP partner's spans hold the waits for it, its pipeline
@@ -240,7 +240,7 @@ WITH e AS (
     GROUP BY z.rank
 ), flagged AS (
     SELECT z.*, grp.partners_m_own,
-           coalesce(z.z >= {{z_comb}} AND z.t_own >= 1 AND z.median_slowdown >= {{min_named_slowdown}}
+           coalesce(z.z >= {{z_comb}} AND z.t_own >= 1 AND z.median_slowdown >= {{min_slowdown}}
                     AND NOT coalesce(grp.partners_m_own >= 0.75 * z.m_own, false)
                     AND NOT coalesce(z.median_ex_recv_ns > 0 AND z.median_ex_recv_ns >= z.median_ex_own_ns, false),
                     false) AS flag
