@@ -210,9 +210,9 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def _overshadowed(group: list[dict[str, Any]]) -> str:
-    """Runs where the spans show another rank slower than the planted one (its ratio over the
-    planted rank's, median), or "-" for runs with no planted rank."""
-    planted = [g for g in group if g.get("kind") in ("straggler", "skew")
+    """Straggler runs where the spans show another rank slower than the planted one, or "-" for
+    runs with no planted straggler (a skewed rank pauses outside its spans, which say nothing)."""
+    planted = [g for g in group if g.get("kind") == "straggler"  # a skew pauses outside its spans
                and g.get("planted_ratio") is not None and g.get("slowest_ratio") is not None]
     if not planted:
         return "-"
