@@ -252,12 +252,12 @@ class Interception:
         if not wrapped:
             return
         skip = {id(d) for d in doors}
-        for module in list(sys.modules.values()):
-            if module is None or id(module) in skip or getattr(module, "__name__", "").startswith("megascope"):
+        for key, module in list(sys.modules.items()):
+            if module is None or id(module) in skip or key.startswith("megascope"):
                 continue
             try:
                 items = [(k, v) for k, v in vars(module).items() if id(v) in wrapped]
-            except TypeError:  # an object in sys.modules without a __dict__
+            except Exception:  # an object in sys.modules without a plain __dict__
                 continue
             for name, value in items:
                 if value is not wrapped[id(value)]:
