@@ -172,8 +172,8 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
     ranks tested), confidence (1 - p_value), t_own, t_blame, last_z, spans_share (share of its
     excess own time inside its own compute spans), t_spans (that excess over its noise),
     device_idle_frac (share of its communication calls at which its device was idle, waiting for
-    its host; NaN where not timed on a device): a ``compute`` straggler at ``LAUNCH_BOUND_FRAC`` or
-    more reads ``host`` (see :func:`_launch_bound`).
+    its host; for stragglers named for their compute and timed on a device, else NaN): one at
+    ``LAUNCH_BOUND_FRAC`` or more reads ``host`` (see :func:`_launch_bound`).
     """
     config = config or StragglerConfig()
     con = run.con
@@ -223,9 +223,9 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
 
 
 def _launch_bound(run: Run, out: pd.DataFrame) -> pd.DataFrame:
-    """``device_idle_frac`` of each own-time straggler timed on a device, and cause ``host`` for a
-    ``compute`` one whose device was idle, waiting for its host, at ``LAUNCH_BOUND_FRAC`` of its
-    communication calls or more.
+    """``device_idle_frac`` of each ``compute`` straggler timed on a device (NaN for the others),
+    and cause ``host`` for one whose device was idle, waiting for its host, at
+    ``LAUNCH_BOUND_FRAC`` of its communication calls or more.
 
     Its compute spans are long, but on a device that ran dry: each kernel began as soon as its host
     launched it, so a span lasted as long as the host took to issue its work. Its host is slower
