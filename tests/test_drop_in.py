@@ -274,7 +274,9 @@ def test_the_readme_snippet_runs_under_torchrun_and_reports(tmp_path: Path) -> N
 def test_ddp_job_straggler_is_named_from_its_own_all_reduce(tmp_path: Path) -> None:
     """DDP's reducer issues the gradient all-reduce in C++; the job registers no hook and wraps no call."""
     run_dir = tmp_path / "run"
-    proc = torchrun(3, JOBS / "ddp_job.py", str(run_dir), "--steps", "12", "--straggler", "1,2.7", cwd=tmp_path)
+    # 16 steps and 3.5x: at 12 steps and 2.7x the evidence (z 6-9) fell under the bar once, with the
+    # whole suite sharing the two cores; here it read 8.5-9 in three runs.
+    proc = torchrun(3, JOBS / "ddp_job.py", str(run_dir), "--steps", "16", "--straggler", "1,3.5", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = open_run(run_dir)
     calls = run.con.execute(
