@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # megascope inside a Megatron-core job on NCCL (tests/jobs/megatron_job.py: Megatron's GPTModel,
-# parallel_state, pipeline schedule and DDP; megascope's four added lines). On 4 GPUs: a planted
+# parallel_state, pipeline schedule and DDP; megascope's four added statements). On 4 GPUs: a planted
 # straggler on tp2 x pp2 named by report, a planted hang on tp2 x dp2 named by localize, and the
 # job's step time with megascope off and on (MEGASCOPE_DISABLE=1), interleaved, AB_PAIRS pairs.
 # On 2 GPUs the same on tp2 alone. Needs the megatron-core wheel (cp312) in .wheels/ (gpu_setup.sh

@@ -1,5 +1,5 @@
 """A Megatron-core GPT training script, written the way Megatron-core's own examples are, with
-megascope's four lines added (marked ``# megascope``).
+megascope's four statements added (five lines, marked ``# megascope``).
 
 Run it on GPUs under ``torchrun --standalone --nproc-per-node N tests/jobs/megatron_job.py RUN
 --tp T --pp P`` (dp = N / (T * P); needs ``pip install megatron-core``, no Transformer Engine or
