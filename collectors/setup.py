@@ -31,6 +31,7 @@ context parallelism, model-parallel) is recorded as that group.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -139,17 +140,18 @@ def process_groups_layout(groups: Mapping[str, Any], rank: int, world: int) -> L
 
     For jobs that build their groups themselves rather than through a ``DeviceMesh`` (Megatron's
     ``parallel_state``, say). Each group's members, read from torch, give the axis's size and this
-    rank's coordinate on it (its place in the group). A group is numbered by this rank's
-    coordinates on the other axes, taken in the order given: every member of a group shares them,
-    so every member names the group alike. The axes must tile the world: the product of their
-    sizes is the world size.
+    rank's coordinate on it (its place in the group). Axes are laid out in the canonical order
+    (:func:`megascope.schema.ordered_axes`), whatever the dict's. A group is numbered by this
+    rank's coordinates on the other axes: every member of a group shares them, so every member
+    names the group alike. The axes must tile the world: the product of their sizes is the world
+    size.
     """
     import torch.distributed as dist
 
     if not groups:
         raise ConfigError("groups= is empty: give one process group per axis, e.g. {'tp': tp_group, 'dp': dp_group}")
     groups = {str(a): pg for a, pg in groups.items()}
-    axes = ordered_axes(groups)  # pp outermost, tp fastest, whatever the dict's order
+    axes = ordered_axes(groups)
     members: dict[str, tuple[int, ...]] = {}
     for axis, pg in groups.items():
         try:
@@ -159,9 +161,7 @@ def process_groups_layout(groups: Mapping[str, Any], rank: int, world: int) -> L
         if rank not in members[axis]:
             raise ConfigError(f"groups[{axis!r}] does not hold this rank ({rank}): give the groups this process is in")
     sizes = {axis: len(m) for axis, m in members.items()}
-    product = 1
-    for size in sizes.values():
-        product *= size
+    product = math.prod(sizes.values())
     if product != world:
         raise ConfigError(f"the groups' sizes {sizes} multiply to {product}, not to the world size {world}: "
                           "give one group per axis, every axis of the job")
