@@ -89,6 +89,8 @@ def launch(r: dict[str, Any], out: Path, *, gpu: bool, steps: int, profile: int 
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - t0
+    # The job's own output beside its run directory: where a run's time went, or why it failed.
+    (out / f"{r['name']}.log").write_text(proc.stdout + proc.stderr)
     # The 1-minute load average before a run mostly counts the previous run's own ranks. What the
     # run competed with is the CPU that other processes used while it ran: all busy CPU time less
     # the run's own (its process tree), in cores.

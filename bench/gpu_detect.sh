@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The detection sweep on GPUs (bench/detect_sweep.py --gpu): planted slow GPUs (mode=time), host
+# pauses, hangs and healthy runs of the bundled trainer on NCCL, in the sweep's seeded order, as
+# many as BUDGET_S seconds allow; each run reported and scored on the machine. Back under $OUT:
+# table.txt (the sweep's table), sweep.jsonl (one line per run) and runs.tar.gz (every run
+# directory and its log, for rescoring elsewhere with --score-only).
+#
+#   OUT=/tmp/o SEED=83 BUDGET_S=420 bash bench/gpu_detect.sh      # after bench/gpu_setup.sh
+set -uo pipefail
+OUT=${OUT:-gpu-detect}
+PY=${PYTHON:-python3}
+SEED=${SEED:-83}
+BUDGET_S=${BUDGET_S:-420}
+mkdir -p "$OUT"
+NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
+GPUS=$(( NGPU >= 4 ? 4 : 2 ))
+WORK=${WORK:-/tmp/gpu-detect-runs}
+rm -rf "$WORK"
+export OMP_NUM_THREADS=1 PYTHONPATH=${PYTHONPATH:-$PWD}
+nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv >"$OUT/gpus.txt" 2>&1
+timeout $(( BUDGET_S + 150 )) $PY bench/detect_sweep.py -o "$WORK" --gpu --gpus "$GPUS" --seed "$SEED" \
+  --budget-s "$BUDGET_S" >"$OUT/table.txt" 2>"$OUT/sweep-progress.txt"
+echo "sweep exit $?" >>"$OUT/sweep-progress.txt"
+cp "$WORK/sweep.jsonl" "$OUT/" 2>/dev/null
+tar -czf "$OUT/runs.tar.gz" -C "$WORK" . 2>/dev/null
+cat "$OUT/table.txt"
