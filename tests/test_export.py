@@ -239,6 +239,38 @@ def test_estimated_clock_offsets_are_applied_and_stated(run_dir: Path, monkeypat
     assert str(offsets[hosts[-1]]) in trace.metadata["megascope.clock_offsets_ns"]
 
 
+def test_spans_are_read_while_the_clock_is_estimated(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a window the first chunks are read before the offsets are known; they are added
+    to every span all the same."""
+    import threading
+
+    import pandas as pd
+
+    from megascope.export import selection, source
+
+    read = threading.Event()
+    to_chunk = source._to_chunk
+
+    def reading(*args: Any, **kwargs: Any) -> Any:
+        read.set()
+        return to_chunk(*args, **kwargs)
+
+    host_of = {r["rank"]: r["host"] for r in open_run(run_dir).con.sql("SELECT * FROM ranks").to_arrow_table().to_pylist()}
+    hosts = sorted(set(host_of.values()))
+    offsets = {h: (i + 1) * 3_000_000 for i, h in enumerate(hosts)}
+    frame = pd.DataFrame({"host": hosts, "offset_ns": [offsets[h] for h in hosts], "error_ns": 5_000, "samples": 10})
+
+    def estimate(con: Any, spans_of: Any = None) -> Any:
+        assert read.wait(timeout=60), "no span was read while the clock was estimated"
+        return frame
+
+    monkeypatch.setattr(source, "_to_chunk", reading)
+    monkeypatch.setattr(selection, "estimate_clock_offsets", estimate)
+    trace = _export(run_dir, clock="estimated", chunk_rows=300)
+    want = Counter((s["rank"], s["start_ns"] + offsets[host_of[s["rank"]]] + trace.shift) for s in _spans(run_dir))
+    assert Counter((trace.rank_of(sl["track"]), sl["ts"]) for sl in trace.slices) == want
+
+
 def test_raw_clocks_are_stated(run_dir: Path) -> None:
     trace = _export(run_dir, ranks=[0])
     assert trace.metadata["megascope.clock_correction"].startswith("raw")
@@ -351,9 +383,9 @@ def test_single_host_run_exports_with_estimated_offsets(tmp_path: Path) -> None:
 
 
 def test_prefetch_keeps_order_and_raises_the_producers_error() -> None:
-    from megascope.export.overlap import prefetch
+    from megascope.export.overlap import Prefetch
 
-    assert list(prefetch(iter(range(50)), depth=2)) == list(range(50))
+    assert list(Prefetch(iter(range(50)), depth=2)) == list(range(50))
 
     def failing() -> Any:
         yield 1
@@ -361,10 +393,10 @@ def test_prefetch_keeps_order_and_raises_the_producers_error() -> None:
 
     got = []
     with pytest.raises(ValueError, match="bad part"):
-        for item in prefetch(failing()):
+        for item in Prefetch(failing()):
             got.append(item)
     assert got == [1]
-    early = prefetch(iter(range(10**6)))
+    early = Prefetch(iter(range(10**6)))
     assert next(early) == 0
     early.close()  # a consumer that stops early stops the producer
 

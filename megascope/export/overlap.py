@@ -2,14 +2,14 @@
 
 Role in the data flow: inside :mod:`megascope.export.perfetto`. DuckDB's scan, numpy's sorts and
 encoders and the file system all release the interpreter lock for most of their work, so running
-the scan one chunk ahead (:func:`prefetch`) and the writes one queue behind
+the scan one chunk ahead (:class:`Prefetch`) and the writes one queue behind
 (:class:`BackgroundWriter`) lets the three proceed at once. Each stage holds at most ``depth``
 items in its queue, so memory stays bounded by a few chunks, whatever the run size. The order of
 items and bytes is kept, so the output is the same as a serial export's.
 
 Example::
 
-    for chunk in prefetch(iter_span_chunks(run, resolved)):
+    for chunk in Prefetch(iter_span_chunks(run, resolved)):
         ...
     with BackgroundWriter(stream) as out:
         out.write(data)
@@ -32,47 +32,66 @@ class _Failed:
         self.exc = exc
 
 
-def prefetch(items: Iterable[T], *, depth: int = 1) -> Iterator[T]:
+class Prefetch(Iterator[T]):
     """``items``, produced in a background thread up to ``depth`` items ahead of the consumer.
 
-    An exception in the producer is raised in the consumer at the item where it happened; a
-    consumer that stops early stops the producer at its next item.
+    The thread starts at once, so the first items are on their way before the consumer asks (the
+    Perfetto export reads while the clock estimate runs). An exception in the producer is raised
+    in the consumer at the item where it happened; :meth:`close` (or leaving a ``with`` block)
+    stops the producer at its next item, whether or not anything was consumed.
     """
-    box: queue.Queue[Any] = queue.Queue(maxsize=depth)
-    stop = threading.Event()
 
-    def produce() -> None:
+    def __init__(self, items: Iterable[T], *, depth: int = 1) -> None:
+        self._box: queue.Queue[Any] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._finished = False
+        self._thread = threading.Thread(target=self._produce, args=(items,), name="megascope-export-read", daemon=True)
+        self._thread.start()
+
+    def _produce(self, items: Iterable[T]) -> None:
         try:
             for item in items:
-                while not stop.is_set():
+                while not self._stop.is_set():
                     try:
-                        box.put(item, timeout=0.1)
+                        self._box.put(item, timeout=0.1)
                         break
                     except queue.Full:
                         continue
-                if stop.is_set():
+                if self._stop.is_set():
                     return
-            box.put(_DONE)
+            self._box.put(_DONE)
         except BaseException as exc:  # handed to the consumer, which raises it
-            box.put(_Failed(exc))
+            self._box.put(_Failed(exc))
 
-    thread = threading.Thread(target=produce, name="megascope-export-read", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = box.get()
-            if item is _DONE:
-                return
-            if isinstance(item, _Failed):
-                raise item.exc
-            yield item
-    finally:
-        stop.set()
-        while thread.is_alive():
+    def __iter__(self) -> Prefetch[T]:
+        return self
+
+    def __next__(self) -> T:
+        if self._finished:
+            raise StopIteration
+        item = self._box.get()
+        if isinstance(item, _Failed):
+            self.close()
+            raise item.exc
+        if item is _DONE:
+            self.close()
+            raise StopIteration
+        return item  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self._finished = True
+        self._stop.set()
+        while self._thread.is_alive():
             try:
-                box.get_nowait()
+                self._box.get_nowait()
             except queue.Empty:
-                thread.join(timeout=0.05)
+                self._thread.join(timeout=0.05)
+
+    def __enter__(self) -> Prefetch[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class BackgroundWriter:

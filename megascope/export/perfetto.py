@@ -33,11 +33,13 @@ Example::
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import json
 import logging
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -53,9 +55,9 @@ from perfetto.trace_builder.proto_builder import StreamingTraceProtoBuilder
 from megascope.export import perfetto_layouts as lay
 from megascope.export.common import ExportStats, as_run, make_selection, output_stream
 from megascope.export.memory import kept_heap
-from megascope.export.overlap import BackgroundWriter, prefetch
+from megascope.export.overlap import BackgroundWriter, Prefetch
 from megascope.export.protowire import Node, encode, varint_width
-from megascope.export.selection import Resolved, resolve
+from megascope.export.selection import Resolved, check_clock, resolve_ranks, with_clock
 from megascope.export.source import SpanChunk, iter_span_chunks
 from megascope.export.tracks import (
     assign_lanes,
@@ -187,6 +189,11 @@ class _OrderedChunk:
     span_index: I64
     is_end: npt.NDArray[np.bool_]
     streams: list[tuple[str, int]]  # (stream name, code) of the chunk's streams
+
+    def corrected(self, rank_offsets_ns: I64) -> _OrderedChunk:
+        """The same, its starts on the export's clock: a rank's offset moves all its spans
+        alike, so tracks and event order stay as they are."""
+        return dataclasses.replace(self, chunk=self.chunk.corrected(rank_offsets_ns))
 
 
 def _order_chunk(chunk: SpanChunk) -> _OrderedChunk:
@@ -647,17 +654,39 @@ def export_perfetto(
     """
     began = time.perf_counter()
     run = as_run(run)
-    resolved = resolve(run, make_selection(ranks, steps, window, around_stragglers), clock=clock)
+    check_clock(clock)
+    selection = make_selection(ranks, steps, window, around_stragglers)
+    unclocked = resolve_ranks(run, selection)
+    # A rank's clock offset moves all its spans alike, so, without a window (placed in corrected
+    # time), the first chunks are read and ordered on the recorded times while the clock is
+    # estimated, and the offsets are added before encoding.
+    ahead = selection.window is None
+    with ThreadPoolExecutor(1, thread_name_prefix="megascope-export-clock") as pool:
+        clocked = pool.submit(with_clock, run, unclocked, clock)
+        if ahead:
+            ordered = Prefetch(map(_order_chunk, iter_span_chunks(run, unclocked, chunk_rows=chunk_rows,
+                                                                  corrected=False)))
+        try:
+            resolved = clocked.result()
+        except BaseException:
+            if ahead:
+                ordered.close()
+            raise
+    if ahead:
+        chunks: Iterable[_OrderedChunk] = (o.corrected(resolved.rank_offsets_ns) for o in ordered)
+    else:
+        ordered = Prefetch(map(_order_chunk, iter_span_chunks(run, resolved, chunk_rows=chunk_rows)))
+        chunks = ordered
     stats = ExportStats(format="perfetto", clock_correction=resolved.clock_source,
                         selection=resolved.selection.describe(), stragglers=resolved.stragglers)
-    with output_stream(out) as stream, kept_heap():
+    with ordered, output_stream(out) as stream, kept_heap():
         with BackgroundWriter(stream) as background:
             writer = _PerfettoWriter(run, resolved, background, stats)
             writer.write_header()
             # three stages in threads of their own: read and order, encode, write out
-            ordered = prefetch(map(_order_chunk, iter_span_chunks(run, resolved, chunk_rows=chunk_rows)))
-            for encoded in prefetch(map(writer.encode_chunk, ordered)):
-                writer.write_chunk(encoded)
+            with Prefetch(map(writer.encode_chunk, chunks)) as encoded_chunks:
+                for encoded in encoded_chunks:
+                    writer.write_chunk(encoded)
             writer.write_job_counters()
             writer.write_heartbeats()
         stats.bytes = stream.bytes

@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,7 +49,7 @@ class SpanChunk:
     """Spans of a few whole ranks. Strings are dictionary-encoded; nullable ints carry a mask."""
 
     rank: npt.NDArray[np.int64]
-    start_ns: npt.NDArray[np.int64]  # corrected
+    start_ns: npt.NDArray[np.int64]  # corrected (unless read with corrected=False)
     dur_ns: npt.NDArray[np.int64]
     ints: dict[str, tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]]  # step, microbatch, ... -> (values, valid)
     strings: dict[str, pa.DictionaryArray]  # name, kind, stream, group, op
@@ -74,6 +75,16 @@ class SpanChunk:
             indices = np.where(arr.is_valid().to_numpy(zero_copy_only=False), indices, -1)
         return indices.astype(np.int64), arr.dictionary.to_pylist()
 
+    def corrected(self, rank_offsets_ns: npt.NDArray[np.int64]) -> SpanChunk:
+        """The chunk with each rank's clock offset (``Resolved.rank_offsets_ns``) added to its
+        starts; a start that lands before the epoch is an :class:`ExportError` naming its rank."""
+        start = self.start_ns + rank_offsets_ns[self.rank] if len(rank_offsets_ns) else self.start_ns
+        if len(start) and int(start.min()) < 0:
+            bad = int(np.argmin(start))
+            raise ExportError(f"rank {int(self.rank[bad])} has a span at {int(start[bad])} ns after clock correction, "
+                              "before the epoch; its recorded start_ns is not a wall-clock time")
+        return dataclasses.replace(self, start_ns=start)
+
 
 def _int_column(table: pa.Table, name: str) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
     col = table.column(name).combine_chunks()
@@ -82,45 +93,48 @@ def _int_column(table: pa.Table, name: str) -> tuple[npt.NDArray[np.int64], npt.
     return values, valid
 
 
-def _to_chunk(table: pa.Table, resolved: Resolved) -> SpanChunk:
+def _to_chunk(table: pa.Table, resolved: Resolved, *, corrected: bool) -> SpanChunk:
     rank = table.column("rank").to_numpy().astype(np.int64)
-    offsets = resolved.rank_offsets_ns[rank] if len(resolved.rank_offsets_ns) else np.zeros_like(rank)
-    start = table.column("start_ns").to_numpy().astype(np.int64) + offsets
-    if len(start) and int(start.min()) < 0:
-        bad = int(np.argmin(start))
-        raise ExportError(f"rank {int(rank[bad])} has a span at {int(start[bad])} ns after clock correction, "
-                          "before the epoch; its recorded start_ns is not a wall-clock time")
-    dur = np.maximum(table.column("dur_ns").to_numpy().astype(np.int64), 0)
     chunk = SpanChunk(
         rank=rank,
-        start_ns=start,
-        dur_ns=dur,
+        start_ns=table.column("start_ns").to_numpy().astype(np.int64),
+        dur_ns=np.maximum(table.column("dur_ns").to_numpy().astype(np.int64), 0),
         ints={c: _int_column(table, c) for c in ("step", "microbatch", "chunk", "seq", "bytes", "peer")},
         strings={c: pc.dictionary_encode(table.column(c).combine_chunks()) for c in _STRINGS},
     )
+    if not corrected:
+        return chunk
+    chunk = chunk.corrected(resolved.rank_offsets_ns)
     if resolved.window is not None:
         lo, hi = resolved.window  # corrected epoch ns, without the non-negativity shift
+        start, dur = chunk.start_ns, chunk.dur_ns
         keep = (start - resolved.shift_ns <= hi) & (start + dur - resolved.shift_ns >= lo)
         if not keep.all():
             chunk = chunk.take(np.flatnonzero(keep))
     return chunk
 
 
-def iter_span_chunks(run: Run, resolved: Resolved, *, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> Iterator[SpanChunk]:
+def iter_span_chunks(run: Run, resolved: Resolved, *, chunk_rows: int = DEFAULT_CHUNK_ROWS,
+                     corrected: bool = True) -> Iterator[SpanChunk]:
     """The selected spans, a few whole ranks at a time, in rank order.
+
+    ``corrected=False``: starts as recorded, for a caller that adds the offsets later
+    (:meth:`SpanChunk.corrected`); only without a time window, which is placed in corrected time.
 
     One streaming scan: the store lists each rank's parts in rank order and DuckDB keeps that
     order (``preserve_insertion_order``), so batches arrive rank by rank; a chunk is cut at the
     last rank boundary once ``chunk_rows`` rows are buffered and the open rank carries over.
     """
+    if not corrected and resolved.window is not None:
+        raise ValueError("a time window needs corrected times")
     if not len(resolved.ranks):
         return
     compacted = run.compacted.get("spans")
     if compacted:
         if set(run.files.get("spans", [])) == set(compacted):
-            yield from _iter_compacted_files(compacted, resolved, chunk_rows)
+            yield from _iter_compacted_files(compacted, resolved, chunk_rows, corrected)
         else:  # compacted files beside parts: the store's view merges them
-            yield from _iter_rank_blocks(run, resolved, chunk_rows)
+            yield from _iter_rank_blocks(run, resolved, chunk_rows, corrected)
         return
     cols = ", ".join(f'"{c}"' for c in _COLUMNS)
     # plain range filters only: a semi-join would let DuckDB return rows out of file order
@@ -149,19 +163,19 @@ def iter_span_chunks(run: Run, resolved: Resolved, *, chunk_rows: int = DEFAULT_
         cut = int(np.searchsorted(table.column("rank").to_numpy(), last, side="left"))
         if cut == 0:  # one rank bigger than a chunk: keep reading it
             continue
-        chunk = _to_chunk(table.slice(0, cut), resolved)
+        chunk = _to_chunk(table.slice(0, cut), resolved, corrected=corrected)
         pending = table.slice(cut).to_batches()
         rows = table.num_rows - cut
         done_below = last - 1
         if len(chunk):
             yield chunk
     if pending:
-        chunk = _to_chunk(pa.Table.from_batches(pending), resolved)
+        chunk = _to_chunk(pa.Table.from_batches(pending), resolved, corrected=corrected)
         if len(chunk):
             yield chunk
 
 
-def _iter_rank_blocks(run: Run, resolved: Resolved, chunk_rows: int) -> Iterator[SpanChunk]:
+def _iter_rank_blocks(run: Run, resolved: Resolved, chunk_rows: int, corrected: bool) -> Iterator[SpanChunk]:
     """The selected spans of a compacted run, a block of whole ranks per query.
 
     A compacted file holds many ranks sorted by step, so file order is not rank order: count the
@@ -199,7 +213,7 @@ def _iter_rank_blocks(run: Run, resolved: Resolved, chunk_rows: int) -> Iterator
         ).to_arrow_table()
         if not every_rank:
             table = table.filter(pa.array(np.isin(table.column("rank").to_numpy(), resolved.ranks)))
-        chunk = _to_chunk(table, resolved)
+        chunk = _to_chunk(table, resolved, corrected=corrected)
         if len(chunk):
             yield chunk
 
@@ -319,7 +333,7 @@ def _conform(table: pa.Table, columns: list[str]) -> pa.Table:
     return pa.table(arrays, names=columns)
 
 
-def _iter_compacted_files(paths: list, resolved: Resolved, chunk_rows: int) -> Iterator[SpanChunk]:
+def _iter_compacted_files(paths: list, resolved: Resolved, chunk_rows: int, corrected: bool) -> Iterator[SpanChunk]:
     """The selected spans of a fully compacted run, a block of whole ranks per chunk, in one pass.
 
     A compacted file is sorted by step, so a block of ranks has rows in every step's row groups.
@@ -369,6 +383,6 @@ def _iter_compacted_files(paths: list, resolved: Resolved, chunk_rows: int) -> I
                 kept_rows += size
         if not pieces:
             continue
-        chunk = _to_chunk(pa.concat_tables(pieces).unify_dictionaries(), resolved)
+        chunk = _to_chunk(pa.concat_tables(pieces).unify_dictionaries(), resolved, corrected=corrected)
         if len(chunk):
             yield chunk
