@@ -6,7 +6,9 @@ SIGTERM and exit) it
 1. turns pending spans whose timer tokens are ready into ``spans`` rows (and, for communication,
    the ``completed`` marker), and pending tensor metrics whose copy has landed into ``metrics`` rows;
 2. writes each non-empty table as one new part through :func:`megascope.layout.write_part`
-   (temporary name + rename: a reader never sees half a file; a SIGKILL loses at most one interval);
+   (temporary name + rename: a reader never sees half a file; a SIGKILL loses at most one interval),
+   and after each spans part its per-(rank, step, group) sums, its twin under ``step_sums/``
+   (:func:`megascope.layout.write_sums_twin`), which spare the analysis aggregating every span;
 3. (re)writes the per-rank ``ranks``/``groups`` files and ``run.json`` when they changed.
 
 It runs on its own thread, so markers keep reaching the disk while the training thread is blocked
@@ -424,7 +426,7 @@ class Writer:
         if retry is not None:
             data = pa.concat_tables([retry, data])
         try:
-            layout.write_part(self.run_dir, name, data, rank=self.rank, run_id=self.run_id())
+            path = layout.write_part(self.run_dir, name, data, rank=self.rank, run_id=self.run_id())
         except Exception as exc:
             self._failed(name, exc)
             if data.num_rows > self.capacity:  # keep the newest rows, bounded
@@ -434,6 +436,15 @@ class Writer:
             return
         self.rows_written[name] += data.num_rows
         self.parts_written += 1
+        if name == "spans":
+            if pacer is not None:
+                pacer.tick()
+            # The part's sums, for the analysis. Never retried: a spans part without them is
+            # aggregated by the analysis itself.
+            try:
+                layout.write_sums_twin(path, data, run_id=self.run_id())
+            except Exception as exc:
+                self._failed("step_sums", exc)
 
     def _convert(self, name: str, rows: list[Any], table_schema: pa.Schema) -> pa.Table:
         data, bad = rows_to_table_dropping(rows, table_schema)

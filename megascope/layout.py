@@ -11,15 +11,23 @@ Layout (ARCHITECTURE.md, contract)::
     RUN/ranks/rank=00017.parquet
     RUN/groups/rank=00017.parquet
     RUN/spans/rank=00017/part-<time>-<pid>-<n>.parquet      (also markers/, metrics/)
+    RUN/step_sums/rank=00017/part-<time>-<pid>-<n>.parquet  (its spans part's sums: the same name)
     RUN/heartbeats/host=NAME/part-*.parquet
     RUN/diagnostics/part-*.parquet
     RUN/compacted/spans/c-<id>-000.parquet                 (``megascope compact``: many parts merged)
     RUN/compacted/spans/c-<id>.manifest.json               (commits it: the files it holds, the parts it replaces)
+    RUN/compacted/step_sums/c-<id>-000.parquet             (the compacted spans file's sums)
 
 A part is written to a hidden temporary name in the same directory and renamed into place, so a
 reader never sees half a file; temporary files end in ``.tmp`` and are never globbed. A writer that
 passes ``run_id`` stamps it into the part's Parquet metadata, so that the reader can tell a part
 copied in from another run.
+
+Every spans file has a twin of the same name under ``step_sums/`` (:func:`sums_twin`): its
+per-(rank, step, group) sums (``schema.STEP_SUMS``), written right after it by
+:func:`write_spans_part`. The twin is derived data: a spans file without one (a writer killed
+between the two, an older writer) is simply aggregated by the analysis, and a twin whose spans
+file is gone is never read.
 
 What may be written where (docs/promises.md): a new run only into a new or empty directory outside
 any run (:func:`check_new_run_dir`, :func:`prepare_run_dir`); an export or heat-map never inside a
@@ -46,7 +54,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from megascope.errors import OutputError
-from megascope.schema import TABLES, RunMeta
+from megascope.schema import STEP_SUMS_VERSION, TABLES, RunMeta
+from megascope.stepsums import step_sums
 
 RUN_JSON = "run.json"
 # megascope compact's merged files and their manifests (``compacted/<table>/``).
@@ -56,6 +65,10 @@ MANIFEST_FORMAT = 1
 # Parquet key-value metadata naming the run a part belongs to (``run.json``'s ``run_id``), so that
 # parts copied in from another run are recognised and skipped instead of read as this run's data.
 RUN_ID_KEY = b"megascope.run_id"
+# The spans files' sums (schema.STEP_SUMS), beside the tables; and the key of the Parquet metadata
+# stamping each with schema.STEP_SUMS_VERSION.
+STEP_SUMS_DIR = "step_sums"
+STEP_SUMS_VERSION_KEY = b"megascope.step_sums_version"
 
 # Tables with one file per rank (written once, rewritten whole) versus many parts per rank.
 SINGLE_FILE_TABLES = frozenset({"ranks", "groups"})
@@ -387,6 +400,44 @@ def write_part(
     where = table_path(Path(run_dir), table, rank=rank, host=host)
     path = where if table in SINGLE_FILE_TABLES else where / part_name()
     write_table_atomic(path, data)
+    return path
+
+
+def sums_twin(spans_file: Path | str) -> Path:
+    """The ``step_sums`` file paired with a spans file: ``spans/rank=00017/part-X.parquet`` ->
+    ``step_sums/rank=00017/part-X.parquet``, ``compacted/spans/c-X.parquet`` ->
+    ``compacted/step_sums/c-X.parquet``."""
+    path = Path(spans_file)
+    if path.parent.name == "spans":  # compacted/spans/<file>
+        return path.parent.parent / STEP_SUMS_DIR / path.name
+    if path.parent.parent.name != "spans":
+        raise ValueError(f"{path}: not a spans file")
+    return path.parent.parent.parent / STEP_SUMS_DIR / path.parent.name / path.name
+
+
+def sums_glob() -> str:
+    """The glob, relative to the run directory, of the spans parts' twins."""
+    return f"{STEP_SUMS_DIR}/rank=*/*.parquet"
+
+
+def write_sums_twin(spans_file: Path, spans: pa.Table, *, run_id: str | None = None) -> Path:
+    """Write the sums of ``spans`` (the rows of ``spans_file``) as its twin, atomically."""
+    data = step_sums(spans)
+    metadata = {STEP_SUMS_VERSION_KEY: str(STEP_SUMS_VERSION).encode()}
+    if run_id is not None:
+        metadata[RUN_ID_KEY] = run_id.encode()
+    path = sums_twin(spans_file)
+    write_table_atomic(path, data.replace_schema_metadata(metadata))
+    return path
+
+
+def write_spans_part(run_dir: Path | str, data: pa.Table, *, rank: int, run_id: str | None = None) -> Path:
+    """Write ``data`` as one new spans part (:func:`write_part`), then its sums as its twin.
+
+    Spans first: a writer killed between the two leaves a spans part without a twin, which the
+    analysis aggregates itself, never a twin without its spans."""
+    path = write_part(run_dir, "spans", data, rank=rank, run_id=run_id)
+    write_sums_twin(path, data, run_id=run_id)
     return path
 
 

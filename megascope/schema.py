@@ -307,6 +307,46 @@ DIAGNOSTICS = pa.schema(
 )
 """Self-test results (``diagnostics/part-*.parquet``)."""
 
+STEP_SUMS_VERSION = 1
+"""Version of ``step_sums``' meaning, stamped into each of its files (``layout.STEP_SUMS_VERSION_KEY``).
+A reader uses only twins of the version it knows and aggregates the spans of the others: a change
+to what the columns mean bumps it, and older twins are then read past, never misread."""
+
+STEP_SUMS = pa.schema(
+    [
+        pa.field("rank", pa.int32(), nullable=False),
+        pa.field("step", pa.int32(), nullable=False),  # spans without a step are not summed
+        pa.field("group", pa.string()),  # collective spans' group; null for every other span
+        # Over the spans of this (rank, step, group) in the paired spans file; null where none of
+        # the kind (as SQL's FILTER gives it), counts 0.
+        pa.field("step_ns", pa.int64()),  # max dur_ns of step spans
+        pa.field("step_start_ns", pa.int64()),  # min start_ns of step spans
+        pa.field("first_start_ns", pa.int64(), nullable=False),  # min start_ns
+        pa.field("last_end_ns", pa.int64(), nullable=False),  # max start_ns + dur_ns
+        pa.field("forward_ns", pa.int64()),  # sum dur_ns per kind ...
+        pa.field("backward_ns", pa.int64()),
+        pa.field("optimizer_ns", pa.int64()),
+        pa.field("compute_ns", pa.int64()),
+        pa.field("data_ns", pa.int64()),
+        pa.field("host_ns", pa.int64()),
+        pa.field("other_ns", pa.int64()),
+        pa.field("coll_ns", pa.int64()),
+        pa.field("recv_ns", pa.int64()),
+        pa.field("send_ns", pa.int64()),
+        pa.field("top_compute_ns", pa.int64()),  # forward/backward spans named "forward" or "backward"
+        pa.field("gc_ns", pa.int64()),  # host spans named "gc.*"
+        # sum of start_ns - first_start_ns over collective spans: the arrivals' sum is this plus
+        # coll_spans * first_start_ns (which needs more than 64 bits)
+        pa.field("arrival_rel_ns", pa.int64()),
+        pa.field("coll_spans", pa.int64(), nullable=False),  # collective spans
+        pa.field("spans", pa.int64(), nullable=False),  # all spans
+    ]
+)
+"""Partial per-(rank, step, collective group) sums of one spans file, written beside it by every
+writer of spans (``step_sums/rank=00017/part-*.parquet``, the same name as its spans part; a
+compacted spans file's under ``compacted/step_sums/``). Derived data: never the only copy of
+anything, read only while its spans file is (megascope.stepsums)."""
+
 # Table name -> (schema, partition column or None). The on-disk layout lives in megascope.store.
 TABLES: dict[str, pa.Schema] = {
     "ranks": RANKS,

@@ -511,10 +511,14 @@ def _write_by_rank(pool: ThreadPoolExecutor, out: Path, table_name: str, table: 
     bounds = np.flatnonzero(np.diff(ranks)) + 1
     starts = np.concatenate([[0], bounds])
     ends = np.concatenate([bounds, [len(ranks)]])
-    futures = [
-        pool.submit(layout.write_part, out, table_name, table.slice(a, b - a), rank=int(ranks[a]), run_id=run_id)
-        for a, b in zip(starts, ends, strict=True)
-    ]
+
+    def write(lo: int, hi: int) -> Path:
+        part, rank = table.slice(lo, hi - lo), int(ranks[lo])
+        if table_name == "spans":  # with its sums, as the collector writes them
+            return layout.write_spans_part(out, part, rank=rank, run_id=run_id)
+        return layout.write_part(out, table_name, part, rank=rank, run_id=run_id)
+
+    futures = [pool.submit(write, a, b) for a, b in zip(starts, ends, strict=True)]
     for f in futures:
         f.result()
     return len(futures)

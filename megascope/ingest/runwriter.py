@@ -130,6 +130,8 @@ def write_rows(run_dir: Path, table: str, rows: Iterable[dict[str, object]] | pa
                run_id: str | None = None) -> int:
     """Write ``rows`` as one part of ``table`` for ``rank``; returns the row count (0 writes nothing)."""
     data = rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(list(rows), schema=schema.TABLES[table])
-    if data.num_rows:
+    if data.num_rows and table == "spans":  # with its sums, as the collector writes them
+        layout.write_spans_part(run_dir, data, rank=rank, run_id=run_id)
+    elif data.num_rows:
         layout.write_part(run_dir, table, data, rank=rank, run_id=run_id)
     return int(data.num_rows)
