@@ -14,6 +14,12 @@ What can go wrong with a run directory, and what happens:
 * ranks of the mesh that wrote nothing -> a line in ``Run.problems`` (silence is information for
   the hang analysis, not an error).
 
+Two more views stand for ``spans`` where only the per-(rank, step, group) sums are wanted (the
+analysis' base tables): ``step_sums``, the sums files written beside the spans files read (their
+twins, ``layout.sums_twin``, of this run and of the version this reader knows), and
+``spans_unsummed``, the spans files read that have no such twin. Together they give the same sums
+as ``spans``.
+
 Compacted runs (``megascope compact``, docs/run-directory.md): each view also reads the files under
 ``compacted/<table>/`` that a committed manifest names, and skips the parts those manifests
 replace; a compacted file no manifest names (a pass still writing, or killed) is not read.
@@ -42,7 +48,14 @@ import pyarrow.parquet as pq
 
 from megascope import layout
 from megascope.errors import RunDirError, SchemaVersionError
-from megascope.schema import RANKS_V1_COORD_COLUMNS, SUPPORTED_SCHEMA_VERSIONS, TABLES, RunMeta
+from megascope.schema import (
+    RANKS_V1_COORD_COLUMNS,
+    STEP_SUMS,
+    STEP_SUMS_VERSION,
+    SUPPORTED_SCHEMA_VERSIONS,
+    TABLES,
+    RunMeta,
+)
 from megascope.topology import Mesh
 
 log = logging.getLogger(__name__)
@@ -303,11 +316,86 @@ def _scan_each(run: Run, table: str, files: list[Path], *, thorough: bool = True
 
 def _create_views(run: Run) -> None:
     _create_table_views(run)
+    _create_sums_views(run)
     # The table views read through globs and do not change as parts arrive; this one does, so that
     # anything keyed on the views' definitions (the analysis' derived tables) sees new data.
-    digest = hashlib.sha1("\n".join(str(f) for t in TABLES for f in run.files[t]).encode()).hexdigest()
-    counts = ", ".join(f"{len(run.files[t])} AS {t}" for t in TABLES)
+    names = [*TABLES, SUMS_VIEW, UNSUMMED_VIEW]
+    digest = hashlib.sha1("\n".join(str(f) for t in names for f in run.files[t]).encode()).hexdigest()
+    counts = ", ".join(f"{len(run.files[t])} AS {t}" for t in names)
     run.con.execute(f"CREATE OR REPLACE VIEW store_parts AS SELECT '{digest}' AS digest, {counts}")
+
+
+# The spans files' sums (layout.sums_twin) the analysis reads in place of their spans, and the
+# spans files that have none (an older writer, a writer killed between the two writes).
+SUMS_VIEW = "step_sums"
+UNSUMMED_VIEW = "spans_unsummed"
+
+
+def _good_twins(run: Run, twins: list[Path]) -> set[Path]:
+    """Those of ``twins`` (existing files) stamped with this run's id (or none) and the
+    ``step_sums`` version this reader knows."""
+    if not twins:
+        return set()
+    keys = [layout.RUN_ID_KEY.decode(), layout.STEP_SUMS_VERSION_KEY.decode()]
+    try:
+        rows = run.con.execute(
+            "SELECT file_name, decode(key), decode(value) FROM parquet_kv_metadata(?) WHERE list_contains(?, decode(key))",
+            [[str(t) for t in twins], keys]).fetchall()
+    except duckdb.Error:  # one unreadable: read each footer
+        rows = []
+        for t in twins:
+            try:
+                meta = pq.read_metadata(t).metadata or {}
+            except (OSError, pa.ArrowException):
+                continue
+            rows += [(str(t), k.decode(), v.decode(errors="replace")) for k, v in meta.items()
+                     if k.decode(errors="replace") in keys]
+    stamps: dict[str, dict[str, str]] = {}
+    for name, k, v in rows:
+        stamps.setdefault(name, {})[k] = v
+    return {Path(name) for name, kv in stamps.items()
+            if kv.get(keys[1]) == str(STEP_SUMS_VERSION) and kv.get(keys[0], run.meta.run_id) == run.meta.run_id}
+
+
+def _create_sums_views(run: Run) -> None:
+    """Views ``step_sums`` (the twins of the spans files read) and ``spans_unsummed`` (the spans
+    files read that have none): together they stand for ``spans`` in the per-rank-step sums."""
+    spans = run.files["spans"]
+    compacted = set(run.compacted.get("spans", []))
+    present = set(run.path.glob(layout.sums_glob()))
+    present.update(run.path.glob(f"{layout.COMPACTED_DIR}/{layout.STEP_SUMS_DIR}/*.parquet"))
+    twin = {f: layout.sums_twin(f) for f in spans}
+    good = _good_twins(run, sorted(t for t in twin.values() if t in present))
+    summed = [twin[f] for f in spans if twin[f] in good]
+    unsummed = [f for f in spans if twin[f] not in good]
+    run.files[SUMS_VIEW] = summed
+    run.files[UNSUMMED_VIEW] = unsummed
+    if not summed:
+        sums = _empty_select(SUMS_VIEW)
+    else:
+        parts = [t for t in summed if t.parent.parent.name == layout.STEP_SUMS_DIR]
+        # The glob where it reads exactly these parts (the view stays small at 100k+ files).
+        every_part = len(parts) == sum(1 for t in present if t.parent.parent.name == layout.STEP_SUMS_DIR)
+        sources = ([_sql_str(str(run.path / layout.sums_glob()))] if parts and every_part
+                   else [_list_sql(parts)] if parts else [])
+        if len(parts) < len(summed):
+            sources.append(_list_sql([t for t in summed if t.parent.parent.name != layout.STEP_SUMS_DIR]))
+        sums = " UNION ALL ".join(f"SELECT * FROM read_parquet({src}, hive_partitioning=false)" for src in sources)
+    run.con.execute(f"CREATE OR REPLACE VIEW {SUMS_VIEW} AS {sums}")
+    if not unsummed:
+        body = _empty_select("spans")
+    elif not summed:
+        body = "SELECT * FROM spans"
+    else:
+        selects = []
+        parts = [f for f in unsummed if f not in compacted]
+        if parts:
+            selects.append(_select(run.con, "spans", _list_sql(parts), _read_options("spans", uniform=False)))
+        if len(parts) < len(unsummed):
+            selects.append(_select(run.con, "spans", _list_sql([f for f in unsummed if f in compacted]),
+                                   _COMPACTED_OPTIONS))
+        body = " UNION ALL ".join(selects)
+    run.con.execute(f"CREATE OR REPLACE VIEW {UNSUMMED_VIEW} AS {body}")
 
 
 @dataclass
@@ -386,7 +474,8 @@ _COMPACTED_OPTIONS = ", hive_partitioning=false, union_by_name=true"
 def _empty_select(table: str) -> str:
     # A typed empty relation in SQL, not a registered Arrow table: registrations are local to
     # one connection, and cursors (one per thread) must see every view.
-    nulls = ", ".join(f'CAST(NULL AS {_DUCK_TYPES[str(f.type)]}) AS "{f.name}"' for f in TABLES[table])
+    fields = STEP_SUMS if table == SUMS_VIEW else TABLES[table]
+    nulls = ", ".join(f'CAST(NULL AS {_DUCK_TYPES[str(f.type)]}) AS "{f.name}"' for f in fields)
     return f"SELECT {nulls} WHERE false"
 
 

@@ -2,7 +2,9 @@
 
 Role in the data flow: ``store`` gives views over the Parquet parts; this module turns them into
 the small derived tables of ``sql/base.sql`` in schema ``ms_cache``: rank places and clocks,
-communication instances and the (rank, step) time split. Analyses call :func:`prepare` first;
+communication instances and the (rank, step) time split. The time split reads the writers'
+per-(rank, step, group) sums (view ``step_sums``) for every spans file that has them and
+aggregates the spans of the others only (view ``spans_unsummed``): the same table either way. Analyses call :func:`prepare` first;
 it returns at once when the tables are current.
 
 Clock offsets are estimated here because every cross-host comparison needs them: members of a
@@ -336,9 +338,23 @@ def _params(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     return {"nested_kinds": sorted(k for k in nested if k.isalnum()), "peer_kinds": peer_kinds}
 
 
+def _sums_source(con: duckdb.DuckDBPyConnection) -> tuple[str, str]:
+    """Where rank_step's per-(rank, step, group) sums come from: (the spans view it aggregates,
+    the CTE of ``sql/base.sql`` it reads). The writers' sums (view ``step_sums``) where every
+    spans file has them; the spans where none has (or the views are not the store's); else both."""
+    try:
+        row = _sql.first(con.execute("SELECT step_sums, spans_unsummed FROM store_parts"))
+    except duckdb.Error:
+        row = None
+    if not row or not row[0]:
+        return "spans", "spans_lvl"
+    return ("spans_unsummed", "both_lvl") if row[1] else ("spans", "sums_lvl")
+
+
 def _rank_step(con: duckdb.DuckDBPyConnection, params: dict[str, Any], *, where: str = "true",
                metrics_where: str = "true") -> None:
-    _sql.execute(con, "base", "rank_step", calls_prefix=_sql.Raw(COLLECTOR_CALLS_METRIC),
+    spans, lvl = _sums_source(con)
+    _sql.execute(con, "base", "rank_step", spans=spans, lvl=lvl, calls_prefix=_sql.Raw(COLLECTOR_CALLS_METRIC),
                  calls_prefix_len=len(COLLECTOR_CALLS_METRIC), where=_sql.Raw(where),
                  metrics_where=_sql.Raw(metrics_where),
                  peer_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in params["peer_kinds"]) + "]::VARCHAR[]"),

@@ -8,7 +8,7 @@ the base tables and :func:`save` after; everything else reads ``ms_cache`` as be
     RUN/_cache/<table>-<key>.parquet     rank_info, group_kind, clock_offsets, rank_clock, inst, rank_step
 
 The key is a digest of what the base tables are built from, as the store reads it: every file the
-views ``spans``, ``metrics``, ``ranks`` and ``groups`` name or glob (path relative to the run,
+views ``spans``, ``step_sums``, ``metrics``, ``ranks`` and ``groups`` name or glob (path relative to the run,
 size, modification time), those views' definitions (paths made relative), ``run.json``, and the
 code that builds the tables (``sql/base.sql``, ``base.py`` and :data:`CACHE_VERSION`). New markers or
 heartbeats leave it as it is. A new part, a
@@ -95,7 +95,9 @@ def _code_digest() -> str:
 
 # The store's views the base tables are built from (markers, heartbeats and diagnostics are not:
 # a marker agent's new part leaves them as they are).
-SOURCE_VIEWS = ("groups", "metrics", "ranks", "spans")
+# step_sums: the spans files' sums, read in their place (spans_unsummed, the other spans files, is
+# told by the two).
+SOURCE_VIEWS = ("groups", "metrics", "ranks", "spans", "step_sums")
 
 
 def _views(con: duckdb.DuckDBPyConnection, names: tuple[str, ...] = SOURCE_VIEWS) -> list[tuple[str, str]]:
@@ -110,7 +112,7 @@ def _is_path(literal: str) -> bool:
 
 
 # Tables whose new parts may extend the cache instead of replacing it (a live run's growth).
-GROWING_VIEWS = ("metrics", "spans")
+GROWING_VIEWS = ("metrics", "spans", "step_sums")
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,9 @@
 -- Built once per run (and rebuilt when the run grows) into schema ms_cache.
 --
 -- Cost: the spans are scanned twice (collective instances; per-rank-step sums), plus a sample of
--- ranks for clock offsets; nothing joins millions of spans back to their instances. (One pass with
+-- ranks for clock offsets; nothing joins millions of spans back to their instances. The
+-- per-rank-step sums read the writers' step_sums instead wherever a spans file has them (a few
+-- rows per rank and step instead of every span). (One pass with
 -- GROUPING SETS was measured no faster and took more memory: the hash aggregation, not the reading,
 -- is what costs.)
 --
@@ -196,7 +198,9 @@ FROM g LEFT JOIN ms_cache.group_kind k ON k."group" = g.grp;
 
 -- @statement rank_step
 -- One row per (rank, step): step time and what it was spent on ({{where}}, {{metrics_where}}: the
--- spans' and metrics' steps read, all of them or those a grown run added).
+-- spans' and metrics' steps read, all of them or those a grown run added). Summed from the
+-- writers' step_sums where the spans files have them, from the spans where not ({{lvl}},
+-- {{spans}}: base._sums_source): the same table either way.
 -- @column rank, step     the rank and the step
 -- @column stage          pipeline stage
 -- @column step_ns        the rank's step span (NULL when it wrote none: an unfinished step)
@@ -231,9 +235,11 @@ FROM g LEFT JOIN ms_cache.group_kind k ON k."group" = g.grp;
 -- @column last_expected, last_var, last_peer  in groups of peers ({{peer_kinds}}: same stage),
 --                        last arrivals expected by chance (sum of 1/n), their variance, and seen
 CREATE OR REPLACE TABLE ms_cache.rank_step AS
-WITH lvl AS (
-    -- One scan of the spans, grouped by (rank, step, collective group): a group's collectives
-    -- are summed apart so that their wait can be bounded by their extent (below).
+WITH spans_lvl AS (
+    -- One scan of the spans ({{spans}}: all of them, or those of the files without sums),
+    -- grouped by (rank, step, collective group): a group's collectives are summed apart so that
+    -- their wait can be bounded by their extent (below). The writers' step_sums hold exactly these
+    -- columns, per spans file (megascope.stepsums).
     SELECT s.rank, s.step, CASE WHEN s.kind = 'collective' THEN s."group" END AS grp,
            max(s.dur_ns) FILTER (WHERE s.kind = 'step') AS step_ns,
            min(s.start_ns) FILTER (WHERE s.kind = 'step') AS step_start_raw,
@@ -255,9 +261,38 @@ WITH lvl AS (
            -- Raw arrivals summed: with the instances' last arrivals this gives the wait (below).
            sum(s.start_ns) FILTER (WHERE s.kind = 'collective') AS arrival_sum,
            count(*) FILTER (WHERE s.kind = 'collective') AS coll_spans
-    FROM spans s
+    FROM {{spans}} s
     WHERE s.step IS NOT NULL AND {{where}}
     GROUP BY s.rank, s.step, grp
+), sums_lvl AS (
+    -- The same from the sums the writers kept beside their spans files (view step_sums), one row
+    -- or more per (rank, step, group): sums and counts add up, extremes combine. Arrivals are
+    -- kept relative to the row's first start (their raw sum needs more than 64 bits).
+    SELECT s.rank, s.step, s."group" AS grp, max(s.step_ns) AS step_ns, min(s.step_start_ns) AS step_start_raw,
+           min(s.first_start_ns) AS first_raw, max(s.last_end_ns) AS last_raw,
+           sum(s.forward_ns) AS forward_ns, sum(s.backward_ns) AS backward_ns, sum(s.optimizer_ns) AS optimizer_ns,
+           sum(s.compute_ns) AS compute_ns, sum(s.top_compute_ns) AS top_compute_ns, sum(s.data_ns) AS data_ns,
+           sum(s.host_ns) AS host_ns, sum(s.gc_ns) AS gc_ns, sum(s.other_ns) AS other_ns, sum(s.coll_ns) AS coll_ns,
+           sum(s.recv_ns) AS recv_ns, sum(s.send_ns) AS send_ns,
+           sum(s.arrival_rel_ns::HUGEINT + s.coll_spans::HUGEINT * s.first_start_ns) AS arrival_sum,
+           sum(s.coll_spans)::BIGINT AS coll_spans
+    FROM step_sums s
+    WHERE {{where}}
+    GROUP BY s.rank, s.step, s."group"
+), both_lvl AS (
+    -- Some spans files with sums, some without: the two combined as sums_lvl combines sums.
+    SELECT rank, step, grp, max(step_ns) AS step_ns, min(step_start_raw) AS step_start_raw,
+           min(first_raw) AS first_raw, max(last_raw) AS last_raw,
+           sum(forward_ns) AS forward_ns, sum(backward_ns) AS backward_ns, sum(optimizer_ns) AS optimizer_ns,
+           sum(compute_ns) AS compute_ns, sum(top_compute_ns) AS top_compute_ns, sum(data_ns) AS data_ns,
+           sum(host_ns) AS host_ns, sum(gc_ns) AS gc_ns, sum(other_ns) AS other_ns, sum(coll_ns) AS coll_ns,
+           sum(recv_ns) AS recv_ns, sum(send_ns) AS send_ns, sum(arrival_sum) AS arrival_sum,
+           sum(coll_spans)::BIGINT AS coll_spans
+    FROM (SELECT * FROM spans_lvl UNION ALL BY NAME SELECT * FROM sums_lvl)
+    GROUP BY rank, step, grp
+), lvl AS (
+    -- {{lvl}}: spans_lvl (no sums), sums_lvl (every spans file has them) or both_lvl.
+    SELECT * FROM {{lvl}}
 ), per_group AS (
     SELECT grp, step, any_value(group_kind) AS group_kind, count(*) FILTER (WHERE n >= 2) AS instances,
            count(*) AS all_instances, sum(last_arrival_ns) AS last_arrival_sum,
