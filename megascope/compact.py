@@ -23,6 +23,11 @@ One pass, and why a reader never sees half of it (docs/run-directory.md, "Compac
 5. remove the replaced parts (after ``grace_s``: a reader that opened the run before the commit
    reads through its old file list until it refreshes).
 
+Each compacted spans file gets its per-(rank, step, group) sums (``compacted/step_sums/``, the
+same name; :func:`megascope.layout.write_sums_twin`), rebuilt from its rows and written before the
+commit; the merged parts' sums are replaced with them. A compacted spans file without sums (one
+compacted by an older version) is aggregated by the analysis.
+
 A SIGKILL at any point leaves either the old parts (and an uncommitted file that the next pass
 removes) or a committed manifest (and replaced parts that the next pass removes); both read the
 same rows.
@@ -174,9 +179,10 @@ def _remove_empty_partitions(run_dir: Path, tables: tuple[str, ...]) -> None:
     """Remove the partition directories left empty (``spans/rank=00017/``), which every reader would
     list again. Only once the job has ended (``everything``): a live writer creates its directory
     before it writes into it, and could lose a part to a directory removed in between."""
-    for table in tables:
-        if table in layout.SINGLE_FILE_TABLES or table in layout.UNPARTITIONED:
-            continue
+    dirs = [t for t in tables if t not in layout.SINGLE_FILE_TABLES and t not in layout.UNPARTITIONED]
+    if "spans" in tables:
+        dirs.append(layout.STEP_SUMS_DIR)  # the spans parts' sums go with them
+    for table in dirs:
         try:
             entries = list(os.scandir(run_dir / table))
         except OSError:
@@ -244,6 +250,8 @@ def _clean(run_dir: Path, table: str, *, now_ns: int, grace_s: float, hook: _Hoo
         if stale_tmp or (entry.name.endswith(".parquet") and rel not in named):
             # We hold the lock: no other pass is writing these.
             removed += _unlink(Path(entry.path))
+    if table == "spans":
+        removed += _clean_sums(run_dir, named)
     due = [m for m in layout.active_manifests(manifests) if now_ns - m.committed_ns >= grace_s * 1e9]
     if not due:
         return removed
@@ -271,6 +279,20 @@ def _clean(run_dir: Path, table: str, *, now_ns: int, grace_s: float, hook: _Hoo
         if left != m.replaces:
             layout.write_manifest(dataclasses.replace(m, replaces=left,
                                                       stamps={k: v for k, v in m.stamps.items() if k in left}))
+    return removed
+
+
+def _clean_sums(run_dir: Path, named: set[str]) -> int:
+    """Remove the compacted spans files' sums whose spans file no manifest names (a pass killed
+    before its commit, or the file removed since) and temporary files of killed writes."""
+    base = run_dir / layout.COMPACTED_DIR / layout.STEP_SUMS_DIR
+    if not base.is_dir():
+        return 0
+    removed = 0
+    for entry in os.scandir(base):
+        spans_rel = f"{layout.COMPACTED_DIR}/spans/{entry.name}"
+        if entry.name.endswith(_TMP_SUFFIX) or (entry.name.endswith(".parquet") and spans_rel not in named):
+            removed += _unlink(Path(entry.path))
     return removed
 
 
@@ -442,6 +464,10 @@ def _compact_table(run_dir: Path, table: str, run_id: str, *, now_ns: int, min_a
         data = pa.concat_tables(pending)
         name = f"{stem}-{len(written):03d}.parquet"
         ranks = _write_sorted(base / name, table, data, run_id)
+        if table == "spans":
+            # Its sums, rebuilt from its rows, written before the commit: a pass killed in between
+            # leaves an uncommitted file and its twin, which the next pass removes.
+            layout.write_sums_twin(base / name, data, run_id=run_id)
         written.append(layout.CompactedFile(f"{layout.COMPACTED_DIR}/{table}/{name}", data.num_rows, ranks))
         res.rows += data.num_rows
         pending, rows = [], 0
@@ -482,6 +508,10 @@ def _compact_table(run_dir: Path, table: str, run_id: str, *, now_ns: int, min_a
             with contextlib.suppress(OSError):
                 os.utime(run_dir / f.path, ns=(newest, newest))
     replaces = [i.rel for i in merged]
+    if table == "spans":
+        # The merged files' sums go with them (the new files have their own).
+        twins = (layout.sums_twin(i.path) for i in merged)
+        replaces += [t.relative_to(run_dir).as_posix() for t in twins if t.exists()]
     for m in {id(i.manifest): i.manifest for i in merged if i.manifest is not None}.values():
         replaces.append(m.name)
         # What it replaced and is still there (a pass killed while removing) stays replaced.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -32,7 +33,13 @@ SELECT (SELECT count(*) FROM spans), (SELECT sum(dur_ns) FROM spans), (SELECT su
        (SELECT count(*) FROM markers), (SELECT sum(time_ns % 1000003) FROM markers),
        (SELECT count(*) FROM metrics), (SELECT sum(value) FROM metrics),
        (SELECT count(*) FROM ranks), (SELECT sum(rank) FROM ranks),
-       (SELECT count(*) FROM groups), (SELECT sum(len(members)) FROM groups)
+       (SELECT count(*) FROM groups), (SELECT sum(len(members)) FROM groups),
+       -- The spans as the analysis' sums see them: the step_sums of the spans files that have
+       -- them and the spans of those that do not, never both, never neither.
+       (SELECT coalesce(sum(spans), 0) FROM step_sums) + (SELECT count(step) FROM spans_unsummed),
+       (SELECT coalesce(sum(coll_ns), 0) + coalesce(sum(forward_ns), 0) FROM step_sums)
+         + (SELECT coalesce(sum(dur_ns) FILTER (WHERE step IS NOT NULL AND kind IN ('collective', 'forward')), 0)
+            FROM spans_unsummed)
 """
 
 
@@ -83,7 +90,12 @@ def test_compaction_keeps_every_row_once_and_leaves_few_files(run: Path, expecte
     result = compact(run, everything=True)
     assert result.parts_merged == before
     assert _parts(run) == []
-    assert sorted(p.name for p in (run / "compacted").glob("*/*.parquet")).__len__() == result.files_written <= 7
+    tables = [p for p in (run / "compacted").glob("*/*.parquet") if p.parent.name != layout.STEP_SUMS_DIR]
+    assert len(tables) == result.files_written <= 7
+    # Each compacted spans file has its sums, and no other sums are left.
+    spans = sorted(p for p in tables if p.parent.name == "spans")
+    assert sorted((run / "compacted" / layout.STEP_SUMS_DIR).glob("*.parquet")) == [layout.sums_twin(p) for p in spans]
+    assert list(run.glob(layout.sums_glob())) == []
     assert _fingerprint(run) == expected
     reopened = open_run(run)
     assert reopened.problems == []
@@ -195,7 +207,10 @@ def test_compaction_beside_a_writer_and_a_reader(run: Path, expected: tuple[obje
     def writer() -> None:
         i = 0
         while not stop.is_set():
-            layout.write_part(run, "spans", part(i % 16, i), rank=i % 16, run_id=run_id)
+            # Every other part with its sums, as the collector writes them; the others without
+            # (an older writer): compaction keeps the sums consistent with the spans either way.
+            write = layout.write_spans_part if i % 2 else functools.partial(layout.write_part, table="spans")
+            write(run, data=part(i % 16, i), rank=i % 16, run_id=run_id)
             written["rows"] += 50
             i += 1
             time.sleep(0.002)
@@ -237,7 +252,9 @@ def test_compaction_beside_a_writer_and_a_reader(run: Path, expected: tuple[obje
     assert removed > 0
     final = _fingerprint(run)
     assert final[0] == base_rows + written["rows"]
-    assert final[3:] == expected[3:]
+    assert final[3:11] == expected[3:11]
+    assert final[11] == expected[11] + written["rows"]  # every span, once, through its sums or not
+    assert final[12] == expected[12]
 
 
 def test_parts_of_another_run_stay_skipped(run: Path, source_run: Path, tmp_path: Path, synth: Synth,
