@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -179,6 +180,30 @@ def test_hang_times_out_the_job_and_leaves_the_trail(tmp_path: Path, tp_spans: s
     assert waiting
     found = localize(run)
     assert found["hung"] and found["suspects"][0]["rank"] == rank
+
+
+def test_a_hang_the_backend_does_not_end_is_stopped_by_the_launcher(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL's abort can itself block, so a hung job may outlive its collective timeout: once no rank
+    has ended a step for the stall limit, the local launcher stops every rank with one line. Here the
+    collective timeout is long (gloo would wait it out) and the stall limit short."""
+    from megascope.trainer import launch
+
+    monkeypatch.setattr(launch, "stall_limit_s", lambda timeout_s: 4.0)
+    cfg = _cfg(tmp_path / "run", 1, 1, 2, steps=3, collective_timeout_s=600.0,
+               faults=parse_injects(["hang:rank=1,step=1"]))
+    began = time.monotonic()
+    with pytest.raises(TrainingError, match=r"no rank ended a step for \d+ s, past the collective timeout of 600 s") as err:
+        train(cfg, nproc=2)
+    assert "\n" not in str(err.value)
+    assert time.monotonic() - began < 120  # not the 600 s timeout
+    # The ranks were stopped, and what their marker agents left names the hung rank.
+    from megascope.analysis import localize
+
+    wait_until(lambda: ended_ranks(cfg.out) == {0, 1}, timeout=120,
+               message="every rank's marker agent made its last pass")
+    found = localize(open_run(cfg.out))
+    assert found["hung"] and found["suspects"][0]["rank"] == 1
 
 
 def test_runs_under_torchrun(tmp_path: Path) -> None:

@@ -26,8 +26,10 @@ import os
 import re
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -69,15 +71,55 @@ def _rank_entry(local_rank: int, cfg: TrainConfig, init_file: str, scratch: str,
     os.environ[RUN_ID_VAR] = run_id
     torch.set_num_threads(1)
     logging.getLogger("megascope").setLevel(logging.WARNING)
+    progress = Path(scratch, f"progress-{local_rank:05d}")
+    progress.touch()
     try:
         result = train_rank(cfg, rank=local_rank, world_size=cfg.world_size, local_rank=local_rank,
-                            init_method=f"file://{init_file}")
+                            init_method=f"file://{init_file}", progress=progress)
     except BaseException as exc:
         Path(scratch, f"fail-{local_rank:05d}.txt").write_text(_one_line(exc))
         log.debug("rank %d failed", local_rank, exc_info=True)
         sys.exit(1)
     if local_rank == 0:
         Path(scratch, "result.json").write_text(json.dumps(asdict(result)))
+
+
+_POLL_S = 2.0
+
+
+def stall_limit_s(collective_timeout_s: float) -> float:
+    """How long a job may go without any rank ending a step before the launcher stops it: well past
+    the collective timeout, which the backend should have enforced first."""
+    return max(4 * collective_timeout_s, 120.0)
+
+
+def _stalled(scratch: str, collective_timeout_s: float) -> float | None:
+    """Seconds since a rank last ended a step (its progress file's time), when that is past the
+    stall limit; else None."""
+    times = []
+    for p in Path(scratch).glob("progress-*"):
+        try:
+            times.append(p.stat().st_mtime)
+        except OSError:
+            continue
+    if not times:
+        return None
+    idle = time.time() - max(times)
+    return idle if idle > stall_limit_s(collective_timeout_s) else None
+
+
+def _stop(processes: list[Any]) -> None:
+    """SIGTERM every live rank, then SIGKILL those still alive after a few seconds."""
+    for p in processes:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 10.0
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in processes:
+        if p.is_alive():
+            p.kill()
+            p.join(5.0)
 
 
 def failure_message(failures: dict[int, str], timeout_s: float, exited: str | None = None) -> str:
@@ -146,9 +188,18 @@ def _run_local(cfg: TrainConfig, nproc: int, start_method: str) -> TrainResult:
         spawn_log.setLevel(logging.ERROR)  # its "terminating process" warnings would break the one-line error
         try:
             # After the first failure, the others time out or lose their peer within moments; a hung
-            # rank never exits by itself and is stopped after the grace period.
-            while not ctx.join(grace_period=2.0):
-                pass
+            # rank never exits by itself and is stopped after the grace period. A job in which no rank
+            # ends a step long past the collective timeout hangs where its backend did not end it
+            # (NCCL's abort can itself block): its ranks are stopped (_stalled).
+            while not ctx.join(timeout=_POLL_S, grace_period=2.0):
+                stalled = _stalled(scratch, cfg.collective_timeout_s)
+                if stalled is not None:
+                    _stop(ctx.processes)
+                    raise TrainingError(
+                        f"training failed: no rank ended a step for {stalled:.0f} s, past the collective timeout "
+                        f"of {cfg.collective_timeout_s:g} s (--collective-timeout) that the backend did not "
+                        f"enforce; the job hung and its ranks were stopped (megascope localize {cfg.out} "
+                        f"names the rank)")
         except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
             failures = {int(p.stem.split("-")[1]): p.read_text() for p in Path(scratch).glob("fail-*.txt")}
             exited = None

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -111,8 +112,9 @@ def _source(cfg: TrainConfig) -> Source:
 
 
 def train_rank(cfg: TrainConfig, *, rank: int, world_size: int, local_rank: int,
-               init_method: str | None = None) -> RankResult:
-    """Train this rank; returns the global loss of every step."""
+               init_method: str | None = None, progress: Path | None = None) -> RankResult:
+    """Train this rank; returns the global loss of every step. ``progress``, when given, is a file
+    whose time is set each time the rank ends a step (the local launcher's sign of life)."""
     if world_size != cfg.world_size:
         raise ValueError(f"launched {world_size} ranks for a config of {cfg.world_size}")
     device = pick_device(cfg, local_rank)
@@ -131,13 +133,13 @@ def train_rank(cfg: TrainConfig, *, rank: int, world_size: int, local_rank: int,
                             rank=rank, world_size=world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
     try:
-        return _train(cfg, rank=rank, device=device, meta=meta, timeout=timeout)
+        return _train(cfg, rank=rank, device=device, meta=meta, timeout=timeout, progress=progress)
     finally:
         dist.destroy_process_group()
 
 
 def _train(cfg: TrainConfig, *, rank: int, device: torch.device, meta: RunMeta | None,
-           timeout: timedelta) -> RankResult:
+           timeout: timedelta, progress: Path | None = None) -> RankResult:
     mesh = Mesh.for_world(cfg.world_size, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp)
     ps = ParallelState.build(mesh, rank, timeout=timeout)
     col = open_collector(cfg.out, rank=rank, world_size=cfg.world_size, coords=ps.coords, groups=ps.groups(),
@@ -146,7 +148,7 @@ def _train(cfg: TrainConfig, *, rank: int, device: torch.device, meta: RunMeta |
                          collective_timeout_s=cfg.collective_timeout_s)
     try:
         ps.register(col)
-        return _loop(cfg, ps, col, device)
+        return _loop(cfg, ps, col, device, progress)
     finally:
         col.close()
 
@@ -157,7 +159,8 @@ def _autocast(device: torch.device) -> Callable[[], Any]:
     return contextlib.nullcontext
 
 
-def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -> RankResult:
+def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device,
+          progress: Path | None = None) -> RankResult:
     m = cfg.model
     plan = FaultPlan(cfg.faults, rank=ps.rank, collector=col)
     # A receive timeout for gloo, which does not apply one to point-to-point waits by itself. Not on
@@ -254,6 +257,8 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device) -
             col.metric("tokens", float(cfg.tokens_per_step), step=step)
             losses.append(global_loss.detach())
             step_ends.append(time.perf_counter())
+            if progress is not None:
+                os.utime(progress)
     opt.wait_params()
     return RankResult(losses=torch.stack(losses).tolist(),
                       step_seconds=[b - a for a, b in zip(step_ends, step_ends[1:], strict=False)],
