@@ -16,10 +16,9 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -53,6 +52,8 @@ class SpanChunk:
     dur_ns: npt.NDArray[np.int64]
     ints: dict[str, tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]]  # step, microbatch, ... -> (values, valid)
     strings: dict[str, pa.DictionaryArray]  # name, kind, stream, group, op
+    # codes() of each string column asked for: the order stage and the encoder share them
+    known_codes: dict[str, tuple[npt.NDArray[np.int64], list[str | None]]] = field(default_factory=dict, repr=False)
 
     def __len__(self) -> int:
         return len(self.rank)
@@ -69,11 +70,14 @@ class SpanChunk:
 
     def codes(self, column: str) -> tuple[npt.NDArray[np.int64], list[str | None]]:
         """Dictionary indices (-1 for null) and the dictionary's values."""
-        arr = self.strings[column]
-        indices = arr.indices.to_numpy(zero_copy_only=False)
-        if arr.null_count:
-            indices = np.where(arr.is_valid().to_numpy(zero_copy_only=False), indices, -1)
-        return indices.astype(np.int64), arr.dictionary.to_pylist()
+        known = self.known_codes.get(column)
+        if known is None:
+            arr = self.strings[column]
+            indices = arr.indices.to_numpy(zero_copy_only=False)
+            if arr.null_count:
+                indices = np.where(arr.is_valid().to_numpy(zero_copy_only=False), indices, -1)
+            known = self.known_codes[column] = (indices.astype(np.int64), arr.dictionary.to_pylist())
+        return known
 
     def corrected(self, rank_offsets_ns: npt.NDArray[np.int64]) -> SpanChunk:
         """The chunk with each rank's clock offset (``Resolved.rank_offsets_ns``) added to its
@@ -83,7 +87,7 @@ class SpanChunk:
             bad = int(np.argmin(start))
             raise ExportError(f"rank {int(self.rank[bad])} has a span at {int(start[bad])} ns after clock correction, "
                               "before the epoch; its recorded start_ns is not a wall-clock time")
-        return dataclasses.replace(self, start_ns=start)
+        return replace(self, start_ns=start)
 
 
 def _int_column(table: pa.Table, name: str) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
