@@ -66,8 +66,9 @@ MANIFEST_FORMAT = 1
 # parts copied in from another run are recognised and skipped instead of read as this run's data.
 RUN_ID_KEY = b"megascope.run_id"
 # The spans files' sums (schema.STEP_SUMS), beside the tables; and the key of the Parquet metadata
-# stamping each with schema.STEP_SUMS_VERSION.
-STEP_SUMS_DIR = "step_sums"
+# stamping each with schema.STEP_SUMS_VERSION. Version 1 is plain "step_sums"; a later version is
+# written under "step_sums_v<N>", where readers of version 1 never look.
+STEP_SUMS_DIR = "step_sums" if STEP_SUMS_VERSION == 1 else f"step_sums_v{STEP_SUMS_VERSION}"
 STEP_SUMS_VERSION_KEY = b"megascope.step_sums_version"
 
 # Tables with one file per rank (written once, rewritten whole) versus many parts per rank.

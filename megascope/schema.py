@@ -308,9 +308,11 @@ DIAGNOSTICS = pa.schema(
 """Self-test results (``diagnostics/part-*.parquet``)."""
 
 STEP_SUMS_VERSION = 1
-"""Version of ``step_sums``' meaning, stamped into each of its files (``layout.STEP_SUMS_VERSION_KEY``).
-A reader uses only twins of the version it knows and aggregates the spans of the others: a change
-to what the columns mean bumps it, and older twins are then read past, never misread."""
+"""Version of what ``step_sums``' columns mean, stamped into each of its files
+(``layout.STEP_SUMS_VERSION_KEY``) and part of its directory's name (``layout.STEP_SUMS_DIR``):
+a change bumps both, so a reader finds only twins of the version it knows and aggregates the
+spans of the others, never misreading an older twin. An additive table: ``SCHEMA_VERSION`` is not
+bumped for it, and older readers ignore it."""
 
 STEP_SUMS = pa.schema(
     [

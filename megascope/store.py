@@ -16,7 +16,7 @@ What can go wrong with a run directory, and what happens:
 
 Two more views stand for ``spans`` where only the per-(rank, step, group) sums are wanted (the
 analysis' base tables): ``step_sums``, the sums files written beside the spans files read (their
-twins, ``layout.sums_twin``, of this run and of the version this reader knows), and
+twins, ``layout.sums_twin``), and
 ``spans_unsummed``, the spans files read that have no such twin. Together they give the same sums
 as ``spans``.
 
@@ -51,7 +51,6 @@ from megascope.errors import RunDirError, SchemaVersionError
 from megascope.schema import (
     RANKS_V1_COORD_COLUMNS,
     STEP_SUMS,
-    STEP_SUMS_VERSION,
     SUPPORTED_SCHEMA_VERSIONS,
     TABLES,
     RunMeta,
@@ -331,32 +330,6 @@ SUMS_VIEW = "step_sums"
 UNSUMMED_VIEW = "spans_unsummed"
 
 
-def _good_twins(run: Run, twins: list[Path]) -> set[Path]:
-    """Those of ``twins`` (existing files) stamped with this run's id (or none) and the
-    ``step_sums`` version this reader knows."""
-    if not twins:
-        return set()
-    keys = [layout.RUN_ID_KEY.decode(), layout.STEP_SUMS_VERSION_KEY.decode()]
-    try:
-        rows = run.con.execute(
-            "SELECT file_name, decode(key), decode(value) FROM parquet_kv_metadata(?) WHERE list_contains(?, decode(key))",
-            [[str(t) for t in twins], keys]).fetchall()
-    except duckdb.Error:  # one unreadable: read each footer
-        rows = []
-        for t in twins:
-            try:
-                meta = pq.read_metadata(t).metadata or {}
-            except (OSError, pa.ArrowException):
-                continue
-            rows += [(str(t), k.decode(), v.decode(errors="replace")) for k, v in meta.items()
-                     if k.decode(errors="replace") in keys]
-    stamps: dict[str, dict[str, str]] = {}
-    for name, k, v in rows:
-        stamps.setdefault(name, {})[k] = v
-    return {Path(name) for name, kv in stamps.items()
-            if kv.get(keys[1]) == str(STEP_SUMS_VERSION) and kv.get(keys[0], run.meta.run_id) == run.meta.run_id}
-
-
 def _create_sums_views(run: Run) -> None:
     """Views ``step_sums`` (the twins of the spans files read) and ``spans_unsummed`` (the spans
     files read that have none): together they stand for ``spans`` in the per-rank-step sums."""
@@ -364,24 +337,22 @@ def _create_sums_views(run: Run) -> None:
     compacted = set(run.compacted.get("spans", []))
     present = set(run.path.glob(layout.sums_glob()))
     present.update(run.path.glob(f"{layout.COMPACTED_DIR}/{layout.STEP_SUMS_DIR}/*.parquet"))
+    # Paired by name (a part's name is unique: write time, pid, counter), so a twin is this run's
+    # when its spans file is; no footer is read here (that would cost seconds at 100k+ parts). A
+    # twin DuckDB cannot read makes the analysis aggregate the spans instead (base._rank_step).
     twin = {f: layout.sums_twin(f) for f in spans}
-    good = _good_twins(run, sorted(t for t in twin.values() if t in present))
-    summed = [twin[f] for f in spans if twin[f] in good]
-    unsummed = [f for f in spans if twin[f] not in good]
+    summed = [twin[f] for f in spans if twin[f] in present]
+    unsummed = [f for f in spans if twin[f] not in present]
+    if summed:
+        try:
+            run.con.execute(f"CREATE OR REPLACE VIEW {SUMS_VIEW} AS {_sums_select(run, summed, present)}")
+        except duckdb.Error as exc:  # the twin DuckDB binds the view with is damaged: sum the spans
+            log.info("%s: step sums unreadable (%s); the spans are summed instead", run.path, exc)
+            summed, unsummed = [], spans
+    if not summed:
+        run.con.execute(f"CREATE OR REPLACE VIEW {SUMS_VIEW} AS {_empty_select(SUMS_VIEW)}")
     run.files[SUMS_VIEW] = summed
     run.files[UNSUMMED_VIEW] = unsummed
-    if not summed:
-        sums = _empty_select(SUMS_VIEW)
-    else:
-        parts = [t for t in summed if t.parent.parent.name == layout.STEP_SUMS_DIR]
-        # The glob where it reads exactly these parts (the view stays small at 100k+ files).
-        every_part = len(parts) == sum(1 for t in present if t.parent.parent.name == layout.STEP_SUMS_DIR)
-        sources = ([_sql_str(str(run.path / layout.sums_glob()))] if parts and every_part
-                   else [_list_sql(parts)] if parts else [])
-        if len(parts) < len(summed):
-            sources.append(_list_sql([t for t in summed if t.parent.parent.name != layout.STEP_SUMS_DIR]))
-        sums = " UNION ALL ".join(f"SELECT * FROM read_parquet({src}, hive_partitioning=false)" for src in sources)
-    run.con.execute(f"CREATE OR REPLACE VIEW {SUMS_VIEW} AS {sums}")
     if not unsummed:
         body = _empty_select("spans")
     elif not summed:
@@ -396,6 +367,18 @@ def _create_sums_views(run: Run) -> None:
                                    _COMPACTED_OPTIONS))
         body = " UNION ALL ".join(selects)
     run.con.execute(f"CREATE OR REPLACE VIEW {UNSUMMED_VIEW} AS {body}")
+
+
+def _sums_select(run: Run, summed: list[Path], present: set[Path]) -> str:
+    """The ``step_sums`` view's body over the twins ``summed`` (``present``: every twin found)."""
+    parts = [t for t in summed if t.parent.parent.name == layout.STEP_SUMS_DIR]
+    # The glob where it reads exactly these parts (the view stays small at 100k+ files).
+    every_part = len(parts) == sum(1 for t in present if t.parent.parent.name == layout.STEP_SUMS_DIR)
+    sources = ([_sql_str(str(run.path / layout.sums_glob()))] if parts and every_part
+               else [_list_sql(parts)] if parts else [])
+    if len(parts) < len(summed):
+        sources.append(_list_sql([t for t in summed if t.parent.parent.name != layout.STEP_SUMS_DIR]))
+    return " UNION ALL ".join(f"SELECT * FROM read_parquet({src}, hive_partitioning=false)" for src in sources)
 
 
 @dataclass

@@ -89,8 +89,9 @@ def test_cache_never_read_as_a_table(run: Path) -> None:
     assert persist.CACHE_DIR.startswith("_") and layout.is_run_dir(run)
 
 
-def _grow(path: Path, ranks: int) -> None:
-    """One more step for every rank: the spans of the last step written again 1 s later, as a new part."""
+def _grow(path: Path, ranks: int, *, sums: bool = False) -> None:
+    """One more step for every rank: the spans of the last step written again 1 s later, as a new part
+    (with its step_sums twin, as the collector writes them, where ``sums``; without, as an older writer)."""
     for rank in range(ranks):
         parts = sorted(layout.table_path(path, "spans", rank=rank).glob("*.parquet"))
         rows = pa.concat_tables([pq.read_table(p) for p in parts]).to_pylist()
@@ -100,7 +101,11 @@ def _grow(path: Path, ranks: int) -> None:
             r.update(step=last + 1, start_ns=r["start_ns"] + 1_000 * MS, rank=rank)
             if r["seq"] is not None:
                 r["seq"] += 10_000
-        layout.write_part(path, "spans", pa.Table.from_pylist(rows, schema=schema.SPANS), rank=rank)
+        data = pa.Table.from_pylist(rows, schema=schema.SPANS)
+        if sums:
+            layout.write_spans_part(path, data, rank=rank)
+        else:
+            layout.write_part(path, "spans", data, rank=rank)
 
 
 def test_a_new_part_rebuilds_and_the_answer_follows(run: Path, tmp_path: Path) -> None:
@@ -136,8 +141,8 @@ def test_a_growing_run_extends_the_cache(tmp_path: Path, synth: Synth, monkeypat
         return real_execute(con, module, name, **params)
 
     monkeypatch.setattr(base._sql, "execute", execute)
-    for _ in range(2):
-        _grow(path, 16)
+    for sums in (True, False):
+        _grow(path, 16, sums=sums)
         grown = _report(path)
     assert built == [] and scanned == ["s.step >= 20", "s.step >= 21"]
     monkeypatch.undo()

@@ -354,6 +354,17 @@ def _sums_source(con: duckdb.DuckDBPyConnection) -> tuple[str, str]:
 def _rank_step(con: duckdb.DuckDBPyConnection, params: dict[str, Any], *, where: str = "true",
                metrics_where: str = "true") -> None:
     spans, lvl = _sums_source(con)
+    if lvl != "spans_lvl":
+        try:
+            _rank_step_from(con, params, spans, lvl, where, metrics_where)
+            return
+        except duckdb.Error as exc:  # a damaged twin: the spans say the same
+            log.info("step sums unreadable (%s); summing the spans", exc)
+    _rank_step_from(con, params, "spans", "spans_lvl", where, metrics_where)
+
+
+def _rank_step_from(con: duckdb.DuckDBPyConnection, params: dict[str, Any], spans: str, lvl: str, where: str,
+                    metrics_where: str) -> None:
     _sql.execute(con, "base", "rank_step", spans=spans, lvl=lvl, calls_prefix=_sql.Raw(COLLECTOR_CALLS_METRIC),
                  calls_prefix_len=len(COLLECTOR_CALLS_METRIC), where=_sql.Raw(where),
                  metrics_where=_sql.Raw(metrics_where),
