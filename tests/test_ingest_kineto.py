@@ -78,6 +78,35 @@ def test_reader_truncated_gzip(tmp_path: Path) -> None:
             pass
 
 
+# ---------------------------------------------------------------------------- mapping
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_top_level_ops_match_picking_one_op_at_a_time(seed: int) -> None:
+    """The array search picks the same top-level ops as the plain scan it replaces, ties and
+    end-equals-next-start (and float sums that overshoot it by an ulp) included."""
+    import random
+
+    from megascope.ingest.kineto_events import RankEvents
+    from megascope.ingest.kineto_map import top_level_ops
+
+    rng = random.Random(seed)
+    ops = []
+    for i in range(400):
+        start = rng.choice([float(rng.randrange(0, 300)), round(rng.uniform(0, 300), 3)])
+        dur = rng.choice([0.0, float(rng.randrange(1, 40)), round(rng.uniform(0, 40), 3)])
+        ops.append((start, start + dur, f"op{i}"))
+    events = RankEvents(header={})
+    events.ops[1] = list(ops)
+    expected = []
+    current_end = float("-inf")
+    for start, end, name in sorted(ops, key=lambda o: (o[0], -o[1])):
+        if start >= current_end:
+            current_end = end
+            expected.append(name)
+    assert top_level_ops(events)[1].names == expected
+
+
 # ----------------------------------------------------------------------------- groups
 
 

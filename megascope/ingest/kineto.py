@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
 _RANK_IN_NAME = re.compile(r"rank[-_]?(\d+)", re.IGNORECASE)
+HEADER_CHUNK_CHARS = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,8 @@ def read_header(path: Path, *, single: bool) -> _Header:
     or in its file name (``rank-3``, ``rank_3``); a lone such file is rank 0. The world size is
     then settled over the whole set by :func:`settle_world`.
     """
-    with TraceReader(path) as reader:
+    # A small first chunk: the header is a few KiB, and every file's is read before any events.
+    with TraceReader(path, chunk_chars=HEADER_CHUNK_CHARS) as reader:
         header = reader.read_header()
     info = header.get("distributedInfo")
     devices = {}

@@ -9,7 +9,8 @@ as small tuples, only what the mapping uses:
 * CPU ops and user annotations (their nesting tells which phase launched a kernel, and on CPU-only
   traces they are the compute);
 * runtime calls by correlation id (the launch of each GPU kernel);
-* GPU kernels, memcpy and memset, with the collective arguments NCCL kernels may carry;
+* GPU kernels, memcpy and memset (one plain tuple each, with the arguments object NCCL kernels
+  take their collective arguments from);
 * communication calls: ``record_param_comms`` (NCCL: group, sizes, sequence), ``c10d::*``
   (enqueue on the calling thread), ``gloo:*`` / ``nccl:*`` annotations (gloo: the real execution
   on the worker thread).
@@ -17,7 +18,9 @@ as small tuples, only what the mapping uses:
 Where ``msgspec`` is installed, each batch of events is parsed straight into :class:`Event`
 objects that hold only the keys named here (a compiled parser that skips the rest of every
 event's ``args``): several times faster than building every event as a dict. Without it, or for
-a batch it refuses, the standard library's dicts are turned into the same objects.
+a batch it refuses, the standard library's dicts are turned into the same objects. The loop over
+them is the one per-event Python step of the import, so it does as little as it can: a host op
+whose name was seen before as a plain op costs one dictionary look-up and one append.
 
 Example::
 
@@ -70,7 +73,8 @@ _ARG_FIELDS = {"stream": "stream", "device": "device", "correlation": "correlati
 # must not fail the file; the checks below treat such values as absent.
 if msgspec is not None:
 
-    class EventArgs(msgspec.Struct, omit_defaults=True):
+    # gc=False: these objects hold no reference cycles, so the cyclic collector need not track them.
+    class EventArgs(msgspec.Struct, omit_defaults=True, gc=False):
         stream: Any = None
         device: Any = None
         correlation: Any = None
@@ -92,7 +96,7 @@ if msgspec is not None:
         input_type: Any = msgspec.field(default=None, name="Input type")
         concrete_inputs: Any = msgspec.field(default=None, name="Concrete Inputs")
 
-    class Event(msgspec.Struct):
+    class Event(msgspec.Struct, gc=False):
         ph: Any = None
         cat: Any = None
         name: Any = ""
@@ -166,17 +170,7 @@ class CommCall:
     args: dict[str, Any]
 
 
-@dataclass
-class DeviceEvent:
-    cat: str
-    name: str
-    stream: int | str
-    device: int | None
-    ts: float
-    dur: float
-    correlation: int | None
-    nbytes: int | None
-    comm_args: dict[str, Any] | None  # NCCL kernels: collective args when the trace has them
+DeviceEvent = tuple[str, str, float, float, Any, Any, Any, "EventArgs | None"]
 
 
 @dataclass
@@ -192,6 +186,9 @@ class RankEvents:
     flow_fwd: dict[int | str, list[float]] = field(default_factory=lambda: defaultdict(list))
     flow_bwd: dict[int | str, list[float]] = field(default_factory=lambda: defaultdict(list))
     runtime: dict[int, tuple[int | str, float]] = field(default_factory=dict)
+    # GPU kernels, memcpy and memset, one plain tuple each (built faster than any object), turned
+    # into columns by the mapping: (name, cat, ts, dur, stream, device, correlation, args), where
+    # args (None if absent) holds the collective arguments that NCCL kernels may carry.
     device: list[DeviceEvent] = field(default_factory=list)
     comm_calls: list[CommCall] = field(default_factory=list)
     first_ts: float | None = None
@@ -199,7 +196,8 @@ class RankEvents:
     events: int = 0
 
 
-def _comm_args(args: EventArgs | None) -> dict[str, Any]:
+def comm_args(args: EventArgs | None) -> dict[str, Any]:
+    """The ``record_param_comms`` arguments of an event (an NCCL kernel's, where the trace has them)."""
     if args is None:
         return {}
     out = {}
@@ -235,6 +233,10 @@ def collect(reader: TraceReader) -> RankEvents:
     device = out.device
     comm_calls = out.comm_calls
     steps = out.steps
+    # Host op names seen before that are plain ops (no step, no communication call), each mapped to
+    # its interned copy: one dictionary look-up instead of a chain of prefix tests per event.
+    plain_ops: dict[str, str] = {}
+    pid = None
     first = float("inf")
     last = float("-inf")
     count = 0
@@ -254,29 +256,26 @@ def collect(reader: TraceReader) -> RankEvents:
                     first = ts
                 if ts + dur > last:
                     last = ts + dur
-                if cat in DEVICE_CATS:
-                    args = e.args
-                    name = e.name if isinstance(e.name, str) else ""
-                    comm = _comm_args(args) if cat == "kernel" and name.startswith("nccl") else None
-                    if args is None:
-                        stream, dev, corr, nbytes = e.tid, None, None, None
-                    else:
-                        stream = args.stream if args.stream is not None else e.tid
-                        dev, corr, nbytes = args.device, args.correlation, args.nbytes
-                    device.append(DeviceEvent(cat=cat, name=intern(name), stream=stream, device=dev, ts=ts, dur=dur,
-                                              correlation=corr, nbytes=nbytes, comm_args=comm or None))
-                elif cat in HOST_CATS:
-                    name = e.name if isinstance(e.name, str) else ""
+                if cat in HOST_CATS:
+                    name = e.name
+                    if type(name) is not str:
+                        name = ""
+                    plain = plain_ops.get(name)
+                    if plain is not None:
+                        if pid is None and isinstance(e.pid, int):
+                            pid = e.pid
+                        ops[e.tid].append((ts, ts + dur, plain))
+                        continue
                     tid = e.tid
                     if name.startswith("ProfilerStep#"):
                         number = name[13:]
                         if number.isdigit():
                             steps.append((int(number), ts, dur))
                         continue
-                    if out.pid is None and isinstance(e.pid, int):
-                        out.pid = e.pid
+                    if pid is None and isinstance(e.pid, int):
+                        pid = e.pid
                     if name == "record_param_comms":
-                        comm_calls.append(CommCall("rpc", tid, ts, ts + dur, name, _comm_args(e.args)))
+                        comm_calls.append(CommCall("rpc", tid, ts, ts + dur, name, comm_args(e.args)))
                         continue
                     if name.startswith("c10d::"):
                         comm_calls.append(CommCall("c10d", tid, ts, ts + dur, intern(name), _host_comm_args(e.args)))
@@ -284,11 +283,25 @@ def collect(reader: TraceReader) -> RankEvents:
                     if name.startswith(("gloo:", "nccl:")):
                         comm_calls.append(CommCall("annot", tid, ts, ts + dur, intern(name), _host_comm_args(e.args)))
                         continue
-                    ops[tid].append((ts, ts + dur, intern(name)))
+                    plain = plain_ops[name] = intern(name)
+                    ops[tid].append((ts, ts + dur, plain))
                 elif cat in RUNTIME_CATS:
-                    corr = e.args.correlation if e.args is not None else None
-                    if corr is not None:
-                        runtime[corr] = (e.tid, ts)
+                    args = e.args
+                    if args is not None:
+                        corr = args.correlation
+                        if corr is not None:
+                            runtime[corr] = (e.tid, ts)
+                elif cat in DEVICE_CATS:
+                    name = e.name
+                    if type(name) is not str:
+                        name = ""
+                    args = e.args
+                    if args is None:
+                        device.append((name, cat, ts, dur, e.tid, None, None, None))
+                    else:
+                        stream = args.stream
+                        device.append((name, cat, ts, dur, e.tid if stream is None else stream, args.device,
+                                       args.correlation, args))
             elif ph == "M":
                 if e.name == "thread_name":
                     out.thread_names[e.tid] = str(e.args.name if e.args is not None and e.args.name is not None else "")
@@ -296,6 +309,7 @@ def collect(reader: TraceReader) -> RankEvents:
                 ts = e.ts
                 if type(ts) in _NUMBER:
                     (out.flow_fwd if ph == "s" else out.flow_bwd)[e.tid].append(ts)
+    out.pid = pid
     out.trailer = reader.trailer
     out.events = count
     out.first_ts = first if count and first != float("inf") else None

@@ -20,6 +20,10 @@ written. The rules (docs/ingest.md has the user's view):
 * seq: the trace's ``Seq`` where present, else the call's order in its group on this rank
   (1-based); p2p: the order per (sender, receiver) pair.
 
+Host ops and GPU spans, most of a trace's rows, are mapped column by column (numpy searches and
+Arrow arrays, no Python loop per kernel); the communication calls, a few per step, one at a time.
+A host op whose time is NaN (only the standard library reads such a file) is refused.
+
 Example::
 
     tables = map_rank(events, rank=3, pg_groups={"0": ("world", (0, 1, 2, 3))})
@@ -29,11 +33,14 @@ Example::
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 import re
 from collections import Counter, defaultdict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import is_not
 from typing import Any
 
 import numpy as np
@@ -41,7 +48,7 @@ import pyarrow as pa
 
 from megascope import schema
 from megascope.errors import IngestError
-from megascope.ingest.kineto_events import CommCall, RankEvents
+from megascope.ingest.kineto_events import CommCall, DeviceEvent, RankEvents, comm_args
 from megascope.schema import CollectiveOp, MarkerState, SpanKind, Stream
 
 log = logging.getLogger(__name__)
@@ -54,8 +61,11 @@ _DTYPE_BYTES = {
 _P2P_NAME = re.compile(r"(send|recv)\s+(\d+)\s*(?:->|<-)\s*(\d+)")
 _EPOCH_US = 1e15  # µs since the epoch are > 1e15 after 2001: an absolute (base-less) timestamp
 _BACKWARD_PREFIX = "autograd::engine::evaluate_function"
+_NO_THREAD = object()
+_NO_LAUNCH = (_NO_THREAD, float("nan"))  # a kernel's launch where the trace has none
 
 
+@functools.lru_cache(maxsize=4096)
 def normalize_op(name: str) -> str:
     """``c10d::allreduce_``, ``nccl:all_reduce``, ``_allgather_base``, ``allreduce`` -> a CollectiveOp."""
     base = name.split("::")[-1].split(":")[-1].strip().split(" ")[0]
@@ -77,6 +87,11 @@ def normalize_op(name: str) -> str:
 def dtype_bytes(dtype: object) -> int | None:
     if not isinstance(dtype, str):
         return None
+    return _dtype_name_bytes(dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _dtype_name_bytes(dtype: str) -> int | None:
     return _DTYPE_BYTES.get(dtype.lower().replace("c10::", "").replace("torch.", ""))
 
 
@@ -115,52 +130,110 @@ class _Steps:
             return self.numbers[i]
         return None
 
+    def at_many(self, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`at` of every time in ``ts`` (float64): whether a step holds it, and that step's
+        number (0 where none does)."""
+        index = _containing_many(np.asarray(self.starts, dtype=np.float64), np.asarray(self.ends, dtype=np.float64), ts)
+        found = index >= 0
+        if not self.numbers:
+            return found, np.zeros(len(ts), dtype=np.int64)
+        return found, np.asarray(self.numbers, dtype=np.int64)[np.where(found, index, 0)]
+
 
 @dataclass
 class _TopLevel:
-    starts: list[float]
-    ends: list[float]
+    """One thread's top-level host ops, in start order."""
+
+    starts: np.ndarray  # float64, µs
+    ends: np.ndarray
     names: list[str]
-    kinds: list[str]
+    kinds: np.ndarray  # object array of SpanKind values
 
 
-def _classify(name: str, tid_is_autograd: bool, has_fwd_flow: bool, has_bwd_flow: bool) -> str:
-    if name.startswith("Optimizer."):
-        return SpanKind.OPTIMIZER
-    if name.startswith("enumerate(DataLoader)"):
-        return SpanKind.DATA
-    if name.startswith(_BACKWARD_PREFIX) or tid_is_autograd or has_bwd_flow:
-        return SpanKind.BACKWARD
-    if has_fwd_flow:
-        return SpanKind.FORWARD
-    return SpanKind.COMPUTE
+# Name prefixes that decide a top-level op's kind whatever its thread or flows.
+_NAMED_KINDS = (("Optimizer.", SpanKind.OPTIMIZER), ("enumerate(DataLoader)", SpanKind.DATA),
+                (_BACKWARD_PREFIX, SpanKind.BACKWARD))
 
 
-def _flow_in(flows: list[float], start: float, end: float) -> bool:
-    i = bisect.bisect_left(flows, start)
-    return i < len(flows) and flows[i] <= end
+def _named_kind(name: str) -> str | None:
+    for prefix, kind in _NAMED_KINDS:
+        if name.startswith(prefix):
+            return kind
+    return None
+
+
+def _flows_in(flows: list[float], starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """For each ``[start, end]``, whether a flow time falls inside it."""
+    if not flows:
+        return np.zeros(len(starts), dtype=bool)
+    times = np.sort(np.asarray(flows, dtype=np.float64))
+    i = np.searchsorted(times, starts, side="left")
+    inside = i < len(times)
+    return inside & (times[np.minimum(i, len(times) - 1)] <= ends)
+
+
+def _top_level(starts: np.ndarray, ends: np.ndarray) -> list[int]:
+    """Indices of the intervals (sorted by start, longest first) that start at or after the
+    end of the last one picked before them, the first one included.
+
+    After interval ``i`` the next one picked is the first later one that starts at or after its
+    end: found for every ``i`` by one binary search over the whole array, then followed from the
+    first interval, a step per pick.
+    """
+    n = len(starts)
+    following = np.maximum(np.searchsorted(starts, ends, side="left"), np.arange(1, n + 1)).tolist()
+    picked = []
+    i = 0
+    while i < n:
+        picked.append(i)
+        i = following[i]
+    return picked
 
 
 def top_level_ops(events: RankEvents) -> dict[int | str, _TopLevel]:
-    """Per thread, the host ops not nested in another op, each with its phase kind."""
+    """Per thread, the host ops not nested in another op, each with its phase kind.
+
+    In (start, longest first) order an op is top-level when it starts at or after the end of the
+    last top-level op (:func:`_top_level`). Kinds come from the name (its prefix, looked up once
+    per name), the thread (autograd) and the ``fwdbwd`` flows inside the op, decided for all ops
+    of a thread at once.
+    """
     out: dict[int | str, _TopLevel] = {}
+    named: dict[str, str | None] = {}
     for tid, ops in events.ops.items():
-        ops.sort(key=lambda o: (o[0], -o[1]))
+        if not ops:
+            continue
+        all_starts, all_ends, all_names = zip(*ops, strict=True)
+        starts_array = np.asarray(all_starts, dtype=np.float64)
+        ends_array = np.asarray(all_ends, dtype=np.float64)
+        if np.isnan(starts_array).any() or np.isnan(ends_array).any():
+            raise ValueError(f"a host op on thread {tid} has a NaN time or duration")
+        order = np.lexsort((-ends_array, starts_array))  # stable, as sorting by (start, -end) is
+        chosen = order[_top_level(starts_array[order], ends_array[order])]
+        starts = starts_array[chosen]
+        ends = ends_array[chosen]
+        names = [all_names[j] for j in chosen.tolist()]
         autograd = "autograd" in events.thread_names.get(tid, "")
-        fwd = sorted(events.flow_fwd.get(tid, []))
-        bwd = sorted(events.flow_bwd.get(tid, []))
-        top = _TopLevel([], [], [], [])
-        current_end = float("-inf")
-        for start, end, name in ops:
-            if start < current_end:
-                continue
-            current_end = end
-            top.starts.append(start)
-            top.ends.append(end)
-            top.names.append(name)
-            top.kinds.append(_classify(name, autograd, _flow_in(fwd, start, end), _flow_in(bwd, start, end)))
-        out[tid] = top
+        backward = _flows_in(events.flow_bwd.get(tid, []), starts, ends) | autograd
+        forward = _flows_in(events.flow_fwd.get(tid, []), starts, ends)
+        kinds = np.where(backward, SpanKind.BACKWARD, np.where(forward, SpanKind.FORWARD, SpanKind.COMPUTE)).astype(object)
+        for name in dict.fromkeys(names):
+            if name not in named:
+                named[name] = _named_kind(name)
+        for j in [j for j, name in enumerate(names) if named[name] is not None]:
+            kinds[j] = named[names[j]]
+        out[tid] = _TopLevel(starts, ends, names, kinds)
     return out
+
+
+def _containing_many(starts: np.ndarray, ends: np.ndarray, ts: np.ndarray) -> np.ndarray:
+    """For each time in ``ts``, the index of the last interval starting at or before it if the
+    interval holds it, else -1 (``starts`` sorted)."""
+    i = np.searchsorted(starts, ts, side="right") - 1
+    if not len(starts):
+        return i
+    held = (i >= 0) & (ts <= ends[np.maximum(i, 0)])
+    return np.where(held, i, -1)
 
 
 def _containing(starts: list[float], ends: list[float], ts: float) -> int | None:
@@ -182,8 +255,8 @@ class RankTables:
 
 class _Columns:
     """A table's rows, added one at a time (``add``: one dict each, absent keys are nulls) or many
-    at once (``extend``: one list or one scalar per column), turned into columns once at the end
-    in the order they were added."""
+    at once (``extend``: one list, array or Arrow array, or one scalar, per column), turned into
+    columns once at the end in the order they were added."""
 
     def __init__(self, table_schema: pa.Schema) -> None:
         self.schema = table_schema
@@ -199,7 +272,7 @@ class _Columns:
         self._n += 1
 
     def extend(self, rows: int, **columns: Any) -> None:
-        """``rows`` rows: a list or array (of ``rows`` values) or one scalar per column named."""
+        """``rows`` rows: a list, array or Arrow array (of ``rows`` values) or one scalar per column named."""
         if rows:
             self._parts.append((rows, columns))
             self._n += rows
@@ -213,6 +286,9 @@ class _Columns:
             for f in self.schema:
                 if isinstance(part, list):
                     values: Any = [r.get(f.name) for r in part]
+                elif isinstance(part.get(f.name), pa.Array):
+                    chunks[f.name].append(part[f.name].cast(f.type))
+                    continue
                 else:
                     values = part.get(f.name)
                     if values is None or isinstance(values, (str, int, float)):
@@ -222,9 +298,30 @@ class _Columns:
         return pa.Table.from_arrays(columns, schema=self.schema)
 
 
-def _ns_array(base: int, ts: list[float]) -> np.ndarray:
+def _ns_array(base: int, ts: np.ndarray) -> np.ndarray:
     """``base + round(t * 1000)`` for every ``t`` (µs to ns), as ``ns`` computes it one at a time."""
     return np.rint(np.asarray(ts, dtype=np.float64) * 1000.0).astype(np.int64) + np.int64(base)
+
+
+def _ns_checked(base: int, ts: np.ndarray) -> np.ndarray:
+    """:func:`_ns_array`, refusing what ``int(round(t * 1000.0))`` refuses one at a time (NaN, infinity)
+    and what no 64-bit nanosecond count holds."""
+    scaled = np.asarray(ts, dtype=np.float64) * 1000.0
+    if not np.isfinite(scaled).all():
+        raise ValueError("a time or duration is not a finite number")
+    if len(scaled) and np.abs(scaled).max() >= 2.0**63:
+        raise OverflowError("a time or duration does not fit 64-bit nanoseconds")
+    return _ns_array(base, ts)
+
+
+def _host_spans(spans: _Columns, levels: _TopLevel, index: np.ndarray, *, rank: int, base: int, steps: _Steps) -> None:
+    """The top-level host ops ``index`` of one thread as spans on stream ``host``."""
+    starts = levels.starts[index]
+    ends = levels.ends[index]
+    found, numbers = steps.at_many(starts)
+    spans.extend(len(index), rank=rank, step=pa.array(numbers, type=pa.int64(), mask=~found),
+                 name=[levels.names[i] for i in index.tolist()], kind=levels.kinds[index], stream=Stream.HOST,
+                 start_ns=_ns_checked(base, starts), dur_ns=_ns_checked(0, ends - starts))
 
 
 @dataclass
@@ -269,79 +366,93 @@ def map_rank(
         spans.add(rank=rank, step=number, name=f"ProfilerStep#{number}", kind=SpanKind.STEP,
                   stream=Stream.HOST, start_ns=ns(ts), dur_ns=int(round(dur * 1000.0)))
 
-    def launch_kind(tid: int | str, ts: float) -> str:
-        levels = top.get(tid)
-        if levels is not None:
-            i = _containing(levels.starts, levels.ends, ts)
-            if i is not None:
-                return levels.kinds[i]
-        return SpanKind.COMPUTE
-
     # ---------------------------------------------------------------- compute
-    compute_device = [d for d in events.device if not d.name.startswith("nccl")]
-    device_index = Counter(d.device for d in events.device if d.device is not None).most_common(1)
+    device_index = None
+    nccl_device: list[DeviceEvent] = []
     if events.device:
-        # Column by column: these are most of a GPU trace's spans.
-        c_step: list[int | None] = []
-        c_name: list[str] = []
-        c_kind: list[str] = []
-        c_stream: list[str] = []
-        c_ts: list[float] = []
-        c_dur: list[float] = []
-        stream_names: dict[Any, str] = {}
-        runtime = events.runtime
-        no_launch = 0
-        for d in compute_device:
-            launch = runtime.get(d.correlation) if d.correlation is not None else None
-            if launch is not None:
-                kind = launch_kind(launch[0], launch[1])
-                step = steps.at(launch[1])
-            else:
-                kind, step = SpanKind.COMPUTE, None
-                no_launch += 1
-            if d.cat != "kernel" and kind == SpanKind.COMPUTE:
-                kind = SpanKind.OTHER
-            stream = stream_names.get(d.stream)
-            if stream is None:
-                stream = stream_names[d.stream] = f"cuda:{d.stream}"
-            c_step.append(step)
-            c_name.append(d.name)
-            c_kind.append(kind)
-            c_stream.append(stream)
-            c_ts.append(d.ts)
-            c_dur.append(d.dur)
-        if no_launch:
-            stats["device events without a launch in the trace"] += no_launch
-        spans.extend(len(c_name), rank=rank, step=c_step, name=c_name, kind=c_kind, stream=c_stream,
-                     start_ns=_ns_array(base, c_ts), dur_ns=_ns_array(0, c_dur))
+        # Column by column (these are most of a GPU trace's spans): each kernel takes the kind of
+        # the top-level host op that launched it and the step that holds the launch. The columns
+        # come from one transposition of the collected tuples, and every step after that runs in
+        # C (map, numpy, Arrow), never in a Python loop per kernel.
+        names, cats, starts, durs, streams, devices, correlations, _ = zip(*events.device, strict=True)
+        indexes = Counter(devices)
+        indexes.pop(None, None)
+        device_index = indexes.most_common(1)
+        keep = None
+        nccl = {name for name in set(names) if name.startswith("nccl")}
+        if nccl:
+            keep = ~np.fromiter(map(nccl.__contains__, names), dtype=bool, count=len(names))
+            nccl_device = [events.device[i] for i in np.flatnonzero(~keep).tolist()]
+        launches = list(map(events.runtime.get, correlations, repeat(_NO_LAUNCH)))
+        launched = np.fromiter(map(is_not, launches, repeat(_NO_LAUNCH)), dtype=bool, count=len(launches))
+        launch_tids, launch_times = zip(*launches, strict=True)
+        launch_ts = np.asarray(launch_times, dtype=np.float64)
+        kinds = np.full(len(names), SpanKind.COMPUTE, dtype=object)
+        tid_codes = {tid: code for code, tid in enumerate(dict.fromkeys(launch_tids))}
+        codes = np.fromiter(map(tid_codes.__getitem__, launch_tids), dtype=np.int64, count=len(launch_tids))
+        for tid, code in tid_codes.items():
+            levels = top.get(tid) if tid is not _NO_THREAD else None
+            if levels is None:
+                continue
+            on_thread = np.flatnonzero(codes == code)
+            index = _containing_many(levels.starts, levels.ends, launch_ts[on_thread])
+            held = index >= 0
+            kinds[on_thread[held]] = levels.kinds[index[held]]
+        step_found, step_numbers = steps.at_many(launch_ts)
+        step_missing = ~(step_found & launched)
+        kinds[(np.asarray(cats, dtype=object) != "kernel") & (kinds == SpanKind.COMPUTE)] = SpanKind.OTHER
+        stream_names = {stream: f"cuda:{stream}" for stream in dict.fromkeys(streams)}
+        columns = {
+            "step": pa.array(step_numbers, type=pa.int64(), mask=step_missing),
+            "name": pa.array(names, type=pa.string()),
+            "kind": pa.array(kinds, type=pa.string()),
+            "stream": pa.array(list(map(stream_names.__getitem__, streams)), type=pa.string()),
+        }
+        ts_array = np.asarray(starts, dtype=np.float64)
+        dur_array = np.asarray(durs, dtype=np.float64)
+        if keep is not None:
+            launched, ts_array, dur_array = launched[keep], ts_array[keep], dur_array[keep]
+            columns = {key: column.filter(pa.array(keep)) for key, column in columns.items()}
+        columns["start_ns"] = pa.array(_ns_array(base, ts_array))
+        columns["dur_ns"] = pa.array(_ns_array(0, dur_array))
+        if not launched.all():
+            stats["device events without a launch in the trace"] += int((~launched).sum())
+        spans.extend(len(launched), rank=rank, **columns)
         # Data loading shows only on the host; keep it as data spans.
         for levels in top.values():
-            for start, end, name, kind in zip(levels.starts, levels.ends, levels.names, levels.kinds, strict=True):
-                if kind == SpanKind.DATA:
-                    spans.add(rank=rank, step=steps.at(start), name=name, kind=kind, stream=Stream.HOST,
-                              start_ns=ns(start), dur_ns=int(round((end - start) * 1000.0)))
+            data = np.flatnonzero(levels.kinds == SpanKind.DATA)
+            if len(data):
+                _host_spans(spans, levels, data, rank=rank, base=base, steps=steps)
     else:
         for levels in top.values():
-            for start, end, name, kind in zip(levels.starts, levels.ends, levels.names, levels.kinds, strict=True):
-                spans.add(rank=rank, step=steps.at(start), name=name, kind=kind, stream=Stream.HOST,
-                          start_ns=ns(start), dur_ns=int(round((end - start) * 1000.0)))
+            _host_spans(spans, levels, np.arange(len(levels.names)), rank=rank, base=base, steps=steps)
 
     # ----------------------------------------------------------- communication
-    comms = _resolve_comms(events, rank=rank, pg_groups=pg_groups, steps=steps, stats=stats)
+    comms = _resolve_comms(events, nccl_device, rank=rank, pg_groups=pg_groups, steps=steps, stats=stats)
     _assign_seq(comms, rank)
+    span_rows: dict[str, list[Any]] = {key: [] for key in
+                                       ("step", "name", "kind", "stream", "start_ns", "dur_ns", "group", "seq", "op",
+                                        "bytes", "peer")}
+    marker_rows: dict[str, list[Any]] = {key: [] for key in
+                                         ("state", "time_ns", "group", "seq", "op", "step", "bytes", "peer")}
     for c in comms:
         if c.exec_start is None or c.exec_end is None:
             stats["communication calls with no execution in the trace"] += 1
             continue
         kind = SpanKind.SEND if c.op == CollectiveOp.SEND else SpanKind.RECV if c.op == CollectiveOp.RECV else SpanKind.COLLECTIVE
         start = max(c.exec_start, c.ts) if c.stream == Stream.COMM else c.exec_start
-        spans.add(rank=rank, step=c.step, name=c.name, kind=kind, stream=c.stream, start_ns=ns(start),
-                  dur_ns=max(0, int(round((c.exec_end - start) * 1000.0))), group=c.group, seq=c.seq_hint,
-                  op=c.op, bytes=c.nbytes, peer=c.peer)
+        for key, value in (("step", c.step), ("name", c.name), ("kind", kind), ("stream", c.stream),
+                           ("start_ns", ns(start)), ("dur_ns", max(0, int(round((c.exec_end - start) * 1000.0)))),
+                           ("group", c.group), ("seq", c.seq_hint), ("op", c.op), ("bytes", c.nbytes),
+                           ("peer", c.peer)):
+            span_rows[key].append(value)
         if c.group is not None and c.seq_hint is not None:
-            common = dict(rank=rank, group=c.group, seq=c.seq_hint, op=c.op, step=c.step, bytes=c.nbytes, peer=c.peer)
-            markers.add(state=MarkerState.ENQUEUED, time_ns=ns(c.ts), **common)
-            markers.add(state=MarkerState.COMPLETED, time_ns=ns(c.exec_end), **common)
+            for state, time_ns in ((MarkerState.ENQUEUED, ns(c.ts)), (MarkerState.COMPLETED, ns(c.exec_end))):
+                for key, value in (("state", state), ("time_ns", time_ns), ("group", c.group), ("seq", c.seq_hint),
+                                   ("op", c.op), ("step", c.step), ("bytes", c.nbytes), ("peer", c.peer)):
+                    marker_rows[key].append(value)
+    spans.extend(len(span_rows["name"]), rank=rank, **span_rows)
+    markers.extend(len(marker_rows["state"]), rank=rank, **marker_rows)
     stats["spans"] = len(spans)
     stats["markers"] = len(markers)
     start_ns = ns(events.first_ts) if events.first_ts is not None else None
@@ -383,6 +494,7 @@ def _peer(call_name: str, op: str, args: dict[str, Any], rank: int, pg_ranks: tu
 
 def _resolve_comms(
     events: RankEvents,
+    nccl_device: list[DeviceEvent],
     *,
     rank: int,
     pg_groups: Mapping[str, tuple[str, tuple[int, ...]]],
@@ -390,8 +502,9 @@ def _resolve_comms(
     stats: Counter[str],
 ) -> list[_Comm]:
     rpc = [c for c in events.comm_calls if c.source == "rpc"]
-    if rpc or any(d.name.startswith("nccl") for d in events.device):
-        return _nccl_comms(events, rpc, _Annotations(events.comm_calls), rank=rank, pg_groups=pg_groups, steps=steps, stats=stats)
+    if rpc or nccl_device:
+        return _nccl_comms(events, rpc, nccl_device, _Annotations(events.comm_calls), rank=rank, pg_groups=pg_groups,
+                           steps=steps, stats=stats)
     return _gloo_comms(events, rank=rank, pg_groups=pg_groups, steps=steps, stats=stats)
 
 
@@ -423,6 +536,7 @@ class _Annotations:
 def _nccl_comms(
     events: RankEvents,
     rpc: list[CommCall],
+    nccl_device: list[DeviceEvent],
     annots: _Annotations,
     *,
     rank: int,
@@ -451,10 +565,8 @@ def _nccl_comms(
             peer=_peer(call_name, op, args, rank, pg_ranks), step=steps.at(ts),
         )
 
-    for d in events.device:
-        if not d.name.startswith("nccl"):
-            continue
-        launch = events.runtime.get(d.correlation) if d.correlation is not None else None
+    for name, cat, ts, dur, stream, _, correlation, device_args in nccl_device:
+        launch = events.runtime.get(correlation) if correlation is not None else None
         if launch is None:
             # Launched before the profiler's host window opened: no call, no step, no sequence.
             stats["NCCL kernels launched outside the trace window (skipped)"] += 1
@@ -465,8 +577,9 @@ def _nccl_comms(
             j = _containing(starts[tid], ends[tid], lts)
             if j is not None:
                 index = by_tid[tid][j]
-        if index is None and d.comm_args:
-            comm = make(d.name, d.comm_args, lts, tid)
+        kernel_args = comm_args(device_args) if cat == "kernel" else {}
+        if index is None and kernel_args:
+            comm = make(name, kernel_args, lts, tid)
             comm.name = annots.first_in(tid, lts - 50.0, lts) or comm.op
             extra.append(comm)
         elif index is None:
@@ -476,7 +589,7 @@ def _nccl_comms(
             known = comms[index]
             if known is None:
                 call = rpc[index]
-                args = {**(d.comm_args or {}), **call.args}
+                args = {**kernel_args, **call.args}
                 known = make(call.name, args, call.ts, call.tid)
                 annot = annots.first_in(call.tid, call.ts, call.end)
                 known.name = annot or f"nccl:{known.op}"
@@ -484,9 +597,9 @@ def _nccl_comms(
                     known.peer = _peer(annot, known.op, {}, rank, known.pg_ranks)
                 comms[index] = known
             comm = known
-        comm.stream = f"cuda:{d.stream}"
-        comm.exec_start = d.ts if comm.exec_start is None else min(comm.exec_start, d.ts)
-        end = d.ts + d.dur
+        comm.stream = f"cuda:{stream}"
+        comm.exec_start = ts if comm.exec_start is None else min(comm.exec_start, ts)
+        end = ts + dur
         comm.exec_end = end if comm.exec_end is None else max(comm.exec_end, end)
     # Calls whose kernel never showed up keep their place in the sequence but get no span.
     resolved = []
