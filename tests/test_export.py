@@ -239,33 +239,34 @@ def test_estimated_clock_offsets_are_applied_and_stated(run_dir: Path, monkeypat
     assert str(offsets[hosts[-1]]) in trace.metadata["megascope.clock_offsets_ns"]
 
 
-def test_spans_are_read_while_the_clock_is_estimated(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without a window the first chunks are read before the offsets are known; they are added
-    to every span all the same."""
+def test_spans_are_read_while_the_ranks_and_the_clock_are_resolved(run_dir: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a window the first chunks are read before the ranks table is read and the offsets
+    are known; the offsets are added to every span all the same."""
     import threading
 
     import pandas as pd
 
-    from megascope.export import selection, source
+    from megascope.export import perfetto, selection, source
 
     read = threading.Event()
-    to_chunk = source._to_chunk
+    to_chunk, resolve = source._to_chunk, perfetto.resolve
 
     def reading(*args: Any, **kwargs: Any) -> Any:
         read.set()
         return to_chunk(*args, **kwargs)
 
+    def resolving(*args: Any, **kwargs: Any) -> Any:
+        assert read.wait(timeout=60), "no span was read while the ranks and the clock were resolved"
+        return resolve(*args, **kwargs)
+
     host_of = {r["rank"]: r["host"] for r in open_run(run_dir).con.sql("SELECT * FROM ranks").to_arrow_table().to_pylist()}
     hosts = sorted(set(host_of.values()))
     offsets = {h: (i + 1) * 3_000_000 for i, h in enumerate(hosts)}
     frame = pd.DataFrame({"host": hosts, "offset_ns": [offsets[h] for h in hosts], "error_ns": 5_000, "samples": 10})
-
-    def estimate(con: Any, spans_of: Any = None) -> Any:
-        assert read.wait(timeout=60), "no span was read while the clock was estimated"
-        return frame
-
     monkeypatch.setattr(source, "_to_chunk", reading)
-    monkeypatch.setattr(selection, "estimate_clock_offsets", estimate)
+    monkeypatch.setattr(perfetto, "resolve", resolving)
+    monkeypatch.setattr(selection, "estimate_clock_offsets", lambda con, spans_of=None: frame)
     trace = _export(run_dir, clock="estimated", chunk_rows=300)
     want = Counter((s["rank"], s["start_ns"] + offsets[host_of[s["rank"]]] + trace.shift) for s in _spans(run_dir))
     assert Counter((trace.rank_of(sl["track"]), sl["ts"]) for sl in trace.slices) == want

@@ -57,7 +57,7 @@ from megascope.export.common import ExportStats, as_run, make_selection, output_
 from megascope.export.memory import kept_heap
 from megascope.export.overlap import BackgroundWriter, Prefetch
 from megascope.export.protowire import Node, encode, varint_width
-from megascope.export.selection import Resolved, check_clock, resolve_ranks, with_clock
+from megascope.export.selection import Resolved, check_clock, resolve, spans_to_read
 from megascope.export.source import SpanChunk, iter_span_chunks
 from megascope.export.tracks import (
     assign_lanes,
@@ -656,24 +656,25 @@ def export_perfetto(
     run = as_run(run)
     check_clock(clock)
     selection = make_selection(ranks, steps, window, around_stragglers)
-    unclocked = resolve_ranks(run, selection)
-    # A rank's clock offset moves all its spans alike, so, without a window (placed in corrected
-    # time), the first chunks are read and ordered on the recorded times while the clock is
-    # estimated, and the offsets are added before encoding.
-    ahead = selection.window is None
-    with ThreadPoolExecutor(1, thread_name_prefix="megascope-export-clock") as pool:
-        clocked = pool.submit(with_clock, run, unclocked, clock)
-        if ahead:
-            ordered = Prefetch(map(_order_chunk, iter_span_chunks(run, unclocked, chunk_rows=chunk_rows,
+    # A host's clock offset moves all its ranks' spans alike, so the first chunks are read and
+    # ordered on the recorded times while the ranks table is read and the clock estimated, and
+    # the offsets are added before encoding (not with a window, placed in corrected time, nor
+    # around the stragglers, whose ranks the analysis finds).
+    reading = spans_to_read(run, selection)
+    with ThreadPoolExecutor(1, thread_name_prefix="megascope-export-resolve") as pool:
+        resolving = pool.submit(resolve, run, selection, clock=clock)
+        if reading is not None:
+            ordered = Prefetch(map(_order_chunk, iter_span_chunks(run, reading, chunk_rows=chunk_rows,
                                                                   corrected=False)))
         try:
-            resolved = clocked.result()
+            resolved = resolving.result()
         except BaseException:
-            if ahead:
+            if reading is not None:
                 ordered.close()
             raise
-    if ahead:
-        chunks: Iterable[_OrderedChunk] = (o.corrected(resolved.rank_offsets_ns) for o in ordered)
+    chunks: Iterable[_OrderedChunk]
+    if reading is not None:
+        chunks = (o.corrected(resolved.rank_offsets_ns) for o in ordered)
     else:
         ordered = Prefetch(map(_order_chunk, iter_span_chunks(run, resolved, chunk_rows=chunk_rows)))
         chunks = ordered

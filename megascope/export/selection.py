@@ -18,7 +18,6 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 from dataclasses import dataclass, field
@@ -238,27 +237,49 @@ def check_clock(clock: str) -> None:
         raise ConfigError(f"unknown clock {clock!r}: expected one of {', '.join(CLOCKS)}")
 
 
+def spans_to_read(run: Run, selection: Selection) -> Resolved | None:
+    """The selected ranks that have spans, known from the store's file lists alone (no query, no
+    clock): enough for :func:`megascope.export.source.iter_span_chunks` to read the spans
+    ``resolve`` would, on their recorded times, while it reads the ranks table and estimates the
+    clock. None where the ranks come from the analysis (``around_stragglers``) or a time window
+    (placed in corrected time) is asked for."""
+    if selection.around_stragglers or selection.window is not None:
+        return None
+    ranks = _ranks_with_spans(run)
+    if selection.ranks is not None:
+        ranks = ranks & set(selection.ranks)
+    return Resolved(ranks=np.array(sorted(ranks), dtype=np.int64), steps=selection.steps, window=None,
+                    rank_offsets_ns=np.zeros(0, dtype=np.int64), host_offsets={}, clock_source=CLOCK_RAW,
+                    selection=selection)
+
+
 def resolve(run: Run, selection: Selection, *, clock: str = "estimated") -> Resolved:
     """Make ``selection`` concrete for ``run``: ranks, offsets and (if asked) the stragglers.
 
     ``clock="estimated"`` adds each host's clock offset, estimated from the completions of the
     collectives its ranks share with other hosts (a sample of steps and ranks; an estimate that
     fails is an :class:`ExportError`); ``clock="raw"`` keeps the host clocks as recorded and says so.
-    The same as :func:`with_clock` of :func:`resolve_ranks`.
     """
     check_clock(clock)
-    return with_clock(run, resolve_ranks(run, selection), clock)
-
-
-def resolve_ranks(run: Run, selection: Selection) -> Resolved:
-    """``selection``'s ranks (and stragglers) for ``run``, before any clock: every offset and the
-    shift 0. The order of a rank's spans does not depend on its offset, so an export may read and
-    order spans on this while :func:`with_clock` runs, and add the offsets after (never with a
-    time window, which is placed in corrected time)."""
     cur = run.cursor()
     rank_rows = cur.execute("SELECT rank, host, coords FROM ranks ORDER BY rank").fetchall()
-    known = _ranks_with_spans(run) | {int(r) for r, *_ in rank_rows}
+    host_rows = [(r, h) for r, h, *_ in rank_rows]
+    known = _ranks_with_spans(run) | {int(r) for r, _ in host_rows}
+    if clock == "estimated":
+        host_offsets, source = _clock_offsets(run), CLOCK_ESTIMATED
+    else:
+        host_offsets, source = {}, CLOCK_RAW
     size = max([*known, run.meta.world_size - 1, 0]) + 1
+    rank_offsets = np.zeros(size, dtype=np.int64)
+    for rank, host in host_rows:
+        if host in host_offsets:
+            rank_offsets[int(rank)] = host_offsets[host][0]
+
+    # Trace timestamps are unsigned: a run whose corrected times go below zero (relative clocks)
+    # is shifted as a whole, and the metadata says by how much.
+    shift = _time_shift(run, rank_offsets)
+    rank_offsets += shift
+
     ranks = sorted(known)
     stragglers: list[int] = []
     if selection.around_stragglers:
@@ -276,31 +297,11 @@ def resolve_ranks(run: Run, selection: Selection) -> Resolved:
         ranks=np.array(ranks, dtype=np.int64),
         steps=selection.steps,
         window=selection.window,
-        rank_offsets_ns=np.zeros(size, dtype=np.int64),
-        host_offsets={},
-        clock_source=CLOCK_RAW,
+        rank_offsets_ns=rank_offsets,
+        host_offsets=host_offsets,
+        clock_source=source,
+        shift_ns=shift,
         stragglers=stragglers,
         selection=selection,
         rank_info={int(r): (h, coords_of(c, run.meta.mesh_axes)) for r, h, c in rank_rows},
     )
-
-
-def with_clock(run: Run, resolved: Resolved, clock: str) -> Resolved:
-    """``resolved`` (from :func:`resolve_ranks`) with the clock ``clock`` asks for: each rank's
-    offset (its host's estimated one, or none) and the shift that keeps every time non-negative."""
-    check_clock(clock)
-    if clock == "estimated":
-        host_offsets, source = _clock_offsets(run), CLOCK_ESTIMATED
-    else:
-        host_offsets, source = {}, CLOCK_RAW
-    rank_offsets = np.zeros(len(resolved.rank_offsets_ns), dtype=np.int64)
-    for rank, (host, _) in resolved.rank_info.items():
-        if host in host_offsets:
-            rank_offsets[rank] = host_offsets[host][0]
-
-    # Trace timestamps are unsigned: a run whose corrected times go below zero (relative clocks)
-    # is shifted as a whole, and the metadata says by how much.
-    shift = _time_shift(run, rank_offsets)
-    rank_offsets += shift
-    return dataclasses.replace(resolved, rank_offsets_ns=rank_offsets, host_offsets=host_offsets,
-                               clock_source=source, shift_ns=shift)
