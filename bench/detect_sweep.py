@@ -26,6 +26,7 @@ import datetime
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -42,6 +43,7 @@ GPU_MODEL = ["--layers", "8", "--hidden", "2048", "--heads", "16", "--seq-len", 
 FACTORS = [1.1, 1.15, 1.15, 1.3, 1.6]
 SKEWS_MS = [20.0, 50.0, 50.0, 100.0]
 HEALTHY_PER_MESH = 5
+RUN_TIMEOUT_S = 300.0
 
 
 def plan(meshes: list[tuple[int, int, int]], seed: int, *, gpu: bool) -> list[dict[str, Any]]:
@@ -87,16 +89,24 @@ def launch(r: dict[str, Any], out: Path, *, gpu: bool, steps: int, profile: int 
     load = os.getloadavg()[0]
     busy0, kids0 = _busy_cpu_s(), _children_cpu_s()
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    # A job that outlives RUN_TIMEOUT_S (a hang its launcher did not end) is killed with its whole
+    # process group, and the sweep goes on: the run directory holds what it wrote until then.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        output += f"\nkilled after {RUN_TIMEOUT_S:g} s\n"
     wall = time.perf_counter() - t0
     # The job's own output beside its run directory: where a run's time went, or why it failed.
-    (out / f"{r['name']}.log").write_text(proc.stdout + proc.stderr)
+    (out / f"{r['name']}.log").write_text(output)
     # The 1-minute load average before a run mostly counts the previous run's own ranks. What the
     # run competed with is the CPU that other processes used while it ran: all busy CPU time less
     # the run's own (its process tree), in cores.
     other = max(0.0, (_busy_cpu_s() - busy0) - (_children_cpu_s() - kids0)) / wall
     return {"load": load, "other_cores": round(other, 2), "wall_s": wall, "rc": proc.returncode,
-            "err": (proc.stderr.strip().splitlines() or [""])[-1] if proc.returncode else ""}
+            "err": (output.strip().splitlines() or [""])[-1] if proc.returncode else ""}
 
 
 def _busy_cpu_s() -> float:
