@@ -15,7 +15,9 @@ mkdir -p "$OUT"
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 GPUS=$(( NGPU >= 4 ? 4 : 2 ))
 WORK=${WORK:-/tmp/gpu-detect-runs}
-rm -rf "$WORK"
+rm -rf "$WORK"; mkdir -p "$WORK"
+# PREV: an earlier call's sweep.jsonl of the same seed; its runs are not run again.
+[ -n "${PREV:-}" ] && cp "$PREV" "$WORK/sweep.jsonl"
 export OMP_NUM_THREADS=1 PYTHONPATH=${PYTHONPATH:-$PWD}
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv >"$OUT/gpus.txt" 2>&1
 timeout $(( BUDGET_S + 150 )) $PY bench/detect_sweep.py -o "$WORK" --gpu --gpus "$GPUS" --seed "$SEED" \
