@@ -61,6 +61,9 @@ _DTYPE_BYTES = {
 _P2P_NAME = re.compile(r"(send|recv)\s+(\d+)\s*(?:->|<-)\s*(\d+)")
 _EPOCH_US = 1e15  # µs since the epoch are > 1e15 after 2001: an absolute (base-less) timestamp
 _BACKWARD_PREFIX = "autograd::engine::evaluate_function"
+# Column order of the rows built for each communication call.
+_COMM_SPAN_COLUMNS = ("step", "name", "kind", "stream", "start_ns", "dur_ns", "group", "seq", "op", "bytes", "peer")
+_MARKER_COLUMNS = ("state", "time_ns", "group", "seq", "op", "step", "bytes", "peer")
 _NO_THREAD = object()
 _NO_LAUNCH = (_NO_THREAD, float("nan"))  # a kernel's launch where the trace has none
 
@@ -430,29 +433,25 @@ def map_rank(
     # ----------------------------------------------------------- communication
     comms = _resolve_comms(events, nccl_device, rank=rank, pg_groups=pg_groups, steps=steps, stats=stats)
     _assign_seq(comms, rank)
-    span_rows: dict[str, list[Any]] = {key: [] for key in
-                                       ("step", "name", "kind", "stream", "start_ns", "dur_ns", "group", "seq", "op",
-                                        "bytes", "peer")}
-    marker_rows: dict[str, list[Any]] = {key: [] for key in
-                                         ("state", "time_ns", "group", "seq", "op", "step", "bytes", "peer")}
+    span_rows = []
+    marker_rows = []
     for c in comms:
         if c.exec_start is None or c.exec_end is None:
             stats["communication calls with no execution in the trace"] += 1
             continue
         kind = SpanKind.SEND if c.op == CollectiveOp.SEND else SpanKind.RECV if c.op == CollectiveOp.RECV else SpanKind.COLLECTIVE
         start = max(c.exec_start, c.ts) if c.stream == Stream.COMM else c.exec_start
-        for key, value in (("step", c.step), ("name", c.name), ("kind", kind), ("stream", c.stream),
-                           ("start_ns", ns(start)), ("dur_ns", max(0, int(round((c.exec_end - start) * 1000.0)))),
-                           ("group", c.group), ("seq", c.seq_hint), ("op", c.op), ("bytes", c.nbytes),
-                           ("peer", c.peer)):
-            span_rows[key].append(value)
+        span_rows.append((c.step, c.name, kind, c.stream, ns(start), max(0, int(round((c.exec_end - start) * 1000.0))),
+                          c.group, c.seq_hint, c.op, c.nbytes, c.peer))
         if c.group is not None and c.seq_hint is not None:
-            for state, time_ns in ((MarkerState.ENQUEUED, ns(c.ts)), (MarkerState.COMPLETED, ns(c.exec_end))):
-                for key, value in (("state", state), ("time_ns", time_ns), ("group", c.group), ("seq", c.seq_hint),
-                                   ("op", c.op), ("step", c.step), ("bytes", c.nbytes), ("peer", c.peer)):
-                    marker_rows[key].append(value)
-    spans.extend(len(span_rows["name"]), rank=rank, **span_rows)
-    markers.extend(len(marker_rows["state"]), rank=rank, **marker_rows)
+            marker_rows.append((MarkerState.ENQUEUED, ns(c.ts), c.group, c.seq_hint, c.op, c.step, c.nbytes, c.peer))
+            marker_rows.append((MarkerState.COMPLETED, ns(c.exec_end), c.group, c.seq_hint, c.op, c.step, c.nbytes,
+                                c.peer))
+    if span_rows:
+        spans.extend(len(span_rows), rank=rank, **dict(zip(_COMM_SPAN_COLUMNS, zip(*span_rows, strict=True), strict=True)))
+    if marker_rows:
+        markers.extend(len(marker_rows), rank=rank,
+                       **dict(zip(_MARKER_COLUMNS, zip(*marker_rows, strict=True), strict=True)))
     stats["spans"] = len(spans)
     stats["markers"] = len(markers)
     start_ns = ns(events.first_ts) if events.first_ts is not None else None
