@@ -23,7 +23,9 @@ $PY -m megascope train "${MESH[@]}" --layers 8 --hidden 2048 --heads 16 --seq-le
 launcher=$!
 sleep "${WARMUP_S:-35}"
 pids=$(pgrep -P "$launcher"; for p in $(pgrep -P "$launcher"); do pgrep -P "$p"; done)
-ticks() { awk '{print $14+$15}' "/proc/$1/stat" 2>/dev/null || echo 0; }
+# CPU ticks of every thread of a process (a rank's leader thread can read as a zombie while its
+# other threads run, and then its own stat counts nothing).
+ticks() { cat /proc/"$1"/task/*/stat 2>/dev/null | awk '{s += $14 + $15} END {print s + 0}'; }
 declare -A t0
 for p in $pids; do t0[$p]=$(ticks "$p"); done
 top -b -n 1 -w 200 | head -25 >>"$R"
@@ -34,7 +36,7 @@ hz=$(getconf CLK_TCK)
   for p in $pids; do
     t1=$(ticks "$p")
     echo "$p $(awk -v a="${t0[$p]}" -v b="$t1" -v hz="$hz" -v s="${SAMPLE_S:-10}" 'BEGIN{printf "%.2f", (b-a)/hz/s}') \
-      $(taskset -cp "$p" 2>/dev/null | awk -F: '{print $2}') $(tr '\0' ' ' <"/proc/$p/cmdline" | cut -c1-90) \
+      $(taskset -cp "$p" 2>/dev/null | awk -F: '{print $2}') $(cat /proc/"$p"/comm 2>/dev/null) \
       threads=$(ls /proc/$p/task 2>/dev/null | wc -l)"
   done
   for p in $(pgrep -P "$launcher"); do echo "== py-spy dump $p"; py-spy dump --pid "$p" 2>&1 | head -60; done
