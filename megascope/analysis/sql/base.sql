@@ -264,10 +264,28 @@ WITH spans_lvl AS (
     FROM {{spans}} s
     WHERE s.step IS NOT NULL AND {{where}}
     GROUP BY s.rank, s.step, grp
+), sums AS MATERIALIZED (
+    SELECT * FROM step_sums s WHERE {{where}}
+), sums_split AS (
+    -- (rank, step, group)s with rows in more than one file (a step that crossed a flush, or
+    -- compacted files): only these are aggregated, the others (most) taken as they are.
+    SELECT rank, step, "group" FROM sums GROUP BY ALL HAVING count(*) > 1
 ), sums_lvl AS (
     -- The same from the sums the writers kept beside their spans files (view step_sums), one row
     -- or more per (rank, step, group): sums and counts add up, extremes combine. Arrivals are
-    -- kept relative to the row's first start (their raw sum needs more than 64 bits).
+    -- kept relative to the row's first start (their raw sum needs more than 64 bits). Typed as
+    -- spans_lvl's sums (HUGEINT), so that the table is the same either way.
+    SELECT s.rank, s.step, s."group" AS grp, s.step_ns, s.step_start_ns AS step_start_raw,
+           s.first_start_ns AS first_raw, s.last_end_ns AS last_raw,
+           s.forward_ns::HUGEINT AS forward_ns, s.backward_ns::HUGEINT AS backward_ns,
+           s.optimizer_ns::HUGEINT AS optimizer_ns, s.compute_ns::HUGEINT AS compute_ns,
+           s.top_compute_ns::HUGEINT AS top_compute_ns, s.data_ns::HUGEINT AS data_ns, s.host_ns::HUGEINT AS host_ns,
+           s.gc_ns::HUGEINT AS gc_ns, s.other_ns::HUGEINT AS other_ns, s.coll_ns::HUGEINT AS coll_ns,
+           s.recv_ns::HUGEINT AS recv_ns, s.send_ns::HUGEINT AS send_ns,
+           s.arrival_rel_ns::HUGEINT + s.coll_spans::HUGEINT * s.first_start_ns AS arrival_sum, s.coll_spans
+    FROM sums s ANTI JOIN sums_split d
+      ON s.rank = d.rank AND s.step = d.step AND s."group" IS NOT DISTINCT FROM d."group"
+    UNION ALL
     SELECT s.rank, s.step, s."group" AS grp, max(s.step_ns) AS step_ns, min(s.step_start_ns) AS step_start_raw,
            min(s.first_start_ns) AS first_raw, max(s.last_end_ns) AS last_raw,
            sum(s.forward_ns) AS forward_ns, sum(s.backward_ns) AS backward_ns, sum(s.optimizer_ns) AS optimizer_ns,
@@ -276,8 +294,8 @@ WITH spans_lvl AS (
            sum(s.recv_ns) AS recv_ns, sum(s.send_ns) AS send_ns,
            sum(s.arrival_rel_ns::HUGEINT + s.coll_spans::HUGEINT * s.first_start_ns) AS arrival_sum,
            sum(s.coll_spans)::BIGINT AS coll_spans
-    FROM step_sums s
-    WHERE {{where}}
+    FROM sums s SEMI JOIN sums_split d
+      ON s.rank = d.rank AND s.step = d.step AND s."group" IS NOT DISTINCT FROM d."group"
     GROUP BY s.rank, s.step, s."group"
 ), both_lvl AS (
     -- Some spans files with sums, some without: the two combined as sums_lvl combines sums.
