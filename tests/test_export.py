@@ -422,6 +422,19 @@ def test_background_writer_keeps_byte_order_and_reports_a_failed_write() -> None
         failing.close()
 
 
+def test_kept_heap_puts_arrow_on_the_system_allocator_and_gives_it_back() -> None:
+    import pyarrow as pa
+
+    from megascope.export.memory import _glibc, kept_heap
+
+    before = pa.default_memory_pool().backend_name
+    with kept_heap():
+        inside = pa.default_memory_pool().backend_name
+        assert pa.array(np.arange(1000)).sum().as_py() == 499500
+    assert pa.default_memory_pool().backend_name == before
+    assert inside == ("system" if _glibc() is not None else before)
+
+
 def test_raw_clock_estimates_nothing(run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from megascope.export import selection
 

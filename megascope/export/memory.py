@@ -7,7 +7,11 @@ threshold, a heap trimmed above its trim threshold), so every chunk pays its pag
 on a virtual machine about a third of an export's CPU time went to the kernel. While
 :func:`kept_heap` is open, allocations up to 32 MiB come from the heap and freed memory stays
 there; when it closes the trim threshold is glibc's usual ceiling again and the heap is trimmed.
-Elsewhere than glibc it does nothing.
+pyarrow's buffers (row groups read, tables taken and joined) come from the same heap meanwhile:
+its default pool (mimalloc) gives freed pages back to the system after a short delay, and the next
+chunk faults them in again; on the system allocator an export at 1,024 ranks took 0.07 to 0.15
+CPU-s less on average (two sets of six, on a shared 2-core machine). Elsewhere than glibc it does
+nothing.
 
 Example::
 
@@ -22,6 +26,8 @@ import ctypes
 import sys
 from collections.abc import Iterator
 from typing import Any
+
+import pyarrow as pa
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -50,8 +56,11 @@ def kept_heap() -> Iterator[None]:
         return
     libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
     libc.mallopt(_M_TRIM_THRESHOLD, _KEPT_TRIM_THRESHOLD)
+    arrow_pool = pa.default_memory_pool()
+    pa.set_memory_pool(pa.system_memory_pool())
     try:
         yield
     finally:
+        pa.set_memory_pool(arrow_pool)
         libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
         libc.malloc_trim(0)

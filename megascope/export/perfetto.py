@@ -57,7 +57,7 @@ from megascope.export.common import ExportStats, as_run, make_selection, output_
 from megascope.export.memory import kept_heap
 from megascope.export.overlap import BackgroundWriter, Prefetch
 from megascope.export.protowire import Node, encode, varint_width
-from megascope.export.selection import Resolved, check_clock, resolve, spans_to_read
+from megascope.export.selection import Resolved, Selection, check_clock, resolve, spans_to_read
 from megascope.export.source import SpanChunk, iter_span_chunks
 from megascope.export.tracks import (
     assign_lanes,
@@ -656,6 +656,15 @@ def export_perfetto(
     run = as_run(run)
     check_clock(clock)
     selection = make_selection(ranks, steps, window, around_stragglers)
+    with kept_heap():
+        stats = _export(run, selection, out, clock=clock, chunk_rows=chunk_rows)
+    stats.seconds = time.perf_counter() - began
+    log.info("perfetto export: %d spans, %d bytes in %.2fs", stats.spans, stats.bytes, stats.seconds)
+    return stats
+
+
+def _export(run: Run, selection: Selection, out: Path | str | IO[bytes], *, clock: str, chunk_rows: int) -> ExportStats:
+    """:func:`export_perfetto` once the selection is made, its memory kept for the next chunk."""
     # A host's clock offset moves all its ranks' spans alike, so the first chunks are read and
     # ordered on the recorded times while the ranks table is read and the clock estimated, and
     # the offsets are added before encoding (not with a window, placed in corrected time, nor
@@ -680,7 +689,7 @@ def export_perfetto(
         chunks = ordered
     stats = ExportStats(format="perfetto", clock_correction=resolved.clock_source,
                         selection=resolved.selection.describe(), stragglers=resolved.stragglers)
-    with ordered, output_stream(out) as stream, kept_heap():
+    with ordered, output_stream(out) as stream:
         with BackgroundWriter(stream) as background:
             writer = _PerfettoWriter(run, resolved, background, stats)
             writer.write_header()
@@ -691,6 +700,4 @@ def export_perfetto(
             writer.write_job_counters()
             writer.write_heartbeats()
         stats.bytes = stream.bytes
-    stats.seconds = time.perf_counter() - began
-    log.info("perfetto export: %d spans, %d bytes in %.2fs", stats.spans, stats.bytes, stats.seconds)
     return stats
