@@ -192,3 +192,23 @@ def test_the_sums_read_count_in_the_cache_key(synth: Synth, tmp_path: Path) -> N
     next(path.glob(layout.sums_glob())).unlink()
     assert same(_report(path), first)
     assert json.loads((path / "_cache" / "key.json").read_text())["key"] != key
+
+
+def test_a_kineto_ingest_writes_the_sums_of_its_spans(tmp_path: Path) -> None:
+    from ingest_fixtures import gpu_trace, write_trace
+
+    from megascope.ingest import ingest_kineto
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for rank in range(3):
+        write_trace(src / f"rank{rank}.pt.trace.json", gpu_trace(rank, 3, slow_rank=1))
+    ingest_kineto(src, tmp_path / "run", workers=1)
+    spans = sorted((tmp_path / "run").glob(layout.table_glob("spans")))
+    assert len(spans) == 3 and all(layout.sums_twin(f).is_file() for f in spans)
+    none = tmp_path / "none"
+    shutil.copytree(tmp_path / "run", none)
+    shutil.rmtree(none / layout.STEP_SUMS_DIR)
+    with_sums, source = _rank_step(tmp_path / "run")
+    assert source == ("spans", "sums_lvl") and with_sums.num_rows > 0
+    assert with_sums.equals(_rank_step(none)[0])
