@@ -110,6 +110,7 @@ class Collector:
         self._seqs: dict[Any, int] = {}
         self._comm_specs: dict[Any, tuple[str, str, Any, str, str, bool]] = {}
         self._sample_mbs = frozenset(config.comm_sample_microbatches)
+        self._sample_every = config.comm_sample_every
         self._sampled_calls: dict[str, int] = {}  # group -> calls this step, where comm_sample_kinds applies
         self._groups: dict[str, Group] = {}
         self._groups_by_pg: dict[Any, Group] = {}
@@ -486,7 +487,13 @@ class Collector:
             timed = True
             if sampled:
                 self._sampled_calls[group] = self._sampled_calls.get(group, 0) + 1
-                timed = self._microbatch is None or self._microbatch in self._sample_mbs
+                mb = self._microbatch
+                if mb is None:
+                    timed = True
+                elif self._sample_every:
+                    timed = (mb - (self._step or 0)) % self._sample_every == 0
+                else:
+                    timed = mb in self._sample_mbs
             if kind_s == _SEND:
                 seq = self._next_seq((group, self.rank, peer))
             elif kind_s == _RECV:

@@ -257,6 +257,27 @@ def test_sampled_group_kinds_are_timed_in_the_listed_microbatches_and_keep_every
     assert col.stats["untimed_calls"] == 8
 
 
+def test_sampled_calls_rotate_over_the_microbatches_step_by_step(tmp_path: Path) -> None:
+    """comm_sample_every=N: micro-batch m of step s is timed where (m - s) % N == 0, so over N steps
+    every micro-batch is timed once; the untimed calls keep their markers."""
+    run = tmp_path / "run"
+    col = _collector(run, comm_sample_kinds=("tp",), comm_sample_every=3)
+    for step in range(4):
+        with col.step(step):
+            for mb in range(3):
+                with col.span("forward", kind=SpanKind.FORWARD, microbatch=mb), \
+                        col.comm(op="all_reduce", group="tp:0", bytes=64):
+                    pass
+    col.close()
+    con = open_run(run).con
+    timed = con.sql("""SELECT step, microbatch FROM spans WHERE "group" = 'tp:0' ORDER BY step""").fetchall()
+    assert timed == [(0, 0), (1, 1), (2, 2), (3, 0)]
+    completed = con.sql("""SELECT count(*) FROM markers WHERE "group" = 'tp:0' AND state = 'completed'""")
+    assert completed.fetchall() == [(12,)]
+    with pytest.raises(ConfigError, match="comm_sample_every"):
+        CollectorConfig(run_dir=Path("r"), comm_sample_every=-1)
+
+
 def test_comm_sample_kinds_from_the_environment_and_checked() -> None:
     cfg = CollectorConfig(run_dir=Path("r"))
     assert cfg.with_env({"MEGASCOPE_COMM_SAMPLE": "tp, dp"}).comm_sample_kinds == ("tp", "dp")

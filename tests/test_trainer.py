@@ -268,8 +268,10 @@ def test_timed_straggler_burner_computes_for_the_missing_time() -> None:
     assert burner.sink is not None  # it multiplied, it did not sleep
 
 
-@pytest.mark.parametrize(("setting", "cuda", "cpu"), [("auto", True, False), ("first", True, True), ("all", False, False)])
-def test_tp_calls_are_sampled_where_timing_events_cost_device_time(tmp_path: Path, setting: str, cuda: bool,
-                                                                  cpu: bool) -> None:
+@pytest.mark.parametrize(("setting", "cuda", "cpu"), [("auto", "rotate", "all"), ("first", "first", "first"),
+                                                     ("rotate", "rotate", "rotate"), ("all", "all", "all")])
+def test_tp_calls_are_sampled_where_timing_events_cost_device_time(tmp_path: Path, setting: str, cuda: str,
+                                                                  cpu: str) -> None:
     cfg = TrainConfig(out=tmp_path, model=TINY, world_size=1, tp_comm_spans=setting)
-    assert (cfg.sampled_tp("cuda"), cfg.sampled_tp("cpu")) == (cuda, cpu)
+    assert (cfg.tp_comm_spans_on("cuda"), cfg.tp_comm_spans_on("cpu")) == (cuda, cpu)
+    assert (cfg.sampled_tp("cuda"), cfg.sampled_tp("cpu")) == (cuda != "all", cpu != "all")

@@ -319,27 +319,29 @@ def test_overlap_is_what_the_exposed_comm_analysis_sees(tmp_path: Path, referenc
     assert on["overlapped_ns"] > 1_000_000 and on["overlapped_ns"] / on["comm_ns"] > 0.05
 
 
-def test_tp_calls_timed_in_the_first_microbatch_still_find_the_straggler(tmp_path: Path) -> None:
-    """--tp-comm-spans first (the default on CUDA): TP calls get spans in micro-batch 0 (and the once-a-step
-    gradient sync) only, yet every call keeps its markers, the waits of the untimed ones are
-    counted at the timed ones' mean, and the straggler is named first, its TP peer's own time well
-    below its own.
+@pytest.mark.parametrize("tp_spans", ["rotate", "first"])
+def test_tp_calls_timed_in_one_microbatch_a_step_still_find_the_straggler(tmp_path: Path, tp_spans: str) -> None:
+    """--tp-comm-spans rotate (the default on CUDA) and first: TP calls get spans in one micro-batch a
+    step (a different one each step, or the first) and in the once-a-step gradient sync only, yet
+    every call keeps its markers, the waits of the untimed ones are counted at the timed ones' mean,
+    and the straggler is named first, its TP peer's own time well below its own.
 
     The planted straggler burns its extra time after each forward and backward pass, so half of
-    the peer's wait falls on the first call of the next micro-batch, untimed: the estimate misses
-    part of it (measured: the peer's own time 1.75-2.35x its DP counterparts', ~1.5x with every
-    call timed), and on a loaded machine the peer can be named as a lesser straggler too."""
+    the peer's wait falls on the first call of the next micro-batch. With the first micro-batch
+    alone timed, the estimate misses part of it (measured: the peer's own time 1.75-2.35x its DP
+    counterparts', ~1.5x with every call timed), and on a loaded machine the peer can be named as a
+    lesser straggler too; rotating over the micro-batches samples them all."""
     from megascope.analysis import exposed_comm, stragglers
 
     rank = 1
     cfg = _cfg(tmp_path / "run", tp=2, dp=2, steps=6, global_batch=16, micro_batches=4,
-               faults=parse_injects([f"straggler:rank={rank},factor=3"]), tp_comm_spans="first")
+               faults=parse_injects([f"straggler:rank={rank},factor=3"]), tp_comm_spans=tp_spans)
     run = open_run(train(cfg, nproc=4).out)
-    assert run.meta.config["tp_comm_spans"] == "first"
+    assert run.meta.config["tp_comm_spans"] == tp_spans
     con = run.con
     mbs = {mb for (mb,) in con.execute("""SELECT DISTINCT microbatch FROM spans
                                           WHERE "group" LIKE 'tp:%' AND kind = 'collective'""").fetchall()}
-    assert mbs == {0, None}
+    assert mbs == ({0, None} if tp_spans == "first" else {0, 1, 2, 3, None})
     (issued, done, timed), = con.execute("""SELECT count(*) FILTER (WHERE m.state = 'enqueued'),
         count(*) FILTER (WHERE m.state = 'completed'),
         (SELECT count(*) FROM spans WHERE "group" LIKE 'tp:%' AND kind = 'collective')

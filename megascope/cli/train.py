@@ -46,10 +46,12 @@ from megascope.cli.common import inject_option, out_run_option
               help="Forward/backward spans per transformer block: in every micro-batch, in the first of each "
                    "step, or none (each span costs the device ~2 us).")
 @click.option("--no-layer-spans", is_flag=True, help="Same as --layer-spans none.")
-@click.option("--tp-comm-spans", type=click.Choice(["auto", "all", "first"]), default="auto", show_default=True,
-              help="Spans of the TP collectives in every micro-batch, or in the first of each step only (the "
-                   "others keep their enqueued/completed markers; on a GPU each span costs the device 2-3 "
-                   "timing events); auto: first on CUDA, all on CPU.")
+@click.option("--tp-comm-spans", type=click.Choice(["auto", "all", "rotate", "first"]), default="auto",
+              show_default=True,
+              help="Spans of the TP collectives in every micro-batch; in one micro-batch a step, a different "
+                   "one each step (rotate); or in the first of each step (the untimed calls keep their "
+                   "enqueued/completed markers; on a GPU each span costs the device 2-3 timing events); "
+                   "auto: rotate on CUDA, all on CPU.")
 @click.option("--collector-ab", type=click.IntRange(min=0), default=0, show_default=True,
               help="Measure the collector's cost in this run: it records blocks of this many steps and "
                    "is paused for the blocks between (0: always on; see --result-json).")

@@ -23,7 +23,7 @@ from megascope.inject import Faults
 
 OVERLAP_DIMS = ("tp", "pp", "dp")
 LAYER_SPANS = ("all", "first", "none")
-TP_COMM_SPANS = ("auto", "all", "first")
+TP_COMM_SPANS = ("auto", "all", "rotate", "first")
 
 
 class TrainingError(MegascopeError):
@@ -182,8 +182,15 @@ class TrainConfig:
         self.faults.validate(self.world_size, self.steps)
 
     def sampled_tp(self, device_type: str) -> bool:
-        """Whether TP calls are timed in the first micro-batch only, on a device of this type."""
-        return self.tp_comm_spans == "first" or (self.tp_comm_spans == "auto" and device_type == "cuda")
+        """Whether TP calls are timed in some micro-batches only, on a device of this type."""
+        return self.tp_comm_spans_on(device_type) != "all"
+
+    def tp_comm_spans_on(self, device_type: str) -> str:
+        """Which TP calls get spans on a device of this type: ``all``, ``rotate`` (one micro-batch a
+        step, a different one each step: the default on CUDA) or ``first`` (the first micro-batch)."""
+        if self.tp_comm_spans == "auto":
+            return "rotate" if device_type == "cuda" else "all"
+        return self.tp_comm_spans
 
     @property
     def micro_batch_size(self) -> int:

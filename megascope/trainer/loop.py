@@ -97,7 +97,7 @@ def run_meta(cfg: TrainConfig, *, device: torch.device, start_ns: int) -> RunMet
             "inject": cfg.faults.specs(), "collective_timeout_s": cfg.collective_timeout_s,
             "flush_interval_s": cfg.flush_interval_s,
             "overlap": sorted(cfg.overlap), "bucket_mb": cfg.bucket_mb,
-            "layer_spans": cfg.layer_spans, "tp_comm_spans": "first" if cfg.sampled_tp(device.type) else "all",
+            "layer_spans": cfg.layer_spans, "tp_comm_spans": cfg.tp_comm_spans_on(device.type),
             "data": str(cfg.data) if cfg.data else "synthetic",
             "dtype": "bf16-autocast" if device.type == "cuda" else "fp32",
         },
@@ -145,6 +145,7 @@ def _train(cfg: TrainConfig, *, rank: int, device: torch.device, meta: RunMeta |
     col = open_collector(cfg.out, rank=rank, world_size=cfg.world_size, coords=ps.coords, groups=ps.groups(),
                          meta=meta, device=device, flush_interval_s=cfg.flush_interval_s,
                          sampled_comm=("tp",) if cfg.sampled_tp(device.type) else (),
+                         sample_every=cfg.micro_batches if cfg.tp_comm_spans_on(device.type) == "rotate" else 0,
                          collective_timeout_s=cfg.collective_timeout_s)
     try:
         ps.register(col)

@@ -251,7 +251,7 @@ class ShardedOptimizer:
             assert self.comm is not None
             parts = [buf.grad_flat[s:e] for s, e in bucket.replicated]
             # Once a step, though launched from the last micro-batch's backward: a step-level call,
-            # timed even where the TP calls of later micro-batches are not (--tp-comm-spans first).
+            # timed even where the TP calls of its micro-batch are not (--tp-comm-spans rotate/first).
             with self.comm.col.step_level():
                 if len(parts) == 1:
                     self.comm.all_reduce(parts[0], self.tp.pg)

@@ -39,7 +39,7 @@ GROUP BY stage ORDER BY stage;
 -- @column calls         calls issued (enqueued markers), timed or not; the spans where a run has
 --                       no markers. A collector told to time a group kind's calls in some
 --                       micro-batches only (CollectorConfig.comm_sample_kinds, the trainer's
---                       --tp-comm-spans first) leaves the others with their markers alone.
+--                       --tp-comm-spans rotate) leaves the others with their markers alone.
 -- @column exposed_all_ns exposed_ns estimated for every call issued: the calls of one (group kind,
 --                       op, bytes) are counted at the mean stall of the timed ones
 WITH c AS (
