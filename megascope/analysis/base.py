@@ -33,7 +33,6 @@ import numpy as np
 import pandas as pd
 
 from megascope.analysis import _sql, persist
-from megascope.analysis.blas import one_blas_thread
 from megascope.schema import COLLECTOR_CALLS_METRIC
 
 log = logging.getLogger(__name__)
@@ -110,8 +109,7 @@ def solve_offsets(hosts: list[str], pairs: pd.DataFrame) -> pd.DataFrame:
     anchor = {r: min(i for i in range(n) if find(i) == r) for r in roots}
     for i in anchor.values():
         lap[i, i] += 1e6
-    with one_blas_thread():  # a few hundred unknowns: one thread, none left spinning
-        offsets = np.linalg.solve(lap, rhs)
+    offsets = np.linalg.solve(lap, rhs)
     linked = np.array([find(i) == find(0) for i in range(n)])
     offsets = np.where(linked, offsets - offsets[0], 0.0)
     residual = np.abs(offsets[a] - offsets[b] - target)
