@@ -30,7 +30,7 @@ from megascope.schema import STEP_SUMS, SpanKind
 
 _INT64_NULL = pa.scalar(None, pa.int64())
 _KEYS = ["rank", "step", "group"]
-# Output column -> (span kinds it sums, aggregation); the span's duration unless noted below.
+# Output column -> the span kind whose durations it sums.
 _BY_KIND = {
     "forward_ns": SpanKind.FORWARD,
     "backward_ns": SpanKind.BACKWARD,
