@@ -16,10 +16,9 @@ as small tuples, only what the mapping uses:
   on the worker thread).
 
 Where ``msgspec`` is installed, each batch of events is parsed straight into :class:`Event`
-objects that hold only the keys named here, with ``args`` left as text: several times faster than
-building every event as a dict. The arguments are decoded afterwards only for the events whose
-arguments are read, into the smallest struct each needs. Without ``msgspec``, or for a batch it
-refuses, the standard library's dicts are turned into the same objects (arguments decoded). The loop over
+objects that hold only the keys named here (a compiled parser that skips the rest of every
+event's ``args``): several times faster than building every event as a dict. Without it, or for
+a batch it refuses, the standard library's dicts are turned into the same objects. The loop over
 them is the one per-event Python step of the import, so it does as little as it can: a host op
 whose name was seen before as a plain op costs one dictionary look-up and one append.
 
@@ -105,40 +104,9 @@ if msgspec is not None:
         dur: Any = None
         tid: Any = 0
         pid: Any = None
-        # The arguments' text, decoded (:func:`event_args`) only for the events whose arguments
-        # the mapping reads: most events' arguments are never turned into objects at all.
-        args: msgspec.Raw = msgspec.Raw()
-
-    class LaunchArgs(msgspec.Struct, gc=False):
-        """A runtime call's arguments: the correlation id that names the GPU work it launched."""
-
-        correlation: Any = None
-
-    class DeviceArgs(msgspec.Struct, gc=False):
-        """The arguments of GPU work that is not an NCCL kernel."""
-
-        stream: Any = None
-        device: Any = None
-        correlation: Any = None
+        args: EventArgs | None = None
 
     _BATCH = msgspec.json.Decoder(list[Event])
-    _DECODE_ARGS = msgspec.json.Decoder(EventArgs).decode
-    _DECODE_LAUNCH = msgspec.json.Decoder(LaunchArgs).decode
-    _DECODE_DEVICE = msgspec.json.Decoder(DeviceArgs).decode
-    _RAW: type | None = msgspec.Raw
-    ValidationError = msgspec.ValidationError
-
-    def event_args(args: Any) -> EventArgs | None:
-        """An event's arguments as :class:`EventArgs`, from their text (the compiled parser's
-        events) or as they are (the standard library's); None where absent or not an object."""
-        if args.__class__ is not _RAW:
-            return args  # type: ignore[no-any-return]
-        if not args:
-            return None
-        try:
-            return _DECODE_ARGS(args)  # type: ignore[no-any-return, arg-type]
-        except ValidationError:
-            return None
 
     def decode_batch(text: str) -> list[Any] | None:
         """The events of a JSON array of event objects; None if the compiled parser refuses it
@@ -168,15 +136,6 @@ else:  # pragma: no cover - the same shapes without msgspec
 
     decode_batch = None  # type: ignore[assignment]
 
-    def event_args(args: Any) -> EventArgs | None:
-        return args  # type: ignore[no-any-return]
-
-    _DECODE_ARGS = _DECODE_LAUNCH = _DECODE_DEVICE = None
-    _RAW = None
-
-    class ValidationError(Exception):  # type: ignore[no-redef]
-        """Never raised: no compiled parser, no arguments left as text."""
-
 
 def event_from_json(value: Any) -> Event | None:
     """An :class:`Event` from a decoded JSON value (the standard library's path); None if not an object."""
@@ -190,8 +149,7 @@ def event_from_json(value: Any) -> Event | None:
             if key in raw_args:
                 setattr(args, attr, raw_args[key])
     return Event(ph=value.get("ph"), cat=value.get("cat"), name=value.get("name", ""), ts=value.get("ts"),
-                 dur=value.get("dur"), tid=value.get("tid", 0), pid=value.get("pid"),
-                 args=args)  # type: ignore[arg-type]  # the standard library's path: arguments decoded
+                 dur=value.get("dur"), tid=value.get("tid", 0), pid=value.get("pid"), args=args)
 
 
 def trace_reader(path: Any, *, compiled: bool = True) -> TraceReader:
@@ -230,7 +188,7 @@ class RankEvents:
     runtime: dict[int, tuple[int | str, float]] = field(default_factory=dict)
     # GPU kernels, memcpy and memset, one plain tuple each (built faster than any object), turned
     # into columns by the mapping: (name, cat, ts, dur, stream, device, correlation, args), where
-    # args is an NCCL kernel's arguments (the collective's, where the trace has them), else None.
+    # args (None if absent) holds the collective arguments that NCCL kernels may carry.
     device: list[DeviceEvent] = field(default_factory=list)
     comm_calls: list[CommCall] = field(default_factory=list)
     first_ts: float | None = None
@@ -278,10 +236,6 @@ def collect(reader: TraceReader) -> RankEvents:
     # Host op names seen before that are plain ops (no step, no communication call), each mapped to
     # its interned copy: one dictionary look-up instead of a chain of prefix tests per event.
     plain_ops: dict[str, str] = {}
-    # Arguments left as text by the compiled parser are decoded here, into the smallest struct
-    # that holds what each kind of event needs.
-    decoders: Any = (_RAW, _DECODE_ARGS, _DECODE_LAUNCH, _DECODE_DEVICE)
-    raw, decode_args, decode_launch, decode_device = decoders
     pid = None
     first = float("inf")
     last = float("-inf")
@@ -321,25 +275,18 @@ def collect(reader: TraceReader) -> RankEvents:
                     if pid is None and isinstance(e.pid, int):
                         pid = e.pid
                     if name == "record_param_comms":
-                        comm_calls.append(CommCall("rpc", tid, ts, ts + dur, name, comm_args(event_args(e.args))))
+                        comm_calls.append(CommCall("rpc", tid, ts, ts + dur, name, comm_args(e.args)))
                         continue
                     if name.startswith("c10d::"):
-                        comm_calls.append(CommCall("c10d", tid, ts, ts + dur, intern(name),
-                                                   _host_comm_args(event_args(e.args))))
+                        comm_calls.append(CommCall("c10d", tid, ts, ts + dur, intern(name), _host_comm_args(e.args)))
                         continue
                     if name.startswith(("gloo:", "nccl:")):
-                        comm_calls.append(CommCall("annot", tid, ts, ts + dur, intern(name),
-                                                   _host_comm_args(event_args(e.args))))
+                        comm_calls.append(CommCall("annot", tid, ts, ts + dur, intern(name), _host_comm_args(e.args)))
                         continue
                     plain = plain_ops[name] = intern(name)
                     ops[tid].append((ts, ts + dur, plain))
                 elif cat in RUNTIME_CATS:
-                    args: Any = e.args
-                    if args.__class__ is raw:
-                        try:
-                            args = decode_launch(args) if args else None
-                        except ValidationError:
-                            args = None
+                    args = e.args
                     if args is not None:
                         corr = args.correlation
                         if corr is not None:
@@ -349,23 +296,15 @@ def collect(reader: TraceReader) -> RankEvents:
                     if type(name) is not str:
                         name = ""
                     args = e.args
-                    # Only an NCCL kernel's arguments are kept (its collective's are among them).
-                    nccl = cat == "kernel" and name.startswith("nccl")
-                    if args.__class__ is raw:
-                        try:
-                            args = ((decode_args if nccl else decode_device)(args)) if args else None
-                        except ValidationError:
-                            args = None
                     if args is None:
                         device.append((name, cat, ts, dur, e.tid, None, None, None))
                     else:
                         stream = args.stream
                         device.append((name, cat, ts, dur, e.tid if stream is None else stream, args.device,
-                                       args.correlation, args if nccl else None))
+                                       args.correlation, args))
             elif ph == "M":
                 if e.name == "thread_name":
-                    args = event_args(e.args)
-                    out.thread_names[e.tid] = str(args.name if args is not None and args.name is not None else "")
+                    out.thread_names[e.tid] = str(e.args.name if e.args is not None and e.args.name is not None else "")
             elif (ph == "s" or ph == "f") and e.cat == "fwdbwd":
                 ts = e.ts
                 if type(ts) in _NUMBER:
