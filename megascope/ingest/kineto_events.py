@@ -188,7 +188,7 @@ class RankEvents:
     runtime: dict[int, tuple[int | str, float]] = field(default_factory=dict)
     # GPU kernels, memcpy and memset, one plain tuple each (built faster than any object), turned
     # into columns by the mapping: (name, cat, ts, dur, stream, device, correlation, args), where
-    # args (None if absent) holds the collective arguments that NCCL kernels may carry.
+    # args is an NCCL kernel's arguments (the collective's, where the trace has them), else None.
     device: list[DeviceEvent] = field(default_factory=list)
     comm_calls: list[CommCall] = field(default_factory=list)
     first_ts: float | None = None
@@ -300,8 +300,9 @@ def collect(reader: TraceReader) -> RankEvents:
                         device.append((name, cat, ts, dur, e.tid, None, None, None))
                     else:
                         stream = args.stream
+                        # Only an NCCL kernel keeps its arguments (its collective's are among them).
                         device.append((name, cat, ts, dur, e.tid if stream is None else stream, args.device,
-                                       args.correlation, args))
+                                       args.correlation, args if cat == "kernel" and name.startswith("nccl") else None))
             elif ph == "M":
                 if e.name == "thread_name":
                     out.thread_names[e.tid] = str(e.args.name if e.args is not None and e.args.name is not None else "")

@@ -564,7 +564,7 @@ def _nccl_comms(
             peer=_peer(call_name, op, args, rank, pg_ranks), step=steps.at(ts),
         )
 
-    for name, cat, ts, dur, stream, _, correlation, device_args in nccl_device:
+    for name, _, ts, dur, stream, _, correlation, device_args in nccl_device:
         launch = events.runtime.get(correlation) if correlation is not None else None
         if launch is None:
             # Launched before the profiler's host window opened: no call, no step, no sequence.
@@ -576,7 +576,7 @@ def _nccl_comms(
             j = _containing(starts[tid], ends[tid], lts)
             if j is not None:
                 index = by_tid[tid][j]
-        kernel_args = comm_args(device_args) if cat == "kernel" else {}
+        kernel_args = comm_args(device_args)
         if index is None and kernel_args:
             comm = make(name, kernel_args, lts, tid)
             comm.name = annots.first_in(tid, lts - 50.0, lts) or comm.op
