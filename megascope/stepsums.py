@@ -28,7 +28,6 @@ import pyarrow.compute as pc
 
 from megascope.schema import STEP_SUMS, SpanKind
 
-_INT64_NULL = pa.scalar(None, pa.int64())
 _KEYS = ["rank", "step", "group"]
 # Output column -> the span kind whose durations it sums.
 _BY_KIND = {
@@ -44,7 +43,7 @@ _BY_KIND = {
     "send_ns": SpanKind.SEND,
 }
 # Top-level compute: spans named after their kind; module spans ("layers.3") nest inside them.
-_TOP_NAMES = pa.array([SpanKind.FORWARD.value, SpanKind.BACKWARD.value])
+_TOP_NAMES = (SpanKind.FORWARD.value, SpanKind.BACKWARD.value)
 
 
 def step_sums(spans: pa.Table) -> pa.Table:
@@ -60,9 +59,12 @@ def step_sums(spans: pa.Table) -> pa.Table:
     dur = spans.column("dur_ns").cast(pa.int64())
     is_kind = {k: pc.equal(kind, k.value) for k in SpanKind}
     coll = is_kind[SpanKind.COLLECTIVE]
+    # Built here, not at import: converting Python values loads pandas into pyarrow, and the
+    # marker agent, which imports this module's package, stays small (no pandas).
+    int64_null = pa.scalar(None, pa.int64())
 
     def only(mask: pa.ChunkedArray, values: pa.ChunkedArray) -> pa.ChunkedArray:
-        return pc.if_else(mask, values, _INT64_NULL)
+        return pc.if_else(mask, values, int64_null)
 
     # Arrivals are summed relative to a base (the batch's first start), so that the sums fit in
     # 64 bits; made relative to each row's own first start below.
@@ -76,7 +78,7 @@ def step_sums(spans: pa.Table) -> pa.Table:
         "start": start,
         "end": pc.add(start, dur),
         "top": only(pc.and_(pc.or_(is_kind[SpanKind.FORWARD], is_kind[SpanKind.BACKWARD]),
-                            pc.is_in(name, value_set=_TOP_NAMES)), dur),
+                            pc.is_in(name, value_set=pa.array(_TOP_NAMES))), dur),
         "gc": only(pc.and_(is_kind[SpanKind.HOST], pc.starts_with(name, "gc.")), dur),
         "arrival": only(coll, pc.subtract(start, base)),
     }
