@@ -12,6 +12,7 @@ Markers other than those of ``pyproject.toml`` are registered here.
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
 from collections.abc import Callable
@@ -96,3 +97,15 @@ def wait_until(condition: Callable[[], Any], *, timeout: float, interval: float 
 @pytest.fixture(name="wait_until")
 def wait_until_fixture() -> Callable[..., Any]:
     return wait_until
+
+
+def same_answer(a: Any, b: Any) -> bool:
+    """Two reports (JSON-like values) equal, floats to 1e-9 relative: DuckDB's parallel float sums
+    round differently from one build or run to the next."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_answer(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same_answer(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) and isinstance(b, float | int) or isinstance(b, float) and isinstance(a, int):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-6)
+    return bool(a == b) and type(a) is type(b)

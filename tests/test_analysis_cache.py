@@ -4,7 +4,6 @@ they change, ignored when damaged, skipped when the run cannot be written; the a
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 from pathlib import Path
@@ -13,7 +12,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import Synth
+from conftest import Synth, same_answer
 from hand_runs import MS, hand_run, span
 
 from megascope import analysis, layout, schema
@@ -44,18 +43,6 @@ def run(synth: Synth, tmp_path: Path) -> Path:
     return synth(tmp_path / "run", "straggler:rank=5,factor=1.3", ranks=16, steps=6, tp=2, pp=2, seed=5, gpus_per_host=4)
 
 
-def same(a: Any, b: Any) -> bool:
-    """Equal, floats to 1e-9 relative: DuckDB's parallel sums (regr_slope over instances) round
-    differently from one build to the next, cached or not."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, float) and isinstance(b, float | int) or isinstance(b, float) and isinstance(a, int):
-        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-6)
-    return bool(a == b) and type(a) is type(b)
-
-
 def _key(path: Path) -> dict[str, Any]:
     return json.loads((persist.cache_dir(path) / persist.KEY_FILE).read_text())
 
@@ -74,9 +61,9 @@ def test_second_report_reads_the_cache_and_answers_the_same(run: Path, tmp_path:
     monkeypatch.setattr(base, "_build", lambda con, say: built.append("built"))
     second = _report(run)
     assert built == []
-    assert same(second, first)
+    assert same_answer(second, first)
     monkeypatch.undo()
-    assert same(_uncached(run, tmp_path), first)
+    assert same_answer(_uncached(run, tmp_path), first)
 
 
 def test_cache_never_read_as_a_table(run: Path) -> None:
@@ -115,7 +102,7 @@ def test_a_new_part_rebuilds_and_the_answer_follows(run: Path, tmp_path: Path) -
     after = _report(run)
     assert _key(run)["key"] != old_key
     assert after["run"]["steps"] == before["run"]["steps"] + 1
-    assert same(after, _uncached(run, tmp_path))
+    assert same_answer(after, _uncached(run, tmp_path))
     # Only the current key's files stay.
     key = _key(run)
     names = {p.name for p in persist.cache_dir(run).iterdir()}
@@ -147,7 +134,7 @@ def test_a_growing_run_extends_the_cache(tmp_path: Path, synth: Synth, monkeypat
     assert built == [] and scanned == ["s.step >= 20", "s.step >= 21"]
     monkeypatch.undo()
     assert grown["run"]["steps"] == 22 and grown["stragglers"][0]["rank"] == 9
-    assert same(grown, _uncached(path, tmp_path))
+    assert same_answer(grown, _uncached(path, tmp_path))
     # A refreshed run (the dashboard's live view) extends the same way.
     live = open_run(path)
     prepare(live.con)
@@ -171,7 +158,7 @@ def test_a_removed_part_rebuilds(run: Path, tmp_path: Path) -> None:
     _report(run)
     victim = sorted(layout.table_path(run, "spans", rank=3).glob("*.parquet"))[0]
     victim.unlink()
-    assert same(_report(run), _uncached(run, tmp_path))
+    assert same_answer(_report(run), _uncached(run, tmp_path))
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "garbage key", "wrong key", "missing file", "other run"])
@@ -200,7 +187,7 @@ def test_damaged_or_stale_cache_falls_back(run: Path, tmp_path: Path, synth: Syn
         _report(other)
         shutil.rmtree(where)
         shutil.copytree(persist.cache_dir(other), where)
-    assert same(_report(run), first)
+    assert same_answer(_report(run), first)
 
 
 def test_tampered_table_with_matching_digest_is_rejected(run: Path) -> None:
@@ -215,14 +202,14 @@ def test_tampered_table_with_matching_digest_is_rejected(run: Path) -> None:
     entry["bytes"] = target.stat().st_size
     entry["sha256"] = persist._sha256(target)
     (where / persist.KEY_FILE).write_text(json.dumps(key))
-    assert same(_report(run), first)
+    assert same_answer(_report(run), first)
 
 
 def test_unwritable_run_still_reports(run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     expected = _uncached(run, tmp_path)
     # Wherever the cache would go cannot be created (as on a read-only mount).
     monkeypatch.setattr(persist, "cache_dir", lambda root: Path(root) / "run.json" / "_cache")
-    assert same(_report(run), expected)
+    assert same_answer(_report(run), expected)
     assert not (run / persist.CACHE_DIR).exists()
     assert not [p for p in run.iterdir() if p.name.startswith(".tmp-")]
 
@@ -235,7 +222,7 @@ def test_read_only_run_still_reports(run: Path, tmp_path: Path) -> None:
         modes[p] = p.stat().st_mode
         p.chmod(p.stat().st_mode & ~0o222)
     try:
-        assert same(_report(run), expected)
+        assert same_answer(_report(run), expected)
         assert not (run / persist.CACHE_DIR).exists()
     finally:
         for p, mode in modes.items():

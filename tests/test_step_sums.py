@@ -4,7 +4,6 @@ base tables built from them, identical to those built from the spans, with every
 from __future__ import annotations
 
 import json
-import math
 import random
 import shutil
 from pathlib import Path
@@ -14,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
-from conftest import Synth
+from conftest import Synth, same_answer
 
 from megascope import analysis, layout, schema
 from megascope.analysis.base import _sums_source, prepare
@@ -96,17 +95,6 @@ def _report(path: Path) -> dict[str, Any]:
     return result
 
 
-def same(a: Any, b: Any) -> bool:
-    """Equal, floats to 1e-9 relative (DuckDB's parallel float sums round differently per build)."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, float) and isinstance(b, float | int) or isinstance(b, float) and isinstance(a, int):
-        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-6)
-    return bool(a == b) and type(a) is type(b)
-
-
 def _copies(path: Path, tmp: Path) -> dict[str, Path]:
     """The run three ways: every twin, none, and every other twin removed."""
     none, some = tmp / "none", tmp / "some"
@@ -132,7 +120,7 @@ def _check_same_answers(path: Path, tmp: Path) -> None:
     assert tables["all"][0].equals(tables["none"][0])
     assert tables["some"][0].equals(tables["none"][0])
     reports = {name: _report(p) for name, p in runs.items()}
-    assert same(reports["all"], reports["none"]) and same(reports["some"], reports["none"])
+    assert same_answer(reports["all"], reports["none"]) and same_answer(reports["some"], reports["none"])
 
 
 @pytest.mark.dist
@@ -190,7 +178,7 @@ def test_the_sums_read_count_in_the_cache_key(synth: Synth, tmp_path: Path) -> N
     first = _report(path)
     key = json.loads((path / "_cache" / "key.json").read_text())["key"]
     next(path.glob(layout.sums_glob())).unlink()
-    assert same(_report(path), first)
+    assert same_answer(_report(path), first)
     assert json.loads((path / "_cache" / "key.json").read_text())["key"] != key
 
 
