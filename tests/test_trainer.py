@@ -275,3 +275,42 @@ def test_tp_calls_are_sampled_where_timing_events_cost_device_time(tmp_path: Pat
     cfg = TrainConfig(out=tmp_path, model=TINY, world_size=1, tp_comm_spans=setting)
     assert (cfg.tp_comm_spans_on("cuda"), cfg.tp_comm_spans_on("cpu")) == (cuda, cpu)
     assert (cfg.sampled_tp("cuda"), cfg.sampled_tp("cpu")) == (cuda != "all", cpu != "all")
+
+
+def test_the_launcher_calls_a_job_stalled_past_the_limit_or_four_of_its_longest_gaps(tmp_path: Path) -> None:
+    """The stall limit is four collective timeouts (at least 120 s), or four times the longest gap
+    between two steps' ends seen so far, whichever is longer: slow steps are not a hang."""
+    import time
+
+    from megascope.trainer.launch import _Stall, stall_limit_s
+
+    assert stall_limit_s(15.0) == 120.0 and stall_limit_s(60.0) == 240.0
+
+    def steps_ended(scratch: Path, ago_s: float, *, rank: int = 0) -> None:
+        progress = scratch / f"progress-{rank:05d}"
+        progress.touch()
+        when = time.time() - ago_s
+        os.utime(progress, (when, when))
+
+    quick = tmp_path / "quick"
+    quick.mkdir()
+    stall = _Stall(str(quick), collective_timeout_s=15.0)
+    assert stall.check() is None  # no rank started yet
+    steps_ended(quick, 50.0)
+    steps_ended(quick, 500.0, rank=1)
+    assert stall.check() is None  # the newest end counts: 50 s ago
+    steps_ended(quick, 200.0)
+    steps_ended(quick, 300.0, rank=1)
+    idle = stall.check()
+    assert idle is not None and 199.0 < idle < 210.0
+
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    stall = _Stall(str(slow), collective_timeout_s=15.0)
+    steps_ended(slow, 1000.0)
+    assert stall.check() is not None  # 1,000 s without a step, no gap seen yet
+    steps_ended(slow, 900.0)  # a step took 100 s: the limit becomes 400 s
+    assert stall.check() is not None  # 900 s
+    assert stall.longest_gap_s == pytest.approx(100.0, abs=1.0)
+    steps_ended(slow, 300.0)  # a step took 600 s: the limit becomes 2,400 s
+    assert stall.check() is None  # 300 s: past 120 s, not past 2,400 s

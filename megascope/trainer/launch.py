@@ -93,19 +93,32 @@ def stall_limit_s(collective_timeout_s: float) -> float:
     return max(4 * collective_timeout_s, 120.0)
 
 
-def _stalled(scratch: str, collective_timeout_s: float) -> float | None:
-    """Seconds since a rank last ended a step (its progress file's time), when that is past the
-    stall limit; else None."""
-    times = []
-    for p in Path(scratch).glob("progress-*"):
-        try:
-            times.append(p.stat().st_mtime)
-        except OSError:
-            continue
-    if not times:
-        return None
-    idle = time.time() - max(times)
-    return idle if idle > stall_limit_s(collective_timeout_s) else None
+class _Stall:
+    """Watches the ranks' progress files (their time is set as a rank ends a step). ``check`` gives
+    the seconds since any rank last ended a step once that is past the stall limit, or four times
+    the longest such gap seen so far (a job whose steps are slow is not a hung one); else None."""
+
+    def __init__(self, scratch: str, collective_timeout_s: float) -> None:
+        self.scratch = Path(scratch)
+        self.limit_s = stall_limit_s(collective_timeout_s)
+        self.last: float | None = None
+        self.longest_gap_s = 0.0
+
+    def check(self) -> float | None:
+        times = []
+        for p in self.scratch.glob("progress-*"):
+            try:
+                times.append(p.stat().st_mtime)
+            except OSError:
+                continue
+        if not times:
+            return None
+        newest = max(times)
+        if self.last is not None and newest > self.last:
+            self.longest_gap_s = max(self.longest_gap_s, newest - self.last)
+        self.last = newest
+        idle = time.time() - newest
+        return idle if idle > max(self.limit_s, 4 * self.longest_gap_s) else None
 
 
 def _stop(processes: list[Any]) -> None:
@@ -190,9 +203,10 @@ def _run_local(cfg: TrainConfig, nproc: int, start_method: str) -> TrainResult:
             # After the first failure, the others time out or lose their peer within moments; a hung
             # rank never exits by itself and is stopped after the grace period. A job in which no rank
             # ends a step long past the collective timeout hangs where its backend did not end it
-            # (NCCL's abort can itself block): its ranks are stopped (_stalled).
+            # (NCCL's abort can itself block): its ranks are stopped (_Stall).
+            stall = _Stall(scratch, cfg.collective_timeout_s)
             while not ctx.join(timeout=_POLL_S, grace_period=2.0):
-                stalled = _stalled(scratch, cfg.collective_timeout_s)
+                stalled = stall.check()
                 if stalled is not None:
                     _stop(ctx.processes)
                     raise TrainingError(
