@@ -14,9 +14,10 @@
 #              (docs/benchmarks.md). Not part of the default.
 #   whole      the collector's cost as a user measures it: whole runs off and on, interleaved,
 #              REPEATS rounds over WHOLE_LAYOUTS (1gpu tp pp dp, and tpdp: tp2 x dp2 on 4 GPUs), within BUDGET_S seconds; mean,
-#              median and p90 step time per layout (bench/whole_run_table.py); WHOLE_QUEUES="default 4x"
-#              also runs each pair with CUDA_SCALE_LAUNCH_QUEUES=4x (CUDA's launch queue four times as
-#              deep, so a host-bound rank's host can run further ahead). Not part of the default.
+#              median and p90 step time per layout (bench/whole_run_table.py); WHOLE_VARIANTS runs a
+#              pair per variant, "default" or tag:VAR=value (e.g. "default q4x:CUDA_SCALE_LAUNCH_QUEUES=4x",
+#              CUDA's launch queue four times as deep; "default unbound:MEGASCOPE_CPU_BIND=none", ranks
+#              not bound to their GPU's cores). Not part of the default.
 #   ab         the collector's cost inside one process (megascope train --collector-ab AB_BLOCK): it
 #              records blocks of AB_BLOCK steps and is paused for the blocks between, so recorded and
 #              unrecorded steps share NCCL communicators, memory layout and clocks; per AB_LAYOUTS
@@ -128,12 +129,12 @@ for part in $PARTS; do
           [ "$NGPU" -ge "$gpus" ] || { echo "$layout needs $gpus GPUs"; continue; }
           [ $((SECONDS - start)) -lt "${BUDGET_S:-100000}" ] || { echo "budget spent: round $r, $layout not run"; break 2; }
           order="off on"; [ $((r % 2)) = 0 ] && order="on off"
-          for queues in ${WHOLE_QUEUES:-default}; do  # CUDA_SCALE_LAUNCH_QUEUES per arm pair (4x: a deeper launch queue)
-            qname=$name; qenv=""
-            [ "$queues" != default ] && { qname="$name-q$queues"; qenv="CUDA_SCALE_LAUNCH_QUEUES=$queues"; }
+          for variant in ${WHOLE_VARIANTS:-default}; do  # a pair per variant: default, or tag:VAR=value
+            vname=$name; venv=""
+            [ "$variant" != default ] && { vname="$name-${variant%%:*}"; venv="${variant#*:}"; }
             for mode in $order; do
               # shellcheck disable=SC2046
-              EXTRA_ENV=$qenv train "$qname-r$r" "$gpus" "$mode" $(layout_args "$layout")
+              EXTRA_ENV=$venv train "$vname-r$r" "$gpus" "$mode" $(layout_args "$layout")
             done
           done
         done

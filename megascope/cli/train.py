@@ -58,6 +58,10 @@ from megascope.cli.common import inject_option, out_run_option
 @click.option("--gc-interval", type=click.IntRange(min=0), default=0, show_default=True,
               help="Run Python's garbage collector by hand every this many steps, on every rank at the "
                    "same step, instead of whenever one rank's allocations trigger it (0: automatic).")
+@click.option("--cpu-bind", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
+              envvar="MEGASCOPE_CPU_BIND",
+              help="On GPUs, run each rank on the CPU cores of its GPU's NUMA node (auto) or wherever the "
+                   "scheduler puts it (none).")
 @click.option("--result-json", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Also write the loss and host seconds of every step here (for benchmarks).")
 @click.option("--compact/--no-compact", "compact_parts", default=True, show_default=True,
@@ -70,7 +74,7 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
           serial_block: bool, no_sequence_parallel: bool, optimizer: str, lr: float, data: Path | None,
           data_dtype: str, collective_timeout: float, device: str, no_overlap: tuple[str, ...], bucket_mb: float,
           layer_spans: str, no_layer_spans: bool, tp_comm_spans: str, collector_ab: int, gc_interval: int,
-          result_json: Path | None, compact_parts: bool, injects: tuple[str, ...], out: Path) -> None:
+          cpu_bind: str, result_json: Path | None, compact_parts: bool, injects: tuple[str, ...], out: Path) -> None:
     """Train the bundled GPT on a TP x PP x DP mesh, fully instrumented, with optional planted faults."""
     from megascope.inject import parse_injects
     from megascope.trainer.config import OVERLAP_DIMS, ModelConfig, TrainConfig
@@ -84,7 +88,7 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
                       faults=parse_injects(injects), collective_timeout_s=collective_timeout, device=device,
                       layer_spans="none" if no_layer_spans else layer_spans, tp_comm_spans=tp_comm_spans,
                       bucket_mb=bucket_mb,
-                      collector_ab=collector_ab, gc_interval=gc_interval,
+                      collector_ab=collector_ab, gc_interval=gc_interval, cpu_bind=cpu_bind,
                       overlap=frozenset() if "all" in no_overlap else frozenset(OVERLAP_DIMS) - set(no_overlap))
     # Never into an existing run: new parts would mix with the old ones. Under torchrun every rank
     # checks here, before the rendezvous, so no rank can have written anything yet.

@@ -24,6 +24,7 @@ from megascope.inject import Faults
 OVERLAP_DIMS = ("tp", "pp", "dp")
 LAYER_SPANS = ("all", "first", "none")
 TP_COMM_SPANS = ("auto", "all", "rotate", "first")
+CPU_BIND = ("auto", "none")
 
 
 class TrainingError(MegascopeError):
@@ -118,6 +119,9 @@ class TrainConfig:
     # Python's garbage collector by hand: frozen after setup, off, and run in full every this many
     # steps on every rank at the same step (0: automatic, whenever a rank's allocations trigger it).
     gc_interval: int = 0
+    # CUDA ranks on the cores of their GPU's NUMA node ("auto") or wherever the scheduler puts
+    # them ("none"); megascope.trainer.affinity.
+    cpu_bind: str = "auto"
     peak_flops: float | None = None  # per device; None = table (CUDA) or a short measurement (CPU)
 
     def __post_init__(self) -> None:
@@ -177,6 +181,8 @@ class TrainConfig:
             raise ConfigError(f"unknown --layer-spans {self.layer_spans!r} (known: {', '.join(LAYER_SPANS)})")
         if self.tp_comm_spans not in TP_COMM_SPANS:
             raise ConfigError(f"unknown --tp-comm-spans {self.tp_comm_spans!r} (known: {', '.join(TP_COMM_SPANS)})")
+        if self.cpu_bind not in CPU_BIND:
+            raise ConfigError(f"unknown --cpu-bind {self.cpu_bind!r} (known: {', '.join(CPU_BIND)})")
         if self.gc_interval < 0:
             raise ConfigError(f"--gc-interval must be >= 0, got {self.gc_interval}")
         self.faults.validate(self.world_size, self.steps)

@@ -39,6 +39,7 @@ from megascope.collectors.runid import job_run_id, new_run_id
 from megascope.schema import RunMeta, RunSource, SpanKind
 from megascope.topology import Mesh
 from megascope.trainer.ab import ab_switch
+from megascope.trainer.affinity import bind_to_device, describe
 from megascope.trainer.config import TrainConfig
 from megascope.trainer.data import Prefetcher, Source, SyntheticLanguage, TokenFile
 from megascope.trainer.faults import Burner, DeviceStretch, FaultPlan
@@ -97,6 +98,7 @@ def run_meta(cfg: TrainConfig, *, device: torch.device, start_ns: int) -> RunMet
             "inject": cfg.faults.specs(), "collective_timeout_s": cfg.collective_timeout_s,
             "flush_interval_s": cfg.flush_interval_s,
             "overlap": sorted(cfg.overlap), "bucket_mb": cfg.bucket_mb,
+            "cpu_bind": cfg.cpu_bind if device.type == "cuda" else "none",
             "layer_spans": cfg.layer_spans, "tp_comm_spans": cfg.tp_comm_spans_on(device.type),
             "data": str(cfg.data) if cfg.data else "synthetic",
             "dtype": "bf16-autocast" if device.type == "cuda" else "fp32",
@@ -120,6 +122,11 @@ def train_rank(cfg: TrainConfig, *, rank: int, world_size: int, local_rank: int,
     device = pick_device(cfg, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        if cfg.cpu_bind == "auto":
+            # Before anything is allocated or started: memory is placed on the node of the core
+            # that first touches it, and the data worker and marker agent inherit the cores.
+            cores = bind_to_device(device)
+            log.info("rank %d on %s: cores %s", rank, device, describe(cores))
     timeout = timedelta(seconds=cfg.collective_timeout_s)
     if device.type == "cuda":
         # Before any NCCL group exists: a collective timeout then dumps every rank's flight
