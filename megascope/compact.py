@@ -4,8 +4,9 @@ Role in the data flow: a maintenance pass over a run directory, beside the write
 one part per rank per flush interval; at 12,288 ranks that is ~100k files after a few minutes, and
 every reader pays per file. Compaction merges each table's parts into files of up to
 :data:`FILE_ROWS` rows under ``compacted/<table>/``, sorted for the questions asked of each table
-(spans, markers and metrics by step, then rank), with row groups cut at step boundaries so that a
-step range or a rank range reads only its row groups. Depends on pyarrow and the standard library
+(markers and metrics by step, then rank; spans by step, then kind, then rank), with row groups cut
+at step boundaries (spans: at every (step, kind)) so that a step range, a rank range or one kind of
+span reads only its row groups. Depends on pyarrow and the standard library
 only: the bundled trainer's launcher runs it at the end of a job without the analysis extra.
 
 One pass, and why a reader never sees half of it (docs/run-directory.md, "Compaction"):
@@ -82,9 +83,11 @@ ROW_GROUP_ROWS = 131_072
 # run compacted every minute keeps a few files, not one per pass.
 REMERGE_ROWS = FILE_ROWS // 4
 
-# Sort order per table: what each is asked by. The first key also cuts row groups (None: by size).
+# Sort order per table: what each is asked by. The second item cuts row groups (None: by size).
 SORT_KEYS: dict[str, tuple[list[str], str | None]] = {
-    "spans": (["step", "rank", "start_ns"], "step"),
+    # kind after step: the analysis reads one kind of span at a time (the collectives for their
+    # instances), and a row group of one kind lets every other row group be skipped by its statistics
+    "spans": (["step", "kind", "rank", "start_ns"], "step"),
     "markers": (["step", "rank", "time_ns"], "step"),
     "metrics": (["step", "rank", "name"], "step"),
     "heartbeats": (["time_ns", "host"], None),
@@ -539,16 +542,21 @@ def _mtime_ns(path: Path) -> int:
 
 
 def _write_sorted(path: Path, table: str, data: pa.Table, run_id: str) -> tuple[tuple[int, int], ...]:
-    """Sort ``data`` and write it to ``path`` atomically, row groups cut at step boundaries.
+    """Sort ``data`` and write it to ``path`` atomically, row groups cut at step boundaries (spans:
+    :func:`_span_row_groups`).
 
     Returns the ranks it holds, as inclusive ranges."""
     keys, align = SORT_KEYS[table]
-    data = data.sort_by([(k, "ascending") for k in keys])  # nulls last (the default)
+    if table == "spans":
+        data, bounds = _span_row_groups(data)
+    else:
+        data = data.sort_by([(k, "ascending") for k in keys])  # nulls last (the default)
+        bounds = _row_groups(data, align)
     data = data.replace_schema_metadata({layout.RUN_ID_KEY: run_id.encode()})
     tmp = path.with_name(f".{path.name}{_TMP_SUFFIX}")
     try:
         with pq.ParquetWriter(tmp, data.schema, compression="zstd") as writer:
-            for lo, hi in _row_groups(data, align):
+            for lo, hi in bounds:
                 writer.write_table(data.slice(lo, hi - lo), row_group_size=hi - lo)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
@@ -588,9 +596,76 @@ def _row_groups(data: pa.Table, align: str | None) -> list[tuple[int, int]]:
     return bounds
 
 
+def _span_row_groups(data: pa.Table) -> tuple[pa.Table, list[tuple[int, int]]]:
+    """Spans sorted by (step, kind, rank, start_ns), and row group bounds that hold one kind each.
+
+    Steps are taken in bands as :func:`_row_groups` would cut them: whole steps up to
+    ROW_GROUP_ROWS rows a band (at 1,024 ranks and more, a step a band). Within a band the rows go
+    kind by kind, each kind's rows one row group: ``kind = 'collective'`` reads only the
+    collectives' row groups, skipping the others by their statistics. A step of more rows than
+    that (many ranks) is cut into ranges of ranks of at most ROW_GROUP_ROWS rows (all kinds
+    together), and each kind of it at the same rank boundaries, so that a few ranks read one range
+    of each step, as they would in a file sorted by (step, rank). A rank with more rows of one
+    kind than that is cut anywhere. Sorted by (band, kind, step, rank, start_ns): the same order as
+    (step, kind, rank, start_ns) where each band is one step.
+    """
+    n = data.num_rows
+    if n == 0:
+        return data, [(0, 0)]
+    step = pa.array(_codes(data.column("step")))  # nulls last, as sorted
+    counted = pc.value_counts(step)
+    values = counted.field("values").to_numpy()
+    by_value = np.argsort(values)
+    counts = counted.field("counts").to_numpy()[by_value]
+    step_bands = _bands(counts)  # per distinct step, in order
+    band = step_bands[pc.index_in(step, value_set=pa.array(values[by_value])).to_numpy()]
+    kind = pc.dictionary_encode(data.column("kind").combine_chunks())
+    kind_place = np.argsort(np.argsort(np.array(kind.dictionary.to_pylist(), dtype=object)))
+    kind_code = kind_place[kind.indices.to_numpy()]  # in the kinds' (string) order
+    keys = pa.table({"band": band, "kind": kind_code, "step": step, "rank": data.column("rank"),
+                     "start_ns": data.column("start_ns")})
+    order = pc.sort_indices(keys, sort_keys=[(k, "ascending") for k in keys.column_names])
+    data = data.take(order)
+    order_np = order.to_numpy()
+    band, kind_code = band[order_np], kind_code[order_np]
+    change = (np.diff(band) != 0) | (np.diff(kind_code) != 0)
+    # Steps of more rows than a row group (each a band of its own): cut at the same rank bounds.
+    band_starts = np.concatenate([[0], np.flatnonzero(np.diff(band)) + 1, [n]])
+    for lo, hi in zip(band_starts[:-1].tolist(), band_starts[1:].tolist(), strict=True):
+        if hi - lo <= ROW_GROUP_ROWS:
+            continue
+        rank = _codes(data.column("rank").slice(lo, hi - lo))
+        lowest = int(rank.min())
+        rank_band = _bands(np.bincount(rank - lowest))[rank - lowest]
+        change[lo:hi - 1] |= np.diff(rank_band) != 0
+    cuts = np.concatenate([[0], np.flatnonzero(change) + 1, [n]]).tolist()
+    bounds = []
+    for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+        bounds += [(a, min(a + ROW_GROUP_ROWS, hi)) for a in range(lo, hi, ROW_GROUP_ROWS)]
+    return data, bounds
+
+
+def _bands(counts: np.ndarray) -> np.ndarray:
+    """Consecutive items of ``counts`` rows each cut into bands of at most ROW_GROUP_ROWS rows
+    (an item of more is a band of its own): each item's band, 0, 1, ..."""
+    ends = np.cumsum(counts)
+    band = np.zeros(len(counts), dtype=np.int64)
+    i = done = b = 0
+    while i < len(counts):
+        j = max(int(np.searchsorted(ends, done + ROW_GROUP_ROWS, side="right")), i + 1)
+        band[i:j] = b
+        done, i, b = int(ends[j - 1]), j, b + 1
+    return band
+
+
 def _codes(column: pa.ChunkedArray) -> np.ndarray:
-    """Integer keys of a sorted column, nulls last (as sorted)."""
-    filled = pc.fill_null(column.cast(pa.int64()), np.iinfo(np.int64).max).combine_chunks()
+    """Integer keys of a sorted column, equal where its values are, nulls last (as sorted); for a
+    string column, not in the column's order."""
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        column = pc.dictionary_encode(column.combine_chunks()).indices
+    filled = pc.fill_null(column.cast(pa.int64()), np.iinfo(np.int64).max)
+    if isinstance(filled, pa.ChunkedArray):
+        filled = filled.combine_chunks()
     return np.asarray(filled.to_numpy(zero_copy_only=False), dtype=np.int64)
 
 

@@ -291,31 +291,47 @@ def test_plain_duckdb_reads_parts_and_compacted_files_with_hive_partitioning(run
 
 
 @pytest.mark.parametrize("group_rows", [300, 1000])
-def test_row_groups_hold_whole_steps_or_one_steps_rank_range(run: Path, monkeypatch: pytest.MonkeyPatch,
-                                                             group_rows: int) -> None:
+def test_span_row_groups_hold_one_kind_of_whole_steps_or_of_a_steps_rank_range(
+        run: Path, monkeypatch: pytest.MonkeyPatch, group_rows: int) -> None:
     import pyarrow.parquet as pq
 
     monkeypatch.setattr(compaction, "ROW_GROUP_ROWS", group_rows)
     compact(run, everything=True)
     (path,) = layout.compacted_dir(run, "spans").glob("*.parquet")
-    meta = pq.ParquetFile(path).metadata
-    previous = None
-    steps_seen = []
+    file = pq.ParquetFile(path)
+    meta = file.metadata
+    groups = []  # per row group: (step min, step max, kind, rank min, rank max, rows)
     for i in range(meta.num_row_groups):
         stats = {meta.row_group(i).column(j).path_in_schema: meta.row_group(i).column(j).statistics
                  for j in range(meta.num_columns)}
-        step, rank = stats["step"], stats["rank"]
+        step, kind, rank = stats["step"], stats["kind"], stats["rank"]
+        assert kind.min == kind.max  # one kind a row group
         assert meta.row_group(i).num_rows <= group_rows
-        if step.min != step.max:
-            assert (rank.min, rank.max) == (0, 15)  # whole steps
-        key = (step.min, rank.min)
-        assert previous is None or key > previous  # sorted, no overlap
-        previous = (step.max, rank.max)
-        steps_seen.append((step.min, step.max))
-    if group_rows < 464:  # a step (16 ranks x 29 spans) split at a rank boundary
-        assert any(a == b for a, b in steps_seen) and meta.num_row_groups > 8
-    else:  # two whole steps a row group
-        assert meta.num_row_groups == 4
+        groups.append((step.min, step.max, kind.min, rank.min, rank.max, meta.row_group(i).num_rows))
+        rows = file.read_row_group(i, columns=["step", "rank", "start_ns"]).to_pylist()
+        keys = [(r["step"], r["rank"], r["start_ns"]) for r in rows]
+        assert keys == sorted(keys)
+    data = file.read(columns=["step", "kind", "rank", "start_ns"]).to_pylist()
+    keys = [(r["step"], r["kind"], r["rank"], r["start_ns"]) for r in data]
+    if group_rows < 464:  # a step (16 ranks x 29 spans) has more rows: each step's kinds cut at common rank bounds
+        assert keys == sorted(keys)
+        for s in {g[0] for g in groups}:
+            of_step = [g for g in groups if g[0] == s == g[1]]
+            assert sum(g[5] for g in of_step) == sum(1 for k in keys if k[0] == s)  # every row group of one step
+            starts = {g[3] for g in of_step}
+            assert len(starts) > 1  # cut into ranges of ranks
+            assert not any(g[3] < b <= g[4] for g in of_step for b in starts)  # the same bounds for every kind
+    else:  # two whole steps a band, kind by kind within it
+        assert keys == sorted(keys, key=lambda k: (k[0] // 2, k[1], k[0], k[2], k[3]))
+        assert {(g[0], g[1], g[3], g[4]) for g in groups} == {(s, s + 1, 0, 15) for s in range(0, 8, 2)}
+    # The kind filter reads only the collectives' row groups: every other one is skipped by its statistics.
+    read = sum(g[5] for g in groups if g[2] <= "collective" <= g[2])
+    assert read == sum(1 for k in keys if k[1] == "collective") < len(keys) / 2
+    # Markers keep their order: (step, rank, time_ns).
+    (markers,) = layout.compacted_dir(run, "markers").glob("*.parquet")
+    rows = pq.read_table(markers, columns=["step", "rank", "time_ns"]).to_pylist()
+    order = [(r["step"] is None, r["step"], r["rank"], r["time_ns"]) for r in rows]
+    assert order == sorted(order)
 
 
 def test_dashboard_selections_and_exports_read_the_same_after_compaction(run: Path, tmp_path: Path) -> None:
