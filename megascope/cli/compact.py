@@ -23,7 +23,7 @@ from megascope.cli.common import echo_json, json_option, run_dir_argument
 @json_option
 def compact(run_dir: Path, everything: bool, min_age_s: float | None, keep_newest: int | None,
             grace_s: float | None, as_json: bool) -> None:
-    """Merge RUN's part files into a few large files sorted by step and rank.
+    """Merge RUN's part files into a few large files sorted by step and rank (spans: step, kind, rank).
 
     Safe while the job still writes (only parts older than --min-age, never a rank's newest), on a
     run being read (readers never see a half-compacted run), and if interrupted (run it again).

@@ -182,7 +182,7 @@ def iter_span_chunks(run: Run, resolved: Resolved, *, chunk_rows: int = DEFAULT_
 def _iter_rank_blocks(run: Run, resolved: Resolved, chunk_rows: int, corrected: bool) -> Iterator[SpanChunk]:
     """The selected spans of a compacted run, a block of whole ranks per query.
 
-    A compacted file holds many ranks sorted by step, so file order is not rank order: count the
+    A compacted file holds many ranks sorted by step (spans: then kind), so file order is not rank order: count the
     rows per rank first (two columns), then read blocks of about ``chunk_rows`` rows, each sorted
     in DuckDB (memory follows the block). Row groups hold a range of steps and ranks, so a block
     reads the row groups that can hold its ranks.
@@ -315,7 +315,7 @@ class _CompactedReader:
         if keep is not None:
             table = table.filter(pa.array(keep))
         rank = table.column("rank").to_numpy()
-        if len(rank) > 1 and (np.diff(rank) < 0).any():  # several steps in one group
+        if len(rank) > 1 and (np.diff(rank) < 0).any():  # several steps in one group (a band of small steps)
             order = np.argsort(rank, kind="stable")
             table, rank = table.take(pa.array(order)), rank[order]
         return table, rank.astype(np.int64)
@@ -340,7 +340,8 @@ def _conform(table: pa.Table, columns: list[str]) -> pa.Table:
 def _iter_compacted_files(paths: list, resolved: Resolved, chunk_rows: int, corrected: bool) -> Iterator[SpanChunk]:
     """The selected spans of a fully compacted run, a block of whole ranks per chunk, in one pass.
 
-    A compacted file is sorted by step, so a block of ranks has rows in every step's row groups.
+    A compacted file is sorted by step and kind, so a block of ranks has rows in every row group
+    of each step (one a kind, or a range of ranks of one kind where a step is cut by rank).
     Each row group is read once (pyarrow, strings as the file's dictionaries), put in rank order
     and kept, for the blocks after, with the rows it still holds, up to ``READ_AHEAD_ROWS`` rows
     or four chunks in all, whichever is more: memory stays bounded whatever the run's size. A group
