@@ -17,7 +17,9 @@
 #              median and p90 step time per layout (bench/whole_run_table.py); WHOLE_VARIANTS runs a
 #              pair per variant, "default" or tag:VAR=value (e.g. "default q4x:CUDA_SCALE_LAUNCH_QUEUES=4x",
 #              CUDA's launch queue four times as deep; "default unbound:MEGASCOPE_CPU_BIND=none", ranks
-#              not bound to their GPU's cores). Not part of the default.
+#              not bound to their GPU's cores); WHOLE_ON_VARIANTS adds per round a run with the
+#              collector on under each tag:VAR=value or tag:--flag=value, compared with the round's
+#              unrecorded run. Not part of the default.
 #   ab         the collector's cost inside one process (megascope train --collector-ab AB_BLOCK): it
 #              records blocks of AB_BLOCK steps and is paused for the blocks between, so recorded and
 #              unrecorded steps share NCCL communicators, memory layout and clocks; per AB_LAYOUTS
@@ -136,6 +138,12 @@ for part in $PARTS; do
               # shellcheck disable=SC2046
               EXTRA_ENV=$venv train "$vname-r$r" "$gpus" "$mode" $(layout_args "$layout")
             done
+          done
+          for variant in ${WHOLE_ON_VARIANTS:-}; do  # tag:VAR=value or tag:--flag, collector on only
+            setting="${variant#*:}"; extra=()
+            case $setting in --*) extra=("${setting%%=*}" "${setting#*=}"); setting="" ;; esac
+            # shellcheck disable=SC2046
+            EXTRA_ENV=$setting train "$name-${variant%%:*}-r$r" "$gpus" on $(layout_args "$layout") "${extra[@]}"
           done
         done
       done

@@ -37,6 +37,13 @@ def table(runs: Path, first: int, last: int) -> str:
         steps = json.loads(f.read_text()).get("step_seconds") or []
         if len(steps) >= last:
             by[m.group(1)][int(m.group(2))][m.group(3)] = [s * 1e3 for s in steps[first:last]]
+    # A variant run with the collector on only (``<layout>-<tag>-r<round>-on``, WHOLE_ON_VARIANTS)
+    # is compared with its layout's unrecorded run of the same round.
+    for layout, rounds in list(by.items()):
+        base = by.get(layout.rsplit("-", 1)[0]) if "-" in layout else None
+        for r, modes in rounds.items():
+            if "off" not in modes and base is not None and "off" in base.get(r, {}):
+                modes["off"] = base[r]["off"]
     lines = ["| layout | pair | off mean (median, p90) ms | on mean (median, p90) ms | on vs off: mean | median | p90 |",
              "|---|---|---|---|---|---|---|"]
     for layout, rounds in sorted(by.items()):
