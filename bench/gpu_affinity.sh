@@ -41,21 +41,34 @@ node_of() {  # core -> NUMA node
   echo "?"
 }
 
+descendants() {  # pid -> every process below it
+  local c
+  for c in $(pgrep -P "$1"); do echo "$c"; descendants "$c"; done
+}
+
+steal() {  # the machine's CPU ticks: total and stolen by the hypervisor (/proc/stat)
+  awk '/^cpu /{t = 0; for (i = 2; i <= NF; i++) t += $i; print t, $9}' /proc/stat
+}
+
 run() {  # name bind
   local name=$1 bind=$2 dir="$WORK/$1"
+  local s0; s0=$(steal)
   MEGASCOPE_CPU_BIND=$bind timeout 300 $PY -m megascope train "${MESH[@]}" --layers 8 --hidden 2048 --heads 16 \
     --seq-len 1024 --vocab 32000 --steps "${STEPS:-40}" --result-json "$dir.json" -o "$dir" >"$dir.log" 2>&1 &
   local launcher=$!
   sleep "${WARMUP_S:-30}"
   {
     echo "== $name (cpu-bind $bind): threads per NUMA node of the core they last ran on"
-    for p in $(pgrep -P "$launcher"); do
+    for p in $(descendants "$launcher"); do
       local nodes
       nodes=$(ps -L -o psr= -p "$p" 2>/dev/null | while read -r c; do node_of "$c"; done | sort | uniq -c | tr '\n' ' ')
-      echo "  pid $p affinity $(taskset -cp "$p" 2>/dev/null | awk -F': ' '{print $2}') threads by node: $nodes"
+      echo "  pid $p $(tr -d '\0' </proc/"$p"/cmdline 2>/dev/null | tail -c 60) affinity" \
+        "$(taskset -cp "$p" 2>/dev/null | awk -F': ' '{print $2}'), threads by node: $nodes," \
+        "cores now: $(ps -L -o psr= -p "$p" 2>/dev/null | sort -n | uniq | tr '\n' ' ')"
     done
   } >>"$R"
   wait "$launcher"; echo "  exit $?" >>"$R"
+  echo "  $(steal) $s0" | awk '{printf "  CPU time stolen by the hypervisor during the run: %.2f%%\n", 100 * ($2 - $4) / ($1 - $3)}' >>"$R"
   $PY -m megascope report "$dir" --json >"$dir.report.json" 2>>"$R"
   $PY - "$dir.json" "$dir.report.json" >>"$R" 2>&1 <<'PY'
 import json, statistics, sys
@@ -76,8 +89,10 @@ for r in $(seq "${ROUNDS:-2}"); do
 done
 tar -czf "$OUT/runs.tar.gz" -C "$WORK" . 2>/dev/null
 if [ "${WHOLE_REPEATS:-0}" -gt 0 ]; then
+  s0=$(steal)
   OUT=$OUT PARTS=whole STEPS=24 REPEATS=$WHOLE_REPEATS WHOLE_LAYOUTS=${WHOLE_LAYOUTS:-tpdp} \
     WHOLE_VARIANTS=${WHOLE_VARIANTS:-default} BUDGET_S=${WHOLE_BUDGET_S:-100000} bash bench/gpu_trainer.sh >"$OUT/whole-log.txt" 2>&1
+  echo "$(steal) $s0" | awk '{printf "CPU time stolen by the hypervisor during the whole runs: %.2f%%\n", 100 * ($2 - $4) / ($1 - $3)}' >>"$OUT/whole.txt"
 fi
 cat "$R"
 cat "$OUT/whole.txt" 2>/dev/null

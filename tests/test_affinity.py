@@ -58,3 +58,15 @@ def test_the_cli_refuses_an_unknown_binding_in_one_line(tmp_path) -> None:
     result = CliRunner().invoke(main, ["train", "--cpu-bind", "socket", "-o", str(tmp_path / "run")])
     assert result.exit_code == 2
     assert "--cpu-bind" in result.output and "Traceback" not in result.output
+
+
+def test_ranks_on_one_node_get_disjoint_slices_of_it() -> None:
+    from megascope.trainer.affinity import share_of
+
+    node = set(range(64))
+    slices = [share_of(node, i, 4) for i in range(4)]
+    assert [min(s) for s in slices] == [0, 16, 32, 48] and all(len(s) == 16 for s in slices)
+    assert set().union(*slices) == node
+    # Too few cores to split: every rank keeps the whole node.
+    assert share_of(set(range(8)), 1, 4) == set(range(8))
+    assert share_of(node, 0, 1) == node

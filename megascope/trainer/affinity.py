@@ -4,13 +4,13 @@ Role in the data flow: the first thing a CUDA rank does (``loop.train_rank``), b
 anything, so that its threads run, and the memory it first touches lives, on the NUMA node its GPU
 hangs off. A host-bound rank (its device waits for its kernels to be launched) runs slower on the
 other socket's cores: every launch and every host-to-device copy crosses the socket link, and the
-scheduler may move it between sockets mid-step. Torchrun's ``--numa-binding`` and ``numactl`` do the
-same for jobs launched by hand.
+scheduler may move it between sockets mid-step. ``numactl`` does the same for jobs launched by hand.
 
 The cores are the GPU's PCI device's ``local_cpulist`` in sysfs, intersected with the cores this
-process may use (a container's cpuset); when the two do not meet, or sysfs says nothing (no NUMA,
-a virtual machine), the rank keeps its affinity. The data worker and marker agent a rank starts
-afterwards inherit it.
+process may use (a container's cpuset), and split evenly between the visible GPUs of that node, each
+rank on its own slice (of at least :data:`MIN_SLICE` cores; else the whole node). When the two do not
+meet, or sysfs says nothing, the rank keeps its affinity. The data worker and marker agent a rank
+starts afterwards inherit it.
 
 Example::
 
@@ -27,6 +27,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 PCI_DEVICES = Path("/sys/bus/pci/devices")
+MIN_SLICE = 4  # cores: below this a rank keeps its whole node (its data worker and agent run there too)
 
 
 def parse_cpulist(text: str) -> set[int]:
@@ -68,23 +69,42 @@ def choose_cores(local: set[int] | None, allowed: set[int]) -> set[int] | None:
     return chosen
 
 
+def share_of(cores: set[int], index: int, count: int, *, min_cores: int = MIN_SLICE) -> set[int]:
+    """The ``index``-th of ``count`` contiguous, disjoint slices of ``cores`` (all of them when a
+    slice would have fewer than ``min_cores``)."""
+    ordered = sorted(cores)
+    if count <= 1 or len(ordered) // count < min_cores:
+        return cores
+    size = len(ordered) // count
+    return set(ordered[index * size:(index + 1) * size])
+
+
 def bind_to_device(device: Any) -> set[int] | None:
-    """Bind this process to the cores of ``device``'s NUMA node; returns them, or None if unchanged."""
+    """Bind this process to its share of the cores of ``device``'s NUMA node (the node's cores
+    split evenly between the visible GPUs on that node); returns them, or None if unchanged."""
     import torch
 
     if device.type != "cuda" or not hasattr(os, "sched_setaffinity"):
         return None
+    allowed = os.sched_getaffinity(0)
     try:
-        address = pci_address(torch.cuda.get_device_properties(device))
+        local = [device_cores(pci_address(torch.cuda.get_device_properties(i))) for i in range(torch.cuda.device_count())]
     except (AttributeError, RuntimeError):
         return None
-    chosen = choose_cores(device_cores(address), os.sched_getaffinity(0))
+    mine = local[device.index]
+    if mine is None:
+        return None
+    # GPUs on the same node: each rank gets its own slice, so that no two ranks' launching
+    # threads are put on one core by the scheduler while others sit idle.
+    peers = [i for i, cores in enumerate(local) if cores == mine]
+    usable = mine & allowed
+    chosen = choose_cores(share_of(usable, peers.index(device.index), len(peers)) if usable else None, allowed)
     if chosen is None:
         return None
     try:
         os.sched_setaffinity(0, chosen)
     except OSError as exc:
-        log.warning("could not bind to the cores of %s (%s): %s", device, address, exc)
+        log.warning("could not bind to the cores of %s: %s", device, exc)
         return None
     return chosen
 
