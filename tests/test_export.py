@@ -465,7 +465,7 @@ def test_time_shift_needs_no_scan_on_wall_clock_runs_and_lifts_relative_ones(run
 
 def test_same_bytes_before_and_after_compaction_and_for_any_chunking(tmp_path: Path) -> None:
     """The output depends on the spans only: not on how the run is stored (parts, or compacted
-    files sorted by step) nor on where the chunks are cut."""
+    files sorted by step and kind) nor on where the chunks are cut."""
     import shutil
 
     from megascope.compact import compact
@@ -493,18 +493,24 @@ def test_same_bytes_before_and_after_compaction_and_for_any_chunking(tmp_path: P
     Decoded(before["estimated"])  # still a trace the perfetto protos parse, descriptors first
 
 
+@pytest.mark.parametrize("group_rows", [None, 100])
 def test_compacted_files_read_directly_give_the_bytes_of_parts_for_any_selection(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, group_rows: int | None) -> None:
     """A fully compacted run is read from its files (no per-block queries): any selection, any
-    chunking (a small one re-reads row groups that do not fit the budget), the same bytes."""
+    chunking (a small one re-reads row groups that do not fit the budget), the same bytes. Row
+    groups hold one kind of a band of steps, or (``group_rows`` 100: steps of more rows) one kind
+    of a range of ranks of one step."""
     import shutil
 
+    from megascope import compact as compaction
     from megascope.compact import compact
     from megascope.export import source
 
     parts = tmp_path / "parts"
     synth_run(parts, SynthConfig(ranks=16, steps=6, tp=2, pp=2, seed=3))
     shutil.copytree(parts, tmp_path / "compacted")
+    if group_rows is not None:
+        monkeypatch.setattr(compaction, "ROW_GROUP_ROWS", group_rows)
     compact(tmp_path / "compacted", everything=True)
     lo, hi = open_run(parts).con.execute("SELECT min(start_ns), max(start_ns + dur_ns) FROM spans").fetchone()
     selections: list[dict[str, Any]] = [
