@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Do ranks fall behind their devices because they run on the wrong socket? One call: the machine's
-# CPU and GPU topology; then healthy runs of the detection sweep's GPU model (tp2 x dp2 on 4 GPUs,
-# tp2 on 2) with the ranks unbound and bound to their GPU's NUMA node (`--cpu-bind none|auto`),
-# interleaved over ROUNDS rounds. For each run: where each rank's threads ran (NUMA node of the
-# core, sampled once the steps run), its step times, and from `megascope report --json` the
-# stragglers named and each rank's share of calls at which its device waited for its host. Then,
-# when WHOLE_REPEATS > 0, the collector's cost as whole runs of the ~1.4B model (bench/gpu_trainer.sh
-# PARTS=whole) with WHOLE_VARIANTS. Everything under $OUT (affinity.txt, runs.tar.gz, whole.txt).
+# Do ranks fall behind their devices because of where they run? One call: the machine's CPU and
+# GPU topology; then healthy runs of the detection sweep's GPU model (tp2 x dp2 on 4 GPUs, tp2 on 2)
+# with the ranks unbound and each on its own slice of its GPU's NUMA node (`--cpu-bind none|slice`;
+# on a machine of one NUMA node the default, `node`, changes nothing), interleaved over ROUNDS
+# rounds. For each run: the processes' affinity and the cores their threads ran on (sampled once the
+# steps run), the share of CPU time the hypervisor stole, the step times, and from `megascope report
+# --json` the stragglers named and each rank's share of calls at which its device waited for its
+# host. Then, when WHOLE_REPEATS > 0, the collector's cost as whole runs of the ~1.4B model
+# (bench/gpu_trainer.sh PARTS=whole) with WHOLE_VARIANTS (e.g. "default
+# slice:MEGASCOPE_CPU_BIND=slice"). Everything under $OUT (affinity.txt, runs.tar.gz, whole.txt).
 #
 #   OUT=/tmp/o ROUNDS=2 WHOLE_REPEATS=3 WHOLE_LAYOUTS=tpdp bash bench/gpu_affinity.sh   # after gpu_setup.sh
 set -uo pipefail
@@ -85,7 +87,7 @@ PY
 }
 
 for r in $(seq "${ROUNDS:-2}"); do
-  if [ $((r % 2)) = 1 ]; then run "none-r$r" none; run "auto-r$r" auto; else run "auto-r$r" auto; run "none-r$r" none; fi
+  if [ $((r % 2)) = 1 ]; then run "none-r$r" none; run "slice-r$r" slice; else run "slice-r$r" slice; run "none-r$r" none; fi
 done
 tar -czf "$OUT/runs.tar.gz" -C "$WORK" . 2>/dev/null
 if [ "${WHOLE_REPEATS:-0}" -gt 0 ]; then

@@ -58,10 +58,11 @@ from megascope.cli.common import inject_option, out_run_option
 @click.option("--gc-interval", type=click.IntRange(min=0), default=0, show_default=True,
               help="Run Python's garbage collector by hand every this many steps, on every rank at the "
                    "same step, instead of whenever one rank's allocations trigger it (0: automatic).")
-@click.option("--cpu-bind", type=click.Choice(["auto", "none"]), default="auto", show_default=True,
+@click.option("--cpu-bind", type=click.Choice(["node", "slice", "none"]), default="node", show_default=True,
               envvar="MEGASCOPE_CPU_BIND",
-              help="On GPUs, run each rank on the CPU cores of its GPU's NUMA node (auto) or wherever the "
-                   "scheduler puts it (none).")
+              help="On GPUs, run each rank on the CPU cores of its GPU's NUMA node (node; nothing changes on a "
+                   "machine of one node), on its own share of them (slice), or wherever the scheduler puts "
+                   "it (none).")
 @click.option("--result-json", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Also write the loss and host seconds of every step here (for benchmarks).")
 @click.option("--compact/--no-compact", "compact_parts", default=True, show_default=True,

@@ -7,10 +7,11 @@ other socket's cores: every launch and every host-to-device copy crosses the soc
 scheduler may move it between sockets mid-step. ``numactl`` does the same for jobs launched by hand.
 
 The cores are the GPU's PCI device's ``local_cpulist`` in sysfs, intersected with the cores this
-process may use (a container's cpuset), and split evenly between the visible GPUs of that node, each
-rank on its own slice (of at least :data:`MIN_SLICE` cores; else the whole node). When the two do not
-meet, or sysfs says nothing, the rank keeps its affinity. The data worker and marker agent a rank
-starts afterwards inherit it.
+process may use (a container's cpuset); with ``slice``, split evenly between the visible GPUs of
+that node, each rank on its own slice (of at least :data:`MIN_SLICE` cores; else the whole node).
+When the two do not meet, or sysfs says nothing, the rank keeps its affinity; on a machine of one
+NUMA node, ``node`` changes nothing. The data worker and marker agent a rank starts afterwards
+inherit the binding.
 
 Example::
 
@@ -79,9 +80,10 @@ def share_of(cores: set[int], index: int, count: int, *, min_cores: int = MIN_SL
     return set(ordered[index * size:(index + 1) * size])
 
 
-def bind_to_device(device: Any) -> set[int] | None:
-    """Bind this process to its share of the cores of ``device``'s NUMA node (the node's cores
-    split evenly between the visible GPUs on that node); returns them, or None if unchanged."""
+def bind_to_device(device: Any, mode: str = "node") -> set[int] | None:
+    """Bind this process to the cores of ``device``'s NUMA node (``mode="node"``), or to its share
+    of them (``"slice"``: the node's cores split evenly between the visible GPUs on that node);
+    returns the cores, or None if the affinity is unchanged."""
     import torch
 
     if device.type != "cuda" or not hasattr(os, "sched_setaffinity"):
@@ -92,13 +94,10 @@ def bind_to_device(device: Any) -> set[int] | None:
     except (AttributeError, RuntimeError):
         return None
     mine = local[device.index]
-    if mine is None:
-        return None
-    # GPUs on the same node: each rank gets its own slice, so that no two ranks' launching
-    # threads are put on one core by the scheduler while others sit idle.
-    peers = [i for i, cores in enumerate(local) if cores == mine]
-    usable = mine & allowed
-    chosen = choose_cores(share_of(usable, peers.index(device.index), len(peers)) if usable else None, allowed)
+    if mine is not None and mode == "slice" and mine & allowed:
+        peers = [i for i, cores in enumerate(local) if cores == mine]
+        mine = share_of(mine & allowed, peers.index(device.index), len(peers))
+    chosen = choose_cores(mine, allowed)
     if chosen is None:
         return None
     try:

@@ -24,7 +24,7 @@ from megascope.inject import Faults
 OVERLAP_DIMS = ("tp", "pp", "dp")
 LAYER_SPANS = ("all", "first", "none")
 TP_COMM_SPANS = ("auto", "all", "rotate", "first")
-CPU_BIND = ("auto", "none")
+CPU_BIND = ("node", "slice", "none")
 
 
 class TrainingError(MegascopeError):
@@ -119,9 +119,9 @@ class TrainConfig:
     # Python's garbage collector by hand: frozen after setup, off, and run in full every this many
     # steps on every rank at the same step (0: automatic, whenever a rank's allocations trigger it).
     gc_interval: int = 0
-    # CUDA ranks on the cores of their GPU's NUMA node ("auto") or wherever the scheduler puts
-    # them ("none"); megascope.trainer.affinity.
-    cpu_bind: str = "auto"
+    # CUDA ranks on the cores of their GPU's NUMA node ("node"), on their own slice of them
+    # ("slice"), or wherever the scheduler puts them ("none"); megascope.trainer.affinity.
+    cpu_bind: str = "node"
     peak_flops: float | None = None  # per device; None = table (CUDA) or a short measurement (CPU)
 
     def __post_init__(self) -> None:

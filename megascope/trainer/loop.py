@@ -122,10 +122,10 @@ def train_rank(cfg: TrainConfig, *, rank: int, world_size: int, local_rank: int,
     device = pick_device(cfg, local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        if cfg.cpu_bind == "auto":
+        if cfg.cpu_bind != "none":
             # Before anything is allocated or started: memory is placed on the node of the core
             # that first touches it, and the data worker and marker agent inherit the cores.
-            cores = bind_to_device(device)
+            cores = bind_to_device(device, cfg.cpu_bind)
             log.info("rank %d on %s: cores %s", rank, device, describe(cores))
     timeout = timedelta(seconds=cfg.collective_timeout_s)
     if device.type == "cuda":
