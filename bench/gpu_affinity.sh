@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Do ranks fall behind their devices because of where they run? One call: the machine's CPU and
-# GPU topology; then healthy runs of the detection sweep's GPU model (tp2 x dp2 on 4 GPUs, tp2 on 2)
-# with the ranks unbound and each on its own slice of its GPU's NUMA node (`--cpu-bind none|slice`;
-# on a machine of one NUMA node the default, `node`, changes nothing), interleaved over ROUNDS
-# rounds. For each run: the processes' affinity and the cores their threads ran on (sampled once the
-# steps run), the share of CPU time the hypervisor stole, the step times, and from `megascope report
-# --json` the stragglers named and each rank's share of calls at which its device waited for its
-# host. Then, when WHOLE_REPEATS > 0, the collector's cost as whole runs of the ~1.4B model
-# (bench/gpu_trainer.sh PARTS=whole) with WHOLE_VARIANTS (e.g. "default
-# slice:MEGASCOPE_CPU_BIND=slice"). Everything under $OUT (affinity.txt, runs.tar.gz, whole.txt).
+# GPU topology and how far its CPUs differ in speed (bench/smt_probe.py); then healthy runs of the
+# detection sweep's GPU model (tp2 x dp2 on 4 GPUs, tp2 on 2) with the ranks unbound and each on
+# its own slice of its GPU's NUMA node (`--cpu-bind none|slice`; on a machine of one NUMA node the
+# default, `node`, changes nothing), interleaved over ROUNDS rounds. For each run: the processes'
+# affinity and the cores their threads ran on (sampled once the steps run), the share of CPU time
+# the hypervisor stole, the step times, and from `megascope report --json` the stragglers named and
+# each rank's share of calls at which its device waited for its host. Then, when WHOLE_REPEATS > 0,
+# the collector's cost as whole runs of the ~1.4B model (bench/gpu_trainer.sh PARTS=whole) with
+# WHOLE_VARIANTS (e.g. "default slice:MEGASCOPE_CPU_BIND=slice"). Everything under $OUT
+# (affinity.txt, runs.tar.gz, whole.txt).
 #
 #   OUT=/tmp/o ROUNDS=2 WHOLE_REPEATS=3 WHOLE_LAYOUTS=tpdp bash bench/gpu_affinity.sh   # after gpu_setup.sh
 set -uo pipefail
@@ -33,6 +34,9 @@ for i in range(torch.cuda.device_count()):
     print(f"cuda:{i} {a} local cores {describe(device_cores(a))}")
 PY
   uptime
+  # How far the machine's CPUs differ in speed and slow each other (a rank's host runs as fast as
+  # the CPU its launching thread lands on).
+  $PY bench/smt_probe.py --seconds 0.25
 } >"$R" 2>&1
 
 node_of() {  # core -> NUMA node
