@@ -19,6 +19,7 @@ script wrote, so an operator can switch the collector off or move its output wit
 ``MEGASCOPE_MARKER_AGENT=0``          ``marker_agent=False``
 ``MEGASCOPE_STACKS_AFTER_S=30``       ``stacks_after_s`` (0 turns stack dumps off)
 ``MEGASCOPE_NCCL_FLIGHT_RECORDER=0``  ``nccl_flight_recorder=False``
+``MEGASCOPE_HOST_PROBE_EVERY=10``     ``host_probe_every`` (0 turns the probe off)
 ====================================  ===========================================
 
 Example::
@@ -137,6 +138,13 @@ class CollectorConfig:
     # timeout (torch's TORCH_NCCL_* variables, set only where the job has not set them; they take
     # effect for process groups created after the collector). A second witness for `localize`.
     nccl_flight_recorder: bool = True
+    # Every this many steps the training thread times a fixed loop of pure Python at the step's end
+    # (~0.3 ms) and writes it as the host_loop_ns metric (megascope.schema.HOST_PROBE_METRIC): how
+    # fast the CPU under it is. On shared machines CPUs differ: on 4x H200 virtual machines a busy
+    # loop ran 16-34 M iterations a second depending on the CPU, and 15-47% slower beside another
+    # busy CPU. The analysis tells a rank whose host is slow for its CPU from one doing more work.
+    # 0: off.
+    host_probe_every: int = 10
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "run_dir", Path(self.run_dir))
@@ -163,6 +171,8 @@ class CollectorConfig:
             raise ConfigError(f"comm_sample_microbatches must be >= 0, got {self.comm_sample_microbatches}")
         if self.stacks_after_s is not None and not self.stacks_after_s > 0:
             raise ConfigError(f"stacks_after_s must be > 0 or None, got {self.stacks_after_s}")
+        if self.host_probe_every < 0:
+            raise ConfigError(f"host_probe_every must be >= 0, got {self.host_probe_every}")
         if self.heartbeat_interval_s is not None and not self.heartbeat_interval_s > 0:
             raise ConfigError(f"heartbeat_interval_s must be > 0 or None, got {self.heartbeat_interval_s}")
 
@@ -207,4 +217,6 @@ class CollectorConfig:
         if "MEGASCOPE_NCCL_FLIGHT_RECORDER" in env:
             changes["nccl_flight_recorder"] = env_bool("MEGASCOPE_NCCL_FLIGHT_RECORDER",
                                                         env["MEGASCOPE_NCCL_FLIGHT_RECORDER"])
+        if "MEGASCOPE_HOST_PROBE_EVERY" in env:
+            changes["host_probe_every"] = _env_number("MEGASCOPE_HOST_PROBE_EVERY", env["MEGASCOPE_HOST_PROBE_EVERY"], int)
         return dataclasses.replace(self, **changes) if changes else self

@@ -22,7 +22,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from megascope.schema import COLLECTOR_CALLS_METRIC, COLLECTOR_STAMPS_METRIC, SpanKind
+from megascope.schema import (
+    COLLECTOR_CALLS_METRIC,
+    COLLECTOR_STAMPS_METRIC,
+    HOST_PROBE_LOOPS,
+    HOST_PROBE_METRIC,
+    SpanKind,
+)
 
 if TYPE_CHECKING:
     from megascope.collectors.collector import Collector
@@ -153,6 +159,19 @@ class StepContext(SpanContext):
         # Groups timed in some micro-batches only: how many calls there were (reset at step entry).
         for group, calls in col._sampled_calls.items():
             col._sink.metrics.put((col.rank, self.step, COLLECTOR_CALLS_METRIC + group, float(calls), now))
+        every = col.config.host_probe_every
+        if every and self.step % every == 0:
+            col._sink.metrics.put((col.rank, self.step, HOST_PROBE_METRIC, float(probe_host()), now))
+
+
+def probe_host(loops: int = HOST_PROBE_LOOPS) -> int:
+    """Nanoseconds this thread takes for ``loops`` iterations of a fixed pure-Python loop (about
+    0.3 ms on a current server core): how fast the CPU under it is right now."""
+    start = time.perf_counter_ns()
+    total = 0
+    for i in range(loops):
+        total += i
+    return time.perf_counter_ns() - start
 
 
 class StepLevel:

@@ -186,6 +186,12 @@ COLLECTOR_STAMPS_METRIC = "collector_stamps"
 # collector times in some micro-batches only (CollectorConfig.comm_sample_kinds): the calls issued on
 # it in the step, timed or not. The analysis counts the timed ones' waits for all of them.
 COLLECTOR_CALLS_METRIC = "collector_calls:"
+# A ``metrics`` row per rank every CollectorConfig.host_probe_every steps: nanoseconds the training
+# thread took for HOST_PROBE_LOOPS iterations of a fixed pure-Python loop at the step's end. The same
+# work everywhere, so it says how fast the CPU under that thread was then: a host-bound rank on a
+# slower CPU (another tenant, a busy sibling thread) reads high, one doing more host work does not.
+HOST_PROBE_METRIC = "host_loop_ns"
+HOST_PROBE_LOOPS = 10_000
 
 
 class DiagnosticTest(enum.StrEnum):

@@ -109,8 +109,10 @@ def test_spans_steps_and_metrics_land_in_the_run(tmp_path: Path) -> None:
     r = open_run(run)
     metrics = r.con.sql("SELECT step, name, value FROM metrics WHERE name <> 'collector_stamps' "
                         "ORDER BY name, step").fetchall()
-    assert [m[:2] for m in metrics] == [(0, "loss"), (1, "loss"), (2, "loss"), (0, "lr"), (1, "lr"), (2, "lr")]
-    assert metrics[3][2] == pytest.approx(0.1) and all(m[2] > 0 for m in metrics)
+    # The host probe every 10 steps (CollectorConfig.host_probe_every): at step 0 here.
+    assert [m[:2] for m in metrics] == [(0, "host_loop_ns"), (0, "loss"), (1, "loss"), (2, "loss"), (0, "lr"),
+                                        (1, "lr"), (2, "lr")]
+    assert metrics[4][2] == pytest.approx(0.1) and all(m[2] > 0 for m in metrics)
     # The collector's own footprint per step: two stamps for every span of the step, its own included.
     stamps = r.con.sql("SELECT step, value FROM metrics WHERE name = 'collector_stamps' ORDER BY step").fetchall()
     per_step = [2 * sum(1 for s in spans if s["step"] == step) for step in range(3)]
@@ -150,8 +152,11 @@ def test_a_paused_collector_records_nothing_until_resumed(tmp_path: Path) -> Non
         ("kept", 0), ("world.all_reduce", 0), ("kept-again", 2)]
     assert sorted(r["step"] for r in rows if r["kind"] == "step") == [0, 2]
     con = open_run(run).con
-    assert con.execute("SELECT count(*) FROM metrics WHERE name <> 'collector_stamps'").fetchone() == (0,)
-    assert con.execute("SELECT step FROM metrics ORDER BY step").fetchall() == [(0,), (2,)]  # collector_stamps
+    assert con.execute("SELECT count(*) FROM metrics WHERE name NOT IN ('collector_stamps', 'host_loop_ns')"
+                       ).fetchone() == (0,)
+    assert con.execute("SELECT step FROM metrics WHERE name = 'collector_stamps' ORDER BY step").fetchall() == [
+        (0,), (2,)]
+    assert con.execute("SELECT step FROM metrics WHERE name = 'host_loop_ns'").fetchall() == [(0,)]  # every 10
     assert con.execute("SELECT DISTINCT seq FROM markers").fetchall() == [(0,)]
 
 

@@ -82,7 +82,7 @@ def _check_3d_run_directory(con: object) -> None:
     assert sorted(per_rank) == [(r, 3 * 2) for r in range(8)]  # 3 steps x 2 micro-batches
     assert con.execute("SELECT count(DISTINCT name) FROM spans WHERE name LIKE 'layers.%'").fetchone() == (2,)
     metrics = {m for (m,) in con.execute("SELECT DISTINCT name FROM metrics").fetchall()}
-    assert {"loss", "grad_norm", "lr", "tokens"} <= metrics
+    assert {"loss", "grad_norm", "lr", "tokens", "host_loop_ns"} <= metrics
     # Every collective instance has all its members (each member's arrival recorded).
     incomplete = con.execute("""
         SELECT s."group", s.seq, count(DISTINCT s.rank) AS n, any_value(len(g.members)) AS size

@@ -33,14 +33,18 @@ from megascope.analysis import _sql, persist
 from megascope.analysis.base import has_step_spans, prepare
 from megascope.analysis.pipeline import HOST_BOUND_MIN_CALLS, host_lead
 from megascope.errors import ConfigError
-from megascope.schema import RunSource
+from megascope.schema import HOST_PROBE_METRIC, RunSource
 from megascope.store import Run
 
 COLUMNS = [
     "rank", "host", "coords", "pp", "dp", "tp", "phase", "cause", "slowdown", "steps_slow_frac", "steps",
     "excess_ns", "base_own_ns", "last_arrival_frac", "late_at", "impact",
     "z", "p_value", "confidence", "t_own", "t_blame", "last_z", "spans_share", "t_spans", "device_idle_frac",
+    "cpu_slowdown",
 ]
+# A rank's host probe (megascope.schema.HOST_PROBE_METRIC) is compared with the median rank's only
+# where at least this many ranks wrote at least HOST_PROBE_MIN probes each.
+HOST_PROBE_MIN = 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,7 +177,9 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
     excess own time inside its own compute spans), t_spans (that excess over its noise),
     device_idle_frac (share of its communication calls at which its device was idle, waiting for
     its host; for stragglers named for their compute and timed on a device, else NaN): one at
-    ``LAUNCH_BOUND_FRAC`` or more reads ``host`` (see :func:`_launch_bound`).
+    ``LAUNCH_BOUND_FRAC`` or more reads ``host`` (see :func:`_launch_bound`), and cpu_slowdown
+    (its host probe over the median rank's: how much slower the CPU under its training thread ran
+    a fixed loop; NaN where the run has no probes, see :func:`cpu_slowdown`).
     """
     config = config or StragglerConfig()
     con = run.con
@@ -219,7 +225,28 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
     # slowdown x persistence would put its own wake ahead of it), then impact.
     out["_z"] = out["z"].astype(float).where(out["cause"] != "communication", -np.inf)
     out = out.sort_values(["_z", "impact", "rank"], ascending=[False, False, True], kind="stable")
-    return _launch_bound(run, out)[COLUMNS].reset_index(drop=True)
+    out = _launch_bound(run, out)
+    probe = cpu_slowdown(run)
+    out["cpu_slowdown"] = [probe.get(int(r), np.nan) for r in out["rank"]]
+    return out[COLUMNS].reset_index(drop=True)
+
+
+def cpu_slowdown(run: Run) -> dict[int, float]:
+    """Rank -> its host probe's median over the median rank's (1.0: a CPU as fast as its peers';
+    1.9: its training thread ran the same loop 1.9 times as long). Empty where fewer than two
+    ranks wrote :data:`HOST_PROBE_MIN` probes or more.
+
+    A rank named for its host (its device waiting for its launches) on a CPU as fast as its
+    peers' does more host work than they do (its code, its data loader); on a slower CPU, the
+    machine is the cause: another tenant, a busy thread beside it, a CPU that runs slower."""
+    probes = _sql.query_df(run.con, "stragglers", "host_probe", probe_metric=HOST_PROBE_METRIC)
+    probes = probes[probes["probes"] >= HOST_PROBE_MIN]
+    if len(probes) < 2:
+        return {}
+    middle = float(probes["loop_ns"].median())
+    if not middle > 0:
+        return {}
+    return {int(r): float(v) / middle for r, v in zip(probes["rank"], probes["loop_ns"], strict=True)}
 
 
 def _launch_bound(run: Run, out: pd.DataFrame) -> pd.DataFrame:

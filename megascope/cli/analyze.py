@@ -22,6 +22,10 @@ from megascope.errors import ConfigError, ExportError
 
 # Bounded so a 12,288-rank post-mortem fits next to other work on a small machine.
 MEMORY_LIMIT = "3GB"
+# A host straggler whose host probe took this many times the median rank's ran on a slower CPU; at
+# CPU_SAME or less, on one as fast as its peers'.
+CPU_SLOW = 1.25
+CPU_SAME = 1.10
 
 
 def _open(run_dir: Path) -> Any:
@@ -67,6 +71,14 @@ def _print_report(r: dict[str, Any]) -> None:
                        f"{s['slowdown']:>7.2f}x {100 * s['steps_slow_frac']:>5.0f}% {last:>7}")
         if len(slow) > 20:
             click.echo(f"  ... {len(slow) - 20} more (--json for all)")
+        for s in slow[:20]:
+            cpu = (s.get("evidence") or {}).get("cpu_slowdown")
+            if s["cause"] != "host" or cpu is None or cpu != cpu:  # NaN: no host probes
+                continue
+            verdict = ("a slow or shared CPU, not more work" if cpu >= CPU_SLOW
+                       else "a CPU as fast as its peers': the rank does more host work" if cpu <= CPU_SAME
+                       else "a little slower CPU, not enough to explain it")
+            click.echo(f"  rank {s['rank']}: host probe {cpu:.2f}x the median rank's time: {verdict}")
     else:
         click.echo("STRAGGLERS none")
     w = r.get("whatif")

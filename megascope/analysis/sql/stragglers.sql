@@ -256,3 +256,14 @@ FROM flagged f JOIN ms_cache.rank_info i USING (rank);
 -- How many distinct coordinates the ranks have on the axes a straggler's place is told on.
 -- @column tp, dp, pp  distinct tp, dp and pp coordinates (0 where the run lacks the axis)
 SELECT count(DISTINCT tp) AS tp, count(DISTINCT dp) AS dp, count(DISTINCT pp) AS pp FROM ms_cache.rank_info;
+
+-- @statement host_probe
+-- Each rank's host probe (megascope.schema.HOST_PROBE_METRIC: the training thread timing a fixed
+-- pure-Python loop every few steps): how fast the CPU under it ran. The median over its probes,
+-- so that one probe cut short by the scheduler does not count.
+-- @column rank
+-- @column probes   probes it wrote
+-- @column loop_ns  their median, nanoseconds
+SELECT rank, count(*) AS probes, median(value) AS loop_ns
+FROM metrics WHERE name = '{{probe_metric}}' AND value > 0
+GROUP BY rank ORDER BY rank;
