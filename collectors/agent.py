@@ -34,7 +34,6 @@ import time
 from pathlib import Path
 
 import pyarrow as pa
-from megascope.collectors.buffers import rows_to_table
 from megascope.collectors.ring import RingReader
 
 from megascope import layout, schema
@@ -94,10 +93,9 @@ class Agent:
 
     def drain(self) -> int:
         """Write what the ring holds as one markers part; the number of rows written."""
-        rows = self.reader.read()
-        if not rows:
+        data = self.reader.read_table()
+        if not data.num_rows:
             return 0
-        data = rows_to_table(rows, schema.MARKERS)
         try:
             layout.write_part(self.run_dir, "markers", data, rank=self.rank, run_id=self.run_id)
         except OSError as exc:
@@ -107,7 +105,7 @@ class Agent:
                             self.rank, self.run_dir, exc)
             return 0
         self.reader.commit()
-        return len(rows)
+        return data.num_rows
 
     def alive(self, value: float, text: str | None = None) -> None:
         lost = self.reader.lost

@@ -142,17 +142,15 @@ class AgentLink:
 
 def write_ring(ring: MarkerRing, run_dir: Path, rank: int, *, run_id: str | None = None) -> int:
     """Write the ring's unconsumed markers as one part from this process; rows written."""
-    from megascope.collectors.buffers import rows_to_table
-
-    from megascope import layout, schema
+    from megascope import layout
 
     reader = RingReader(fd=ring.fileno(), rank=rank)  # the agent may have unlinked the name
     try:
-        rows = reader.read()
-        if rows:
-            layout.write_part(run_dir, "markers", rows_to_table(rows, schema.MARKERS), rank=rank, run_id=run_id)
+        data = reader.read_table()
+        if data.num_rows:
+            layout.write_part(run_dir, "markers", data, rank=rank, run_id=run_id)
             reader.commit()
-        return len(rows)
+        return data.num_rows
     finally:
         reader.close()
 

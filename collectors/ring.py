@@ -43,9 +43,12 @@ import tempfile
 import threading
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megascope.schema import MarkerState
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 MAGIC = b"MSRING01"
 _HEADER = struct.Struct("<8sIIII")  # magic, capacity, record size, strings size, spare
@@ -54,6 +57,9 @@ WRITTEN_AT, STRINGS_USED_AT, CONSUMED_AT, FLUSHES_AT, LOST_AT = 24, 32, 40, 48, 
 HEADER_BYTES = 64
 STRINGS_BYTES = 64 * 1024
 RECORD = struct.Struct("<qqqqiiHBBxxxx")  # 48 bytes
+# The same record as numpy fields (RingReader.read_table).
+_RECORD_FIELDS = [("seq", "<i8"), ("time_ns", "<i8"), ("step", "<i8"), ("bytes", "<i8"), ("peer", "<i4"),
+                  ("gid", "<i4"), ("oid", "<u2"), ("sid", "u1"), ("flags", "u1"), ("pad", "V4")]
 _LEN = struct.Struct("<H")
 STATES = tuple(s.value for s in MarkerState)
 _STATE_ID = {s: i for i, s in enumerate(STATES)}
@@ -261,8 +267,62 @@ class RingReader:
         _COUNTER.pack_into(self._map, LOST_AT, self.lost)
         return rows
 
+    def read_table(self) -> pa.Table:
+        """The rows :meth:`read` would return, as a ``markers`` table built column by column (numpy
+        over the records, no Python object per row: ~10x less CPU than ``read`` and
+        ``rows_to_table``); :meth:`read`'s rows where numpy is missing."""
+        import pyarrow as pa
+
+        from megascope import schema
+
+        try:
+            import numpy as np
+        except ImportError:  # a minimal install: the row path
+            from megascope.collectors.buffers import rows_to_table
+
+            return rows_to_table(self.read(), schema.MARKERS)
+        written = self._counter(WRITTEN_AT)
+        start = self._counter(CONSUMED_AT)
+        if written - start > self.capacity:
+            self.lost += written - start - self.capacity
+            start = written - self.capacity
+        self._load_strings()
+        cap, size, base = self.capacity, RECORD.size, self._base
+        first, count = start % cap, written - start
+        head = min(count, cap - first)
+        dtype = np.dtype(_RECORD_FIELDS)
+        view = np.frombuffer(self._map, dtype=dtype, count=head, offset=base + first * size)
+        records = np.concatenate([view, np.frombuffer(self._map, dtype=dtype, count=count - head, offset=base)])
+        del view  # no export of the map may outlive this call (close() could not unmap it)
+        # A writer that lapped the ring while these were copied may have overwritten the oldest.
+        overwritten = self._counter(WRITTEN_AT) - cap - start
+        if overwritten > 0:
+            self.lost += min(overwritten, len(records))
+            records = records[overwritten:]
+        strings = self._strings
+        valid = ((records["gid"] >= 0) & (records["gid"] < len(strings)) & (records["oid"] < len(strings))
+                 & (records["sid"] < len(STATES)))
+        self.lost += int(len(valid) - np.count_nonzero(valid))
+        records = records[valid]
+        names = pa.array(strings, pa.string())
+        flags = records["flags"]
+        data = pa.table({
+            "rank": pa.array(np.full(len(records), self.rank, dtype=np.int32)),
+            "group": names.take(pa.array(records["gid"])),
+            "seq": pa.array(records["seq"]),
+            "op": names.take(pa.array(records["oid"].astype(np.int32))),
+            "state": pa.array(STATES, pa.string()).take(pa.array(records["sid"].astype(np.int32))),
+            "time_ns": pa.array(records["time_ns"]),
+            "step": pa.array(records["step"].astype(np.int32), mask=(flags & _HAS_STEP) == 0),
+            "bytes": pa.array(records["bytes"], mask=(flags & _HAS_BYTES) == 0),
+            "peer": pa.array(records["peer"], mask=(flags & _HAS_PEER) == 0),
+        }, schema=schema.MARKERS)
+        self._pending_commit = written
+        _COUNTER.pack_into(self._map, LOST_AT, self.lost)
+        return data
+
     def commit(self) -> None:
-        """The rows of the last ``read`` are on disk."""
+        """The rows of the last ``read`` (or ``read_table``) are on disk."""
         if self._pending_commit is not None:
             _COUNTER.pack_into(self._map, CONSUMED_AT, self._pending_commit)
             self._pending_commit = None

@@ -60,6 +60,39 @@ def test_a_reader_behind_by_more_than_the_ring_counts_what_it_lost(tmp_path: Pat
     ring.close()
 
 
+@pytest.mark.parametrize("numpy_missing", [False, True])
+def test_the_ring_read_as_a_table_holds_the_same_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     numpy_missing: bool) -> None:
+    """Column by column (numpy) or row by row (a minimal install without numpy): the rows
+    ``read`` gives, nulls, order and wrap-around included, and the same count of lost rows."""
+    if numpy_missing:
+        monkeypatch.setitem(sys.modules, "numpy", None)  # ``import numpy`` raises ImportError
+    ring = MarkerRing.create(capacity=16, directory=str(tmp_path))
+    rows = [(3, f"tp:{seq % 3}", seq, "all_reduce" if seq % 4 else "send", "enqueued" if seq % 2 else "completed",
+             100 + seq, None if seq % 5 == 0 else seq // 4, None if seq % 3 == 0 else 4096 * seq,
+             7 if seq % 4 == 0 else None) for seq in range(12)]
+    for row in rows:
+        ring.put(row)
+    reader = RingReader(ring.path, rank=3)
+    table = reader.read_table()
+    assert table.schema == MARKERS
+    assert [tuple(r.values()) for r in table.to_pylist()] == rows
+    reader.commit()
+    assert reader.read_table().num_rows == 0
+    # Past the ring's end (records 12-15, then 0-5 again), then a reader 40 rows behind a ring of 16.
+    more = [(3, "dp:0", seq, "all_gather", "enqueued", 200 + seq, 1, 8, None) for seq in range(12, 22)]
+    for row in more:
+        ring.put(row)
+    assert [tuple(r.values()) for r in reader.read_table().to_pylist()] == more
+    for seq in range(22, 52):
+        ring.put((3, "dp:0", seq, "all_gather", "enqueued", seq, 1, 8, None))
+    lapped = RingReader(ring.path, rank=3)
+    assert [r["seq"] for r in lapped.read_table().to_pylist()] == list(range(36, 52)) and lapped.lost == 24
+    for r in (reader, lapped):
+        r.close()
+    ring.close()
+
+
 def test_a_full_string_table_refuses_and_counts(tmp_path: Path) -> None:
     ring = MarkerRing.create(capacity=4, directory=str(tmp_path))
     accepted = sum(ring.put((0, f"g{i:0>1000}", 0, "all_reduce", "enqueued", 0, None, None, None))
