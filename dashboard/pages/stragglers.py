@@ -18,10 +18,10 @@ from megascope.dashboard.shell import served_from
 from megascope.topology import format_coords
 
 COLUMNS = ("rank", "host", "coords", "cause", "phase", "slowdown", "steps_slow_frac", "last_arrival_frac",
-           "late_at")
+           "late_at", "cpu_slowdown")
 NAMES = {"steps_slow_frac": "steps slow", "slowdown": "own time vs peers",
          "last_arrival_frac": "collectives it arrives last at", "late_at": "last at (group)",
-         "phase": "where (largest excess)"}
+         "phase": "where (largest excess)", "cpu_slowdown": "its CPU vs the median rank's (host probe)"}
 
 
 def shown_frame(frame: Any) -> Any:
@@ -32,8 +32,9 @@ def shown_frame(frame: Any) -> Any:
     for column in ("steps_slow_frac", "last_arrival_frac"):
         if column in out:
             out[column] = [f"{100 * float(v):.0f}%" if v == v and v is not None else "" for v in out[column]]
-    if "slowdown" in out:
-        out["slowdown"] = [f"x{float(v):.2f}" if v == v and v is not None else "" for v in out["slowdown"]]
+    for column in ("slowdown", "cpu_slowdown"):
+        if column in out:
+            out[column] = [f"x{float(v):.2f}" if v == v and v is not None else "" for v in out[column]]
     return out
 
 
