@@ -135,7 +135,8 @@ def test_report_json_carries_confidence_and_evidence(tmp_path: Path) -> None:
     assert set(first["evidence"]) == {"z", "own_time_t", "wait_caused_t", "last_arrival_z", "compute_span_share",
                                       "compute_span_t", "device_idle_frac", "cpu_slowdown"}
     assert first["evidence"]["last_arrival_z"] > 0 and first["evidence"]["wait_caused_t"] > 0
-    assert np.isnan(first["evidence"]["cpu_slowdown"])  # this run's ranks wrote no host probes
+    cpu = first["evidence"]["cpu_slowdown"]
+    assert cpu is None or np.isnan(cpu)  # this run's ranks wrote no host probes
     assert 0.0 <= first["p_value"] < 0.01 and first["confidence"] == pytest.approx(1 - first["p_value"])
 
 
