@@ -136,7 +136,10 @@ def score(r: dict[str, Any], path: Path) -> dict[str, Any]:
     hung = bool(res["hang"].get("hung"))
     suspects = [s["rank"] for s in res["hang"].get("suspects", [])] if hung else []
     kind, want = r["kind"], r["rank"]
-    out: dict[str, Any] = {"named": named, "hung": hung, "suspects": suspects[:3],
+    # Each named rank's host probe against the median rank's (None where the run has none): a rank
+    # named on a CPU 1.25x slower or more was slowed by the machine, planted or not.
+    cpu = {s["rank"]: _number((s.get("evidence") or {}).get("cpu_slowdown")) for s in res["stragglers"]}
+    out: dict[str, Any] = {"named": named, "named_cpu": [cpu[n] for n in named], "hung": hung, "suspects": suspects[:3],
                            "cause": first["cause"] if first else None,
                            "confidence": first.get("confidence") if first else None}
     out.update(measured(run, want))
@@ -153,6 +156,10 @@ def score(r: dict[str, Any], path: Path) -> dict[str, Any]:
         out["cause_right"] = out["first_right"]
         out["false"] = named + (["hang"] if hung else [])
     return out
+
+
+def _number(value: Any) -> float | None:
+    return None if value is None or value != value else round(float(value), 3)
 
 
 def measured(run: Any, planted: int | None) -> dict[str, Any]:
@@ -207,18 +214,31 @@ def table(rows: list[dict[str, Any]]) -> str:
     order: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         order.setdefault(level(r), []).append(r)
-    lines = ["| fault | runs | named first | right cause | other ranks named | another rank measured slower "
-             "than the planted one | load (1 min), median / max | other processes' cores during the run, median / max |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| fault | runs | named first | right cause | other ranks named | of them on a CPU 1.25x slower or more "
+             "(host probe) | another rank measured slower than the planted one | load (1 min), median / max | other "
+             "processes' cores during the run, median / max |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, group in order.items():
         ok = [g for g in group if "first_right" in g]
         loads = sorted(g["load"] for g in group)
         lines.append(f"| {name} | {len(group)} | {sum(g['first_right'] for g in ok)}/{len(group)} | "
                      f"{sum(g['cause_right'] for g in ok)}/{len(group)} | "
-                     f"{sum(bool(g['false']) for g in ok)} | {_overshadowed(group)} | "
+                     f"{sum(bool(g['false']) for g in ok)} | {_slow_cpu(ok)} | {_overshadowed(group)} | "
                      f"{loads[len(loads) // 2]:.1f} / {loads[-1]:.1f} | "
                      f"{_median_max(group, 'other_cores')} |")
     return "\n".join(lines)
+
+
+def _slow_cpu(group: list[dict[str, Any]]) -> str:
+    """Runs whose wrongly named ranks all sat on a CPU 1.25x slower than the median rank's or more
+    (the collector's host probe), or "-" where no run named a wrong rank or none has probes."""
+    wrong = [g for g in group if g["false"] and any(f != "hang" for f in g["false"])]
+    probed = [g for g in wrong if "named_cpu" in g and any(c is not None for c in g["named_cpu"])]
+    if not probed:
+        return "-"
+    slow = [g for g in probed if all((dict(zip(g["named"], g["named_cpu"], strict=True)).get(f) or 0) >= 1.25
+                                     for f in g["false"] if f != "hang")]
+    return f"{len(slow)}/{len(probed)}"
 
 
 def _overshadowed(group: list[dict[str, Any]]) -> str:
