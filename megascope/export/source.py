@@ -37,6 +37,9 @@ DEFAULT_CHUNK_ROWS = 400_000
 # Rows of a compacted run's row groups kept decoded for the blocks after (at least four chunks):
 # a step-sorted file of a 1,024-rank run holds every rank in each row group.
 READ_AHEAD_ROWS = 1_600_000
+# Rows of one file's row groups read in one call at most (a row group per kind of each step): no
+# more than a row group of the old layout, so that a kept slice holds as much memory as before.
+READ_ROWS = 131_072
 
 _COLUMNS = ["rank", "step", "name", "kind", "stream", "start_ns", "dur_ns", "microbatch", "chunk",
             "group", "seq", "op", "bytes", "peer"]
@@ -308,9 +311,30 @@ class _CompactedReader:
             counts += np.bincount(rank - self.lo, minlength=len(counts))
         return counts
 
-    def read(self, group: _Group) -> tuple[pa.Table, npt.NDArray[np.int64]]:
-        """The group's selected rows in rank order (stable), and their ranks."""
-        table = _conform(group.file.read_row_group(group.index, columns=_COLUMNS, use_threads=False), _COLUMNS)
+    def read(self, groups: list[_Group]) -> list[tuple[pa.Table, npt.NDArray[np.int64]]]:
+        """Each group's selected rows in rank order (stable), and their ranks.
+
+        Groups of one file are read together, up to READ_ROWS rows a read: a compacted spans file
+        has a row group per kind of each step, many of them small, and each read has a fixed cost."""
+        tables: dict[int, pa.Table] = {}
+        batch: list[_Group] = []
+        for group in [*groups, None]:
+            rows = sum(g.file.metadata.row_group(g.index).num_rows for g in batch)
+            if batch and (group is None or group.file is not batch[0].file
+                          or rows + group.file.metadata.row_group(group.index).num_rows > READ_ROWS):
+                table = _conform(batch[0].file.read_row_groups([g.index for g in batch], columns=_COLUMNS,
+                                                               use_threads=False), _COLUMNS)
+                offset = 0
+                for g in batch:
+                    n = g.file.metadata.row_group(g.index).num_rows
+                    tables[id(g)] = table.slice(offset, n)
+                    offset += n
+                batch = []
+            if group is not None:
+                batch.append(group)
+        return [self._ordered(tables[id(g)]) for g in groups]
+
+    def _ordered(self, table: pa.Table) -> tuple[pa.Table, npt.NDArray[np.int64]]:
         keep = self._keep(table)
         if keep is not None:
             table = table.filter(pa.array(keep))
@@ -370,14 +394,15 @@ def _iter_compacted_files(paths: list, resolved: Resolved, chunk_rows: int, corr
     kept_rows = 0
     for a, b in blocks:
         pieces = []
-        for g, group in enumerate(reader.groups):
-            if group.ranks[1] < a or group.ranks[0] > b:
-                continue
+        needed = [g for g, group in enumerate(reader.groups) if group.ranks[1] >= a and group.ranks[0] <= b]
+        unread = [g for g in needed if g not in kept]
+        fresh = dict(zip(unread, reader.read([reader.groups[g] for g in unread]), strict=True))
+        for g in needed:
             if g in kept:
                 table, rank, size = kept.pop(g)
                 kept_rows -= size
             else:
-                table, rank = reader.read(group)
+                table, rank = fresh.pop(g)
                 size = len(rank)
             i = int(np.searchsorted(rank, a, side="left"))
             j = int(np.searchsorted(rank, b, side="right"))
