@@ -5,8 +5,8 @@ one part per rank per flush interval; at 12,288 ranks that is ~100k files after 
 every reader pays per file. Compaction merges each table's parts into files of up to
 :data:`FILE_ROWS` rows under ``compacted/<table>/``, sorted for the questions asked of each table
 (markers and metrics by step, then rank; spans by step, then kind, then rank), with row groups cut
-at step boundaries (spans: at every (step, kind)) so that a step range, a rank range or one kind of
-span reads only its row groups. Depends on pyarrow and the standard library
+at step boundaries (spans: also wherever the kind changes) so that a step range, a rank range or
+one kind of span reads only its row groups. Depends on pyarrow and the standard library
 only: the bundled trainer's launcher runs it at the end of a job without the analysis extra.
 
 One pass, and why a reader never sees half of it (docs/run-directory.md, "Compaction"):
@@ -659,13 +659,8 @@ def _bands(counts: np.ndarray) -> np.ndarray:
 
 
 def _codes(column: pa.ChunkedArray) -> np.ndarray:
-    """Integer keys of a sorted column, equal where its values are, nulls last (as sorted); for a
-    string column, not in the column's order."""
-    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
-        column = pc.dictionary_encode(column.combine_chunks()).indices
-    filled = pc.fill_null(column.cast(pa.int64()), np.iinfo(np.int64).max)
-    if isinstance(filled, pa.ChunkedArray):
-        filled = filled.combine_chunks()
+    """Integer keys of a sorted column, nulls last (as sorted)."""
+    filled = pc.fill_null(column.cast(pa.int64()), np.iinfo(np.int64).max).combine_chunks()
     return np.asarray(filled.to_numpy(zero_copy_only=False), dtype=np.int64)
 
 
