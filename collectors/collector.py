@@ -56,7 +56,6 @@ from megascope.schema import (
     RANKS,
     CollectiveOp,
     GroupKind,
-    MarkerState,
     RunMeta,
     RunSource,
     SpanKind,
@@ -69,7 +68,6 @@ log = logging.getLogger(__name__)
 _COMM_KINDS = frozenset({SpanKind.COLLECTIVE.value, SpanKind.SEND.value, SpanKind.RECV.value})
 _HOST_KINDS = frozenset({SpanKind.HOST.value, SpanKind.DATA.value})
 _KINDS = frozenset(k.value for k in SpanKind)
-_ENQUEUED = MarkerState.ENQUEUED.value
 _SEND = SpanKind.SEND.value
 _RECV = SpanKind.RECV.value
 
@@ -455,15 +453,6 @@ class Collector:
         self._untimed_calls += 1
 
     # ------------------------------------------------------------------ communication
-    def _next_seq(self, key: Any) -> int:
-        seq = self._seqs.get(key, 0)
-        self._seqs[key] = seq + 1
-        return seq
-
-    def _enqueue_marker(self, h: CommHandle) -> None:
-        # MARKER_ROW (megascope.collectors.buffers)
-        self._sink.markers.put((self.rank, h.group, h.seq, h.op, _ENQUEUED, time.time_ns(), h.step, h.bytes, h.peer))
-
     def comm_begin(self, op: CollectiveOp | str, group: str = "world", bytes: int | None = None,
                    kind: SpanKind | str = SpanKind.COLLECTIVE, peer: int | None = None, stream: Any = None,
                    name: str | None = None) -> Any:
@@ -494,15 +483,16 @@ class Collector:
                     timed = (mb - (self._step or 0)) % self._sample_every == 0
                 else:
                     timed = mb in self._sample_mbs
+            seqs = self._seqs
+            seq_key: Any = group
             if kind_s == _SEND:
-                seq = self._next_seq((group, self.rank, peer))
+                seq_key = (group, self.rank, peer)
             elif kind_s == _RECV:
-                seq = self._next_seq((group, peer, self.rank))
-            else:
-                seq = self._next_seq(group)
-            return CommHandle(self, name=name, kind=kind_s, label=label, group=group, seq=seq, op=op_s,
-                              nbytes=None if bytes is None else int(bytes), peer=peer, stream=record_on,
-                              timed=timed)
+                seq_key = (group, peer, self.rank)
+            seq = seqs.get(seq_key, 0)
+            seqs[seq_key] = seq + 1
+            return CommHandle(self, name, kind_s, label, group, seq, op_s, None if bytes is None else int(bytes), peer,
+                              record_on, timed)
         except Exception:
             self._internal_error("comm begin")
             return NOOP

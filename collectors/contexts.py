@@ -27,8 +27,11 @@ from megascope.schema import (
     COLLECTOR_STAMPS_METRIC,
     HOST_PROBE_LOOPS,
     HOST_PROBE_METRIC,
+    MarkerState,
     SpanKind,
 )
+
+_ENQUEUED = MarkerState.ENQUEUED.value
 
 if TYPE_CHECKING:
     from megascope.collectors.collector import Collector
@@ -202,8 +205,10 @@ class CommHandle:
     __slots__ = ("_col", "_token", "_anchor", "_done", "_wait", "_timed", "stream", "step", "name", "kind", "label",
                  "group", "seq", "op", "bytes", "peer", "microbatch", "chunk")
 
-    def __init__(self, col: Collector, *, name: str, kind: str, label: str, group: str, seq: int, op: str,
+    def __init__(self, col: Collector, name: str, kind: str, label: str, group: str, seq: int, op: str,
                  nbytes: int | None, peer: int | None, stream: Any, timed: bool = True) -> None:
+        # The training thread's hot path: every communication call builds one (positional arguments,
+        # the marker put straight into the queue).
         self._col = col
         self.name = name
         self.kind = kind
@@ -214,13 +219,14 @@ class CommHandle:
         self.bytes = nbytes
         self.peer = peer
         self.stream = stream
-        self.step = col._step
+        self.step = step = col._step
         self.microbatch = col._microbatch
         self.chunk = col._chunk
         self._done = False
         self._wait: Any = None
         self._timed = timed
-        col._enqueue_marker(self)
+        # MARKER_ROW (megascope.collectors.buffers)
+        col._sink.markers.put((col.rank, group, seq, op, _ENQUEUED, time.time_ns(), step, nbytes, peer))
         if not timed:  # markers only (config.comm_sample_kinds)
             self._anchor = self._token = None
             return
