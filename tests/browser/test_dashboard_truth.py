@@ -233,7 +233,8 @@ def test_live_trainer_run_raises_no_hang_and_ends_finished(tmp_path: Path, drive
             alerts = driver.find_element(By.ID, ids.OVERVIEW_ALERTS).text
             assert not any(word in alerts for word in ("HANG", "STALLED", "FAILED")), alerts
             # What the job wrote while starting (ranks without data yet) is no problem once it ran.
-            assert driver.find_elements(By.CSS_SELECTOR, f"#{ids.PROBLEMS} details") == []
+            problems = driver.find_elements(By.CSS_SELECTOR, f"#{ids.PROBLEMS} details")
+            assert problems == [], [p.get_attribute("textContent") for p in problems]
             _no_errors(driver)
     finally:
         if job.poll() is None:
