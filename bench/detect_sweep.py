@@ -236,7 +236,10 @@ def _slow_cpu(group: list[dict[str, Any]]) -> str:
     probed = [g for g in wrong if "named_cpu" in g and any(c is not None for c in g["named_cpu"])]
     if not probed:
         return "-"
-    slow = [g for g in probed if all((dict(zip(g["named"], g["named_cpu"], strict=True)).get(f) or 0) >= 1.25
+    # The bar at which `megascope report` says "a slow or shared CPU".
+    from megascope.cli.analyze import CPU_SLOW
+
+    slow = [g for g in probed if all((dict(zip(g["named"], g["named_cpu"], strict=True)).get(f) or 0) >= CPU_SLOW
                                      for f in g["false"] if f != "hang")]
     return f"{len(slow)}/{len(probed)}"
 

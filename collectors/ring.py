@@ -238,22 +238,11 @@ class RingReader:
 
     def read(self, limit: int | None = None) -> list[tuple[Any, ...]]:
         """Markers rows put since the last commit (at most ``limit``), oldest first."""
-        written = self._counter(WRITTEN_AT)
-        start = self._counter(CONSUMED_AT)
-        if written - start > self.capacity:
-            self.lost += written - start - self.capacity
-            start = written - self.capacity
+        start, written = self._window()
         end = written if limit is None else min(written, start + limit)
-        self._load_strings()
-        raw = []
         cap, size, base = self.capacity, RECORD.size, self._base
-        for n in range(start, end):
-            raw.append(RECORD.unpack_from(self._map, base + (n % cap) * size))
-        # A writer that lapped the ring while these were copied may have overwritten the oldest.
-        overwritten = self._counter(WRITTEN_AT) - cap - start
-        if overwritten > 0:
-            self.lost += min(overwritten, len(raw))
-            raw = raw[overwritten:]
+        raw = [RECORD.unpack_from(self._map, base + (n % cap) * size) for n in range(start, end)]
+        raw = raw[self._lapped(start, len(raw)):]
         strings, rank = self._strings, self.rank
         rows = []
         for seq, time_ns, step, nbytes, peer, gid, oid, sid, flags in raw:
@@ -263,8 +252,7 @@ class RingReader:
             rows.append((rank, strings[gid], seq, strings[oid], STATES[sid], time_ns,
                          step if flags & _HAS_STEP else None, nbytes if flags & _HAS_BYTES else None,
                          peer if flags & _HAS_PEER else None))
-        self._pending_commit = end
-        _COUNTER.pack_into(self._map, LOST_AT, self.lost)
+        self._read_to(end)
         return rows
 
     def read_table(self) -> pa.Table:
@@ -282,12 +270,7 @@ class RingReader:
             from megascope.collectors.buffers import rows_to_table
 
             return rows_to_table(self.read(), schema.MARKERS)
-        written = self._counter(WRITTEN_AT)
-        start = self._counter(CONSUMED_AT)
-        if written - start > self.capacity:
-            self.lost += written - start - self.capacity
-            start = written - self.capacity
-        self._load_strings()
+        start, written = self._window()
         cap, size, base = self.capacity, RECORD.size, self._base
         first, count = start % cap, written - start
         head = min(count, cap - first)
@@ -295,11 +278,7 @@ class RingReader:
         view = np.frombuffer(self._map, dtype=dtype, count=head, offset=base + first * size)
         records = np.concatenate([view, np.frombuffer(self._map, dtype=dtype, count=count - head, offset=base)])
         del view  # no export of the map may outlive this call (close() could not unmap it)
-        # A writer that lapped the ring while these were copied may have overwritten the oldest.
-        overwritten = self._counter(WRITTEN_AT) - cap - start
-        if overwritten > 0:
-            self.lost += min(overwritten, len(records))
-            records = records[overwritten:]
+        records = records[self._lapped(start, len(records)):]
         strings = self._strings
         valid = ((records["gid"] >= 0) & (records["gid"] < len(strings)) & (records["oid"] < len(strings))
                  & (records["sid"] < len(STATES)))
@@ -318,9 +297,31 @@ class RingReader:
             "bytes": pa.array(records["bytes"], mask=(flags & _HAS_BYTES) == 0),
             "peer": pa.array(records["peer"], mask=(flags & _HAS_PEER) == 0),
         }, schema=schema.MARKERS)
-        self._pending_commit = written
-        _COUNTER.pack_into(self._map, LOST_AT, self.lost)
+        self._read_to(written)
         return data
+
+    def _window(self) -> tuple[int, int]:
+        """(first record not yet consumed, records written); the records a reader more than the
+        ring behind can no longer have count as lost. Loads the strings put since the last read."""
+        written = self._counter(WRITTEN_AT)
+        start = self._counter(CONSUMED_AT)
+        if written - start > self.capacity:
+            self.lost += written - start - self.capacity
+            start = written - self.capacity
+        self._load_strings()
+        return start, written
+
+    def _lapped(self, start: int, copied: int) -> int:
+        """How many of the ``copied`` records from ``start`` a writer that lapped the ring while
+        they were copied may have overwritten (the oldest); counted as lost."""
+        overwritten = min(max(self._counter(WRITTEN_AT) - self.capacity - start, 0), copied)
+        self.lost += overwritten
+        return overwritten
+
+    def _read_to(self, end: int) -> None:
+        """The last read reached ``end``: :meth:`commit` moves ``consumed`` there; the lost count is shared."""
+        self._pending_commit = end
+        _COUNTER.pack_into(self._map, LOST_AT, self.lost)
 
     def commit(self) -> None:
         """The rows of the last ``read`` (or ``read_table``) are on disk."""
