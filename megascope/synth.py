@@ -604,11 +604,15 @@ def synth_run(out: Path | str, cfg: SynthConfig, *, progress: Callable[[int, int
     return stats
 
 
-def _simulate(cfg: SynthConfig, tmp: Path, stats: SynthStats, progress: Callable[[int, int], None] | None) -> SynthStats:
-    """Simulate ``cfg`` into the staging directory ``tmp``."""
+def _run_id(cfg: SynthConfig) -> str:
     # The same arguments give the same id (and bytes); any other argument, a fault too, another id.
     digest = hashlib.sha1(repr(cfg).encode()).hexdigest()[:10]
-    run_id = f"synth-{cfg.ranks}r-{cfg.steps}s-seed{cfg.seed}-{digest}"
+    return f"synth-{cfg.ranks}r-{cfg.steps}s-seed{cfg.seed}-{digest}"
+
+
+def _simulate(cfg: SynthConfig, tmp: Path, stats: SynthStats, progress: Callable[[int, int], None] | None) -> SynthStats:
+    """Simulate ``cfg`` into the staging directory ``tmp``."""
+    run_id = _run_id(cfg)
     sim = _Sim(cfg)
     mrng = np.random.default_rng(cfg.seed + 1)
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
@@ -638,7 +642,12 @@ def _simulate(cfg: SynthConfig, tmp: Path, stats: SynthStats, progress: Callable
             metrics = pa.concat_tables(metric_tables)
             stats.metrics = metrics.num_rows
             stats.files += _write_by_rank(pool, tmp, "metrics", metrics, run_id)
-    meta = RunMeta(
+    layout.write_run_meta(tmp, _run_meta(cfg, sim, run_id))
+    return stats
+
+
+def _run_meta(cfg: SynthConfig, sim: _Sim, run_id: str) -> RunMeta:
+    return RunMeta(
         run_id=run_id,
         source=RunSource.SYNTH,
         world_size=cfg.ranks,
@@ -660,5 +669,53 @@ def _simulate(cfg: SynthConfig, tmp: Path, stats: SynthStats, progress: Callable
             }
         },
     )
-    layout.write_run_meta(tmp, meta)
-    return stats
+
+
+class LiveSynth:
+    """A synthetic job written step by step, as the collector writes a live run: ``run.json``,
+    ``ranks`` and ``groups`` when it starts, then per :meth:`write_step` (one flush of a job that
+    flushes once a step) one spans part with its step sums twin, one markers part and, on the
+    ranks that log metrics, one metrics part, per rank. What live readers (the dashboard's
+    refresh, ``bench/live_refresh.py``) are measured and tested against.
+
+    Example::
+
+        job = LiveSynth("runs/live", SynthConfig(ranks=64, steps=1000, tp=4, pp=4))
+        job.write_step()          # step 0: 64 spans parts, 64 twins, 64 markers parts, ...
+    """
+
+    def __init__(self, out: Path | str, cfg: SynthConfig, *, threads: int = 2) -> None:
+        self.out = layout.prepare_run_dir(out)
+        self.cfg = cfg
+        self.run_id = _run_id(cfg)
+        self.step = 0
+        self._sim = _Sim(cfg)
+        self._clock = np.zeros(self._sim.shape)
+        self._mrng = np.random.default_rng(cfg.seed + 1)
+        self._pool = ThreadPoolExecutor(max_workers=max(1, threads))
+        layout.write_run_meta(self.out, _run_meta(cfg, self._sim, self.run_id))
+        _static_tables(self._sim, self.out, self._pool, self.run_id)
+
+    def write_step(self, steps: int = 1) -> int:
+        """Simulate the next ``steps`` steps and write them as one flush (a part per rank and
+        table); returns the number of files written."""
+        sim = self._sim
+        metrics = []
+        for _ in range(steps):
+            if self.step >= self.cfg.steps or not np.isfinite(self._clock).all():
+                raise ConfigError(f"{self.out}: the job has ended (step {self.step} of {self.cfg.steps})")
+            self._clock = sim.step(self.step, self._clock)
+            table = _metrics(sim, self.step, self._clock, self._mrng)
+            if table is not None:
+                metrics.append(table)
+            self.step += 1
+        files = _write_by_rank(self._pool, self.out, "spans", _span_table(sim.spans.take(), sim.group_names),
+                               self.run_id) * 2
+        files += _write_by_rank(self._pool, self.out, "markers", _marker_table(sim.markers.take(), sim.group_names),
+                                self.run_id)
+        if metrics:
+            files += _write_by_rank(self._pool, self.out, "metrics", pa.concat_tables(metrics), self.run_id)
+        return files
+
+    def close(self) -> None:
+        self._pool.shutdown()

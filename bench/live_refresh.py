@@ -1,0 +1,136 @@
+"""The dashboard's live refresh against a job writing one part per rank per tick.
+
+A synthetic job (``megascope.synth.LiveSynth``: the collector's layout, one spans part with its
+step sums twin, one markers part and, on the ranks that log metrics, one metrics part per rank and
+step) is written tick by tick; after each tick (one second of a job flushing every second) the
+refresh is timed (``--steps-per-part K``: each part holds K steps, a writer flushing every K
+seconds; a tick is then K seconds of the job), wall clock and CPU of this process (DuckDB's threads included):
+
+* ``current``: what the dashboard's watcher does today: ``ServedRun.poll()`` (the partition
+  directories' times, then ``Run.refresh()``: the store's views rebuilt) and the results it
+  precomputes for the overview, topology and ``/metrics`` (``data.WARM``: MFU per step, hang
+  localization, run state, stragglers, rank states, loss), each timed;
+* ``live``: :class:`megascope.live.StepSumsTail`: the new twins listed and read, their sums kept.
+
+Writing is not timed. The target (issue 23): each tick's refresh costs under one second of this
+machine's time, and the files read per refresh do not grow with the run's length.
+
+    python bench/live_refresh.py --ranks 1024 --ticks 12 --work /tmp/live --paths current,live
+    python bench/live_refresh.py --ranks 12288 --ticks 4 --work /tmp/live --paths live
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from megascope.live import StepSumsTail
+from megascope.synth import LiveSynth, SynthConfig
+
+
+def _load() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, float, Any]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    value = fn()
+    return time.perf_counter() - wall, time.process_time() - cpu, value
+
+
+def _files(run: Path) -> int:
+    return sum(len(files) for _, _, files in os.walk(run))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=1024)
+    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--pp", type=int, default=8)
+    parser.add_argument("--ticks", type=int, default=10)
+    parser.add_argument("--paths", default="current,live", help="comma-separated: current, live")
+    parser.add_argument("--work", type=Path, required=True, help="directory for the run (replaced)")
+    parser.add_argument("--json", type=Path, help="append one JSON line per tick here")
+    parser.add_argument("--write-threads", type=int, default=2)
+    parser.add_argument("--steps-per-part", type=int, default=1,
+                        help="steps (seconds of the job) each rank's part holds: a writer flushing less often")
+    args = parser.parse_args()
+    paths = set(args.paths.split(","))
+    run = args.work / f"live-{args.ranks}"
+    shutil.rmtree(run, ignore_errors=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+
+    cfg = SynthConfig(ranks=args.ranks, steps=1_000_000, tp=args.tp, pp=args.pp, seed=23)
+    t0 = time.perf_counter()
+    job = LiveSynth(run, cfg, threads=args.write_threads)
+    print(f"# {args.ranks} ranks (tp={args.tp} pp={args.pp}), run.json/ranks/groups in {time.perf_counter() - t0:.1f} s; "
+          f"load {_load()}", flush=True)
+
+    served = registry = None
+    tail = StepSumsTail(run) if "live" in paths else None
+    for tick in range(args.ticks):
+        t0 = time.perf_counter()
+        written = job.write_step(args.steps_per_part)
+        write_s = time.perf_counter() - t0
+        row: dict[str, Any] = {"tick": tick, "ranks": args.ranks, "steps_per_part": args.steps_per_part,
+                               "written": written, "write_s": round(write_s, 2),
+                               "files": _files(run), "load_before": _load()}
+        if "current" in paths:
+            from megascope.dashboard import data
+            from megascope.dashboard.runs import RunRegistry
+
+            if registry is None:
+                wall, cpu, registry = _timed(lambda: RunRegistry([run]))
+                served = registry.get(registry.ids[0])
+                row["open_s"], row["open_cpu_s"] = round(wall, 3), round(cpu, 3)
+            else:
+                wall, cpu, changed = _timed(served.poll)
+                row["poll_s"], row["poll_cpu_s"], row["changed"] = round(wall, 3), round(cpu, 3), changed
+            assert served is not None
+            total_wall = row.get("open_s", row.get("poll_s", 0.0))
+            total_cpu = row.get("open_cpu_s", row.get("poll_cpu_s", 0.0))
+            for fetch in data.WARM:
+                try:
+                    wall, cpu, _ = _timed(functools.partial(fetch, served))
+                except Exception as exc:  # noqa: BLE001 - the bench reports it and goes on
+                    row[f"{fetch.__name__}_error"] = str(exc)[:120]
+                    wall = cpu = float("nan")
+                row[f"{fetch.__name__}_s"], row[f"{fetch.__name__}_cpu_s"] = round(wall, 3), round(cpu, 3)
+                total_wall += wall
+                total_cpu += cpu
+            row["current_s"], row["current_cpu_s"] = round(total_wall, 3), round(total_cpu, 3)
+            last = data.per_step(served)
+            row["current_last_step"] = int(last["step"].max()) if len(last) else None
+        if tail is not None:
+            wall, cpu, stats = _timed(tail.update)
+            w2, c2, per_step = _timed(tail.per_step)
+            w3, c3, _ = _timed(tail.rank_step)
+            row.update(live_s=round(wall + w2 + w3, 3), live_cpu_s=round(cpu + c2 + c3, 3),
+                       live_list_s=round(stats.list_s, 3), live_read_s=round(stats.read_s, 3),
+                       live_check_s=round(stats.check_s, 3),
+                       live_merge_s=round(stats.merge_s, 3), live_answers_s=round(w2 + w3, 3),
+                       live_dirs=stats.dirs_listed, live_files_read=stats.files_read,
+                       live_last_step=int(per_step["step"].max()) if len(per_step) else None)
+        row["load_after"] = _load()
+        row["utc"] = time.strftime("%H:%M:%S", time.gmtime())
+        print(json.dumps(row), flush=True)
+        if args.json:
+            with args.json.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+    job.close()
+    if tail is not None:
+        tail.close()
+    if registry is not None:
+        registry.stop()
+
+
+if __name__ == "__main__":
+    main()
