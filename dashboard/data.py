@@ -92,6 +92,21 @@ def per_step(served: ServedRun) -> pd.DataFrame:
     return served.result(("per_step",), _compute_per_step)
 
 
+def live_per_step(served: ServedRun) -> pd.DataFrame:
+    """:func:`per_step`, then the steps the step sums' follower (``ServedRun.follow``) has read
+    beyond its last step: on a big live run the analyses come later, the overview's step time
+    and MFU do not wait for them."""
+    frame = per_step(served)
+    followed = served.live_steps()
+    if followed is None or followed.empty:
+        return frame
+    last = int(frame["step"].max()) if len(frame) else -1
+    newer = followed[followed["step"] > last]
+    if newer.empty:
+        return frame
+    return pd.concat([frame, newer[[c for c in frame.columns if c in newer.columns]]], ignore_index=True)
+
+
 def stragglers(served: ServedRun) -> pd.DataFrame:
     """One row per straggler, worst first (analysis.stragglers)."""
     return served.result(("stragglers",), _compute_stragglers)

@@ -11,6 +11,7 @@ from __future__ import annotations
 URL = "url"
 TICK = "tick"  # dcc.Interval that polls for new data of a live run
 GENERATION = "generation"  # dcc.Store: {"run": id, "gen": n}; bumps when new parts arrive
+LIVE_GENERATION = "live-generation"  # dcc.Store: {"run": id, "live": n}; bumps when the step sums' follower reads new steps
 RUN_SELECT = "run-select"
 NAV = "nav"
 PAGE = "page"

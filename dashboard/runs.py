@@ -9,6 +9,16 @@ shared by all callbacks and ``/metrics``.
 Noticing new parts is cheap at 12,288 ranks: a part is renamed into ``spans/rank=N/``, which
 changes that directory's mtime, so a poll stats the partition directories and lists nothing.
 
+Refreshing is not: the views and the analyses look at every file of the run, so on a big live run
+a refresh takes longer than the job takes to write the next parts, and longer as the run grows.
+Two things keep the dashboard live there. A second thread follows each run's step sums
+(:class:`megascope.live.StepSumsTail`: only the new twins are read, at most each rank's two
+newest per update), and bumps the run's ``live_generation``: the overview shows those steps (step
+time, MFU) before the analyses reach them. And the full refresh takes at most ``full_share`` of
+the time: after a refresh and its precomputed results took D seconds, the next waits
+D x (1 / full_share - 1) seconds (a refresh of a small run, milliseconds, waits for nothing); the
+follower paces itself the same way.
+
 Example::
 
     registry = RunRegistry([Path("runs/demo")])
@@ -31,6 +41,7 @@ from typing import Any, TypeVar
 
 from megascope import layout
 from megascope.errors import ConfigError, RunDirError
+from megascope.live import StepSumsTail
 from megascope.schema import TABLES
 from megascope.store import Run, open_run
 
@@ -43,6 +54,9 @@ _ID_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 _PROGRESS_TABLES = frozenset({"spans", "markers", "metrics"})
 # A directory written to this recently may still change within the same mtime tick; look again.
 _SETTLE_NS = 2_000_000_000
+# Steps the follower keeps (the overview shows those beyond the analyses' last step); and, per
+# update, the newest parts read per rank (one flush may hold the end of one step and the next).
+FOLLOW_STEPS = 64
 
 
 def run_id_for(path: Path, taken: Iterable[str]) -> str:
@@ -97,6 +111,38 @@ class ServedRun:
     _subdirs: dict[Path, tuple[int, list[Path]]] = field(default_factory=dict, repr=False)
     _settling: bool = field(default=False, repr=False)
     _last_poll_s: float = field(default=0.0, repr=False)
+    # The run's step sums followed file by file (megascope.live), and its own generation.
+    tail: StepSumsTail | None = field(default=None, repr=False)
+    live_generation: int = 0
+    _tail_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # When the throttled full refresh may run next (monotonic seconds; see RunRegistry).
+    _next_full_s: float = field(default=0.0, repr=False)
+
+    # ---------------------------------------------------------------- following the step sums
+
+    def follow(self) -> bool:
+        """Read the step sums written since the last call; True (and ``live_generation`` bumped)
+        when they hold steps. Never takes the run's lock: it goes on while an analysis runs."""
+        if self.run is None:
+            return False
+        with self._tail_lock:
+            try:
+                if self.tail is None:
+                    self.tail = StepSumsTail(self.path, window_steps=FOLLOW_STEPS, backfill=2, most_new=2)
+                update = self.tail.update()
+            except (OSError, RunDirError) as exc:
+                log.info("run %s: step sums not followed: %s", self.id, exc)
+                return False
+            if not update.steps:
+                return False
+            self.live_generation += 1
+            return True
+
+    def live_steps(self) -> Any:
+        """The followed steps: ``step, step_time_ns, ranks, mfu, tokens_per_s`` (empty before
+        :meth:`follow` found any)."""
+        with self._tail_lock:
+            return self.tail.per_step() if self.tail is not None else None
 
     # ---------------------------------------------------------------- live refresh
 
@@ -226,11 +272,16 @@ class RunRegistry:
     """
 
     def __init__(self, run_dirs: Sequence[Path | str], *, wait: bool = False, poll_interval_s: float = 2.0,
-                 idle_interval_s: float = 30.0, compact_every_s: float | None = None) -> None:
+                 idle_interval_s: float = 30.0, compact_every_s: float | None = None,
+                 full_share: float = 0.5) -> None:
         if not run_dirs:
             raise ConfigError("no run directories to serve")
         if poll_interval_s <= 0:
             raise ConfigError(f"poll interval must be > 0, got {poll_interval_s}")
+        if not 0 < full_share <= 1:
+            raise ConfigError(f"full_share must be in (0, 1], got {full_share}")
+        # The share of the time the full refresh (views and precomputed results) may take.
+        self.full_share = full_share
         if compact_every_s is not None and compact_every_s <= 0:
             raise ConfigError(f"compaction period must be > 0, got {compact_every_s}")
         self.poll_interval_s = poll_interval_s
@@ -264,6 +315,7 @@ class RunRegistry:
             self._runs[served.id] = served
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._follower: threading.Thread | None = None
 
     # ---------------------------------------------------------------- lookup
 
@@ -301,9 +353,14 @@ class RunRegistry:
                 log.info("run %s: warming %s failed: %s", served.id, getattr(fetch, "__name__", fetch), exc)
 
     def poll_all(self) -> list[str]:
-        """Poll every run once; the ids of those that changed."""
+        """Poll every run once; the ids of those that changed. A run whose last refresh ended
+        less than its throttle ago (see the module's doc) waits for a later poll."""
+        now = time.monotonic()
+        return self._poll([served for served in self._runs.values() if now >= served._next_full_s])
+
+    def _poll(self, runs: Iterable[ServedRun]) -> list[str]:
         changed = []
-        for served in self._runs.values():
+        for served in runs:
             idle = time.monotonic() - served.last_change_s > 300
             # A run untouched for minutes is probably finished: look less often.
             if idle and time.monotonic() - served._last_poll_s < self.idle_interval_s:
@@ -320,9 +377,30 @@ class RunRegistry:
         for served in self._runs.values():
             self.warm(served)
         while not self._stop.wait(self.poll_interval_s):
-            for run_id in self.poll_all():
-                self.warm(self._runs[run_id])
+            for served in list(self._runs.values()):
+                if time.monotonic() < served._next_full_s:
+                    continue
+                started = time.monotonic()
+                if self._poll([served]):
+                    self.warm(served)
+                    took = time.monotonic() - started
+                    served._next_full_s = time.monotonic() + took * (1.0 / self.full_share - 1.0)
             self.compact_due()
+
+    def _follow(self) -> None:
+        pause = self.poll_interval_s
+        while not self._stop.wait(pause):
+            started = time.monotonic()
+            for served in self._runs.values():
+                if self._stop.is_set():
+                    return
+                try:
+                    served.follow()
+                except Exception as exc:  # noqa: BLE001 - the full refresh still serves the run
+                    log.warning("run %s: following its step sums failed: %s", served.id, exc)
+            # At most full_share of the time here too: a follower slower than the job reads
+            # each rank's newest parts only (most_new) and shows fewer of the steps.
+            pause = max(self.poll_interval_s, (time.monotonic() - started) * (1.0 / self.full_share - 1.0))
 
     # ---------------------------------------------------------------- compaction (opt-in)
 
@@ -378,9 +456,12 @@ class RunRegistry:
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch, name="megascope-watch", daemon=True)
             self._thread.start()
+            self._follower = threading.Thread(target=self._follow, name="megascope-follow", daemon=True)
+            self._follower.start()
 
     def stop(self, timeout: float | None = 5.0) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        for thread in (self._thread, self._follower):
+            if thread is not None:
+                thread.join(timeout)
+        self._thread = self._follower = None

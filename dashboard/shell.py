@@ -3,7 +3,8 @@
 Role in the data flow: the tick (a ``dcc.Interval``) asks the registry for the run's generation
 every few seconds and writes it to the ``generation`` store only when it changed; page callbacks
 take that store as input, so a live run redraws its pages when new parts arrive, and an idle run
-costs one cheap callback per tick.
+costs one cheap callback per tick. A second store, ``live-generation``, changes when the step
+sums' follower read new steps (``ServedRun.follow``); only the overview redraws on it.
 
 Example::
 
@@ -32,6 +33,7 @@ def layout(registry: RunRegistry) -> html.Div:
             dcc.Location(id=ids.URL, refresh="callback-nav"),
             dcc.Interval(id=ids.TICK, interval=int(registry.poll_interval_s * 1000)),
             dcc.Store(id=ids.GENERATION),
+            dcc.Store(id=ids.LIVE_GENERATION),
             html.Header(
                 [
                     html.Div([html.Span("megascope", className="brand"), html.Span(id=ids.STATUS, className="status")],
@@ -128,17 +130,21 @@ def register(app: Dash, registry: RunRegistry, pages: Mapping[str, ModuleType]) 
         return module.layout(served, routes.query_params(search)), nav(registry, served, page), shown
 
     @app.callback(
-        Output(ids.GENERATION, "data"), Output(ids.STATUS, "children"),
+        Output(ids.GENERATION, "data"), Output(ids.LIVE_GENERATION, "data"), Output(ids.STATUS, "children"),
         Input(ids.TICK, "n_intervals"), Input(ids.URL, "pathname"), State(ids.GENERATION, "data"),
+        State(ids.LIVE_GENERATION, "data"),
     )
-    def tick(_n: int | None, pathname: str | None, current: dict[str, Any] | None) -> tuple[Any, Any]:
+    def tick(_n: int | None, pathname: str | None, current: dict[str, Any] | None,
+             current_live: dict[str, Any] | None) -> tuple[Any, Any, Any]:
         served, _page = resolve(registry, pathname)
         if served is None:
-            return no_update, ""
+            return no_update, no_update, ""
         # The state is part of it: a run goes from stalled to hung without new data, and pages must redraw.
         state = run_state_or_none(served)
         latest = {"run": served.id, "gen": served.generation, "state": state["state"] if state else None}
-        return (no_update if latest == current else latest), status_line(served)
+        live = {"run": served.id, "live": served.live_generation}
+        return (no_update if latest == current else latest), (no_update if live == current_live else live), \
+            status_line(served)
 
 
 def served_from(registry: RunRegistry, generation: dict[str, Any] | None) -> ServedRun | None:

@@ -15,6 +15,10 @@ good. This reader's work per refresh follows the new files only:
   group) sums every writer of spans writes beside each spans part), in one DuckDB scan of the
   columns kept, summed per (rank, step); rows of a (rank, step) that crossed a flush combine
   by SUM, MIN and MAX, as the analysis combines them;
+* **keeping up**: with ``most_new``, at most that many new parts per rank partition are read per
+  update, the newest: a reader slower than the job skips steps (their parts are never read)
+  rather than falling further behind at every update; the newest step of every rank is read
+  within one update's time. The analyses still read every part, later;
 * **keeping**: the newest ``window_steps`` steps, so memory and the per-step answers stay bounded
   whatever the run's length. A run joined late is read from its newest ``backfill`` parts per
   rank on (part names sort by their writing time); a rank partition that appears later is read
@@ -73,6 +77,7 @@ class UpdateStats:
 
     dirs_listed: int = 0
     files_read: int = 0
+    files_skipped: int = 0  # new parts left unread (``most_new``)
     rows: int = 0
     steps: list[int] = field(default_factory=list)  # steps that got new rows
     list_s: float = 0.0
@@ -86,13 +91,15 @@ class StepSumsTail:
     twins written since the last :meth:`update`."""
 
     def __init__(self, run_dir: Path | str, *, window_steps: int = 400, backfill: int = 8,
-                 threads: int | None = None) -> None:
-        if window_steps < 1 or backfill < 1:
-            raise ValueError(f"window_steps and backfill must be >= 1, got {window_steps} and {backfill}")
+                 most_new: int | None = None, threads: int | None = None) -> None:
+        if window_steps < 1 or backfill < 1 or (most_new is not None and most_new < 1):
+            raise ValueError(f"window_steps, backfill and most_new must be >= 1, got {window_steps}, {backfill} "
+                             f"and {most_new}")
         self.path = Path(run_dir)
         self.meta = read_meta(self.path)
         self.window_steps = window_steps
         self.backfill = backfill
+        self.most_new = most_new
         self._updated = False  # partitions found by the first update are read from their newest parts
         self.problems: list[str] = []
         self._base = self.path / layout.STEP_SUMS_DIR
@@ -138,6 +145,9 @@ class StepSumsTail:
                 fresh = sorted(names - known[1])
             else:
                 fresh = sorted(names)[-self.backfill:] if not self._updated else sorted(names)
+            if self.most_new is not None and len(fresh) > self.most_new:
+                stats.files_skipped += len(fresh) - self.most_new
+                fresh = fresh[-self.most_new:]
             new.extend(os.path.join(where, n) for n in fresh)
             self._listed[name] = (mtime, names)
         return new

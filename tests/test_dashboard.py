@@ -209,7 +209,47 @@ def test_watcher_thread_refreshes_and_stops(tmp_path: Path) -> None:
         assert served.generation > before
     finally:
         registry.stop()
-    assert not any(t.name == "megascope-watch" for t in threading.enumerate())
+    assert not any(t.name in ("megascope-watch", "megascope-follow") for t in threading.enumerate())
+
+
+def test_the_follower_shows_new_steps_before_the_full_refresh(tmp_path: Path) -> None:
+    run_dir = tmp_path / "f"
+    layout.write_run_meta(run_dir, schema.RunMeta(run_id="f", source="synth", world_size=2))
+    for rank in range(2):
+        layout.write_spans_part(run_dir, _spans_for_step(rank, 0), rank=rank)
+    registry = RunRegistry([run_dir])
+    served = registry.get("f")
+    assert served is not None
+    assert served.follow() and served.live_generation == 1  # what is there: step 0
+    assert dash_data.live_per_step(served)["step"].tolist() == [0]
+    for rank in range(2):
+        layout.write_spans_part(run_dir, _spans_for_step(rank, 1), rank=rank)
+    assert served.follow() and served.live_generation == 2
+    # The analyses have not seen step 1 (no refresh yet); the overview's frame has it.
+    assert dash_data.per_step(served)["step"].tolist() == [0]
+    shown = dash_data.live_per_step(served)
+    assert shown["step"].tolist() == [0, 1] and shown["step_time_ns"].tolist() == [900_000_000] * 2
+    assert served.follow() is False and served.live_generation == 2  # nothing new
+    assert served.poll() is True
+    assert dash_data.per_step(served)["step"].tolist() == dash_data.live_per_step(served)["step"].tolist() == [0, 1]
+
+
+def test_a_slow_full_refresh_waits_its_share(tmp_path: Path) -> None:
+    run_dir = tmp_path / "s"
+    layout.write_run_meta(run_dir, schema.RunMeta(run_id="s", source="synth", world_size=1))
+    layout.write_spans_part(run_dir, _spans_for_step(0, 0), rank=0)
+    with pytest.raises(ConfigError, match="full_share"):
+        RunRegistry([run_dir], full_share=0)
+    registry = RunRegistry([run_dir], full_share=0.5)
+    served = registry.get("s")
+    assert served is not None
+    _after_last_write(run_dir)
+    layout.write_spans_part(run_dir, _spans_for_step(0, 1), rank=0)
+    served._next_full_s = time.monotonic() + 60  # as after a refresh that took 60 s
+    assert registry.poll_all() == []  # not yet: the full refresh waits
+    assert served.follow() and dash_data.live_per_step(served)["step"].tolist() == [0, 1]
+    served._next_full_s = 0.0
+    assert registry.poll_all() == ["s"]
 
 
 # ------------------------------------------------------------------------------------ data

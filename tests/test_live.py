@@ -103,6 +103,8 @@ def test_a_run_without_step_sums_yet_and_a_bad_window(tmp_path: Path) -> None:
         StepSumsTail(job.out, window_steps=0)
     with pytest.raises(ValueError, match="backfill"):
         StepSumsTail(job.out, backfill=0)
+    with pytest.raises(ValueError, match="most_new"):
+        StepSumsTail(job.out, most_new=0)
 
 
 def test_the_live_job_writes_what_synth_writes(tmp_path: Path) -> None:
@@ -128,3 +130,16 @@ def test_a_part_of_several_steps_is_read_once(tmp_path: Path) -> None:
     job.close()
     expected = analysis.mfu(open_run(job.out))
     assert tail.per_step()["step_time_ns"].tolist() == expected["step_time_ns"].astype("int64").tolist()
+
+
+def test_a_reader_behind_the_job_skips_to_the_newest_parts(tmp_path: Path) -> None:
+    job = _job(tmp_path)
+    tail = StepSumsTail(job.out, most_new=1)
+    job.write_step()
+    assert tail.update().files_read == 16
+    for _ in range(3):  # three flushes while the reader was busy
+        job.write_step()
+    update = tail.update()
+    assert (update.files_read, update.files_skipped, update.steps) == (16, 32, [3])
+    assert tail.steps() == [0, 3]
+    job.close()

@@ -1,6 +1,7 @@
 """Overview page: MFU, step time, tokens/s and loss over steps, with alerts for what needs a person.
 
-Alerts, most urgent first: a hang (with the suspect rank, host and coordinates), stragglers (rank,
+On a big live run the step time and MFU of the newest steps come from the step sums' follower
+(``data.live_per_step``) before the analyses reach them. Alerts, most urgent first: a hang (with the suspect rank, host and coordinates), stragglers (rank,
 cause, slowdown), host-bound ranks (devices waiting for their hosts) and skew growth. Every number comes from :mod:`megascope.analysis` via
 :mod:`megascope.dashboard.data`; the figure from :mod:`megascope.figures.overview`.
 """
@@ -130,14 +131,17 @@ def register(app: Dash, registry: RunRegistry) -> None:
     @app.callback(
         Output(ids.OVERVIEW_GRAPH, "figure"), Output(ids.OVERVIEW_ALERTS, "children"),
         Output(ids.OVERVIEW_CARDS, "children"),
-        Input(ids.GENERATION, "data"),
+        Input(ids.GENERATION, "data"), Input(ids.LIVE_GENERATION, "data"),
     )
     @contained(no_update, no_update)
-    def update(generation: dict[str, Any] | None) -> tuple[Any, Any, Any]:
+    def update(generation: dict[str, Any] | None, _live: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
         served = served_from(registry, generation)
         if served is None or served.run is None:
             return no_update, no_update, notice(served.error if served else "loading...", "info")
-        per_step = data.per_step(served)
+        per_step = data.live_per_step(served)
         loss = data.loss(served)
-        figure = data.figure(served, ("overview",), lambda: step_series_figure(per_step, loss=loss))
+        if len(per_step) == len(data.per_step(served)):
+            figure = data.figure(served, ("overview",), lambda: step_series_figure(per_step, loss=loss))
+        else:  # steps the analyses have not reached yet: a figure of this follow only, not kept
+            figure = step_series_figure(per_step, loss=loss)
         return figure, alerts(served), cards(served, per_step)
