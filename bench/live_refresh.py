@@ -50,6 +50,25 @@ def _files(run: Path) -> int:
     return sum(len(files) for _, _, files in os.walk(run))
 
 
+def _prepare_phases(served: Any) -> dict[str, float]:
+    """The analysis' base tables built (or extended) for the new data, seconds per phase as
+    ``prepare`` names them (the MFU's ``per_step`` then finds them current)."""
+    from megascope.analysis.base import prepare
+
+    phases: dict[str, float] = {}
+    marks = [("start", time.perf_counter())]
+
+    def say(message: str) -> None:
+        marks.append((message, time.perf_counter()))
+
+    with served.locked() as run:
+        prepare(run.con, progress=say)
+    marks.append(("end", time.perf_counter()))
+    for (name, t0), (_, t1) in zip(marks, marks[1:], strict=False):
+        phases[name] = round(phases.get(name, 0.0) + t1 - t0, 3)
+    return phases
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=1024)
@@ -60,6 +79,8 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True, help="directory for the run (replaced)")
     parser.add_argument("--json", type=Path, help="append one JSON line per tick here")
     parser.add_argument("--write-threads", type=int, default=2)
+    parser.add_argument("--phases", action="store_true",
+                        help="current path: time the analysis' base tables phase by phase before the results")
     parser.add_argument("--steps-per-part", type=int, default=1,
                         help="steps (seconds of the job) each rank's part holds: a writer flushing less often")
     args = parser.parse_args()
@@ -97,6 +118,9 @@ def main() -> None:
             assert served is not None
             total_wall = row.get("open_s", row.get("poll_s", 0.0))
             total_cpu = row.get("open_cpu_s", row.get("poll_cpu_s", 0.0))
+            if args.phases and served.run is not None:
+                row["prepare_phases"] = _prepare_phases(served)
+                total_wall += sum(row["prepare_phases"].values())
             for fetch in data.WARM:
                 try:
                     wall, cpu, _ = _timed(functools.partial(fetch, served))
