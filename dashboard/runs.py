@@ -11,10 +11,11 @@ changes that directory's mtime, so a poll stats the partition directories and li
 
 Refreshing is not: the views and the analyses look at every file of the run, so on a big live run
 a refresh takes longer than the job takes to write the next parts, and longer as the run grows.
-Two things keep the dashboard live there. A second thread follows each run's step sums
-(:class:`megascope.live.StepSumsTail`: only the new twins are read, at most each rank's two
-newest per update), and bumps the run's ``live_generation``: the overview shows those steps (step
-time, MFU) before the analyses reach them. And the full refresh takes at most ``full_share`` of
+Two things keep the dashboard live there. A second thread follows the step sums of each run
+that wrote while served, in the last five minutes (:class:`megascope.live.StepSumsTail`: only the
+new twins are read, at most each rank's two newest per update), and bumps the run's
+``live_generation``: the overview shows those steps (step time, MFU) before the analyses reach
+them. And the full refresh takes at most ``full_share`` of
 the time: after a refresh and its precomputed results took D seconds, the next waits
 D x (1 / full_share - 1) seconds (a refresh of a small run, milliseconds, waits for nothing); the
 follower paces itself the same way.
@@ -57,6 +58,8 @@ _SETTLE_NS = 2_000_000_000
 # Steps the follower keeps (the overview shows those beyond the analyses' last step); and, per
 # update, the newest parts read per rank (one flush may hold the end of one step and the next).
 FOLLOW_STEPS = 64
+# A run that wrote nothing new for this long is not followed (until it writes again).
+_FOLLOW_IDLE_NS = 300 * 1_000_000_000
 
 
 def run_id_for(path: Path, taken: Iterable[str]) -> str:
@@ -394,6 +397,11 @@ class RunRegistry:
             for served in self._runs.values():
                 if self._stop.is_set():
                     return
+                # Only runs that wrote while served, in the last five minutes: a finished run's
+                # analyses have every step already.
+                seen = served.progress_seen_ns
+                if seen is None or time.time_ns() - seen > _FOLLOW_IDLE_NS:
+                    continue
                 try:
                     served.follow()
                 except Exception as exc:  # noqa: BLE001 - the full refresh still serves the run

@@ -522,3 +522,22 @@ def test_demo_stop_ends_the_whole_job(tmp_path: Path) -> None:
         return False
 
     wait_until(child_gone, timeout=5, message="the launcher's child survived")
+
+
+def test_the_watcher_follows_a_run_that_writes(tmp_path: Path) -> None:
+    run_dir = tmp_path / "lw"
+    layout.write_run_meta(run_dir, schema.RunMeta(run_id="lw", source="synth", world_size=1))
+    layout.write_spans_part(run_dir, _spans_for_step(0, 0), rank=0)
+    registry = RunRegistry([run_dir], poll_interval_s=0.05)
+    served = registry.get("lw")
+    assert served is not None
+    _after_last_write(run_dir)
+    registry.start()
+    try:
+        time.sleep(0.3)
+        assert served.live_generation == 0  # nothing written while served: not followed
+        layout.write_spans_part(run_dir, _spans_for_step(0, 1), rank=0)
+        wait_until(lambda: served.live_generation > 0, timeout=30, message="the follower read the new step")
+        assert 1 in served.live_steps()["step"].tolist()
+    finally:
+        registry.stop()
