@@ -123,37 +123,28 @@ _OTHER = SpanKind.OTHER.value
 _COMPLETED = MarkerState.COMPLETED.value
 
 
-_PENDING = 2  # _resolve_span's answer for a span whose device work is not done yet
-
-
-def _resolve_span(sink: Sink, timer: Timer, rank: int, item: Any, waiting: list[Any], ask: bool) -> int:
-    """One pending span (and its wait span, if it has one) into the spans queue: 0 when written, 1
-    when dropped after a device error, ``_PENDING`` when put in ``waiting`` (not done yet). Runs once
-    per span in the writer, holding the interpreter: kept to plain local operations (the layouts are
-    unpacked and built in place, in the orders declared in megascope.collectors.buffers).
-
-    Unless ``ask``, the device is not asked whether the end is done: timing an event that is not
-    done raises (it never waits), and only then are the stamps asked. That saves a device call per
-    span where spans are done, at the price of an exception where one is not; the caller asks
-    first for the rest of a pass once one was not done (spans are queued in launch order, so
-    those after it are mostly not done either)."""
+def _resolve_span(sink: Sink, timer: Timer, rank: int, item: Any, waiting: list[Any]) -> int:
+    """One pending span (and its wait span, if it has one) into the spans queue; 1 if it had to be
+    dropped after a device error. Runs once per span in the writer, holding the interpreter: kept
+    to plain local operations (the layouts are unpacked and built in place, in the orders declared in
+    megascope.collectors.buffers)."""
     # PENDING_SPAN_ROW
     start, end, anchor, step, name, kind, stream, microbatch, chunk, group, seq, op, nbytes, peer, wait = item
     try:
-        if ask and not timer.ready(end):
+        if not timer.ready(end):
             waiting.append(item)
-            return _PENDING
+            return 0
+        # The start was recorded earlier, almost always on the same stream, so it is done too:
+        # asking costs a device call per span. Where it is not done, timing it raises; ask then.
         try:
-            end_ns = timer.wall_ns(end, anchor)
-            # The start (and the wait) were recorded earlier, almost always on the same stream, so
-            # they are done too. Where they are not (stamps on different streams), timing raises.
             start_ns = timer.wall_ns(start, anchor)
             wait_ns = None if wait is None else timer.wall_ns(wait, anchor)
         except Exception:
-            if timer.ready(end) and timer.ready(start) and (wait is None or timer.ready(wait)):
+            if timer.ready(start) and (wait is None or timer.ready(wait)):
                 raise
             waiting.append(item)
-            return _PENDING
+            return 0
+        end_ns = timer.wall_ns(end, anchor)
     except Exception:  # a device error must not stop the writer: drop this span
         log.debug("could not resolve span %s", name, exc_info=True)
         for token in (start, end, wait):
@@ -185,7 +176,6 @@ def resolve_pending(sink: Sink, timer: Timer, rank: int, pacer: Pacer | None = N
     waiting: list[Any] = []
     tick = pacer.tick if pacer is not None else None
     left = len(sink.pending_spans)  # what is there now: spans added meanwhile wait for the next pass
-    ask = False  # ask the device whether each span is done: from the first one in the pass that is not
     while left > 0:
         # Paced, even taking the items out is done a chunk at a time (it holds the interpreter too).
         items = sink.pending_spans.drain(_PACED_CHUNK_ROWS if tick is not None else left)
@@ -193,11 +183,7 @@ def resolve_pending(sink: Sink, timer: Timer, rank: int, pacer: Pacer | None = N
         for item in items:
             if tick is not None:
                 tick()
-            outcome = _resolve_span(sink, timer, rank, item, waiting, ask)
-            if outcome == _PENDING:
-                ask = True
-            else:
-                errors += outcome
+            errors += _resolve_span(sink, timer, rank, item, waiting)
     if waiting:
         sink.pending_spans.push_front(waiting)
 
