@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections import defaultdict
 from collections.abc import Callable
@@ -46,15 +47,12 @@ except ImportError:  # pragma: no cover - exercised by forcing the fallback in t
 DEVICE_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 RUNTIME_CATS = frozenset({"cuda_runtime", "cuda_driver", "privateuse1_runtime", "privateuse1_driver"})
 HOST_CATS = frozenset({"cpu_op", "user_annotation"})
-# record_param_comms arguments kept (the rest is bulky and unused): JSON key -> attribute.
+# record_param_comms arguments the mapping reads (the rest, group sizes and members included, is
+# skipped by the parser: fewer fields to fill per event): JSON key -> attribute.
 COMM_ARGS = {
     "Collective name": "collective_name",
     "Process Group Name": "pg_name",
-    "Process Group Description": "pg_desc",
-    "Process Group Ranks": "pg_ranks",
     "In msg nelems": "in_nelems",
-    "Out msg nelems": "out_nelems",
-    "Group size": "group_size",
     "dtype": "dtype",
     "Seq": "seq",
     "Rank": "rank",
@@ -64,7 +62,9 @@ COMM_ARGS = {
 COMM_ARG_KEYS = tuple(COMM_ARGS)
 # c10d ops and gloo annotations: shapes and scalar inputs (message size, p2p peer).
 HOST_COMM_ARGS = {"Input Dims": "input_dims", "Input type": "input_type", "Concrete Inputs": "concrete_inputs"}
-_ARG_FIELDS = {"stream": "stream", "device": "device", "correlation": "correlation", "bytes": "nbytes",
+_comm_values = operator.attrgetter(*COMM_ARGS.values())
+_host_comm_values = operator.attrgetter(*HOST_COMM_ARGS.values())
+_ARG_FIELDS = {"stream": "stream", "device": "device", "correlation": "correlation",
                "name": "name", **COMM_ARGS, **HOST_COMM_ARGS}
 
 
@@ -80,16 +80,11 @@ if msgspec is not None:
         device: Any = None
         stream: Any = None
         correlation: Any = None
-        nbytes: Any = msgspec.field(default=None, name="bytes")
         name: Any = None
         collective_name: Any = msgspec.field(default=None, name="Collective name")
         in_nelems: Any = msgspec.field(default=None, name="In msg nelems")
-        out_nelems: Any = msgspec.field(default=None, name="Out msg nelems")
-        group_size: Any = msgspec.field(default=None, name="Group size")
         dtype: Any = None
         pg_name: Any = msgspec.field(default=None, name="Process Group Name")
-        pg_desc: Any = msgspec.field(default=None, name="Process Group Description")
-        pg_ranks: Any = msgspec.field(default=None, name="Process Group Ranks")
         seq: Any = msgspec.field(default=None, name="Seq")
         rank: Any = msgspec.field(default=None, name="Rank")
         src_rank: Any = msgspec.field(default=None, name="Src Rank")
@@ -202,24 +197,14 @@ def comm_args(args: EventArgs | None) -> dict[str, Any]:
     """The ``record_param_comms`` arguments of an event (an NCCL kernel's, where the trace has them)."""
     if args is None:
         return {}
-    out = {}
-    for key, attr in COMM_ARGS.items():
-        value = getattr(args, attr)
-        if value is not None:
-            out[key] = value
-    return out
+    return {key: value for key, value in zip(COMM_ARG_KEYS, _comm_values(args), strict=True) if value is not None}
 
 
 def _host_comm_args(args: EventArgs | None) -> dict[str, Any]:
     """Shapes and scalar inputs of a c10d op or gloo annotation (message size, p2p peer)."""
     if args is None:
         return {}
-    out = {}
-    for key, attr in HOST_COMM_ARGS.items():
-        value = getattr(args, attr)
-        if value is not None:
-            out[key] = value
-    return out
+    return {key: value for key, value in zip(HOST_COMM_ARGS, _host_comm_values(args), strict=True) if value is not None}
 
 
 _NUMBER = (int, float)
