@@ -20,6 +20,8 @@ rm -rf "$WORK"; mkdir -p "$WORK"
 [ -n "${PREV:-}" ] && cp "$PREV" "$WORK/sweep.jsonl"
 export OMP_NUM_THREADS=1 PYTHONPATH=${PYTHONPATH:-$PWD}
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv >"$OUT/gpus.txt" 2>&1
+# How the GPUs are linked: a slower link between two of them reads as a slow pair in the sweep.
+nvidia-smi topo -m >>"$OUT/gpus.txt" 2>&1
 timeout $(( BUDGET_S + 150 )) $PY bench/detect_sweep.py -o "$WORK" --gpu --gpus "$GPUS" --seed "$SEED" \
   --budget-s "$BUDGET_S" >"$OUT/table.txt" 2>"$OUT/sweep-progress.txt"
 echo "sweep exit $?" >>"$OUT/sweep-progress.txt"
