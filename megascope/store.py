@@ -83,6 +83,9 @@ class Run:
     files: dict[str, list[Path]] = field(default_factory=dict)  # every file a view reads: parts, then compacted
     compacted: dict[str, list[Path]] = field(default_factory=dict)  # the committed compacted files among them
     _compacted_ranks: dict[Path, tuple[tuple[int, int], ...]] = field(default_factory=dict, repr=False)
+    # Per parted table, the parts already found stamped with this run's id: a part is never
+    # rewritten (a new one is written beside it), so a refresh reads only the new parts' metadata.
+    _stamped: dict[str, set[str]] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -277,6 +280,8 @@ def _scan(run: Run, table: str, *, thorough: bool = False, ignored: frozenset[st
         return _Parts([], True, True)
     if thorough:
         return _scan_each(run, table, files, whole_glob=whole_glob)
+    if table not in layout.SINGLE_FILE_TABLES and _known_stamped(run, table, files):
+        return _Parts(files, whole_glob, True)
     required = _required_columns(table)
     glob = str(run.path / layout.table_glob(table))
     source = glob if whole_glob else [str(f) for f in files]
@@ -289,6 +294,8 @@ def _scan(run: Run, table: str, *, thorough: bool = False, ignored: frozenset[st
         foreign = {Path(name) for name, part_run_id in stamped.items() if part_run_id != run.meta.run_id}
         if not foreign and len(stamped) >= len(files):
             # Every part is this run's, written through layout.write_part: its columns are the schema's.
+            if table not in layout.SINGLE_FILE_TABLES:
+                run._stamped[table] = set(map(str, files))
             return _Parts(files, whole_glob, True)
         rows = run.con.execute(
             "SELECT file_name, list(name ORDER BY name) FROM parquet_schema(?) GROUP BY file_name", [source],
@@ -299,6 +306,30 @@ def _scan(run: Run, table: str, *, thorough: bool = False, ignored: frozenset[st
     except duckdb.Error:
         pass
     return _scan_each(run, table, files, thorough=False, whole_glob=whole_glob)
+
+
+def _known_stamped(run: Run, table: str, files: list[Path]) -> bool:
+    """Whether every one of ``files`` is stamped with this run's id, reading the metadata of
+    those not seen so on an earlier scan only (a live run's refresh: the new parts). False sends
+    the caller to the full check."""
+    known = run._stamped.get(table)
+    if known is None:
+        return False
+    names = set(map(str, files))
+    fresh = sorted(names - known)
+    if fresh:
+        try:
+            stamped = run.con.execute(
+                "SELECT file_name, decode(value) FROM parquet_kv_metadata(?) WHERE decode(key) = ?",
+                [fresh, layout.RUN_ID_KEY.decode()],
+            ).fetchall()
+        except duckdb.Error:
+            stamped = []
+        if len(stamped) < len(fresh) or any(part_run_id != run.meta.run_id for _, part_run_id in stamped):
+            del run._stamped[table]
+            return False
+    run._stamped[table] = names  # parts removed since (compaction) are forgotten
+    return True
 
 
 def _scan_each(run: Run, table: str, files: list[Path], *, thorough: bool = True, whole_glob: bool = True) -> _Parts:
@@ -430,6 +461,7 @@ def _create_table_views(run: Run) -> None:
             _create_table_view(run, table, _scan(run, table, ignored=compaction.ignored), compaction.files)
         except duckdb.Error:
             # A part whose footer DuckDB cannot parse though the quick checks passed: find it, skip it.
+            run._stamped.pop(table, None)
             try:
                 _create_table_view(run, table, _scan(run, table, thorough=True, ignored=compaction.ignored),
                                    compaction.files)

@@ -67,6 +67,25 @@ def test_parts_of_another_run_are_skipped_and_named(two_runs: tuple[Path, Path],
     assert proc.stderr.count("another run") == len(foreign)  # each named once
 
 
+def test_a_refresh_checks_the_new_parts_and_names_another_runs(two_runs: tuple[Path, Path], tmp_path: Path) -> None:
+    planted, other = two_runs
+    live = tmp_path / "live"
+    shutil.copytree(planted, live)
+    run = open_run(live)
+    (before,) = run.con.execute("SELECT count(*) FROM spans").fetchone() or (0,)
+    own = pq.read_table(next((planted / "spans").glob("rank=*/*.parquet")))
+    layout.write_part(live, "spans", own, rank=int(own.column("rank")[0].as_py()), run_id=run.meta.run_id)
+    assert run.refresh() == []
+    (grown,) = run.con.execute("SELECT count(*) FROM spans").fetchone() or (0,)
+    assert grown == before + own.num_rows
+    part = next((other / "spans").glob("rank=*/*.parquet"))
+    dest = live / "spans" / part.parent.name / ("copied-" + part.name)
+    shutil.copy2(part, dest)
+    problems = run.refresh()
+    assert any(str(dest) in p and "another run" in p for p in problems), problems
+    assert run.con.execute("SELECT count(*) FROM spans").fetchone() == (grown,)
+
+
 def test_write_part_without_a_run_id_still_works(tmp_path: Path) -> None:
     table = pa.Table.from_pylist([{"rank": 0, "step": 1, "name": "loss", "value": 2.0}], schema=schema.METRICS)
     path = layout.write_part(tmp_path, "metrics", table, rank=0)
