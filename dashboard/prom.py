@@ -76,7 +76,7 @@ class RunsCollector(Collector):
                 up.add_metric(label, 0)
                 continue
             try:
-                per_step = data.per_step(served)
+                per_step = data.live_per_step(served)  # the followed steps too, on a big live run
                 frame = data.stragglers(served)
                 state = data.run_state(served)
             except Exception as exc:  # noqa: BLE001 - one bad run must not break the scrape of the others

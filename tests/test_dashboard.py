@@ -229,6 +229,10 @@ def test_the_follower_shows_new_steps_before_the_full_refresh(tmp_path: Path) ->
     assert dash_data.per_step(served)["step"].tolist() == [0]
     shown = dash_data.live_per_step(served)
     assert shown["step"].tolist() == [0, 1] and shown["step_time_ns"].tolist() == [900_000_000] * 2
+    from megascope.dashboard.prom import RunsCollector
+
+    last = next(f for f in RunsCollector(registry).collect() if f.name == "megascope_last_step")
+    assert [sample.value for sample in last.samples] == [1.0]  # /metrics has the followed step too
     assert served.follow() is False and served.live_generation == 2  # nothing new
     assert served.poll() is True
     assert dash_data.per_step(served)["step"].tolist() == dash_data.live_per_step(served)["step"].tolist() == [0, 1]
