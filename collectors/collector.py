@@ -172,7 +172,7 @@ class Collector:
             self._heartbeat = HeartbeatSampler(
                 config.run_dir, rank=self.rank, host=socket.gethostname(), interval_s=config.heartbeat_interval_s,
                 stats_fn=lambda: self.stats, log_path=os.environ.get("MEGASCOPE_LOG_PATH"),
-                run_id=self._run_id.get,
+                run_id=self._run_id.get, cuda_device=self.device.index if self.device.type == "cuda" else None,
             ).start()
         if config.gc_span_min_ms is not None:
             self._gc_watch = _GcWatch(self, int(config.gc_span_min_ms * 1e6))

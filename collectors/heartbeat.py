@@ -121,10 +121,16 @@ class _HostProbe:
 
 
 class _ProcessProbe:
-    """This process: CPU (100 = one core) and resident memory; torch allocator if CUDA is in use."""
+    """This process: CPU (100 = one core) and resident memory; torch allocator if CUDA is in use.
 
-    def __init__(self, proc_root: Path) -> None:
+    ``cuda_device``: the job's CUDA device index. The sampler's own thread cannot ask CUDA for it:
+    the current device is a per-thread setting, and a thread the job did not set reads device 0.
+    Without it, the current device of the sampling thread is read (a sampler made outside a job).
+    """
+
+    def __init__(self, proc_root: Path, cuda_device: int | None = None) -> None:
         self.statm = proc_root / "self" / "statm"
+        self.cuda_device = cuda_device
         self._last: tuple[float, float] | None = None
 
     def sample(self) -> list[Row]:
@@ -141,7 +147,7 @@ class _ProcessProbe:
         # Only look at torch if the job imported it and already uses CUDA: never initialize it here.
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
-            dev = torch.cuda.current_device()
+            dev = self.cuda_device if self.cuda_device is not None else torch.cuda.current_device()
             rows.append((f"gpu{dev}", M.TORCH_MEM_ALLOCATED_BYTES, float(torch.cuda.memory_allocated(dev)), None))
             rows.append((f"gpu{dev}", M.TORCH_MEM_RESERVED_BYTES, float(torch.cuda.memory_reserved(dev)), None))
         return rows
@@ -349,7 +355,9 @@ class HeartbeatSampler:
     ``gpu_indices`` are NVML indices (default :func:`default_gpu_indices`); ``nvml`` replaces the
     pynvml module (``False`` turns NVML off). ``proc_root``/``sys_root`` point the probes at another
     /proc and /sys. ``run_id``: run.json's run id, stamped into every part (see
-    :mod:`megascope.collectors.runid`).
+    :mod:`megascope.collectors.runid`). ``cuda_device``: the job's CUDA device index, whose torch
+    allocator is sampled (default: the sampling thread's current device, 0 in a thread the job did
+    not set).
     """
 
     def __init__(
@@ -370,6 +378,7 @@ class HeartbeatSampler:
         proc_root: Path | str = "/proc",
         sys_root: Path | str = "/sys",
         run_id: str | Callable[[], str | None] | None = None,
+        cuda_device: int | None = None,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
@@ -392,7 +401,7 @@ class HeartbeatSampler:
         self.host_wide = host_wide
         self._gpu_indices = list(gpu_indices) if gpu_indices is not None else default_gpu_indices(rank)
         self._nvml_module = nvml
-        self._probes: list[Any] = [_ProcessProbe(Path(proc_root))]
+        self._probes: list[Any] = [_ProcessProbe(Path(proc_root), cuda_device)]
         if host_wide:
             self._probes += [_HostProbe(Path(proc_root)), _NetProbe(Path(sys_root))]
         self._nvml: _NvmlProbe | None = None

@@ -249,3 +249,25 @@ def test_defaults_and_decoding() -> None:
     assert decode_throttle_reasons(0x10000) == "0x10000"
     with pytest.raises(ValueError, match="interval_s"):
         HeartbeatSampler("x", rank=0, interval_s=0)
+
+
+def test_torch_memory_is_read_for_the_jobs_device_not_the_sampling_threads(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path) -> None:
+    """CUDA's current device is a per-thread setting: the sampler's thread reads device 0 whatever
+    the job set, so a rank on cuda:2 must name its device to the sampler (the collector does)."""
+    allocated = {0: 0.0, 2: 7.0e9}
+    cuda = SimpleNamespace(is_initialized=lambda: True, current_device=lambda: 0,
+                           memory_allocated=lambda dev: allocated[dev], memory_reserved=lambda dev: 2 * allocated[dev])
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=cuda))
+
+    def torch_rows(sampler: HeartbeatSampler) -> dict[str, tuple[str | None, float | None]]:
+        sampler.sample_once()
+        return {r[2]: (r[1], r[3]) for r in sampler._buffer if r[2].startswith("torch_mem")}
+
+    run = _meta(tmp_path / "run")
+    named = HeartbeatSampler(run, rank=2, interval_s=1.0, nvml=False, host_wide=False, cuda_device=2)
+    assert torch_rows(named) == {"torch_mem_allocated_bytes": ("gpu2", 7.0e9),
+                                 "torch_mem_reserved_bytes": ("gpu2", 1.4e10)}
+    unnamed = HeartbeatSampler(run, rank=2, interval_s=1.0, nvml=False, host_wide=False)
+    assert torch_rows(unnamed) == {"torch_mem_allocated_bytes": ("gpu0", 0.0),
+                                   "torch_mem_reserved_bytes": ("gpu0", 0.0)}
