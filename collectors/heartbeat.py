@@ -342,6 +342,17 @@ def default_gpu_indices(rank: int | None, env: Mapping[str, str] = os.environ) -
     return [local]
 
 
+def nvml_index(cuda_device: int, env: Mapping[str, str] = os.environ) -> list[int] | None:
+    """The NVML index of the job's CUDA device ``cuda_device``: mapped through
+    ``CUDA_VISIBLE_DEVICES`` when that lists indices; None when it lists UUIDs (not mapped here)."""
+    visible = [v.strip() for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if not visible:
+        return [cuda_device]
+    if all(v.isdigit() for v in visible) and cuda_device < len(visible):
+        return [int(visible[cuda_device])]
+    return None
+
+
 # ------------------------------------------------------------------------------------------------
 # The sampler
 # ------------------------------------------------------------------------------------------------
@@ -352,7 +363,8 @@ class HeartbeatSampler:
 
     ``rank=None`` makes a host-wide sampler. ``host_wide`` (default: rank is None or the process is
     local rank 0) adds host CPU, memory and NIC rows, so a host of eight ranks reports them once.
-    ``gpu_indices`` are NVML indices (default :func:`default_gpu_indices`); ``nvml`` replaces the
+    ``gpu_indices`` are NVML indices (default: the GPU of ``cuda_device`` where that is given, see
+    :func:`nvml_index`, else :func:`default_gpu_indices`); ``nvml`` replaces the
     pynvml module (``False`` turns NVML off). ``proc_root``/``sys_root`` point the probes at another
     /proc and /sys. ``run_id``: run.json's run id, stamped into every part (see
     :mod:`megascope.collectors.runid`). ``cuda_device``: the job's CUDA device index, whose torch
@@ -399,6 +411,8 @@ class HeartbeatSampler:
         if host_wide is None:
             host_wide = rank is None or os.environ.get("LOCAL_RANK", "0") == "0"
         self.host_wide = host_wide
+        if gpu_indices is None and cuda_device is not None:
+            gpu_indices = nvml_index(cuda_device)
         self._gpu_indices = list(gpu_indices) if gpu_indices is not None else default_gpu_indices(rank)
         self._nvml_module = nvml
         self._probes: list[Any] = [_ProcessProbe(Path(proc_root), cuda_device)]

@@ -14,7 +14,12 @@ from typing import Any
 
 import pytest
 from conftest import wait_until
-from megascope.collectors.heartbeat import HeartbeatSampler, decode_throttle_reasons, default_gpu_indices
+from megascope.collectors.heartbeat import (
+    HeartbeatSampler,
+    decode_throttle_reasons,
+    default_gpu_indices,
+    nvml_index,
+)
 
 from megascope import layout
 from megascope.schema import RunMeta, RunSource
@@ -271,3 +276,18 @@ def test_torch_memory_is_read_for_the_jobs_device_not_the_sampling_threads(monke
     unnamed = HeartbeatSampler(run, rank=2, interval_s=1.0, nvml=False, host_wide=False)
     assert torch_rows(unnamed) == {"torch_mem_allocated_bytes": ("gpu0", 0.0),
                                    "torch_mem_reserved_bytes": ("gpu0", 0.0)}
+
+
+def test_a_rank_watches_the_gpu_of_its_cuda_device(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A rank started without LOCAL_RANK (the bundled trainer's, a plain multiprocessing job) watches
+    the GPU its collector times, through CUDA_VISIBLE_DEVICES, not every GPU of the host."""
+    assert nvml_index(2, {}) == [2]
+    assert nvml_index(1, {"CUDA_VISIBLE_DEVICES": "4,5"}) == [5]
+    assert nvml_index(2, {"CUDA_VISIBLE_DEVICES": "4,5"}) is None  # not a visible device
+    assert nvml_index(0, {"CUDA_VISIBLE_DEVICES": "GPU-8f2e"}) is None  # UUIDs: not mapped here
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    run = _meta(tmp_path / "run")
+    assert HeartbeatSampler(run, rank=1, nvml=False, cuda_device=1)._gpu_indices == [5]
+    assert HeartbeatSampler(run, rank=1, nvml=False)._gpu_indices is None  # all of them, as before
+    assert HeartbeatSampler(run, rank=1, nvml=False, cuda_device=1, gpu_indices=[0, 1])._gpu_indices == [0, 1]
