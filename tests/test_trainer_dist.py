@@ -67,6 +67,12 @@ def test_every_mesh_matches_one_process(tmp_path: Path, reference: list[float], 
     assert [r[3] for r in logged] == [tp * pp * dp] * 3
     assert [r[1] for r in logged] == pytest.approx(result.losses, rel=1e-6)
     assert all(r[1] == r[2] for r in logged)
+    # One host: each rank's local rank is its rank (as torchrun would set it), so the host's own
+    # heartbeat rows (CPU, memory, network) come from local rank 0 alone.
+    assert run.con.execute("SELECT count(*) FROM ranks WHERE local_rank IS DISTINCT FROM rank").fetchone() == (0,)
+    if Path("/proc/loadavg").exists():
+        host_rows = run.con.execute("SELECT DISTINCT rank FROM heartbeats WHERE metric = 'load_1m'").fetchall()
+        assert host_rows == [(0,)]
     if tp * pp * dp == 8:
         _check_3d_run_directory(run.con)
 

@@ -69,6 +69,9 @@ def _rank_entry(local_rank: int, cfg: TrainConfig, init_file: str, scratch: str,
     gc.freeze()
     # The run's id, the same in every rank: run.json's, stamped into every part (this process only).
     os.environ[RUN_ID_VAR] = run_id
+    # One host: the local rank is the rank. Set as torchrun sets it, so that the collector's
+    # heartbeat reports the host's CPU, memory and network once (from local rank 0), not per rank.
+    os.environ["LOCAL_RANK"] = str(local_rank)
     torch.set_num_threads(1)
     logging.getLogger("megascope").setLevel(logging.WARNING)
     progress = Path(scratch, f"progress-{local_rank:05d}")
