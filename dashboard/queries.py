@@ -198,28 +198,32 @@ def heartbeat_metrics(con: duckdb.DuckDBPyConnection) -> list[str]:
 
 def heartbeat_series(con: duckdb.DuckDBPyConnection, metric: str, *, max_points: int = 400,
                      max_hosts: int = 32) -> pd.DataFrame:
-    """``host, time_ns, value``: metric ``metric`` averaged per host into at most ``max_points`` bins.
+    """``host, time_ns, value``: metric ``metric`` averaged per line into at most ``max_points`` bins.
 
-    Past ``max_hosts`` hosts only the extremes are kept (lowest and highest mean): a person reads
-    the outliers, not a thousand lines.
+    A line is a host, or for a metric of a device (a GPU's clock, temperature, utilization) a host's
+    device (``host`` then reads "node7 gpu3"): one slow GPU of eight averaged into its host's line
+    would move it by an eighth. Past ``max_hosts`` lines only the extremes are kept (lowest and
+    highest mean): a person reads the outliers, not a thousand lines.
     """
     return con.execute(
         """
-        WITH span AS (SELECT min(time_ns) AS t0, greatest(max(time_ns) - min(time_ns), 1) AS width
-                      FROM heartbeats WHERE metric = ?),
-        per_host AS (SELECT host, avg(value) AS mean FROM heartbeats WHERE metric = ? GROUP BY host),
-        ranked AS (SELECT host, row_number() OVER (ORDER BY mean) AS lo,
-                          row_number() OVER (ORDER BY mean DESC) AS hi FROM per_host),
-        chosen AS (SELECT host FROM ranked WHERE lo <= ? OR hi <= ?)
-        SELECT h.host,
-               min(h.time_ns) AS time_ns,
-               avg(h.value) AS value
-        FROM heartbeats h, span
-        WHERE h.metric = ? AND h.value IS NOT NULL AND h.host IN (SELECT host FROM chosen)
-        GROUP BY h.host, floor((h.time_ns - span.t0) * ? / span.width)
-        ORDER BY h.host, time_ns
+        WITH src AS (SELECT CASE WHEN device IS NULL THEN host ELSE host || ' ' || device END AS line,
+                            time_ns, value
+                     FROM heartbeats WHERE metric = ? AND value IS NOT NULL),
+        span AS (SELECT min(time_ns) AS t0, greatest(max(time_ns) - min(time_ns), 1) AS width FROM src),
+        per_line AS (SELECT line, avg(value) AS mean FROM src GROUP BY line),
+        ranked AS (SELECT line, row_number() OVER (ORDER BY mean, line) AS lo,
+                          row_number() OVER (ORDER BY mean DESC, line) AS hi FROM per_line),
+        chosen AS (SELECT line FROM ranked WHERE lo <= ? OR hi <= ?)
+        SELECT s.line AS host,
+               min(s.time_ns) AS time_ns,
+               avg(s.value) AS value
+        FROM src s, span
+        WHERE s.line IN (SELECT line FROM chosen)
+        GROUP BY s.line, floor((s.time_ns - span.t0) * ? / span.width)
+        ORDER BY s.line, time_ns
         """,
-        [metric, metric, max_hosts // 2, max_hosts - max_hosts // 2, metric, max_points - 1],
+        [metric, max_hosts // 2, max_hosts - max_hosts // 2, max_points - 1],
     ).df()
 
 

@@ -166,3 +166,21 @@ def test_bad_threshold_is_a_config_error(tmp_path: Path, silent_after: float) ->
     _beats(run, "node0", 0, _healthy(0, seconds=10))
     with pytest.raises(ConfigError, match="silent_after"):
         health_findings(open_run(run).con, silent_after=silent_after)
+
+
+def test_the_health_graph_draws_a_line_per_gpu_and_per_host(tmp_path: Path) -> None:
+    """A device's metric gets a line per host's device (a slow GPU of a host stands out, not an
+    average of its host's GPUs); a host's metric a line per host; past max_hosts, the extremes."""
+    from megascope.dashboard.queries import heartbeat_series
+
+    run = _run_dir(tmp_path)
+    for host, clocks in (("node0", (1980.0, 990.0)), ("node1", (1980.0, 1975.0))):
+        _beats(run, host, None, [(T0 + t * S, f"gpu{g}", "gpu_sm_clock_mhz", c, None)
+                                 for t in range(0, 30, 5) for g, c in enumerate(clocks)]
+               + [(T0 + t * S, None, "load_1m", 2.0 if host == "node0" else 4.0, None) for t in range(0, 30, 5)])
+    con = open_run(run).con
+    clocks = heartbeat_series(con, "gpu_sm_clock_mhz").groupby("host")["value"].mean().to_dict()
+    assert clocks == {"node0 gpu0": 1980.0, "node0 gpu1": 990.0, "node1 gpu0": 1980.0, "node1 gpu1": 1975.0}
+    assert heartbeat_series(con, "load_1m").groupby("host")["value"].mean().to_dict() == {"node0": 2.0, "node1": 4.0}
+    extremes = set(heartbeat_series(con, "gpu_sm_clock_mhz", max_hosts=2)["host"])
+    assert extremes == {"node0 gpu1", "node0 gpu0"}  # lowest mean; highest (a tie of 1980, by name)

@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 
 
 def heartbeat_figure(series: pd.DataFrame, *, metric: str) -> go.Figure:
-    """Lines per host over wall-clock time (UTC)."""
+    """A line per host, or per host's device for a device's metric (``series["host"]``), over wall-clock time (UTC)."""
     fig = go.Figure()
     if series.empty:
         fig.add_annotation(text=f"no heartbeat samples of {metric}", showarrow=False, x=0.5, y=0.5,
