@@ -16,6 +16,7 @@ The load average (1 min) is recorded before each run and printed with the table.
     python bench/detect_sweep.py -o /tmp/sweep                     # run and score (CPU, ~20 min)
     python bench/detect_sweep.py -o /tmp/sweep --score-only        # score runs already there
     python bench/detect_sweep.py -o /tmp/sweep --gpu               # 4 GPUs, straggler mode=time
+    python bench/detect_sweep.py -o /tmp/sweep --gpu --no-score    # run only; --score-only later
     python bench/detect_sweep.py -o /tmp/sweep --hta               # HTA's straggler analysis too
 """
 
@@ -50,7 +51,8 @@ def plan(meshes: list[tuple[int, int, int]], seed: int, *, gpu: bool) -> list[di
     """The sweep's runs: per mesh every factor, every skew, one hang and some healthy runs.
 
     On GPUs the runs come in a seeded random order, so a sweep cut short by its time budget still
-    has every mesh and kind of fault in it."""
+    has every mesh and kind of fault in it; the hangs come last there, as each takes minutes (NCCL
+    may not end a hung collective, and the launcher stops the job at its stall limit)."""
     rng = random.Random(seed)
     runs: list[dict[str, Any]] = []
     for tp, pp, dp in meshes:
@@ -68,6 +70,7 @@ def plan(meshes: list[tuple[int, int, int]], seed: int, *, gpu: bool) -> list[di
                          "inject": spec.format(r=rank) if spec else None})
     if gpu:
         rng.shuffle(runs)
+        runs.sort(key=lambda r: r["kind"] == "hang")  # stable: the shuffled order otherwise
     for i, r in enumerate(runs):
         tp, pp, dp = r["mesh"]
         tag = r["inject"].replace(":", "-").replace(",", "-").replace("=", "") if r["inject"] else "healthy"
@@ -269,6 +272,8 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, default=4, choices=(2, 4), help="with --gpu: 2 or 4 GPUs")
     parser.add_argument("--budget-s", type=float, default=0.0, help="start no run after this many seconds")
     parser.add_argument("--score-only", action="store_true", help="score the runs already in --out")
+    parser.add_argument("--no-score", action="store_true",
+                        help="only run (score later with --score-only, elsewhere: on GPU time, more runs fit)")
     parser.add_argument("--hta", action="store_true", help="also write profiler traces and run HTA on them")
     parser.add_argument("--limit", type=int, default=0, help="only the first N runs (a quick look)")
     parser.add_argument("--mesh", action="append", default=[], metavar="TPxPPxDP",
@@ -300,7 +305,7 @@ def main() -> int:
             rec.update(launch(r, args.out, gpu=args.gpu, steps=args.steps, profile=4 if args.hta else None))
             with log.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
-        if "load" not in rec:
+        if "load" not in rec or args.no_score:
             continue
         try:
             rec.update(score(rec, args.out / r["name"]))

@@ -5,6 +5,10 @@
 # table.txt (the sweep's table), sweep.jsonl (one line per run) and runs.tar.gz (every run
 # directory and its log, for rescoring elsewhere with --score-only).
 #
+# With NO_SCORE=1 the machine only runs (no report after each run: more runs fit the budget); score
+# them afterwards from runs.tar.gz: `python bench/detect_sweep.py -o DIR --gpu --gpus N --seed S
+# --score-only`.
+#
 #   OUT=/tmp/o SEED=83 BUDGET_S=420 bash bench/gpu_detect.sh      # after bench/gpu_setup.sh
 set -uo pipefail
 OUT=${OUT:-gpu-detect}
@@ -23,7 +27,7 @@ nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv >"$OUT/gpus.t
 # How the GPUs are linked: a slower link between two of them reads as a slow pair in the sweep.
 nvidia-smi topo -m >>"$OUT/gpus.txt" 2>&1
 timeout $(( BUDGET_S + 150 )) $PY bench/detect_sweep.py -o "$WORK" --gpu --gpus "$GPUS" --seed "$SEED" \
-  --budget-s "$BUDGET_S" >"$OUT/table.txt" 2>"$OUT/sweep-progress.txt"
+  --budget-s "$BUDGET_S" ${NO_SCORE:+--no-score} >"$OUT/table.txt" 2>"$OUT/sweep-progress.txt"
 echo "sweep exit $?" >>"$OUT/sweep-progress.txt"
 cp "$WORK/sweep.jsonl" "$OUT/" 2>/dev/null
 tar -czf "$OUT/runs.tar.gz" -C "$WORK" . 2>/dev/null

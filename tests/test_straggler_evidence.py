@@ -271,6 +271,9 @@ def test_detect_sweep_plan_covers_the_fault_space() -> None:
     assert [r["rank"] for r in runs] != [r["rank"] for r in sweep.plan(sweep.CPU_MESHES, 23, gpu=False)]
     gpu = sweep.plan(sweep.GPU_MESHES, 22, gpu=True)
     assert all("mode=time" in r["inject"] for r in gpu if r["kind"] == "straggler")
+    # On GPUs the hangs (minutes each) come last: a sweep cut short by its budget loses them first.
+    kinds = [r["kind"] for r in gpu]
+    assert kinds.index("hang") == len(kinds) - kinds.count("hang") and len(set(kinds[:8])) >= 3
 
 
 @pytest.mark.gpu
