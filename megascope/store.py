@@ -86,6 +86,7 @@ class Run:
     # Per parted table, the parts already found stamped with this run's id: a part is never
     # rewritten (a new one is written beside it), so a refresh reads only the new parts' metadata.
     _stamped: dict[str, set[str]] = field(default_factory=dict, repr=False)
+    _twins: dict[Path, Path] = field(default_factory=dict, repr=False)  # spans file -> its twin's path
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -371,7 +372,9 @@ def _create_sums_views(run: Run) -> None:
     # Paired by name (a part's name is unique: write time, pid, counter), so a twin is this run's
     # when its spans file is; no footer is read here (that would cost seconds at 100k+ parts). A
     # twin DuckDB cannot read makes the analysis aggregate the spans instead (base._rank_step).
-    twin = {f: layout.sums_twin(f) for f in spans}
+    known = run._twins
+    twin = {f: known.get(f) or layout.sums_twin(f) for f in spans}
+    run._twins = twin  # a refresh computes the new files' twin paths only
     summed = [twin[f] for f in spans if twin[f] in present]
     unsummed = [f for f in spans if twin[f] not in present]
     if summed:
