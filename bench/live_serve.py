@@ -6,7 +6,8 @@ This process serves the run as ``megascope serve`` does (``RunRegistry`` with th
 precomputed results and the step sums follower, threads started) and looks every 0.1 s at what a
 page would show: the overview's steps (``data.live_per_step``: the analyses', then the follower's)
 and the analyses' own (``per_step`` as last precomputed). For each flush: seconds from the end of
-its write to its last step showing on the overview, and in the analyses. And the dashboard's CPU
+its write (every rank's part written) to its step showing on the overview with every rank's
+step time, and in the analyses. And the dashboard's CPU
 (this process) per second of wall clock.
 
     python bench/live_serve.py --ranks 1024 --flushes 10 --interval 5 --work /tmp/live
@@ -38,8 +39,12 @@ def _write(run: str, ranks: int, tp: int, pp: int, flushes: int, interval: float
     queue.put(("done", -1, time.time()))
 
 
-def _last(frame: Any) -> int:
-    return int(frame["step"].max()) if frame is not None and len(frame) else -1
+def _last(frame: Any, ranks: int) -> int:
+    """The last step every rank finished, in a per-step frame (its ``ranks`` column)."""
+    if frame is None or not len(frame):
+        return -1
+    whole = frame[frame["ranks"] >= ranks]
+    return int(whole["step"].max()) if len(whole) else -1
 
 
 def main() -> None:
@@ -86,11 +91,12 @@ def main() -> None:
         now = time.time()
         full = served.cached(("per_step",)) if served.run is not None else None
         followed = served.live_steps()
-        shown = max(_last(full), _last(followed))
+        analysed = _last(full, args.ranks)
+        shown = max(analysed, _last(followed, args.ranks))
         for step in flushed:
             if step <= shown and step not in on_overview:
                 on_overview[step] = now
-            if step <= _last(full) and step not in in_analyses:
+            if step <= analysed and step not in in_analyses:
                 in_analyses[step] = now
         if done_at is not None and (len(in_analyses) == len(flushed) or now - done_at > args.settle):
             break
