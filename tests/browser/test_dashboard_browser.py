@@ -119,7 +119,8 @@ def test_every_page_loads_without_console_errors(site: str, driver: Any) -> None
         _no_errors(driver)
     wait_for_text(driver, f"#{ids.HEALTH_HOSTS}", "node00001")
     wait_for_text(driver, f"#{ids.HEALTH_HOSTS}", "NCCL INFO ring 0 ready")
-    assert {t["name"] for t in _plot_data(driver, ids.HEALTH_GRAPH)} == {"node00000", "node00001"}
+    # A GPU's metric: a line per host's GPU.
+    assert {t["name"] for t in _plot_data(driver, ids.HEALTH_GRAPH)} == {"node00000 gpu0", "node00001 gpu0"}
     driver.get(f"{site}/run/straggler/stragglers")
     wait_for_text(driver, f"#{ids.STRAGGLER_TABLE}", "compute")
     wait_for_text(driver, f"#{ids.STRAGGLER_WHATIF}", " pts")  # the MFU gain card
