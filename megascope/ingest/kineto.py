@@ -329,7 +329,7 @@ _KEEP_FREED_BYTES = 1 << 30
 def _init_worker() -> None:
     """Set up a parsing process: its inherited objects frozen, its freed memory kept.
 
-    Each file allocates and frees the same ~100 MiB; glibc hands large blocks back to the system
+    Each file allocates and frees tens of MiB; glibc hands large blocks back to the system
     and the next file faults them in again, page by page (one process, 25k-event rank files: ~2,800
     page faults and ~8 ms of system time per file, ~180 and ~2 ms with this). A worker keeps them
     instead; its peak memory is the same, since the next file reuses what the last one freed.
