@@ -97,6 +97,8 @@ class Collector:
         self.config = config = config.with_env()
         self.rank = rank if rank is not None else _env_int("RANK") or 0
         self.world_size = world_size if world_size is not None else _env_int("WORLD_SIZE") or 1
+        # The writer's and the marker agent's interval: longer in a big job (config.job_parts_per_s).
+        self.flush_interval_s = config.flush_interval_for(self.world_size)
         self.coords = dict(coords or {})
         self.enabled = config.enabled
         self._active = False  # recording: open and not paused (what every hot path checks)
@@ -137,7 +139,7 @@ class Collector:
                                              start_ns=self.start_ns)
         self._writer = Writer(
             config.run_dir, rank=self.rank, sink=self._sink, timer=self._timer,
-            interval_s=config.flush_interval_s, capacity=config.max_buffered_rows, duty=config.writer_duty,
+            interval_s=self.flush_interval_s, capacity=config.max_buffered_rows, duty=config.writer_duty,
             run_id=self._run_id.get,
         )
         self._gc_watch: _GcWatch | None = None  # before any thread that reads stats starts
@@ -201,7 +203,7 @@ class Collector:
         if config.marker_agent:
             try:
                 self._agent = AgentLink.start(config.run_dir, rank=self.rank, host=socket.gethostname(),
-                                              interval_s=config.flush_interval_s, run_id=self._run_id.get())
+                                              interval_s=self.flush_interval_s, run_id=self._run_id.get())
                 if not self._run_id.known:  # tell the agent once this rank has read it from run.json
                     self._run_id.on_known(self._agent.set_run_id)
                 self._sink.markers = self._agent.ring  # type: ignore[assignment]
@@ -672,7 +674,7 @@ class Collector:
         self._writer.close(timeout_s=self.config.close_timeout_s)
         if self._agent is not None:
             # The agent may still be starting (a second or so): give it time before writing here.
-            self._agent.close(timeout_s=max(10.0, 2 * self.config.flush_interval_s))
+            self._agent.close(timeout_s=max(10.0, 2 * self.flush_interval_s))
         if self._stacks is not None:
             self._stacks.close()
         stats = self.stats

@@ -8,6 +8,7 @@ script wrote, so an operator can switch the collector off or move its output wit
 ``MEGASCOPE_DISABLE=1``               ``enabled=False``
 ``MEGASCOPE_RUN_DIR=PATH``            ``run_dir``
 ``MEGASCOPE_FLUSH_INTERVAL_S=2``      ``flush_interval_s``
+``MEGASCOPE_JOB_PARTS_PER_S=1024``    ``job_parts_per_s`` (0: every rank at ``flush_interval_s``)
 ``MEGASCOPE_MAX_BUFFERED_ROWS=N``     ``max_buffered_rows``
 ``MEGASCOPE_FLIGHT_RECORDER=1``       ``flight_recorder=True``
 ``MEGASCOPE_HEARTBEAT_S=5``           ``heartbeat_interval_s`` (0 turns it off)
@@ -70,6 +71,13 @@ class CollectorConfig:
 
     run_dir: Path
     flush_interval_s: float = 1.0
+    # The job's ranks together write about this many parts of a table a second at most: past that
+    # many ranks, each flushes every world_size / job_parts_per_s seconds instead of every
+    # flush_interval_s (see flush_interval_for; a 12,288-rank job flushes every 12 s). A part per
+    # rank a second at 12,288 ranks is 12,288 files a second per table: a reader takes ~0.5 ms of
+    # CPU a file, so a dashboard following the job needs 6 cores for that alone, and a file
+    # system's metadata server sees 50,000 creates a second. 0: every rank at flush_interval_s.
+    job_parts_per_s: float = 1024.0
     enabled: bool = True
     # Rows waiting in memory per table (and spans waiting for their device events); beyond it new
     # rows are dropped and counted, so a stalled disk never grows the job's memory.
@@ -150,6 +158,8 @@ class CollectorConfig:
         object.__setattr__(self, "run_dir", Path(self.run_dir))
         if not self.flush_interval_s > 0:
             raise ConfigError(f"flush_interval_s must be > 0, got {self.flush_interval_s}")
+        if self.job_parts_per_s < 0:
+            raise ConfigError(f"job_parts_per_s must be >= 0, got {self.job_parts_per_s}")
         if self.max_buffered_rows < 1:
             raise ConfigError(f"max_buffered_rows must be >= 1, got {self.max_buffered_rows}")
         if not self.anchor_interval_s > 0:
@@ -176,6 +186,13 @@ class CollectorConfig:
         if self.heartbeat_interval_s is not None and not self.heartbeat_interval_s > 0:
             raise ConfigError(f"heartbeat_interval_s must be > 0 or None, got {self.heartbeat_interval_s}")
 
+    def flush_interval_for(self, world_size: int) -> float:
+        """Seconds between one rank's flushes in a job of ``world_size`` ranks: ``flush_interval_s``,
+        or longer where the job's ranks would write more than ``job_parts_per_s`` parts a second."""
+        if not self.job_parts_per_s:
+            return self.flush_interval_s
+        return max(self.flush_interval_s, world_size / self.job_parts_per_s)
+
     def with_env(self, environ: Mapping[str, str] | None = None) -> CollectorConfig:
         """This config with the ``MEGASCOPE_*`` overrides of ``environ`` (default ``os.environ``)."""
         env = os.environ if environ is None else environ
@@ -188,6 +205,8 @@ class CollectorConfig:
             changes["flush_interval_s"] = _env_number(
                 "MEGASCOPE_FLUSH_INTERVAL_S", env["MEGASCOPE_FLUSH_INTERVAL_S"], float
             )
+        if "MEGASCOPE_JOB_PARTS_PER_S" in env:
+            changes["job_parts_per_s"] = _env_number("MEGASCOPE_JOB_PARTS_PER_S", env["MEGASCOPE_JOB_PARTS_PER_S"], float)
         if "MEGASCOPE_MAX_BUFFERED_ROWS" in env:
             changes["max_buffered_rows"] = _env_number(
                 "MEGASCOPE_MAX_BUFFERED_ROWS", env["MEGASCOPE_MAX_BUFFERED_ROWS"], int

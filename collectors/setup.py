@@ -228,7 +228,7 @@ def from_env(run_dir: str | os.PathLike[str] | None = None, *, mesh: Any = None,
     start_ns = time.time_ns()
     meta = RunMeta(run_id=run_id or new_run_id(config.run_dir, start_ns), source=RunSource.COLLECTOR.value,
                    world_size=world, mesh_axes=axes, mesh_sizes={a: layout.sizes.get(a, 1) for a in axes},
-                   start_ns=start_ns, config={"flush_interval_s": config.flush_interval_s})
+                   start_ns=start_ns, config={"flush_interval_s": config.with_env().flush_interval_for(world)})
     coords = {a: 0 for a in axes if a not in layout.coords} | layout.coords  # pp/dp/tp always placed
     col = Collector(config, rank=rank, world_size=world, coords=coords, meta=meta)
     if not col.enabled:

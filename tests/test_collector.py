@@ -62,6 +62,40 @@ def test_config_env_overrides_and_validation(tmp_path: Path) -> None:
         CollectorConfig(tmp_path)  # type: ignore[misc]  # keyword-only
 
 
+def test_a_big_job_flushes_less_often_so_its_ranks_write_a_bounded_number_of_parts(tmp_path: Path) -> None:
+    """Past job_parts_per_s ranks, a rank flushes every world_size / job_parts_per_s seconds: the
+    job writes about that many parts of a table a second whatever its size."""
+    cfg = CollectorConfig(run_dir=tmp_path / "a", flush_interval_s=1.0)
+    assert [cfg.flush_interval_for(w) for w in (1, 1024, 4096, 12288)] == [1.0, 1.0, 4.0, 12.0]
+    assert CollectorConfig(run_dir=tmp_path, flush_interval_s=20.0).flush_interval_for(12288) == 20.0
+    assert CollectorConfig(run_dir=tmp_path, job_parts_per_s=0).flush_interval_for(12288) == 1.0
+    assert cfg.with_env({"MEGASCOPE_JOB_PARTS_PER_S": "4096"}).flush_interval_for(12288) == 3.0
+    with pytest.raises(ConfigError, match="job_parts_per_s must be >= 0"):
+        cfg.with_env({"MEGASCOPE_JOB_PARTS_PER_S": "-1"})
+    with pytest.raises(ConfigError, match="MEGASCOPE_JOB_PARTS_PER_S"):
+        cfg.with_env({"MEGASCOPE_JOB_PARTS_PER_S": "many"})
+
+    col = Collector(CollectorConfig(run_dir=tmp_path / "run", marker_agent=False, heartbeat_interval_s=None),
+                    rank=3, world_size=2048)
+    try:
+        assert col.flush_interval_s == 2.0 and col._writer.interval_s == 2.0
+    finally:
+        col.close()
+
+
+def test_from_env_records_the_flush_interval_a_big_job_uses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """run.json's config.flush_interval_s is the one the ranks use (the run state reads it to tell a
+    stalled job from one between flushes)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3072")
+    col = Collector.from_env(tmp_path / "run", intercept=False, marker_agent=False)
+    try:
+        assert col.flush_interval_s == 3.0
+    finally:
+        col.close()
+    assert open_run(tmp_path / "run").meta.config["flush_interval_s"] == 3.0
+
+
 # ---------------------------------------------------------------------------------------- spans
 def test_spans_steps_and_metrics_land_in_the_run(tmp_path: Path) -> None:
     run = tmp_path / "run"
