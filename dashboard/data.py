@@ -95,13 +95,16 @@ def per_step(served: ServedRun) -> pd.DataFrame:
 def live_per_step(served: ServedRun) -> pd.DataFrame:
     """:func:`per_step`, then the steps the step sums' follower (``ServedRun.follow``) has read
     beyond its last step: on a big live run the analyses come later, the overview's step time
-    and MFU do not wait for them."""
+    and MFU do not wait for them. Only steps every rank has ended count: a step's time is the
+    median of its ranks', and a step seen from the ranks that finished it first is faster than
+    the job's (the slowest ranks are the ones missing)."""
     frame = per_step(served)
     followed = served.live_steps()
     if followed is None or followed.empty:
         return frame
     last = int(frame["step"].max()) if len(frame) else -1
-    newer = followed[followed["step"] > last]
+    world = served.run.meta.world_size if served.run is not None else None
+    newer = followed[(followed["step"] > last) & (followed["ranks"] >= (world or 0))]
     if newer.empty:
         return frame
     return pd.concat([frame, newer[[c for c in frame.columns if c in newer.columns]]], ignore_index=True)
