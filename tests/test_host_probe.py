@@ -99,7 +99,7 @@ def test_the_rank_whose_probe_runs_twice_as_long_reads_twice_as_slow(tmp_path: P
     assert slow[0] < 1.0 < slow[1]
 
 
-@pytest.mark.parametrize(("factor", "verdict"), [(2.0, "a slow or shared CPU"), (1.0, "does more host work")])
+@pytest.mark.parametrize(("factor", "verdict"), [(2.0, "a slow or shared CPU"), (1.0, "when probed: more host work")])
 def test_the_report_says_whether_a_host_straggler_sat_on_a_slower_cpu(tmp_path: Path, factor: float,
                                                                       verdict: str) -> None:
     """A rank that pauses outside its spans (cause host), its probes beside its peers': twice as long,

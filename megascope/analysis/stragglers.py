@@ -237,8 +237,10 @@ def cpu_slowdown(run: Run) -> dict[int, float]:
     ranks wrote :data:`HOST_PROBE_MIN` probes or more.
 
     A rank named for its host (its device waiting for its launches) on a CPU as fast as its
-    peers' does more host work than they do (its code, its data loader); on a slower CPU, the
-    machine is the cause: another tenant, a busy thread beside it, a CPU that runs slower."""
+    peers' does more host work than they do (its code, its data loader), or its CPU slowed between
+    the probes (a probe is ~0.3 ms every few steps: on a 4x H100 machine a rank named at 2.43x
+    probed 1.04x); on a slower CPU, the machine is the cause: another tenant, a busy thread beside
+    it, a CPU that runs slower."""
     probes = _sql.query_df(run.con, "stragglers", "host_probe", probe_metric=HOST_PROBE_METRIC)
     probes = probes[probes["probes"] >= HOST_PROBE_MIN]
     if len(probes) < 2:

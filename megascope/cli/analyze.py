@@ -76,7 +76,8 @@ def _print_report(r: dict[str, Any]) -> None:
             if s["cause"] != "host" or cpu is None or cpu != cpu:  # NaN: no host probes
                 continue
             verdict = ("a slow or shared CPU, not more work" if cpu >= CPU_SLOW
-                       else "a CPU as fast as its peers': the rank does more host work" if cpu <= CPU_SAME
+                       else "a CPU as fast as its peers' when probed: more host work, or a slowdown between "
+                            "probes (one every few steps)" if cpu <= CPU_SAME
                        else "a little slower CPU, not enough to explain it")
             click.echo(f"  rank {s['rank']}: host probe {cpu:.2f}x the median rank's time: {verdict}")
     else:
