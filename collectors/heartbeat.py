@@ -327,6 +327,11 @@ def _load_nvml() -> Any:
     return pynvml
 
 
+def _visible_devices(env: Mapping[str, str]) -> list[str]:
+    """The entries of ``CUDA_VISIBLE_DEVICES`` (indices or UUIDs); empty where it is unset."""
+    return [v.strip() for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+
+
 def default_gpu_indices(rank: int | None, env: Mapping[str, str] = os.environ) -> list[int] | None:
     """NVML indices a sampler watches: all for a host-wide sampler, else the rank's own GPU.
 
@@ -336,7 +341,7 @@ def default_gpu_indices(rank: int | None, env: Mapping[str, str] = os.environ) -
     if rank is None or "LOCAL_RANK" not in env:
         return None
     local = int(env["LOCAL_RANK"])
-    visible = [v.strip() for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    visible = _visible_devices(env)
     if visible and all(v.isdigit() for v in visible):
         return [int(visible[local % len(visible)])]
     return [local]
@@ -345,7 +350,7 @@ def default_gpu_indices(rank: int | None, env: Mapping[str, str] = os.environ) -
 def nvml_index(cuda_device: int, env: Mapping[str, str] = os.environ) -> list[int] | None:
     """The NVML index of the job's CUDA device ``cuda_device``: mapped through
     ``CUDA_VISIBLE_DEVICES`` when that lists indices; None when it lists UUIDs (not mapped here)."""
-    visible = [v.strip() for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    visible = _visible_devices(env)
     if not visible:
         return [cuda_device]
     if all(v.isdigit() for v in visible) and cuda_device < len(visible):
