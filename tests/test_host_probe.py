@@ -79,6 +79,11 @@ _RANK = textwrap.dedent("""
                           marker_agent=False, host_probe_every=1)
     col = Collector(cfg, rank=rank, world_size=2, coords={"pp": 0, "dp": rank, "tp": 0},
                     meta=RunMeta(run_id="t", source="collector", world_size=2) if rank == 0 else None)
+    # Both ranks step at the same time: one still importing torch would slow the other's probes.
+    (run.parent / f"ready{rank}").touch()
+    while not (run.parent / f"ready{1 - rank}").exists():
+        time.sleep(0.005)
+    time.sleep(0.2)
     for step in range(15):
         with col.step(step):
             time.sleep(0.01)
