@@ -10,13 +10,16 @@ seconds; a tick is then K seconds of the job), wall clock and CPU of this proces
   directories' times, then ``Run.refresh()``: the store's views rebuilt) and the results it
   precomputes for the overview, topology and ``/metrics`` (``data.WARM``: MFU per step, hang
   localization, run state, stragglers, rank states, loss), each timed;
-* ``live``: :class:`megascope.live.StepSumsTail`: the new twins listed and read, their sums kept.
+* ``live``: :class:`megascope.live.StepSumsTail` as the dashboard makes it: what each rank appended
+  to its step log since the last look read, the sums kept;
+* ``twins``: the same reader following the twins instead (``source="twins"``, how it follows a
+  run without step logs): the new twins listed and read.
 
 Writing is not timed. The target (issue 23): each tick's refresh costs under one second of this
 machine's time, and the files read per refresh do not grow with the run's length.
 
-    python bench/live_refresh.py --ranks 1024 --ticks 12 --work /tmp/live --paths current,live
-    python bench/live_refresh.py --ranks 12288 --ticks 4 --work /tmp/live --paths live
+    python bench/live_refresh.py --ranks 1024 --ticks 12 --work WORK --paths current,live
+    python bench/live_refresh.py --ranks 12288 --ticks 4 --work WORK --paths live,twins
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--pp", type=int, default=8)
     parser.add_argument("--ticks", type=int, default=10)
-    parser.add_argument("--paths", default="current,live", help="comma-separated: current, live")
+    parser.add_argument("--paths", default="current,live", help="comma-separated: current, live, twins")
     parser.add_argument("--work", type=Path, required=True, help="directory for the run (replaced)")
     parser.add_argument("--json", type=Path, help="append one JSON line per tick here")
     parser.add_argument("--write-threads", type=int, default=2)
@@ -96,7 +99,8 @@ def main() -> None:
           f"load {_load()}", flush=True)
 
     served = registry = None
-    tail = StepSumsTail(run) if "live" in paths else None
+    tails = {name: StepSumsTail(run, source="twins" if name == "twins" else "auto")
+             for name in ("live", "twins") if name in paths}
     for tick in range(args.ticks):
         t0 = time.perf_counter()
         written = job.write_step(args.steps_per_part)
@@ -133,16 +137,19 @@ def main() -> None:
             row["current_s"], row["current_cpu_s"] = round(total_wall, 3), round(total_cpu, 3)
             last = data.per_step(served)
             row["current_last_step"] = int(last["step"].max()) if len(last) else None
-        if tail is not None:
+        # The two readers take turns going first (the page cache favours the second).
+        for name in sorted(tails, reverse=tick % 2 == 1):
+            tail = tails[name]
             wall, cpu, stats = _timed(tail.update)
             w2, c2, per_step = _timed(tail.per_step)
             w3, c3, _ = _timed(tail.rank_step)
-            row.update(live_s=round(wall + w2 + w3, 3), live_cpu_s=round(cpu + c2 + c3, 3),
-                       live_list_s=round(stats.list_s, 3), live_read_s=round(stats.read_s, 3),
-                       live_check_s=round(stats.check_s, 3),
-                       live_merge_s=round(stats.merge_s, 3), live_answers_s=round(w2 + w3, 3),
-                       live_dirs=stats.dirs_listed, live_files_read=stats.files_read,
-                       live_last_step=int(per_step["step"].max()) if len(per_step) else None)
+            row.update({f"{name}_s": round(wall + w2 + w3, 3), f"{name}_cpu_s": round(cpu + c2 + c3, 3),
+                        f"{name}_source": tail.source,
+                        f"{name}_list_s": round(stats.list_s, 3), f"{name}_read_s": round(stats.read_s, 3),
+                        f"{name}_check_s": round(stats.check_s, 3),
+                        f"{name}_merge_s": round(stats.merge_s, 3), f"{name}_answers_s": round(w2 + w3, 3),
+                        f"{name}_dirs": stats.dirs_listed, f"{name}_files_read": stats.files_read,
+                        f"{name}_last_step": int(per_step["step"].max()) if len(per_step) else None})
         row["load_after"] = _load()
         row["utc"] = time.strftime("%H:%M:%S", time.gmtime())
         print(json.dumps(row), flush=True)
@@ -150,7 +157,7 @@ def main() -> None:
             with args.json.open("a") as f:
                 f.write(json.dumps(row) + "\n")
     job.close()
-    if tail is not None:
+    for tail in tails.values():
         tail.close()
     if registry is not None:
         registry.stop()

@@ -8,7 +8,9 @@ SIGTERM and exit) it
 2. writes each non-empty table as one new part through :func:`megascope.layout.write_part`
    (temporary name + rename: a reader never sees half a file; a SIGKILL loses at most one interval),
    and after each spans part its per-(rank, step, group) sums, its twin under ``step_sums/``
-   (:func:`megascope.layout.write_sums_twin`), which spare the analysis aggregating every span;
+   (:func:`megascope.layout.write_sums_twin`), which spare the analysis aggregating every span,
+   and before the twin those sums per step appended to the rank's step log
+   (:class:`megascope.steplog.StepLog`), which live viewers follow with one read per rank;
 3. (re)writes the per-rank ``ranks``/``groups`` files and ``run.json`` when they changed.
 
 It runs on its own thread, so markers keep reaching the disk while the training thread is blocked
@@ -45,6 +47,8 @@ from megascope.collectors.timing import Timer
 
 from megascope import layout, schema
 from megascope.schema import MarkerState, RunMeta, SpanKind
+from megascope.steplog import StepLog
+from megascope.stepsums import step_sums
 
 log = logging.getLogger(__name__)
 
@@ -268,6 +272,7 @@ class Writer:
         # ranks / groups written before this rank knew the run id: rewritten, stamped, once it does.
         self._unstamped: dict[str, pa.Table] = {}
         self.pollers: list[Callable[[], None]] = []  # extra work each pass (flight recorder)
+        self.step_log = StepLog(self.run_dir, rank=rank)
         # Markers leave through the shared-memory ring (the marker agent writes them), not here.
         self.markers_elsewhere = False
         self.rows_written = {name: 0 for name, _ in _PART_TABLES}
@@ -356,6 +361,7 @@ class Writer:
                 break
             time.sleep(0.005)
         self.flush()
+        self.step_log.close()
         # What the last flush could not write (a read-only or full disk) is lost with the process:
         # counted, so stats never say "0 rows dropped" for rows that never reached the disk.
         left = self.pending_rows + len(self.sink.spans) + len(self.sink.metrics) + len(self.sink.pending_spans)
@@ -439,10 +445,12 @@ class Writer:
         if name == "spans":
             if pacer is not None:
                 pacer.tick()
-            # The part's sums, for the analysis. Never retried: a spans part without them is
-            # aggregated by the analysis itself.
+            # The part's sums, for live viewers (the step log, first) and the analysis (the twin).
+            # Never retried: a spans part without a twin is aggregated by the analysis itself.
             try:
-                layout.write_sums_twin(path, data, run_id=self.run_id())
+                sums = step_sums(data)
+                self.step_log.append(sums, run_id=self.run_id())
+                layout.write_sums_twin(path, data, run_id=self.run_id(), sums=sums)
             except Exception as exc:
                 self._failed("step_sums", exc)
 

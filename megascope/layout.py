@@ -421,9 +421,11 @@ def sums_glob() -> str:
     return f"{STEP_SUMS_DIR}/rank=*/*.parquet"
 
 
-def write_sums_twin(spans_file: Path, spans: pa.Table, *, run_id: str | None = None) -> Path:
-    """Write the sums of ``spans`` (the rows of ``spans_file``) as its twin, atomically."""
-    data = step_sums(spans)
+def write_sums_twin(spans_file: Path, spans: pa.Table, *, run_id: str | None = None,
+                    sums: pa.Table | None = None) -> Path:
+    """Write the sums of ``spans`` (the rows of ``spans_file``) as its twin, atomically; ``sums``:
+    those sums, where the caller has them already."""
+    data = step_sums(spans) if sums is None else sums
     metadata = {STEP_SUMS_VERSION_KEY: str(STEP_SUMS_VERSION).encode()}
     if run_id is not None:
         metadata[RUN_ID_KEY] = run_id.encode()
@@ -432,13 +434,15 @@ def write_sums_twin(spans_file: Path, spans: pa.Table, *, run_id: str | None = N
     return path
 
 
-def write_spans_part(run_dir: Path | str, data: pa.Table, *, rank: int, run_id: str | None = None) -> Path:
-    """Write ``data`` as one new spans part (:func:`write_part`), then its sums as its twin.
+def write_spans_part(run_dir: Path | str, data: pa.Table, *, rank: int, run_id: str | None = None,
+                     sums: pa.Table | None = None) -> Path:
+    """Write ``data`` as one new spans part (:func:`write_part`), then its sums (``sums``, where
+    the caller has them already) as its twin.
 
     Spans first: a writer killed between the two leaves a spans part without a twin, which the
     analysis aggregates itself, never a twin without its spans."""
     path = write_part(run_dir, "spans", data, rank=rank, run_id=run_id)
-    write_sums_twin(path, data, run_id=run_id)
+    write_sums_twin(path, data, run_id=run_id, sums=sums)
     return path
 
 

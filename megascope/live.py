@@ -1,11 +1,21 @@
-"""Follow a live run's step sums: each new twin read once, the per-(rank, step) sums of the newest
-steps kept in memory.
+"""Follow a live run's step sums: what each rank appended to its step log since the last look (or
+each new twin, once), the per-(rank, step) sums of the newest steps kept in memory.
 
 Role in the data flow: a reader beside the store, for a viewer of a job that is still writing (the
 dashboard's live refresh). The store's views and the analysis' base tables answer every question
 about a run, but each refresh of them looks at every file the run holds: at 12,288 ranks writing a
 part per rank per second that is ~37,000 more files each second, and the refresh falls behind for
-good. This reader's work per refresh follows the new files only:
+good. This reader's work per refresh follows what is new only.
+
+**Step logs** (:mod:`megascope.steplog`), where the run's writers keep them (the collector does):
+one ``pread`` per rank from the offset read so far, whole records only, at most ``window_steps * 4``
+records a log a look (``most_new * 64`` where given; a reader behind the job skips to the newest);
+a log found at the first update is read from its newest ``backfill`` records (a record is a step of
+a flush). The folder is the run id's, so another run's logs are never read; a file that is not a
+log of this layout is named in :attr:`StepSumsTail.problems` and skipped.
+
+**Twins**, for runs without logs (older writers, importers; chosen once, at the first update that
+finds either, ``source`` to force one):
 
 * **listing**: one ``stat`` per rank partition of ``step_sums/`` and a directory scan of those whose
   modification time moved (or that changed in the last two seconds, within the clock's tick); the
@@ -55,19 +65,16 @@ import duckdb
 import numpy as np
 import pandas as pd
 
-from megascope import layout
+from megascope import layout, steplog
 from megascope.store import read_meta
 
 log = logging.getLogger(__name__)
 
 # A directory written to this recently may still change within the same mtime tick; look again.
 _SETTLE_NS = 2_000_000_000
+_SOURCES = ("auto", "log", "twins")
 # Kept per (rank, step): how rows of one (rank, step) from several twins combine.
-_COMBINE = {
-    "step_ns": "max", "step_start_ns": "min", "first_start_ns": "min", "last_end_ns": "max",
-    "forward_ns": "sum", "backward_ns": "sum", "optimizer_ns": "sum", "compute_ns": "sum", "data_ns": "sum",
-    "host_ns": "sum", "coll_ns": "sum", "recv_ns": "sum", "send_ns": "sum", "spans": "sum",
-}
+_COMBINE = {f: how for f, how in steplog.COMBINE.items() if how != "key"}
 _SQL_AGG = {"max": "max", "min": "min", "sum": "sum"}
 
 
@@ -91,12 +98,20 @@ class StepSumsTail:
     twins written since the last :meth:`update`."""
 
     def __init__(self, run_dir: Path | str, *, window_steps: int = 400, backfill: int = 8,
-                 most_new: int | None = None, threads: int | None = None) -> None:
+                 most_new: int | None = None, threads: int | None = None, source: str = "auto") -> None:
         if window_steps < 1 or backfill < 1 or (most_new is not None and most_new < 1):
             raise ValueError(f"window_steps, backfill and most_new must be >= 1, got {window_steps}, {backfill} "
                              f"and {most_new}")
+        if source not in _SOURCES:
+            raise ValueError(f"source must be one of {', '.join(_SOURCES)}, got {source!r}")
         self.path = Path(run_dir)
         self.meta = read_meta(self.path)
+        # "log" or "twins" once chosen; "auto" chooses at the first update that finds either.
+        self.source = source
+        self._log_dir = str(steplog.log_dir(self.path, self.meta.run_id)) if self.meta.run_id else None
+        self._log_mtime: int | None = None
+        self._log_names: list[str] = []
+        self._offsets: dict[str, int] = {}  # log name -> bytes read; -1: a log this reader cannot read
         self.window_steps = window_steps
         self.backfill = backfill
         self.most_new = most_new
@@ -185,25 +200,125 @@ class StepSumsTail:
                     bad.append((f, (str(exc).strip().splitlines() or [type(exc).__name__])[0]))
             frame = pd.concat(frames, ignore_index=True) if frames else None
         for f, why in bad:
-            problem = f"{f}: {why}; skipped"
-            if problem not in self.problems:
-                self.problems.append(problem)
-                log.info(problem)
-        return frame if frame is not None else pd.DataFrame(columns=["rank", "step", *_COMBINE])
+            self._problem(f, why)
+        return frame if frame is not None else _empty()
+
+    def _choose(self) -> str:
+        """The source to read: the run's step logs where its writers keep them, else the twins.
+        Chosen once, at the first update that finds either (reading both would count steps twice):
+        a writer makes its log folder before the first twin that has a record there."""
+        if self.source == "auto":
+            if self._log_dir is not None and os.path.isdir(self._log_dir):
+                self.source = "log"
+            elif os.path.isdir(self._base):
+                self.source = "twins"
+        return self.source
+
+    # ---------------------------------------------------------------- step logs
+
+    def _read_logs(self, stats: UpdateStats) -> pd.DataFrame:
+        """The records appended to the run's step logs since the last update (one ``pread`` a log)."""
+        where = self._log_dir
+        assert where is not None
+        t0 = time.perf_counter()
+        try:
+            mtime = os.stat(where).st_mtime_ns
+        except OSError:
+            return _empty()
+        if mtime != self._log_mtime or time.time_ns() - mtime < _SETTLE_NS:
+            self._log_names = sorted(e.name for e in os.scandir(where) if e.name.endswith(".steps"))
+            self._log_mtime = mtime
+            stats.dirs_listed += 1
+        stats.list_s = time.perf_counter() - t0
+        # A reader behind the job reads each log's newest records only, as ``most_new`` parts.
+        most = self.window_steps * 4 if self.most_new is None else max(self.most_new * 64, 64)
+        chunks: list[bytes] = []
+        for name in self._log_names:
+            offset = self._offsets.get(name)
+            if offset == -1:
+                continue
+            path = os.path.join(where, name)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                if offset is None:
+                    why = steplog.check_header(os.pread(fd, steplog.HEADER_SIZE, 0))
+                    if why == "no header yet":
+                        continue
+                    if why is not None:
+                        self._problem(path, why)
+                        self._offsets[name] = -1
+                        continue
+                    # A log found at the first update is read from its newest records on.
+                    offset = self._seek_newest(fd, self.backfill if not self._updated else None)
+                data = os.pread(fd, most * steplog.RECORD_SIZE, offset)
+                if len(data) == most * steplog.RECORD_SIZE:  # perhaps more: skip to the newest
+                    newest = self._seek_newest(fd, most)
+                    if newest > offset:
+                        stats.files_skipped += 1
+                        offset = newest
+                        data = os.pread(fd, most * steplog.RECORD_SIZE, offset)
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+            whole = len(data) - len(data) % steplog.RECORD_SIZE
+            self._offsets[name] = offset + whole
+            if whole:
+                chunks.append(data[:whole])
+        stats.files_read = len(chunks)
+        records = steplog.parse(b"".join(chunks))
+        frame = pd.DataFrame({f: records[:, i] for i, f in enumerate(steplog.FIELDS)})
+        for f, how in steplog.COMBINE.items():
+            if how == "key":
+                continue
+            column = frame[f]
+            null = column.to_numpy() == steplog.NULL
+            if how == "sum":  # as the twins' SUMs read: float
+                frame[f] = column.astype("float64").mask(null)
+            elif null.any():  # timestamps: nullable integers, exact
+                frame[f] = pd.arrays.IntegerArray(column.to_numpy(), null)
+        return frame
+
+    @staticmethod
+    def _seek_newest(fd: int, records: int | None) -> int:
+        """The offset of the newest ``records`` whole records of a log (all of them for None)."""
+        size = os.fstat(fd).st_size
+        count = (size - steplog.HEADER_SIZE) // steplog.RECORD_SIZE
+        keep = count if records is None else min(count, records)
+        return steplog.HEADER_SIZE + (count - keep) * steplog.RECORD_SIZE
+
+    def _problem(self, path: str, why: str) -> None:
+        problem = f"{path}: {why}; skipped"
+        if problem not in self.problems:
+            self.problems.append(problem)
+            log.info(problem)
 
     def update(self) -> UpdateStats:
-        """Read the twins written since the last update; returns what it did."""
+        """Read what was written since the last update (step logs or twins); returns what it did."""
         stats = UpdateStats()
-        t0 = time.perf_counter()
-        files = self._new_files(stats)
-        self._updated = True
-        stats.list_s = time.perf_counter() - t0
-        if not files:
-            return stats
-        t1 = time.perf_counter()
-        fresh = self._read(files, stats)
-        stats.read_s = time.perf_counter() - t1
-        stats.files_read, stats.rows = len(files), len(fresh)
+        source = self._choose()
+        if source == "log":
+            t1 = time.perf_counter()
+            fresh = self._read_logs(stats)
+            self._updated = True
+            stats.read_s = time.perf_counter() - t1 - stats.list_s
+            stats.rows = len(fresh)
+            if fresh.empty:
+                return stats
+        else:
+            t0 = time.perf_counter()
+            files = self._new_files(stats) if source == "twins" else []
+            self._updated = True
+            stats.list_s = time.perf_counter() - t0
+            if not files:
+                return stats
+            t1 = time.perf_counter()
+            fresh = self._read(files, stats)
+            stats.read_s = time.perf_counter() - t1
+            stats.files_read, stats.rows = len(files), len(fresh)
         t2 = time.perf_counter()
         for step, rows in fresh.groupby("step", sort=True):
             step = int(step)
@@ -257,3 +372,7 @@ class StepSumsTail:
             frame["mfu"] = np.nan
         frame["tokens_per_s"] = (meta.tokens_per_step or np.nan) / seconds
         return frame
+
+
+def _empty() -> pd.DataFrame:
+    return pd.DataFrame(columns=["rank", "step", *_COMBINE])

@@ -67,6 +67,8 @@ from megascope.schema import (
     SpanKind,
     Stream,
 )
+from megascope.steplog import StepLog
+from megascope.stepsums import step_sums
 from megascope.topology import Mesh
 
 log = logging.getLogger(__name__)
@@ -502,8 +504,11 @@ def _marker_table(c: dict[str, np.ndarray], group_names: list[str]) -> pa.Table:
     )
 
 
-def _write_by_rank(pool: ThreadPoolExecutor, out: Path, table_name: str, table: pa.Table, run_id: str) -> int:
-    """One part per rank: sort by rank once, then slice (zero-copy) and write in parallel."""
+def _write_by_rank(pool: ThreadPoolExecutor, out: Path, table_name: str, table: pa.Table, run_id: str, *,
+                   step_logs: bool = False) -> int:
+    """One part per rank: sort by rank once, then slice (zero-copy) and write in parallel; with
+    ``step_logs``, each spans part's sums are appended to its rank's step log first, as the
+    collector's writer does."""
     if table.num_rows == 0:
         return 0
     table = table.sort_by([("rank", "ascending"), ("start_ns" if "start_ns" in table.column_names else "time_ns", "ascending")])
@@ -515,7 +520,12 @@ def _write_by_rank(pool: ThreadPoolExecutor, out: Path, table_name: str, table: 
     def write(lo: int, hi: int) -> Path:
         part, rank = table.slice(lo, hi - lo), int(ranks[lo])
         if table_name == "spans":  # with its sums, as the collector writes them
-            return layout.write_spans_part(out, part, rank=rank, run_id=run_id)
+            sums = step_sums(part)
+            if step_logs:
+                steps = StepLog(out, rank=rank)
+                steps.append(sums, run_id=run_id)
+                steps.close()
+            return layout.write_spans_part(out, part, rank=rank, run_id=run_id, sums=sums)
         return layout.write_part(out, table_name, part, rank=rank, run_id=run_id)
 
     futures = [pool.submit(write, a, b) for a, b in zip(starts, ends, strict=True)]
@@ -674,8 +684,9 @@ def _run_meta(cfg: SynthConfig, sim: _Sim, run_id: str) -> RunMeta:
 class LiveSynth:
     """A synthetic job written step by step, as the collector writes a live run: ``run.json``,
     ``ranks`` and ``groups`` when it starts, then per :meth:`write_step` (one flush of a job that
-    flushes once a step) one spans part with its step sums twin, one markers part and, on the
-    ranks that log metrics, one metrics part, per rank. What live readers (the dashboard's
+    flushes once a step) one spans part with its step sums twin (and, unless ``step_logs`` is
+    off, those sums appended to the rank's step log), one markers part and, on the ranks that log
+    metrics, one metrics part, per rank. What live readers (the dashboard's
     refresh, ``bench/live_refresh.py``) are measured and tested against.
 
     Example::
@@ -684,9 +695,10 @@ class LiveSynth:
         job.write_step()          # step 0: 64 spans parts, 64 twins, 64 markers parts, ...
     """
 
-    def __init__(self, out: Path | str, cfg: SynthConfig, *, threads: int = 2) -> None:
+    def __init__(self, out: Path | str, cfg: SynthConfig, *, threads: int = 2, step_logs: bool = True) -> None:
         self.out = layout.prepare_run_dir(out)
         self.cfg = cfg
+        self.step_logs = step_logs
         self.run_id = _run_id(cfg)
         self.step = 0
         self._sim = _Sim(cfg)
@@ -710,7 +722,7 @@ class LiveSynth:
                 metrics.append(table)
             self.step += 1
         files = _write_by_rank(self._pool, self.out, "spans", _span_table(sim.spans.take(), sim.group_names),
-                               self.run_id) * 2
+                               self.run_id, step_logs=self.step_logs) * 2
         files += _write_by_rank(self._pool, self.out, "markers", _marker_table(sim.markers.take(), sim.group_names),
                                 self.run_id)
         if metrics:

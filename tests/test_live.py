@@ -1,33 +1,44 @@
-"""Following a live run's step sums (megascope.live): each new twin read once, the same step times
-as the full analysis, rows of a step split over parts combined, foreign and damaged twins named."""
+"""Following a live run's step sums (megascope.live): through the writers' step logs or their twins,
+each new record or twin read once, the same step times as the full analysis, rows of a step split
+over parts combined, foreign and damaged files named."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from megascope import analysis, layout
+from megascope import analysis, layout, steplog
 from megascope.live import StepSumsTail
+from megascope.schema import RunMeta
+from megascope.steplog import StepLog
+from megascope.stepsums import step_sums
 from megascope.store import open_run
 from megascope.synth import LiveSynth, SynthConfig
 
-
-def _job(tmp_path: Path, steps: int = 1000) -> LiveSynth:
-    return LiveSynth(tmp_path / "run", SynthConfig(ranks=16, steps=steps, tp=2, pp=2, seed=5), threads=1)
+SOURCES = pytest.mark.parametrize("source", ["log", "twins"])
 
 
-def test_each_new_twin_is_read_once_and_step_times_match_the_analysis(tmp_path: Path) -> None:
-    job = _job(tmp_path)
+def _job(tmp_path: Path, steps: int = 1000, source: str = "log") -> LiveSynth:
+    return LiveSynth(tmp_path / "run", SynthConfig(ranks=16, steps=steps, tp=2, pp=2, seed=5), threads=1,
+                     step_logs=source == "log")
+
+
+@SOURCES
+def test_each_new_twin_is_read_once_and_step_times_match_the_analysis(tmp_path: Path, source: str) -> None:
+    job = _job(tmp_path, source=source)
     tail = StepSumsTail(job.out)
     assert tail.update().files_read == 0  # nothing written yet
+    assert tail.source == "auto"
     for _ in range(3):
         job.write_step()
         update = tail.update()
-        assert update.files_read == 16  # one twin per rank, this step's only
+        assert update.files_read == 16  # one log or twin per rank, this step's only
         assert update.steps == [job.step - 1]
+        assert tail.source == source
     # Nothing new: the partitions are listed (they changed within the clock's tick) but none read.
     assert tail.update().files_read == 0
     job.close()
@@ -41,41 +52,52 @@ def test_each_new_twin_is_read_once_and_step_times_match_the_analysis(tmp_path: 
     assert len(frame) == 16 * 3 and frame["compute_ns"].gt(0).all() and frame["comm_ns"].gt(0).all()
 
 
-def test_a_step_split_over_two_parts_combines(tmp_path: Path) -> None:
-    job = _job(tmp_path)
+@SOURCES
+def test_a_step_split_over_two_parts_combines(tmp_path: Path, source: str) -> None:
+    job = _job(tmp_path, source="twins")
     job.write_step()
     job.close()
     whole = StepSumsTail(job.out)
     whole.update()
     # The same spans again, as a second run cut into two parts per rank (a step across a flush).
     split = tmp_path / "split"
-    layout.write_run_meta(split, open_run(job.out).meta)
+    meta = open_run(job.out).meta
+    layout.write_run_meta(split, meta)
     tail = StepSumsTail(split)
     for spans_file in sorted(job.out.glob("spans/rank=*/*.parquet")):
         table = pq.read_table(spans_file)
         rank = int(spans_file.parent.name[5:])
         half = table.num_rows // 2
-        layout.write_spans_part(split, table.slice(0, half), rank=rank)
-        tail.update()
-        layout.write_spans_part(split, table.slice(half), rank=rank)
+        for i, part in enumerate((table.slice(0, half), table.slice(half))):
+            if source == "log":
+                log = StepLog(split, rank=rank)
+                log.append(step_sums(part), run_id=meta.run_id)
+                log.close()
+            layout.write_spans_part(split, part, rank=rank)
+            if i == 0:
+                tail.update()
     tail.update()
+    assert tail.source == source
     for column in ("step_ns", "first_start_ns", "last_end_ns", "compute_ns", "comm_ns", "spans"):
         assert tail.rank_step()[column].tolist() == whole.rank_step()[column].tolist(), column
 
 
-def test_only_the_newest_steps_are_kept_and_a_late_join_reads_the_newest_parts(tmp_path: Path) -> None:
-    job = _job(tmp_path)
+@SOURCES
+def test_only_the_newest_steps_are_kept_and_a_late_join_reads_the_newest_parts(tmp_path: Path, source: str) -> None:
+    job = _job(tmp_path, source=source)
     for _ in range(5):
         job.write_step()
     job.close()
     tail = StepSumsTail(job.out, window_steps=2, backfill=3)
-    assert tail.update().files_read == 3 * 16  # each rank's three newest parts
+    update = tail.update()
+    # Each rank's three newest parts, or its log's three newest records (a step each).
+    assert (update.files_read, update.rows) == ((16, 3 * 16) if source == "log" else (3 * 16, 3 * 16))
     assert tail.steps() == [3, 4]  # of which the two newest steps are kept
     assert tail.per_step()["step"].tolist() == [3, 4]
 
 
 def test_foreign_and_damaged_twins_are_skipped_and_named(tmp_path: Path) -> None:
-    job = _job(tmp_path)
+    job = _job(tmp_path, source="twins")
     tail = StepSumsTail(job.out)
     job.write_step()
     job.close()
@@ -105,6 +127,8 @@ def test_a_run_without_step_sums_yet_and_a_bad_window(tmp_path: Path) -> None:
         StepSumsTail(job.out, backfill=0)
     with pytest.raises(ValueError, match="most_new"):
         StepSumsTail(job.out, most_new=0)
+    with pytest.raises(ValueError, match="source"):
+        StepSumsTail(job.out, source="both")
 
 
 def test_the_live_job_writes_what_synth_writes(tmp_path: Path) -> None:
@@ -121,8 +145,9 @@ def test_the_live_job_writes_what_synth_writes(tmp_path: Path) -> None:
     assert run.con.execute("SELECT count(DISTINCT step) FROM metrics").fetchall() == [(2,)]
 
 
-def test_a_part_of_several_steps_is_read_once(tmp_path: Path) -> None:
-    job = _job(tmp_path)
+@SOURCES
+def test_a_part_of_several_steps_is_read_once(tmp_path: Path, source: str) -> None:
+    job = _job(tmp_path, source=source)
     tail = StepSumsTail(job.out)
     job.write_step(3)  # a writer flushing every three steps
     update = tail.update()
@@ -133,7 +158,7 @@ def test_a_part_of_several_steps_is_read_once(tmp_path: Path) -> None:
 
 
 def test_a_reader_behind_the_job_skips_to_the_newest_parts(tmp_path: Path) -> None:
-    job = _job(tmp_path)
+    job = _job(tmp_path, source="twins")
     tail = StepSumsTail(job.out, most_new=1)
     job.write_step()
     assert tail.update().files_read == 16
@@ -143,3 +168,101 @@ def test_a_reader_behind_the_job_skips_to_the_newest_parts(tmp_path: Path) -> No
     assert (update.files_read, update.files_skipped, update.steps) == (16, 32, [3])
     assert tail.steps() == [0, 3]
     job.close()
+
+
+def test_a_reader_behind_the_log_skips_to_its_newest_records(tmp_path: Path) -> None:
+    job = _job(tmp_path)
+    tail = StepSumsTail(job.out, window_steps=1)  # reads at most 4 records a log an update
+    job.write_step()
+    assert tail.update().steps == [0]
+    for _ in range(6):  # six steps while the reader was busy
+        job.write_step()
+    update = tail.update()
+    assert (update.files_read, update.files_skipped, update.steps) == (16, 16, [3, 4, 5, 6])
+    assert tail.steps() == [6]
+    job.close()
+
+
+def test_a_log_is_read_in_whole_records_and_a_strange_one_is_named(tmp_path: Path) -> None:
+    job = _job(tmp_path)
+    tail = StepSumsTail(job.out)
+    job.write_step()
+    where = steplog.log_dir(job.out, job.run_id)
+    logs = sorted(where.glob("*.steps"))
+    assert len(logs) == 16 and tail.update().rows == 16
+    # A record half written: not read until it is whole.
+    record = logs[0].read_bytes()[steplog.HEADER_SIZE:]
+    assert len(record) == steplog.RECORD_SIZE
+    with logs[0].open("ab") as f:
+        f.write(record[:50])
+    assert tail.update().rows == 0
+    with logs[0].open("ab") as f:
+        f.write(record[50:])
+    assert tail.update().rows == 1
+    # A file that is not a step log of this layout, and another run's logs: skipped.
+    (where / "rank=99.steps").write_bytes(b"PAR1" + bytes(60))
+    (where / "rank=98.steps").write_bytes(steplog.MAGIC + bytes(8))
+    other = steplog.log_dir(job.out, "another-run")
+    other.mkdir()
+    (other / "rank=0.steps").write_bytes(logs[1].read_bytes())
+    job.write_step()
+    assert tail.update().rows == 16
+    assert tail.per_step()["ranks"].tolist() == [16, 16]
+    assert any("rank=99.steps" in p and "not a megascope step log" in p for p in tail.problems)
+    assert any("rank=98.steps" in p and "another layout" in p for p in tail.problems)
+    job.close()
+    expected = analysis.mfu(open_run(job.out))
+    # Step 0 of rank 0 was read twice (the record appended again): its max step time is unchanged.
+    assert tail.per_step()["step_time_ns"].tolist() == expected["step_time_ns"].astype("int64").tolist()
+
+
+def test_the_step_log_writer_starts_a_log_per_run_id_and_stops_on_a_foreign_file(tmp_path: Path) -> None:
+    job = _job(tmp_path, steps=3, source="twins")
+    job.write_step()
+    part = pq.read_table(sorted(job.out.glob("spans/rank=00003/*.parquet"))[0])
+    sums = step_sums(part)
+    log = StepLog(tmp_path / "w", rank=3)
+    log.append(sums, run_id=None)  # the id not known yet: nothing
+    assert not (tmp_path / "w" / steplog.STEP_LOG_DIR).exists()
+    log.append(sums, run_id="job/1")  # not a file name: a digest
+    log.append(sums, run_id="job-2")
+    log.close()
+    dirs = sorted(p.name for p in (tmp_path / "w" / steplog.STEP_LOG_DIR).iterdir())
+    assert dirs[0] == "id-" + hashlib.sha256(b"job/1").hexdigest()[:24] and dirs[1] == "job-2"
+    data = (tmp_path / "w" / steplog.STEP_LOG_DIR / "job-2" / "rank=00003.steps").read_bytes()
+    assert data[:steplog.HEADER_SIZE] == steplog.HEADER
+    records = steplog.parse(data[steplog.HEADER_SIZE:])
+    assert records[:, 0].tolist() == [3] and records[:, 1].tolist() == [0]
+    assert records[0, steplog.FIELDS.index("spans")] == part.num_rows
+    # A file of something else where the log would go: the log stops, the rest goes on.
+    bad = steplog.log_dir(tmp_path / "x", "job-3")
+    bad.mkdir(parents=True)
+    (bad / "rank=00003.steps").write_bytes(b"not a log at all")
+    log = StepLog(tmp_path / "x", rank=3)
+    log.append(sums, run_id="job-3")
+    assert log.stopped is not None and "not a step log" in log.stopped
+    assert (bad / "rank=00003.steps").read_bytes() == b"not a log at all"
+    job.close()
+
+
+def test_the_collector_writes_the_step_log_the_reader_follows(tmp_path: Path) -> None:
+    import torch
+    from megascope.collectors import Collector, CollectorConfig
+
+    run = tmp_path / "run"
+    cfg = CollectorConfig(run_dir=run, flush_interval_s=0.05, device=torch.device("cpu"), handle_sigterm=False,
+                          marker_agent=False)
+    col = Collector(cfg, rank=0, world_size=1, coords={"pp": 0, "dp": 0, "tp": 0},
+                    meta=RunMeta(run_id="live-1", source="collector", world_size=1))
+    tail = StepSumsTail(run)
+    for step in range(4):
+        with col.step(step), col.span("forward", kind="forward"):
+            torch.ones(64, 64) @ torch.ones(64, 64)
+        col.flush()
+        assert tail.update().steps == [step]
+    col.close()
+    assert tail.source == "log"
+    assert (run / steplog.STEP_LOG_DIR / "live-1" / "rank=00000.steps").exists()
+    expected = analysis.mfu(open_run(run))
+    assert tail.per_step()["step_time_ns"].tolist() == expected["step_time_ns"].astype("int64").tolist()
+    assert tail.rank_step()["compute_ns"].gt(0).all()
