@@ -224,6 +224,36 @@ class TraceReader:
         finally:
             self.close()
 
+    def scan_events(self, scan: Callable[[str, int], tuple[int, bool] | None]) -> bool:
+        """Hand the text of the events to ``scan(text, pos)`` instead of decoding them: it reads the
+        whole events from character ``pos`` and returns where it stopped and whether it read the
+        array's closing ``]``, or None where it refuses the text. Afterwards :attr:`trailer` is
+        filled. False (the reader closed, the rest unread) where ``scan`` refused, or the text ends
+        or holds an event larger than :data:`MAX_EVENT_CHARS`: read the file with :meth:`reopen`'s
+        reader then, whose errors say what is wrong."""
+        try:
+            self.read_header()
+            while self._state == "events":
+                result = scan(self._buf, self._pos)
+                if result is None:
+                    return False
+                self._pos, closed = result
+                if closed:
+                    self._state = "keys"
+                elif not self._fill() or len(self._buf) - self._pos > MAX_EVENT_CHARS:
+                    return False
+            self._read_keys(self.trailer)
+            self._state = "done"
+            return True
+        except IngestError:
+            return False
+        finally:
+            self.close()
+
+    def reopen(self) -> TraceReader:
+        """A new reader of the same file with the same settings, at its start."""
+        return TraceReader(self.path, chunk_chars=self._chunk, decode_batch=self._decode_batch, convert=self._convert)
+
     def _next_batch(self) -> list[Any]:
         self._skip_ws()
         buf, pos = self._buf, self._pos

@@ -48,7 +48,7 @@ import pyarrow as pa
 
 from megascope import schema
 from megascope.errors import IngestError
-from megascope.ingest.kineto_events import CommCall, DeviceEvent, RankEvents, comm_args
+from megascope.ingest.kineto_events import CommCall, DeviceEvent, RankEvents
 from megascope.schema import CollectiveOp, MarkerState, SpanKind, Stream
 
 log = logging.getLogger(__name__)
@@ -576,7 +576,7 @@ def _nccl_comms(
             j = _containing(starts[tid], ends[tid], lts)
             if j is not None:
                 index = by_tid[tid][j]
-        kernel_args = comm_args(device_args)
+        kernel_args = device_args or {}
         if index is None and kernel_args:
             comm = make(name, kernel_args, lts, tid)
             comm.name = annots.first_in(tid, lts - 50.0, lts) or comm.op
