@@ -10,7 +10,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: demo test lint typecheck test-fast test-fuzz test-install test-gpu bench clean system-deps
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py megascope/ingest/_kscan.c
 	@$(MAKE) --no-print-directory system-deps
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
@@ -18,11 +18,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# Headless Chromium and its driver: browser tests and PNG heat-maps.
+# Headless Chromium and its driver: browser tests and PNG heat-maps. A C compiler and Python's
+# headers: the optional compiled Kineto scanner (the install goes on without it where they fail).
 system-deps:
 	@if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then \
 		echo "installing chromium and chromium-driver (apt)"; \
 		$(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	fi
+	@if ! command -v cc >/dev/null 2>&1 || ! python3 -c 'import os, sys, sysconfig; sys.exit(not os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h")))'; then \
+		echo "installing build-essential and python3-dev (apt)"; \
+		$(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq build-essential python3-dev >/dev/null || true; \
 	fi
 
 demo: $(STAMP)
