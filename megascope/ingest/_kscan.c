@@ -76,16 +76,26 @@ typedef struct {
 } Collector;
 
 static PyObject *S_RPC, *S_C10D, *S_ANNOT, *S_EMPTY, *S_CAT[7], *F_ZERO, *I_ZERO;
-static const char *CAT_NAMES[7] = {"cpu_op", "user_annotation", "cuda_runtime", "cuda_driver",
-                                   "privateuse1_runtime", "privateuse1_driver", "kernel"};
+/* Host (0-1), runtime (2-5), kernel (6), copies (7-8). */
+static const char *CAT_NAMES[9] = {"cpu_op", "user_annotation", "cuda_runtime", "cuda_driver",
+                                   "privateuse1_runtime", "privateuse1_driver", "kernel", "gpu_memcpy", "gpu_memset"};
+static Py_ssize_t CAT_LEN[9];
 
-static uint64_t fnv(const char *p, Py_ssize_t n) {
-    uint64_t h = 1469598103934665603ULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        h ^= (unsigned char)p[i];
-        h *= 1099511628211ULL;
+/* A hash of the raw bytes of a string, 8 bytes at a time. */
+static uint64_t hash_bytes(const char *p, Py_ssize_t n) {
+    uint64_t h = 0x9E3779B97F4A7C15ULL ^ (uint64_t)n;
+    while (n >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        h = (h ^ w) * 0xFF51AFD7ED558CCDULL;
+        h ^= h >> 32;
+        p += 8;
+        n -= 8;
     }
-    return h;
+    uint64_t w = 0;
+    memcpy(&w, p, (size_t)n);
+    h = (h ^ w) * 0xC4CEB9FE1A85EC53ULL;
+    return h ^ (h >> 29);
 }
 
 static int hexval(char c) {
@@ -189,7 +199,7 @@ static const char *str_text(Collector *c, const Span *s, Py_ssize_t *len, int *b
 /* A new reference to the str of a string span, shared by equal spans of this collector. */
 static PyObject *str_of(Collector *c, const Span *s, int *bail) {
     *bail = 0;
-    uint64_t h = fnv(s->p, s->n);
+    uint64_t h = hash_bytes(s->p, s->n);
     if (c->used * 2 >= c->cap) {
         Py_ssize_t cap = c->cap ? c->cap * 2 : 1024;
         Slot *slots = PyMem_Calloc((size_t)cap, sizeof(Slot));
@@ -353,11 +363,17 @@ static inline void skip_ws(Cursor *cur) {
 }
 
 /* At the opening quote: the string's span; the cursor after the closing quote. */
+/* Bytes that end a run of plain string text: the quote, the backslash, control characters. */
+static unsigned char STOP[256];
+
 static int scan_string(Cursor *cur, Span *s) {
     const char *p = cur->p + 1, *end = cur->end;
     int esc = 0;
     for (;;) {
-        while (p < end && *p != '"' && *p != '\\' && (unsigned char)*p >= 0x20) p++;
+        while (end - p >= 4 && !(STOP[(unsigned char)p[0]] | STOP[(unsigned char)p[1]] | STOP[(unsigned char)p[2]] |
+                                 STOP[(unsigned char)p[3]]))
+            p += 4;
+        while (p < end && !STOP[(unsigned char)*p]) p++;
         if (p >= end) return S_MORE;
         if (*p == '"') break;
         if (*p != '\\') return S_BAIL; /* a raw control character */
@@ -496,7 +512,10 @@ static int scan_value(Cursor *cur, Span *s, int depth) {
 /* Which of ``names`` (n of them, lengths ``lens``) the raw key is; -1 if none. */
 static int which(const Span *key, const char **names, const Py_ssize_t *lens, int n) {
     for (int i = 0; i < n; i++) {
-        if (lens[i] == key->n && names[i][0] == key->p[0] && memcmp(names[i], key->p, (size_t)key->n) == 0) return i;
+        if (lens[i] != key->n || names[i][0] != key->p[0]) continue;
+        Py_ssize_t j = 1;
+        while (j < key->n && names[i][j] == key->p[j]) j++;
+        if (j == key->n) return i;
     }
     return -1;
 }
@@ -742,10 +761,12 @@ static int take(Collector *c, Event *ev) {
             c->last_v = ev_end;
         }
         int which_cat = -1;
-        for (int i = 0; i < 7 && cat->type == T_STR; i++) {
-            if (is_str(cat, CAT_NAMES[i])) which_cat = i;
+        for (int i = 0; i < 9 && cat->type == T_STR; i++) {
+            if (CAT_LEN[i] == cat->n && CAT_NAMES[i][0] == cat->p[0] && is_str(cat, CAT_NAMES[i])) {
+                which_cat = i < 7 ? i : 7;
+                break;
+            }
         }
-        if (which_cat < 0 && (is_str(cat, "gpu_memcpy") || is_str(cat, "gpu_memset"))) which_cat = 7;
         if (which_cat < 0) goto done;
         const Span *sname = &ev->key[K_NAME];
         Py_ssize_t nlen = 0;
@@ -944,8 +965,10 @@ static PyObject *Collector_scan(Collector *c, PyObject *const *args, Py_ssize_t 
             }
         }
         if (*cur.p != '{') Py_RETURN_NONE;
-        Event ev;
-        memset(&ev, 0, sizeof ev);
+        Event ev; /* only the types say what was found: reset those (the whole struct is ~700 bytes) */
+        for (int k = 0; k < K_COUNT; k++) ev.key[k].type = T_NONE;
+        for (int k = 0; k < A_COUNT; k++) ev.arg[k].type = T_NONE;
+        ev.args = T_NONE;
         int r = scan_members(&cur, ev.key, EVENT_KEYS, EVENT_LEN, K_COUNT, &ev);
         if (r == S_MORE) {
             cur.p = mark;
@@ -1047,6 +1070,9 @@ PyMODINIT_FUNC PyInit__kscan(void) {
         if (ARG_STR[i] == NULL) return NULL;
     }
     for (int i = 0; i < K_COUNT; i++) EVENT_LEN[i] = (Py_ssize_t)strlen(EVENT_KEYS[i]);
+    for (int i = 0; i < 0x20; i++) STOP[i] = 1;
+    STOP['"'] = STOP['\\'] = 1;
+    for (int i = 0; i < 9; i++) CAT_LEN[i] = (Py_ssize_t)strlen(CAT_NAMES[i]);
     for (int i = 0; i < 7; i++) {
         S_CAT[i] = PyUnicode_InternFromString(CAT_NAMES[i]);
         if (S_CAT[i] == NULL) return NULL;
