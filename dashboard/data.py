@@ -229,6 +229,23 @@ def heatmap(served: ServedRun, phase: str) -> pd.DataFrame:
     )
 
 
+def live_heatmap(served: ServedRun, phase: str) -> pd.DataFrame | None:
+    """The rank x step frame of ``phase`` over the steps the follower read
+    (:func:`megascope.live.heat_cells`, binned like :func:`heatmap`), while it holds a step the
+    analyses have not reached; None otherwise (nothing followed, or the analyses caught up)."""
+    from megascope.live import heat_cells
+
+    followed = served.live_steps()
+    if followed is None or followed.empty:
+        return None
+    done = per_step(served)
+    if len(done) and int(followed["step"].max()) <= int(done["step"].max()):
+        return None
+    places = ranks(served)
+    return served.live_result(("heatmap", phase), lambda frame: heat_cells(
+        frame, places, phase=phase, max_ranks=HEATMAP_MAX_RANKS, max_steps=HEATMAP_MAX_STEPS))
+
+
 def figure(served: ServedRun, key: tuple[Any, ...], build: Callable[[], Any]) -> Any:
     """A figure built once per generation: plotly's object model costs more than the numbers."""
     return served.result(("figure", *key), lambda run: build())

@@ -29,6 +29,10 @@ HEATMAP_PHASE = "heatmap-phase"
 HEATMAP_GRAPH = "heatmap-graph"
 HEATMAP_NOTE = "heatmap-note"
 HEATMAP_TOP = "heatmap-top"  # the worst ranks, listed beside the map
+HEATMAP_LIVE = "heatmap-live"  # the followed steps' map, shown while the analyses are behind
+HEATMAP_LIVE_PHASE = "heatmap-live-phase"
+HEATMAP_LIVE_GRAPH = "heatmap-live-graph"
+HEATMAP_LIVE_NOTE = "heatmap-live-note"
 
 # Stragglers
 STRAGGLER_TABLE = "straggler-table"

@@ -12,10 +12,11 @@ changes that directory's mtime, so a poll stats the partition directories and li
 Refreshing is not: the views and the analyses look at every file of the run, so on a big live run
 a refresh takes longer than the job takes to write the next parts, and longer as the run grows.
 Two things keep the dashboard live there. A second thread follows the step sums of each run
-that wrote while served, in the last five minutes (:class:`megascope.live.StepSumsTail`: only the
-new twins are read, at most each rank's two newest per update), and bumps the run's
-``live_generation``: the overview shows those steps (step time, MFU) before the analyses reach
-them. And the full refresh takes at most ``full_share`` of
+that wrote while served, in the last five minutes (:class:`megascope.live.StepSumsTail`: what
+each rank appended to its step log since the last look, one read per rank; or, for a run without
+step logs, the new twins, at most each rank's two newest per update), and bumps the run's
+``live_generation``: the overview shows those steps (step time, MFU), and the heat-map page a map
+of them, before the analyses reach them. And the full refresh takes at most ``full_share`` of
 the time: after a refresh and its precomputed results took D seconds, the next waits
 D x (1 / full_share - 1) seconds (a refresh of a small run, milliseconds, waits for nothing); the
 follower paces itself the same way.
@@ -105,8 +106,9 @@ class ServedRun:
     generation: int = 0
     error: str | None = None  # why the run cannot be opened right now, for the page to say
     last_change_s: float = field(default_factory=time.monotonic)
-    # Wall clock when a poll last saw new spans, markers or metrics arrive (None: not while served).
-    # It bounds the run state's idle time, whatever the job's host clocks say.
+    # Wall clock when a poll last saw new spans, markers or metrics arrive, or the follower new
+    # steps (None: not while served). It bounds the run state's idle time, whatever the job's
+    # host clocks say.
     progress_seen_ns: int | None = None
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _cache: dict[tuple[Any, ...], tuple[int, Any]] = field(default_factory=dict, repr=False)
@@ -118,6 +120,7 @@ class ServedRun:
     tail: StepSumsTail | None = field(default=None, repr=False)
     live_generation: int = 0
     _tail_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _live_cache: dict[tuple[Any, ...], tuple[int, Any]] = field(default_factory=dict, repr=False)
     # When the throttled full refresh may run next (monotonic seconds; see RunRegistry).
     _next_full_s: float = field(default=0.0, repr=False)
 
@@ -138,6 +141,9 @@ class ServedRun:
                 return False
             if not update.steps:
                 return False
+            # New steps are progress: between two full refreshes (minutes apart on a big run)
+            # the run state must not read a job that is writing as stalled, hung or failed.
+            self.progress_seen_ns = time.time_ns()
             self.live_generation += 1
             return True
 
@@ -146,6 +152,21 @@ class ServedRun:
         :meth:`follow` found any)."""
         with self._tail_lock:
             return self.tail.per_step() if self.tail is not None else None
+
+    def live_result(self, key: tuple[Any, ...], compute: Callable[[Any], T]) -> T | None:
+        """``compute(rank_step)`` of the followed steps (:meth:`StepSumsTail.rank_step`), once per
+        ``live_generation`` and ``key``; None before :meth:`follow` found any."""
+        with self._tail_lock:
+            if self.tail is None:
+                return None
+            hit = self._live_cache.get(key)
+            if hit is not None and hit[0] == self.live_generation:
+                return hit[1]  # type: ignore[no-any-return]
+            generation, frame = self.live_generation, self.tail.rank_step()
+        value = compute(frame)
+        with self._tail_lock:
+            self._live_cache[key] = (generation, value)
+        return value
 
     # ---------------------------------------------------------------- live refresh
 

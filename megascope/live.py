@@ -376,3 +376,52 @@ class StepSumsTail:
 
 def _empty() -> pd.DataFrame:
     return pd.DataFrame(columns=["rank", "step", *_COMBINE])
+
+
+# Phases a live heat-map can show from the step sums: rank_step() column per phase.
+LIVE_PHASES = {"step": "step_ns", "compute": "compute_ns", "comm": "comm_ns", "data": "data_ns"}
+
+
+def heat_cells(rank_step: pd.DataFrame, places: pd.DataFrame, *, phase: str = "compute",
+               max_ranks: int | None = None, max_steps: int | None = None) -> pd.DataFrame:
+    """Rank x step cells of ``phase`` from followed step sums (:meth:`StepSumsTail.rank_step`),
+    normalised within peers, in the columns of :func:`megascope.analysis.heatmap`.
+
+    ``places``: ``rank, host, coords`` (axis -> index) of every rank. Peers are the ranks of the
+    same pipeline stage in the same step, as the analysis' heat-map has them; ``norm`` is a
+    rank-step's time over its peers' median. Binned to at most ``max_ranks`` x ``max_steps``, each
+    cell its bin's worst rank-step (for ``comm``, the furthest from 1 either way: a rank that
+    pauses outside its work communicates least, its peers wait for it). What the step sums cannot tell (own time, waits, bubbles) is
+    not offered: those need every rank's spans and come with the full analysis.
+    """
+    if phase not in LIVE_PHASES:
+        raise ValueError(f"unknown live heat-map phase {phase!r} (known: {', '.join(LIVE_PHASES)})")
+    columns = ["rank_bin", "step_bin", "rank", "step", "rank_lo", "rank_hi", "step_lo", "step_hi", "value_ns",
+               "norm", "host", "coords", "pp", "dp", "tp"]
+    frame = rank_step[["rank", "step", LIVE_PHASES[phase]]].rename(columns={LIVE_PHASES[phase]: "value_ns"})
+    frame = frame.astype({"value_ns": "float64"}).dropna(subset=["value_ns"])
+    if frame.empty:
+        return pd.DataFrame(columns=columns)
+    where = places[["rank", "host", "coords"]].copy()
+    for axis in ("pp", "dp", "tp"):
+        where[axis] = [int(c.get(axis, 0)) if isinstance(c, dict) else 0 for c in where["coords"]]
+    frame = frame.merge(where, on="rank", how="left")
+    frame["pp"] = frame["pp"].fillna(0).astype("int64")
+    peers = frame.groupby(["pp", "step"])["value_ns"].transform("median")
+    frame["norm"] = frame["value_ns"] / peers.where(peers > 0)
+    rank_order = np.sort(frame["rank"].unique())
+    step_order = np.sort(frame["step"].unique())
+    rank_per_bin = max(1, math.ceil(len(rank_order) / max_ranks)) if max_ranks else 1
+    step_per_bin = max(1, math.ceil(len(step_order) / max_steps)) if max_steps else 1
+    frame["rank_bin"] = np.searchsorted(rank_order, frame["rank"].to_numpy()) // rank_per_bin
+    frame["step_bin"] = np.searchsorted(step_order, frame["step"].to_numpy()) // step_per_bin
+    bins = frame.groupby(["rank_bin", "step_bin"])
+    bounds = bins.agg(rank_lo=("rank", "min"), rank_hi=("rank", "max"), step_lo=("step", "min"),
+                      step_hi=("step", "max")).reset_index()
+    # A bin's cell: its rank-step furthest from its peers, up for time spent working; either way for
+    # communication, where the rank the others wait for spends the least.
+    frame["_far"] = np.abs(np.log(frame["norm"])) if phase == "comm" else frame["norm"]
+    worst = frame.sort_values(["_far", "rank", "step"], ascending=[False, True, True], na_position="last")
+    worst = worst.drop_duplicates(["rank_bin", "step_bin"])
+    cells = worst.merge(bounds, on=["rank_bin", "step_bin"])
+    return cells.sort_values(["rank_bin", "step_bin"], ignore_index=True)[columns]

@@ -240,6 +240,35 @@ def test_the_follower_shows_new_steps_before_the_full_refresh(tmp_path: Path) ->
     assert dash_data.per_step(served)["step"].tolist() == dash_data.live_per_step(served)["step"].tolist() == [0, 1]
 
 
+def test_the_heat_map_maps_the_followed_steps_while_the_analyses_are_behind(tmp_path: Path) -> None:
+    from megascope.inject import parse_injects
+    from megascope.synth import LiveSynth, SynthConfig
+
+    cfg = SynthConfig(ranks=8, steps=100, tp=2, pp=2, seed=3, faults=parse_injects(["straggler:rank=6,factor=1.5"]))
+    job = LiveSynth(tmp_path / "lv", cfg, threads=1)
+    job.write_step()
+    registry = RunRegistry([job.out])
+    served = registry.get(registry.ids[0])
+    assert served is not None and served.follow()
+    assert dash_data.live_heatmap(served, "compute") is None  # the analyses have step 0 as well
+    job.write_step(2)
+    assert served.follow()
+    frame = dash_data.live_heatmap(served, "compute")
+    assert frame is not None and sorted(frame["step"].unique()) == [0, 1, 2] and len(frame) == 8 * 3
+    assert frame.groupby("rank")["norm"].median().idxmax() == 6
+    assert dash_data.live_heatmap(served, "compute") is frame  # once per follow
+    assert served.poll() is True  # the analyses caught up: no live map
+    assert dash_data.live_heatmap(served, "compute") is None
+    # Between two full refreshes (minutes apart on a big run) the follower's new steps are the
+    # progress the run state sees: a writing job is not read as stalled or failed.
+    served.progress_seen_ns = time.time_ns() - 600 * 10**9
+    assert dash_data.run_state(served)["state"] != "running"
+    job.write_step()
+    assert served.follow()
+    assert dash_data.run_state(served)["state"] == "running", dash_data.run_state(served)["reason"]
+    job.close()
+
+
 def test_a_slow_full_refresh_waits_its_share(tmp_path: Path) -> None:
     run_dir = tmp_path / "s"
     layout.write_run_meta(run_dir, schema.RunMeta(run_id="s", source="synth", world_size=1))

@@ -266,3 +266,33 @@ def test_the_collector_writes_the_step_log_the_reader_follows(tmp_path: Path) ->
     expected = analysis.mfu(open_run(run))
     assert tail.per_step()["step_time_ns"].tolist() == expected["step_time_ns"].astype("int64").tolist()
     assert tail.rank_step()["compute_ns"].gt(0).all()
+
+
+def test_the_live_heat_map_finds_a_slow_rank_among_its_stage_peers(tmp_path: Path) -> None:
+    from megascope.inject import parse_injects
+    from megascope.live import heat_cells
+
+    cfg = SynthConfig(ranks=16, steps=1000, tp=2, pp=2, seed=11, faults=parse_injects(["straggler:rank=13,factor=1.4"]))
+    job = LiveSynth(tmp_path / "run", cfg, threads=1)
+    tail = StepSumsTail(job.out)
+    for _ in range(6):
+        job.write_step()
+    tail.update()
+    job.close()
+    places = open_run(job.out).con.execute("SELECT rank, host, coords FROM ranks ORDER BY rank").df()
+    cells = heat_cells(tail.rank_step(), places, phase="compute")
+    assert len(cells) == 16 * 6 and set(cells["step"]) == set(range(6))
+    worst = cells.groupby("rank")["norm"].median()
+    assert worst.idxmax() == 13 and worst[13] > 1.25 and worst.drop(13).max() < 1.1, worst.round(3).to_dict()
+    assert cells.loc[cells["rank"] == 13, "pp"].unique().tolist() == [1]  # its stage, from its coordinates
+    # Binned: each cell is its bin's worst rank-step; every rank and step still covered once.
+    binned = heat_cells(tail.rank_step(), places, phase="compute", max_ranks=4, max_steps=2)
+    assert (binned["rank_bin"].nunique(), binned["step_bin"].nunique()) == (4, 2)
+    assert binned["rank_lo"].tolist()[::2] == [0, 4, 8, 12] and binned["step_hi"].max() == 5
+    assert binned.loc[binned["rank_lo"] == 12, "rank"].unique().tolist() == [13]
+    # Communication, binned: the slow rank waits least, its peers wait for it; its bin shows it.
+    comm = heat_cells(tail.rank_step(), places, phase="comm", max_ranks=4)
+    assert comm.loc[comm["rank_lo"] == 12, "rank"].unique().tolist() == [13]
+    assert comm.loc[comm["rank_lo"] == 12, "norm"].max() < 0.95
+    with pytest.raises(ValueError, match="own"):
+        heat_cells(tail.rank_step(), places, phase="own")

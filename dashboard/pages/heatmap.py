@@ -4,6 +4,11 @@ The frame comes from :func:`megascope.analysis.heatmap`, binned server-side to a
 rows and 400 step columns, so a 12,288-rank run ships a few hundred thousand numbers at most.
 Clicking a cell opens that rank (the first rank of a binned row) and step beside its peers on
 the timeline page.
+
+On a big live run the analyses come minutes behind the job; while the step sums' follower holds
+steps they have not reached, a second map shows those steps (``data.live_heatmap``: compute,
+communication, data or step time per rank and step, over the same peers), redrawn as the
+follower reads more.
 """
 
 from __future__ import annotations
@@ -31,6 +36,11 @@ PHASE_LABELS = {
 }
 
 
+# The live map's phases (megascope.live.LIVE_PHASES): what the step sums tell without the spans.
+LIVE_LABELS = {"compute": "compute", "comm": "communication", "data": "data loading", "step": "step"}
+DEFAULT_LIVE_PHASE = "compute"
+
+
 def phase_options() -> list[dict[str, str]]:
     from megascope.analysis import PHASES
 
@@ -53,6 +63,18 @@ def layout(served: ServedRun, query: dict[str, str]) -> html.Div:
                 className="controls",
             ),
             html.Div(id=ids.HEATMAP_NOTE),
+            html.Div(
+                [html.H4("Live: the newest steps, before the analyses reach them"),
+                 html.Div(
+                     [dcc.RadioItems(id=ids.HEATMAP_LIVE_PHASE, value=DEFAULT_LIVE_PHASE, inline=True,
+                                     options=[{"label": LIVE_LABELS[p], "value": p} for p in LIVE_LABELS]),
+                      html.Span("from each rank's step sums as they are written; a rank that pauses outside its "
+                                "work shows as less communication (its peers wait for it)", className="hint")],
+                     className="controls"),
+                 html.Div(id=ids.HEATMAP_LIVE_NOTE),
+                 dcc.Graph(id=ids.HEATMAP_LIVE_GRAPH, config={"displaylogo": False})],
+                id=ids.HEATMAP_LIVE, style={"display": "none"},
+            ),
             html.Div(
                 [dcc.Loading(dcc.Graph(id=ids.HEATMAP_GRAPH, config={"displaylogo": False}), delay_show=300,
                              parent_className="heatmap-main"),
@@ -112,6 +134,28 @@ def register(app: Dash, registry: RunRegistry) -> None:
         figure = data.figure(served, ("heatmap", phase),
                              lambda: heatmap_figure(frame, phase=phase, flagged=flagged))
         return figure, top_list(served, frame, phase), None
+
+    @app.callback(
+        Output(ids.HEATMAP_LIVE, "style"), Output(ids.HEATMAP_LIVE_GRAPH, "figure"),
+        Output(ids.HEATMAP_LIVE_NOTE, "children"),
+        Input(ids.GENERATION, "data"), Input(ids.LIVE_GENERATION, "data"), Input(ids.HEATMAP_LIVE_PHASE, "value"),
+    )
+    @contained(no_update, no_update)
+    def update_live(generation: dict[str, Any] | None, _live: dict[str, Any] | None, phase: str) -> tuple[Any, Any, Any]:
+        served = served_from(registry, generation)
+        hidden = {"display": "none"}
+        if served is None or served.run is None:
+            return hidden, no_update, None
+        frame = data.live_heatmap(served, phase if phase in LIVE_LABELS else DEFAULT_LIVE_PHASE)
+        if frame is None:
+            return hidden, no_update, None
+        if frame.empty:
+            return {}, no_update, notice(f"no {LIVE_LABELS.get(phase, phase)} time in the followed steps", "info")
+        from megascope.figures.heatmap import heatmap_figure
+
+        steps = f"steps {int(frame['step_lo'].min())}-{int(frame['step_hi'].max())}"
+        figure = heatmap_figure(frame, phase=phase, title=f"{LIVE_LABELS.get(phase, phase)}, {steps} (live)")
+        return {}, figure, None
 
     @app.callback(
         Output(ids.URL, "pathname", allow_duplicate=True), Output(ids.URL, "search", allow_duplicate=True),
