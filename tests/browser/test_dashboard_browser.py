@@ -1,4 +1,5 @@
-"""The dashboard in real headless Chromium: every page, heat-map click, live steps, hang culprit, Perfetto handoff."""
+"""The dashboard in real headless Chromium: every page, heat-map click, live steps, the live heat-map, hang
+culprit, Perfetto handoff."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from dashboard_harness import (
     wait_for_graph,
     wait_for_text,
 )
-from megascope.dashboard import create_app, ids
+from megascope.dashboard import create_app, data, ids, registry_of
 from megascope.dashboard.replay import replay_run
 from selenium.webdriver.common.action_chains import ActionChains
 from selenium.webdriver.common.by import By
@@ -31,7 +32,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 from megascope import layout, schema
 from megascope.inject import parse_injects
 from megascope.store import open_run
-from megascope.synth import SynthConfig, synth_run
+from megascope.synth import LiveSynth, SynthConfig, synth_run
 
 pytestmark = [
     pytest.mark.browser,
@@ -215,4 +216,39 @@ def test_live_run_shows_new_steps_without_reloading(runs: dict[str, Path], tmp_p
         stop.set()
         if writer.is_alive():
             writer.join(30)
+        app.server.extensions["megascope"].stop()
+
+
+def test_the_heat_map_maps_the_followed_steps_while_the_analyses_are_behind(tmp_path: Path, driver: Any) -> None:
+    cfg = SynthConfig(ranks=32, steps=100, tp=2, pp=2, seed=9, faults=parse_injects(["straggler:rank=21,factor=1.5"]))
+    job = LiveSynth(tmp_path / "lv", cfg, threads=1)
+    job.write_step()
+    app = create_app([job.out], start_watcher=False)
+    served = registry_of(app).get("lv")
+    assert served is not None
+    served.follow()
+    assert data.per_step(served)["step"].tolist() == [0]  # the analyses, as of the last full refresh
+    job.write_step(3)  # three more steps the full refresh has not read; the follower has
+    assert served.follow()
+    try:
+        with serving(app) as base:
+            driver.get(f"{base}/run/lv/heatmap")
+            wait_for_graph(driver, ids.HEATMAP_LIVE_GRAPH)
+            assert driver.find_element(By.ID, ids.HEATMAP_LIVE).is_displayed()
+            title = driver.execute_script(
+                f"return document.querySelector('#{ids.HEATMAP_LIVE_GRAPH} .js-plotly-plot').layout.title.text")
+            assert title == "compute, steps 0-3 (live)"
+            # The worst rank of the compute map is the slow one: the trace's rows and colours.
+            trace = driver.execute_script(
+                f"const t = document.querySelector('#{ids.HEATMAP_LIVE_GRAPH} .js-plotly-plot')._fullData[0];"
+                "return {y: Array.from(t.y), z: t.z.map(r => Array.from(r))};")
+            rows = [max(v for v in row if v is not None) for row in trace["z"]]
+            assert trace["y"][rows.index(max(rows))] == 21
+            driver.find_element(By.CSS_SELECTOR, f"#{ids.HEATMAP_LIVE_PHASE} input[value='comm']").click()
+            WebDriverWait(driver, 30).until(lambda d: d.execute_script(
+                f"return document.querySelector('#{ids.HEATMAP_LIVE_GRAPH} .js-plotly-plot').layout.title.text")
+                .startswith("communication"))
+            _no_errors(driver)
+    finally:
+        job.close()
         app.server.extensions["megascope"].stop()
