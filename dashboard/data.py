@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -174,10 +175,22 @@ def run_facts(served: ServedRun) -> dict[str, Any]:
 
 def run_state(served: ServedRun) -> dict[str, Any]:
     """``{state, reason, last_data_age_s, culprit, ...}`` now (analysis.runstate): recomputed on
-    every call from the cached facts, because a run goes from stalled to hung without new data."""
-    from megascope.analysis.runstate import decide
+    every call from the cached facts, because a run goes from stalled to hung without new data.
 
-    return decide(run_facts(served), last_write_ns=served.progress_seen_ns)
+    Hung and failed are told from the calls in flight, which only the full refresh reads. Where
+    the job made progress after the files the analyses last read (the follower read newer steps;
+    on a big run the full refresh comes minutes apart), those facts cannot tell a hung job from
+    one that exited: the state stays stalled until a full refresh reads what came after."""
+    from megascope.analysis.runstate import decide, duration_text
+
+    state = decide(run_facts(served), last_write_ns=served.progress_seen_ns)
+    seen, read = served.progress_seen_ns, served.refreshed_ns
+    if state["state"] in ("hung", "failed") and seen is not None and read is not None and read < seen:
+        state = {**state, "state": "stalled", "hung": False, "culprit": None,
+                 "reason": (f"no progress on any rank for {duration_text(state['idle_s'])}; hung or exited is "
+                            f"told once the files written since the last full read "
+                            f"({duration_text((time.time_ns() - read) / 1e9)} ago) are read")}
+    return state
 
 
 def hang(served: ServedRun) -> dict[str, Any]:

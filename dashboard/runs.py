@@ -110,6 +110,8 @@ class ServedRun:
     # steps (None: not while served). It bounds the run state's idle time, whatever the job's
     # host clocks say.
     progress_seen_ns: int | None = None
+    # Wall clock of the file listing the views (and so the analyses) were last built from.
+    refreshed_ns: int | None = None
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
     _cache: dict[tuple[Any, ...], tuple[int, Any]] = field(default_factory=dict, repr=False)
     _mtimes: dict[Path, int] = field(default_factory=dict, repr=False)
@@ -231,6 +233,7 @@ class ServedRun:
                 for problem in self.run.refresh():
                     log.warning("%s", problem)
                 _forget_outgrown_problems(self.run)
+            self.refreshed_ns = now_ns
             self.generation += 1
             self.last_change_s = time.monotonic()
             self._cache = {k: v for k, v in self._cache.items() if v[0] == self.generation}
@@ -329,6 +332,7 @@ class RunRegistry:
                 raise RunDirError(f"{raw}: no such run directory")
             served = ServedRun(id=run_id_for(path, self._runs), path=path)
             if not wait:
+                served.refreshed_ns = time.time_ns()
                 served.run = open_run(path)
                 for problem in served.run.problems:
                     log.warning("%s", problem)

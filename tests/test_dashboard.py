@@ -266,6 +266,15 @@ def test_the_heat_map_maps_the_followed_steps_while_the_analyses_are_behind(tmp_
     job.write_step()
     assert served.follow()
     assert dash_data.run_state(served)["state"] == "running", dash_data.run_state(served)["reason"]
+    # The job then stops: the analyses last read the files before its last steps, so they cannot
+    # tell hung from exited; stalled until a full refresh reads what came after.
+    now = time.time_ns()
+    served.refreshed_ns, served.progress_seen_ns = now - 700 * 10**9, now - 600 * 10**9
+    state = dash_data.run_state(served)
+    assert (state["state"], state["hung"]) == ("stalled", False) and "hung or exited" in state["reason"], state
+    assert dash_data.hang(served)["hung"] is False
+    served.refreshed_ns = now - 500 * 10**9  # a full read after the job went quiet: its facts decide
+    assert dash_data.run_state(served)["state"] in ("hung", "failed")
     job.close()
 
 
