@@ -44,7 +44,6 @@ static const char *ARG_KEYS[A_COUNT] = {
     "Collective name", "Process Group Name", "In msg nelems", "dtype", "Seq", "Rank", "Src Rank", "Dst Rank",
     "Input Dims", "Input type", "Concrete Inputs",
 };
-static Py_ssize_t ARG_LEN[A_COUNT];
 static PyObject *ARG_STR[A_COUNT];
 
 typedef struct {
@@ -356,10 +355,11 @@ typedef struct {
     const char *p, *end;
 } Cursor;
 
-#define WS(ch) ((ch) == ' ' || (ch) == '\n' || (ch) == '\r' || (ch) == '\t')
+/* JSON's whitespace: space, tab, newline, carriage return. */
+static unsigned char SPACE[256];
 
 static inline void skip_ws(Cursor *cur) {
-    while (cur->p < cur->end && WS(*cur->p)) cur->p++;
+    while (cur->p < cur->end && SPACE[(unsigned char)*cur->p]) cur->p++;
 }
 
 /* At the opening quote: the string's span; the cursor after the closing quote. */
@@ -370,6 +370,7 @@ static int scan_string(Cursor *cur, Span *s) {
     const char *p = cur->p + 1, *end = cur->end;
     int esc = 0;
     for (;;) {
+        /* 4 bytes at a time while none ends the run */
         while (end - p >= 4 && !(STOP[(unsigned char)p[0]] | STOP[(unsigned char)p[1]] | STOP[(unsigned char)p[2]] |
                                  STOP[(unsigned char)p[3]]))
             p += 4;
@@ -509,23 +510,47 @@ static int scan_value(Cursor *cur, Span *s, int depth) {
     return r;
 }
 
-/* Which of ``names`` (n of them, lengths ``lens``) the raw key is; -1 if none. */
-static int which(const Span *key, const char **names, const Py_ssize_t *lens, int n) {
-    for (int i = 0; i < n; i++) {
-        if (lens[i] != key->n || names[i][0] != key->p[0]) continue;
-        Py_ssize_t j = 1;
-        while (j < key->n && names[i][j] == key->p[j]) j++;
-        if (j == key->n) return i;
+/* A set of keys to find, bucketed by length (at most 5 keys of one length). */
+#define MAX_KEY 24
+typedef struct {
+    const char **names;
+    int n;
+    Py_ssize_t lens[A_COUNT];
+    signed char by_len[MAX_KEY + 1][6];
+} KeySet;
+
+static const char *EVENT_KEYS[K_COUNT] = {"ph", "cat", "name", "pid", "tid", "ts", "dur"};
+static KeySet EVENT_SET = {EVENT_KEYS, K_COUNT}, ARG_SET = {ARG_KEYS, A_COUNT};
+
+static int keyset_init(KeySet *set) {
+    memset(set->by_len, -1, sizeof set->by_len);
+    for (int i = 0; i < set->n; i++) {
+        Py_ssize_t n = (Py_ssize_t)strlen(set->names[i]);
+        int j = 0;
+        if (n > MAX_KEY) return -1;
+        set->lens[i] = n;
+        while (set->by_len[n][j] >= 0) j++;
+        if (j >= 5) return -1;
+        set->by_len[n][j] = (signed char)i;
+    }
+    return 0;
+}
+
+/* Which key of ``set`` the raw key is; -1 if none. */
+static int which(const Span *key, const KeySet *set) {
+    if (key->n > MAX_KEY) return -1;
+    for (const signed char *c = set->by_len[key->n]; *c >= 0; c++) {
+        const char *name = set->names[*c];
+        Py_ssize_t j = 0;
+        while (j < key->n && name[j] == key->p[j]) j++;
+        if (j == key->n) return *c;
     }
     return -1;
 }
 
-static const char *EVENT_KEYS[K_COUNT] = {"ph", "cat", "name", "pid", "tid", "ts", "dur"};
-static Py_ssize_t EVENT_LEN[K_COUNT];
-
 /* One object's members: relevant keys' spans into ``spans`` (which/names/lens pick them); for
    events, ``ev`` also takes the args object. */
-static int scan_members(Cursor *cur, Span *spans, const char **names, const Py_ssize_t *lens, int n, Event *ev) {
+static int scan_members(Cursor *cur, Span *spans, const KeySet *set, Event *ev) {
     int r;
     cur->p++; /* '{' */
     skip_ws(cur);
@@ -544,7 +569,7 @@ static int scan_members(Cursor *cur, Span *spans, const char **names, const Py_s
         if (*cur->p++ != ':') return S_BAIL;
         skip_ws(cur);
         if (cur->p >= cur->end) return S_MORE;
-        int k = which(&key, names, lens, n);
+        int k = which(&key, set);
         if (k >= 0) {
             if (spans[k].type != T_NONE) return S_BAIL; /* a key twice */
             if ((r = scan_value(cur, &spans[k], 1)) != S_OK) return r;
@@ -552,7 +577,7 @@ static int scan_members(Cursor *cur, Span *spans, const char **names, const Py_s
             if (ev->args != T_NONE) return S_BAIL;
             if (*cur->p == '{') {
                 ev->args = T_OBJECT;
-                if ((r = scan_members(cur, ev->arg, ARG_KEYS, ARG_LEN, A_COUNT, NULL)) != S_OK) return r;
+                if ((r = scan_members(cur, ev->arg, &ARG_SET, NULL)) != S_OK) return r;
             } else {
                 if ((r = scan_value(cur, &value, 1)) != S_OK) return r;
                 if (value.type != T_NULL) return S_BAIL; /* msgspec refuses it: not this scanner's to read */
@@ -969,7 +994,7 @@ static PyObject *Collector_scan(Collector *c, PyObject *const *args, Py_ssize_t 
         for (int k = 0; k < K_COUNT; k++) ev.key[k].type = T_NONE;
         for (int k = 0; k < A_COUNT; k++) ev.arg[k].type = T_NONE;
         ev.args = T_NONE;
-        int r = scan_members(&cur, ev.key, EVENT_KEYS, EVENT_LEN, K_COUNT, &ev);
+        int r = scan_members(&cur, ev.key, &EVENT_SET, &ev);
         if (r == S_MORE) {
             cur.p = mark;
             break;
@@ -1065,11 +1090,14 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kscan", "Kineto eve
 
 PyMODINIT_FUNC PyInit__kscan(void) {
     for (int i = 0; i < A_COUNT; i++) {
-        ARG_LEN[i] = (Py_ssize_t)strlen(ARG_KEYS[i]);
         ARG_STR[i] = PyUnicode_InternFromString(ARG_KEYS[i]);
         if (ARG_STR[i] == NULL) return NULL;
     }
-    for (int i = 0; i < K_COUNT; i++) EVENT_LEN[i] = (Py_ssize_t)strlen(EVENT_KEYS[i]);
+    if (keyset_init(&EVENT_SET) < 0 || keyset_init(&ARG_SET) < 0) {
+        PyErr_SetString(PyExc_SystemError, "_kscan: a key set does not fit its table");
+        return NULL;
+    }
+    SPACE[' '] = SPACE['\t'] = SPACE['\n'] = SPACE['\r'] = 1;
     for (int i = 0; i < 0x20; i++) STOP[i] = 1;
     STOP['"'] = STOP['\\'] = 1;
     for (int i = 0; i < 9; i++) CAT_LEN[i] = (Py_ssize_t)strlen(CAT_NAMES[i]);
