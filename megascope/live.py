@@ -425,3 +425,32 @@ def heat_cells(rank_step: pd.DataFrame, places: pd.DataFrame, *, phase: str = "c
     worst = worst.drop_duplicates(["rank_bin", "step_bin"])
     cells = worst.merge(bounds, on=["rank_bin", "step_bin"])
     return cells.sort_values(["rank_bin", "step_bin"], ignore_index=True)[columns]
+
+
+def step_lines(tail: StepSumsTail, places: pd.DataFrame, *, after: int | None = None) -> pd.DataFrame:
+    """One row per kept step every rank has ended (``ranks`` equal to the run's world size), newer
+    than ``after``: what ``megascope watch`` prints. Columns: step, step_time_ns, mfu, ranks,
+    slow_rank and slow_x (the rank whose compute is furthest above its stage's median, and by how
+    much), quiet_rank and quiet_x (the rank that spent the least in communication against its
+    stage's median: the one the others wait for, when a rank pauses outside its work)."""
+    columns = ["step", "step_time_ns", "mfu", "ranks", "slow_rank", "slow_x", "quiet_rank", "quiet_x"]
+    steps = tail.per_step()
+    world = tail.meta.world_size
+    steps = steps[steps["ranks"] >= world] if world else steps
+    if after is not None:
+        steps = steps[steps["step"] > after]
+    if steps.empty:
+        return pd.DataFrame(columns=columns)
+    frame = tail.rank_step()
+    frame = frame[frame["step"].isin(steps["step"])]
+    out = steps.set_index("step")
+    for phase, pick, rank_col, x_col in (("compute", "idxmax", "slow_rank", "slow_x"),
+                                          ("comm", "idxmin", "quiet_rank", "quiet_x")):
+        cells = heat_cells(frame, places, phase=phase).dropna(subset=["norm"])
+        if cells.empty:
+            out[rank_col], out[x_col] = pd.NA, np.nan
+            continue
+        chosen = cells.loc[getattr(cells.groupby("step")["norm"], pick)()].set_index("step")
+        out[rank_col] = chosen["rank"].astype("Int64")
+        out[x_col] = chosen["norm"].astype(float)
+    return out.reset_index()[columns]

@@ -454,9 +454,9 @@ def _compaction(run: Run, table: str) -> _Compaction:
     return _Compaction(sorted(files), ranks, frozenset(ignored))
 
 
-def _create_table_views(run: Run) -> None:
+def _create_table_views(run: Run, tables: Iterable[str] = TABLES) -> None:
     run._compacted_ranks = {}
-    for table in TABLES:
+    for table in tables:
         compaction = _compaction(run, table)
         run.compacted[table] = compaction.files
         run._compacted_ranks.update(compaction.ranks)
@@ -577,8 +577,13 @@ def _missing_ranks(run: Run) -> None:
         log.info(problem)  # reported through Run.problems (the CLI prints each once)
 
 
-def open_run(path: Path | str, *, threads: int | None = None, memory_limit: str | None = None) -> Run:
-    """Open ``path`` as a run: validate ``run.json``, create one DuckDB view per table."""
+def open_run(path: Path | str, *, threads: int | None = None, memory_limit: str | None = None,
+             tables: tuple[str, ...] | None = None) -> Run:
+    """Open ``path`` as a run: validate ``run.json``, create one DuckDB view per table.
+
+    ``tables``: views of these tables only (``("ranks",)`` for a live viewer that needs the ranks'
+    places: opening every table of a big live run lists and checks hundreds of thousands of parts);
+    such a run answers queries on them alone."""
     path = Path(path)
     if not path.exists():
         raise RunDirError(f"{path}: no such run directory")
@@ -600,6 +605,12 @@ def open_run(path: Path | str, *, threads: int | None = None, memory_limit: str 
     # No progress bar: DuckDB draws it on stdout, where `--json` output goes.
     con.execute("SET enable_progress_bar = false")
     run = Run(path=path, meta=meta, con=con)
+    if tables is not None:
+        unknown = sorted(set(tables) - set(TABLES))
+        if unknown:
+            raise ValueError(f"unknown tables {unknown} (known: {', '.join(TABLES)})")
+        _create_table_views(run, tables)
+        return run
     _create_views(run)
     if not any(run.files.values()):
         problem = f"{path}: run.json present but no data written yet"

@@ -32,7 +32,7 @@ def test_help_of_every_command(path: tuple[str, ...], cli: Callable[..., Result]
 
 def test_contract_commands_exist() -> None:
     names = {" ".join(p) for p in _commands(main)}
-    for expected in ["train", "synth", "ingest kineto", "ingest flight-recorder", "report", "localize",
+    for expected in ["train", "synth", "ingest kineto", "ingest flight-recorder", "watch", "report", "localize",
                      "heatmap", "export perfetto", "export chrome", "serve", "diagnose", "demo"]:
         assert expected in names
 

@@ -121,9 +121,9 @@ def main(verbose: int) -> None:
 
 
 def _register() -> None:
-    from megascope.cli import analyze, compact, diagnose, export, ingest, serve, synth, train
+    from megascope.cli import analyze, compact, diagnose, export, ingest, serve, synth, train, watch
 
-    for module in (train, synth, ingest, analyze, export, serve, diagnose, compact):
+    for module in (train, synth, ingest, analyze, watch, export, serve, diagnose, compact):
         module.register(main)
 
 
