@@ -9,11 +9,13 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 from conftest import wait_until
 
 from megascope.cli import main
 from megascope.inject import parse_injects
+from megascope.store import open_run
 from megascope.synth import LiveSynth, SynthConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,10 +102,6 @@ def test_a_run_with_no_finished_step_and_a_bad_directory(tmp_path: Path) -> None
 
 
 def test_a_run_opened_for_its_ranks_alone(tmp_path: Path) -> None:
-    import pytest
-
-    from megascope.store import open_run
-
     job = _job(tmp_path)
     job.write_step()
     job.close()
