@@ -391,8 +391,9 @@ def heat_cells(rank_step: pd.DataFrame, places: pd.DataFrame, *, phase: str = "c
     same pipeline stage in the same step, as the analysis' heat-map has them; ``norm`` is a
     rank-step's time over its peers' median. Binned to at most ``max_ranks`` x ``max_steps``, each
     cell its bin's worst rank-step (for ``comm``, the furthest from 1 either way: a rank that
-    pauses outside its work communicates least, its peers wait for it). What the step sums cannot tell (own time, waits, bubbles) is
-    not offered: those need every rank's spans and come with the full analysis.
+    pauses outside its work communicates least, its peers wait for it). What the step sums cannot
+    tell (own time, waits, bubbles) is not offered: those need every rank's spans and come with the
+    full analysis.
     """
     if phase not in LIVE_PHASES:
         raise ValueError(f"unknown live heat-map phase {phase!r} (known: {', '.join(LIVE_PHASES)})")
@@ -420,7 +421,8 @@ def heat_cells(rank_step: pd.DataFrame, places: pd.DataFrame, *, phase: str = "c
                       step_hi=("step", "max")).reset_index()
     # A bin's cell: its rank-step furthest from its peers, up for time spent working; either way for
     # communication, where the rank the others wait for spends the least.
-    frame["_far"] = np.abs(np.log(frame["norm"])) if phase == "comm" else frame["norm"]
+    with np.errstate(divide="ignore"):  # no communication at all: infinitely far, first
+        frame["_far"] = np.abs(np.log(frame["norm"])) if phase == "comm" else frame["norm"]
     worst = frame.sort_values(["_far", "rank", "step"], ascending=[False, True, True], na_position="last")
     worst = worst.drop_duplicates(["rank_bin", "step_bin"])
     cells = worst.merge(bounds, on=["rank_bin", "step_bin"])
