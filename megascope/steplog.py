@@ -32,11 +32,14 @@ import os
 import re
 import struct
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
 import pyarrow as pa
 
 from megascope.layout import rank_dir_name
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +56,7 @@ FIELDS = tuple(COMBINE)
 RECORD_SIZE = 8 * len(FIELDS)
 HEADER = MAGIC + struct.pack("<II", len(FIELDS), RECORD_SIZE)
 HEADER_SIZE = len(HEADER)
-NULL = np.iinfo(np.int64).min
+NULL = -(2**63)
 _SAFE_ID = re.compile(r"[A-Za-z0-9._-]{1,100}")
 
 
@@ -76,17 +79,18 @@ def records(sums: pa.Table) -> bytes:
         return b""
     aggs = [(f, how) for f, how in COMBINE.items() if how != "key"]
     grouped = sums.group_by(["rank", "step"], use_threads=False).aggregate(aggs)
-    out = np.empty((grouped.num_rows, len(FIELDS)), dtype="<i8")
-    for i, (f, how) in enumerate(COMBINE.items()):
-        column = grouped.column(f if how == "key" else f"{f}_{how}").cast(pa.int64())
-        out[:, i] = column.fill_null(NULL).to_numpy()
     # A sum over no span of its kind is NULL in the twin (SUM over nothing); the aggregation over
-    # groups gives NULL only where every group's is.
-    return out.tobytes()
+    # groups gives NULL only where every group's is. A handful of rows a flush: plain Python (the
+    # collector's core install has no numpy).
+    columns = [grouped.column(f if how == "key" else f"{f}_{how}").cast(pa.int64()).fill_null(NULL).to_pylist()
+               for f, how in COMBINE.items()]
+    return struct.pack(f"<{grouped.num_rows * len(FIELDS)}q", *(v for row in zip(*columns, strict=True) for v in row))
 
 
 def parse(data: bytes) -> np.ndarray:
     """Whole records of ``data`` (bytes after the header) as an int64 array of shape (n, fields)."""
+    import numpy as np  # the readers' side (the analysis extra); the writers need none
+
     whole = len(data) - len(data) % RECORD_SIZE
     return np.frombuffer(data, dtype="<i8", count=whole // 8).reshape(-1, len(FIELDS))
 

@@ -5,6 +5,10 @@ over parts combined, foreign and damaged files named."""
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -296,3 +300,32 @@ def test_the_live_heat_map_finds_a_slow_rank_among_its_stage_peers(tmp_path: Pat
     assert comm.loc[comm["rank_lo"] == 12, "norm"].max() < 0.95
     with pytest.raises(ValueError, match="own"):
         heat_cells(tail.rank_step(), places, phase="own")
+
+
+def test_the_collector_writes_its_step_log_without_numpy(tmp_path: Path) -> None:
+    """The collector's core install (torch, pyarrow, click) has no numpy: the writer's side of the
+    step log needs none."""
+    code = textwrap.dedent("""
+        import sys
+        for name in ("numpy", "pandas", "duckdb"):
+            sys.modules[name] = None
+        from pathlib import Path
+        from megascope.steplog import StepLog, log_dir
+        import pyarrow as pa
+        from megascope.schema import STEP_SUMS
+        row = {name: None for name in STEP_SUMS.names}
+        row.update(rank=2, step=7, group=None, step_ns=5, spans=3, forward_ns=4)
+        log = StepLog(Path(sys.argv[1]), rank=2)
+        log.append(pa.Table.from_pylist([row, {**row, "group": "tp:0", "spans": 2}], schema=STEP_SUMS), run_id="r")
+        log.close()
+        assert log.stopped is None, log.stopped
+        print((log_dir(Path(sys.argv[1]), "r") / "rank=00002.steps").stat().st_size)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert int(proc.stdout) == steplog.HEADER_SIZE + steplog.RECORD_SIZE
+    records = steplog.parse((steplog.log_dir(tmp_path, "r") / "rank=00002.steps").read_bytes()[steplog.HEADER_SIZE:])
+    fields = dict(zip(steplog.FIELDS, records[0].tolist(), strict=True))
+    assert (fields["rank"], fields["step"], fields["spans"], fields["step_ns"], fields["forward_ns"]) == (2, 7, 5, 5, 8)
+    assert fields["backward_ns"] == steplog.NULL
