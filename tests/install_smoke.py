@@ -62,6 +62,10 @@ def core(tmp: Path) -> None:
     _check((run / "run.json").is_file(), "the collector wrote run.json")
     spans = sum(pq.read_table(p).num_rows for p in run.glob("spans/rank=*/*.parquet"))
     _check(spans >= 6, f"the collector wrote spans ({spans} rows)")
+    steps_log = run / "step_log" / "smoke" / "rank=00000.steps"
+    size = steps_log.stat().st_size if steps_log.is_file() else 0
+    # A header, then a record per step and flush (a step across a flush has two).
+    _check(size >= 16 + 3 * 128 and (size - 16) % 128 == 0, f"the collector wrote its step log ({size} bytes)")
     proc = _megascope("report", str(run))
     _check(proc.returncode == 1 and "megascope[analysis]" in proc.stderr and proc.stderr.count("\n") == 1,
            f"report in a core install names the extra it needs ({proc.stderr.strip()!r})")
