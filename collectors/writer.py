@@ -449,7 +449,10 @@ class Writer:
             # Never retried: a spans part without a twin is aggregated by the analysis itself.
             try:
                 sums = step_sums(data)
-                self.step_log.append(sums, run_id=self.run_id())
+                try:
+                    self.step_log.append(sums, run_id=self.run_id())
+                except Exception as exc:  # for live viewers only: never at the twin's cost
+                    self._failed("step_log", exc)
                 layout.write_sums_twin(path, data, run_id=self.run_id(), sums=sums)
             except Exception as exc:
                 self._failed("step_sums", exc)

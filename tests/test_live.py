@@ -329,3 +329,26 @@ def test_the_collector_writes_its_step_log_without_numpy(tmp_path: Path) -> None
     fields = dict(zip(steplog.FIELDS, records[0].tolist(), strict=True))
     assert (fields["rank"], fields["step"], fields["spans"], fields["step_ns"], fields["forward_ns"]) == (2, 7, 5, 5, 8)
     assert fields["backward_ns"] == steplog.NULL
+
+
+def test_a_step_log_that_fails_costs_the_collector_no_twin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    from megascope.collectors import Collector, CollectorConfig
+
+    def broken(self: StepLog, sums: object, *, run_id: str | None) -> None:
+        raise ValueError("no log today")
+
+    monkeypatch.setattr(StepLog, "append", broken)
+    run = tmp_path / "run"
+    cfg = CollectorConfig(run_dir=run, flush_interval_s=0.05, device=torch.device("cpu"), handle_sigterm=False,
+                          marker_agent=False)
+    col = Collector(cfg, rank=0, world_size=1, coords={"pp": 0, "dp": 0, "tp": 0},
+                    meta=RunMeta(run_id="live-2", source="collector", world_size=1))
+    with col.step(0), col.span("forward", kind="forward"):
+        torch.ones(8, 8) @ torch.ones(8, 8)
+    col.flush()
+    stats = col.stats
+    col.close()
+    assert stats["write_errors"] >= 1
+    spans = sorted(run.glob("spans/rank=*/*.parquet"))
+    assert spans and all(layout.sums_twin(p).is_file() for p in spans)
