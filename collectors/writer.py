@@ -452,10 +452,10 @@ class Writer:
                 try:
                     self.step_log.append(sums, run_id=self.run_id())
                 except Exception as exc:  # for live viewers only: never at the twin's cost
-                    self._failed("step_log", exc)
+                    self._failed("step_log", exc, retried=False)
                 layout.write_sums_twin(path, data, run_id=self.run_id(), sums=sums)
             except Exception as exc:
-                self._failed("step_sums", exc)
+                self._failed("step_sums", exc, retried=False)
 
     def _convert(self, name: str, rows: list[Any], table_schema: pa.Schema) -> pa.Table:
         data, bad = rows_to_table_dropping(rows, table_schema)
@@ -467,16 +467,18 @@ class Writer:
                             "(counted in rows_dropped); the rest were written", self.rank, bad, name)
         return data
 
-    def _failed(self, what: str, exc: BaseException) -> None:
+    def _failed(self, what: str, exc: BaseException, *, retried: bool = True) -> None:
         self.write_errors += 1
         now = time.monotonic()
         if now - self._last_warning >= _WARN_EVERY_S:
             self._last_warning = now
+            then = ("rows are kept in memory up to the buffer limit and retried" if retried else
+                    "not retried (derived from the spans part, which is written)")
             log.warning(
-                "megascope collector (rank %d): cannot write %s under %s (%s); training continues, "
-                "rows are kept in memory up to the buffer limit and retried (%d write errors so far)",
+                "megascope collector (rank %d): cannot write %s under %s (%s); training continues, %s "
+                "(%d write errors so far)",
                 self.rank, what, self.run_dir, str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
-                self.write_errors,
+                then, self.write_errors,
             )
 
     @property

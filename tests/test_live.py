@@ -331,7 +331,8 @@ def test_the_collector_writes_its_step_log_without_numpy(tmp_path: Path) -> None
     assert fields["backward_ns"] == steplog.NULL
 
 
-def test_a_step_log_that_fails_costs_the_collector_no_twin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_step_log_that_fails_costs_the_collector_no_twin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
     import torch
     from megascope.collectors import Collector, CollectorConfig
 
@@ -350,5 +351,6 @@ def test_a_step_log_that_fails_costs_the_collector_no_twin(tmp_path: Path, monke
     stats = col.stats
     col.close()
     assert stats["write_errors"] >= 1
+    assert any("cannot write step_log" in r.message and "not retried" in r.message for r in caplog.records)
     spans = sorted(run.glob("spans/rank=*/*.parquet"))
     assert spans and all(layout.sums_twin(p).is_file() for p in spans)
