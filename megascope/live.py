@@ -66,7 +66,7 @@ import numpy as np
 import pandas as pd
 
 from megascope import layout, steplog
-from megascope.store import read_meta
+from megascope.store import read_meta, stamped_run_ids
 
 log = logging.getLogger(__name__)
 
@@ -171,10 +171,7 @@ class StepSumsTail:
 
     def _foreign(self, files: list[str]) -> set[str]:
         """The twins among ``files`` stamped with another run's id."""
-        rows = self._con.execute(
-            "SELECT file_name, decode(value) FROM parquet_kv_metadata(?) WHERE decode(key) = ?",
-            [files, layout.RUN_ID_KEY.decode()]).fetchall()
-        return {str(name) for name, run_id in rows if run_id != self.meta.run_id}
+        return {str(name) for name, run_id in stamped_run_ids(self._con, files).items() if run_id != self.meta.run_id}
 
     def _read(self, files: list[str], stats: UpdateStats) -> pd.DataFrame:
         columns = ", ".join(f'{_SQL_AGG[how]}("{c}") AS "{c}"' for c, how in _COMBINE.items())

@@ -288,10 +288,7 @@ def _scan(run: Run, table: str, *, thorough: bool = False, ignored: frozenset[st
     source = glob if whole_glob else [str(f) for f in files]
     try:
         # Parts stamped with another run's id (copied in from elsewhere) are not this run's data.
-        stamped = dict(run.con.execute(
-            "SELECT file_name, decode(value) FROM parquet_kv_metadata(?) WHERE decode(key) = ?",
-            [source, layout.RUN_ID_KEY.decode()],
-        ).fetchall())
+        stamped = stamped_run_ids(run.con, source)
         foreign = {Path(name) for name, part_run_id in stamped.items() if part_run_id != run.meta.run_id}
         if not foreign and len(stamped) >= len(files):
             # Every part is this run's, written through layout.write_part: its columns are the schema's.
@@ -309,6 +306,15 @@ def _scan(run: Run, table: str, *, thorough: bool = False, ignored: frozenset[st
     return _scan_each(run, table, files, thorough=False, whole_glob=whole_glob)
 
 
+def stamped_run_ids(con: duckdb.DuckDBPyConnection, source: str | list[str]) -> dict[str, str]:
+    """File name -> the run id stamped into it (:func:`megascope.layout.write_part`), for the
+    Parquet files of ``source`` (a glob or a list of paths) that carry one, from their footers only."""
+    return dict(con.execute(
+        "SELECT file_name, decode(value) FROM parquet_kv_metadata(?) WHERE decode(key) = ?",
+        [source, layout.RUN_ID_KEY.decode()],
+    ).fetchall())
+
+
 def _known_stamped(run: Run, table: str, files: list[Path]) -> bool:
     """Whether every one of ``files`` is stamped with this run's id, reading the metadata of
     those not seen so on an earlier scan only (a live run's refresh: the new parts). False sends
@@ -320,13 +326,10 @@ def _known_stamped(run: Run, table: str, files: list[Path]) -> bool:
     fresh = sorted(names - known)
     if fresh:
         try:
-            stamped = run.con.execute(
-                "SELECT file_name, decode(value) FROM parquet_kv_metadata(?) WHERE decode(key) = ?",
-                [fresh, layout.RUN_ID_KEY.decode()],
-            ).fetchall()
+            stamped = stamped_run_ids(run.con, fresh)
         except duckdb.Error:
-            stamped = []
-        if len(stamped) < len(fresh) or any(part_run_id != run.meta.run_id for _, part_run_id in stamped):
+            stamped = {}
+        if len(stamped) < len(fresh) or any(part_run_id != run.meta.run_id for part_run_id in stamped.values()):
             del run._stamped[table]
             return False
     run._stamped[table] = names  # parts removed since (compaction) are forgotten
