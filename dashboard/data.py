@@ -47,6 +47,10 @@ def _compute_stragglers(run: Run) -> pd.DataFrame:
     return _analysis().stragglers(run)
 
 
+def _compute_stragglers_told(run: Run) -> bool:
+    return bool(_analysis().stragglers_told(run))
+
+
 def _compute_skew_drift(run: Run) -> dict[str, Any]:
     return dict(_analysis().skew_drift(run))
 
@@ -271,6 +275,16 @@ def query(served: ServedRun, key: tuple[Any, ...], fn: Callable[[Run], Any]) -> 
 
 # Precomputed by the watcher after each refresh: what the overview, topology and /metrics need.
 WARM: list[Callable[[ServedRun], Any]] = [per_step, localized, run_facts, stragglers, rank_states, loss]
+
+
+def stragglers_told(served: ServedRun) -> bool:
+    """False on a mesh whose pipeline stages have one rank each: no rank has a peer to be judged
+    against, and an empty straggler list says nothing (analysis.stragglers_told)."""
+    return bool(served.result(("stragglers_told",), _compute_stragglers_told))
+
+
+NO_PEERS = ("Stragglers cannot be told: no pipeline stage has two ranks, so no rank has a peer doing the same "
+            "work to be compared with.")
 
 
 def empty_stragglers() -> pd.DataFrame:

@@ -329,6 +329,24 @@ def test_overview_names_a_host_bound_rank(tmp_path: Path) -> None:
     assert "/run/hostbound/timeline?ranks=1" in text[0]
 
 
+def test_a_mesh_without_peers_says_stragglers_cannot_be_told(synth: Synth, tmp_path: Path) -> None:
+    """pp=2 on two ranks: the overview and the stragglers page say that no rank has a peer, not
+    "no stragglers"; a mesh with peers keeps "no stragglers" on the overview."""
+    from megascope.dashboard.pages.overview import alerts
+
+    alone = synth(tmp_path / "alone", "straggler:rank=1,factor=1.6", ranks=2, pp=2, tp=1, steps=6, seed=3)
+    served = registry_of(create_app([alone], start_watcher=False)).get("alone")
+    assert served is not None and not dash_data.stragglers_told(served)
+    text = [str(a) for a in alerts(served)]
+    assert any("no pipeline stage has two ranks" in t for t in text)
+    assert not any("No stragglers" in t for t in text)
+    healthy = synth(tmp_path / "healthy", ranks=4, pp=2, tp=1, steps=6, seed=3)
+    served = registry_of(create_app([healthy], start_watcher=False)).get("healthy")
+    assert served is not None and dash_data.stragglers_told(served)
+    text = [str(a) for a in alerts(served)]
+    assert any("No stragglers" in t for t in text) and not any("no pipeline stage" in t for t in text)
+
+
 def test_synth_runs_have_no_host_bound_alert(runs: dict[str, Path]) -> None:
     from megascope.dashboard.pages.overview import host_bound_alerts
 

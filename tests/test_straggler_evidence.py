@@ -11,6 +11,7 @@ import importlib.util
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -89,6 +90,43 @@ def test_a_rank_whose_device_waited_for_its_host_is_slow_for_its_host(tmp_path: 
     # Host-timed ranks (CPU) have no such measure and keep their cause.
     cpu = analysis.stragglers(open_run(noisy_run(tmp_path / "cpu", seed=4, slow=3, factor=1.3, steps=24)))
     assert cpu.iloc[0]["cause"] == "compute" and np.isnan(cpu.iloc[0]["device_idle_frac"])
+
+
+def test_a_rank_late_for_its_host_whose_device_never_ran_dry_is_not_named(tmp_path: Path) -> None:
+    """A pause outside every span reads cause ``host``. On a device kept busy at every call (its
+    host 10 ms ahead) the pause held no peer back through its host: the rank is not named, and the
+    report lists it as dismissed with what was measured. The same pause on a device that ran dry
+    (idle at every call) is named. CPU runs (host-timed) keep the earlier answer."""
+    busy = open_run(noisy_run(tmp_path / "busy", seed=6, paused=2, pause_ms=15.0, steps=24, on_gpus=True))
+    assert analysis.stragglers(busy).empty
+    gone = analysis.stragglers_dismissed(busy)
+    assert list(gone["rank"]) == [2] and gone.iloc[0]["device_idle_frac"] == 0.0 and gone.iloc[0]["slowdown"] > 1.1
+    result = analysis.report(busy, with_whatif=False)
+    assert result["stragglers"] == [] and [d["rank"] for d in result["stragglers_dismissed"]] == [2]
+    assert result["stragglers_dismissed"][0]["device_idle_frac"] == 0.0
+    starved = open_run(noisy_run(tmp_path / "starved", seed=6, paused=2, pause_ms=15.0, steps=24, on_gpus=True,
+                                 idle=2))
+    found = analysis.stragglers(starved)
+    assert list(found["rank"]) == [2] and found.iloc[0]["cause"] == "host" and found.iloc[0]["device_idle_frac"] == 1.0
+    assert analysis.stragglers_dismissed(starved).empty
+    cpu = open_run(noisy_run(tmp_path / "cpu", seed=6, paused=2, pause_ms=15.0, steps=24))
+    assert list(analysis.stragglers(cpu)["rank"]) == [2] and analysis.stragglers_dismissed(cpu).empty
+
+
+def test_a_dismissed_rank_no_longer_shades_a_real_straggler(tmp_path: Path) -> None:
+    """A rank late for its host (device busy, so not named) with more evidence than a real compute
+    straggler would hide it under the shadow rule; once dismissed it hides nothing."""
+    path = noisy_run(tmp_path / "run", seed=7, slow=5, factor=1.3, paused=2, pause_ms=20.0, steps=24,
+                     on_gpus=True)
+    run = open_run(path)
+    found = analysis.stragglers(run)
+    assert list(found["rank"]) == [5] and found.iloc[0]["cause"] == "compute"
+    assert list(analysis.stragglers_dismissed(run)["rank"]) == [2]
+    # Without the device's word (the same run timed by its hosts), the paused rank is named and
+    # its evidence shades the other.
+    cpu = analysis.stragglers(open_run(noisy_run(tmp_path / "cpu", seed=7, slow=5, factor=1.3, paused=2,
+                                                 pause_ms=20.0, steps=24)))
+    assert list(cpu["rank"]) == [2]
 
 
 def test_on_a_real_host_bound_gpu_run_the_rank_with_the_slow_host_is_named_for_it(tmp_path: Path) -> None:
@@ -306,3 +344,18 @@ def test_device_stretch_slows_a_phase_by_its_factor_in_device_time() -> None:
         phase(True)
     stretched = min(phase(True) for _ in range(3))
     assert 1.3 < stretched / plain < 1.7
+
+
+def test_a_mesh_whose_stages_have_one_rank_each_says_stragglers_cannot_be_told(
+        tmp_path: Path, synth: Synth, cli: Any) -> None:
+    """pp=2 on two ranks: a rank's peers are the ranks of its stage, and there are none. The report
+    says so rather than "none", in JSON (stragglers_withheld "no_peers") and in text; with a second
+    replica the planted rank is named."""
+    alone = synth(tmp_path / "alone", "straggler:rank=1,factor=1.6", ranks=2, pp=2, tp=1, steps=6, seed=3)
+    result = analysis.report(open_run(alone), with_whatif=False)
+    assert result["stragglers"] == [] and result["stragglers_withheld"] == "no_peers"
+    text = cli("report", str(alone))
+    assert text.exit_code == 0 and "STRAGGLERS not told: no pipeline stage has two ranks" in text.output
+    paired = synth(tmp_path / "paired", "straggler:rank=1,factor=1.6", ranks=4, pp=2, tp=1, steps=6, seed=3)
+    result = analysis.report(open_run(paired), with_whatif=False)
+    assert [s["rank"] for s in result["stragglers"]] == [1] and result["stragglers_withheld"] is None

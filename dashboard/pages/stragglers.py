@@ -87,6 +87,8 @@ def register(app: Dash, registry: RunRegistry) -> None:
             return no_update, notice(served.error if served else "loading...")
         frame = data.stragglers(served)
         if frame.empty:
+            if not data.stragglers_told(served):
+                return whatif_cards({}, n_stragglers=0), notice(data.NO_PEERS)
             return whatif_cards({}, n_stragglers=0), notice("No stragglers: every rank keeps up with its peers.")
         steps = data.default_steps(served)
 

@@ -20,6 +20,8 @@ from megascope.analysis.pipeline import bubbles, exposed_comm, host_lead, host_l
 from megascope.analysis.report import clock_offsets, report
 from megascope.analysis.skew import skew, skew_by_collective, skew_drift
 from megascope.analysis.stragglers import StragglerConfig, stragglers
+from megascope.analysis.stragglers import dismissed as stragglers_dismissed
+from megascope.analysis.stragglers import told as stragglers_told
 from megascope.analysis.timeline import PHASES, heatmap, mfu, mfu_drift, step_times
 from megascope.analysis.whatif import whatif
 
@@ -42,5 +44,7 @@ __all__ = [
     "skew_drift",
     "step_times",
     "stragglers",
+    "stragglers_dismissed",
+    "stragglers_told",
     "whatif",
 ]

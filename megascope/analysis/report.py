@@ -4,7 +4,7 @@ Role in the data flow: ``megascope report RUN [--json]`` prints it; the dashboar
 it. The keys ``run``, ``mfu``, ``stragglers``, ``skew`` and ``hang`` are a contract
 (ARCHITECTURE.md); the rest (``state``: running, stalled, hung, finished or failed and why, from
 :mod:`megascope.analysis.runstate`; ``clock``, ``bubbles``, ``exposed_comm``, ``host_lead``,
-``whatif``, ``problems``, ``stragglers_withheld``) may grow. Each straggler carries a ``confidence``,
+``whatif``, ``problems``, ``stragglers_withheld``, ``stragglers_dismissed``) may grow. Each straggler carries a ``confidence``,
 its ``p_value`` and the ``evidence`` that named it; a hung run names none.
 
 Example::
@@ -30,7 +30,7 @@ from megascope.analysis.hang import localize
 from megascope.analysis.pipeline import bubbles, exposed_comm, host_lead_summary
 from megascope.analysis.runstate import run_state
 from megascope.analysis.skew import skew_by_collective, skew_drift
-from megascope.analysis.stragglers import StragglerConfig, stragglers
+from megascope.analysis.stragglers import StragglerConfig, dismissed, stragglers, told
 from megascope.analysis.timeline import mfu, mfu_drift
 from megascope.analysis.whatif import whatif
 from megascope.schema import COLLECTOR_STAMPS_METRIC
@@ -134,8 +134,13 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
     # In a hung run every rank is a hang suspect or its victim: the steps before the hang say
     # nothing an on-call engineer should act on first, so no straggler is named.
     slow = stragglers(run, config)
+    dismissed_frame = dismissed(run, config)
     if hang.get("hung"):
         slow = slow.iloc[0:0]
+        dismissed_frame = dismissed_frame.iloc[0:0]
+    withheld = "hung" if hang.get("hung") else None
+    if withheld is None and slow.empty and not told(run):
+        withheld = "no_peers"
     say("computing MFU")
     per_step = mfu(run)
     drift = mfu_drift(per_step) if not per_step.empty else {"drifting": False}
@@ -171,8 +176,15 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
             "missing": _mfu_missing(run.meta) if not per_step["mfu"].notna().any() else None,
         },
         "stragglers": _straggler_list(slow, axes),
-        # Why the list is empty although ranks were slow: "hung" (they are hang suspects or victims).
-        "stragglers_withheld": "hung" if hang.get("hung") else None,
+        # Why the list is empty: "hung" (slow ranks are hang suspects or victims), "no_peers" (no
+        # pipeline stage has two ranks, so no rank has a peer to be compared with).
+        "stragglers_withheld": withheld,
+        # Ranks late for their host whose device never ran dry: not named (stragglers.dismissed).
+        "stragglers_dismissed": [
+            {"rank": int(d["rank"]), "host": d["host"], "coords": coords_of(d["coords"], axes),
+             "slowdown": d["slowdown"], "last_arrival_frac": d["last_arrival_frac"],
+             "device_idle_frac": d["device_idle_frac"]}
+            for d in dismissed_frame.head(20).to_dict("records")],
         "skew": {
             "collectives": by_collective.head(20).to_dict("records"),
             "drift": skew_drifts,

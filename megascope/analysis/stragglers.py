@@ -176,8 +176,9 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
     ranks tested), confidence (1 - p_value), t_own, t_blame, last_z, spans_share (share of its
     excess own time inside its own compute spans), t_spans (that excess over its noise),
     device_idle_frac (share of its communication calls at which its device was idle, waiting for
-    its host; for stragglers named for their compute and timed on a device, else NaN): one at
-    ``LAUNCH_BOUND_FRAC`` or more reads ``host`` (see :func:`_launch_bound`), and cpu_slowdown
+    its host; for stragglers named for their compute or host and timed on a device, else NaN): a
+    compute straggler at ``LAUNCH_BOUND_FRAC`` or more reads ``host`` (see :func:`_launch_bound`),
+    and a host one under it is not named (see :func:`_host_not_starved`, :func:`dismissed`), and cpu_slowdown
     (its host probe over the median rank's: how much slower the CPU under its training thread ran
     a fixed loop; NaN where the run has no probes, see :func:`cpu_slowdown`).
     """
@@ -196,6 +197,21 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
         row = _sql.first(_sql.execute(con, "stragglers", "axis_sizes")) or (1, 1, 1)
         sizes = {"tp": max(int(row[0]), 1), "dp": max(int(row[1]), 1), "pp": max(int(row[2]), 1), "other": 2}
         out_own = pd.concat([out_own, _attribute(out_own, sizes)], axis=1)
+        out_own = _launch_bound(run, out_own)
+        dismissed = _host_not_starved(out_own)
+        if dismissed.any():
+            # A dismissed rank no longer shades the others: the shadow rule (sql/stragglers.sql,
+            # statement candidates) is taken again over the flagged ranks that are left.
+            flagged = c[c["flag"].fillna(False).astype(bool) & ~c["rank"].isin(out_own.loc[dismissed, "rank"])]
+            top_z, top_own = flagged["z"].astype(float).max(), flagged["t_own"].astype(float).max()
+            shaded = flagged[(flagged["z"].astype(float) >= config.shadow * top_z)
+                             & (flagged["t_own"].astype(float) >= config.own_shadow * top_own)
+                             & ~flagged["rank"].isin(out_own["rank"])]
+            out_own = out_own[~dismissed]
+            if not shaded.empty:
+                shaded = pd.concat([shaded, _attribute(shaded, sizes)], axis=1)
+                shaded = _launch_bound(run, shaded)
+                out_own = pd.concat([out_own, shaded[~_host_not_starved(shaded)]])
         out_own = out_own[(out_own["cause"] != "compute")
                           | (out_own["median_slowdown"].astype(float) >= config.min_named_slowdown)]
     out_comm = c[~own_slow & (c["steps_comm_slow_frac"] >= config.min_frac)
@@ -225,10 +241,62 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
     # slowdown x persistence would put its own wake ahead of it), then impact.
     out["_z"] = out["z"].astype(float).where(out["cause"] != "communication", -np.inf)
     out = out.sort_values(["_z", "impact", "rank"], ascending=[False, False, True], kind="stable")
-    out = _launch_bound(run, out)
+    if "device_idle_frac" not in out:
+        out["device_idle_frac"] = np.nan
     probe = cpu_slowdown(run)
     out["cpu_slowdown"] = [probe.get(int(r), np.nan) for r in out["rank"]]
     return out[COLUMNS].reset_index(drop=True)
+
+
+def told(run: Run) -> bool:
+    """Whether stragglers can be told at all: some pipeline stage has two ranks or more. A rank is
+    judged against the ranks of its stage, doing the same work; on a mesh of pipeline stages of
+    one rank each (pp=2 on two GPUs) no rank has a peer, and "no straggler" would say nothing."""
+    prepare(run.con)
+    row = _sql.first(_sql.execute(run.con, "stragglers", "largest_stage"))
+    return bool(row and int(row[0]) >= 2)
+
+
+def dismissed(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
+    """Ranks the evidence flagged for their host that :func:`stragglers` does not name, because
+    their device never ran dry (see :func:`_host_not_starved`): rank, host, coords, slowdown,
+    last_arrival_frac, device_idle_frac, z. Empty for host-timed runs (CPU), where no device
+    tells."""
+    config = config or StragglerConfig()
+    con = run.con
+    prepare(con)
+    score(con, config)
+    c = _sql.query_df(con, "stragglers", "candidates", min_frac=config.min_frac, min_steps=config.min_steps,
+                      min_slowdown=config.min_slowdown, z_comb=config.z_comb, rel_floor=config.rel_floor, shadow=config.shadow,
+                      own_shadow=config.own_shadow)
+    cols = ["rank", "host", "coords", "slowdown", "last_arrival_frac", "device_idle_frac", "z"]
+    flagged = c[c["flag"].fillna(False).astype(bool)].copy() if not c.empty else c
+    if flagged.empty or run.meta.source == RunSource.SYNTH:
+        return pd.DataFrame({col: pd.Series(dtype="object") for col in cols})
+    row = _sql.first(_sql.execute(con, "stragglers", "axis_sizes")) or (1, 1, 1)
+    sizes = {"tp": max(int(row[0]), 1), "dp": max(int(row[1]), 1), "pp": max(int(row[2]), 1), "other": 2}
+    flagged = _launch_bound(run, pd.concat([flagged, _attribute(flagged, sizes)], axis=1))
+    out = flagged[_host_not_starved(flagged)].copy()
+    out["slowdown"] = out["median_slowdown"].astype(float)
+    return out.sort_values("z", ascending=False)[cols].reset_index(drop=True)
+
+
+def _host_not_starved(frame: pd.DataFrame) -> pd.Series:
+    """Rows named for their host (cause ``host``) whose device was timed and waited for its host at
+    under ``LAUNCH_BOUND_FRAC`` of their communication calls: not named.
+
+    A rank that delays its peers through its host makes its own device run dry: its launches come
+    late, and the device waits for them. On GPU runs, every planted host pause (20-100 ms on 2-4
+    GPUs) left its rank's device idle at 85-100% of its calls (its peers' at 0-51%); every rank
+    named for its host in a healthy run had its device idle at 0-40% of its calls, and a replay
+    without it saved 0.2-0.4% of the step (docs/benchmarks.md). Such a rank arrives last by a
+    steady offset (its step began a little later), which its asynchronous collectives carry
+    through the step: each call counts the offset as its peers' wait, so its own time reads 1.2x
+    theirs, while its device, busy all along, cost the job nothing. A host pause that the host's
+    lead over the device absorbs slows nothing either (a 50 ms skew on a device-bound 2-GPU run:
+    step time unchanged)."""
+    idle = frame["device_idle_frac"] if "device_idle_frac" in frame else pd.Series(np.nan, index=frame.index)
+    return (frame["cause"] == "host") & idle.notna() & (idle.astype(float) < LAUNCH_BOUND_FRAC)
 
 
 def cpu_slowdown(run: Run) -> dict[int, float]:
@@ -252,8 +320,8 @@ def cpu_slowdown(run: Run) -> dict[int, float]:
 
 
 def _launch_bound(run: Run, out: pd.DataFrame) -> pd.DataFrame:
-    """``device_idle_frac`` of each ``compute`` straggler timed on a device (NaN for the others),
-    and cause ``host`` for one whose device was idle, waiting for its host, at
+    """``device_idle_frac`` of each ``compute`` or ``host`` straggler timed on a device (NaN for the
+    others), and cause ``host`` for a compute one whose device was idle, waiting for its host, at
     ``LAUNCH_BOUND_FRAC`` of its communication calls or more.
 
     Its compute spans are long, but on a device that ran dry: each kernel began as soon as its host
@@ -267,10 +335,11 @@ def _launch_bound(run: Run, out: pd.DataFrame) -> pd.DataFrame:
     out = out.copy()
     out["device_idle_frac"] = np.nan
     compute = out["cause"] == "compute"
-    if not compute.any() or run.meta.source == RunSource.SYNTH:
+    timed = out["cause"].isin(["compute", "host"])
+    if not timed.any() or run.meta.source == RunSource.SYNTH:
         return out
     steps = [int(s) for (s,) in _sql.execute(run.con, "pipeline", "sample_steps").fetchall()]
-    lead = host_lead(run, steps=steps, ranks=sorted({int(r) for r in out.loc[compute, "rank"]}))
+    lead = host_lead(run, steps=steps, ranks=sorted({int(r) for r in out.loc[timed, "rank"]}))
     if lead.empty:
         return out
     lead = lead[lead["calls"] >= HOST_BOUND_MIN_CALLS]

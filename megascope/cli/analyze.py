@@ -80,8 +80,15 @@ def _print_report(r: dict[str, Any]) -> None:
                             "probes (one every few steps)" if cpu <= CPU_SAME
                        else "a little slower CPU, not enough to explain it")
             click.echo(f"  rank {s['rank']}: host probe {cpu:.2f}x the median rank's time: {verdict}")
+    elif r.get("stragglers_withheld") == "no_peers":
+        click.echo("STRAGGLERS not told: no pipeline stage has two ranks, so no rank has a peer doing the same work")
     else:
         click.echo("STRAGGLERS none")
+    for d in (r.get("stragglers_dismissed") or [])[:5]:
+        last = "-" if d.get("last_arrival_frac") is None else f"{100 * d['last_arrival_frac']:.0f}%"
+        click.echo(f"  not named: rank {d['rank']} {_coords(d['coords'])} arrived last at {last} of its calls "
+                   f"({d['slowdown']:.2f}x own time), but its device waited for its host at only "
+                   f"{100 * d['device_idle_frac']:.0f}% of them (a host that holds its peers back leaves its own device idle)")
     w = r.get("whatif")
     if w:
         gain = 100 * (1 - 1 / w["speedup"]) if w["speedup"] else 0.0

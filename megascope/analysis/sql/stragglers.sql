@@ -252,6 +252,12 @@ SELECT f.*, i.host, i.coords, i.pp, i.dp, i.tp,
               AND f.t_own >= {{own_shadow}} * max(f.t_own) FILTER (WHERE f.flag) OVER () AS straggler
 FROM flagged f JOIN ms_cache.rank_info i USING (rank);
 
+-- @statement largest_stage
+-- How many ranks the most populous pipeline stage has: with one, no rank has a peer doing the
+-- same work, and stragglers (judged against their stage's peers) cannot be told.
+-- @column ranks  ranks of the largest stage (0 without ranks)
+SELECT coalesce(max(n), 0) AS ranks FROM (SELECT stage, count(*) AS n FROM ms_cache.rank_info GROUP BY stage);
+
 -- @statement axis_sizes
 -- How many distinct coordinates the ranks have on the axes a straggler's place is told on.
 -- @column tp, dp, pp  distinct tp, dp and pp coordinates (0 where the run lacks the axis)
