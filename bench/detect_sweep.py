@@ -312,11 +312,19 @@ def main() -> int:
     parser.add_argument("--limit", type=int, default=0, help="only the first N runs (a quick look)")
     parser.add_argument("--mesh", action="append", default=[], metavar="TPxPPxDP",
                         help="only these meshes (repeatable), e.g. 2x2x2")
+    parser.add_argument("--only", action="append", default=[], choices=("straggler", "skew", "hang", "healthy"),
+                        help="only these kinds of run (repeatable)")
+    parser.add_argument("--skews-ms", default=None, metavar="MS,MS",
+                        help=f"the planted host pauses, milliseconds (default {','.join(f'{x:g}' for x in SKEWS_MS)})")
     args = parser.parse_args()
+    if args.skews_ms:
+        SKEWS_MS[:] = [float(x) for x in args.skews_ms.split(",")]
     meshes = (GPU_MESHES if args.gpus == 4 else GPU2_MESHES) if args.gpu else CPU_MESHES
     if args.mesh:
         meshes = [tuple(int(x) for x in m.split("x")) for m in args.mesh]  # type: ignore[misc]
     runs = plan(meshes, args.seed, gpu=args.gpu)
+    if args.only:
+        runs = [r for r in runs if r["kind"] in args.only]
     if args.limit:
         runs = runs[:args.limit]
     args.out.mkdir(parents=True, exist_ok=True)

@@ -9,6 +9,8 @@
 # them afterwards from runs.tar.gz: `python bench/detect_sweep.py -o DIR --gpu --gpus N --seed S
 # --score-only`.
 #
+# SWEEP_ARGS: more arguments of the sweep, e.g. "--mesh 1x1x2 --only skew --only healthy --skews-ms 100,150".
+#
 #   OUT=/tmp/o SEED=83 BUDGET_S=420 bash bench/gpu_detect.sh      # after bench/gpu_setup.sh
 set -uo pipefail
 OUT=${OUT:-gpu-detect}
@@ -27,7 +29,7 @@ nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv >"$OUT/gpus.t
 # How the GPUs are linked: a slower link between two of them reads as a slow pair in the sweep.
 nvidia-smi topo -m >>"$OUT/gpus.txt" 2>&1
 timeout $(( BUDGET_S + 150 )) $PY bench/detect_sweep.py -o "$WORK" --gpu --gpus "$GPUS" --seed "$SEED" \
-  --budget-s "$BUDGET_S" ${NO_SCORE:+--no-score} >"$OUT/table.txt" 2>"$OUT/sweep-progress.txt"
+  --budget-s "$BUDGET_S" ${NO_SCORE:+--no-score} ${SWEEP_ARGS:-} >"$OUT/table.txt" 2>"$OUT/sweep-progress.txt"
 echo "sweep exit $?" >>"$OUT/sweep-progress.txt"
 cp "$WORK/sweep.jsonl" "$OUT/" 2>/dev/null
 tar -czf "$OUT/runs.tar.gz" -C "$WORK" . 2>/dev/null
