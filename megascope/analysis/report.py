@@ -179,11 +179,12 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
         # Why the list is empty: "hung" (slow ranks are hang suspects or victims), "no_peers" (no
         # pipeline stage has two ranks, so no rank has a peer to be compared with).
         "stragglers_withheld": withheld,
-        # Ranks late for their host whose device never ran dry: not named (stragglers.dismissed).
+        # Ranks flagged for their host whose delay, replayed away, saves under 0.7% of the step:
+        # not named (stragglers.dismissed).
         "stragglers_dismissed": [
             {"rank": int(d["rank"]), "host": d["host"], "coords": coords_of(d["coords"], axes),
              "slowdown": d["slowdown"], "last_arrival_frac": d["last_arrival_frac"],
-             "device_idle_frac": d["device_idle_frac"]}
+             "device_idle_frac": d["device_idle_frac"], "saving": d["saving"]}
             for d in dismissed_frame.head(20).to_dict("records")],
         "skew": {
             "collectives": by_collective.head(20).to_dict("records"),

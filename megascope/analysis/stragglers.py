@@ -71,6 +71,9 @@ class StragglerConfig:
     straggler's TP partner carries much of its evidence (waits inside its spans, its group's late
     arrival at the DP collectives) but little own time (a 1.6x straggler's partner: t_own 3.5
     against 31.8, z 8.7 against 11.1, on a real 8-rank CPU run).
+    ``min_host_saving``: a rank named for its host is named only where a replay of its steps at
+    its peers' pace saves at least this share of the step (0 turns the check off; see
+    :func:`_host_costless`).
     """
 
     min_slowdown: float = 1.05
@@ -83,6 +86,7 @@ class StragglerConfig:
     z_comb: float = 4.5
     shadow: float = 0.75
     own_shadow: float = 0.5
+    min_host_saving: float = 0.007
 
     def __post_init__(self) -> None:
         if self.min_slowdown <= 1.0:
@@ -99,6 +103,8 @@ class StragglerConfig:
             raise ConfigError(f"z_comb must be > 0, got {self.z_comb}")
         if self.min_steps < 1:
             raise ConfigError(f"min_steps must be >= 1, got {self.min_steps}")
+        if not 0.0 <= self.min_host_saving < 1.0:
+            raise ConfigError(f"min_host_saving must be in [0, 1), got {self.min_host_saving}")
 
 
 def score(con: duckdb.DuckDBPyConnection, config: StragglerConfig | None = None) -> None:
@@ -177,8 +183,7 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
     excess own time inside its own compute spans), t_spans (that excess over its noise),
     device_idle_frac (share of its communication calls at which its device was idle, waiting for
     its host; for stragglers named for their compute or host and timed on a device, else NaN): a
-    compute straggler at ``LAUNCH_BOUND_FRAC`` or more reads ``host`` (see :func:`_launch_bound`),
-    and a host one under it is not named (see :func:`_host_not_starved`, :func:`dismissed`), and cpu_slowdown
+    compute straggler at ``LAUNCH_BOUND_FRAC`` or more reads ``host`` (see :func:`_launch_bound`)), and cpu_slowdown
     (its host probe over the median rank's: how much slower the CPU under its training thread ran
     a fixed loop; NaN where the run has no probes, see :func:`cpu_slowdown`).
     """
@@ -198,7 +203,7 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
         sizes = {"tp": max(int(row[0]), 1), "dp": max(int(row[1]), 1), "pp": max(int(row[2]), 1), "other": 2}
         out_own = pd.concat([out_own, _attribute(out_own, sizes)], axis=1)
         out_own = _launch_bound(run, out_own)
-        dismissed = _host_not_starved(out_own)
+        dismissed = _host_costless(run, out_own, config)
         if dismissed.any():
             # A dismissed rank no longer shades the others: the shadow rule (sql/stragglers.sql,
             # statement candidates) is taken again over the flagged ranks that are left.
@@ -211,7 +216,7 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
             if not shaded.empty:
                 shaded = pd.concat([shaded, _attribute(shaded, sizes)], axis=1)
                 shaded = _launch_bound(run, shaded)
-                out_own = pd.concat([out_own, shaded[~_host_not_starved(shaded)]])
+                out_own = pd.concat([out_own, shaded[~_host_costless(run, shaded, config)]])
         out_own = out_own[(out_own["cause"] != "compute")
                           | (out_own["median_slowdown"].astype(float) >= config.min_named_slowdown)]
     out_comm = c[~own_slow & (c["steps_comm_slow_frac"] >= config.min_frac)
@@ -258,10 +263,10 @@ def told(run: Run) -> bool:
 
 
 def dismissed(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
-    """Ranks the evidence flagged for their host that :func:`stragglers` does not name, because
-    their device never ran dry (see :func:`_host_not_starved`): rank, host, coords, slowdown,
-    last_arrival_frac, device_idle_frac, z. Empty for host-timed runs (CPU), where no device
-    tells."""
+    """Ranks the evidence flagged for their host that :func:`stragglers` does not name, because a
+    replay of their steps without their delay saves under ``config.min_host_saving`` of the step
+    (see :func:`_host_costless`): rank, host, coords, slowdown, last_arrival_frac,
+    device_idle_frac, saving (the share of the step the replay saves), z."""
     config = config or StragglerConfig()
     con = run.con
     prepare(con)
@@ -269,34 +274,63 @@ def dismissed(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
     c = _sql.query_df(con, "stragglers", "candidates", min_frac=config.min_frac, min_steps=config.min_steps,
                       min_slowdown=config.min_slowdown, z_comb=config.z_comb, rel_floor=config.rel_floor, shadow=config.shadow,
                       own_shadow=config.own_shadow)
-    cols = ["rank", "host", "coords", "slowdown", "last_arrival_frac", "device_idle_frac", "z"]
+    cols = ["rank", "host", "coords", "slowdown", "last_arrival_frac", "device_idle_frac", "saving", "z"]
     flagged = c[c["flag"].fillna(False).astype(bool)].copy() if not c.empty else c
-    if flagged.empty or run.meta.source == RunSource.SYNTH:
+    if flagged.empty:
         return pd.DataFrame({col: pd.Series(dtype="object") for col in cols})
     row = _sql.first(_sql.execute(con, "stragglers", "axis_sizes")) or (1, 1, 1)
     sizes = {"tp": max(int(row[0]), 1), "dp": max(int(row[1]), 1), "pp": max(int(row[2]), 1), "other": 2}
     flagged = _launch_bound(run, pd.concat([flagged, _attribute(flagged, sizes)], axis=1))
-    out = flagged[_host_not_starved(flagged)].copy()
+    gone = _host_costless(run, flagged, config)
+    out = flagged[gone].copy()
     out["slowdown"] = out["median_slowdown"].astype(float)
+    out["saving"] = [_host_saving(run, int(r)) for r in out["rank"]]
     return out.sort_values("z", ascending=False)[cols].reset_index(drop=True)
 
 
-def _host_not_starved(frame: pd.DataFrame) -> pd.Series:
-    """Rows named for their host (cause ``host``) whose device was timed and waited for its host at
-    under ``LAUNCH_BOUND_FRAC`` of their communication calls: not named.
+# At most this many ranks flagged for their host are replayed (a replay is Python over a few
+# steps' calls); any further ones keep their name.
+HOST_REPLAYS = 8
 
-    A rank that delays its peers through its host makes its own device run dry: its launches come
-    late, and the device waits for them. On GPU runs, every planted host pause (20-100 ms on 2-4
-    GPUs) left its rank's device idle at 85-100% of its calls (its peers' at 0-51%); every rank
-    named for its host in a healthy run had its device idle at 0-40% of its calls, and a replay
-    without it saved 0.2-0.4% of the step (docs/benchmarks.md). Such a rank arrives last by a
-    steady offset (its step began a little later), which its asynchronous collectives carry
-    through the step: each call counts the offset as its peers' wait, so its own time reads 1.2x
-    theirs, while its device, busy all along, cost the job nothing. A host pause that the host's
-    lead over the device absorbs slows nothing either (a 50 ms skew on a device-bound 2-GPU run:
-    step time unchanged)."""
-    idle = frame["device_idle_frac"] if "device_idle_frac" in frame else pd.Series(np.nan, index=frame.index)
-    return (frame["cause"] == "host") & idle.notna() & (idle.astype(float) < LAUNCH_BOUND_FRAC)
+
+def _host_saving(run: Run, rank: int) -> float | None:
+    """The share of the step a replay of sampled steps saves with ``rank`` at its peers' median
+    pace (:func:`megascope.analysis.whatif.whatif`); None where the replay modeled nothing."""
+    from megascope.analysis.whatif import whatif  # whatif reads stragglers: imported here
+
+    result = whatif(run, ranks=[rank])
+    if not result.get("modeled_baseline_ns") or not result.get("speedup"):
+        return None
+    return 1.0 - 1.0 / float(result["speedup"])
+
+
+def _host_costless(run: Run, frame: pd.DataFrame, config: StragglerConfig) -> pd.Series:
+    """Rows named for their host (cause ``host``) whose replay without their delay saves under
+    ``config.min_host_saving`` of the step: not named.
+
+    A rank named for its host is late with compute spans as long as its peers': the evidence is
+    its arrival order and its own time (step time less its waits). A rank late at every call by a
+    steady offset, its device busy all along, reads the same way: its asynchronous collectives
+    carry the offset through the step, and each call counts it as its peers' wait, so its own time
+    reads 1.2x theirs. On 2x H200 runs (data parallel, a device-bound model), every healthy run
+    named such a rank (the same GPU each time), and so did runs whose planted host pause the
+    host's lead over its device absorbed (step time unchanged). The replay tells them apart: it
+    saved 0.1-0.46% of the step for each of them (and -0.5% and 0.4% for the two ranks so named in
+    80 healthy 8-rank CPU runs), 3.1-10.7% for planted pauses of 100-200 ms that slowed those jobs
+    23-79%, and 0.9-7.6% for the planted pauses (20-100 ms) named on the CPU runs; the bar, 0.7%,
+    lies between the two, chosen having seen them all (docs/benchmarks.md). The replay undervalues
+    a pause on a pipeline mesh (0.9% for a 50 ms pause in a 257 ms step). Compute stragglers are
+    not replayed: the replay undervalues a rank whose own spans hold its peers' waits (pipeline
+    stages, tensor parallelism)."""
+    host = frame["cause"] == "host"
+    out = pd.Series(False, index=frame.index)
+    if not host.any() or config.min_host_saving <= 0:
+        return out
+    order = frame[host].sort_values("z", ascending=False).index[:HOST_REPLAYS]
+    for idx in order:
+        saving = _host_saving(run, int(frame.at[idx, "rank"]))
+        out.at[idx] = saving is not None and saving < config.min_host_saving
+    return out
 
 
 def cpu_slowdown(run: Run) -> dict[int, float]:

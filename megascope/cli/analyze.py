@@ -86,9 +86,10 @@ def _print_report(r: dict[str, Any]) -> None:
         click.echo("STRAGGLERS none")
     for d in (r.get("stragglers_dismissed") or [])[:5]:
         last = "-" if d.get("last_arrival_frac") is None else f"{100 * d['last_arrival_frac']:.0f}%"
+        saving = "-" if d.get("saving") is None else f"{100 * d['saving']:.1f}%"
         click.echo(f"  not named: rank {d['rank']} {_coords(d['coords'])} arrived last at {last} of its calls "
-                   f"({d['slowdown']:.2f}x own time), but its device waited for its host at only "
-                   f"{100 * d['device_idle_frac']:.0f}% of them (a host that holds its peers back leaves its own device idle)")
+                   f"({d['slowdown']:.2f}x own time, no longer spans), but a replay of its steps at its peers' pace "
+                   f"saves {saving} of the step")
     w = r.get("whatif")
     if w:
         gain = 100 * (1 - 1 / w["speedup"]) if w["speedup"] else 0.0
