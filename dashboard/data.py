@@ -47,6 +47,10 @@ def _compute_stragglers(run: Run) -> pd.DataFrame:
     return _analysis().stragglers(run)
 
 
+def _compute_stragglers_dismissed(run: Run) -> pd.DataFrame:
+    return _analysis().stragglers_dismissed(run)
+
+
 def _compute_stragglers_told(run: Run) -> bool:
     return bool(_analysis().stragglers_told(run))
 
@@ -281,6 +285,13 @@ def stragglers_told(served: ServedRun) -> bool:
     """False on a mesh whose pipeline stages have one rank each: no rank has a peer to be judged
     against, and an empty straggler list says nothing (analysis.stragglers_told)."""
     return bool(served.result(("stragglers_told",), _compute_stragglers_told))
+
+
+def stragglers_dismissed(served: ServedRun) -> pd.DataFrame:
+    """Ranks flagged for their host but not named: a replay without their delay saves too little
+    of the step (analysis.stragglers_dismissed: rank, host, coords, slowdown, last_arrival_frac,
+    device_idle_frac, saving, z)."""
+    return served.result(("stragglers_dismissed",), _compute_stragglers_dismissed)
 
 
 NO_PEERS = ("Stragglers cannot be told: no pipeline stage has two ranks, so no rank has a peer doing the same "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 
 from megascope import layout, schema
@@ -56,3 +57,34 @@ def host_bound_run(path: Path, *, devices: tuple[str | None, ...] | None = ("cud
             markers.append({"rank": r, "group": "dp:0", "seq": i, "op": "all_reduce", "state": "enqueued",
                             "time_ns": issue, "step": 0, "bytes": None, "peer": None})
     return hand_run(path, spans, markers, devices=devices, source=source)
+
+
+def overlapped_run(path: Path, *, seed: int, ranks: int = 8, late: int | None = None, offset_us: float = 300.0,
+                   paused: int | None = None, pause_ms: float = 0.0, steps: int = 24, calls: int = 30) -> Path:
+    """``ranks`` ranks of one stage, per step a forward span (2% noise), then ``calls`` asynchronous
+    all-reduces issued 1 ms apart, each completing 4 ms after its last member arrives (so they
+    overlap, as a data-parallel job's gradient reductions do), the step ending 2 ms after the last.
+    ``late`` arrives ``offset_us`` late at every call: a steady offset the overlapping calls carry
+    through the step. ``paused`` pauses ``pause_ms`` before its first call."""
+    rng = np.random.default_rng(seed)
+    spans = []
+    t0 = 0
+    for step in range(steps):
+        compute = 40 * MS * np.exp(rng.normal(0.0, 0.02, ranks))
+        first = t0 + compute
+        if paused is not None:
+            first[paused] += pause_ms * MS
+        arrivals = [first + k * MS + rng.normal(0.0, 20_000, ranks) for k in range(calls)]
+        if late is not None:
+            for a in arrivals:
+                a[late] += offset_us * 1000
+        ends = [int(a.max()) + 4 * MS for a in arrivals]
+        end = max(ends) + 2 * MS
+        for r in range(ranks):
+            spans.append(span(r, step, "step", t0, end - t0))
+            spans.append(span(r, step, "forward", t0, int(compute[r])))
+            for k, a in enumerate(arrivals):
+                spans.append(span(r, step, "collective", int(a[r]), ends[k] - int(a[r]), group="dp:0",
+                                  seq=step * calls + k))
+        t0 = end + 2 * MS
+    return hand_run(path, spans, [], world=ranks, hosts=tuple(f"h{r // 4}" for r in range(ranks)), source="collector")

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pytest
 from click.testing import Result
 from conftest import Synth, wait_until
-from hand_runs import host_bound_run
+from hand_runs import host_bound_run, overlapped_run
 from megascope.dashboard import create_app, registry_of
 from megascope.dashboard import data as dash_data
 from megascope.dashboard.replay import replay_run
@@ -345,6 +345,21 @@ def test_a_mesh_without_peers_says_stragglers_cannot_be_told(synth: Synth, tmp_p
     assert served is not None and dash_data.stragglers_told(served)
     text = [str(a) for a in alerts(served)]
     assert any("No stragglers" in t for t in text) and not any("no pipeline stage" in t for t in text)
+
+
+def test_the_stragglers_page_says_why_a_rank_late_at_every_call_is_not_named(tmp_path: Path) -> None:
+    """A rank late by a steady offset at overlapping calls (analysis: flagged for its host, not
+    named) gets a line under the empty table with the replay's saving; a run without one, none."""
+    from megascope.dashboard.pages.stragglers import dismissed_notes
+
+    overlapped_run(tmp_path / "offset", seed=3, late=2)
+    served = registry_of(create_app([tmp_path / "offset"], start_watcher=False)).get("offset")
+    assert served is not None and dash_data.stragglers(served).empty
+    notes = [str(n) for n in dismissed_notes(served)]
+    assert len(notes) == 1 and "Not named: rank 2" in notes[0] and "saves 0." in notes[0]
+    overlapped_run(tmp_path / "plain", seed=3)
+    served = registry_of(create_app([tmp_path / "plain"], start_watcher=False)).get("plain")
+    assert served is not None and dismissed_notes(served) == []
 
 
 def test_synth_runs_have_no_host_bound_alert(runs: dict[str, Path]) -> None:

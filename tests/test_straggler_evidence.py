@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import Synth
-from hand_runs import MS, hand_run, span
+from hand_runs import MS, hand_run, overlapped_run, span
 
 from megascope import analysis
 from megascope.analysis.stragglers import StragglerConfig, p_value
@@ -90,37 +90,6 @@ def test_a_rank_whose_device_waited_for_its_host_is_slow_for_its_host(tmp_path: 
     # Host-timed ranks (CPU) have no such measure and keep their cause.
     cpu = analysis.stragglers(open_run(noisy_run(tmp_path / "cpu", seed=4, slow=3, factor=1.3, steps=24)))
     assert cpu.iloc[0]["cause"] == "compute" and np.isnan(cpu.iloc[0]["device_idle_frac"])
-
-
-def overlapped_run(path: Path, *, seed: int, late: int | None = None, offset_us: float = 300.0,
-                   paused: int | None = None, pause_ms: float = 0.0, steps: int = 24, calls: int = 30) -> Path:
-    """``RANKS`` ranks of one stage, per step a forward span (2% noise), then ``calls`` asynchronous
-    all-reduces issued 1 ms apart, each completing 4 ms after its last member arrives (so they
-    overlap, as a data-parallel job's gradient reductions do), the step ending 2 ms after the last.
-    ``late`` arrives ``offset_us`` late at every call: a steady offset the overlapping calls carry
-    through the step. ``paused`` pauses ``pause_ms`` before its first call."""
-    rng = np.random.default_rng(seed)
-    spans = []
-    t0 = 0
-    for step in range(steps):
-        compute = 40 * MS * np.exp(rng.normal(0.0, 0.02, RANKS))
-        first = t0 + compute
-        if paused is not None:
-            first[paused] += pause_ms * MS
-        arrivals = [first + k * MS + rng.normal(0.0, 20_000, RANKS) for k in range(calls)]
-        if late is not None:
-            for a in arrivals:
-                a[late] += offset_us * 1000
-        ends = [int(a.max()) + 4 * MS for a in arrivals]
-        end = max(ends) + 2 * MS
-        for r in range(RANKS):
-            spans.append(span(r, step, "step", t0, end - t0))
-            spans.append(span(r, step, "forward", t0, int(compute[r])))
-            for k, a in enumerate(arrivals):
-                spans.append(span(r, step, "collective", int(a[r]), ends[k] - int(a[r]), group="dp:0",
-                                  seq=step * calls + k))
-        t0 = end + 2 * MS
-    return hand_run(path, spans, [], world=RANKS, hosts=tuple(f"h{r // 4}" for r in range(RANKS)), source="collector")
 
 
 def test_a_rank_late_by_a_steady_offset_at_overlapping_calls_is_not_named(tmp_path: Path, cli: Any) -> None:

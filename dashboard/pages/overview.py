@@ -124,7 +124,8 @@ def cards(served: ServedRun, per_step: pd.DataFrame) -> list[Any]:
              f"last {step_ms.iloc[-1]:.1f} ms" if len(step_ms) else ""),
         card("tokens/s", f"{tokens.mean():,.0f}" if len(tokens) else "n/a", "mean over steps"),
         card("steps", f"{int(last['step']) + 1}", f"{len(per_step)} with timings"),
-        card("stragglers", str(n_stragglers), "", kind="bad" if n_stragglers else "good"),
+        card("stragglers", str(n_stragglers), "", kind="bad" if n_stragglers else "good")
+        if n_stragglers or data.stragglers_told(served) else card("stragglers", "-", "no stage peers to compare"),
         state_card,
     ]
 

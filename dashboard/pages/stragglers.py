@@ -75,6 +75,24 @@ def whatif_cards(result: dict[str, Any], *, n_stragglers: int) -> list[Any]:
     return out
 
 
+def dismissed_notes(served: ServedRun, limit: int = 5) -> list[Any]:
+    """One line per rank flagged for its host but not named (its delay, replayed away, saves
+    under 0.7% of the step), so that a reader who sees it last at every call knows why it is not
+    in the table."""
+    frame = data.stragglers_dismissed(served)
+    out = []
+    for row in frame.head(limit).to_dict("records"):
+        last = row.get("last_arrival_frac")
+        saving = row.get("saving")
+        out.append(html.P(
+            f"Not named: rank {int(row['rank'])} ({format_coords(row.get('coords'))}) arrived last at "
+            f"{'-' if last is None or last != last else f'{100 * float(last):.0f}%'} of its calls "
+            f"(own time x{float(row['slowdown']):.2f}, spans as long as its peers'), but a replay of its steps at "
+            f"its peers' pace saves {'-' if saving is None or saving != saving else f'{100 * float(saving):.1f}%'} "
+            "of the step.", className="hint dismissed"))
+    return out
+
+
 def register(app: Dash, registry: RunRegistry) -> None:
     @app.callback(
         Output(ids.STRAGGLER_WHATIF, "children"), Output(ids.STRAGGLER_TABLE, "children"),
@@ -86,10 +104,13 @@ def register(app: Dash, registry: RunRegistry) -> None:
         if served is None or served.run is None:
             return no_update, notice(served.error if served else "loading...")
         frame = data.stragglers(served)
+        dismissed = dismissed_notes(served)
         if frame.empty:
             if not data.stragglers_told(served):
-                return whatif_cards({}, n_stragglers=0), notice(data.NO_PEERS)
-            return whatif_cards({}, n_stragglers=0), notice("No stragglers: every rank keeps up with its peers.")
+                return [card("stragglers", "-", "no stage peers to compare")], notice(data.NO_PEERS)
+            return whatif_cards({}, n_stragglers=0), html.Div(
+                [notice("No stragglers: no rank's delay costs the job a measurable share of its step."
+                        if dismissed else "No stragglers: every rank keeps up with its peers."), *dismissed])
         steps = data.default_steps(served)
 
         def timeline_of(row: dict[str, Any]) -> str:
@@ -98,4 +119,4 @@ def register(app: Dash, registry: RunRegistry) -> None:
 
         shown = table(shown_frame(frame), id="straggler-rows", columns=COLUMNS, names=NAMES,
                       links={"rank": timeline_of})
-        return whatif_cards(data.whatif(served), n_stragglers=len(frame)), shown
+        return whatif_cards(data.whatif(served), n_stragglers=len(frame)), html.Div([shown, *dismissed])
