@@ -60,12 +60,14 @@ def host_bound_run(path: Path, *, devices: tuple[str | None, ...] | None = ("cud
 
 
 def overlapped_run(path: Path, *, seed: int, ranks: int = 8, late: int | None = None, offset_us: float = 300.0,
-                   paused: int | None = None, pause_ms: float = 0.0, steps: int = 24, calls: int = 30) -> Path:
+                   paused: int | None = None, pause_ms: float = 0.0, steps: int = 24, calls: int = 30,
+                   on_gpus: bool = True) -> Path:
     """``ranks`` ranks of one stage, per step a forward span (2% noise), then ``calls`` asynchronous
     all-reduces issued 1 ms apart, each completing 4 ms after its last member arrives (so they
     overlap, as a data-parallel job's gradient reductions do), the step ending 2 ms after the last.
     ``late`` arrives ``offset_us`` late at every call: a steady offset the overlapping calls carry
-    through the step. ``paused`` pauses ``pause_ms`` before its first call."""
+    through the step. ``paused`` pauses ``pause_ms`` before its first call. ``on_gpus``: the ranks
+    ran on CUDA devices (their spans are device times), else they are timed by the host clock."""
     rng = np.random.default_rng(seed)
     spans = []
     t0 = 0
@@ -87,4 +89,5 @@ def overlapped_run(path: Path, *, seed: int, ranks: int = 8, late: int | None = 
                 spans.append(span(r, step, "collective", int(a[r]), ends[k] - int(a[r]), group="dp:0",
                                   seq=step * calls + k))
         t0 = end + 2 * MS
-    return hand_run(path, spans, [], world=ranks, hosts=tuple(f"h{r // 4}" for r in range(ranks)), source="collector")
+    return hand_run(path, spans, [], world=ranks, hosts=tuple(f"h{r // 4}" for r in range(ranks)), source="collector",
+                    devices=tuple(f"cuda:{r % 4}" for r in range(ranks)) if on_gpus else None)

@@ -319,13 +319,20 @@ def _host_costless(run: Run, frame: pd.DataFrame, config: StragglerConfig) -> pd
     80 healthy 8-rank CPU runs), 3.1-10.7% for planted pauses of 100-200 ms that slowed those jobs
     23-79%, and 0.9-7.6% for the planted pauses (20-100 ms) named on the CPU runs; the bar, 0.7%,
     lies between the two, chosen having seen them all (docs/benchmarks.md). The replay undervalues
-    a pause on a pipeline mesh (0.9% for a 50 ms pause in a 257 ms step). Compute stragglers are
+    a pause on a pipeline mesh (0.9% for a 50 ms pause in a 257 ms step), and one whose delay
+    carries into its group's next step (a pause just before the step's last collective: the
+    replay starts each step where the ranks began it, and a synthetic 40 ms pause replayed at 0):
+    only ranks timed on a device (where overlapping collectives carry an offset) are checked;
+    ranks timed by the host clock (CPU) and synthetic runs keep their name. Compute stragglers are
     not replayed: the replay undervalues a rank whose own spans hold its peers' waits (pipeline
     stages, tensor parallelism)."""
     host = frame["cause"] == "host"
     out = pd.Series(False, index=frame.index)
-    if not host.any() or config.min_host_saving <= 0:
+    if not host.any() or config.min_host_saving <= 0 or run.meta.source == RunSource.SYNTH:
         return out
+    ranks = ", ".join(str(int(r)) for r in frame.loc[host, "rank"])
+    timed = {int(r) for (r,) in _sql.execute(run.con, "stragglers", "device_timed", ranks=_sql.Raw(ranks)).fetchall()}
+    host = host & frame["rank"].astype(int).isin(timed)
     order = frame[host].sort_values("z", ascending=False).index[:HOST_REPLAYS]
     for idx in order:
         saving = _host_saving(run, int(frame.at[idx, "rank"]))
