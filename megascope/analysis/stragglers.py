@@ -183,7 +183,7 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
     excess own time inside its own compute spans), t_spans (that excess over its noise),
     device_idle_frac (share of its communication calls at which its device was idle, waiting for
     its host; for stragglers named for their compute or host and timed on a device, else NaN): a
-    compute straggler at ``LAUNCH_BOUND_FRAC`` or more reads ``host`` (see :func:`_launch_bound`)), and cpu_slowdown
+    compute straggler at ``LAUNCH_BOUND_FRAC`` or more reads ``host`` (see :func:`_launch_bound`), and cpu_slowdown
     (its host probe over the median rank's: how much slower the CPU under its training thread ran
     a fixed loop; NaN where the run has no probes, see :func:`cpu_slowdown`).
     """
@@ -201,8 +201,7 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
     if not out_own.empty:
         row = _sql.first(_sql.execute(con, "stragglers", "axis_sizes")) or (1, 1, 1)
         sizes = {"tp": max(int(row[0]), 1), "dp": max(int(row[1]), 1), "pp": max(int(row[2]), 1), "other": 2}
-        out_own = pd.concat([out_own, _attribute(out_own, sizes)], axis=1)
-        out_own = _launch_bound(run, out_own)
+        out_own = _launch_bound(run, _floor(pd.concat([out_own, _attribute(out_own, sizes)], axis=1), config))
         dismissed = _host_costless(run, out_own, config)
         if dismissed.any():
             # A dismissed rank no longer shades the others: the shadow rule (sql/stragglers.sql,
@@ -214,11 +213,8 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
                              & ~flagged["rank"].isin(out_own["rank"])]
             out_own = out_own[~dismissed]
             if not shaded.empty:
-                shaded = pd.concat([shaded, _attribute(shaded, sizes)], axis=1)
-                shaded = _launch_bound(run, shaded)
+                shaded = _launch_bound(run, _floor(pd.concat([shaded, _attribute(shaded, sizes)], axis=1), config))
                 out_own = pd.concat([out_own, shaded[~_host_costless(run, shaded, config)]])
-        out_own = out_own[(out_own["cause"] != "compute")
-                          | (out_own["median_slowdown"].astype(float) >= config.min_named_slowdown)]
     out_comm = c[~own_slow & (c["steps_comm_slow_frac"] >= config.min_frac)
                  & (c["steps_slow_frac"] < config.min_frac)].copy()
     if not out_comm.empty:
@@ -253,6 +249,14 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
     return out[COLUMNS].reset_index(drop=True)
 
 
+def _floor(frame: pd.DataFrame, config: StragglerConfig) -> pd.DataFrame:
+    """Without the rows named for their compute whose median slowdown is under
+    ``config.min_named_slowdown`` (taken on the cause the spans give, before
+    :func:`_launch_bound` reads a launch-bound one as ``host``)."""
+    return frame[(frame["cause"] != "compute")
+                 | (frame["median_slowdown"].astype(float) >= config.min_named_slowdown)]
+
+
 def told(run: Run) -> bool:
     """Whether stragglers can be told at all: some pipeline stage has two ranks or more. A rank is
     judged against the ranks of its stage, doing the same work; on a mesh of pipeline stages of
@@ -280,7 +284,7 @@ def dismissed(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
         return pd.DataFrame({col: pd.Series(dtype="object") for col in cols})
     row = _sql.first(_sql.execute(con, "stragglers", "axis_sizes")) or (1, 1, 1)
     sizes = {"tp": max(int(row[0]), 1), "dp": max(int(row[1]), 1), "pp": max(int(row[2]), 1), "other": 2}
-    flagged = _launch_bound(run, pd.concat([flagged, _attribute(flagged, sizes)], axis=1))
+    flagged = _launch_bound(run, _floor(pd.concat([flagged, _attribute(flagged, sizes)], axis=1), config))
     gone = _host_costless(run, flagged, config)
     out = flagged[gone].copy()
     out["slowdown"] = out["median_slowdown"].astype(float)
