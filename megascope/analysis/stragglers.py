@@ -188,19 +188,12 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
     a fixed loop; NaN where the run has no probes, see :func:`cpu_slowdown`).
     """
     config = config or StragglerConfig()
-    con = run.con
-    prepare(con)
-    score(con, config)
-    c = _sql.query_df(con, "stragglers", "candidates", min_frac=config.min_frac, min_steps=config.min_steps,
-                      min_slowdown=config.min_slowdown, z_comb=config.z_comb, rel_floor=config.rel_floor, shadow=config.shadow,
-                      own_shadow=config.own_shadow)
+    c, sizes = _candidates(run, config)
     if c.empty:
         return pd.DataFrame({col: pd.Series(dtype="object") for col in COLUMNS})
     own_slow = c["straggler"].fillna(False).astype(bool)
     out_own = c[own_slow].copy()
     if not out_own.empty:
-        row = _sql.first(_sql.execute(con, "stragglers", "axis_sizes")) or (1, 1, 1)
-        sizes = {"tp": max(int(row[0]), 1), "dp": max(int(row[1]), 1), "pp": max(int(row[2]), 1), "other": 2}
         out_own = _launch_bound(run, _floor(pd.concat([out_own, _attribute(out_own, sizes)], axis=1), config))
         dismissed = _host_costless(run, out_own, config)
         if dismissed.any():
@@ -249,6 +242,19 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
     return out[COLUMNS].reset_index(drop=True)
 
 
+def _candidates(run: Run, config: StragglerConfig) -> tuple[pd.DataFrame, dict[str, int]]:
+    """The ``candidates`` statement's rows (after :func:`prepare` and :func:`score`) and the mesh's
+    sizes on the axes a straggler's place is told on (``other``: 2, a group of two)."""
+    con = run.con
+    prepare(con)
+    score(con, config)
+    c = _sql.query_df(con, "stragglers", "candidates", min_frac=config.min_frac, min_steps=config.min_steps,
+                      min_slowdown=config.min_slowdown, z_comb=config.z_comb, rel_floor=config.rel_floor, shadow=config.shadow,
+                      own_shadow=config.own_shadow)
+    row = _sql.first(_sql.execute(con, "stragglers", "axis_sizes")) or (1, 1, 1)
+    return c, {"tp": max(int(row[0]), 1), "dp": max(int(row[1]), 1), "pp": max(int(row[2]), 1), "other": 2}
+
+
 def _floor(frame: pd.DataFrame, config: StragglerConfig) -> pd.DataFrame:
     """Without the rows named for their compute whose median slowdown is under
     ``config.min_named_slowdown`` (taken on the cause the spans give, before
@@ -272,18 +278,11 @@ def dismissed(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
     (see :func:`_host_costless`): rank, host, coords, slowdown, last_arrival_frac,
     device_idle_frac, saving (the share of the step the replay saves), z."""
     config = config or StragglerConfig()
-    con = run.con
-    prepare(con)
-    score(con, config)
-    c = _sql.query_df(con, "stragglers", "candidates", min_frac=config.min_frac, min_steps=config.min_steps,
-                      min_slowdown=config.min_slowdown, z_comb=config.z_comb, rel_floor=config.rel_floor, shadow=config.shadow,
-                      own_shadow=config.own_shadow)
+    c, sizes = _candidates(run, config)
     cols = ["rank", "host", "coords", "slowdown", "last_arrival_frac", "device_idle_frac", "saving", "z"]
     flagged = c[c["flag"].fillna(False).astype(bool)].copy() if not c.empty else c
     if flagged.empty:
         return pd.DataFrame({col: pd.Series(dtype="object") for col in cols})
-    row = _sql.first(_sql.execute(con, "stragglers", "axis_sizes")) or (1, 1, 1)
-    sizes = {"tp": max(int(row[0]), 1), "dp": max(int(row[1]), 1), "pp": max(int(row[2]), 1), "other": 2}
     flagged = _launch_bound(run, _floor(pd.concat([flagged, _attribute(flagged, sizes)], axis=1), config))
     gone = _host_costless(run, flagged, config)
     out = flagged[gone].copy()
