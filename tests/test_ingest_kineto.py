@@ -201,6 +201,33 @@ def test_parallel_and_serial_ingest_agree(tmp_path: Path) -> None:
     assert open_run(tmp_path / "a").con.execute(q).fetchall() == open_run(tmp_path / "b").con.execute(q).fetchall()
 
 
+def test_parsing_workers_of_a_process_without_pandas_never_load_it(tmp_path: Path) -> None:
+    """The ingest command's process has not imported pandas when it starts its parsing workers;
+    each worker refuses it (pyarrow then works as where pandas is not installed), and the two-worker
+    ingest writes the same spans as a one-worker one."""
+    _write_job(tmp_path / "src", 3, gz=False)
+    code = (
+        "import sys\n"
+        "from megascope.ingest.kineto import _init_worker\n"
+        "_init_worker()\n"
+        "import pyarrow as pa\n"
+        "pa.Table.from_pylist([{'a': 1.5}])\n"
+        "assert 'pandas' not in sys.modules\n"
+        "try:\n"
+        "    import pandas\n"
+        "except ImportError:\n"
+        "    print('refused')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "refused"
+    done = subprocess.run([sys.executable, "-m", "megascope", "ingest", "kineto", str(tmp_path / "src"), "-o",
+                           str(tmp_path / "two")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    ingest_kineto(tmp_path / "src", tmp_path / "one", workers=1)
+    q = "SELECT * FROM spans ORDER BY rank, start_ns, name"
+    assert open_run(tmp_path / "two").con.execute(q).fetchall() == open_run(tmp_path / "one").con.execute(q).fetchall()
+
+
 def test_missing_rank_is_recorded(tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib.abc
 import logging
 import multiprocessing
 import os
 import re
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -326,6 +328,15 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _KEEP_FREED_BYTES = 1 << 30
 
 
+class _NoPandas(importlib.abc.MetaPathFinder):
+    """An import finder that refuses pandas (see :func:`_init_worker`)."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> None:
+        if name == "pandas" or name.startswith("pandas."):
+            raise ImportError("pandas is not loaded in Kineto parsing workers")
+        return None
+
+
 def _init_worker() -> None:
     """Set up a parsing process: its inherited objects frozen, its freed memory kept.
 
@@ -335,6 +346,12 @@ def _init_worker() -> None:
     instead; its peak memory is the same, since the next file reuses what the last one freed.
     """
     gc.freeze()
+    if "pandas" not in sys.modules:
+        # pyarrow imports pandas at its first array conversion when it can (~54 MB and ~0.5 s),
+        # and nothing a worker does needs it: each worker would hold its own copy. Refused here
+        # (pyarrow then works as where pandas is not installed). A parent that had imported it
+        # already (a test, a notebook) shares its copy with the workers instead.
+        sys.meta_path.insert(0, _NoPandas())
     try:
         libc = ctypes.CDLL(None)
         libc.mallopt(_M_MMAP_THRESHOLD, _KEEP_FREED_BYTES)
@@ -362,9 +379,6 @@ def _run_files(
             if progress:
                 progress(len(results), total)
         return results
-    # pyarrow imports pandas on first array conversion (~0.5 s); do it once here so that forked
-    # workers inherit it instead of each paying for it.
-    pa.array([0])
     # A forked worker must never finalize what it inherited (a DuckDB connection torn down without
     # its threads crashes the worker): the parent's garbage is collected here, and each worker
     # freezes what it starts with so that its own collections never look at it.
