@@ -8,6 +8,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
 import torch
@@ -93,14 +94,19 @@ _RANK = textwrap.dedent("""
 
 def test_the_rank_whose_probe_runs_twice_as_long_reads_twice_as_slow(tmp_path: Path) -> None:
     """Two rank processes writing one run; rank 1's probe does twice the work, as on a CPU half
-    as fast. With two ranks the median rank is their mean: about 2/1.5 and 1/1.5."""
+    as fast. The analysis reads each rank's median probe over the median rank's (with two ranks,
+    their mean), exactly as written. The times themselves are real: on two shared cores the doubled
+    loop once measured only 1.3x the other, so only "clearly longer" is asked of them."""
     run = tmp_path / "run"
     ranks = [subprocess.Popen([sys.executable, "-c", _RANK, str(run), str(r)]) for r in (0, 1)]
     assert [p.wait(timeout=120) for p in ranks] == [0, 0]
     probes = _probes(run)
     assert {rank for rank, _, _ in probes} == {0, 1} and len(probes) == 30
+    median = {r: float(np.median([v for rank, _, v in probes if rank == r])) for r in (0, 1)}
+    middle = (median[0] + median[1]) / 2
     slow = cpu_slowdown(open_run(run))
-    assert 1.5 < slow[1] / slow[0] < 3.0, slow
+    assert slow == pytest.approx({0: median[0] / middle, 1: median[1] / middle})
+    assert median[1] / median[0] > 1.2, median
     assert slow[0] < 1.0 < slow[1]
 
 
