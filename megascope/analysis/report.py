@@ -30,7 +30,7 @@ from megascope.analysis.hang import localize
 from megascope.analysis.pipeline import bubbles, exposed_comm, host_lead_summary
 from megascope.analysis.runstate import run_state
 from megascope.analysis.skew import skew_by_collective, skew_drift
-from megascope.analysis.stragglers import StragglerConfig, dismissed, stragglers, told
+from megascope.analysis.stragglers import StragglerConfig, detect, told
 from megascope.analysis.timeline import mfu, mfu_drift
 from megascope.analysis.whatif import whatif
 from megascope.schema import COLLECTOR_STAMPS_METRIC
@@ -133,8 +133,7 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
     say("scoring stragglers")
     # In a hung run every rank is a hang suspect or its victim: the steps before the hang say
     # nothing an on-call engineer should act on first, so no straggler is named.
-    slow = stragglers(run, config)
-    dismissed_frame = dismissed(run, config)
+    slow, dismissed_frame = detect(run, config)
     if hang.get("hung"):
         slow = slow.iloc[0:0]
         dismissed_frame = dismissed_frame.iloc[0:0]

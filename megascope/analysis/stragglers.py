@@ -73,7 +73,7 @@ class StragglerConfig:
     against 31.8, z 8.7 against 11.1, on a real 8-rank CPU run).
     ``min_host_saving``: a rank named for its host is named only where a replay of its steps at
     its peers' pace saves at least this share of the step (0 turns the check off; see
-    :func:`_host_costless`).
+    :func:`_host_savings`).
     """
 
     min_slowdown: float = 1.05
@@ -187,27 +187,38 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
     (its host probe over the median rank's: how much slower the CPU under its training thread ran
     a fixed loop; NaN where the run has no probes, see :func:`cpu_slowdown`).
     """
+    return detect(run, config)[0]
+
+
+def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(:func:`stragglers`, :func:`dismissed`) of one pass: the report wants both."""
     config = config or StragglerConfig()
     c, sizes = _candidates(run, config)
+    gone: list[pd.DataFrame] = []
     if c.empty:
-        return pd.DataFrame({col: pd.Series(dtype="object") for col in COLUMNS})
+        return _empty(COLUMNS), _dismissed_frame(gone)
     own_slow = c["straggler"].fillna(False).astype(bool)
     out_own = c[own_slow].copy()
     if not out_own.empty:
         out_own = _launch_bound(run, _floor(pd.concat([out_own, _attribute(out_own, sizes)], axis=1), config))
-        dismissed = _host_costless(run, out_own, config)
-        if dismissed.any():
+        saving = _host_savings(run, out_own, config)
+        costless = saving < config.min_host_saving
+        gone.append(out_own[costless].assign(saving=saving[costless]))
+        if costless.any():
             # A dismissed rank no longer shades the others: the shadow rule (sql/stragglers.sql,
             # statement candidates) is taken again over the flagged ranks that are left.
-            flagged = c[c["flag"].fillna(False).astype(bool) & ~c["rank"].isin(out_own.loc[dismissed, "rank"])]
+            flagged = c[c["flag"].fillna(False).astype(bool) & ~c["rank"].isin(out_own.loc[costless, "rank"])]
             top_z, top_own = flagged["z"].astype(float).max(), flagged["t_own"].astype(float).max()
             shaded = flagged[(flagged["z"].astype(float) >= config.shadow * top_z)
                              & (flagged["t_own"].astype(float) >= config.own_shadow * top_own)
                              & ~flagged["rank"].isin(out_own["rank"])]
-            out_own = out_own[~dismissed]
+            out_own = out_own[~costless]
             if not shaded.empty:
                 shaded = _launch_bound(run, _floor(pd.concat([shaded, _attribute(shaded, sizes)], axis=1), config))
-                out_own = pd.concat([out_own, shaded[~_host_costless(run, shaded, config)]])
+                saving = _host_savings(run, shaded, config)
+                costless = saving < config.min_host_saving
+                out_own = pd.concat([out_own, shaded[~costless]])
+                gone.append(shaded[costless].assign(saving=saving[costless]))
     out_comm = c[~own_slow & (c["steps_comm_slow_frac"] >= config.min_frac)
                  & (c["steps_slow_frac"] < config.min_frac)].copy()
     if not out_comm.empty:
@@ -220,7 +231,7 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
         out_comm["spans_share"] = np.nan
     parts = [f for f in (out_own, out_comm) if not f.empty]
     if not parts:
-        return pd.DataFrame({col: pd.Series(dtype="object") for col in COLUMNS})
+        return _empty(COLUMNS), _dismissed_frame(gone)
     out = pd.concat(parts, ignore_index=True)
     # Own-time stragglers: the median over all its steps (the median over its slow steps alone
     # overstates a mild straggler on noisy steps).
@@ -239,7 +250,7 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
         out["device_idle_frac"] = np.nan
     probe = cpu_slowdown(run)
     out["cpu_slowdown"] = [probe.get(int(r), np.nan) for r in out["rank"]]
-    return out[COLUMNS].reset_index(drop=True)
+    return out[COLUMNS].reset_index(drop=True), _dismissed_frame(gone)
 
 
 def _candidates(run: Run, config: StragglerConfig) -> tuple[pd.DataFrame, dict[str, int]]:
@@ -273,22 +284,27 @@ def told(run: Run) -> bool:
 
 
 def dismissed(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
-    """Ranks the evidence flagged for their host that :func:`stragglers` does not name, because a
-    replay of their steps without their delay saves under ``config.min_host_saving`` of the step
-    (see :func:`_host_costless`): rank, host, coords, slowdown, last_arrival_frac,
-    device_idle_frac, saving (the share of the step the replay saves), z."""
-    config = config or StragglerConfig()
-    c, sizes = _candidates(run, config)
-    cols = ["rank", "host", "coords", "slowdown", "last_arrival_frac", "device_idle_frac", "saving", "z"]
-    flagged = c[c["flag"].fillna(False).astype(bool)].copy() if not c.empty else c
-    if flagged.empty:
-        return pd.DataFrame({col: pd.Series(dtype="object") for col in cols})
-    flagged = _launch_bound(run, _floor(pd.concat([flagged, _attribute(flagged, sizes)], axis=1), config))
-    gone = _host_costless(run, flagged, config)
-    out = flagged[gone].copy()
+    """The ranks :func:`stragglers` would name for their host but does not, because a replay of their
+    steps without their delay saves under ``config.min_host_saving`` of the step (see
+    :func:`_host_savings`): rank, host, coords, slowdown, last_arrival_frac, device_idle_frac,
+    saving (the share of the step the replay saves), z; strongest evidence first."""
+    return detect(run, config)[1]
+
+
+DISMISSED_COLUMNS = ["rank", "host", "coords", "slowdown", "last_arrival_frac", "device_idle_frac", "saving", "z"]
+
+
+def _empty(columns: list[str]) -> pd.DataFrame:
+    return pd.DataFrame({col: pd.Series(dtype="object") for col in columns})
+
+
+def _dismissed_frame(parts: list[pd.DataFrame]) -> pd.DataFrame:
+    parts = [p for p in parts if not p.empty]
+    if not parts:
+        return _empty(DISMISSED_COLUMNS)
+    out = pd.concat(parts)
     out["slowdown"] = out["median_slowdown"].astype(float)
-    out["saving"] = [_host_saving(run, int(r)) for r in out["rank"]]
-    return out.sort_values("z", ascending=False)[cols].reset_index(drop=True)
+    return out.sort_values("z", ascending=False)[DISMISSED_COLUMNS].reset_index(drop=True)
 
 
 # At most this many ranks flagged for their host are replayed (a replay is Python over a few
@@ -307,9 +323,10 @@ def _host_saving(run: Run, rank: int) -> float | None:
     return 1.0 - 1.0 / float(result["speedup"])
 
 
-def _host_costless(run: Run, frame: pd.DataFrame, config: StragglerConfig) -> pd.Series:
-    """Rows named for their host (cause ``host``) whose replay without their delay saves under
-    ``config.min_host_saving`` of the step: not named.
+def _host_savings(run: Run, frame: pd.DataFrame, config: StragglerConfig) -> pd.Series:
+    """Per row, the share of the step a replay without its delay saves, for rows named for their
+    host (cause ``host``) on a device; NaN for the others. Under ``config.min_host_saving``: not
+    named.
 
     A rank named for its host is late with compute spans as long as its peers': the evidence is
     its arrival order and its own time (step time less its waits). A rank late at every call by a
@@ -330,7 +347,7 @@ def _host_costless(run: Run, frame: pd.DataFrame, config: StragglerConfig) -> pd
     not replayed: the replay undervalues a rank whose own spans hold its peers' waits (pipeline
     stages, tensor parallelism)."""
     host = frame["cause"] == "host"
-    out = pd.Series(False, index=frame.index)
+    out = pd.Series(np.nan, index=frame.index)
     if not host.any() or config.min_host_saving <= 0 or run.meta.source == RunSource.SYNTH:
         return out
     ranks = ", ".join(str(int(r)) for r in frame.loc[host, "rank"])
@@ -339,7 +356,7 @@ def _host_costless(run: Run, frame: pd.DataFrame, config: StragglerConfig) -> pd
     order = frame[host].sort_values("z", ascending=False).index[:HOST_REPLAYS]
     for idx in order:
         saving = _host_saving(run, int(frame.at[idx, "rank"]))
-        out.at[idx] = saving is not None and saving < config.min_host_saving
+        out.at[idx] = np.nan if saving is None else saving
     return out
 
 
