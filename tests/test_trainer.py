@@ -314,3 +314,69 @@ def test_the_launcher_calls_a_job_stalled_past_the_limit_or_four_of_its_longest_
     assert stall.longest_gap_s == pytest.approx(100.0, abs=1.0)
     steps_ended(slow, 300.0)  # a step took 600 s: the limit becomes 2,400 s
     assert stall.check() is None  # 300 s: past 120 s, not past 2,400 s
+
+
+class _StuckRank:
+    """A rank process that outlives SIGTERM and SIGKILL, as one whose NCCL kernel is stuck while the
+    driver tears its context down: every join times out."""
+
+    def __init__(self) -> None:
+        self.pid = 4_000_000
+        self.signals: list[str] = []
+        self.joined: list[float | None] = []
+
+    def is_alive(self) -> bool:
+        return True
+
+    def terminate(self) -> None:
+        self.signals.append("TERM")
+
+    def kill(self) -> None:
+        self.signals.append("KILL")
+
+    def join(self, timeout: float | None = None) -> None:
+        self.joined.append(timeout)
+
+
+def test_the_launcher_leaves_a_rank_that_outlives_sigkill_behind_instead_of_hanging(caplog: pytest.LogCaptureFixture) -> None:
+    """After SIGTERM and SIGKILL, a rank still alive is given up on: every join has a timeout, and it
+    leaves multiprocessing's children, which the interpreter would otherwise join forever at exit."""
+    import multiprocessing.process as mp_process
+    import time
+
+    from megascope.trainer.launch import _stop
+
+    stuck = _StuckRank()
+    mp_process._children.add(stuck)  # type: ignore[attr-defined]
+    try:
+        t0 = time.monotonic()
+        with caplog.at_level("WARNING", logger="megascope.trainer.launch"):
+            left = _stop([stuck])
+        assert time.monotonic() - t0 < 20.0
+        assert left == [stuck]
+        assert stuck.signals == ["TERM", "KILL"]
+        assert stuck.joined and all(t is not None for t in stuck.joined)
+        assert stuck not in mp_process._children  # type: ignore[attr-defined]
+        assert "still alive after SIGKILL" in caplog.text
+    finally:
+        mp_process._children.discard(stuck)  # type: ignore[attr-defined]
+
+
+def test_a_failed_rank_stops_the_others_and_names_its_exit(tmp_path: Path) -> None:
+    """One rank exits non-zero while another blocks forever: the launcher returns the failed rank and
+    its exit code within seconds, the blocked one stopped."""
+    import multiprocessing as std_mp
+    import time
+
+    from megascope.trainer.launch import _Stall, _wait_ranks
+
+    ctx = std_mp.get_context("fork")
+    failing = ctx.Process(target=os._exit, args=(3,))
+    blocked = ctx.Process(target=time.sleep, args=(600,))
+    blocked.start()
+    failing.start()
+    t0 = time.monotonic()
+    result = _wait_ranks([blocked, failing], _Stall(str(tmp_path), 15.0), timeout_s=15.0, out=tmp_path)
+    assert result == (1, 3)
+    assert not blocked.is_alive() and blocked.exitcode == -15  # SIGTERM
+    assert time.monotonic() - t0 < 15.0

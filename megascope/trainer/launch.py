@@ -22,8 +22,11 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import multiprocessing.connection as mp_connection
+import multiprocessing.process as mp_process
 import os
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -124,8 +127,14 @@ class _Stall:
         return idle if idle > max(self.limit_s, 4 * self.longest_gap_s) else None
 
 
-def _stop(processes: list[Any]) -> None:
-    """SIGTERM every live rank, then SIGKILL those still alive after a few seconds."""
+def _stop(processes: list[Any]) -> list[Any]:
+    """SIGTERM every live rank, then SIGKILL those still alive after a few seconds; returns those
+    that outlived SIGKILL too, and no longer waits for them, nor lets the interpreter's exit do so.
+
+    A rank whose GPU work is stuck (a hung NCCL kernel) can take minutes to die after SIGKILL
+    while the driver tears its context down; the job has already failed, and a launcher that waits
+    for it hangs too (an unbounded ``join``, or multiprocessing joining its live children at exit).
+    Once the launcher exits, the system reaps such a process."""
     for p in processes:
         if p.is_alive():
             p.terminate()
@@ -135,7 +144,54 @@ def _stop(processes: list[Any]) -> None:
     for p in processes:
         if p.is_alive():
             p.kill()
-            p.join(5.0)
+    deadline = time.monotonic() + 5.0
+    for p in processes:
+        p.join(max(0.0, deadline - time.monotonic()))
+    stuck = [p for p in processes if p.is_alive()]
+    for p in stuck:
+        # multiprocessing joins every child it started, without a timeout, at exit.
+        # (No public way to leave a child behind: the module's set of live children.)
+        getattr(mp_process, "_children", set()).discard(p)
+        log.warning("rank process %s still alive after SIGKILL (its GPU work may be stuck); not waiting for it", p.pid)
+    return stuck
+
+
+def _wait_ranks(processes: list[Any], stall: _Stall, *, timeout_s: float, out: Path) -> tuple[int, int] | None:
+    """Wait until every rank has exited: None when all exited 0, else (the first failed rank's
+    index, its exit code), the others stopped by :func:`_stop`. Every wait is bounded: torch's
+    ``ProcessContext.join`` joins a killed rank without a timeout. Raises :class:`TrainingError`
+    for a job that stalled past its limit (:class:`_Stall`), its ranks stopped."""
+    pending = {p.sentinel: i for i, p in enumerate(processes)}
+    while pending:
+        for sentinel in mp_connection.wait(list(pending), timeout=_POLL_S):
+            index = pending.pop(sentinel)
+            process = processes[index]
+            process.join(5.0)  # its sentinel is ready: it has exited, this only reaps it
+            if process.exitcode != 0:
+                # The others time out or lose their peer within moments; a hung one never exits.
+                deadline = time.monotonic() + 2.0
+                for p in processes:
+                    p.join(max(0.0, deadline - time.monotonic()))
+                _stop(processes)
+                return index, process.exitcode if process.exitcode is not None else -signal.SIGKILL
+        if pending and (stalled := stall.check()) is not None:
+            stuck = _stop(processes)
+            left = f" ({len(stuck)} still exiting after SIGKILL, not waited for)" if stuck else ""
+            raise TrainingError(
+                f"training failed: no rank ended a step for {stalled:.0f} s, past the collective timeout "
+                f"of {timeout_s:g} s (--collective-timeout) that the backend did not enforce; the "
+                f"job hung and its ranks were stopped{left} (megascope localize {out} names the rank)")
+    return None
+
+
+def _how(exitcode: int) -> str:
+    """``signal SIGABRT`` for a rank killed by a signal, else ``exit code N``."""
+    if exitcode < 0:
+        try:
+            return f"signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
 
 
 def failure_message(failures: dict[int, str], timeout_s: float, exited: str | None = None) -> str:
@@ -199,33 +255,16 @@ def _run_local(cfg: TrainConfig, nproc: int, start_method: str) -> TrainResult:
         run_id = new_run_id(cfg.out)
         ctx = mp.start_processes(_rank_entry, args=(cfg, init_file, scratch, run_id), nprocs=nproc, join=False,
                                  start_method=start_method)
-        spawn_log = logging.getLogger("torch.multiprocessing.spawn")
-        previous = spawn_log.level
-        spawn_log.setLevel(logging.ERROR)  # its "terminating process" warnings would break the one-line error
-        try:
-            # After the first failure, the others time out or lose their peer within moments; a hung
-            # rank never exits by itself and is stopped after the grace period. A job in which no rank
-            # ends a step long past the collective timeout hangs where its backend did not end it
-            # (NCCL's abort can itself block): its ranks are stopped (_Stall).
-            stall = _Stall(scratch, cfg.collective_timeout_s)
-            while not ctx.join(timeout=_POLL_S, grace_period=2.0):
-                stalled = stall.check()
-                if stalled is not None:
-                    _stop(ctx.processes)
-                    raise TrainingError(
-                        f"training failed: no rank ended a step for {stalled:.0f} s, past the collective timeout "
-                        f"of {cfg.collective_timeout_s:g} s (--collective-timeout) that the backend did not "
-                        f"enforce; the job hung and its ranks were stopped (megascope localize {cfg.out} "
-                        f"names the rank)")
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as exc:
+        # After the first failure, the others time out or lose their peer within moments; a hung
+        # rank never exits by itself and is stopped. A job in which no rank ends a step long past
+        # the collective timeout hangs where its backend did not end it (NCCL's abort can itself
+        # block): its ranks are stopped (_Stall).
+        failed = _wait_ranks(ctx.processes, _Stall(scratch, cfg.collective_timeout_s),
+                             timeout_s=cfg.collective_timeout_s, out=cfg.out)
+        if failed is not None:
+            index, code = failed
             failures = {int(p.stem.split("-")[1]): p.read_text() for p in Path(scratch).glob("fail-*.txt")}
-            exited = None
-            if isinstance(exc, mp.ProcessExitedException):
-                how = f"signal {exc.signal_name}" if exc.signal_name else f"exit code {exc.exit_code}"
-                exited = f"rank {exc.error_index} ended with {how}"
-            raise TrainingError(failure_message(failures, cfg.collective_timeout_s, exited)) from None
-        finally:
-            spawn_log.setLevel(previous)
+            raise TrainingError(failure_message(failures, cfg.collective_timeout_s, f"rank {index} ended with {_how(code)}"))
         data = json.loads(Path(scratch, "result.json").read_text())
     return TrainResult(cfg.out, data["losses"], data["step_seconds"], data.get("collector_on"),
                        data.get("ab_flush_seconds"))
