@@ -23,6 +23,7 @@ The load average (1 min) is recorded before each run and printed with the table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -99,12 +100,15 @@ def launch(r: dict[str, Any], out: Path, *, gpu: bool, steps: int, profile: int 
     # A job that outlives RUN_TIMEOUT_S (a hang its launcher did not end) is killed with its whole
     # process group, and the sweep goes on: the run directory holds what it wrote until then.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    _RUNNING[:] = [proc]
     try:
         output, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         output += f"\nkilled after {RUN_TIMEOUT_S:g} s\n"
+    finally:
+        _RUNNING.clear()
     wall = time.perf_counter() - t0
     # The job's own output beside its run directory: where a run's time went, or why it failed.
     (out / f"{r['name']}.log").write_text(output)
@@ -114,6 +118,19 @@ def launch(r: dict[str, Any], out: Path, *, gpu: bool, steps: int, profile: int 
     other = max(0.0, (_busy_cpu_s() - busy0) - (_children_cpu_s() - kids0)) / wall
     return {"load": load, "other_cores": round(other, 2), "wall_s": wall, "rc": proc.returncode,
             "err": (output.strip().splitlines() or [""])[-1] if proc.returncode else ""}
+
+
+# The job running now: its own session (a hang is killed with its whole process group), so a
+# signal to the sweep does not reach it; the sweep's SIGTERM handler kills it (a sweep stopped by
+# `timeout` left a hung 4-GPU job spinning on the GPUs under the next runs).
+_RUNNING: list[subprocess.Popen[str]] = []
+
+
+def _stop_running(signum: int, _frame: Any) -> None:
+    for proc in _RUNNING:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    raise SystemExit(128 + signum)
 
 
 def _busy_cpu_s() -> float:
@@ -319,6 +336,7 @@ def main() -> int:
     parser.add_argument("--skews-ms", default=None, metavar="MS,MS",
                         help=f"the planted host pauses, milliseconds (default {','.join(f'{x:g}' for x in SKEWS_MS)})")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, _stop_running)
     if args.skews_ms:
         SKEWS_MS[:] = [float(x) for x in args.skews_ms.split(",")]
     meshes = (GPU_MESHES if args.gpus == 4 else GPU2_MESHES) if args.gpu else CPU_MESHES

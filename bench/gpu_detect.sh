@@ -9,6 +9,9 @@
 # them afterwards from runs.tar.gz: `python bench/detect_sweep.py -o DIR --gpu --gpus N --seed S
 # --score-only`.
 #
+# A run may start until BUDGET_S and last up to 300 s (a hang the backend does not end waits for the
+# launcher's stall limit): the sweep is stopped, with its running job, at BUDGET_S + 330 s.
+#
 # SWEEP_ARGS: more arguments of the sweep, e.g. "--mesh 1x1x2 --only skew --only healthy --skews-ms 100,150".
 #
 #   OUT=/tmp/o SEED=83 BUDGET_S=420 bash bench/gpu_detect.sh      # after bench/gpu_setup.sh
@@ -28,7 +31,7 @@ export OMP_NUM_THREADS=1 PYTHONPATH=${PYTHONPATH:-$PWD}
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv >"$OUT/gpus.txt" 2>&1
 # How the GPUs are linked: a slower link between two of them reads as a slow pair in the sweep.
 nvidia-smi topo -m >>"$OUT/gpus.txt" 2>&1
-timeout $(( BUDGET_S + 150 )) $PY bench/detect_sweep.py -o "$WORK" --gpu --gpus "$GPUS" --seed "$SEED" \
+timeout $(( BUDGET_S + 330 )) $PY bench/detect_sweep.py -o "$WORK" --gpu --gpus "$GPUS" --seed "$SEED" \
   --budget-s "$BUDGET_S" ${NO_SCORE:+--no-score} ${SWEEP_ARGS:-} >"$OUT/table.txt" 2>"$OUT/sweep-progress.txt"
 echo "sweep exit $?" >>"$OUT/sweep-progress.txt"
 cp "$WORK/sweep.jsonl" "$OUT/" 2>/dev/null
