@@ -109,9 +109,8 @@ def executed(synth: Synth, tmp_path_factory: pytest.TempPathFactory,
     # built ms_cache.skew_collectives), tokens logged as metrics rather than given in run.json.
     _sql.execute(run.con, "skew", "growing_ranks", name_index=0).fetchall()
     _sql.execute(run.con, "timeline", "tokens_per_step").fetchall()
-    # Asked only of a run with no straggler (the mesh's peers) or of GPU ranks flagged for their host.
+    # Asked only of a run with no straggler (the mesh's peers).
     analysis.stragglers_told(run)
-    _sql.execute(run.con, "stragglers", "device_timed", ranks=_sql.Raw("0, 1, 5")).fetchall()
     # The steps of a run whose lowest ranks recorded none; extending the base tables of a run that
     # grew (the cached tables loaded as old_*, here copies of the current ones).
     _sql.execute(run.con, "base", "all_steps").fetchall()

@@ -97,7 +97,7 @@ def test_a_rank_late_by_a_steady_offset_at_overlapping_calls_is_not_named(tmp_pa
     each call counts the offset as its peers' wait, so its own time reads 1.2x theirs and the
     evidence flags it for its host. A replay of its steps at its peers' pace saves under 0.7% of the
     step: it is not named, and the report lists it as dismissed with that saving. A 5 ms pause in
-    the same job is named."""
+    the same job is named. Timed by the host clock (CPU), the same."""
     run = open_run(overlapped_run(tmp_path / "offset", seed=3, late=2))
     loose = analysis.stragglers(run, StragglerConfig(min_host_saving=0))
     assert list(loose["rank"]) == [2] and loose.iloc[0]["cause"] == "host" and loose.iloc[0]["slowdown"] > 1.15
@@ -114,9 +114,11 @@ def test_a_rank_late_by_a_steady_offset_at_overlapping_calls_is_not_named(tmp_pa
     assert analysis.stragglers_dismissed(paused).empty
     with pytest.raises(ConfigError, match="min_host_saving"):
         StragglerConfig(min_host_saving=1.0)
-    # Timed by the host clock (CPU), where no collective overlaps its rank's work, it keeps its name.
+    # Timed by the host clock (CPU), the same: the replay, not the clock, decides.
     cpu = open_run(overlapped_run(tmp_path / "cpu", seed=3, late=2, on_gpus=False))
-    assert list(analysis.stragglers(cpu)["rank"]) == [2] and analysis.stragglers_dismissed(cpu).empty
+    assert analysis.stragglers(cpu).empty and list(analysis.stragglers_dismissed(cpu)["rank"]) == [2]
+    cpu_paused = open_run(overlapped_run(tmp_path / "cpu-paused", seed=3, paused=2, pause_ms=5.0, on_gpus=False))
+    assert list(analysis.stragglers(cpu_paused)["rank"]) == [2] and analysis.stragglers_dismissed(cpu_paused).empty
 
 
 def test_a_dismissed_rank_no_longer_shades_a_real_straggler(tmp_path: Path) -> None:

@@ -325,8 +325,7 @@ def _host_saving(run: Run, rank: int) -> float | None:
 
 def _host_savings(run: Run, frame: pd.DataFrame, config: StragglerConfig) -> pd.Series:
     """Per row, the share of the step a replay without its delay saves, for rows named for their
-    host (cause ``host``) on a device; NaN for the others. Under ``config.min_host_saving``: not
-    named.
+    host (cause ``host``); NaN for the others. Under ``config.min_host_saving``: not named.
 
     A rank named for its host is late with compute spans as long as its peers': the evidence is
     its arrival order and its own time (step time less its waits). A rank late at every call by a
@@ -334,25 +333,23 @@ def _host_savings(run: Run, frame: pd.DataFrame, config: StragglerConfig) -> pd.
     carry the offset through the step, and each call counts it as its peers' wait, so its own time
     reads 1.2x theirs. On 2x H200 runs (data parallel, a device-bound model), every healthy run
     named such a rank (the same GPU each time), and so did runs whose planted host pause the
-    host's lead over its device absorbed (step time unchanged). The replay tells them apart: it
-    saved 0.1-0.46% of the step for each of them (and -0.5% and 0.4% for the two ranks so named in
-    80 healthy 8-rank CPU runs), 3.1-10.7% for planted pauses of 100-200 ms that slowed those jobs
-    23-79%, and 0.9-7.6% for the planted pauses (20-100 ms) named on the CPU runs; the bar, 0.7%,
-    lies between the two, chosen having seen them all (docs/benchmarks.md). The replay undervalues
-    a pause on a pipeline mesh (0.9% for a 50 ms pause in a 257 ms step), and one whose delay
-    carries into its group's next step (a pause just before the step's last collective: the
-    replay starts each step where the ranks began it, and a synthetic 40 ms pause replayed at 0):
-    only ranks timed on a device (where overlapping collectives carry an offset) are checked;
-    ranks timed by the host clock (CPU) and synthetic runs keep their name. Compute stragglers are
-    not replayed: the replay undervalues a rank whose own spans hold its peers' waits (pipeline
-    stages, tensor parallelism)."""
+    host's lead over its device absorbed (step time unchanged); on 8-rank CPU runs, 2 of 80
+    healthy runs named one. The replay tells them apart: it saved 0.1-0.46% of the step for each
+    GPU one and -0.5% and 0.4% for the CPU ones, 3.1-10.7% for planted pauses of 100-200 ms that
+    slowed GPU jobs 23-79%, and 0.89-7.6% for every planted pause of 50 ms or more on the CPU runs;
+    the bar, 0.7%, lies between the two, chosen having seen them all (docs/benchmarks.md). The
+    replay starts each step where its ranks began it, so it undervalues a pause whose delay carries
+    into its group's next step (a synthetic 40 ms pause just before the step's last collective
+    replayed at 0): synthetic runs keep their name (their pauses are planted, no offset is drawn).
+    On real CPU runs the pause before the gradient sync still replayed at 0.89% or more. Compute
+    stragglers are not replayed: the replay undervalues a rank whose own spans hold its peers'
+    waits (pipeline stages, tensor parallelism), and so it does a host straggler on a mesh whose
+    TP calls the collector timed in one micro-batch a step (a 1.15x straggler read as ``host`` on
+    2x2x1, 4x H200, replayed at 0.46%)."""
     host = frame["cause"] == "host"
     out = pd.Series(np.nan, index=frame.index)
     if not host.any() or config.min_host_saving <= 0 or run.meta.source == RunSource.SYNTH:
         return out
-    ranks = ", ".join(str(int(r)) for r in frame.loc[host, "rank"])
-    timed = {int(r) for (r,) in _sql.execute(run.con, "stragglers", "device_timed", ranks=_sql.Raw(ranks)).fetchall()}
-    host = host & frame["rank"].astype(int).isin(timed)
     order = frame[host].sort_values("z", ascending=False).index[:HOST_REPLAYS]
     for idx in order:
         saving = _host_saving(run, int(frame.at[idx, "rank"]))

@@ -273,8 +273,3 @@ SELECT count(DISTINCT tp) AS tp, count(DISTINCT dp) AS dp, count(DISTINCT pp) AS
 SELECT rank, count(*) AS probes, median(value) AS loop_ns
 FROM metrics WHERE name = '{{probe_metric}}' AND value > 0
 GROUP BY rank ORDER BY rank;
-
--- @statement device_timed
--- Which of {{ranks}} ran on a CUDA device (their spans are device times).
--- @column rank
-SELECT DISTINCT rank FROM ranks WHERE rank IN ({{ranks}}) AND device LIKE 'cuda%' ORDER BY rank;
