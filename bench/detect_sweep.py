@@ -120,7 +120,7 @@ def launch(r: dict[str, Any], out: Path, *, gpu: bool, steps: int, profile: int 
             "err": (output.strip().splitlines() or [""])[-1] if proc.returncode else ""}
 
 
-# The job running now: its own session (a hang is killed with its whole process group), so a
+# The job running now: its own process group (a hang is killed with the whole group), so a
 # signal to the sweep does not reach it; the sweep's SIGTERM handler kills it (a sweep stopped by
 # `timeout` left a hung 4-GPU job spinning on the GPUs under the next runs).
 _RUNNING: list[subprocess.Popen[str]] = []
