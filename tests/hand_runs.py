@@ -61,13 +61,16 @@ def host_bound_run(path: Path, *, devices: tuple[str | None, ...] | None = ("cud
 
 def overlapped_run(path: Path, *, seed: int, ranks: int = 8, late: int | None = None, offset_us: float = 300.0,
                    paused: int | None = None, pause_ms: float = 0.0, steps: int = 24, calls: int = 30,
-                   on_gpus: bool = True) -> Path:
+                   on_gpus: bool = True, untimed: int = 0) -> Path:
     """``ranks`` ranks of one stage, per step a forward span (2% noise), then ``calls`` asynchronous
     all-reduces issued 1 ms apart, each completing 4 ms after its last member arrives (so they
     overlap, as a data-parallel job's gradient reductions do), the step ending 2 ms after the last.
     ``late`` arrives ``offset_us`` late at every call: a steady offset the overlapping calls carry
     through the step. ``paused`` pauses ``pause_ms`` before its first call. ``on_gpus``: the ranks
-    ran on CUDA devices (their spans are device times), else they are timed by the host clock."""
+    ran on CUDA devices (their spans are device times), else they are timed by the host clock.
+    ``untimed``: each rank also made that many calls a step that the collector did not time (its
+    ``collector_calls:dp:0`` metric counts them all, as a collector timing the group's calls in
+    some micro-batches only writes)."""
     rng = np.random.default_rng(seed)
     spans = []
     t0 = 0
@@ -89,5 +92,11 @@ def overlapped_run(path: Path, *, seed: int, ranks: int = 8, late: int | None = 
                 spans.append(span(r, step, "collective", int(a[r]), ends[k] - int(a[r]), group="dp:0",
                                   seq=step * calls + k))
         t0 = end + 2 * MS
-    return hand_run(path, spans, [], world=ranks, hosts=tuple(f"h{r // 4}" for r in range(ranks)), source="collector",
-                    devices=tuple(f"cuda:{r % 4}" for r in range(ranks)) if on_gpus else None)
+    hand_run(path, spans, [], world=ranks, hosts=tuple(f"h{r // 4}" for r in range(ranks)), source="collector",
+             devices=tuple(f"cuda:{r % 4}" for r in range(ranks)) if on_gpus else None)
+    if untimed:
+        for r in range(ranks):
+            rows = [{"rank": r, "step": step, "name": f"{schema.COLLECTOR_CALLS_METRIC}dp:0",
+                     "value": float(calls + untimed), "time_ns": None} for step in range(steps)]
+            layout.write_part(path, "metrics", pa.Table.from_pylist(rows, schema=schema.METRICS), rank=r)
+    return path

@@ -350,16 +350,32 @@ def test_a_mesh_without_peers_says_stragglers_cannot_be_told(synth: Synth, tmp_p
 def test_the_stragglers_page_says_why_a_rank_late_at_every_call_is_not_named(tmp_path: Path) -> None:
     """A rank late by a steady offset at overlapping calls (analysis: flagged for its host, not
     named) gets a line under the empty table with the replay's saving; a run without one, none."""
-    from megascope.dashboard.pages.stragglers import dismissed_notes
+    from megascope.dashboard.pages.overview import alerts, straggler_card
+    from megascope.dashboard.pages.stragglers import dismissed_notes, none_named
 
     overlapped_run(tmp_path / "offset", seed=3, late=2)
     served = registry_of(create_app([tmp_path / "offset"], start_watcher=False)).get("offset")
     assert served is not None and dash_data.stragglers(served).empty
     notes = [str(n) for n in dismissed_notes(served)]
     assert len(notes) == 1 and "Not named: rank 2" in notes[0] and "saves 0." in notes[0]
+    assert not any("At least" in n for n in notes) and any("No stragglers" in str(a) for a in alerts(served))
     overlapped_run(tmp_path / "plain", seed=3)
     served = registry_of(create_app([tmp_path / "plain"], start_watcher=False)).get("plain")
     assert served is not None and dismissed_notes(served) == []
+    # Some calls untimed: the replay's saving is a lower bound; the page and the overview say so,
+    # and the overview does not call the run clean.
+    overlapped_run(tmp_path / "sampled", seed=3, late=2, untimed=2)
+    served = registry_of(create_app([tmp_path / "sampled"], start_watcher=False)).get("sampled")
+    assert served is not None and dash_data.stragglers(served).empty
+    notes = [str(n) for n in dismissed_notes(served)]
+    assert "saves at least 0." in notes[0] and "At least: the collector timed some calls" in notes[1]
+    text = [str(a) for a in alerts(served)]
+    assert any("Late, not named: rank 2" in t for t in text) and not any("No stragglers" in t for t in text)
+    assert "cost unsure" in str(straggler_card(served, 0)) and "good" not in str(straggler_card(served, 0))
+    cards, headline = none_named(served, dismissed_notes(served))
+    assert headline.startswith("No stragglers named:") and "unsure" in str(cards[0]) and "nothing to gain" not in str(cards)
+    cards, headline = none_named(served, [])
+    assert "every rank keeps up" in headline and "nothing to gain" in str(cards[0])
 
 
 def test_synth_runs_have_no_host_bound_alert(runs: dict[str, Path]) -> None:

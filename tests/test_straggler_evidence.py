@@ -114,6 +114,16 @@ def test_a_rank_late_by_a_steady_offset_at_overlapping_calls_is_not_named(tmp_pa
     assert analysis.stragglers_dismissed(paused).empty
     with pytest.raises(ConfigError, match="min_host_saving"):
         StragglerConfig(min_host_saving=1.0)
+    # Where the collector left some of the group's calls untimed, the replay's saving is a lower
+    # bound, and the report says so.
+    sampled = open_run(overlapped_run(tmp_path / "sampled", seed=3, late=2, untimed=2))
+    assert analysis.stragglers(sampled).empty
+    unsure = analysis.report(sampled, with_whatif=False)["stragglers_dismissed"]
+    assert [(d["rank"], d["saving_lower_bound"]) for d in unsure] == [(2, True)]
+    assert result["stragglers_dismissed"][0]["saving_lower_bound"] is False
+    text = cli("report", str(tmp_path / "sampled"))
+    assert "saves at least 0." in text.output and "a rank not named may still cost the job more" in text.output
+    assert "at least" not in cli("report", str(tmp_path / "offset")).output
     # Timed by the host clock (CPU), the same: the replay, not the clock, decides.
     cpu = open_run(overlapped_run(tmp_path / "cpu", seed=3, late=2, on_gpus=False))
     assert analysis.stragglers(cpu).empty and list(analysis.stragglers_dismissed(cpu)["rank"]) == [2]

@@ -67,6 +67,7 @@ def alerts(served: ServedRun) -> list[Any]:
                             className="alert alert-straggler"))
     if len(frame) > 5:
         out.append(html.Div(f"... and {len(frame) - 5} more stragglers", className="alert alert-straggler"))
+    out.extend(unsure_alerts(served))
     try:
         out.extend(host_bound_alerts(served))
     except Exception as exc:  # noqa: BLE001 - the other alerts still matter when this analysis fails
@@ -82,6 +83,38 @@ def alerts(served: ServedRun) -> list[Any]:
     if not out:
         out.append(html.Div(f"No stragglers, host-bound ranks, skew growth or hang found; the run is {state['state']}.",
                             className="alert alert-ok"))
+    return out
+
+
+def straggler_card(served: ServedRun, n_stragglers: int) -> Any:
+    """Red with stragglers; "-" where no stage has peers; plain (not green) where ranks are late
+    at a cost the replay, seeing only some calls, may undervalue (:func:`unsure_alerts`)."""
+    if n_stragglers:
+        return card("stragglers", str(n_stragglers), "", kind="bad")
+    if not data.stragglers_told(served):
+        return card("stragglers", "-", "no stage peers to compare")
+    gone = data.stragglers_dismissed(served)
+    if not gone.empty and bool(gone["saving_lower_bound"].astype(bool).any()):
+        return card("stragglers", "0", f"named; {len(gone)} late, cost unsure")
+    return card("stragglers", "0", "", kind="good")
+
+
+def unsure_alerts(served: ServedRun, limit: int = 3) -> list[Any]:
+    """One line per rank late but not named where the replay that cleared it saw only some of the
+    calls (its saving a lower bound: analysis.stragglers_dismissed' saving_lower_bound): the run
+    is not called clean on that evidence."""
+    gone = data.stragglers_dismissed(served)
+    if gone.empty or not bool(gone["saving_lower_bound"].astype(bool).any()):
+        return []
+    out = []
+    for row in gone.head(limit).to_dict("records"):
+        saving = row.get("saving")
+        cost = "-" if saving is None or saving != saving else f"{100 * float(saving):.1f}%"
+        text = (f"Late, not named: rank {int(row['rank'])} ({row.get('host', '?')}, {coords_text(row.get('coords'))}) "
+                f"x{float(row['slowdown']):.2f} own time; a replay that saw only some of its calls puts its cost "
+                f"at {cost} of the step or more")
+        out.append(html.Div([text, " ", dcc.Link("details", href=routes.href(served.id, "stragglers"))],
+                            className="alert alert-skew"))
     return out
 
 
@@ -124,8 +157,7 @@ def cards(served: ServedRun, per_step: pd.DataFrame) -> list[Any]:
              f"last {step_ms.iloc[-1]:.1f} ms" if len(step_ms) else ""),
         card("tokens/s", f"{tokens.mean():,.0f}" if len(tokens) else "n/a", "mean over steps"),
         card("steps", f"{int(last['step']) + 1}", f"{len(per_step)} with timings"),
-        card("stragglers", str(n_stragglers), "", kind="bad" if n_stragglers else "good")
-        if n_stragglers or data.stragglers_told(served) else card("stragglers", "-", "no stage peers to compare"),
+        straggler_card(served, n_stragglers),
         state_card,
     ]
 

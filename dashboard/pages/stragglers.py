@@ -88,9 +88,30 @@ def dismissed_notes(served: ServedRun, limit: int = 5) -> list[Any]:
             f"Not named: rank {int(row['rank'])} ({format_coords(row.get('coords'))}) arrived last at "
             f"{'-' if last is None or last != last else f'{100 * float(last):.0f}%'} of its calls "
             f"(own time x{float(row['slowdown']):.2f}, spans as long as its peers'), but a replay of its steps at "
-            f"its peers' pace saves {'-' if saving is None or saving != saving else f'{100 * float(saving):.1f}%'} "
+            f"its peers' pace saves {'at least ' if row.get('saving_lower_bound') else ''}"
+            f"{'-' if saving is None or saving != saving else f'{100 * float(saving):.1f}%'} "
             "of the step.", className="hint dismissed"))
+    if any(bool(v) for v in frame.head(limit).get("saving_lower_bound", [])):
+        out.append(html.P(LOWER_BOUND_NOTE, className="hint dismissed"))
     return out
+
+
+def none_named(served: ServedRun, dismissed: list[Any]) -> tuple[list[Any], str]:
+    """The cards and the headline of a run with no straggler named (and some stage with peers):
+    every rank keeps up; or the late ones cost nothing measurable; or, where the replay that
+    cleared them saw only some calls, their cost is unsure (not "nothing to gain")."""
+    if not dismissed:
+        return whatif_cards({}, n_stragglers=0), "No stragglers: every rank keeps up with its peers."
+    if any(bool(v) for v in data.stragglers_dismissed(served).get("saving_lower_bound", [])):
+        return ([card("stragglers", "0", "named; the gain of the late ones is unsure (some calls untimed)")],
+                "No stragglers named: the ranks below are late, at a cost the replay puts under 0.7% of the step.")
+    return (whatif_cards({}, n_stragglers=0),
+            "No stragglers: no rank's delay costs the job a measurable share of its step.")
+
+
+# Under the dismissed ranks where the replay saw only some calls: its saving is a lower bound.
+LOWER_BOUND_NOTE = ("At least: the collector timed some calls in one micro-batch a step, and the replay cannot free "
+                    "the waits behind the others; a rank not named here may still cost the job more.")
 
 
 def register(app: Dash, registry: RunRegistry) -> None:
@@ -108,9 +129,8 @@ def register(app: Dash, registry: RunRegistry) -> None:
         if frame.empty:
             if not data.stragglers_told(served):
                 return [card("stragglers", "-", "no stage peers to compare")], notice(data.NO_PEERS)
-            return whatif_cards({}, n_stragglers=0), html.Div(
-                [notice("No stragglers: no rank's delay costs the job a measurable share of its step."
-                        if dismissed else "No stragglers: every rank keeps up with its peers."), *dismissed])
+            cards, headline = none_named(served, dismissed)
+            return cards, html.Div([notice(headline), *dismissed])
         steps = data.default_steps(served)
 
         def timeline_of(row: dict[str, Any]) -> str:

@@ -31,9 +31,8 @@ import pandas as pd
 
 from megascope.analysis import _sql, persist
 from megascope.analysis.base import prepare, sample_steps
-from megascope.analysis.stragglers import stragglers
+from megascope.analysis.stragglers import replay_lower_bound, stragglers
 from megascope.analysis.timeline import mfu
-from megascope.schema import COLLECTOR_CALLS_METRIC
 from megascope.store import Run
 
 log = logging.getLogger(__name__)
@@ -194,7 +193,7 @@ def whatif(run: Run, *, ranks: list[int] | None = None,
     speedup = base_total / fixed_total if fixed_total > 0 else 1.0
     # Calls the collector left untimed (CollectorConfig.comm_sample_kinds) are no sync points of
     # the replay: the waits behind them count as the waiting ranks' own work, and the fix saves less.
-    row = _sql.first(_sql.execute(con, "whatif", "sampled_groups", calls_prefix=_sql.Raw(COLLECTOR_CALLS_METRIC)))
+    lower_bound = replay_lower_bound(run)
     return {
         "ranks": ranks,
         "steps_modeled": [int(s) for s in steps],
@@ -205,5 +204,5 @@ def whatif(run: Run, *, ranks: list[int] | None = None,
         "speedup": speedup,
         "mfu": mean_mfu,
         "whatif_mfu": mean_mfu * speedup if mean_mfu is not None else None,
-        "lower_bound": bool(row and row[0]),
+        "lower_bound": lower_bound,
     }

@@ -87,9 +87,13 @@ def _print_report(r: dict[str, Any]) -> None:
     for d in (r.get("stragglers_dismissed") or [])[:5]:
         last = "-" if d.get("last_arrival_frac") is None else f"{100 * d['last_arrival_frac']:.0f}%"
         saving = "-" if d.get("saving") is None else f"{100 * d['saving']:.1f}%"
+        at_least = "at least " if d.get("saving_lower_bound") else ""
         click.echo(f"  not named: rank {d['rank']} {_coords(d['coords'])} arrived last at {last} of its calls "
                    f"({d['slowdown']:.2f}x own time, no longer spans), but a replay of its steps at its peers' pace "
-                   f"saves {saving} of the step")
+                   f"saves {at_least}{saving} of the step")
+    if any(d.get("saving_lower_bound") for d in (r.get("stragglers_dismissed") or [])[:5]):
+        click.echo("  (at least: some calls were timed in one micro-batch a step; the replay cannot free the "
+                   "waits behind the others, and a rank not named may still cost the job more)")
     w = r.get("whatif")
     if w:
         gain = 100 * (1 - 1 / w["speedup"]) if w["speedup"] else 0.0
