@@ -43,12 +43,9 @@ def _compute_per_step(run: Run) -> pd.DataFrame:
     return _analysis().mfu(run)
 
 
-def _compute_stragglers(run: Run) -> pd.DataFrame:
-    return _analysis().stragglers(run)
-
-
-def _compute_stragglers_dismissed(run: Run) -> pd.DataFrame:
-    return _analysis().stragglers_dismissed(run)
+def _compute_stragglers(run: Run) -> tuple[pd.DataFrame, pd.DataFrame]:
+    # One pass gives the named and the dismissed ranks (candidates, launch check, replays).
+    return _analysis().stragglers_detect(run)  # type: ignore[no-any-return]
 
 
 def _compute_stragglers_told(run: Run) -> bool:
@@ -121,7 +118,7 @@ def live_per_step(served: ServedRun) -> pd.DataFrame:
 
 def stragglers(served: ServedRun) -> pd.DataFrame:
     """One row per straggler, worst first (analysis.stragglers)."""
-    return served.result(("stragglers",), _compute_stragglers)
+    return served.result(("stragglers",), _compute_stragglers)[0]
 
 
 def rank_states(served: ServedRun) -> pd.DataFrame:
@@ -290,8 +287,15 @@ def stragglers_told(served: ServedRun) -> bool:
 def stragglers_dismissed(served: ServedRun) -> pd.DataFrame:
     """Ranks flagged for their host but not named: a replay without their delay saves too little
     of the step (analysis.stragglers_dismissed: rank, host, coords, slowdown, last_arrival_frac,
-    device_idle_frac, saving, z)."""
-    return served.result(("stragglers_dismissed",), _compute_stragglers_dismissed)
+    device_idle_frac, saving, saving_lower_bound, z)."""
+    return served.result(("stragglers",), _compute_stragglers)[1]
+
+
+def dismissed_unsure(served: ServedRun) -> bool:
+    """Whether ranks are late but not named on a replay that saw only some calls (its saving a
+    lower bound): the run is not to be called clean on that evidence."""
+    gone = stragglers_dismissed(served)
+    return not gone.empty and bool(gone["saving_lower_bound"].astype(bool).any())
 
 
 NO_PEERS = ("Stragglers cannot be told: no pipeline stage has two ranks, so no rank has a peer doing the same "

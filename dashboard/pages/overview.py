@@ -93,9 +93,8 @@ def straggler_card(served: ServedRun, n_stragglers: int) -> Any:
         return card("stragglers", str(n_stragglers), "", kind="bad")
     if not data.stragglers_told(served):
         return card("stragglers", "-", "no stage peers to compare")
-    gone = data.stragglers_dismissed(served)
-    if not gone.empty and bool(gone["saving_lower_bound"].astype(bool).any()):
-        return card("stragglers", "0", f"named; {len(gone)} late, cost unsure")
+    if data.dismissed_unsure(served):
+        return card("stragglers", "0", f"named; {len(data.stragglers_dismissed(served))} late, cost unsure")
     return card("stragglers", "0", "", kind="good")
 
 
@@ -103,11 +102,10 @@ def unsure_alerts(served: ServedRun, limit: int = 3) -> list[Any]:
     """One line per rank late but not named where the replay that cleared it saw only some of the
     calls (its saving a lower bound: analysis.stragglers_dismissed' saving_lower_bound): the run
     is not called clean on that evidence."""
-    gone = data.stragglers_dismissed(served)
-    if gone.empty or not bool(gone["saving_lower_bound"].astype(bool).any()):
+    if not data.dismissed_unsure(served):
         return []
     out = []
-    for row in gone.head(limit).to_dict("records"):
+    for row in data.stragglers_dismissed(served).head(limit).to_dict("records"):
         saving = row.get("saving")
         cost = "-" if saving is None or saving != saving else f"{100 * float(saving):.1f}%"
         text = (f"Late, not named: rank {int(row['rank'])} ({row.get('host', '?')}, {coords_text(row.get('coords'))}) "

@@ -91,7 +91,7 @@ def dismissed_notes(served: ServedRun, limit: int = 5) -> list[Any]:
             f"its peers' pace saves {'at least ' if row.get('saving_lower_bound') else ''}"
             f"{'-' if saving is None or saving != saving else f'{100 * float(saving):.1f}%'} "
             "of the step.", className="hint dismissed"))
-    if any(bool(v) for v in frame.head(limit).get("saving_lower_bound", [])):
+    if data.dismissed_unsure(served):
         out.append(html.P(LOWER_BOUND_NOTE, className="hint dismissed"))
     return out
 
@@ -102,7 +102,7 @@ def none_named(served: ServedRun, dismissed: list[Any]) -> tuple[list[Any], str]
     cleared them saw only some calls, their cost is unsure (not "nothing to gain")."""
     if not dismissed:
         return whatif_cards({}, n_stragglers=0), "No stragglers: every rank keeps up with its peers."
-    if any(bool(v) for v in data.stragglers_dismissed(served).get("saving_lower_bound", [])):
+    if data.dismissed_unsure(served):
         return ([card("stragglers", "0", "named; the gain of the late ones is unsure (some calls untimed)")],
                 "No stragglers named: the ranks below are late, at a cost the replay puts under 0.7% of the step.")
     return (whatif_cards({}, n_stragglers=0),

@@ -20,6 +20,7 @@ from megascope.analysis.pipeline import bubbles, exposed_comm, host_lead, host_l
 from megascope.analysis.report import clock_offsets, report
 from megascope.analysis.skew import skew, skew_by_collective, skew_drift
 from megascope.analysis.stragglers import StragglerConfig, stragglers
+from megascope.analysis.stragglers import detect as stragglers_detect
 from megascope.analysis.stragglers import dismissed as stragglers_dismissed
 from megascope.analysis.stragglers import told as stragglers_told
 from megascope.analysis.timeline import PHASES, heatmap, mfu, mfu_drift, step_times
@@ -44,6 +45,7 @@ __all__ = [
     "skew_drift",
     "step_times",
     "stragglers",
+    "stragglers_detect",
     "stragglers_dismissed",
     "stragglers_told",
     "whatif",
