@@ -83,7 +83,8 @@ def plan(meshes: list[tuple[int, int, int]], seed: int, *, gpu: bool) -> list[di
     return runs
 
 
-def launch(r: dict[str, Any], out: Path, *, gpu: bool, steps: int, profile: int | None) -> dict[str, Any]:
+def launch(r: dict[str, Any], out: Path, *, gpu: bool, steps: int, profile: int | None,
+           nvrx: bool = False) -> dict[str, Any]:
     tp, pp, dp = r["mesh"]
     cmd = [sys.executable, "-c", "from megascope.cli import main; main()", "train", "--nproc", str(tp * pp * dp), "--tp", str(tp),
            "--pp", str(pp), "--dp", str(dp), "--steps", str(steps), "--seed", str(abs(hash(r["name"])) % 1000),
@@ -94,6 +95,8 @@ def launch(r: dict[str, Any], out: Path, *, gpu: bool, steps: int, profile: int 
         cmd += ["--inject", r["inject"]]
     if profile:
         cmd += ["--profile", str(profile)]
+    if nvrx:
+        cmd += ["--nvrx-straggler"]
     load = os.getloadavg()[0]
     busy0, kids0 = _busy_cpu_s(), _children_cpu_s()
     t0 = time.perf_counter()
@@ -209,23 +212,98 @@ def measured(run: Any, planted: int | None) -> dict[str, Any]:
             "planted_ratio": round(ratios[planted], 3) if planted in ratios else None, "step_ms": step_ms}
 
 
-def hta_score(r: dict[str, Any], path: Path) -> dict[str, Any]:
-    """HTA's straggler analysis over the run's profiler traces (``--profile``), if HTA imports."""
+def peers_score(r: dict[str, Any], path: Path) -> dict[str, Any]:
+    """What the other tools name on this run: Holistic Trace Analysis and megascope itself on the
+    run's profiler traces (``--profile``), NVIDIA's detector from its report (``--nvrx-straggler``)."""
+    out: dict[str, Any] = {}
+    if (path / "profiler").is_dir():
+        out.update(hta_score(r, path / "profiler"))
+        out.update(kineto_score(r, path))
+    if (path / "nvrx_straggler.json").is_file():
+        out.update(nvrx_score(r, json.loads((path / "nvrx_straggler.json").read_text())))
+    return out
+
+
+def _right(r: dict[str, Any], ranks: list[int]) -> bool:
+    """A peer's pick scored like ours: the planted rank first, or nothing on a healthy run."""
+    return bool(ranks and ranks[0] == r["rank"]) if r["rank"] is not None else not ranks
+
+
+def hta_score(r: dict[str, Any], trace_dir: Path) -> dict[str, Any]:
+    """HTA's straggler analysis (``get_potential_stragglers``, one candidate) over the run's profiler
+    traces, as HTA ships; where that fails because HTA 0.5 looks for NCCL kernels by their names
+    before NCCL 2.19 (``ncclKernel*``, now ``ncclDevKernel*``), again on a copy with the kernels
+    renamed, so that its method is judged and not its name list (``hta_renamed``)."""
     try:
         from hta.trace_analysis import TraceAnalysis  # type: ignore[import-not-found]
     except ImportError:
         return {"hta": "not installed"}
-    trace_dir = path / "profiler"
-    if not trace_dir.is_dir():
-        return {"hta": "no traces"}
+
+    def run(directory: Path) -> list[int] | str:
+        try:
+            return [int(x) for x in TraceAnalysis(trace_dir=str(directory)).get_potential_stragglers(num_candidates=1)]
+        except Exception as exc:  # HTA's own failures are part of the comparison
+            return f"error: {(str(exc).splitlines() or [type(exc).__name__])[0][:80]}"
+
+    out: dict[str, Any] = {"hta": run(trace_dir)}
+    if isinstance(out["hta"], list):
+        out["hta_right"] = _right(r, out["hta"])
+        return out
+    import gzip
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        renamed = False
+        for f in sorted(trace_dir.glob("*.json*")):
+            opener = gzip.open if f.suffix == ".gz" else open
+            with opener(f, "rb") as fin:
+                data = fin.read()
+            renamed |= b"ncclDevKernel" in data
+            with opener(Path(tmp) / f.name, "wb") as fout:
+                fout.write(data.replace(b"ncclDevKernel", b"ncclKernel"))
+        if renamed:
+            out["hta_renamed"] = run(Path(tmp))
+            if isinstance(out["hta_renamed"], list):
+                out["hta_right"] = _right(r, out["hta_renamed"])
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def kineto_score(r: dict[str, Any], path: Path) -> dict[str, Any]:
+    """megascope on the same profiler traces HTA reads: ingested (mesh from run.json), then reported."""
+    import shutil
+    import tempfile
+
+    from megascope.analysis.report import report
+    from megascope.ingest import ingest_kineto
+    from megascope.store import open_run
+
+    mesh = json.loads((path / "run.json").read_text()).get("mesh_sizes")
+    tmp = Path(tempfile.mkdtemp()) / "run"
     try:
-        analyzer = TraceAnalysis(trace_dir=str(trace_dir))
-        frame = analyzer.get_potential_stragglers(num_candidates=1)
-        ranks = [int(x) for x in list(frame)] if frame is not None else []
-    except Exception as exc:  # HTA's own failures are part of the comparison
-        return {"hta": f"error: {str(exc).splitlines()[0][:80]}"}
-    return {"hta": ranks, "hta_right": bool(ranks and ranks[0] == r["rank"])} if r["rank"] is not None else \
-        {"hta": ranks}
+        ingest_kineto(path / "profiler", tmp, mesh=mesh)
+        res = report(open_run(tmp), with_whatif=False)
+        named = [int(s["rank"]) for s in res["stragglers"]]
+        return {"kineto": named, "kineto_right": _right(r, named)}
+    except Exception as exc:
+        return {"kineto": f"error: {(str(exc).splitlines() or [type(exc).__name__])[0][:80]}"}
+    finally:
+        shutil.rmtree(tmp.parent, ignore_errors=True)
+
+
+def nvrx_score(r: dict[str, Any], rep: dict[str, Any]) -> dict[str, Any]:
+    """NVIDIA's detector: the ranks it names (GPU relative score or the step section's relative
+    score under its bar of 0.75), and its lowest-scoring rank by each score."""
+    named = sorted(set(rep["named"]["gpu_relative"]) | {x for v in rep["named"]["section_relative"].values() for x in v})
+
+    def lowest(scores: dict[str, float]) -> int | None:
+        finite = {int(k): v for k, v in scores.items() if v == v}
+        return min(finite, key=lambda k: finite[k]) if finite else None
+
+    return {"nvrx": named, "nvrx_right": _right(r, named), "nvrx_gpu_lowest": lowest(rep["gpu_relative"]),
+            "nvrx_gpu_scores": rep["gpu_relative"],
+            "nvrx_step_lowest": lowest(rep["section_relative"].get("step", {}))}
 
 
 def level(r: dict[str, Any]) -> str:
@@ -327,7 +405,14 @@ def main() -> int:
     parser.add_argument("--score-only", action="store_true", help="score the runs already in --out")
     parser.add_argument("--no-score", action="store_true",
                         help="only run (score later with --score-only, elsewhere: on GPU time, more runs fit)")
-    parser.add_argument("--hta", action="store_true", help="also write profiler traces and run HTA on them")
+    parser.add_argument("--hta", action="store_true",
+                        help="also write profiler traces (--profile) and run HTA and megascope's Kineto import on them")
+    parser.add_argument("--profile", type=int, default=4, help="with --hta: profile the last this many steps")
+    parser.add_argument("--nvrx", action="store_true", help="also run NVIDIA's straggler detector in each job")
+    parser.add_argument("--peers-only", action="store_true",
+                        help="only score the other tools on the runs in --out, into peers.jsonl (with "
+                             "--drop-traces, then delete each run's profiler traces)")
+    parser.add_argument("--drop-traces", action="store_true", help="with --peers-only: see there")
     parser.add_argument("--limit", type=int, default=0, help="only the first N runs (a quick look)")
     parser.add_argument("--mesh", action="append", default=[], metavar="TPxPPxDP",
                         help="only these meshes (repeatable), e.g. 2x2x2")
@@ -354,6 +439,13 @@ def main() -> int:
         for line in log.read_text().splitlines():
             rec = json.loads(line)
             done[rec["name"]] = rec
+    if args.peers_only:
+        return peers_only(runs, done, args.out, drop_traces=args.drop_traces)
+    peers = {}
+    if (args.out / "peers.jsonl").exists():
+        for line in (args.out / "peers.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            peers[rec.pop("name")] = rec
     started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     rows = []
     began = time.monotonic()
@@ -364,7 +456,8 @@ def main() -> int:
         rec = dict(done.get(r["name"], r))
         rec.update(r)
         if not args.score_only and r["name"] not in done:
-            rec.update(launch(r, args.out, gpu=args.gpu, steps=args.steps, profile=4 if args.hta else None))
+            rec.update(launch(r, args.out, gpu=args.gpu, steps=args.steps, profile=args.profile if args.hta else None,
+                              nvrx=args.nvrx))
             with log.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
         if "load" not in rec or args.no_score:
@@ -373,16 +466,67 @@ def main() -> int:
             rec.update(score(rec, args.out / r["name"]))
         except Exception as exc:  # a run that did not leave a readable directory is a miss
             rec.update({"first_right": False, "cause_right": False, "false": [], "error": str(exc).splitlines()[0]})
-        if args.hta:
-            rec.update(hta_score(rec, args.out / r["name"]))
+        if r["name"] in peers:
+            rec.update(peers[r["name"]])
+        elif args.hta or args.nvrx:
+            rec.update(peers_score(rec, args.out / r["name"]))
         rows.append(rec)
         print(json.dumps({k: rec.get(k) for k in ("name", "load", "other_cores", "named", "cause", "confidence", "hung",
-                                                   "suspects", "first_right", "cause_right", "false", "hta")}),
+                                                   "suspects", "first_right", "cause_right", "false", "hta",
+                                                   "hta_renamed", "kineto", "nvrx")}),
               file=sys.stderr, flush=True)
     print(f"{'GPU' if args.gpu else 'CPU'} sweep, seed {args.seed}, {len(rows)} runs, scored {started}, "
           f"load now {os.getloadavg()[0]:.1f}\n")
     print(table(rows, gpu=args.gpu))
+    if any(k in g for g in rows for k in ("hta", "nvrx", "kineto")):
+        print()
+        print(peers_table(rows))
     return 0
+
+
+def peers_only(runs: list[dict[str, Any]], done: dict[str, dict[str, Any]], out: Path, *, drop_traces: bool) -> int:
+    """Score the other tools on every run already in ``out`` into peers.jsonl (the GPU machine
+    scores them where the traces are, and sends back the scores, not the traces)."""
+    import shutil
+
+    with (out / "peers.jsonl").open("a") as f:
+        for r in runs:
+            if r["name"] not in done or not (out / r["name"]).is_dir():
+                continue
+            t0 = time.perf_counter()
+            rec = {"name": r["name"], **peers_score(r, out / r["name"])}
+            print(json.dumps(rec | {"seconds": round(time.perf_counter() - t0, 1)}), file=sys.stderr, flush=True)
+            f.write(json.dumps(rec) + "\n")
+            if drop_traces:
+                shutil.rmtree(out / r["name"] / "profiler", ignore_errors=True)
+    return 0
+
+
+def peers_table(rows: list[dict[str, Any]]) -> str:
+    """Each tool's hits on the same runs: the planted rank named first (healthy: nothing named)."""
+    lines = ["| fault | runs | megascope (its collector) | megascope (the profiler traces) | HTA as shipped | "
+             "HTA, NCCL kernels renamed | NVIDIA's detector (named at its 0.75 bar) | NVIDIA's lowest GPU score |",
+             "|---|---|---|---|---|---|---|---|"]
+    order: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        order.setdefault(level(r), []).append(r)
+
+    def hits(group: list[dict[str, Any]], key: str, right: Any) -> str:
+        have = [g for g in group if key in g and not (isinstance(g[key], str))]
+        errors = sum(isinstance(g.get(key), str) for g in group)
+        if not have:
+            return f"error ({errors})" if errors else "-"
+        return f"{sum(bool(right(g)) for g in have)}/{len(have)}" + (f" ({errors} errors)" if errors else "")
+
+    for name, group in order.items():
+        lines.append(
+            f"| {name} | {len(group)} | {hits(group, 'first_right', lambda g: g['first_right'])} | "
+            f"{hits(group, 'kineto', lambda g: g.get('kineto_right'))} | "
+            f"{hits(group, 'hta', lambda g: _right(g, g['hta']))} | "
+            f"{hits(group, 'hta_renamed', lambda g: _right(g, g['hta_renamed']))} | "
+            f"{hits(group, 'nvrx', lambda g: g.get('nvrx_right'))} | "
+            f"{hits(group, 'nvrx_gpu_lowest', lambda g: g['rank'] is not None and g['nvrx_gpu_lowest'] == g['rank'])} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
+import importlib.util
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +16,9 @@ from click.testing import Result
 from torch.utils.flop_counter import FlopCounterMode
 
 from megascope.errors import ConfigError
+from megascope.ingest import ingest_kineto
 from megascope.inject import parse_injects
+from megascope.store import open_run
 from megascope.trainer.config import ModelConfig, TrainConfig
 from megascope.trainer.data import Prefetcher, SyntheticLanguage, TokenFile
 from megascope.trainer.faults import Burner
@@ -56,6 +61,7 @@ def test_bad_configs_are_rejected_with_the_reason(tmp_path: Path, kwargs: dict, 
         (["--nproc", "2", "--inject", "slow:rank=1"], "unknown fault kind 'slow'"),
         (["--nproc", "2", "--inject", "straggler:rank=0,factor=0.5"], "factor must be > 1"),
         (["--nproc", "1", "--collector-ab", "1"], "--collector-ab needs blocks of at least 2 steps"),
+        (["--nproc", "1", "--steps", "3", "--profile", "4"], "--profile takes between 0 and --steps (3) steps"),
     ],
 )
 def test_cli_bad_arguments_fail_in_one_line_before_any_rank_starts(tmp_path: Path, args: list[str],
@@ -380,3 +386,75 @@ def test_a_failed_rank_stops_the_others_and_names_its_exit(tmp_path: Path) -> No
     assert result == (1, 3)
     assert not blocked.is_alive() and blocked.exitcode == -15  # SIGTERM
     assert time.monotonic() - t0 < 15.0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nvidia_resiliency_ext") is not None,
+                    reason="nvidia-resiliency-ext is installed here")
+def test_nvrx_straggler_without_its_package_fails_in_one_line_before_any_rank_starts(
+        tmp_path: Path, cli: Callable[..., Result]) -> None:
+    out = tmp_path / "run"
+    result = cli("train", "--nproc", "1", "--nvrx-straggler", "-o", str(out))
+    assert result.exit_code == 1
+    assert "--nvrx-straggler needs the nvidia-resiliency-ext package" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+@pytest.mark.dist
+def test_profile_writes_each_rank_s_trace_of_the_last_steps_for_other_tools(tmp_path: Path,
+                                                                            cli: Callable[..., Result]) -> None:
+    out = tmp_path / "run"
+    result = cli("train", "--nproc", "2", "--dp", "2", "--steps", "4", "--profile", "2", "--device", "cpu",
+                 "--no-compact", "-o", str(out))
+    assert result.exit_code == 0, result.output
+    traces = sorted((out / "profiler").iterdir())
+    assert [t.name for t in traces] == ["rank00000.pt.trace.json.gz", "rank00001.pt.trace.json.gz"]
+    for rank, trace in enumerate(traces):
+        with gzip.open(trace, "rt") as f:
+            doc = json.load(f)
+        # What Holistic Trace Analysis and megascope's importer read a rank from.
+        assert (doc["distributedInfo"]["rank"], doc["distributedInfo"]["world_size"]) == (rank, 2)
+        steps = {e["name"] for e in doc["traceEvents"] if str(e.get("name", "")).startswith("ProfilerStep#")}
+        assert steps == {"ProfilerStep#2", "ProfilerStep#3"}
+    # The job's own spans are all there: profiling changed nothing the collector writes.
+    run = open_run(out)
+    assert run.con.execute("SELECT count(DISTINCT step), count(DISTINCT rank) FROM spans WHERE kind = 'step'"
+                           ).fetchone() == (4, 2)
+    ingest_kineto(out / "profiler", tmp_path / "kineto", mesh={"dp": 2})
+    steps = open_run(tmp_path / "kineto").con.execute(
+        "SELECT rank, list(DISTINCT step ORDER BY step) FROM spans WHERE kind = 'step' GROUP BY 1 ORDER BY 1").fetchall()
+    assert steps == [(0, [2, 3]), (1, [2, 3])]
+
+
+class _NvrxReport:
+    """The two things nvrx_summary reads of NVIDIA's report: its scores and identify_stragglers."""
+
+    gpu_relative_perf_scores = {0: 1.0, 1: 0.62, 2: float("nan")}
+    gpu_individual_perf_scores = {0: 0.99, 1: 0.97, 2: 1.0}
+    section_relative_perf_scores = {"step": {0: 1.0, 1: 0.99, 2: 0.7}}
+    section_individual_perf_scores = {"step": {0: 1.0, 1: 1.0, 2: 1.0}}
+
+    def identify_stragglers(self, **bars: float) -> dict[str, object]:
+        from collections import namedtuple
+
+        straggler = namedtuple("straggler", "rank node")
+
+        def below(scores: dict[int, float], bar: float) -> set[tuple[int, str]]:
+            return {straggler(r, "n") for r, v in scores.items() if v < bar}
+
+        return {"straggler_gpus_relative": below(self.gpu_relative_perf_scores, bars["gpu_rel_threshold"]),
+                "straggler_gpus_individual": below(self.gpu_individual_perf_scores, bars["gpu_indiv_threshold"]),
+                "straggler_sections_relative": {s: below(v, bars["section_rel_threshold"])
+                                                for s, v in self.section_relative_perf_scores.items()},
+                "straggler_sections_individual": {}}
+
+
+def test_nvrx_summary_keeps_every_score_and_the_ranks_named_at_its_default_bars() -> None:
+    from megascope.trainer.peers import NVRX_THRESHOLD, nvrx_summary
+
+    summary = nvrx_summary(_NvrxReport())
+    assert summary["threshold"] == NVRX_THRESHOLD == 0.75
+    assert summary["gpu_relative"]["1"] == 0.62 and summary["gpu_relative"]["2"] != summary["gpu_relative"]["2"]
+    assert summary["named"]["gpu_relative"] == [1]
+    assert summary["named"]["section_relative"] == {"step": [2]}
+    assert json.loads(json.dumps(summary))["section_relative"]["step"]["2"] == 0.7

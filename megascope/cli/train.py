@@ -63,6 +63,12 @@ from megascope.cli.common import inject_option, out_run_option
               help="On GPUs, run each rank on the CPU cores of its GPU's NUMA node (node; nothing changes on a "
                    "machine of one node), on its own share of them (slice), or wherever the scheduler puts "
                    "it (none).")
+@click.option("--profile", "profile_steps", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Write PyTorch-profiler (Kineto) traces of the last this many steps, one file per rank "
+                   "under RUN/profiler/ (for Holistic Trace Analysis, Perfetto or megascope ingest).")
+@click.option("--nvrx-straggler", is_flag=True,
+              help="Also run NVIDIA's straggler detector (the nvidia-resiliency-ext package) in the job; "
+                   "rank 0 writes its scores and the ranks it names to RUN/nvrx_straggler.json.")
 @click.option("--result-json", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Also write the loss and host seconds of every step here (for benchmarks).")
 @click.option("--compact/--no-compact", "compact_parts", default=True, show_default=True,
@@ -75,7 +81,7 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
           serial_block: bool, no_sequence_parallel: bool, optimizer: str, lr: float, data: Path | None,
           data_dtype: str, collective_timeout: float, device: str, no_overlap: tuple[str, ...], bucket_mb: float,
           layer_spans: str, no_layer_spans: bool, tp_comm_spans: str, collector_ab: int, gc_interval: int,
-          cpu_bind: str, result_json: Path | None, compact_parts: bool, injects: tuple[str, ...], out: Path) -> None:
+          cpu_bind: str, profile_steps: int, nvrx_straggler: bool, result_json: Path | None, compact_parts: bool, injects: tuple[str, ...], out: Path) -> None:
     """Train the bundled GPT on a TP x PP x DP mesh, fully instrumented, with optional planted faults."""
     from megascope.inject import parse_injects
     from megascope.trainer.config import OVERLAP_DIMS, ModelConfig, TrainConfig
@@ -90,6 +96,7 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
                       layer_spans="none" if no_layer_spans else layer_spans, tp_comm_spans=tp_comm_spans,
                       bucket_mb=bucket_mb,
                       collector_ab=collector_ab, gc_interval=gc_interval, cpu_bind=cpu_bind,
+                      profile_steps=profile_steps, nvrx_straggler=nvrx_straggler,
                       overlap=frozenset() if "all" in no_overlap else frozenset(OVERLAP_DIMS) - set(no_overlap))
     # Never into an existing run: new parts would mix with the old ones. Under torchrun every rank
     # checks here, before the rendezvous, so no rank can have written anything yet.
@@ -97,6 +104,14 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
 
     if result_json is not None:
         layout.check_output_file(result_json, replace=True, runs=(out,))
+    if nvrx_straggler:
+        import importlib.util
+
+        from megascope.errors import ConfigError
+
+        if importlib.util.find_spec("nvidia_resiliency_ext") is None:
+            raise ConfigError("--nvrx-straggler needs the nvidia-resiliency-ext package, which is not installed "
+                              "(pip install nvidia-resiliency-ext)")
     layout.prepare_run_dir(out)
     # Only now, with every argument checked, does anything start.
     from megascope.trainer.launch import train as run_training

@@ -123,6 +123,10 @@ class TrainConfig:
     # ("slice"), or wherever the scheduler puts them ("none"); megascope.trainer.affinity.
     cpu_bind: str = "node"
     peak_flops: float | None = None  # per device; None = table (CUDA) or a short measurement (CPU)
+    # Other tools on the same run (megascope.trainer.peers): PyTorch-profiler traces of the last
+    # this many steps (0: none), and NVIDIA's straggler detector in the job.
+    profile_steps: int = 0
+    nvrx_straggler: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -185,6 +189,8 @@ class TrainConfig:
             raise ConfigError(f"unknown --cpu-bind {self.cpu_bind!r} (known: {', '.join(CPU_BIND)})")
         if self.gc_interval < 0:
             raise ConfigError(f"--gc-interval must be >= 0, got {self.gc_interval}")
+        if not 0 <= self.profile_steps <= self.steps:
+            raise ConfigError(f"--profile takes between 0 and --steps ({self.steps}) steps, got {self.profile_steps}")
         self.faults.validate(self.world_size, self.steps)
 
     def sampled_tp(self, device_type: str) -> bool:

@@ -47,6 +47,7 @@ from megascope.trainer.flops import model_flops_per_step, peak_flops
 from megascope.trainer.instrument import Comm, instrument_blocks, open_collector
 from megascope.trainer.model import GPTStage
 from megascope.trainer.parallel import ParallelState
+from megascope.trainer.peers import nvrx_detector, step_profiler
 from megascope.trainer.pipeline import MicroBatch, StageIO, run_1f1b
 from megascope.trainer.tp import TPContext
 from megascope.trainer.zero import ShardedOptimizer, lr_at
@@ -102,6 +103,7 @@ def run_meta(cfg: TrainConfig, *, device: torch.device, start_ns: int) -> RunMet
             "layer_spans": cfg.layer_spans, "tp_comm_spans": cfg.tp_comm_spans_on(device.type),
             "data": str(cfg.data) if cfg.data else "synthetic",
             "dtype": "bf16-autocast" if device.type == "cuda" else "fp32",
+            "profile_steps": cfg.profile_steps, "nvrx_straggler": cfg.nvrx_straggler,
         },
     )
 
@@ -229,7 +231,9 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device,
     # build would otherwise take the training thread's interpreter lock thousands of times a step.
     prefetch = Prefetcher(_source(cfg), steps=range(cfg.steps), global_batch=cfg.global_batch, rows=rows,
                           device=device, process=device.type == "cuda")
-    with manual_gc(cfg.gc_interval) as collect_now, prefetch as data:
+    with manual_gc(cfg.gc_interval) as collect_now, prefetch as data, \
+            step_profiler(cfg.profile_steps, cfg.steps, cfg.out, rank=ps.rank, device=device) as profiled, \
+            nvrx_detector(cfg.nvrx_straggler, cfg.out, rank=ps.rank) as nvrx_section:
         for step in range(cfg.steps):
             if cfg.collector_ab:
                 flushed = ab_switch(col, step, cfg.collector_ab, device)
@@ -238,7 +242,7 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device,
                 ab_on.append(col.recording)
             plan.set_step(step)
             lr = lr_at(step, base=cfg.lr, warmup=cfg.warmup_steps, total=cfg.steps)
-            with col.step(step):
+            with col.step(step), nvrx_section():
                 if collect_now(step):
                     gc.collect()  # the collector records it as a gc.gen2 host span
                 with col.span("data", kind=SpanKind.DATA):
@@ -267,7 +271,10 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device,
             step_ends.append(time.perf_counter())
             if progress is not None:
                 os.utime(progress)
-    opt.wait_params()
+            profiled(step)
+        # Inside the profiler's window: a collective still in flight when the profiler stops ends
+        # its recorded call after the profiler's state is gone (a crash seen on gloo).
+        opt.wait_params()
     return RankResult(losses=torch.stack(losses).tolist(),
                       step_seconds=[b - a for a, b in zip(step_ends, step_ends[1:], strict=False)],
                       collector_on=ab_on if cfg.collector_ab else None,
