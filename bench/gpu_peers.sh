@@ -10,7 +10,7 @@
 # holistictraceanalysis, nvidia-resiliency-ext, defusedxml, pynvml, and nvidia-cuda-cupti-cu12
 # (nvidia-resiliency-ext 0.4.1's extension is linked against CUDA 12's CUPTI).
 #
-# First a smoke test (a 2-GPU dp2 job of 5 steps with both, then each alone): the sweep keeps what
+# First a smoke test (a 2-GPU dp2 job of 6 steps with both, then each alone): the sweep keeps what
 # ran. A run may start until BUDGET_S; the peers are scored after the sweep.
 #
 #   OUT=/tmp/o SEED=151 BUDGET_S=300 bash bench/gpu_peers.sh      # after bench/gpu_setup.sh
@@ -33,12 +33,15 @@ nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv >"$OUT/gpus.t
   echo "libcupti.so.12: ${CUPTI12:-not found}"
   $PY -c "import hta, nvidia_resiliency_ext, nvrx_cupti_module; print('hta, nvrx import')" 2>&1 | tail -1
 } >"$OUT/smoke.txt"
-smoke() {  # smoke NAME ARGS...: a 2-GPU dp2 job of 5 steps
+smoke() {  # smoke NAME ARGS...: a 2-GPU dp2 job of 6 steps; fails where a trace holds no kernel
   local name=$1; shift
-  if timeout 150 $PY -m megascope train --nproc 2 --dp 2 --steps 5 --device cuda -o "/tmp/peers-smoke/$name" "$@" \
+  if timeout 150 $PY -m megascope train --nproc 2 --dp 2 --steps 6 --device cuda -o "/tmp/peers-smoke/$name" "$@" \
       >"/tmp/peers-smoke/$name.log" 2>&1; then
-    echo "$name: ok $(ls /tmp/peers-smoke/$name/profiler 2>/dev/null | wc -l) traces, nvrx report: $(head -c 300 /tmp/peers-smoke/$name/nvrx_straggler.json 2>/dev/null | tr '\n' ' ')"
-    return 0
+    local kernels=-1
+    for f in /tmp/peers-smoke/$name/profiler/*; do kernels=$(zcat "$f" | grep -c -E '"cat": ?"kernel"'); break; done
+    echo "$name: ok $(ls /tmp/peers-smoke/$name/profiler 2>/dev/null | wc -l) traces, kernel events in the first: $kernels, nvrx report: $(head -c 300 /tmp/peers-smoke/$name/nvrx_straggler.json 2>/dev/null | tr '\n' ' ')"
+    [ "$kernels" != 0 ]
+    return
   fi
   echo "$name: FAILED: $(grep -v '^USDT\|STAGE:' "/tmp/peers-smoke/$name.log" | tail -4 | tr '\n' ' ')"
   return 1

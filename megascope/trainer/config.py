@@ -191,6 +191,10 @@ class TrainConfig:
             raise ConfigError(f"--gc-interval must be >= 0, got {self.gc_interval}")
         if not 0 <= self.profile_steps <= self.steps:
             raise ConfigError(f"--profile takes between 0 and --steps ({self.steps}) steps, got {self.profile_steps}")
+        if self.nvrx_straggler and self.profile_steps and self.steps - self.profile_steps < 3:
+            raise ConfigError(f"--nvrx-straggler with --profile {self.profile_steps} needs --steps of at least "
+                              f"{self.profile_steps + 3}: NVIDIA's detector times the steps before the profiler's "
+                              "warm-up step")
         self.faults.validate(self.world_size, self.steps)
 
     def sampled_tp(self, device_type: str) -> bool:

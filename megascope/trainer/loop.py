@@ -47,7 +47,7 @@ from megascope.trainer.flops import model_flops_per_step, peak_flops
 from megascope.trainer.instrument import Comm, instrument_blocks, open_collector
 from megascope.trainer.model import GPTStage
 from megascope.trainer.parallel import ParallelState
-from megascope.trainer.peers import nvrx_detector, step_profiler
+from megascope.trainer.peers import nvrx_detector, nvrx_steps, step_profiler
 from megascope.trainer.pipeline import MicroBatch, StageIO, run_1f1b
 from megascope.trainer.tp import TPContext
 from megascope.trainer.zero import ShardedOptimizer, lr_at
@@ -233,7 +233,8 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device,
                           device=device, process=device.type == "cuda")
     with manual_gc(cfg.gc_interval) as collect_now, prefetch as data, \
             step_profiler(cfg.profile_steps, cfg.steps, cfg.out, rank=ps.rank, device=device) as profiled, \
-            nvrx_detector(cfg.nvrx_straggler, cfg.out, rank=ps.rank) as nvrx_section:
+            nvrx_detector(cfg.nvrx_straggler, cfg.out, rank=ps.rank,
+                          until=nvrx_steps(cfg.steps, cfg.profile_steps)) as nvrx:
         for step in range(cfg.steps):
             if cfg.collector_ab:
                 flushed = ab_switch(col, step, cfg.collector_ab, device)
@@ -242,7 +243,7 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device,
                 ab_on.append(col.recording)
             plan.set_step(step)
             lr = lr_at(step, base=cfg.lr, warmup=cfg.warmup_steps, total=cfg.steps)
-            with col.step(step), nvrx_section():
+            with col.step(step), nvrx.section(step):
                 if collect_now(step):
                     gc.collect()  # the collector records it as a gc.gen2 host span
                 with col.span("data", kind=SpanKind.DATA):
@@ -271,6 +272,7 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device,
             step_ends.append(time.perf_counter())
             if progress is not None:
                 os.utime(progress)
+            nvrx.after_step(step)
             profiled(step)
         # Inside the profiler's window: a collective still in flight when the profiler stops ends
         # its recorded call after the profiler's state is gone (a crash seen on gloo).

@@ -8,19 +8,21 @@
   The trainer waits for its last collectives inside the block: a call still in flight when the
   profiler stops would end its recorded event after the profiler's state is gone.
 - ``--nvrx-straggler``: NVIDIA's straggler detector (the ``nvidia-resiliency-ext`` package) in the
-  job. Each step runs inside its detection section; at the end every rank joins its report and
-  rank 0 writes the scores and the ranks it names to ``RUN/nvrx_straggler.json``. Its GPU score
-  compares each kernel's median time with the fastest rank's, over kernels that every rank ran and
-  leaving out NCCL's; the section score compares the step's host wall time.
+  job. Each step runs inside its detection section; after its last step every rank joins its
+  report and rank 0 writes the scores and the ranks it names to ``RUN/nvrx_straggler.json``. Its
+  GPU score compares each kernel's median time with the fastest rank's, over kernels that every
+  rank ran and leaving out NCCL's; the section score compares the step's host wall time. With
+  ``--profile`` it times the steps before the profiler's (:func:`nvrx_steps`).
 
 Neither is imported unless asked for. Example::
 
-    with step_profiler(3, cfg.steps, out, rank=0, device=device) as after_step, \\
-            nvrx_detector(True, out, rank=0) as section:
+    with step_profiler(3, cfg.steps, out, rank=0, device=device) as profiled, \\
+            nvrx_detector(True, out, rank=0, until=nvrx_steps(cfg.steps, 3)) as nvrx:
         for step in range(cfg.steps):
-            with section():
+            with nvrx.section(step):
                 ...
-            after_step(step)
+            nvrx.after_step(step)
+            profiled(step)
         wait_for_collectives_in_flight()
 """
 
@@ -72,26 +74,67 @@ def step_profiler(last: int, steps: int, out: Path, *, rank: int,
         yield lambda step: prof.step() if step < steps - 1 else None
 
 
+class _Nvrx:
+    """NVIDIA's detector in a job: each step up to ``until`` in its detection section, then its
+    report (a collective: every rank at the same step) and its shutdown."""
+
+    def __init__(self, out: Path, rank: int, until: int) -> None:
+        from nvidia_resiliency_ext import straggler  # type: ignore[import-not-found]
+
+        self.detector, self.out, self.rank, self.until = straggler.Detector, out, rank, until
+        # Reports are made once, at the end of its steps: no reporting interval inside the run.
+        self.detector.initialize(scores_to_compute="all", gather_on_rank0=True, profiling_interval=1,
+                                 report_time_interval=1e9)
+        self.active = True
+
+    def section(self, step: int) -> contextlib.AbstractContextManager[Any]:
+        if not self.active or step >= self.until:
+            return contextlib.nullcontext()
+        return self.detector.detection_section("step", profile_cuda=True)
+
+    def after_step(self, step: int) -> None:
+        if self.active and step == self.until - 1:
+            report = self.detector.generate_report()
+            if self.rank == 0:
+                (self.out / NVRX_REPORT).write_text(json.dumps(nvrx_summary(report), indent=1) + "\n")
+            self.close()
+
+    def close(self) -> None:
+        if self.active:
+            self.active = False
+            self.detector.shutdown()
+
+
+class _Off:
+    def section(self, step: int) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def after_step(self, step: int) -> None:
+        return None
+
+
 @contextlib.contextmanager
-def nvrx_detector(enabled: bool, out: Path, *, rank: int) -> Iterator[Callable[[], contextlib.AbstractContextManager[Any]]]:
-    """NVIDIA's straggler detector around each step (``enabled``); yields the step's section.
+def nvrx_detector(enabled: bool, out: Path, *, rank: int, until: int) -> Iterator[_Nvrx | _Off]:
+    """NVIDIA's straggler detector around steps ``0 .. until-1`` (``enabled``); yields what the loop
+    calls: ``section(step)`` around each step, ``after_step(step)`` after it.
 
-    Its report is a collective: every rank makes it after the last step, rank 0 writes it."""
+    Its timing and the profiler's must not overlap: it reads kernel times through CUDA 12's CUPTI
+    and the profiler through the one torch was built with, and while it holds the device's activity
+    records the profiler's traces come out without a kernel. So with ``--profile`` it stops (report
+    and shutdown) before the profiler's warm-up step: :func:`nvrx_steps`."""
     if not enabled:
-        yield contextlib.nullcontext
+        yield _Off()
         return
-    from nvidia_resiliency_ext import straggler  # type: ignore[import-not-found]
-
-    # Reports are made once, at the end: no reporting interval inside the run.
-    straggler.Detector.initialize(scores_to_compute="all", gather_on_rank0=True, profiling_interval=1,
-                                  report_time_interval=1e9)
+    nvrx = _Nvrx(out, rank, until)
     try:
-        yield lambda: straggler.Detector.detection_section("step", profile_cuda=True)
-        report = straggler.Detector.generate_report()
-        if rank == 0:
-            (out / NVRX_REPORT).write_text(json.dumps(nvrx_summary(report), indent=1) + "\n")
+        yield nvrx
     finally:
-        straggler.Detector.shutdown()
+        nvrx.close()
+
+
+def nvrx_steps(steps: int, profile_steps: int) -> int:
+    """The steps NVIDIA's detector times: all, or those before the profiler's warm-up step."""
+    return steps - profile_steps - 1 if profile_steps else steps
 
 
 def nvrx_summary(report: Any) -> dict[str, Any]:
