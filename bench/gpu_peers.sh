@@ -4,7 +4,8 @@
 # straggler detector (nvidia-resiliency-ext, --nvrx-straggler); then, on this machine where the
 # traces are, Holistic Trace Analysis and megascope's own Kineto import judge the traces, and the
 # traces are deleted (the scores come back, not the traces). Back under $OUT: table.txt,
-# sweep.jsonl, peers.jsonl, runs.tar.gz (run directories without traces, for --score-only), smoke.txt.
+# sweep.jsonl, peers.jsonl, runs.tar.gz (run directories without traces, for --score-only), smoke.txt
+# and smoke-trace.json.gz (rank 0's trace of the smoke job).
 #
 # Needs, carried in .wheels/ (bench/gpu_setup.sh installs them): duckdb, msgspec, plotly, pydot,
 # holistictraceanalysis, nvidia-resiliency-ext, defusedxml, pynvml, and nvidia-cuda-cupti-cu12
@@ -56,6 +57,8 @@ else
   [ -z "$PEERS" ] && [ -n "${NVRX_OK:-}" ] && PEERS="--nvrx"
 fi
 echo "sweep with: ${PEERS:-no peers}" >>"$OUT/smoke.txt"
+# One small trace back, to read here: rank 0 of the first smoke job that wrote one.
+for f in /tmp/peers-smoke/{both,profile}/profiler/rank00000*; do [ -f "$f" ] && cp "$f" "$OUT/smoke-trace.json.gz" && break; done
 cat "$OUT/smoke.txt"
 timeout $(( BUDGET_S + 200 )) $PY bench/detect_sweep.py -o "$WORK" --gpu --gpus "$GPUS" --seed "$SEED" \
   --budget-s "$BUDGET_S" --no-score --profile "$PROFILE" $PEERS ${SWEEP_ARGS:-} >/dev/null 2>"$OUT/sweep-progress.txt"
