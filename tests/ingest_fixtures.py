@@ -15,9 +15,10 @@ GEN_KINETO = Path(__file__).resolve().parents[1].parent / "shared" / "tools" / "
 
 
 def gpu_trace(rank: int, world: int, *, steps: int = 3, slow_rank: int | None = None, factor: float = 1.5,
-              seed: int = 0,
+              seed: int = 0, waits: int = 0,
               pgs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """A GPU-style trace: per step one forward and one backward kernel, then one NCCL all-reduce.
+    """A GPU-style trace: per step one forward and one backward kernel, then one NCCL all-reduce
+    (and ``waits`` times the ``record_param_comms`` named "wait" that torch writes for Work.wait()).
 
     The all-reduce kernel starts when the slowest rank arrives (simulated with the same seed on
     every rank), so the slow rank arrives last and its peers' kernels hold the wait.
@@ -70,6 +71,13 @@ def gpu_trace(rank: int, world: int, *, steps: int = 3, slow_rank: int | None = 
                        "args": {"device": 0, "stream": 13, "correlation": corr}})
         corr += 1
         ext += 1
+        for i in range(waits):
+            events.append({"ph": "X", "cat": "cpu_op", "name": "record_param_comms", "pid": 100 + rank, "tid": 1,
+                           "ts": t + 70.0 + i, "dur": 0.5,
+                           "args": {"External id": ext, "Collective name": "wait", "Process Group Name": "0",
+                                    "Process Group Ranks": str(list(range(world))), "In msg nelems": 0,
+                                    "Out msg nelems": 0, "Group size": world, "dtype": "Float"}})
+            ext += 1
         t = last + 40.0
         events.append({"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{step + 5}", "pid": 100 + rank,
                        "tid": 1, "ts": step_start, "dur": t - step_start, "args": {}})

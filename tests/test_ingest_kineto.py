@@ -193,6 +193,25 @@ def test_gpu_trace_maps_onto_the_schema(tmp_path: Path) -> None:
     assert run.meta.source == "kineto" and run.meta.mesh_sizes == {"pp": 1, "dp": 3, "tp": 1}
 
 
+def test_work_wait_records_are_not_calls_and_take_no_place_in_the_sequence(tmp_path: Path) -> None:
+    # torch 2.10+ records Work.wait() as record_param_comms "wait": rank 0 waits twice a step here,
+    # rank 1 once, rank 2 never; the all-reduces must still pair as 1, 2, 3 on every rank.
+    src = tmp_path / "src"
+    src.mkdir()
+    for rank in range(3):
+        write_trace(src / f"rank{rank}.pt.trace.json", gpu_trace(rank, 3, slow_rank=1, waits=2 - rank))
+    result = ingest_kineto(src, tmp_path / "run", workers=1)
+    assert not any("no execution" in w for w in result.warnings)
+    con = open_run(tmp_path / "run").con
+    seqs = con.execute("SELECT rank, list(seq ORDER BY seq) FROM spans WHERE kind = 'collective' GROUP BY 1 "
+                       "ORDER BY 1").fetchall()
+    assert seqs == [(r, [1, 2, 3]) for r in range(3)]
+    assert con.execute("SELECT count(*) FROM markers").fetchone() == (18,)
+    last = con.execute("SELECT seq, arg_max(rank, start_ns) FROM spans WHERE kind = 'collective' GROUP BY seq "
+                       "ORDER BY seq").fetchall()
+    assert [r[1] for r in last] == [1, 1, 1]
+
+
 def test_parallel_and_serial_ingest_agree(tmp_path: Path) -> None:
     _write_job(tmp_path / "src", 2, gz=False)
     ingest_kineto(tmp_path / "src", tmp_path / "a", workers=1)

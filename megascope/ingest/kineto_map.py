@@ -500,7 +500,11 @@ def _resolve_comms(
     steps: _Steps,
     stats: Counter[str],
 ) -> list[_Comm]:
-    rpc = [c for c in events.comm_calls if c.source == "rpc"]
+    # torch (2.10 and later) also records each Work.wait() as a record_param_comms named "wait",
+    # with no message and no kernel: not a call. Counted as one, it would take a place in its
+    # group's sequence, and a rank that waits more often would pair its collectives with the
+    # wrong calls of its peers.
+    rpc = [c for c in events.comm_calls if c.source == "rpc" and c.args.get("Collective name") != "wait"]
     if rpc or nccl_device:
         return _nccl_comms(events, rpc, nccl_device, _Annotations(events.comm_calls), rank=rank, pg_groups=pg_groups,
                            steps=steps, stats=stats)
