@@ -303,12 +303,17 @@ def test_straggler_mode_is_part_of_the_shared_grammar() -> None:
         parse_inject("straggler:rank=3,mode=time")
 
 
-def test_detect_sweep_plan_covers_the_fault_space() -> None:
+def _sweep_module() -> Any:
     spec = importlib.util.spec_from_file_location("detect_sweep", Path(__file__).parents[1] / "bench" / "detect_sweep.py")
     assert spec and spec.loader
     sweep = importlib.util.module_from_spec(spec)
     sys.modules["detect_sweep"] = sweep
     spec.loader.exec_module(sweep)
+    return sweep
+
+
+def test_detect_sweep_plan_covers_the_fault_space() -> None:
+    sweep = _sweep_module()
     runs = sweep.plan(sweep.CPU_MESHES, 22, gpu=False)
     assert len(runs) >= 60
     assert {r["mesh"] for r in runs} == set(sweep.CPU_MESHES) and all(tp * pp * dp == 8 for tp, pp, dp in sweep.CPU_MESHES)
@@ -328,6 +333,29 @@ def test_detect_sweep_plan_covers_the_fault_space() -> None:
     kinds = [r["kind"] for r in gpu]
     assert kinds.index("hang") == len(kinds) - kinds.count("hang") == 52
     assert set(kinds[:26]) == {"straggler", "skew", "healthy"}  # and the rest shuffled together
+
+
+def test_the_other_tools_are_scored_like_megascope_on_the_same_runs() -> None:
+    sweep = _sweep_module()
+    slow = {"kind": "straggler", "rank": 2, "inject": "straggler:rank=2,factor=1.15,mode=time"}
+    healthy = {"kind": "healthy", "rank": None, "inject": None}
+    report = {"named": {"gpu_relative": [], "section_relative": {"step": [3]}},
+              "gpu_relative": {"0": 1.0, "1": 0.98, "2": 0.99, "3": float("nan")},
+              "section_relative": {"step": {"0": 1.0, "3": 0.7}}}
+    nvrx = sweep.nvrx_score(slow, report)
+    assert (nvrx["nvrx"], nvrx["nvrx_right"], nvrx["nvrx_gpu_lowest"], nvrx["nvrx_step_lowest"]) == ([3], False, 1, 3)
+    assert sweep.nvrx_score(healthy, report | {"named": {"gpu_relative": [], "section_relative": {}}})["nvrx_right"]
+    rows = [
+        slow | {"first_right": False, "kineto": [2, 3], "kineto_right": True, "hta": "error: argmax",
+                "hta_renamed": [1], "nvrx": [], "nvrx_right": False, "nvrx_gpu_lowest": 2},
+        healthy | {"first_right": True, "kineto": [0], "kineto_right": False, "hta": "error: argmax",
+                   "hta_renamed": [1], "nvrx": [], "nvrx_right": True, "nvrx_gpu_lowest": 2},
+        healthy | {"first_right": True},  # a run the other tools did not reach
+    ]
+    lines = sweep.peers_table(rows).splitlines()
+    assert lines[2] == "| straggler x1.15 | 1 | 0/1 | 1/1 | error (1) | 0/1 | 0/1 | 1/1 |"
+    # HTA always names a rank, so it is wrong on every healthy run; nobody's lowest score is a verdict.
+    assert lines[3] == "| healthy | 2 | 2/2 | 0/1 | error (1) | 0/1 | 1/1 | - |"
 
 
 @pytest.mark.gpu
