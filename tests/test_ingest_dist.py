@@ -124,3 +124,47 @@ def test_real_gloo_job_slow_rank_and_hang(tmp_path: Path) -> None:
     if hasattr(analysis, "localize"):
         verdict = analysis.localize(hang)
         assert verdict["hung"] and verdict["suspects"][0]["rank"] == HUNG_RANK
+
+
+def _rs_job(rank: int, init_file: str, trace_dir: str) -> None:
+    import gc
+
+    gc.freeze()
+    import torch
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    grads, shard, norm = torch.ones(2 * 4096), torch.empty(4096), torch.ones(1)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):  # FSDP's gradient reduction, then a norm: 3 reduce-scatters, 3 all-reduces
+            dist.reduce_scatter_tensor(shard, grads)
+            dist.all_reduce(norm)
+    prof.export_chrome_trace(f"{trace_dir}/rank{rank}.pt.trace.json")
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+@pytest.mark.dist
+def test_gloo_reduce_scatter_pairs_with_the_all_reduce_gloo_runs_it_as(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    import gc
+
+    gc.collect()
+    mp.start_processes(_rs_job, args=(str(tmp_path / "init"), str(traces)), nprocs=2, start_method="fork", join=True)
+    result = ingest_kineto(traces, tmp_path / "run")
+    assert not any("no execution" in w or "without an enqueue" in w for w in result.warnings), result.warnings
+    con = open_run(tmp_path / "run").con
+    ops = con.execute("SELECT rank, list(op ORDER BY start_ns) FROM spans WHERE kind = 'collective' GROUP BY 1 "
+                      "ORDER BY 1").fetchall()
+    assert ops == [(r, ["reduce_scatter", "all_reduce"] * 3) for r in range(2)]
+    # Each execution is its own call's: it starts after the call was enqueued.
+    late = con.execute("""SELECT count(*) FROM spans s JOIN markers m ON s.rank = m.rank AND s.seq = m.seq
+                          AND s."group" = m."group" AND m.state = 'enqueued'
+                          WHERE s.kind = 'collective' AND s.start_ns + 1000 < m.time_ns""").fetchone()
+    assert late == (0,)

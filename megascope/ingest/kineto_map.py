@@ -637,6 +637,12 @@ def _host_bytes(args: dict[str, Any]) -> int | None:
     return n * size
 
 
+# gloo has no reduce-scatter of its own: ProcessGroupGloo runs ``_reduce_scatter_base`` (FSDP's
+# gradient reduction, the bundled trainer's) as an all-reduce, and the trace shows a
+# ``gloo:all_reduce`` execution for it.
+_GLOO_RUNS_AS: dict[str, str] = {CollectiveOp.REDUCE_SCATTER: CollectiveOp.ALL_REDUCE}
+
+
 def _gloo_comms(
     events: RankEvents,
     *,
@@ -659,7 +665,7 @@ def _gloo_comms(
         op = normalize_op(call.name)
         if op == CollectiveOp.OTHER:
             continue
-        queue = execs.get(op)
+        queue = execs.get(_GLOO_RUNS_AS.get(op, op))
         # An execution that started before this call belongs to a call outside the trace window.
         while queue and queue[0].ts < call.ts - 1.0:
             queue.popleft()
