@@ -111,7 +111,9 @@ def none_named(served: ServedRun, dismissed: list[Any]) -> tuple[list[Any], str]
 
 # Under the dismissed ranks where the replay saw only some calls: its saving is a lower bound.
 LOWER_BOUND_NOTE = ("At least: the collector timed some calls in one micro-batch a step, and the replay cannot free "
-                    "the waits behind the others; a rank not named here may still cost the job more.")
+                    "the waits behind the others; a rank not named here may still cost the job more. To settle it, "
+                    "time every call for a few steps (the bundled trainer's --tp-comm-spans all, or torch.profiler "
+                    "and megascope ingest kineto).")
 
 
 def register(app: Dash, registry: RunRegistry) -> None:
