@@ -51,7 +51,6 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from megascope.errors import OutputError
 from megascope.schema import STEP_SUMS_VERSION, TABLES, RunMeta
@@ -363,6 +362,10 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def write_table_atomic(path: Path, table: pa.Table, *, compression: str = "zstd") -> None:
     """Write ``table`` to ``path`` through a temporary file and a rename."""
+    # Imported here, not with the module: a process that only reads runs (the report) never loads
+    # pyarrow's Parquet module and the filesystems it brings (~10 MB resident).
+    import pyarrow.parquet as pq
+
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -448,6 +451,8 @@ def write_spans_part(run_dir: Path | str, data: pa.Table, *, rank: int, run_id: 
 
 def part_run_id(path: Path | str) -> str | None:
     """The run id stamped into a part, or None (a part written without one)."""
+    import pyarrow.parquet as pq
+
     raw = (pq.read_metadata(path).metadata or {}).get(RUN_ID_KEY)
     return raw.decode(errors="replace") if raw is not None else None
 

@@ -44,7 +44,6 @@ from pathlib import Path
 
 import duckdb
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from megascope import layout
 from megascope.errors import RunDirError, SchemaVersionError
@@ -243,6 +242,10 @@ def _check_part(path: Path, table: str, run_id: str, con: duckdb.DuckDBPyConnect
     """Why ``path`` cannot be read as a part of ``table`` of run ``run_id``, or None if it can.
 
     With ``con``, DuckDB reads the footer too (it parses some damaged footers pyarrow accepts)."""
+    # Imported here, not with the module: only parts that fail the cheap checks get here, and
+    # pyarrow's Parquet module (with the filesystems it brings) is ~10 MB of a report's memory.
+    import pyarrow.parquet as pq
+
     try:
         schema = pq.read_schema(path)
         part_run_id = layout.part_run_id(path)

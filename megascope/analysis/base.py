@@ -243,7 +243,7 @@ def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None, persis
                     _sql.mark_built(con, "base")
                     log.info("base tables read from %s", persist.cache_dir(root))
                     return
-            elif (new := persist.appended(root, meta, now)) is not None:
+            elif (new := persist.appended(con, root, meta, now)) is not None:
                 say("extending the analysis cache")
                 params = _extend(con, root, meta, new, say)
                 if params is not None:

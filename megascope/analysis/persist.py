@@ -244,19 +244,18 @@ def load(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], table
     return True
 
 
-def appended(root: Path, meta: dict[str, Any], now: Key) -> dict[str, list[str]] | None:
+def appended(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any],
+             now: Key) -> dict[str, list[str]] | None:
     """The growing tables' files that are new since the cache ``meta`` describes was built, by
     table (absolute paths), when that is all that changed: the same code, ``run.json``, ranks and
     groups, and every file it was built from still there as it was. None otherwise."""
     if meta.get("base_key") != now.base or meta.get("key") == now.digest:
         return None
     try:
-        import pyarrow.parquet as pq
-
-        manifest = pq.read_table(_checked(cache_dir(root), meta["files"])).to_pydict()
-        old = dict(zip(manifest["path"], zip(manifest["table"], manifest["bytes"], manifest["mtime_ns"],
-                                             strict=True), strict=True))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        manifest = _checked(cache_dir(root), meta["files"])
+        old = {str(path): (str(table), int(size), int(mtime)) for path, table, size, mtime in con.execute(
+            f'SELECT path, "table", bytes, mtime_ns FROM read_parquet({_quote(manifest)})').fetchall()}
+    except (OSError, ValueError, KeyError, TypeError, duckdb.Error) as exc:
         log.info("analysis cache %s: no file list (%s)", cache_dir(root), exc)
         return None
     if any(now.files.get(path) != tuple(entry) for path, entry in old.items()):
@@ -280,9 +279,6 @@ def save(con: duckdb.DuckDBPyConnection, root: Path, now: Key, tables: list[str]
     the build's ``params`` (compared by a later extension). Returns whether it did; any failure (a
     read-only run, a full disk) leaves the run as it was, but for temporary files it could not
     remove."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     where = cache_dir(root)
     tag = uuid.uuid4().hex[:12]
     suffix = now.digest[:16]
@@ -300,9 +296,12 @@ def save(con: duckdb.DuckDBPyConnection, root: Path, now: Key, tables: list[str]
         tmp = where / f".tmp-{tag}-files.parquet"
         staged[tmp] = where / f"files-{suffix}.parquet"
         paths = sorted(now.files)
-        pq.write_table(pa.table({"path": paths, "table": [now.files[p][0] for p in paths],
-                                 "bytes": [now.files[p][1] for p in paths],
-                                 "mtime_ns": [now.files[p][2] for p in paths]}), tmp, compression="zstd")
+        # Written by DuckDB, not pyarrow: a report then never loads pyarrow's Parquet module.
+        con.execute('COPY (SELECT unnest(?::VARCHAR[]) AS path, unnest(?::VARCHAR[]) AS "table", '
+                    f"unnest(?::BIGINT[]) AS bytes, unnest(?::BIGINT[]) AS mtime_ns) TO {_quote(tmp)} "
+                    "(FORMAT parquet, COMPRESSION zstd)",
+                    [paths, [now.files[p][0] for p in paths], [now.files[p][1] for p in paths],
+                     [now.files[p][2] for p in paths]])
         files_entry: dict[str, Any] = {"file": staged[tmp].name, "bytes": tmp.stat().st_size, "sha256": _sha256(tmp)}
         for tmp, final in list(staged.items()):
             os.replace(tmp, final)
@@ -313,7 +312,7 @@ def save(con: duckdb.DuckDBPyConnection, root: Path, now: Key, tables: list[str]
                                        "written_ns": time.time_ns(), "params": params or {},
                                        "files": files_entry, "tables": entries}, indent=1))
         os.replace(key_tmp, where / KEY_FILE)
-    except (OSError, duckdb.Error, pa.ArrowException) as exc:
+    except (OSError, duckdb.Error) as exc:
         log.info("analysis cache not written to %s (%s); kept in memory", where, exc)
         for tmp in staged:
             with contextlib.suppress(OSError):
