@@ -108,9 +108,9 @@ class StragglerConfig:
 
 
 def score(con: duckdb.DuckDBPyConnection, config: StragglerConfig | None = None) -> None:
-    """Build ``ms_cache.rank_scores`` (after :func:`prepare`), through ``ms_cache.peer_step``; or
-    read it from the run's analysis cache, where it was kept for the same base tables, thresholds
-    and SQL (then ``peer_step`` is not built)."""
+    """Build ``ms_cache.rank_scores`` (after :func:`prepare`), through ``ms_cache.peer_step``
+    (dropped once read); or read it from the run's analysis cache, where it was kept for the same
+    base tables, thresholds and SQL (then ``peer_step`` is not built)."""
     config = config or StragglerConfig()
     _sql.execute(con, "stragglers", "macros")
     spans = has_step_spans(con)
@@ -120,6 +120,7 @@ def score(con: duckdb.DuckDBPyConnection, config: StragglerConfig | None = None)
         return
     _sql.execute(con, "stragglers", "peer_step", has_step_spans=spans, rel_floor=config.rel_floor)
     _sql.execute(con, "stragglers", "rank_scores", min_slowdown=config.min_slowdown, z=config.z)
+    _sql.execute(con, "stragglers", "drop_peer_step")
     persist.save_extra(con, kept, table="rank_scores")
 
 

@@ -95,13 +95,16 @@ def _float_map(series: pd.Series) -> dict[int, float]:
 
 def _steps_frame(con: duckdb.DuckDBPyConnection, steps: list[int]) -> pd.DataFrame:
     """Communication spans of ``steps`` with instance keys, on the reference clock (one scan of
-    the spans, kept in the run's analysis cache for the next report)."""
+    the spans, kept in the run's analysis cache for the next report; not in memory once read)."""
     step_list = ", ".join(str(int(s)) for s in steps) or "NULL"
     table = "whatif_" + "_".join(str(int(s)) for s in steps)[:200]
     if not persist.load_extra(con, table):
         _sql.execute(con, "whatif", "events", table=table, steps=_sql.Raw(step_list))
         persist.save_extra(con, table)
-    return _sql.query_df(con, "whatif", "events_in_order", table=table)
+    try:
+        return _sql.query_df(con, "whatif", "events_in_order", table=table)
+    finally:
+        _sql.execute(con, "whatif", "drop_events", table=table)
 
 
 def _segments(frame: pd.DataFrame) -> tuple[np.ndarray, pd.Series]:

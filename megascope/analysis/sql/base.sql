@@ -264,7 +264,10 @@ WITH spans_lvl AS (
     FROM {{spans}} s
     WHERE s.step IS NOT NULL AND {{where}}
     GROUP BY s.rank, s.step, grp
-), sums AS MATERIALIZED (
+), sums AS NOT MATERIALIZED (
+    -- Read where it is used (three times), not materialized: DuckDB keeps a materialized CTE as
+    -- one chunk per file read, and the twins of a run's parts hold a few rows each (90 MB of
+    -- COLUMN_DATA for the 20,480 rows of a 256-rank run's 256 twins, for a 5,120-row result).
     SELECT * FROM step_sums s WHERE {{where}}
 ), sums_split AS (
     -- (rank, step, group)s with rows in more than one file (a step that crossed a flush, or

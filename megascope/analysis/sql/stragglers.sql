@@ -176,6 +176,11 @@ SELECT rank, any_value(stage) AS stage, count(*) AS steps, any_value(sigma) AS s
        max(z_own) AS max_z
 FROM f GROUP BY rank;
 
+-- @statement drop_peer_step
+-- peer_step is read by rank_scores alone: dropped once that is built, so that it does not stay in
+-- memory for the rest of the analysis (a row per rank-step, 38 columns).
+DROP TABLE IF EXISTS ms_cache.peer_step;
+
 -- @statement candidates
 -- Stragglers and comm-slow ranks, with place, host and the evidence that names them.
 --

@@ -37,6 +37,11 @@ WINDOW w AS (PARTITION BY step, is_coll, grp, seq, sender, receiver);
 -- @column step, rank, kind, arrival_ns, end_ns, step_start_ns, step_end_ns, stage, inst, xfer_ns  as in events
 SELECT * EXCLUDE (seq) FROM ms_cache.{{table}} ORDER BY step, rank, arrival_ns, kind <> 'send', seq;
 
+-- @statement drop_events
+-- ms_cache.{{table}} once events_in_order has read it: the replay works on that frame, and the
+-- run's analysis cache keeps the table on disk for the next report.
+DROP TABLE IF EXISTS ms_cache.{{table}};
+
 -- @statement events_per_step
 -- How many events a replay of one step handles: collective instances per rank-step plus one.
 -- @column events  per step, summed over ranks (NULL without steps)
