@@ -112,7 +112,7 @@ def _segments(frame: pd.DataFrame) -> tuple[np.ndarray, pd.Series]:
 
     After a send the rank went on at once, so the next segment starts at the send's arrival.
     """
-    resume = frame["end_ns"].where(frame["kind"] != "send", frame["arrival_ns"])
+    resume = frame["end_ns"].where(~frame["posted"], frame["arrival_ns"])
     prev_end = resume.groupby(frame["rank"]).shift(1)
     start = prev_end.fillna(frame["step_start_ns"])
     own = (frame["arrival_ns"] - start).clip(lower=0).to_numpy(dtype=float)
@@ -131,7 +131,7 @@ def replay_step(frame: pd.DataFrame, fixed_ranks: set[int]) -> tuple[float, floa
     xfer_by_inst[inst_of_row] = frame["xfer_ns"].to_numpy(dtype=float)
     own, tail = _segments(frame)
     rank_arr = frame["rank"].to_numpy()
-    posted = (frame["kind"] == "send").to_numpy()
+    posted = frame["posted"].to_numpy(dtype=bool)
     firsts = frame.groupby("rank")["step_start_ns"].first()
     start = _float_map(firsts - firsts.min())
     base = _simulate(rank_arr, inst_of_row, own, _float_map(tail), xfer_by_inst, posted, start)

@@ -34,8 +34,11 @@ WINDOW w AS (PARTITION BY step, is_coll, grp, seq, sender, receiver);
 -- @statement events_in_order
 -- The events of ms_cache.{{table}} in replay order: per step and rank by arrival, a send before a
 -- receive that arrives at the same time.
--- @column step, rank, kind, arrival_ns, end_ns, step_start_ns, step_end_ns, stage, inst, xfer_ns  as in events
-SELECT * EXCLUDE (seq) FROM ms_cache.{{table}} ORDER BY step, rank, arrival_ns, kind <> 'send', seq;
+-- @column step, rank, arrival_ns, end_ns, step_start_ns, step_end_ns, stage, inst, xfer_ns  as in events
+-- @column posted  the event is a send (its rank goes on at once): all the replay needs of its kind,
+--                 as a flag (a column of strings, one per event, took ~8 MB of a 256-rank report)
+SELECT * EXCLUDE (seq, kind), kind = 'send' AS posted
+FROM ms_cache.{{table}} ORDER BY step, rank, arrival_ns, kind <> 'send', seq;
 
 -- @statement drop_events
 -- ms_cache.{{table}} once events_in_order has read it: the replay works on that frame, and the
