@@ -188,9 +188,9 @@ def main() -> None:
         good = hta[2] == 0
         nan = float("nan")
         print(f"| {size} | {truth['total_events'] / 1e6:.2f}M | {int(truth['total_bytes_on_disk']) / 1e9:.2f} GB | "
-              f"{ingest[0]:.1f} + {report[0]:.1f} = {wall:.1f} s / {cpu:.1f} s{ok} | {peak / gb:.2f} ({peak_rss / gb:.2f}) GB | "
+              f"{ingest[0]:.1f} + {report[0]:.1f} = {wall:.1f} s / {cpu:.1f} s{ok} | {peak / gb:.2f} ({peak_rss / gb:.2f}) GiB | "
               f"{_named(report[6])} ({truth.get('straggler_rank')}) | "
-              f"{hta[0]:.1f} s / {hta[4]:.1f} s | {hta[1] / gb:.2f} ({hta[5] / gb:.2f}) GB | "
+              f"{hta[0]:.1f} s / {hta[4]:.1f} s | {hta[1] / gb:.2f} ({hta[5] / gb:.2f}) GiB | "
               f"{(hta[4] / cpu if good and cpu else nan):.1f}x | {(hta[0] / wall if good else nan):.1f}x | "
               f"{(hta[1] / peak if good and peak else nan):.1f}x |")
 
