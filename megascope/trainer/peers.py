@@ -30,14 +30,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-
-log = logging.getLogger(__name__)
 
 PROFILER_DIR = "profiler"
 NVRX_REPORT = "nvrx_straggler.json"
