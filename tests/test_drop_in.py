@@ -518,4 +518,6 @@ def test_point_to_point_calls_are_seen_and_a_pipeline_hang_is_localized(tmp_path
                     cwd=tmp_path)
     assert proc.returncode != 0
     result = megascope_json("localize", str(tmp_path / "hang"))
-    assert result["hung"] is True and result["suspects"][0]["rank"] == 0
+    # Once, in a full suite on a loaded machine, this read not hung (9 reruns, 6 of them three at a
+    # time, passed): the verdict and the job's own output say which side failed, next time.
+    assert result["hung"] is True and result["suspects"][0]["rank"] == 0, (result, proc.stderr[-2000:])
