@@ -224,6 +224,11 @@ def peers_score(r: dict[str, Any], path: Path) -> dict[str, Any]:
     return out
 
 
+def _error(exc: Exception) -> str:
+    """A tool's failure as a table cell: its message's first line, or the exception's name."""
+    return f"error: {(str(exc).splitlines() or [type(exc).__name__])[0][:80]}"
+
+
 def _right(r: dict[str, Any], ranks: list[int]) -> bool:
     """A peer's pick scored like ours: the planted rank first, or nothing on a healthy run."""
     return bool(ranks and ranks[0] == r["rank"]) if r["rank"] is not None else not ranks
@@ -243,14 +248,13 @@ def hta_score(r: dict[str, Any], trace_dir: Path) -> dict[str, Any]:
         try:
             return [int(x) for x in TraceAnalysis(trace_dir=str(directory)).get_potential_stragglers(num_candidates=1)]
         except Exception as exc:  # HTA's own failures are part of the comparison
-            return f"error: {(str(exc).splitlines() or [type(exc).__name__])[0][:80]}"
+            return _error(exc)
 
     out: dict[str, Any] = {"hta": run(trace_dir)}
     if isinstance(out["hta"], list):
         out["hta_right"] = _right(r, out["hta"])
         return out
     import gzip
-    import shutil
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -266,7 +270,6 @@ def hta_score(r: dict[str, Any], trace_dir: Path) -> dict[str, Any]:
             out["hta_renamed"] = run(Path(tmp))
             if isinstance(out["hta_renamed"], list):
                 out["hta_right"] = _right(r, out["hta_renamed"])
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
@@ -287,7 +290,7 @@ def kineto_score(r: dict[str, Any], path: Path) -> dict[str, Any]:
         named = [int(s["rank"]) for s in res["stragglers"]]
         return {"kineto": named, "kineto_right": _right(r, named)}
     except Exception as exc:
-        return {"kineto": f"error: {(str(exc).splitlines() or [type(exc).__name__])[0][:80]}"}
+        return {"kineto": _error(exc)}
     finally:
         shutil.rmtree(tmp.parent, ignore_errors=True)
 

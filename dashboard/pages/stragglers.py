@@ -92,6 +92,8 @@ def dismissed_notes(served: ServedRun, limit: int = 5) -> list[Any]:
             f"{'-' if saving is None or saving != saving else f'{100 * float(saving):.1f}%'} "
             "of the step.", className="hint dismissed"))
     if data.dismissed_unsure(served):
+        from megascope.analysis.stragglers import LOWER_BOUND_NOTE
+
         out.append(html.P(LOWER_BOUND_NOTE, className="hint dismissed"))
     return out
 
@@ -103,17 +105,13 @@ def none_named(served: ServedRun, dismissed: list[Any]) -> tuple[list[Any], str]
     if not dismissed:
         return whatif_cards({}, n_stragglers=0), "No stragglers: every rank keeps up with its peers."
     if data.dismissed_unsure(served):
+        from megascope.analysis.stragglers import StragglerConfig
+
+        bar = 100 * StragglerConfig().min_host_saving
         return ([card("stragglers", "0", "named; the gain of the late ones is unsure (some calls untimed)")],
-                "No stragglers named: the ranks below are late, at a cost the replay puts under 0.7% of the step.")
+                f"No stragglers named: the ranks below are late, at a cost the replay puts under {bar:g}% of the step.")
     return (whatif_cards({}, n_stragglers=0),
             "No stragglers: no rank's delay costs the job a measurable share of its step.")
-
-
-# Under the dismissed ranks where the replay saw only some calls: its saving is a lower bound.
-LOWER_BOUND_NOTE = ("At least: the collector timed some calls in one micro-batch a step, and the replay cannot free "
-                    "the waits behind the others; a rank not named here may still cost the job more. To settle it, "
-                    "time every call for a few steps (the bundled trainer's --tp-comm-spans all, or torch.profiler "
-                    "and megascope ingest kineto).")
 
 
 def register(app: Dash, registry: RunRegistry) -> None:

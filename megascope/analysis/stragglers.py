@@ -322,6 +322,13 @@ def replay_lower_bound(run: Run) -> bool:
     return bool(row and row[0])
 
 
+# What the report and the dashboard say under ranks dismissed on a lower-bound replay.
+LOWER_BOUND_NOTE = ("At least: the collector timed some calls in one micro-batch a step, and the replay cannot free "
+                    "the waits behind the others; a rank not named may still cost the job more. To settle it, time "
+                    "every call for a few steps: the bundled trainer's --tp-comm-spans all, or torch.profiler and "
+                    "'megascope ingest kineto', which sees every kernel.")
+
+
 # At most this many ranks flagged for their host are replayed (a replay is Python over a few
 # steps' calls); any further ones keep their name.
 HOST_REPLAYS = 8

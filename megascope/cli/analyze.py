@@ -92,10 +92,9 @@ def _print_report(r: dict[str, Any]) -> None:
                    f"({d['slowdown']:.2f}x own time, no longer spans), but a replay of its steps at its peers' pace "
                    f"saves {at_least}{saving} of the step")
     if any(d.get("saving_lower_bound") for d in (r.get("stragglers_dismissed") or [])[:5]):
-        click.echo("  (at least: some calls were timed in one micro-batch a step; the replay cannot free the "
-                   "waits behind the others, and a rank not named may still cost the job more. To settle it, time "
-                   "every call for a few steps: the bundled trainer's --tp-comm-spans all, or torch.profiler and "
-                   "'megascope ingest kineto', which sees every kernel)")
+        from megascope.analysis.stragglers import LOWER_BOUND_NOTE
+
+        click.echo(f"  ({LOWER_BOUND_NOTE})")
     w = r.get("whatif")
     if w:
         gain = 100 * (1 - 1 / w["speedup"]) if w["speedup"] else 0.0
