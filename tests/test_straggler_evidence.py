@@ -186,7 +186,7 @@ def test_report_json_carries_confidence_and_evidence(tmp_path: Path) -> None:
     first = result["stragglers"][0]
     assert first["rank"] == 6
     assert set(first["evidence"]) == {"z", "own_time_t", "wait_caused_t", "last_arrival_z", "compute_span_share",
-                                      "compute_span_t", "device_idle_frac", "cpu_slowdown"}
+                                      "compute_span_t", "device_idle_frac", "cpu_slowdown", "tp_compute_ratio"}
     assert first["evidence"]["last_arrival_z"] > 0 and first["evidence"]["wait_caused_t"] > 0
     cpu = first["evidence"]["cpu_slowdown"]
     assert cpu is None or np.isnan(cpu)  # this run's ranks wrote no host probes
@@ -402,3 +402,33 @@ def test_a_mesh_whose_stages_have_one_rank_each_says_stragglers_cannot_be_told(
     paired = synth(tmp_path / "paired", "straggler:rank=1,factor=1.6", ranks=4, pp=2, tp=1, steps=6, seed=3)
     result = analysis.report(open_run(paired), with_whatif=False)
     assert [s["rank"] for s in result["stragglers"]] == [1] and result["stragglers_withheld"] is None
+
+
+def test_on_a_real_tp_pair_the_slow_gpu_is_named_for_its_compute_outside_the_tp_calls(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli: Any) -> None:
+    """tests/data/gpu-tp-pair: the detection sweep's model on 4x H200 (pp2 x tp2, 16 steps, NCCL,
+    TP calls timed in one micro-batch a step), rank 2's GPU planted 1.15x slow. Its TP partner's
+    forward and backward spans hold the wait for it, so both read as long and rank 2, last at its
+    group's calls, reads ``host``; a replay that sees a quarter of the TP calls saves under 0.7%
+    and would dismiss it. Less its TP calls, its compute is 1.2x its partner's in every timed
+    micro-batch while the other pair is within 1% of each other: named, for its compute."""
+    from megascope.analysis import _sql
+
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "gpu-tp-pair", tmp_path / "run"))
+    tp = _sql.query_df(run.con, "stragglers", "tp_exclusive", ranks=[0, 1, 2, 3], bar=1.1).set_index("rank")
+    assert 1.15 < tp.at[2, "ratio"] < 1.3 and tp.at[2, "slow_frac"] == 1.0
+    assert tp.at[0, "imbalance"] < 1.01 and tp.at[2, "other_imbalance"] < 1.01
+    assert tp.at[3, "ratio"] < 0.9                           # its partner: less compute, more waiting
+    found = analysis.stragglers(run)
+    assert list(found["rank"]) == [2]
+    row = found.iloc[0]
+    assert row["cause"] == "compute" and 1.15 < row["tp_compute_ratio"] < 1.3 and row["slowdown"] >= 1.1
+    assert analysis.report(run, with_whatif=False)["stragglers"][0]["evidence"]["tp_compute_ratio"] > 1.15
+    text = cli("report", str(tmp_path / "run"))
+    assert text.exit_code == 0 and "rank 2: compute outside its TP calls 1.2" in text.output
+    # Without that measure the rank reads host, and the lower-bound replay dismisses it.
+    monkeypatch.setattr(straggler_module, "TP_SLOW_FRAC", 1.01)
+    assert analysis.stragglers(run).empty
+    assert list(analysis.stragglers_dismissed(run)["rank"]) == [2]

@@ -40,7 +40,7 @@ COLUMNS = [
     "rank", "host", "coords", "pp", "dp", "tp", "phase", "cause", "slowdown", "steps_slow_frac", "steps",
     "excess_ns", "base_own_ns", "last_arrival_frac", "late_at", "impact",
     "z", "p_value", "confidence", "t_own", "t_blame", "last_z", "spans_share", "t_spans", "device_idle_frac",
-    "cpu_slowdown",
+    "cpu_slowdown", "tp_compute_ratio",
 ]
 # A rank's host probe (megascope.schema.HOST_PROBE_METRIC) is compared with the median rank's only
 # where at least this many ranks wrote at least HOST_PROBE_MIN probes each.
@@ -167,6 +167,61 @@ def _attribute(c: pd.DataFrame, sizes: dict[str, int]) -> pd.DataFrame:
                          "spans_share": share})
 
 
+# TP-exclusive compute (sql/stragglers.sql, statement tp_exclusive): a rank read as ``host`` whose
+# compute outside its TP calls is at least ``min_named_slowdown`` times its partners' (median over
+# the timed micro-batches), in at least this share of them, while no other TP group read is
+# unbalanced by more than half its excess, is named for its compute. Besides its own group's, the
+# spans of at most TP_REFERENCE_GROUPS other TP groups are read for that noise.
+TP_SLOW_FRAC = 0.5
+TP_REFERENCE_GROUPS = 4
+
+
+def _tp_stretched(run: Run, frame: pd.DataFrame, config: StragglerConfig) -> pd.DataFrame:
+    """Cause ``compute`` (phase ``compute``) for the rows read as ``host`` whose compute outside
+    their tensor-parallel calls is longer than their TP partners', and ``tp_compute_ratio`` (that
+    ratio; NaN where not measured) for every row.
+
+    On a device, a TP call inside forward or backward holds its members' wait for the slowest one:
+    a rank whose GPU is 1.15x slow and its TP partner then have spans of the same length, and the
+    slow rank, late at its group's calls with no longer spans, reads ``host``. Its compute less its
+    TP calls does not hold the partner's wait. On 4x H200 runs of a 2x2x1 mesh, healthy TP pairs
+    measured within 1% of each other and planted 1.15x ranks 1.20x. On a host-bound tp2 x dp2 run
+    the pairs are unbalanced by 1.3-1.9x whatever is planted (each rank's host sets its pace); the
+    other groups' imbalance is then as large, and the row keeps its cause.
+    """
+    out = frame.copy()
+    out["tp_compute_ratio"] = np.nan
+    host = out["cause"] == "host"
+    if not host.any():
+        return out
+    members = _sql.query_df(run.con, "stragglers", "tp_members")
+    if members.empty:
+        return out
+    candidates = {int(r) for r in out.loc[host, "rank"]}
+    own, others = [], []
+    for grp, ranks in zip(members["grp"], members["members"], strict=True):
+        ranks = [int(r) for r in ranks]
+        (own if candidates.intersection(ranks) else others).append(ranks)
+    read = sorted({r for group in own + others[:TP_REFERENCE_GROUPS] for r in group})
+    tp = _sql.query_df(run.con, "stragglers", "tp_exclusive", ranks=read, bar=float(config.min_named_slowdown))
+    if tp.empty:
+        return out
+    by_rank = {int(row.rank): row for row in tp.itertuples()}
+    for idx in out.index[host]:
+        row = by_rank.get(int(out.at[idx, "rank"]))
+        if row is None or pd.isna(row.ratio):
+            continue
+        ratio = float(row.ratio)
+        out.at[idx, "tp_compute_ratio"] = ratio
+        noise = row.other_imbalance
+        if (ratio >= config.min_named_slowdown and float(row.slow_frac) >= TP_SLOW_FRAC
+                and int(row.samples) >= config.min_steps and pd.notna(noise)
+                and float(noise) <= 1.0 + (ratio - 1.0) / 2):
+            out.at[idx, "cause"] = "compute"
+            out.at[idx, "phase"] = "compute"
+    return out
+
+
 def p_value(z: float, ranks: int) -> float:
     """One-sided normal tail of ``z``, times the ranks tested (Bonferroni), at most 1."""
     return min(1.0, 0.5 * math.erfc(z / math.sqrt(2.0)) * max(ranks, 1))
@@ -201,7 +256,8 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
     own_slow = c["straggler"].fillna(False).astype(bool)
     out_own = c[own_slow].copy()
     if not out_own.empty:
-        out_own = _launch_bound(run, _floor(pd.concat([out_own, _attribute(out_own, sizes)], axis=1), config))
+        out_own = _launch_bound(run, _floor(_tp_stretched(run, pd.concat([out_own, _attribute(out_own, sizes)], axis=1),
+                                                          config), config))
         saving = _host_savings(run, out_own, config)
         costless = saving < config.min_host_saving
         gone.append(out_own[costless].assign(saving=saving[costless]))
@@ -215,7 +271,8 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
                              & ~flagged["rank"].isin(out_own["rank"])]
             out_own = out_own[~costless]
             if not shaded.empty:
-                shaded = _launch_bound(run, _floor(pd.concat([shaded, _attribute(shaded, sizes)], axis=1), config))
+                shaded = _launch_bound(run, _floor(_tp_stretched(run, pd.concat([shaded, _attribute(shaded, sizes)], axis=1),
+                                                                 config), config))
                 saving = _host_savings(run, shaded, config)
                 costless = saving < config.min_host_saving
                 out_own = pd.concat([out_own, shaded[~costless]])
@@ -247,8 +304,9 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
     # slowdown x persistence would put its own wake ahead of it), then impact.
     out["_z"] = out["z"].astype(float).where(out["cause"] != "communication", -np.inf)
     out = out.sort_values(["_z", "impact", "rank"], ascending=[False, False, True], kind="stable")
-    if "device_idle_frac" not in out:
-        out["device_idle_frac"] = np.nan
+    for column in ("device_idle_frac", "tp_compute_ratio"):
+        if column not in out:
+            out[column] = np.nan
     probe = cpu_slowdown(run)
     out["cpu_slowdown"] = [probe.get(int(r), np.nan) for r in out["rank"]]
     return out[COLUMNS].reset_index(drop=True), _dismissed_frame(run, gone)

@@ -72,6 +72,10 @@ def _print_report(r: dict[str, Any]) -> None:
         if len(slow) > 20:
             click.echo(f"  ... {len(slow) - 20} more (--json for all)")
         for s in slow[:20]:
+            tp = (s.get("evidence") or {}).get("tp_compute_ratio")
+            if s["cause"] == "compute" and tp is not None and tp == tp:
+                click.echo(f"  rank {s['rank']}: compute outside its TP calls {tp:.2f}x its TP partners' "
+                           "(their spans hold their waits for it)")
             cpu = (s.get("evidence") or {}).get("cpu_slowdown")
             if s["cause"] != "host" or cpu is None or cpu != cpu:  # NaN: no host probes
                 continue

@@ -278,3 +278,51 @@ SELECT count(DISTINCT tp) AS tp, count(DISTINCT dp) AS dp, count(DISTINCT pp) AS
 SELECT rank, count(*) AS probes, median(value) AS loop_ns
 FROM metrics WHERE name = '{{probe_metric}}' AND value > 0
 GROUP BY rank ORDER BY rank;
+
+-- @statement tp_exclusive
+-- Compute outside the tensor-parallel calls, for the ranks in {{ranks}} (every member of the TP
+-- groups read: a candidate's and a few others'). On a device a TP call inside a forward or
+-- backward span holds the wait for the slowest member, so a slow rank and its TP partners have
+-- spans of the same length; the partners' TP calls are the longer ones. Per (rank, step,
+-- micro-batch) in which its TP calls were timed: the top-level forward and backward spans less the
+-- TP calls' durations, both read on the rank's own clock (no cross-rank alignment), compared with
+-- the other members' mean in the same step and micro-batch.
+-- @column rank             the rank
+-- @column grp              its TP group
+-- @column samples          (step, micro-batch)s compared
+-- @column ratio            median of its compute outside TP calls over its partners' mean
+-- @column slow_frac        share of the samples at {{bar}} times its partners' or more
+-- @column imbalance        its group's median (largest / smallest member) over the samples
+-- @column other_imbalance  the largest imbalance among the other groups read (NULL without any)
+WITH tpg AS (SELECT DISTINCT "group" AS grp FROM groups WHERE kind = 'tp'),
+s AS (
+    SELECT rank, step, microbatch,
+           sum(dur_ns) FILTER (WHERE kind IN ('forward', 'backward') AND name IN ('forward', 'backward')) AS fb,
+           sum(dur_ns) FILTER (WHERE kind = 'collective' AND "group" IN (SELECT grp FROM tpg)) AS tp,
+           any_value("group") FILTER (WHERE kind = 'collective' AND "group" IN (SELECT grp FROM tpg)) AS grp
+    FROM spans
+    WHERE list_contains({{ranks}}, rank) AND step IS NOT NULL AND microbatch IS NOT NULL
+      AND kind IN ('forward', 'backward', 'collective')
+    GROUP BY rank, step, microbatch
+), x AS (
+    SELECT rank, step, microbatch, grp, (fb - tp)::DOUBLE AS ex FROM s WHERE tp > 0 AND fb > tp
+), g AS (
+    SELECT x.*, count(*) OVER w AS n, sum(ex) OVER w AS s_ex, max(ex) OVER w AS hi, min(ex) OVER w AS lo
+    FROM x WINDOW w AS (PARTITION BY grp, step, microbatch)
+), r AS (
+    SELECT rank, grp, count(*) AS samples, median(ex / ((s_ex - ex) / (n - 1))) AS ratio,
+           avg(CASE WHEN ex >= {{bar}} * (s_ex - ex) / (n - 1) THEN 1.0 ELSE 0.0 END) AS slow_frac
+    FROM g WHERE n >= 2 AND s_ex > ex GROUP BY rank, grp
+), gi AS (
+    SELECT grp, median(hi / lo) AS imbalance FROM g WHERE n >= 2 AND lo > 0 GROUP BY grp
+)
+SELECT r.rank, r.grp, r.samples, r.ratio, r.slow_frac, gi.imbalance,
+       (SELECT max(o.imbalance) FROM gi o WHERE o.grp <> r.grp) AS other_imbalance
+FROM r JOIN gi USING (grp)
+ORDER BY r.rank;
+
+-- @statement tp_members
+-- The TP groups and their members, from the groups table.
+-- @column grp      the group id
+-- @column members  its global ranks
+SELECT "group" AS grp, any_value(members) AS members FROM groups WHERE kind = 'tp' GROUP BY "group" ORDER BY "group";
