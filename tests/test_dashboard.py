@@ -507,9 +507,11 @@ def test_straggler_page_speaks_in_percent_and_relative_gains() -> None:
         return " ".join(found)
 
     frame = shown_frame(pd.DataFrame({"rank": [5, 6], "slowdown": [5.6229, 1.2], "steps_slow_frac": [0.6269, 0.5],
-                                      "last_arrival_frac": [0.957, 0.5], "cpu_slowdown": [1.914, float("nan")]}))
-    assert frame.iloc[0].tolist() == [5, "x5.62", "63%", "96%", "x1.91"]
+                                      "last_arrival_frac": [0.957, 0.5], "cpu_slowdown": [1.914, float("nan")],
+                                      "tp_compute_ratio": [float("nan"), 1.2016]}))
+    assert frame.iloc[0].tolist() == [5, "x5.62", "63%", "96%", "x1.91", ""]
     assert frame.iloc[1]["cpu_slowdown"] == ""  # no host probes
+    assert frame.iloc[1]["tp_compute_ratio"] == "x1.20"  # named for its compute outside the TP calls
     gross = " ".join(text(c) for c in whatif_cards(
         {"step_time_ns": 569e6, "whatif_step_time_ns": 455e6, "speedup": 569 / 455, "mfu": 0.0016,
          "whatif_mfu": 0.0016 * 569 / 455, "ranks": [5]}, n_stragglers=1))

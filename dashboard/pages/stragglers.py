@@ -18,10 +18,11 @@ from megascope.dashboard.shell import served_from
 from megascope.topology import format_coords
 
 COLUMNS = ("rank", "host", "coords", "cause", "phase", "slowdown", "steps_slow_frac", "last_arrival_frac",
-           "late_at", "cpu_slowdown")
+           "late_at", "tp_compute_ratio", "cpu_slowdown")
 NAMES = {"steps_slow_frac": "steps slow", "slowdown": "own time vs peers",
          "last_arrival_frac": "collectives it arrives last at", "late_at": "last at (group)",
-         "phase": "where (largest excess)", "cpu_slowdown": "its CPU vs the median rank's (host probe)"}
+         "phase": "where (largest excess)", "cpu_slowdown": "its CPU vs the median rank's (host probe)",
+         "tp_compute_ratio": "compute outside TP calls vs its TP partners'"}
 
 
 def shown_frame(frame: Any) -> Any:
@@ -32,7 +33,7 @@ def shown_frame(frame: Any) -> Any:
     for column in ("steps_slow_frac", "last_arrival_frac"):
         if column in out:
             out[column] = [f"{100 * float(v):.0f}%" if v == v and v is not None else "" for v in out[column]]
-    for column in ("slowdown", "cpu_slowdown"):
+    for column in ("slowdown", "cpu_slowdown", "tp_compute_ratio"):
         if column in out:
             out[column] = [f"x{float(v):.2f}" if v == v and v is not None else "" for v in out[column]]
     return out
