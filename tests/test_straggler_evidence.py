@@ -417,7 +417,10 @@ def test_on_a_real_tp_pair_the_slow_gpu_is_named_for_its_compute_outside_the_tp_
     straggler_module = importlib.import_module("megascope.analysis.stragglers")
 
     run = open_run(shutil.copytree(Path(__file__).parent / "data" / "gpu-tp-pair", tmp_path / "run"))
-    tp = _sql.query_df(run.con, "stragglers", "tp_exclusive", ranks=[0, 1, 2, 3], bar=1.1).set_index("rank")
+    tp = _sql.query_df(run.con, "stragglers", "tp_exclusive", ranks=[0, 1, 2, 3], spans="spans",
+                       bar=1.1).set_index("rank")
+    assert tp.equals(_sql.query_df(run.con, "stragglers", "tp_exclusive", ranks=[0, 1, 2, 3], bar=1.1,
+                                   spans=_sql.Raw(run.rank_source("spans", [0, 1, 2, 3]))).set_index("rank"))
     assert 1.15 < tp.at[2, "ratio"] < 1.3 and tp.at[2, "slow_frac"] == 1.0
     assert tp.at[0, "imbalance"] < 1.01 and tp.at[2, "other_imbalance"] < 1.01
     assert tp.at[3, "ratio"] < 0.9                           # its partner: less compute, more waiting

@@ -203,7 +203,8 @@ def _tp_stretched(run: Run, frame: pd.DataFrame, config: StragglerConfig) -> pd.
         ranks = [int(r) for r in ranks]
         (own if candidates.intersection(ranks) else others).append(ranks)
     read = sorted({r for group in own + others[:TP_REFERENCE_GROUPS] for r in group})
-    tp = _sql.query_df(run.con, "stragglers", "tp_exclusive", ranks=read, bar=float(config.min_named_slowdown))
+    tp = _sql.query_df(run.con, "stragglers", "tp_exclusive", ranks=read, spans=_sql.Raw(run.rank_source("spans", read)),
+                       bar=float(config.min_named_slowdown))
     if tp.empty:
         return out
     by_rank = {int(row.rank): row for row in tp.itertuples()}

@@ -281,7 +281,7 @@ GROUP BY rank ORDER BY rank;
 
 -- @statement tp_exclusive
 -- Compute outside the tensor-parallel calls, for the ranks in {{ranks}} (every member of the TP
--- groups read: a candidate's and a few others'). On a device a TP call inside a forward or
+-- groups read: a candidate's and a few others'), read from {{spans}} (those ranks' files only). On a device a TP call inside a forward or
 -- backward span holds the wait for the slowest member, so a slow rank and its TP partners have
 -- spans of the same length; the partners' TP calls are the longer ones. Per (rank, step,
 -- micro-batch) in which its TP calls were timed: the top-level forward and backward spans less the
@@ -300,7 +300,7 @@ s AS (
            sum(dur_ns) FILTER (WHERE kind IN ('forward', 'backward') AND name IN ('forward', 'backward')) AS fb,
            sum(dur_ns) FILTER (WHERE kind = 'collective' AND "group" IN (SELECT grp FROM tpg)) AS tp,
            any_value("group") FILTER (WHERE kind = 'collective' AND "group" IN (SELECT grp FROM tpg)) AS grp
-    FROM spans
+    FROM {{spans}}
     WHERE list_contains({{ranks}}, rank) AND step IS NOT NULL AND microbatch IS NOT NULL
       AND kind IN ('forward', 'backward', 'collective')
     GROUP BY rank, step, microbatch
