@@ -198,9 +198,10 @@ def _tp_stretched(run: Run, frame: pd.DataFrame, config: StragglerConfig) -> pd.
     if members.empty:
         return out
     candidates = {int(r) for r in out.loc[host, "rank"]}
-    own, others = [], []
-    for grp, ranks in zip(members["grp"], members["members"], strict=True):
-        ranks = [int(r) for r in ranks]
+    own: list[list[int]] = []
+    others: list[list[int]] = []
+    for listed in members["members"]:
+        ranks = [int(r) for r in listed]
         (own if candidates.intersection(ranks) else others).append(ranks)
     read = sorted({r for group in own + others[:TP_REFERENCE_GROUPS] for r in group})
     tp = _sql.query_df(run.con, "stragglers", "tp_exclusive", ranks=read, spans=_sql.Raw(run.rank_source("spans", read)),
