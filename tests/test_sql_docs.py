@@ -120,6 +120,10 @@ def executed(synth: Synth, tmp_path_factory: pytest.TempPathFactory,
     _sql.execute(run.con, "base", "calls_across_edge", first=3).fetchall()
     _sql.execute(run.con, "base", "extend_inst", first=3)
     _sql.execute(run.con, "base", "extend_rank_step", first=3)
+    # Read only for a rank the rules take for its host on a TP mesh (synth stragglers are compute).
+    _sql.execute(run.con, "stragglers", "tp_members").fetchall()
+    _sql.execute(run.con, "stragglers", "tp_exclusive", ranks=[4, 5, 6, 7], bar=1.1,
+                 spans=_sql.Raw(run.rank_source("spans", [4, 5, 6, 7]))).fetchall()
     return seen
 
 
