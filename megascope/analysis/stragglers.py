@@ -178,8 +178,8 @@ TP_REFERENCE_GROUPS = 4
 
 def _tp_stretched(run: Run, frame: pd.DataFrame, config: StragglerConfig) -> pd.DataFrame:
     """Cause ``compute`` (phase ``compute``) for the rows read as ``host`` whose compute outside
-    their tensor-parallel calls is longer than their TP partners', and ``tp_compute_ratio`` (that
-    ratio; NaN where not measured) for every row.
+    their tensor-parallel calls is longer than their TP partners', and ``tp_compute_ratio``: that
+    ratio for the rows read as ``host`` on a TP mesh, NaN for the others.
 
     On a device, a TP call inside forward or backward holds its members' wait for the slowest one:
     a rank whose GPU is 1.15x slow and its TP partner then have spans of the same length, and the

@@ -281,9 +281,10 @@ GROUP BY rank ORDER BY rank;
 
 -- @statement tp_exclusive
 -- Compute outside the tensor-parallel calls, for the ranks in {{ranks}} (every member of the TP
--- groups read: a candidate's and a few others'), read from {{spans}} (those ranks' files only). On a device a TP call inside a forward or
--- backward span holds the wait for the slowest member, so a slow rank and its TP partners have
--- spans of the same length; the partners' TP calls are the longer ones. Per (rank, step,
+-- groups read: a candidate's and a few others'), read from {{spans}} (those ranks' files only).
+-- On a device a TP call inside a forward or backward span holds the wait for the slowest member,
+-- so a slow rank and its TP partners have spans of the same length; the partners' TP calls are
+-- the longer ones. Per (rank, step,
 -- micro-batch) in which its TP calls were timed: the top-level forward and backward spans less the
 -- TP calls' durations, both read on the rank's own clock (no cross-rank alignment), compared with
 -- the other members' mean in the same step and micro-batch.
