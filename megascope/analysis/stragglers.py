@@ -258,8 +258,7 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
     own_slow = c["straggler"].fillna(False).astype(bool)
     out_own = c[own_slow].copy()
     if not out_own.empty:
-        out_own = _launch_bound(run, _floor(_tp_stretched(run, pd.concat([out_own, _attribute(out_own, sizes)], axis=1),
-                                                          config), config))
+        out_own = _causes(run, out_own, sizes, config)
         saving = _host_savings(run, out_own, config)
         costless = saving < config.min_host_saving
         gone.append(out_own[costless].assign(saving=saving[costless]))
@@ -273,8 +272,7 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
                              & ~flagged["rank"].isin(out_own["rank"])]
             out_own = out_own[~costless]
             if not shaded.empty:
-                shaded = _launch_bound(run, _floor(_tp_stretched(run, pd.concat([shaded, _attribute(shaded, sizes)], axis=1),
-                                                                 config), config))
+                shaded = _causes(run, shaded, sizes, config)
                 saving = _host_savings(run, shaded, config)
                 costless = saving < config.min_host_saving
                 out_own = pd.concat([out_own, shaded[~costless]])
@@ -312,6 +310,13 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
     probe = cpu_slowdown(run)
     out["cpu_slowdown"] = [probe.get(int(r), np.nan) for r in out["rank"]]
     return out[COLUMNS].reset_index(drop=True), _dismissed_frame(run, gone)
+
+
+def _causes(run: Run, flagged: pd.DataFrame, sizes: dict[str, int], config: StragglerConfig) -> pd.DataFrame:
+    """Flagged candidates with their cause and phase: from their excess own time, then their
+    compute outside the TP calls, the compute bar, and whether their device waited for its host."""
+    attributed = pd.concat([flagged, _attribute(flagged, sizes)], axis=1)
+    return _launch_bound(run, _floor(_tp_stretched(run, attributed, config), config))
 
 
 def _candidates(run: Run, config: StragglerConfig) -> tuple[pd.DataFrame, dict[str, int]]:
