@@ -15,7 +15,7 @@
 #   whole      the collector's cost as a user measures it: whole runs off and on, interleaved,
 #              REPEATS rounds over WHOLE_LAYOUTS (1gpu tp pp dp, and tpdp: tp2 x dp2 on 4 GPUs), within BUDGET_S seconds; mean,
 #              median and p90 step time per layout (bench/whole_run_table.py); WHOLE_VARIANTS runs a
-#              pair per variant, "default" or tag:VAR=value (e.g. "default q4x:CUDA_SCALE_LAUNCH_QUEUES=4x",
+#              pair per variant, "default", tag:VAR=value (several: VAR=1,OTHER=0) or tag:--flag=value (e.g. "default q4x:CUDA_SCALE_LAUNCH_QUEUES=4x",
 #              CUDA's launch queue four times as deep; "default unbound:MEGASCOPE_CPU_BIND=none", ranks
 #              not bound to their GPU's cores); WHOLE_ON_VARIANTS adds per round a run with the
 #              collector on under each tag:VAR=value or tag:--flag=value, compared with the round's
@@ -60,7 +60,8 @@ train() {  # name gpus collector(on|off|ab) extra-args...
   local name=$1 gpus=$2 mode=$3; shift 3
   local env=(); [ "$mode" = off ] && env=(MEGASCOPE_DISABLE=1)
   [ "$mode" = ab ] && set -- "$@" --collector-ab "$AB_BLOCK"
-  [ -n "${EXTRA_ENV:-}" ] && env+=("$EXTRA_ENV")
+  # EXTRA_ENV: one VAR=value, or several joined by commas (VAR=1,OTHER=0)
+  [ -n "${EXTRA_ENV:-}" ] && IFS=, read -r -a more <<< "$EXTRA_ENV" && env+=("${more[@]}")
   local devices; devices=$(seq -s, 0 $((gpus - 1)))
   echo "== $name ($gpus GPU, collector $mode ${EXTRA_ENV:-}) $*"
   env "${env[@]}" CUDA_VISIBLE_DEVICES="$devices" timeout 200 $PY -m megascope train --nproc "$gpus" "${MODEL[@]}" \
@@ -131,12 +132,13 @@ for part in $PARTS; do
           [ "$NGPU" -ge "$gpus" ] || { echo "$layout needs $gpus GPUs"; continue; }
           [ $((SECONDS - start)) -lt "${BUDGET_S:-100000}" ] || { echo "budget spent: round $r, $layout not run"; break 2; }
           order="off on"; [ $((r % 2)) = 0 ] && order="on off"
-          for variant in ${WHOLE_VARIANTS:-default}; do  # a pair per variant: default, or tag:VAR=value
-            vname=$name; venv=""
+          for variant in ${WHOLE_VARIANTS:-default}; do  # a pair per variant: default, tag:VAR=value or tag:--flag=value
+            vname=$name; venv=""; vextra=()
             [ "$variant" != default ] && { vname="$name-${variant%%:*}"; venv="${variant#*:}"; }
+            case $venv in --*) vextra=("${venv%%=*}" "${venv#*=}"); venv="" ;; esac
             for mode in $order; do
               # shellcheck disable=SC2046
-              EXTRA_ENV=$venv train "$vname-r$r" "$gpus" "$mode" $(layout_args "$layout")
+              EXTRA_ENV=$venv train "$vname-r$r" "$gpus" "$mode" $(layout_args "$layout") "${vextra[@]}"
             done
           done
           for variant in ${WHOLE_ON_VARIANTS:-}; do  # tag:VAR=value or tag:--flag, collector on only
