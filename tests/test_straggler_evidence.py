@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pytest
 from conftest import Synth
 from hand_runs import MS, hand_run, overlapped_run, span
@@ -435,3 +436,36 @@ def test_on_a_real_tp_pair_the_slow_gpu_is_named_for_its_compute_outside_the_tp_
     monkeypatch.setattr(straggler_module, "TP_SLOW_FRAC", 1.01)
     assert analysis.stragglers(run).empty
     assert list(analysis.stragglers_dismissed(run)["rank"]) == [2]
+
+
+def test_on_a_real_tp_pair_the_slow_gpu_takes_the_name_its_partner_was_flagged_under(tmp_path: Path) -> None:
+    """tests/data/gpu-tp-partner: the same model on 4x H100 (pp2 x tp2, 16 steps), rank 0's GPU
+    planted 1.15x slow. Here its TP partner, rank 1, is the rank flagged (last at 92% of its calls,
+    no longer spans: ``host``), and a replay would dismiss it. Rank 0's compute outside its TP calls
+    is 1.2x rank 1's in nearly every timed micro-batch, the other pair within 1%: rank 0 takes the
+    name, for its compute, with the flagged row's evidence."""
+    from megascope.analysis import _sql
+
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "gpu-tp-partner", tmp_path / "run"))
+    tp = _sql.query_df(run.con, "stragglers", "tp_exclusive", ranks=[0, 1, 2, 3], spans="spans",
+                       bar=1.1).set_index("rank")
+    assert 1.15 < tp.at[0, "ratio"] < 1.3 and tp.at[0, "slow_frac"] > 0.9 and tp.at[0, "other_imbalance"] < 1.01
+    assert tp.at[1, "ratio"] < 0.9
+    config = straggler_module.StragglerConfig()
+    pool, sizes = straggler_module._candidates(run, config)
+    flagged = pool[pool["straggler"].fillna(False).astype(bool)]
+    assert list(flagged["rank"]) == [1]
+    attributed = pd.concat([flagged, straggler_module._attribute(flagged, sizes)], axis=1)
+    assert list(attributed["cause"]) == ["host"]
+    # Without every rank's rows to take from, the flagged rank keeps its cause (its own ratio is low).
+    alone = straggler_module._tp_stretched(run, attributed, config)
+    assert list(alone["rank"]) == [1] and list(alone["cause"]) == ["host"]
+    found = analysis.stragglers(run)
+    assert list(found["rank"]) == [0]
+    row = found.iloc[0]
+    assert row["cause"] == "compute" and row["phase"] == "compute"
+    assert row["slowdown"] == pytest.approx(tp.at[0, "ratio"]) and row["steps_slow_frac"] == tp.at[0, "slow_frac"]
+    assert row["z"] == pytest.approx(float(flagged.iloc[0]["z"])) and row["confidence"] > 0.99
+    assert analysis.stragglers_dismissed(run).empty

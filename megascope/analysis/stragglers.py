@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import duckdb
 import numpy as np
@@ -170,13 +171,24 @@ def _attribute(c: pd.DataFrame, sizes: dict[str, int]) -> pd.DataFrame:
 # TP-exclusive compute (sql/stragglers.sql, statement tp_exclusive): a rank read as ``host`` whose
 # compute outside its TP calls is at least ``min_named_slowdown`` times its partners' (median over
 # the timed micro-batches), in at least this share of them, while no other TP group read is
-# unbalanced by more than half its excess, is named for its compute. Besides its own group's, the
+# unbalanced by more than half its excess, is named for its compute. Where that rank is not the one
+# read as ``host`` but its TP partner, the partner's name goes to it. Besides its own group's, the
 # spans of at most TP_REFERENCE_GROUPS other TP groups are read for that noise.
 TP_SLOW_FRAC = 0.5
 TP_REFERENCE_GROUPS = 4
 
 
-def _tp_stretched(run: Run, frame: pd.DataFrame, config: StragglerConfig) -> pd.DataFrame:
+def _tp_clear(row: Any, config: StragglerConfig) -> bool:
+    """Whether one ``tp_exclusive`` row names its rank for its compute (see above)."""
+    if pd.isna(row.ratio) or pd.isna(row.other_imbalance):
+        return False
+    ratio = float(row.ratio)
+    return (ratio >= config.min_named_slowdown and float(row.slow_frac) >= TP_SLOW_FRAC
+            and int(row.samples) >= config.min_steps and float(row.other_imbalance) <= 1.0 + (ratio - 1.0) / 2)
+
+
+def _tp_stretched(run: Run, frame: pd.DataFrame, config: StragglerConfig,
+                  pool: pd.DataFrame | None = None) -> pd.DataFrame:
     """Cause ``compute`` (phase ``compute``) for the rows read as ``host`` whose compute outside
     their tensor-parallel calls is longer than their TP partners', and ``tp_compute_ratio``: that
     ratio for the rows read as ``host`` on a TP mesh, NaN for the others.
@@ -188,6 +200,14 @@ def _tp_stretched(run: Run, frame: pd.DataFrame, config: StragglerConfig) -> pd.
     measured within 1% of each other and planted 1.15x ranks 1.20x. On a host-bound tp2 x dp2 run
     the pairs are unbalanced by 1.3-1.9x whatever is planted (each rank's host sets its pace); the
     other groups' imbalance is then as large, and the row keeps its cause.
+
+    The rank read as ``host`` may also be the slow GPU's partner: on a 2x2x1 mesh of 4x H100, the
+    partner of a 1.15x rank arrived last at 92% of its calls (at the pipeline's sends) while the
+    slow rank measured 1.21x outside the TP calls. A row of ``pool`` (every rank's candidate row,
+    with its cause attributed) then takes the row's place when its own measure is clear and the
+    flagged row's is not: cause ``compute``, ``median_slowdown`` and ``steps_slow_frac`` from the
+    TP measure (its own time holds the partner's wait), and the flagged row's ``z`` (the evidence
+    that something in the pair is slow).
     """
     out = frame.copy()
     out["tp_compute_ratio"] = np.nan
@@ -209,18 +229,34 @@ def _tp_stretched(run: Run, frame: pd.DataFrame, config: StragglerConfig) -> pd.
     if tp.empty:
         return out
     by_rank = {int(row.rank): row for row in tp.itertuples()}
+    pool_by_rank = {int(r): i for i, r in pool["rank"].items()} if pool is not None else {}
+    listed = {int(r) for r in out["rank"]}
+    swapped: dict[Any, pd.Series] = {}
     for idx in out.index[host]:
         row = by_rank.get(int(out.at[idx, "rank"]))
         if row is None or pd.isna(row.ratio):
             continue
-        ratio = float(row.ratio)
-        out.at[idx, "tp_compute_ratio"] = ratio
-        noise = row.other_imbalance
-        if (ratio >= config.min_named_slowdown and float(row.slow_frac) >= TP_SLOW_FRAC
-                and int(row.samples) >= config.min_steps and pd.notna(noise)
-                and float(noise) <= 1.0 + (ratio - 1.0) / 2):
+        out.at[idx, "tp_compute_ratio"] = float(row.ratio)
+        if _tp_clear(row, config):
             out.at[idx, "cause"] = "compute"
             out.at[idx, "phase"] = "compute"
+            continue
+        partners = [p for p in by_rank.values() if p.grp == row.grp and int(p.rank) != int(row.rank)
+                    and int(p.rank) not in listed and int(p.rank) in pool_by_rank and _tp_clear(p, config)]
+        if not partners or pool is None:
+            continue
+        best = max(partners, key=lambda p: float(p.ratio))
+        new = pool.loc[pool_by_rank[int(best.rank)]].copy()
+        new["cause"] = "compute"
+        new["phase"] = "compute"
+        new["tp_compute_ratio"] = float(best.ratio)
+        new["median_slowdown"] = float(best.ratio)
+        new["steps_slow_frac"] = float(best.slow_frac)
+        new["z"] = out.at[idx, "z"]
+        listed.add(int(best.rank))
+        swapped[idx] = new
+    for idx, new in swapped.items():
+        out.loc[idx] = new.reindex(out.columns)
     return out
 
 
@@ -258,7 +294,7 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
     own_slow = c["straggler"].fillna(False).astype(bool)
     out_own = c[own_slow].copy()
     if not out_own.empty:
-        out_own = _causes(run, out_own, sizes, config)
+        out_own = _causes(run, out_own, sizes, config, c)
         saving = _host_savings(run, out_own, config)
         costless = saving < config.min_host_saving
         gone.append(out_own[costless].assign(saving=saving[costless]))
@@ -272,7 +308,7 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
                              & ~flagged["rank"].isin(out_own["rank"])]
             out_own = out_own[~costless]
             if not shaded.empty:
-                shaded = _causes(run, shaded, sizes, config)
+                shaded = _causes(run, shaded, sizes, config, c)
                 saving = _host_savings(run, shaded, config)
                 costless = saving < config.min_host_saving
                 out_own = pd.concat([out_own, shaded[~costless]])
@@ -312,11 +348,14 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
     return out[COLUMNS].reset_index(drop=True), _dismissed_frame(run, gone)
 
 
-def _causes(run: Run, flagged: pd.DataFrame, sizes: dict[str, int], config: StragglerConfig) -> pd.DataFrame:
+def _causes(run: Run, flagged: pd.DataFrame, sizes: dict[str, int], config: StragglerConfig,
+            pool: pd.DataFrame | None = None) -> pd.DataFrame:
     """Flagged candidates with their cause and phase: from their excess own time, then their
-    compute outside the TP calls, the compute bar, and whether their device waited for its host."""
+    compute outside the TP calls (where a TP partner in ``pool``, every rank's candidate row, may
+    take a row's place), the compute bar, and whether their device waited for its host."""
     attributed = pd.concat([flagged, _attribute(flagged, sizes)], axis=1)
-    return _launch_bound(run, _floor(_tp_stretched(run, attributed, config), config))
+    everyone = pd.concat([pool, _attribute(pool, sizes)], axis=1) if pool is not None else None
+    return _launch_bound(run, _floor(_tp_stretched(run, attributed, config, everyone), config))
 
 
 def _candidates(run: Run, config: StragglerConfig) -> tuple[pd.DataFrame, dict[str, int]]:
