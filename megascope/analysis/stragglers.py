@@ -293,6 +293,7 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
         return _empty(COLUMNS), _dismissed_frame(run, gone)
     own_slow = c["straggler"].fillna(False).astype(bool)
     out_own = c[own_slow].copy()
+    first_pass = set(out_own["rank"])  # a rank whose TP partner took its row does not come back below
     if not out_own.empty:
         out_own = _causes(run, out_own, sizes, config, c)
         saving = _host_savings(run, out_own, config)
@@ -305,10 +306,11 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
             top_z, top_own = flagged["z"].astype(float).max(), flagged["t_own"].astype(float).max()
             shaded = flagged[(flagged["z"].astype(float) >= config.shadow * top_z)
                              & (flagged["t_own"].astype(float) >= config.own_shadow * top_own)
-                             & ~flagged["rank"].isin(out_own["rank"])]
+                             & ~flagged["rank"].isin(out_own["rank"]) & ~flagged["rank"].isin(first_pass)]
             out_own = out_own[~costless]
             if not shaded.empty:
                 shaded = _causes(run, shaded, sizes, config, c)
+                shaded = shaded[~shaded["rank"].isin(out_own["rank"])]
                 saving = _host_savings(run, shaded, config)
                 costless = saving < config.min_host_saving
                 out_own = pd.concat([out_own, shaded[~costless]])
