@@ -188,7 +188,7 @@ def _tp_clear(row: Any, config: StragglerConfig) -> bool:
 
 
 def _tp_stretched(run: Run, frame: pd.DataFrame, config: StragglerConfig,
-                  pool: pd.DataFrame | None = None) -> pd.DataFrame:
+                  pool: pd.DataFrame | None = None, sizes: dict[str, int] | None = None) -> pd.DataFrame:
     """Cause ``compute`` (phase ``compute``) for the rows read as ``host`` whose compute outside
     their tensor-parallel calls is longer than their TP partners', and ``tp_compute_ratio``: that
     ratio for the rows read as ``host`` on a TP mesh, NaN for the others.
@@ -203,8 +203,8 @@ def _tp_stretched(run: Run, frame: pd.DataFrame, config: StragglerConfig,
 
     The rank read as ``host`` may also be the slow GPU's partner: on a 2x2x1 mesh of 4x H100, the
     partner of a 1.15x rank arrived last at 92% of its calls (at the pipeline's sends) while the
-    slow rank measured 1.21x outside the TP calls. A row of ``pool`` (every rank's candidate row,
-    with its cause attributed) then takes the row's place when its own measure is clear and the
+    slow rank measured 1.21x outside the TP calls. A row of ``pool`` (every rank's candidate row;
+    ``sizes`` as for :func:`_attribute`) then takes the row's place when its own measure is clear and the
     flagged row's is not: cause ``compute``, ``median_slowdown`` and ``steps_slow_frac`` from the
     TP measure (its own time holds the partner's wait), and the flagged row's ``z`` (the evidence
     that something in the pair is slow).
@@ -246,7 +246,8 @@ def _tp_stretched(run: Run, frame: pd.DataFrame, config: StragglerConfig,
         if not partners or pool is None:
             continue
         best = max(partners, key=lambda p: float(p.ratio))
-        new = pool.loc[pool_by_rank[int(best.rank)]].copy()
+        picked = pool.loc[[pool_by_rank[int(best.rank)]]]
+        new = pd.concat([picked, _attribute(picked, sizes or {})], axis=1).iloc[0].copy()
         new["cause"] = "compute"
         new["phase"] = "compute"
         new["tp_compute_ratio"] = float(best.ratio)
@@ -356,8 +357,7 @@ def _causes(run: Run, flagged: pd.DataFrame, sizes: dict[str, int], config: Stra
     compute outside the TP calls (where a TP partner in ``pool``, every rank's candidate row, may
     take a row's place), the compute bar, and whether their device waited for its host."""
     attributed = pd.concat([flagged, _attribute(flagged, sizes)], axis=1)
-    everyone = pd.concat([pool, _attribute(pool, sizes)], axis=1) if pool is not None else None
-    return _launch_bound(run, _floor(_tp_stretched(run, attributed, config, everyone), config))
+    return _launch_bound(run, _floor(_tp_stretched(run, attributed, config, pool, sizes), config))
 
 
 def _candidates(run: Run, config: StragglerConfig) -> tuple[pd.DataFrame, dict[str, int]]:
