@@ -4,9 +4,13 @@ follows from the numbers in them."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import json
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -440,7 +444,7 @@ def test_collector_footprint_estimates_device_time_from_the_stamps_per_step() ->
     step; on CPU ranks the count alone; nothing for runs without the metric."""
     import duckdb
 
-    from megascope.analysis.report import STAMP_DEVICE_NS, collector_footprint
+    from megascope.analysis.report import STAMP_DEVICE_NS, STAMP_HOST_NS, collector_footprint
 
     con = duckdb.connect()
     metrics = pd.DataFrame({"rank": [0, 0, 1, 1, 1], "step": [0, 1, 0, 1, 1],
@@ -452,13 +456,43 @@ def test_collector_footprint_estimates_device_time_from_the_stamps_per_step() ->
     assert got["stamps_per_step"] == 1050.0  # median of 1000, 1200, 1100, 9
     assert got["device_ns_per_step_est"] == 1050.0 * STAMP_DEVICE_NS
     assert got["share_of_step_est"] == pytest.approx(1050.0 * STAMP_DEVICE_NS / 400e6)
+    assert got["host_ns_per_step_est"] == 1050.0 * STAMP_HOST_NS
+    assert got["host_share_of_step_est"] == pytest.approx(1050.0 * STAMP_HOST_NS / 400e6)
+    assert got["host_bound"] is False and collector_footprint(con, 400e6, host_bound=True)["host_bound"] is True
     con.unregister("ranks")
     con.register("ranks", pd.DataFrame({"rank": [0, 1], "device": ["cpu", "cpu"]}))
     cpu = collector_footprint(con, step_time_ns=400e6)
     assert cpu["stamps_per_step"] == 1050.0 and cpu["device_ns_per_step_est"] is None
+    assert cpu["host_ns_per_step_est"] is None
     con.unregister("metrics")
     con.register("metrics", metrics[metrics["name"] == "loss"])
     assert collector_footprint(con, step_time_ns=None) == {"stamps_per_step": None}
+
+
+def test_report_warns_that_on_host_bound_ranks_the_collector_costs_more_than_its_stamps(
+        tmp_path: Path, cli: Callable[..., Result], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real 4x H100 run: the COLLECTOR line gives the stamps' device and host time; where some
+    rank's device waited for its host, a second line says those sums understate the cost and how
+    to measure it. Without host-bound ranks, no second line."""
+    report_module = importlib.import_module("megascope.analysis.report")
+    run_dir = shutil.copytree(Path(__file__).parent / "data" / "gpu-tp-partner", tmp_path / "run")
+    plain = cli("report", str(run_dir))
+    assert plain.exit_code == 0
+    line = next(x for x in plain.output.splitlines() if x.startswith("COLLECTOR"))
+    assert "of device time" in line and "of the training thread's" in line
+    assert "MEGASCOPE_DISABLE=1" not in plain.output
+    real = report_module.host_lead_summary
+
+    def bound(run: Any) -> dict[str, Any]:
+        out = real(run)
+        return {**out, "host_bound": [{"rank": 1, "calls": 100, "lead_p10_ns": 0, "lead_p50_ns": 1, "starved_frac": 0.4}]}
+
+    monkeypatch.setattr(report_module, "host_lead_summary", bound)
+    warned = cli("report", "--json", str(run_dir))
+    assert warned.exit_code == 0 and json.loads(warned.output)["collector"]["host_bound"] is True
+    text = cli("report", str(run_dir)).output
+    assert "host-bound ranks: there the collector's host time is step time" in text
+    assert "MEGASCOPE_DISABLE=1" in text
 
 
 def test_gc_pauses_inside_steps_per_rank(tmp_path: Path, cli: Callable[..., Result]) -> None:

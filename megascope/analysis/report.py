@@ -66,22 +66,35 @@ def jsonable(value: Any) -> Any:
 # Device time one timing event costs between short kernels (1.7-2.9 us measured on H100s,
 # docs/benchmarks.md): what the report multiplies the collector's stamps by.
 STAMP_DEVICE_NS = 2_000
+# The training thread's host time per timing event: an empty span (two stamps and its bookkeeping)
+# took 5.9 us of it on one H100 (docs/benchmarks-log.md, "Collector cost in one process").
+STAMP_HOST_NS = 3_000
 
 
-def collector_footprint(con: duckdb.DuckDBPyConnection, step_time_ns: float | None) -> dict[str, Any]:
+def collector_footprint(con: duckdb.DuckDBPyConnection, step_time_ns: float | None,
+                        host_bound: bool = False) -> dict[str, Any]:
     """What the collector itself cost the run, as far as its own records tell: the median number of
-    stamps per rank and step and, on CUDA ranks, an estimate of their device time (each stamp is a
-    timing event, ~2 us of the device). Empty (``stamps_per_step`` None) for runs without them."""
+    stamps per rank and step and, on CUDA ranks, estimates of their device time (each stamp is a
+    timing event, ~2 us of the device) and of the training thread's host time (~3 us a stamp).
+    ``host_bound`` (some rank's device waited for its host, from
+    :func:`megascope.analysis.pipeline.host_lead_summary`) is passed through: there the host time
+    is step time too, and whole runs have lost more than both sums (a 4-GPU tp2 x dp2 job: 3-18%,
+    docs/benchmarks.md), which only a run with the collector off measures. Empty (``stamps_per_step`` None) for runs without them."""
     row = _sql.first(_sql.execute(con, "report", "collector_stamps", stamps_metric=COLLECTOR_STAMPS_METRIC))
     if not row or not row[1] or row[0] is None:
         return {"stamps_per_step": None}
     stamps = float(row[0])
     device_ns = stamps * STAMP_DEVICE_NS if row[2] else None
+    host_ns = stamps * STAMP_HOST_NS if row[2] else None
     return {
         "stamps_per_step": stamps,
         "device_ns_per_step_est": device_ns,
         "share_of_step_est": device_ns / step_time_ns if device_ns is not None and step_time_ns else None,
         "ns_per_stamp_assumed": STAMP_DEVICE_NS,
+        "host_ns_per_step_est": host_ns,
+        "host_share_of_step_est": host_ns / step_time_ns if host_ns is not None and step_time_ns else None,
+        "host_ns_per_stamp_assumed": STAMP_HOST_NS,
+        "host_bound": bool(host_bound),
     }
 
 
@@ -202,7 +215,7 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
         "bubbles": bubble_frame.to_dict("records"),
         "exposed_comm": exposed.to_dict("records"),
         "host_lead": lead,
-        "collector": collector_footprint(con, median_step),
+        "collector": collector_footprint(con, median_step, host_bound=bool(lead.get("host_bound"))),
         "gc": gc_pauses(con),
         "whatif": whatif_result,
         "problems": list(run.problems),

@@ -186,8 +186,16 @@ def _print_report(r: dict[str, Any]) -> None:
             line += (f", about {_ms(footprint['device_ns_per_step_est'])} of device time"
                      + ("" if frac is None else f" ({100 * frac:.2f}% of a step)")
                      + f" at ~{footprint['ns_per_stamp_assumed'] / 1e3:g} us each")
+        if footprint.get("host_ns_per_step_est") is not None:
+            frac = footprint.get("host_share_of_step_est")
+            line += (f" and {_ms(footprint['host_ns_per_step_est'])} of the training thread's"
+                     + ("" if frac is None else f" ({100 * frac:.2f}%)")
+                     + f" at ~{footprint['host_ns_per_stamp_assumed'] / 1e3:g} us")
         click.echo("")
         click.echo(line)
+        if footprint.get("host_bound") and footprint.get("host_ns_per_step_est") is not None:
+            click.echo("  host-bound ranks: there the collector's host time is step time, and whole runs have lost "
+                       "more than these sums; a run with MEGASCOPE_DISABLE=1 measures what it costs this job")
     clock = r["clock"]
     if clock["hosts"] > 1:
         err = clock.get("max_error_ns")
