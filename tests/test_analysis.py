@@ -132,6 +132,43 @@ def test_mfu_follows_run_json(runs: dict[str, Path]) -> None:
     assert (per_step["mfu"] > 0).all() and (per_step["mfu"] < 1).all()
 
 
+def _async_run(path: Path, *, late_ms: float, waits_ms: tuple[float, float, float]) -> Path:
+    """Three ranks, four steps of 60-70 ms: each issues an asynchronous all-reduce at 10 ms (rank 2
+    ``late_ms`` later), the transfer takes 2 ms after the last arrival, and each rank waits for it
+    at its own ``waits_ms`` (a wait span to completion), then works 10 ms more."""
+    spans = []
+    t0 = 0
+    for step in range(4):
+        arrive = [t0 + 10 * MS, t0 + 10 * MS, t0 + int((10 + late_ms) * MS)]
+        done = max(arrive) + 2 * MS
+        waits = [t0 + int(w * MS) for w in waits_ms]
+        ends = [max(done, w) for w in waits]
+        end = max(ends) + 10 * MS
+        for r in range(3):
+            spans.append(span(r, step, "step", t0, end - t0))
+            spans.append(span(r, step, "forward", t0, arrive[r] - t0))
+            spans.append(span(r, step, "collective", arrive[r], ends[r] - arrive[r], group="dp:0", seq=step,
+                              name="dp.all_reduce"))
+            spans.append(span(r, step, "other", waits[r], ends[r] - waits[r], seq=step, name="dp.all_reduce:wait"))
+        t0 = end
+    return hand_run(path, spans, [], devices=("cuda:0", "cuda:1", "cuda:2"), source="collector")
+
+
+def test_whatif_follows_asynchronous_calls_to_their_waits(tmp_path: Path) -> None:
+    """A call waited for later holds its ranks at the wait, not where it was issued. Rank 2 issues
+    5 ms late a call every rank waits for at 60 ms: the overlap hides it, fixing it saves nothing.
+    Rank 2 issues 40 ms late a call the others wait for at 30 ms: they stall until it arrives, and
+    fixing it saves the stall. Either way the replay reproduces the measured step."""
+    hidden = analysis.whatif(open_run(_async_run(tmp_path / "hidden", late_ms=5, waits_ms=(60, 60, 60))), ranks=[2])
+    assert hidden["modeled_baseline_ns"] == pytest.approx(hidden["step_time_ns"], rel=0.02)
+    assert hidden["speedup"] == pytest.approx(1.0, abs=0.005)
+    exposed = analysis.whatif(open_run(_async_run(tmp_path / "exposed", late_ms=40, waits_ms=(30, 30, 50.5))), ranks=[2])
+    assert exposed["modeled_baseline_ns"] == pytest.approx(exposed["step_time_ns"], rel=0.02)
+    # Fixed: rank 2 issues at 10 ms with its peers, the call is done at 12 ms, no one stalls at the
+    # 30 ms waits, and the step is 30 + 10 ms instead of 52 + 10.
+    assert exposed["speedup"] == pytest.approx(62 / 40, rel=0.03)
+
+
 def test_whatif_gains_only_with_a_straggler(runs: dict[str, Path]) -> None:
     slow = open_run(runs["straggler"])
     fixed = analysis.whatif(slow)

@@ -56,8 +56,9 @@ log = logging.getLogger(__name__)
 
 CACHE_DIR = "_cache"
 KEY_FILE = "key.json"
-# Bump when the meaning of a persisted table changes in a way base.sql's text does not show.
-CACHE_VERSION = 1
+# Bump when the meaning of a persisted table changes in a way base.sql's text does not show
+# (2: the what-if replay's events and memos hold asynchronous calls' waits).
+CACHE_VERSION = 2
 # Temporary files of a writer that died are removed once they are this old.
 _STALE_TMP_S = 3600.0
 _LITERAL = re.compile(r"'((?:[^']|'')*)'")

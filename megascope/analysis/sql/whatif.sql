@@ -5,15 +5,26 @@
 -- Communication spans of steps {{steps}} with instance keys, on the reference clock (one scan of
 -- the spans), into ms_cache.{{table}} (kept in the run's analysis cache for the next report).
 -- A pipeline pair is one instance: its send and its receive share (sender, receiver, seq).
--- @column step, rank, kind, seq  the span (kind: collective | send | recv)
--- @column arrival_ns, end_ns    its start and completion, reference clock
+-- An asynchronous call (one with a `<name>:wait` span of the same rank, step, seq and peer) does
+-- not hold its rank where it is issued. Where its wait began within the rank's step, it gets a
+-- second row, kind `wait`, at the start of that wait, which holds the rank until the instance
+-- completes; a call waited for in a later step (parameters gathered for the next forward) holds
+-- nothing in this one. Its instance completes at the earliest member's end: each member's end
+-- comes after its own wait, which may begin long after the transfer is over (the compute the call
+-- overlapped).
+-- @column step, rank, kind, seq  the span (kind: collective | send | recv | wait)
+-- @column arrival_ns, end_ns    its start and completion, reference clock (a wait row: the wait's
+--                               start and the call's end)
 -- @column step_start_ns, step_end_ns  the rank's step (rank_step: start, start plus step time)
 -- @column stage                 the rank's pipeline stage
 -- @column inst                  the instance within the step, numbered from 0
--- @column xfer_ns               the instance's transfer: last completion minus last arrival
+-- @column xfer_ns               the instance's transfer: its completion (last member's end; the
+--                               first member's end where a member waited asynchronously) minus
+--                               its last arrival
+-- @column is_async              the call was waited for later (its rank goes on where it issued it)
 CREATE OR REPLACE TABLE ms_cache.{{table}} AS
 WITH c AS (
-    SELECT s.step, s.rank, s.kind, s.kind = 'collective' AS is_coll,
+    SELECT s.step, s.rank, s.kind, s.name, s.peer, s.kind = 'collective' AS is_coll,
            CASE WHEN s.kind = 'collective' THEN s."group" ELSE '' END AS grp, s.seq,
            CASE WHEN s.kind = 'collective' THEN -1 WHEN s.kind = 'send' THEN s.rank ELSE s.peer END AS sender,
            CASE WHEN s.kind = 'collective' THEN -1 WHEN s.kind = 'send' THEN s.peer ELSE s.rank END AS receiver,
@@ -24,20 +35,39 @@ WITH c AS (
     JOIN ms_cache.rank_step r ON r.rank = s.rank AND r.step = s.step
     WHERE s.step IN ({{steps}}) AND s.kind IN ('collective', 'send', 'recv') AND s.seq IS NOT NULL
       AND (s.kind = 'collective' AND s."group" IS NOT NULL OR s.kind <> 'collective' AND s.peer IS NOT NULL)
+), w AS (
+    SELECT s.step, s.rank, s.seq, s.peer, s.name[:-6] AS op_name, min(s.start_ns + k.offset_ns) AS wait_ns
+    FROM spans s JOIN ms_cache.rank_clock k USING (rank)
+    WHERE s.step IN ({{steps}}) AND s.kind = 'other' AND s.seq IS NOT NULL AND ends_with(s.name, ':wait')
+    GROUP BY ALL
+), o AS (
+    SELECT c.*, w.wait_ns, coalesce(w.wait_ns >= c.arrival_ns, false) AS is_async,
+           coalesce(w.wait_ns >= c.arrival_ns AND w.wait_ns <= c.step_end_ns, false) AS waited_here
+    FROM c LEFT JOIN w ON w.step = c.step AND w.rank = c.rank AND w.seq = c.seq AND w.op_name = c.name
+                      AND w.peer IS NOT DISTINCT FROM c.peer
+), i AS (
+    SELECT o.*,
+           (dense_rank() OVER (PARTITION BY step ORDER BY is_coll, grp, seq, sender, receiver) - 1) AS inst,
+           greatest(CASE WHEN bool_or(is_async) OVER g THEN min(end_ns) OVER g ELSE max(end_ns) OVER g END
+                    - max(arrival_ns) OVER g, 0) AS xfer_ns
+    FROM o
+    WINDOW g AS (PARTITION BY step, is_coll, grp, seq, sender, receiver)
 )
-SELECT step, rank, kind, seq, arrival_ns, end_ns, step_start_ns, step_end_ns, stage,
-       (dense_rank() OVER (PARTITION BY step ORDER BY is_coll, grp, seq, sender, receiver) - 1) AS inst,
-       greatest(max(end_ns) OVER w - max(arrival_ns) OVER w, 0) AS xfer_ns
-FROM c
-WINDOW w AS (PARTITION BY step, is_coll, grp, seq, sender, receiver);
+SELECT step, rank, kind, seq, arrival_ns, end_ns, step_start_ns, step_end_ns, stage, inst, xfer_ns, is_async FROM i
+UNION ALL
+SELECT step, rank, 'wait' AS kind, seq, wait_ns AS arrival_ns, end_ns, step_start_ns, step_end_ns, stage, inst, xfer_ns,
+       false AS is_async
+FROM i WHERE waited_here;
 
 -- @statement events_in_order
 -- The events of ms_cache.{{table}} in replay order: per step and rank by arrival, a send before a
 -- receive that arrives at the same time.
 -- @column step, rank, arrival_ns, end_ns, step_start_ns, step_end_ns, stage, inst, xfer_ns  as in events
--- @column posted  the event is a send (its rank goes on at once): all the replay needs of its kind,
---                 as a flag (a column of strings, one per event, took ~8 MB of a 256-rank report)
-SELECT * EXCLUDE (seq, kind), kind = 'send' AS posted
+-- @column posted  the rank goes on at once (a send, or a call waited for later): all the replay
+--                 needs of its kind, as a flag (a column of strings, one per event, took ~8 MB of
+--                 a 256-rank report)
+-- @column waiter  a wait row: holds its rank until the instance completes, and is no arrival
+SELECT * EXCLUDE (seq, kind, is_async), kind = 'send' OR is_async AS posted, kind = 'wait' AS waiter
 FROM ms_cache.{{table}} ORDER BY step, rank, arrival_ns, kind <> 'send', seq;
 
 -- @statement drop_events
