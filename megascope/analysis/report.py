@@ -79,7 +79,8 @@ def collector_footprint(con: duckdb.DuckDBPyConnection, step_time_ns: float | No
     ``host_bound`` (some rank's device waited for its host, from
     :func:`megascope.analysis.pipeline.host_lead_summary`) is passed through: there the host time
     is step time too, and whole runs have lost more than both sums (a 4-GPU tp2 x dp2 job: 3-18%,
-    docs/benchmarks.md), which only a run with the collector off measures. Empty (``stamps_per_step`` None) for runs without them."""
+    docs/benchmarks.md), which only a run with the collector off measures. Empty
+    (``stamps_per_step`` None) for runs without them."""
     row = _sql.first(_sql.execute(con, "report", "collector_stamps", stamps_metric=COLLECTOR_STAMPS_METRIC))
     if not row or not row[1] or row[0] is None:
         return {"stamps_per_step": None}

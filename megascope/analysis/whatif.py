@@ -9,7 +9,8 @@ when its last member arrives plus its measured transfer time; a pipeline send/re
 likewise. A call waited for later (the collector's ``<name>:wait`` span) holds its rank at the
 wait, not where it was issued, and one waited for in a later step holds nothing in this one: a
 data-parallel job's overlapped gradient reductions modeled as blocking made the modeled step
-3.5-14x the measured one on 4x H100 runs, and every saving as much smaller. Replaying the measured segments reproduces the measured step (the model's baseline);
+3.5-14x the measured one on 4x H100 runs, and every saving as much smaller. Replaying the
+measured segments reproduces the measured step (the model's baseline);
 replaying with each straggler's segments replaced by its stage peers' median segments gives the
 step time without stragglers. The answer is the measured step time scaled by
 ``fixed / baseline``, so the model's own bias cancels. Because waits propagate through
