@@ -47,8 +47,7 @@ WHATIF_EVENT_BUDGET = 400_000
 
 
 def _simulate(rank_of_row: np.ndarray, inst_of_row: np.ndarray, own: np.ndarray, tail: dict[int, float],
-              xfer: np.ndarray, posted: np.ndarray, start: dict[int, float],
-              waiter: np.ndarray | None = None) -> float:
+              xfer: np.ndarray, posted: np.ndarray, start: dict[int, float], waiter: np.ndarray) -> float:
     """Replay one step; rows are ordered by (rank, op order). Returns the modeled step time.
 
     ``posted`` rows (sends, calls waited for later) contribute their arrival to the instance but
@@ -61,7 +60,7 @@ def _simulate(rank_of_row: np.ndarray, inst_of_row: np.ndarray, own: np.ndarray,
         b = bounds.setdefault(r, [i, i])
         b[1] = i + 1
     n_inst = int(inst_of_row.max()) + 1 if len(inst_of_row) else 0
-    waits = np.zeros(len(inst_of_row), dtype=bool) if waiter is None else waiter.astype(bool)
+    waits = waiter.astype(bool)
     need = np.bincount(inst_of_row[~waits], minlength=n_inst).tolist()
     inst_l, own_l, xfer_l, posted_l, wait_l = inst_of_row.tolist(), own.tolist(), xfer.tolist(), posted.tolist(), waits.tolist()
     count = [0] * n_inst
@@ -155,7 +154,7 @@ def replay_step(frame: pd.DataFrame, fixed_ranks: set[int]) -> tuple[float, floa
     own, tail = _segments(frame)
     rank_arr = frame["rank"].to_numpy()
     posted = frame["posted"].to_numpy(dtype=bool)
-    waiter = frame["waiter"].to_numpy(dtype=bool) if "waiter" in frame else None
+    waiter = frame["waiter"].to_numpy(dtype=bool)
     firsts = frame.groupby("rank")["step_start_ns"].first()
     start = _float_map(firsts - firsts.min())
     base = _simulate(rank_arr, inst_of_row, own, _float_map(tail), xfer_by_inst, posted, start, waiter)

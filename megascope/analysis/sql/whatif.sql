@@ -23,22 +23,25 @@
 --                               its last arrival
 -- @column is_async              the call was waited for later (its rank goes on where it issued it)
 CREATE OR REPLACE TABLE ms_cache.{{table}} AS
-WITH c AS (
+WITH src AS MATERIALIZED (
+    SELECT s.step, s.rank, s.kind, s.name, s.peer, s."group", s.seq, s.start_ns + k.offset_ns AS start_ns, s.dur_ns
+    FROM spans s JOIN ms_cache.rank_clock k USING (rank)
+    WHERE s.step IN ({{steps}}) AND s.seq IS NOT NULL
+      AND (s.kind IN ('collective', 'send', 'recv') OR s.kind = 'other' AND ends_with(s.name, ':wait'))
+), c AS (
     SELECT s.step, s.rank, s.kind, s.name, s.peer, s.kind = 'collective' AS is_coll,
            CASE WHEN s.kind = 'collective' THEN s."group" ELSE '' END AS grp, s.seq,
            CASE WHEN s.kind = 'collective' THEN -1 WHEN s.kind = 'send' THEN s.rank ELSE s.peer END AS sender,
            CASE WHEN s.kind = 'collective' THEN -1 WHEN s.kind = 'send' THEN s.peer ELSE s.rank END AS receiver,
-           s.start_ns + k.offset_ns AS arrival_ns, s.start_ns + k.offset_ns + s.dur_ns AS end_ns,
+           s.start_ns AS arrival_ns, s.start_ns + s.dur_ns AS end_ns,
            r.start_ns AS step_start_ns, r.start_ns + coalesce(r.step_ns, r.extent_ns) AS step_end_ns, r.stage
-    FROM spans s
-    JOIN ms_cache.rank_clock k USING (rank)
+    FROM src s
     JOIN ms_cache.rank_step r ON r.rank = s.rank AND r.step = s.step
-    WHERE s.step IN ({{steps}}) AND s.kind IN ('collective', 'send', 'recv') AND s.seq IS NOT NULL
+    WHERE s.kind IN ('collective', 'send', 'recv')
       AND (s.kind = 'collective' AND s."group" IS NOT NULL OR s.kind <> 'collective' AND s.peer IS NOT NULL)
 ), w AS (
-    SELECT s.step, s.rank, s.seq, s.peer, s.name[:-6] AS op_name, min(s.start_ns + k.offset_ns) AS wait_ns
-    FROM spans s JOIN ms_cache.rank_clock k USING (rank)
-    WHERE s.step IN ({{steps}}) AND s.kind = 'other' AND s.seq IS NOT NULL AND ends_with(s.name, ':wait')
+    SELECT step, rank, seq, peer, name[:-6] AS op_name, min(start_ns) AS wait_ns
+    FROM src WHERE kind = 'other'
     GROUP BY ALL
 ), o AS (
     SELECT c.*, w.wait_ns, coalesce(w.wait_ns >= c.arrival_ns, false) AS is_async,
