@@ -468,15 +468,21 @@ class RunRegistry:
             thread.join(timeout)
 
     def _compact(self, served: ServedRun) -> None:
-        from megascope.compact import DEFAULT_GRACE_S, DEFAULT_KEEP_NEWEST, DEFAULT_MIN_AGE_S, compact
+        from megascope.compact import (
+            DEFAULT_GRACE_S,
+            DEFAULT_KEEP_NEWEST,
+            DEFAULT_MIN_AGE_S,
+            CompactionBusy,
+            compact,
+        )
         from megascope.errors import MegascopeError
 
         try:
             result = compact(served.path, min_age_s=DEFAULT_MIN_AGE_S, keep_newest=DEFAULT_KEEP_NEWEST,
                              grace_s=max(DEFAULT_GRACE_S, 10 * self.poll_interval_s))
+        except CompactionBusy:
+            return  # someone else's pass (the nodes' own, say): try again next period
         except (MegascopeError, OSError) as exc:
-            if "another compaction" in str(exc):
-                return  # someone else's pass: try again next period
             self._no_compaction.add(served.id)
             log.warning("run %s: not compacted, compaction off for it (%s)", served.id, exc)
             return

@@ -29,6 +29,10 @@ same name; :func:`megascope.layout.write_sums_twin`), rebuilt from its rows and 
 commit; the merged parts' sums are replaced with them. A compacted spans file without sums (one
 compacted by an older version) is aggregated by the analysis.
 
+A scoped pass (``scope=Scope(ranks=(8, 15), host="node1")``, ``megascope compact --ranks``) does
+the same for those ranks' and that host's partitions only, so each node of a big job can compact
+its own: see :class:`Scope`.
+
 A SIGKILL at any point leaves either the old parts (and an uncommitted file that the next pass
 removes) or a committed manifest (and replaced parts that the next pass removes); both read the
 same rows.
@@ -46,6 +50,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import functools
 import logging
 import os
 import time
@@ -128,6 +133,75 @@ class CompactResult:
         return sum(t.rows for t in self.tables.values())
 
 
+@dataclass(frozen=True)
+class Scope:
+    """The partitions one pass may touch: a rank range (inclusive) and/or one host's directory.
+
+    What scoped passes are for: on a job of thousands of ranks, each host compacts its own ranks'
+    parts (a sidecar per node: ``megascope compact RUN --ranks 8-15 --host node1 --every 60``), so
+    the work grows with the host's ranks, not the job's. Passes of disjoint scopes run at once;
+    an unscoped pass waits for none and runs alone. Single-file tables (``ranks``, ``groups``) and
+    ``diagnostics`` belong to no scope: the job's last, unscoped pass merges them.
+    """
+
+    ranks: tuple[int, int] | None = None
+    host: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.ranks is None and self.host is None:
+            raise RunDirError("compaction scope: give a rank range, a host, or both")
+        if self.ranks is not None:
+            lo, hi = self.ranks
+            if not 0 <= lo <= hi <= 99_999:
+                raise RunDirError(f"compaction scope: ranks {lo}-{hi} are not a range of ranks (0-99999, low-high)")
+        if self.host is not None and not self.host.strip():
+            raise RunDirError("compaction scope: the host name is empty")
+
+    def tag(self, table: str) -> str | None:
+        """The scope's name in ``table``'s compacted file names; None: ``table`` is not in the scope."""
+        if table in layout.RANK_PARTITIONED and self.ranks is not None:
+            return f"r{self.ranks[0]:05d}_{self.ranks[1]:05d}"
+        if table in layout.HOST_PARTITIONED and self.host is not None:
+            return "h" + layout.host_dir_name(self.host).split("=", 1)[1]
+        return None
+
+    def partitions(self, table: str) -> list[str]:
+        """The partition directories of ``table`` in the scope (``rank=00008``, ``host=node1``)."""
+        if self.tag(table) is None:
+            return []
+        if table in layout.RANK_PARTITIONED:
+            assert self.ranks is not None
+            return [layout.rank_dir_name(r) for r in range(self.ranks[0], self.ranks[1] + 1)]
+        assert self.host is not None
+        return [layout.host_dir_name(self.host)]
+
+    def touches(self, table: str, name: str) -> bool:
+        """Whether the manifest named ``name`` may cover partitions of this scope: an unscoped
+        pass's, an overlapping rank range's, or this host's."""
+        other = layout.compacted_scope(name)
+        if other is None:
+            return True
+        mine = self.tag(table)
+        if mine is None or other[0] != mine[0]:
+            return False
+        if other[0] == "h":
+            return other == mine
+        try:
+            lo, hi = (int(x) for x in other[1:].split("_"))
+        except ValueError:
+            return True  # not a range this version writes: read it rather than risk merging twice
+        assert self.ranks is not None
+        return lo <= self.ranks[1] and self.ranks[0] <= hi
+
+    def __str__(self) -> str:
+        parts = []
+        if self.ranks is not None:
+            parts.append(f"ranks {self.ranks[0]}-{self.ranks[1]}")
+        if self.host is not None:
+            parts.append(f"host {self.host}")
+        return " and ".join(parts)
+
+
 # Test hook: called with a stage name ("written", "committed", "removing") inside a pass, so a
 # test can stop a pass where a SIGKILL could.
 _Hook = Callable[[str], None]
@@ -142,13 +216,15 @@ def compact(
     grace_s: float = 0.0,
     tables: tuple[str, ...] | None = None,
     threads: int | None = None,
+    scope: Scope | None = None,
     _hook: _Hook | None = None,
 ) -> CompactResult:
     """One compaction pass over ``run_dir`` (see the module docstring).
 
     ``everything``: the job has ended; merge every part whatever its age, each rank's newest and
     the single-file tables (``ranks``, ``groups``) too. ``grace_s``: replaced files are removed
-    once their manifest is this old (0: right after the commit).
+    once their manifest is this old (0: right after the commit). ``scope``: touch only these
+    ranks' and this host's partitions (:class:`Scope`); the tables outside every scope are left.
     """
     run_dir = Path(run_dir)
     t0 = time.perf_counter()
@@ -160,19 +236,23 @@ def compact(
     for table in chosen:
         if table not in TABLES:
             raise RunDirError(f"compaction: unknown table {table!r} (one of {', '.join(TABLES)})")
+    if scope is not None:
+        chosen = tuple(t for t in chosen if scope.tag(t) is not None)
     hook = _hook or (lambda stage: None)
-    with _locked(run_dir):
+    with _locked(run_dir, scope, chosen):
         now_ns = time.time_ns()
         for table in chosen:
-            result.removed += _clean(run_dir, table, now_ns=now_ns, grace_s=grace_s)
+            result.removed += _clean(run_dir, table, now_ns=now_ns, grace_s=grace_s, scope=scope)
         for table in chosen:
             res = _compact_table(run_dir, table, run_id, now_ns=now_ns, min_age_s=min_age_s,
-                                 keep_newest=keep_newest, everything=everything, threads=threads, hook=hook)
+                                 keep_newest=keep_newest, everything=everything, threads=threads, hook=hook,
+                                 scope=scope)
             result.tables[table] = res
             if res.files_written:
                 hook("committed")
-                result.removed += _clean(run_dir, table, now_ns=time.time_ns(), grace_s=grace_s, hook=hook)
-        if everything:
+                result.removed += _clean(run_dir, table, now_ns=time.time_ns(), grace_s=grace_s, hook=hook,
+                                         scope=scope)
+        if everything and scope is None:
             _remove_empty_partitions(run_dir, chosen)
     result.seconds = time.perf_counter() - t0
     return result
@@ -214,48 +294,90 @@ def _run_id(run_dir: Path) -> str:
     return run_id
 
 
+class CompactionBusy(RunDirError):
+    """Another pass holds the run, or a partition of this pass's scope."""
+
+
+# Per-partition locks of scoped passes (``compacted/.locks/rank=00017``).
+_LOCKS_DIR = ".locks"
+
+
 @contextlib.contextmanager
-def _locked(run_dir: Path) -> Iterator[None]:
+def _locked(run_dir: Path, scope: Scope | None = None, tables: tuple[str, ...] = ()) -> Iterator[None]:
+    """Hold the run's compaction lock for the pass: alone (unscoped), or shared with passes of
+    other scopes, each partition of the scope held alone. Every lock dies with its process."""
     base = run_dir / layout.COMPACTED_DIR
-    try:
-        base.mkdir(exist_ok=True)
-        fd: IO[bytes] = open(base / ".lock", "ab")  # noqa: SIM115 - held for the whole pass
-    except OSError as exc:
-        raise RunDirError(f"{exc.filename or base}: cannot write ({exc.strerror or exc}); "
-                          "compaction needs write access to the run directory") from None
-    try:
+    fds: list[IO[bytes]] = []
+
+    def take(path: Path, how: int, busy: str) -> None:
         try:
-            fcntl.flock(fd.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd: IO[bytes] = open(path, "ab")  # noqa: SIM115 - held for the whole pass
+        except OSError as exc:
+            raise RunDirError(f"{exc.filename or path}: cannot write ({exc.strerror or exc}); "
+                              "compaction needs write access to the run directory") from None
+        fds.append(fd)
+        try:
+            fcntl.flock(fd.fileno(), how | fcntl.LOCK_NB)
         except OSError as exc:
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise RunDirError(f"{run_dir}: another compaction of this run is running") from None
+                raise CompactionBusy(busy) from None
             raise
+
+    try:
+        try:
+            base.mkdir(exist_ok=True)
+        except OSError as exc:
+            raise RunDirError(f"{exc.filename or base}: cannot write ({exc.strerror or exc}); "
+                              "compaction needs write access to the run directory") from None
+        if scope is None:
+            take(base / ".lock", fcntl.LOCK_EX, f"{run_dir}: another compaction of this run is running")
+        else:
+            take(base / ".lock", fcntl.LOCK_SH, f"{run_dir}: a compaction of the whole run is running")
+            locks = base / _LOCKS_DIR
+            with contextlib.suppress(FileExistsError):
+                locks.mkdir()
+            names = sorted({name for t in tables for name in scope.partitions(t)})
+            for name in names:
+                take(locks / name, fcntl.LOCK_EX, f"{run_dir}: {name} is being compacted by another pass")
         yield
     finally:
-        fd.close()
+        for fd in fds:
+            fd.close()
 
 
 # ------------------------------------------------------------------------------------ cleaning
 
 
-def _clean(run_dir: Path, table: str, *, now_ns: int, grace_s: float, hook: _Hook | None = None) -> int:
+def _clean(run_dir: Path, table: str, *, now_ns: int, grace_s: float, hook: _Hook | None = None,
+           scope: Scope | None = None) -> int:
     """Remove what committed manifests replace (once ``grace_s`` old) and compacted files no
-    manifest commits (a pass killed before its commit). Returns the number of files removed."""
+    manifest commits (a pass killed before its commit). Returns the number of files removed.
+
+    A scoped pass cleans after its own scope's passes only: other scopes' passes may be writing
+    beside it, and what an unscoped pass left is the next unscoped pass's to clean."""
     base = layout.compacted_dir(run_dir, table)
     if not base.is_dir():
         return 0
-    manifests, _problems = layout.read_manifests(run_dir, table)
+    tag = scope.tag(table) if scope is not None else None
+    manifests, _problems = layout.read_manifests(run_dir, table, _manifest_filter(scope, table))
+
+    def ours(name: str) -> bool:
+        return tag is None or layout.compacted_scope(name) == tag
+
     named = {f.path for m in manifests for f in m.files}
     removed = 0
     for entry in os.scandir(base):
+        if not ours(entry.name):
+            continue
         rel = f"{layout.COMPACTED_DIR}/{table}/{entry.name}"
         stale_tmp = entry.name.startswith(".") and entry.name.endswith(_TMP_SUFFIX)
         if stale_tmp or (entry.name.endswith(".parquet") and rel not in named):
-            # We hold the lock: no other pass is writing these.
+            # We hold the lock (of these partitions): no other pass is writing these.
             removed += _unlink(Path(entry.path))
     if table == "spans":
-        removed += _clean_sums(run_dir, named)
-    due = [m for m in layout.active_manifests(manifests) if now_ns - m.committed_ns >= grace_s * 1e9]
+        removed += _clean_sums(run_dir, named, ours)
+    due = [m for m in layout.active_manifests(manifests)
+           if now_ns - m.committed_ns >= grace_s * 1e9 and ours(m.path.name)]
     if not due:
         return removed
     if hook:
@@ -285,7 +407,14 @@ def _clean(run_dir: Path, table: str, *, now_ns: int, grace_s: float, hook: _Hoo
     return removed
 
 
-def _clean_sums(run_dir: Path, named: set[str]) -> int:
+def _manifest_filter(scope: Scope | None, table: str) -> Callable[[str], bool] | None:
+    """Which manifests a pass reads: all (unscoped), or those that may touch the scope."""
+    if scope is None:
+        return None
+    return functools.partial(scope.touches, table)
+
+
+def _clean_sums(run_dir: Path, named: set[str], ours: Callable[[str], bool]) -> int:
     """Remove the compacted spans files' sums whose spans file no manifest names (a pass killed
     before its commit, or the file removed since) and temporary files of killed writes."""
     base = run_dir / layout.COMPACTED_DIR / layout.STEP_SUMS_DIR
@@ -293,6 +422,8 @@ def _clean_sums(run_dir: Path, named: set[str]) -> int:
         return 0
     removed = 0
     for entry in os.scandir(base):
+        if not ours(entry.name):
+            continue
         spans_rel = f"{layout.COMPACTED_DIR}/spans/{entry.name}"
         if entry.name.endswith(_TMP_SUFFIX) or (entry.name.endswith(".parquet") and spans_rel not in named):
             removed += _unlink(Path(entry.path))
@@ -355,10 +486,18 @@ class _Input:
 
 
 def _eligible_parts(run_dir: Path, table: str, ignored: set[str], *, now_ns: int, min_age_s: float,
-                    keep_newest: int, everything: bool) -> list[Path]:
+                    keep_newest: int, everything: bool, scope: Scope | None = None) -> list[Path]:
     if table in layout.SINGLE_FILE_TABLES and not everything:
         return []  # rewritten in place by a live writer: merged only once the job has ended
-    files = sorted(run_dir.glob(layout.table_glob(table)))
+    if scope is None:
+        files = sorted(run_dir.glob(layout.table_glob(table)))
+    else:  # the scope's partition directories alone, never a listing of the whole table
+        files = []
+        for name in scope.partitions(table):
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                files += [Path(e.path) for e in os.scandir(run_dir / table / name)
+                          if e.name.endswith(".parquet") and not e.name.startswith(".")]
+        files.sort()
     files = [f for f in files if f.relative_to(run_dir).as_posix() not in ignored]
     if everything:
         return files
@@ -435,19 +574,23 @@ _READ_AHEAD = 256
 
 
 def _compact_table(run_dir: Path, table: str, run_id: str, *, now_ns: int, min_age_s: float, keep_newest: int,
-                   everything: bool, threads: int | None, hook: _Hook) -> TableResult:
+                   everything: bool, threads: int | None, hook: _Hook, scope: Scope | None = None) -> TableResult:
     res = TableResult(table)
-    manifests, _problems = layout.read_manifests(run_dir, table)
+    tag = scope.tag(table) if scope is not None else None
+    manifests, _problems = layout.read_manifests(run_dir, table, _manifest_filter(scope, table))
     active = [m for m in layout.active_manifests(manifests) if m.run_id in (None, run_id)]
     ignored = {rel for m in active for rel in m.replaces} if table not in layout.SINGLE_FILE_TABLES else set()
     parts = _eligible_parts(run_dir, table, ignored, now_ns=now_ns, min_age_s=min_age_s,
-                            keep_newest=keep_newest, everything=everything)
+                            keep_newest=keep_newest, everything=everything, scope=scope)
     if not parts:
         return res
     inputs = [_Input(p, p.relative_to(run_dir).as_posix(), 0) for p in parts]
-    # Small compacted files of earlier passes go in again, whole manifests at a time.
+    # Small compacted files of earlier passes go in again, whole manifests at a time: a scoped
+    # pass merges its own scope's only (it holds no lock on the partitions of the others).
     single = table in layout.SINGLE_FILE_TABLES
     for m in active:
+        if tag is not None and layout.compacted_scope(m.path.name) != tag:
+            continue
         # Single-file tables (one row per rank or group) are always merged whole again, so that a
         # rank's file rewritten since the last pass replaces its merged rows instead of adding to them.
         small = single or sum(f.rows for f in m.files) < REMERGE_ROWS
@@ -455,7 +598,7 @@ def _compact_table(run_dir: Path, table: str, run_id: str, *, now_ns: int, min_a
             inputs += [_Input(run_dir / f.path, f.path, f.rows, manifest=m) for f in m.files]
     base = layout.compacted_dir(run_dir, table)
     base.mkdir(parents=True, exist_ok=True)
-    stem = f"c-{time.time_ns():019d}-{os.getpid()}"
+    stem = f"c-{time.time_ns():019d}-{os.getpid()}" + (f"-{tag}" if tag is not None else "")
     written: list[layout.CompactedFile] = []
     merged: list[_Input] = []
     fresh: set[int] = set()  # single-file tables: ranks whose current file is being merged

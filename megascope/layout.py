@@ -46,6 +46,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -203,13 +204,30 @@ def _manifest_from_json(path: Path, table: str, data: Any) -> Manifest:
                     replaces, stamps)
 
 
-def read_manifests(run_dir: Path | str, table: str) -> tuple[list[Manifest], list[str]]:
-    """Every manifest of ``table`` that parses, and one line per one that does not."""
+# A compacted file's or manifest's name: ``c-<ns>-<pid>[-<scope>]`` then ``-NNN.parquet`` or the
+# manifest suffix (a leading dot and a trailing ``.tmp`` while written). ``<scope>`` names the
+# partitions a scoped pass (``megascope compact --ranks``/``--host``) covered: ``rLLLLL_HHHHH`` for
+# a rank range, ``h<host>`` for one host's directory; an unscoped pass's names have none.
+_COMPACTED_NAME = re.compile(r"^\.?c-\d+-\d+(?:-(?P<scope>[rh][A-Za-z0-9._-]*?))?(?:-\d{3}\.parquet|\.manifest\.json)")
+
+
+def compacted_scope(name: str) -> str | None:
+    """The scope a compacted file or manifest name carries (None: an unscoped pass wrote it)."""
+    m = _COMPACTED_NAME.match(name)
+    return m.group("scope") if m else None
+
+
+def read_manifests(run_dir: Path | str, table: str,
+                   names: Callable[[str], bool] | None = None) -> tuple[list[Manifest], list[str]]:
+    """Every manifest of ``table`` that parses, and one line per one that does not. ``names``: read
+    only the manifests whose file name it accepts (a scoped compaction reads those that may
+    touch its partitions, never the whole cluster's)."""
     base = compacted_dir(run_dir, table)
     manifests: list[Manifest] = []
     problems: list[str] = []
     try:
-        paths = sorted(p for p in base.iterdir() if p.name.endswith(MANIFEST_SUFFIX))
+        paths = sorted(p for p in base.iterdir()
+                       if p.name.endswith(MANIFEST_SUFFIX) and (names is None or names(p.name)))
     except OSError:
         return [], []
     for path in paths:

@@ -361,6 +361,165 @@ def test_dashboard_selections_and_exports_read_the_same_after_compaction(run: Pa
     assert events(run, tmp_path / "b.json") == before_events
 
 
+# ------------------------------------------------------------------------------------ scoped passes
+
+
+def _heartbeats(run: Path, host: str, parts: int) -> pa.Table:
+    """``parts`` heartbeat parts of ``host`` (synth runs have none), aged; returns their rows."""
+    from megascope.schema import HEARTBEATS
+
+    run_id = layout.read_run_json(run)["run_id"]
+    tables = []
+    for i in range(parts):
+        data = pa.Table.from_pylist([{"host": host, "rank": None, "pid": 1, "time_ns": 10**9 * i + j,
+                                      "device": "gpu0", "metric": "gpu_util_pct", "value": float(j)}
+                                     for j in range(20)], schema=HEARTBEATS)
+        layout.write_part(run, "heartbeats", data, host=host, run_id=run_id)
+        tables.append(data)
+    _age_all(run)
+    return pa.concat_tables(tables)
+
+
+def _age_all(run: Path) -> None:
+    then = time.time() - 3600
+    for p in run.glob("*/*=*/*.parquet"):
+        os.utime(p, (then, then))
+
+
+def _ranks_with_parts(run: Path, table: str) -> set[int]:
+    return {int(d.name.split("=")[1]) for d in (run / table).glob("rank=*") if any(d.glob("*.parquet"))}
+
+
+def test_scoped_passes_merge_their_own_ranks_and_host_and_nothing_else(run: Path,
+                                                                      expected: tuple[object, ...]) -> None:
+    beats = _heartbeats(run, "node-a", 3)
+    _heartbeats(run, "node-b", 2)
+    ranks_before = len(list((run / "ranks").glob("*.parquet")))
+    result = compact(run, min_age_s=0, keep_newest=1, scope=compaction.Scope(ranks=(4, 7), host="node-a"))
+    assert set(result.tables) == {"spans", "markers", "metrics", "heartbeats"}
+    assert result.tables["heartbeats"].parts_merged == 2  # the host's newest part stays, as a rank's does
+    # Ranks 4-7 keep their newest part each; every other rank keeps all of its parts.
+    for table in ("spans", "markers"):
+        for rank_dir in (run / table).glob("rank=*"):
+            rank = int(rank_dir.name.split("=")[1])
+            left = len(list(rank_dir.glob("*.parquet")))
+            assert left == 1 if 4 <= rank <= 7 else left > 1, (table, rank, left)
+    assert len(list((run / "heartbeats" / layout.host_dir_name("node-b")).glob("*.parquet"))) == 2
+    assert len(list((run / "heartbeats" / layout.host_dir_name("node-a")).glob("*.parquet"))) == 1
+    assert len(list((run / "ranks").glob("*.parquet"))) == ranks_before  # no scope's
+    # The files carry their scope's name, and hold those ranks only.
+    for table in ("spans", "markers"):
+        (m,) = layout.active_manifests(layout.read_manifests(run, table)[0])
+        assert layout.compacted_scope(m.path.name) == "r00004_00007"
+        assert all(lo >= 4 and hi <= 7 for f in m.files for lo, hi in f.ranks)
+    (hb,) = layout.active_manifests(layout.read_manifests(run, "heartbeats")[0])
+    assert layout.compacted_scope(hb.path.name) == "hnode-a"
+    assert _fingerprint(run) == expected
+    opened = open_run(run)
+    assert opened.con.execute("SELECT count(*), sum(value) FROM heartbeats WHERE host = 'node-a'").fetchone() == (
+        beats.num_rows, sum(beats.column("value").to_pylist()))
+    # A second pass of the same scope merges its earlier small files with what became old.
+    for p in (run / "spans" / layout.rank_dir_name(5)).glob("*.parquet"):
+        os.utime(p, (1, 1))
+    again = compact(run, min_age_s=0, keep_newest=0, scope=compaction.Scope(ranks=(4, 7)))
+    assert again.tables["spans"].parts_merged >= 1
+    assert len(layout.active_manifests(layout.read_manifests(run, "spans")[0])) == 1
+    assert _fingerprint(run) == expected
+    # The job's last, unscoped pass takes the scoped files in with everything else.
+    compact(run, everything=True)
+    assert _parts(run) == []
+    assert len(layout.active_manifests(layout.read_manifests(run, "spans")[0])) == 1
+    assert _fingerprint(run) == expected
+
+
+def test_an_overlapping_scope_later_never_merges_a_part_twice(run: Path, expected: tuple[object, ...]) -> None:
+    # The first pass's replaced parts stay (a grace for readers) and must count once.
+    compact(run, min_age_s=0, keep_newest=0, grace_s=3600, scope=compaction.Scope(ranks=(0, 7)))
+    assert _ranks_with_parts(run, "spans") == set(range(16))  # replaced, not yet removed
+    second = compact(run, min_age_s=0, keep_newest=0, grace_s=3600, scope=compaction.Scope(ranks=(4, 11)))
+    assert second.tables["spans"].parts_merged > 0
+    (later,) = [m for m in layout.read_manifests(run, "spans")[0] if "r00004_00011" in m.path.name]
+    # Ranks 4-7 were the first pass's: the later one merged ranks 8-11 alone.
+    assert {int(rel.split("rank=")[1][:5]) for rel in later.replaces if rel.startswith("spans/")} == set(range(8, 12))
+    assert _fingerprint(run) == expected
+    # Past the grace, each scope removes what it replaced, and an unscoped pass what is left.
+    compact(run, min_age_s=0, keep_newest=0, grace_s=0, scope=compaction.Scope(ranks=(0, 7)))
+    assert _ranks_with_parts(run, "spans") == set(range(8, 16))
+    assert _fingerprint(run) == expected
+    compact(run, everything=True)
+    assert _parts(run) == []
+    assert _fingerprint(run) == expected
+
+
+def test_disjoint_scopes_run_at_once_and_overlapping_ones_wait(run: Path, expected: tuple[object, ...]) -> None:
+    inside = threading.Event()
+    go_on = threading.Event()
+    errors: list[BaseException] = []
+
+    def hold(stage: str) -> None:
+        if stage == "written" and not inside.is_set():
+            inside.set()
+            assert go_on.wait(60)
+
+    def first() -> None:
+        try:
+            compact(run, min_age_s=0, keep_newest=1, scope=compaction.Scope(ranks=(0, 3)), _hook=hold)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    t = threading.Thread(target=first)
+    t.start()
+    try:
+        assert inside.wait(60)
+        with pytest.raises(compaction.CompactionBusy, match="rank=00003"):
+            compact(run, min_age_s=0, keep_newest=1, scope=compaction.Scope(ranks=(3, 5)))
+        with pytest.raises(compaction.CompactionBusy, match="another compaction"):
+            compact(run, min_age_s=0, keep_newest=1)  # an unscoped pass runs alone
+        beside = compact(run, min_age_s=0, keep_newest=1, scope=compaction.Scope(ranks=(8, 15)))
+        assert beside.parts_merged > 0
+    finally:
+        go_on.set()
+        t.join()
+    assert errors == []
+    assert _ranks_with_parts(run, "spans") == set(range(16))
+    assert all(len(list((run / "spans" / layout.rank_dir_name(r)).glob("*.parquet"))) == 1
+               for r in [*range(4), *range(8, 16)])
+    assert _fingerprint(run) == expected
+
+
+def test_sigkilled_scoped_passes_leave_the_same_rows_and_their_next_pass_cleans_up(
+        tmp_path: Path, synth: Synth) -> None:
+    path = synth(tmp_path / "big", ranks=16, steps=8, tp=2, pp=2, seed=5, gpus_per_host=4, chunk_rows=800)
+    _age(path)
+    expected = _fingerprint(path)
+    script = ("import sys; from megascope import compact as c; c.FILE_ROWS = 3000; c.REMERGE_ROWS = 0; "
+              "c.compact(sys.argv[1], min_age_s=0, keep_newest=1, grace_s=0, scope=c.Scope(ranks=(0, 7)), "
+              "_hook=lambda stage: print(stage, flush=True))")
+    rng = random.Random(11)
+    for target in (1, 3, 2):
+        proc = subprocess.Popen([sys.executable, "-c", script, str(path)], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+        assert proc.stdout is not None
+        for n, _line in enumerate(proc.stdout, 1):
+            if n == target:
+                break
+        time.sleep(rng.uniform(0, 0.01))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        assert _fingerprint(path) == expected
+    compact(path, min_age_s=0, keep_newest=1, grace_s=0, scope=compaction.Scope(ranks=(0, 7)))
+    # Nothing of the scope's is left uncommitted.
+    for table in ("spans", "markers", "metrics"):
+        manifests, problems = layout.read_manifests(path, table)
+        assert problems == []
+        named = {f.path for m in manifests for f in m.files} | {m.name for m in manifests}
+        base = layout.compacted_dir(path, table)
+        on_disk = {p.relative_to(path).as_posix() for p in base.iterdir()} if base.is_dir() else set()
+        assert on_disk <= named, on_disk - named
+    assert _fingerprint(path) == expected
+
+
 # ------------------------------------------------------------------------------------ command line
 
 
@@ -396,6 +555,44 @@ def test_cli_errors_are_one_line(cli_run: Path, tmp_path: Path) -> None:
     with open(lock_dir / ".lock", "ab") as held:
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)
         assert_one_line_error(megascope("compact", cli_run, "--all"), mentions="another compaction")
+
+
+def test_cli_scoped_passes_and_their_errors(cli_run: Path, expected: tuple[object, ...]) -> None:
+    proc = megascope("compact", cli_run, "--ranks", "0-7", "--min-age", "0", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["parts_merged"] > 0 and set(out["tables"]) == {"spans", "markers", "metrics"}
+    assert _ranks_with_parts(cli_run, "spans") == set(range(16))
+    proc = megascope("compact", cli_run, "--ranks", "8", "--min-age", "0")
+    assert proc.returncode == 0 and "(ranks 8-8)" in proc.stdout
+    assert _fingerprint(cli_run) == expected
+    assert_one_line_error(megascope("compact", cli_run, "--ranks", "7-3"), mentions="not a range of ranks")
+    assert_one_line_error(megascope("compact", cli_run, "--ranks", "a-b"), mentions="--ranks")
+    assert_one_line_error(megascope("compact", cli_run, "--all", "--every", "5"), mentions="--every")
+    assert_one_line_error(megascope("compact", cli_run, "--host", " "), mentions="host name is empty")
+
+
+def test_cli_every_repeats_until_stopped(cli_run: Path, expected: tuple[object, ...]) -> None:
+    import pyarrow.parquet as pq
+
+    extra = pq.read_table(next(cli_run.glob(layout.table_glob("metrics")))).slice(0, 5)
+    proc = subprocess.Popen([sys.executable, "-m", "megascope", "compact", str(cli_run), "--ranks", "0-15",
+                             "--min-age", "0", "--keep-newest", "0", "--grace", "0", "--every", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: not any(_ranks_with_parts(cli_run, t) for t in ("spans", "markers", "metrics")),
+                   timeout=60, message="the first pass")
+        # A part written later is merged by a later pass.
+        run_id = layout.read_run_json(cli_run)["run_id"]
+        layout.write_part(cli_run, "metrics", extra, rank=3, run_id=run_id)
+        wait_until(lambda: not _ranks_with_parts(cli_run, "metrics"), timeout=60, message="a later pass")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert err == ""
+    assert "merged" in out
+    assert _fingerprint(cli_run)[5] == expected[5] + 5
 
 
 def test_cli_on_a_read_only_run_is_one_line(cli_run: Path, tmp_path: Path) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -20,24 +22,88 @@ from megascope.cli.common import echo_json, json_option, run_dir_argument
 @click.option("--grace", "grace_s", type=click.FloatRange(min=0), default=None, metavar="SECONDS",
               help="Remove replaced parts once their compaction is this old, so that readers of a live run "
                    "refresh first (default 60; 0 with --all).")
+@click.option("--ranks", "ranks", default=None, metavar="LOW-HIGH",
+              help="Only these ranks' parts (a node's sidecar: its own ranks). Passes over disjoint ranks "
+                   "run at once; ranks/groups/diagnostics are left to an unscoped pass.")
+@click.option("--host", default=None, metavar="NAME",
+              help="Only this host's heartbeat parts (with --ranks: both).")
+@click.option("--every", "every_s", type=click.FloatRange(min=1), default=None, metavar="SECONDS",
+              help="Repeat the pass this often until interrupted (a pass another holds is skipped, said once).")
 @json_option
 def compact(run_dir: Path, everything: bool, min_age_s: float | None, keep_newest: int | None,
-            grace_s: float | None, as_json: bool) -> None:
+            grace_s: float | None, ranks: str | None, host: str | None, every_s: float | None,
+            as_json: bool) -> None:
     """Merge RUN's part files into a few large files sorted by step and rank (spans: step, kind, rank).
 
     Safe while the job still writes (only parts older than --min-age, never a rank's newest), on a
     run being read (readers never see a half-compacted run), and if interrupted (run it again).
+    On a job of many nodes, run one per node with --ranks (and --host) and --every: each node then
+    merges its own ranks' parts, and the work does not grow with the job.
     """
-    from megascope.compact import DEFAULT_GRACE_S, DEFAULT_KEEP_NEWEST, DEFAULT_MIN_AGE_S
+    from megascope.compact import DEFAULT_GRACE_S, DEFAULT_KEEP_NEWEST, DEFAULT_MIN_AGE_S, Scope
+
+    if every_s is not None and everything:
+        raise click.UsageError("--every repeats a live pass; --all is the last pass of an ended job")
+    scope = Scope(ranks=_rank_range(ranks), host=host) if ranks is not None or host is not None else None
+    kwargs = {
+        "everything": everything,
+        "min_age_s": min_age_s if min_age_s is not None else (0.0 if everything else DEFAULT_MIN_AGE_S),
+        "keep_newest": keep_newest if keep_newest is not None else (0 if everything else DEFAULT_KEEP_NEWEST),
+        "grace_s": grace_s if grace_s is not None else (0.0 if everything else DEFAULT_GRACE_S),
+        "scope": scope,
+    }
+    if every_s is None:
+        _one_pass(run_dir, kwargs, as_json)
+        return
+    _repeat(run_dir, kwargs, as_json, every_s)
+
+
+def _rank_range(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    lo, sep, hi = text.strip().partition("-")
+    try:
+        first = int(lo)
+        last = int(hi) if sep else first
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a rank or a range of ranks (e.g. 8-15)",
+                                 param_hint="--ranks") from None
+    return first, last
+
+
+def _repeat(run_dir: Path, kwargs: dict[str, Any], as_json: bool, every_s: float) -> None:
+    """A pass every ``every_s`` seconds until interrupted (SIGINT or SIGTERM: a pass under way is
+    cut short, which leaves the run as readable as ever; the next pass finishes it)."""
+    import signal
+
+    from megascope.compact import CompactionBusy
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    said: set[str] = set()
+    try:
+        while True:
+            started = time.monotonic()
+            try:
+                _one_pass(run_dir, kwargs, as_json, quiet=True)
+            except CompactionBusy as exc:
+                if str(exc) not in said:  # a pass of another process holds it: try again next time
+                    said.add(str(exc))
+                    click.echo(f"warning: {exc}; trying again every {every_s:g} s", err=True)
+            time.sleep(max(0.0, every_s - (time.monotonic() - started)))
+    except KeyboardInterrupt:
+        return
+
+
+def _one_pass(run_dir: Path, kwargs: dict[str, Any], as_json: bool, *, quiet: bool = False) -> None:
+    """One pass, and what it did (``quiet``: nothing said of a pass that did nothing)."""
     from megascope.compact import compact as run_compaction
 
-    result = run_compaction(
-        run_dir,
-        everything=everything,
-        min_age_s=min_age_s if min_age_s is not None else (0.0 if everything else DEFAULT_MIN_AGE_S),
-        keep_newest=keep_newest if keep_newest is not None else (0 if everything else DEFAULT_KEEP_NEWEST),
-        grace_s=grace_s if grace_s is not None else (0.0 if everything else DEFAULT_GRACE_S),
-    )
+    result = run_compaction(run_dir, **kwargs)
+    if quiet and not (result.parts_merged or result.removed or any(t.skipped for t in result.tables.values())):
+        return
     skipped = [line for t in result.tables.values() for line in t.skipped]
     for line in skipped:
         click.echo(f"warning: {line}", err=True)
@@ -54,7 +120,9 @@ def compact(run_dir: Path, everything: bool, min_age_s: float | None, keep_newes
             "skipped": skipped,
         })
         return
-    click.echo(f"{run_dir}: merged {result.parts_merged} parts ({result.rows} rows) into {result.files_written} "
+    scope = kwargs.get("scope")
+    where = f"{run_dir} ({scope})" if scope is not None else f"{run_dir}"
+    click.echo(f"{where}: merged {result.parts_merged} parts ({result.rows} rows) into {result.files_written} "
                f"files in {result.seconds:.1f} s; removed {result.removed} files")
 
 
