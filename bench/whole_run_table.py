@@ -66,6 +66,35 @@ def table(runs: Path, first: int, last: int) -> str:
     return "\n".join(lines)
 
 
+def waits(runs: Path, first: int, last: int) -> str:
+    """Rank 0's wait for the device per step (``step_wait_seconds``, CUDA runs): how far ahead of
+    its device the host ran. A host that waits ~0 ms sets the pace itself, and whatever the
+    collector adds to it is added to the step; one that waits absorbs it."""
+    rows: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: {"step": [], "wait": []})
+    for f in sorted(runs.glob("*.json")):
+        m = re.match(r"(.+)-r(\d+)-(on|off)$", f.stem)
+        if not m:
+            continue
+        data = json.loads(f.read_text())
+        steps, wait = data.get("step_seconds") or [], data.get("step_wait_seconds") or []
+        if len(steps) < last or len(wait) < last + 1:
+            continue
+        row = rows[(m.group(1), m.group(3))]
+        row["step"] += [s * 1e3 for s in steps[first:last]]
+        # step_seconds[i] runs from the end of step i to the end of step i + 1, whose wait is wait[i + 1]
+        row["wait"] += [w * 1e3 for w in wait[first + 1:last + 1]]
+    if not rows:
+        return ""
+    lines = ["| layout | mode | step mean ms | wait for the device, mean ms | host busy (step - wait), mean ms | "
+             "steps waiting under 1 ms |", "|---|---|---|---|---|---|"]
+    for (layout, mode), row in sorted(rows.items()):
+        busy = [a - b for a, b in zip(row["step"], row["wait"], strict=True)]
+        short = sum(1 for w in row["wait"] if w < 1.0) / len(row["wait"])
+        lines.append(f"| {layout} | {mode} | {statistics.fmean(row['step']):.1f} | {statistics.fmean(row['wait']):.1f} | "
+                     f"{statistics.fmean(busy):.1f} | {short:.0%} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", type=Path)
@@ -74,6 +103,10 @@ def main() -> None:
     args = parser.parse_args()
     print(f"whole runs, steps {args.first}-{args.last - 1}, rank 0's step time")
     print(table(args.runs, args.first, args.last))
+    wait = waits(args.runs, args.first, args.last)
+    if wait:
+        print("\nrank 0's wait for its device per step (the host at most a step ahead)")
+        print(wait)
 
 
 if __name__ == "__main__":

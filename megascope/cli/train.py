@@ -121,6 +121,8 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
         import json
 
         record: dict[str, object] = {"losses": result.losses, "step_seconds": result.step_seconds}
+        if result.step_wait_seconds is not None:
+            record["step_wait_seconds"] = result.step_wait_seconds
         if result.collector_on is not None:
             record.update(collector_on=result.collector_on, ab_flush_seconds=result.ab_flush_seconds)
         result_json.write_text(json.dumps(record) + "\n")

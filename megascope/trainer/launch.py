@@ -51,6 +51,7 @@ class TrainResult:
     step_seconds: list[float]  # rank 0's host time per step (see loop.py on CUDA)
     collector_on: list[bool] | None = None  # --collector-ab: whether the collector recorded each step
     ab_flush_seconds: list[float] | None = None  # --collector-ab: host seconds of each boundary flush
+    step_wait_seconds: list[float] | None = None  # CUDA: rank 0's wait for the device per step (loop.py)
 
 
 _SOURCE_PREFIX = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")  # gloo's "[.../pair.cc:553] "
@@ -223,7 +224,7 @@ def train(cfg: TrainConfig, *, nproc: int | None = None) -> TrainResult:
             msg = _one_line(exc)
             raise TrainingError(failure_message({rank: msg}, cfg.collective_timeout_s)) from None
         return TrainResult(cfg.out, result.losses, result.step_seconds, result.collector_on,
-                           result.ab_flush_seconds)
+                           result.ab_flush_seconds, result.step_wait_seconds)
     nproc = nproc or 1
     if cfg.peak_flops is None and pick_device(cfg, 0).type == "cpu":
         # Measured once here rather than in 8 ranks fighting over the same cores.
@@ -267,4 +268,4 @@ def _run_local(cfg: TrainConfig, nproc: int, start_method: str) -> TrainResult:
             raise TrainingError(failure_message(failures, cfg.collective_timeout_s, f"rank {index} ended with {_how(code)}"))
         data = json.loads(Path(scratch, "result.json").read_text())
     return TrainResult(cfg.out, data["losses"], data["step_seconds"], data.get("collector_on"),
-                       data.get("ab_flush_seconds"))
+                       data.get("ab_flush_seconds"), data.get("step_wait_seconds"))

@@ -63,6 +63,9 @@ class RankResult:
     # flush that ended a recorded block (megascope.trainer.ab).
     collector_on: list[bool] | None = None
     ab_flush_seconds: list[float] | None = None
+    # CUDA: seconds per step the host waited for the device to end the step before (loop.py keeps
+    # it at most a step ahead); near 0 when the host is what sets the pace.
+    step_wait_seconds: list[float] | None = None
 
 
 def pick_device(cfg: TrainConfig, local_rank: int) -> torch.device:
@@ -227,6 +230,7 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device,
     ab_on: list[bool] = []
     ab_flushes: list[float] = []
     previous_step_done: torch.cuda.Event | None = None
+    waits: list[float] = []
     # On GPUs the batches come from a worker process: the synthetic language's token-by-token
     # build would otherwise take the training thread's interpreter lock thousands of times a step.
     prefetch = Prefetcher(_source(cfg), steps=range(cfg.steps), global_batch=cfg.global_batch, rows=rows,
@@ -262,7 +266,11 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device,
                 step_done = torch.cuda.Event()
                 step_done.record()
                 if previous_step_done is not None:
+                    waited = time.perf_counter()
                     previous_step_done.synchronize()
+                    waits.append(time.perf_counter() - waited)
+                else:
+                    waits.append(0.0)
                 previous_step_done = step_done
             col.metric("loss", global_loss, step=step)
             col.metric("grad_norm", grad_norm, step=step)
@@ -280,7 +288,8 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device,
     return RankResult(losses=torch.stack(losses).tolist(),
                       step_seconds=[b - a for a, b in zip(step_ends, step_ends[1:], strict=False)],
                       collector_on=ab_on if cfg.collector_ab else None,
-                      ab_flush_seconds=ab_flushes if cfg.collector_ab else None)
+                      ab_flush_seconds=ab_flushes if cfg.collector_ab else None,
+                      step_wait_seconds=waits if device.type == "cuda" else None)
 
 
 @contextlib.contextmanager
