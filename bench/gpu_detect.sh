@@ -14,6 +14,11 @@
 #
 # SWEEP_ARGS: more arguments of the sweep, e.g. "--mesh 1x1x2 --only skew --only healthy --skews-ms 100,150".
 #
+# LIMIT_S: the seconds the whole command may run (the machine call's limit, setup included, counted
+# from the start of the call: CALL_START, seconds since the epoch, default now). The sweep is then
+# stopped in time for runs.tar.gz to be written: a call cut off by its own limit brings back
+# nothing of a sweep packed only at its end.
+#
 #   OUT=/tmp/o SEED=83 BUDGET_S=420 bash bench/gpu_detect.sh      # after bench/gpu_setup.sh
 set -uo pipefail
 OUT=${OUT:-gpu-detect}
@@ -31,7 +36,12 @@ export OMP_NUM_THREADS=1 PYTHONPATH=${PYTHONPATH:-$PWD}
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv >"$OUT/gpus.txt" 2>&1
 # How the GPUs are linked: a slower link between two of them reads as a slow pair in the sweep.
 nvidia-smi topo -m >>"$OUT/gpus.txt" 2>&1
-timeout $(( BUDGET_S + 330 )) $PY bench/detect_sweep.py -o "$WORK" --gpu --gpus "$GPUS" --seed "$SEED" \
+STOP_S=$(( BUDGET_S + 330 ))
+if [ -n "${LIMIT_S:-}" ]; then
+  LEFT=$(( LIMIT_S - ($(date +%s) - ${CALL_START:-$(date +%s)}) - 30 ))
+  [ "$LEFT" -lt "$STOP_S" ] && STOP_S=$LEFT
+fi
+timeout "$STOP_S" $PY bench/detect_sweep.py -o "$WORK" --gpu --gpus "$GPUS" --seed "$SEED" \
   --budget-s "$BUDGET_S" ${NO_SCORE:+--no-score} ${SWEEP_ARGS:-} >"$OUT/table.txt" 2>"$OUT/sweep-progress.txt"
 echo "sweep exit $?" >>"$OUT/sweep-progress.txt"
 cp "$WORK/sweep.jsonl" "$OUT/" 2>/dev/null

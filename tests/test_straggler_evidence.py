@@ -475,3 +475,32 @@ def test_on_a_real_tp_pair_the_slow_gpu_takes_the_name_its_partner_was_flagged_u
     assert row["slowdown"] == pytest.approx(tp.at[0, "ratio"]) and row["steps_slow_frac"] == tp.at[0, "slow_frac"]
     assert row["z"] == pytest.approx(float(flagged.iloc[0]["z"])) and row["confidence"] > 0.99
     assert analysis.stragglers_dismissed(run).empty
+
+
+def test_on_a_tensor_parallel_only_mesh_the_pair_itself_names_the_slow_gpu(tmp_path: Path) -> None:
+    """tests/data/gpu-tp-only: the detection sweep's model on 2x H200 (tp2 alone, 16 steps, NCCL),
+    rank 0's GPU planted 1.3x slow. Rank 1, its partner, is flagged (last at 95% of its calls, its
+    own time holding its waits for rank 0) and a replay at its peers' pace saves nothing. Rank 0's
+    compute outside its TP calls is 1.4x rank 1's in every timed micro-batch. With a single TP
+    group there is no other pair to measure the noise by: the pair's own measure decides, and rank
+    0 takes the name, for its compute."""
+    from megascope.analysis import _sql
+
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "gpu-tp-only", tmp_path / "run"))
+    tp = _sql.query_df(run.con, "stragglers", "tp_exclusive", ranks=[0, 1], spans="spans", bar=1.1).set_index("rank")
+    assert 1.3 < tp.at[0, "ratio"] < 1.5 and tp.at[0, "slow_frac"] == 1.0
+    assert pd.isna(tp.at[0, "other_imbalance"])  # no other TP group
+    config = straggler_module.StragglerConfig()
+    pool, _sizes = straggler_module._candidates(run, config)
+    assert list(pool.loc[pool["straggler"].fillna(False).astype(bool), "rank"]) == [1]
+    found = analysis.stragglers(run)
+    assert list(found["rank"]) == [0]
+    row = found.iloc[0]
+    assert row["cause"] == "compute" and row["slowdown"] == pytest.approx(tp.at[0, "ratio"])
+    assert analysis.stragglers_dismissed(run).empty
+    # The same pair, its rows as if another TP group were unbalanced as much: the noise bar holds.
+    noisy = tp.reset_index().assign(other_imbalance=tp.at[0, "ratio"])
+    assert not any(straggler_module._tp_clear(r, config) for r in noisy.itertuples())
+    assert straggler_module._tp_clear(next(tp.reset_index().itertuples()), config)

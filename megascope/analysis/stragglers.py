@@ -171,7 +171,8 @@ def _attribute(c: pd.DataFrame, sizes: dict[str, int]) -> pd.DataFrame:
 # TP-exclusive compute (sql/stragglers.sql, statement tp_exclusive): a rank read as ``host`` whose
 # compute outside its TP calls is at least ``min_named_slowdown`` times its partners' (median over
 # the timed micro-batches), in at least this share of them, while no other TP group read is
-# unbalanced by more than half its excess, is named for its compute. Where that rank is not the one
+# unbalanced by more than half its excess (a run with a single TP group: its pair's measure alone),
+# is named for its compute. Where that rank is not the one
 # read as ``host`` but its TP partner, the partner's name goes to it. Besides its own group's, the
 # spans of at most TP_REFERENCE_GROUPS other TP groups are read for that noise.
 TP_SLOW_FRAC = 0.5
@@ -179,12 +180,16 @@ TP_REFERENCE_GROUPS = 4
 
 
 def _tp_clear(row: Any, config: StragglerConfig) -> bool:
-    """Whether one ``tp_exclusive`` row names its rank for its compute (see above)."""
-    if pd.isna(row.ratio) or pd.isna(row.other_imbalance):
+    """Whether one ``tp_exclusive`` row names its rank for its compute (see above). A run with a
+    single TP group (a tensor-parallel-only mesh) has no other group to measure the noise by: the
+    pair's own measure decides, and a rank whose device waited for its host still reads ``host``
+    afterwards (:func:`_launch_bound`), where the replay checks its cost."""
+    if pd.isna(row.ratio):
         return False
     ratio = float(row.ratio)
+    noise_ok = pd.isna(row.other_imbalance) or float(row.other_imbalance) <= 1.0 + (ratio - 1.0) / 2
     return (ratio >= config.min_named_slowdown and float(row.slow_frac) >= TP_SLOW_FRAC
-            and int(row.samples) >= config.min_steps and float(row.other_imbalance) <= 1.0 + (ratio - 1.0) / 2)
+            and int(row.samples) >= config.min_steps and noise_ok)
 
 
 def _tp_stretched(run: Run, frame: pd.DataFrame, config: StragglerConfig,
