@@ -145,6 +145,7 @@ class Collector:
         self._gc_watch: _GcWatch | None = None  # before any thread that reads stats starts
         self._agent: AgentLink | None = None
         self._stacks: StackWatch | None = None
+        self._node_compaction: Any = None  # megascope.collectors.node_compact.NodeCompaction
         self._start_witnesses()
         self._writer.set_static("ranks", rows_to_table([self._rank_row()], RANKS))
         for group in groups or ():
@@ -179,6 +180,8 @@ class Collector:
         if config.gc_span_min_ms is not None:
             self._gc_watch = _GcWatch(self, int(config.gc_span_min_ms * 1e6))
             gc.callbacks.append(self._gc_watch)
+        if config.node_compact_every_s is not None:
+            self._start_node_compaction(config.node_compact_every_s)
         self._install_exit_hooks()
 
     @classmethod
@@ -218,6 +221,22 @@ class Collector:
                 log.warning("megascope collector (rank %d): no stack dumps (%s)", self.rank, exc)
         if config.nccl_flight_recorder and self.device.type == "cuda":
             enable_nccl_flight_recorder(config.run_dir)
+
+    def _start_node_compaction(self, every_s: float) -> None:
+        """On the node's first local rank: its ranks' compaction, beside the job (config)."""
+        from megascope.collectors.node_compact import NodeCompaction, node_ranks
+
+        try:
+            ranks = node_ranks(self.rank, self.world_size)
+            if ranks is None:
+                return
+            min_age = self.config.node_compact_min_age_s
+            if min_age is None:
+                min_age = max(10.0, 3 * self.flush_interval_s)
+            self._node_compaction = NodeCompaction.start(self.config.run_dir, ranks, socket.gethostname(), every_s,
+                                                         min_age)
+        except Exception as exc:
+            log.warning("megascope collector (rank %d): the node's compaction is not running (%s)", self.rank, exc)
 
     def _rank_row(self) -> tuple[Any, ...]:
         device_name = None
@@ -677,6 +696,8 @@ class Collector:
             self._agent.close(timeout_s=max(10.0, 2 * self.flush_interval_s))
         if self._stacks is not None:
             self._stacks.close()
+        if self._node_compaction is not None:
+            self._node_compaction.close()
         stats = self.stats
         if stats["rows_dropped"] or stats["write_errors"]:
             log.warning("megascope collector (rank %d) closed: %d rows dropped, %d write errors",

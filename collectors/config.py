@@ -21,6 +21,8 @@ script wrote, so an operator can switch the collector off or move its output wit
 ``MEGASCOPE_STACKS_AFTER_S=30``       ``stacks_after_s`` (0 turns stack dumps off)
 ``MEGASCOPE_NCCL_FLIGHT_RECORDER=0``  ``nccl_flight_recorder=False``
 ``MEGASCOPE_HOST_PROBE_EVERY=10``     ``host_probe_every`` (0 turns the probe off)
+``MEGASCOPE_COMPACT_EVERY_S=60``      ``node_compact_every_s`` (0 turns it off)
+``MEGASCOPE_COMPACT_MIN_AGE_S=30``    ``node_compact_min_age_s``
 ====================================  ===========================================
 
 Example::
@@ -153,6 +155,14 @@ class CollectorConfig:
     # busy CPU. The analysis tells a rank whose host is slow for its CPU from one doing more work.
     # 0: off.
     host_probe_every: int = 10
+    # Each node compacts its own ranks' parts while the job runs: the collector of the node's first
+    # local rank starts ``megascope compact RUN --ranks <the node's> --host <its> --every N`` beside
+    # the job (megascope.compact.Scope), stopped with the rank. The work per node does not grow
+    # with the job (4-8% of a core for 8 ranks at a 1 s flush, docs/benchmarks.md); the job's last,
+    # unscoped pass (``megascope compact RUN --all``) merges what is left. None: off.
+    node_compact_every_s: float | None = None
+    # Parts younger than this are left to the next pass (None: 3 flush intervals, at least 10 s).
+    node_compact_min_age_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "run_dir", Path(self.run_dir))
@@ -183,6 +193,10 @@ class CollectorConfig:
             raise ConfigError(f"stacks_after_s must be > 0 or None, got {self.stacks_after_s}")
         if self.host_probe_every < 0:
             raise ConfigError(f"host_probe_every must be >= 0, got {self.host_probe_every}")
+        if self.node_compact_every_s is not None and not self.node_compact_every_s >= 1:
+            raise ConfigError(f"node_compact_every_s must be >= 1 or None, got {self.node_compact_every_s}")
+        if self.node_compact_min_age_s is not None and self.node_compact_min_age_s < 0:
+            raise ConfigError(f"node_compact_min_age_s must be >= 0 or None, got {self.node_compact_min_age_s}")
         if self.heartbeat_interval_s is not None and not self.heartbeat_interval_s > 0:
             raise ConfigError(f"heartbeat_interval_s must be > 0 or None, got {self.heartbeat_interval_s}")
 
@@ -238,4 +252,10 @@ class CollectorConfig:
                                                         env["MEGASCOPE_NCCL_FLIGHT_RECORDER"])
         if "MEGASCOPE_HOST_PROBE_EVERY" in env:
             changes["host_probe_every"] = _env_number("MEGASCOPE_HOST_PROBE_EVERY", env["MEGASCOPE_HOST_PROBE_EVERY"], int)
+        if "MEGASCOPE_COMPACT_EVERY_S" in env:
+            every = _env_number("MEGASCOPE_COMPACT_EVERY_S", env["MEGASCOPE_COMPACT_EVERY_S"], float)
+            changes["node_compact_every_s"] = every if every > 0 else None
+        if "MEGASCOPE_COMPACT_MIN_AGE_S" in env:
+            changes["node_compact_min_age_s"] = _env_number("MEGASCOPE_COMPACT_MIN_AGE_S",
+                                                            env["MEGASCOPE_COMPACT_MIN_AGE_S"], float)
         return dataclasses.replace(self, **changes) if changes else self

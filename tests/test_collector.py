@@ -886,3 +886,81 @@ def test_cuda_timer_never_hands_one_event_to_two_threads(monkeypatch: pytest.Mon
         sys.setswitchinterval(interval)
     tokens = got[0] + got[1]
     assert None not in tokens and len(set(tokens)) == len(tokens) == 6000 == timer.outstanding
+
+
+# ---------------------------------------------------------------------------------------- node compaction
+
+
+def test_node_ranks_come_from_the_launchers_environment() -> None:
+    from megascope.collectors.node_compact import node_ranks
+
+    assert node_ranks(16, 32, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8"}) == (16, 23)
+    assert node_ranks(19, 32, {"LOCAL_RANK": "3", "LOCAL_WORLD_SIZE": "8"}) is None  # local rank 0 starts it
+    assert node_ranks(0, 1, {}) == (0, 0)
+    with pytest.raises(ValueError, match="node's ranks are unknown"):
+        node_ranks(0, 4, {"LOCAL_RANK": "0"})
+    with pytest.raises(ValueError, match="does not fit"):
+        node_ranks(24, 32, {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "16"})
+    with pytest.raises(ValueError, match="not a number"):
+        node_ranks(0, 8, {"LOCAL_RANK": "zero", "LOCAL_WORLD_SIZE": "8"})
+    cfg = CollectorConfig(run_dir=Path("r")).with_env({"MEGASCOPE_COMPACT_EVERY_S": "30",
+                                                       "MEGASCOPE_COMPACT_MIN_AGE_S": "5"})
+    assert (cfg.node_compact_every_s, cfg.node_compact_min_age_s) == (30.0, 5.0)
+    assert CollectorConfig(run_dir=Path("r")).with_env({"MEGASCOPE_COMPACT_EVERY_S": "0"}).node_compact_every_s is None
+    with pytest.raises(ConfigError, match="node_compact_every_s"):
+        CollectorConfig(run_dir=Path("r"), node_compact_every_s=0.5)
+
+
+def test_the_nodes_first_rank_compacts_the_nodes_parts_while_it_runs(tmp_path: Path) -> None:
+    from megascope import layout
+
+    run = tmp_path / "run"
+    col = _collector(run, marker_agent=False, node_compact_every_s=1.0, node_compact_min_age_s=0.0)
+    process = col._node_compaction.process
+    recorded = 0
+
+    def committed() -> bool:
+        manifests, _ = layout.read_manifests(run, "spans")
+        return any(layout.compacted_scope(m.path.name) == "r00000_00000" for m in manifests)
+
+    try:
+        step = 0
+        deadline = time.monotonic() + 60
+        while not committed() and time.monotonic() < deadline:
+            with col.step(step):
+                with col.span("work"):
+                    time.sleep(0.01)
+                recorded += 1
+            step += 1
+            time.sleep(0.05)
+        assert committed(), "no pass of the node's compaction committed in 60 s"
+        assert process.poll() is None  # still running beside the job
+    finally:
+        col.close()
+    assert process.poll() is not None  # stopped with the collector
+    count = open_run(run).con.execute("SELECT count(*) FROM spans WHERE name = 'work'").fetchone()
+    assert count == (recorded,)
+
+
+def test_cli_every_stops_once_the_process_it_watches_has_ended(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import threading
+
+    from megascope import layout
+
+    run = tmp_path / "run"
+    _collector(run, marker_agent=False).close()
+    assert layout.read_run_json(run)
+    watched = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"])
+    reaper = threading.Thread(target=watched.wait)  # reaped as soon as it ends, so its pid is gone
+    reaper.start()
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "megascope", "compact", str(run), "--ranks", "0", "--every", "30",
+                           "--while-pid", str(watched.pid)], capture_output=True, text=True, timeout=60)
+    reaper.join()
+    assert proc.returncode == 0, proc.stderr
+    assert time.monotonic() - started < 20  # not the 30 s of its period
+    lone = subprocess.run([sys.executable, "-m", "megascope", "compact", str(run), "--while-pid", "1"],
+                          capture_output=True, text=True, timeout=60)
+    assert lone.returncode == 2 and "--while-pid goes with --every" in lone.stderr

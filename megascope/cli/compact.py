@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -29,10 +30,12 @@ from megascope.cli.common import echo_json, json_option, run_dir_argument
               help="Only this host's heartbeat parts (with --ranks: both).")
 @click.option("--every", "every_s", type=click.FloatRange(min=1), default=None, metavar="SECONDS",
               help="Repeat the pass this often until interrupted (a pass another holds is skipped, said once).")
+@click.option("--while-pid", "while_pid", type=click.IntRange(min=1), default=None, metavar="PID",
+              help="With --every: stop once process PID has ended (the job's, say).")
 @json_option
 def compact(run_dir: Path, everything: bool, min_age_s: float | None, keep_newest: int | None,
             grace_s: float | None, ranks: str | None, host: str | None, every_s: float | None,
-            as_json: bool) -> None:
+            while_pid: int | None, as_json: bool) -> None:
     """Merge RUN's part files into a few large files sorted by step and rank (spans: step, kind, rank).
 
     Safe while the job still writes (only parts older than --min-age, never a rank's newest), on a
@@ -44,6 +47,8 @@ def compact(run_dir: Path, everything: bool, min_age_s: float | None, keep_newes
 
     if every_s is not None and everything:
         raise click.UsageError("--every repeats a live pass; --all is the last pass of an ended job")
+    if while_pid is not None and every_s is None:
+        raise click.UsageError("--while-pid goes with --every")
     scope = Scope(ranks=_rank_range(ranks), host=host) if ranks is not None or host is not None else None
     kwargs = {
         "everything": everything,
@@ -55,7 +60,19 @@ def compact(run_dir: Path, everything: bool, min_age_s: float | None, keep_newes
     if every_s is None:
         _one_pass(run_dir, kwargs, as_json)
         return
-    _repeat(run_dir, kwargs, as_json, every_s)
+    _repeat(run_dir, kwargs, as_json, every_s, while_pid)
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        return True
+    return True
 
 
 def _rank_range(text: str | None) -> tuple[int, int] | None:
@@ -71,9 +88,10 @@ def _rank_range(text: str | None) -> tuple[int, int] | None:
     return first, last
 
 
-def _repeat(run_dir: Path, kwargs: dict[str, Any], as_json: bool, every_s: float) -> None:
+def _repeat(run_dir: Path, kwargs: dict[str, Any], as_json: bool, every_s: float, while_pid: int | None) -> None:
     """A pass every ``every_s`` seconds until interrupted (SIGINT or SIGTERM: a pass under way is
-    cut short, which leaves the run as readable as ever; the next pass finishes it)."""
+    cut short, which leaves the run as readable as ever; the next pass finishes it) or until
+    process ``while_pid`` has ended."""
     import signal
 
     from megascope.compact import CompactionBusy
@@ -92,7 +110,10 @@ def _repeat(run_dir: Path, kwargs: dict[str, Any], as_json: bool, every_s: float
                 if str(exc) not in said:  # a pass of another process holds it: try again next time
                     said.add(str(exc))
                     click.echo(f"warning: {exc}; trying again every {every_s:g} s", err=True)
-            time.sleep(max(0.0, every_s - (time.monotonic() - started)))
+            while _alive(while_pid) and time.monotonic() - started < every_s:
+                time.sleep(min(1.0, max(0.0, every_s - (time.monotonic() - started))))
+            if not _alive(while_pid):
+                return
     except KeyboardInterrupt:
         return
 

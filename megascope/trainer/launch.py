@@ -76,6 +76,7 @@ def _rank_entry(local_rank: int, cfg: TrainConfig, init_file: str, scratch: str,
     # One host: the local rank is the rank. Set as torchrun sets it, so that the collector's
     # heartbeat reports the host's CPU, memory and network once (from local rank 0), not per rank.
     os.environ["LOCAL_RANK"] = str(local_rank)
+    os.environ["LOCAL_WORLD_SIZE"] = str(cfg.world_size)
     torch.set_num_threads(1)
     logging.getLogger("megascope").setLevel(logging.WARNING)
     progress = Path(scratch, f"progress-{local_rank:05d}")
