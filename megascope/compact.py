@@ -334,8 +334,11 @@ def _locked(run_dir: Path, scope: Scope | None = None, tables: tuple[str, ...] =
         else:
             take(base / ".lock", fcntl.LOCK_SH, f"{run_dir}: a compaction of the whole run is running")
             locks = base / _LOCKS_DIR
-            with contextlib.suppress(FileExistsError):
-                locks.mkdir()
+            try:
+                locks.mkdir(exist_ok=True)
+            except OSError as exc:
+                raise RunDirError(f"{locks}: cannot write ({exc.strerror or exc}); "
+                                  "compaction needs write access to the run directory") from None
             names = sorted({name for t in tables for name in scope.partitions(t)})
             for name in names:
                 take(locks / name, fcntl.LOCK_EX, f"{run_dir}: {name} is being compacted by another pass")
