@@ -15,6 +15,7 @@ from megascope.dashboard.components import card, contained, notice, table
 from megascope.dashboard.runs import RunRegistry, ServedRun
 from megascope.dashboard.shell import served_from
 
+from megascope.analysis.whatif import gain_words
 from megascope.topology import format_coords
 
 COLUMNS = ("rank", "host", "coords", "cause", "phase", "slowdown", "steps_slow_frac", "last_arrival_frac",
@@ -63,7 +64,7 @@ def whatif_cards(result: dict[str, Any], *, n_stragglers: int) -> list[Any]:
         # say so rather than print a bare x1.000 beside a rank that arrives last everywhere.
         why = (" (the step's slack absorbs most of it)" if speedup < 1.005 else "")
         out.append(card("step time", f"{step / 1e6:.1f} -> {fixed / 1e6:.1f} ms",
-                        f"{100 * (speedup - 1):+.2f}% faster if they ran at their peers' median{why}"
+                        f"{gain_words(speedup)} if they ran at their peers' median{why}"
                         + (" (at least: some calls untimed)" if result.get("lower_bound") else "")))
     if mfu is not None and fixed_mfu is not None and mfu > 0:
         # Relative gain first: on a machine far from its peak, a 25% faster step is a fraction of

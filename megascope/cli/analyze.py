@@ -101,10 +101,12 @@ def _print_report(r: dict[str, Any]) -> None:
         click.echo(f"  ({LOWER_BOUND_NOTE})")
     w = r.get("whatif")
     if w:
-        gain = 100 * (1 - 1 / w["speedup"]) if w["speedup"] else 0.0
+        from megascope.analysis.whatif import gain_words
+
+        gain = gain_words(float(w["speedup"] or 1.0))
         mfu_line = "" if w.get("whatif_mfu") is None else f", MFU {100 * w['mfu']:.1f}% -> {100 * w['whatif_mfu']:.1f}%"
         click.echo(f"  what-if fixed: step {_ms(w['step_time_ns'])} -> {_ms(w['whatif_step_time_ns'])} "
-                   f"({'at least ' if w.get('lower_bound') else ''}{gain:.1f}% faster{mfu_line})")
+                   f"({'at least: ' if w.get('lower_bound') else ''}{gain}{mfu_line})")
         if w.get("lower_bound"):
             click.echo("    (some communication calls were not timed, and the waits behind them count as work)")
     click.echo("")
