@@ -37,6 +37,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -345,6 +346,11 @@ def _scan_each(run: Run, table: str, files: list[Path], *, thorough: bool = True
         problem = _check_part(f, table, run.meta.run_id, run.con if thorough else None)
         if problem is None:
             good.append(f)
+        elif not os.path.lexists(f):
+            # Listed, then removed (a compaction pass merged it, its rows now in a compacted file
+            # the manifests name): nothing is wrong with the run, and a problem kept in
+            # run.problems would outlive the refresh that no longer lists it.
+            continue
         elif problem not in run.problems:
             run.problems.append(problem)
             log.info(problem)  # reported through Run.problems (the CLI prints each once)
@@ -435,6 +441,7 @@ def _compaction(run: Run, table: str) -> _Compaction:
     files: list[Path] = []
     ranks: dict[Path, tuple[tuple[int, int], ...]] = {}
     ignored: set[str] = set()
+    superseded: set[str] | None = None  # manifests replaced since they were read (read on demand)
     for m in layout.active_manifests(manifests):
         if m.run_id is not None and m.run_id != run.meta.run_id:
             problems.append(f"{m.path}: a compaction manifest of another run ({m.run_id!r}, not "
@@ -444,6 +451,17 @@ def _compaction(run: Run, table: str) -> _Compaction:
             path = run.path / f.path
             problem = _check_part(path, table, run.meta.run_id)
             if problem is not None:
+                if not os.path.lexists(path):
+                    # A later pass may have merged this manifest's files again and removed them
+                    # since the manifests were read: then its manifest is replaced (or already
+                    # removed itself), not broken.
+                    if not m.path.exists():
+                        continue
+                    if superseded is None:
+                        superseded = {rel for later in layout.read_manifests(run.path, table)[0]
+                                      for rel in later.replaces}
+                    if m.name in superseded:
+                        continue
                 problems.append(problem)
                 continue
             files.append(path)

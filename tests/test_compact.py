@@ -745,3 +745,49 @@ def test_run_state_reads_the_data_s_age_after_compacting_everything(run: Path) -
     assert after is not None and before is not None
     assert after <= time.time_ns() - 3000 * 10**9
     assert run_state(open_run(run))["state"] == state_before
+
+
+# ------------------------------------------------------------------------------------ readers beside a pass
+
+
+def test_a_part_removed_between_listing_and_reading_is_no_problem(run: Path, expected: tuple[object, ...]) -> None:
+    """A compaction pass may remove a part between a reader's listing and its check of it (a
+    live run's refresh): the part was merged, so nothing is wrong, and a problem kept in
+    ``run.problems`` would be shown long after. A part that is there and broken still is one."""
+    from megascope import store
+
+    opened = open_run(run)
+    parts = sorted(run.glob(layout.table_glob("spans")))
+    gone = run / "spans" / layout.rank_dir_name(0) / "part-0000000000000000001-1-000000.parquet"
+    broken = run / "spans" / layout.rank_dir_name(1) / "part-0000000000000000002-1-000000.parquet"
+    broken.write_bytes(b"not parquet")
+    scanned = store._scan_each(opened, "spans", [*parts, gone, broken])
+    assert scanned.files == parts
+    assert not any(str(gone) in p for p in opened.problems)
+    assert any(str(broken) in p and "not a readable Parquet file" in p for p in opened.problems)
+
+
+def test_a_manifest_superseded_while_read_is_no_problem(run: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         expected: tuple[object, ...]) -> None:
+    """A reader that read the manifests just before a later pass merged one of them again and
+    removed its files (no grace) finds those files gone: that manifest is replaced, not broken."""
+    compact(run, min_age_s=0, keep_newest=1)
+    stale = {t: layout.read_manifests(run, t) for t in ("spans", "markers", "metrics")}
+    compact(run, everything=True)  # merges the first pass's files again and removes them
+    real = layout.read_manifests
+    first: set[str] = set()
+
+    def read_manifests(run_dir: Path, table: str, names: object = None) -> object:
+        if table in stale and table not in first:
+            first.add(table)
+            return stale[table]
+        return real(run_dir, table, names)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(layout, "read_manifests", read_manifests)
+    opened = open_run(run)
+    assert first == {"spans", "markers", "metrics"}
+    assert not any("not a readable Parquet file" in p for p in opened.problems), opened.problems
+    monkeypatch.setattr(layout, "read_manifests", real)
+    opened.refresh()  # the next refresh reads the run as it is
+    (row,) = opened.con.execute(_FINGERPRINT).fetchall()
+    assert tuple(round(v, 6) if isinstance(v, float) else v for v in row) == expected
