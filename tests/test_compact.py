@@ -595,6 +595,24 @@ def test_cli_every_repeats_until_stopped(cli_run: Path, expected: tuple[object, 
     assert _fingerprint(cli_run)[5] == expected[5] + 5
 
 
+def test_cli_every_warns_of_a_part_it_leaves_once(cli_run: Path) -> None:
+    broken = cli_run / "spans" / layout.rank_dir_name(2) / "part-0000000000000000003-1-000000.parquet"
+    broken.write_bytes(b"not parquet")
+    os.utime(broken, (1, 1))
+    proc = subprocess.Popen([sys.executable, "-m", "megascope", "compact", str(cli_run), "--ranks", "0-15",
+                             "--min-age", "0", "--every", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: layout.read_manifests(cli_run, "spans")[0] != [], timeout=60, message="the first pass")
+        time.sleep(3.5)  # three passes more, each finding the same part
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    lines = [line for line in err.splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith(f"warning: {broken}: not a readable Parquet file"), err
+    assert out.count("merged") == 1  # the passes after the first found nothing to do, and said nothing
+
+
 def test_cli_on_a_read_only_run_is_one_line(cli_run: Path, tmp_path: Path) -> None:
     where = tmp_path / "ro"
     where.mkdir()

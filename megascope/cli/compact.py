@@ -105,7 +105,7 @@ def _repeat(run_dir: Path, kwargs: dict[str, Any], as_json: bool, every_s: float
         while True:
             started = time.monotonic()
             try:
-                _one_pass(run_dir, kwargs, as_json, quiet=True)
+                _one_pass(run_dir, kwargs, as_json, quiet=True, said=said)
             except CompactionBusy as exc:
                 if str(exc) not in said:  # a pass of another process holds it: try again next time
                     said.add(str(exc))
@@ -118,16 +118,21 @@ def _repeat(run_dir: Path, kwargs: dict[str, Any], as_json: bool, every_s: float
         return
 
 
-def _one_pass(run_dir: Path, kwargs: dict[str, Any], as_json: bool, *, quiet: bool = False) -> None:
-    """One pass, and what it did (``quiet``: nothing said of a pass that did nothing)."""
+def _one_pass(run_dir: Path, kwargs: dict[str, Any], as_json: bool, *, quiet: bool = False,
+              said: set[str] | None = None) -> None:
+    """One pass, and what it did (``quiet``: nothing said of a pass that did nothing; ``said``: the
+    warnings already given by earlier passes, not repeated)."""
     from megascope.compact import compact as run_compaction
 
     result = run_compaction(run_dir, **kwargs)
-    if quiet and not (result.parts_merged or result.removed or any(t.skipped for t in result.tables.values())):
-        return
     skipped = [line for t in result.tables.values() for line in t.skipped]
     for line in skipped:
-        click.echo(f"warning: {line}", err=True)
+        if said is None or line not in said:
+            click.echo(f"warning: {line}", err=True)
+            if said is not None:
+                said.add(line)
+    if quiet and not (result.parts_merged or result.removed):
+        return
     if as_json:
         echo_json({
             "run": str(run_dir),
