@@ -361,12 +361,8 @@ def _clean(run_dir: Path, table: str, *, now_ns: int, grace_s: float, hook: _Hoo
     base = layout.compacted_dir(run_dir, table)
     if not base.is_dir():
         return 0
-    tag = scope.tag(table) if scope is not None else None
     manifests, _problems = layout.read_manifests(run_dir, table, _manifest_filter(scope, table))
-
-    def ours(name: str) -> bool:
-        return tag is None or layout.compacted_scope(name) == tag
-
+    ours = _ours(scope, table)
     named = {f.path for m in manifests for f in m.files}
     removed = 0
     for entry in os.scandir(base):
@@ -408,6 +404,13 @@ def _clean(run_dir: Path, table: str, *, now_ns: int, grace_s: float, hook: _Hoo
             layout.write_manifest(dataclasses.replace(m, replaces=left,
                                                       stamps={k: v for k, v in m.stamps.items() if k in left}))
     return removed
+
+
+def _ours(scope: Scope | None, table: str) -> Callable[[str], bool]:
+    """Whether a compacted file or manifest name is this pass's to merge again and clean after:
+    every one for an unscoped pass, its own scope's for a scoped one."""
+    tag = scope.tag(table) if scope is not None else None
+    return lambda name: tag is None or layout.compacted_scope(name) == tag
 
 
 def _manifest_filter(scope: Scope | None, table: str) -> Callable[[str], bool] | None:
@@ -580,6 +583,7 @@ def _compact_table(run_dir: Path, table: str, run_id: str, *, now_ns: int, min_a
                    everything: bool, threads: int | None, hook: _Hook, scope: Scope | None = None) -> TableResult:
     res = TableResult(table)
     tag = scope.tag(table) if scope is not None else None
+    ours = _ours(scope, table)
     manifests, _problems = layout.read_manifests(run_dir, table, _manifest_filter(scope, table))
     active = [m for m in layout.active_manifests(manifests) if m.run_id in (None, run_id)]
     ignored = {rel for m in active for rel in m.replaces} if table not in layout.SINGLE_FILE_TABLES else set()
@@ -592,7 +596,7 @@ def _compact_table(run_dir: Path, table: str, run_id: str, *, now_ns: int, min_a
     # pass merges its own scope's only (it holds no lock on the partitions of the others).
     single = table in layout.SINGLE_FILE_TABLES
     for m in active:
-        if tag is not None and layout.compacted_scope(m.path.name) != tag:
+        if not ours(m.path.name):
             continue
         # Single-file tables (one row per rank or group) are always merged whole again, so that a
         # rank's file rewritten since the last pass replaces its merged rows instead of adding to them.

@@ -46,7 +46,6 @@ WHATIF_SAMPLE_STEPS = 3
 WHATIF_EVENT_BUDGET = 400_000
 
 
-
 def gain_words(speedup: float) -> str:
     """What a what-if ``speedup`` (step time over fixed step time) means, in one unambiguous
     phrase the report and the dashboard share: both the step's shortening and the throughput's
