@@ -217,28 +217,36 @@ class ServedRun:
                                     if (p.parent.name in _PROGRESS_TABLES or p.name in _PROGRESS_TABLES)
                                     and p.parent.name != layout.COMPACTED_DIR):
                 self.progress_seen_ns = now_ns
-            self._mtimes = marks
-            if self.run is None:
-                if (self.path / layout.RUN_JSON).exists():
-                    try:
-                        self.run = open_run(self.path)
-                        self.error = None
-                    except RunDirError as exc:
-                        self.error = str(exc)
-                        return False
-                else:
-                    self.error = f"{self.path.name}: waiting for the job to write run.json"
+            before, self._mtimes = self._mtimes, marks
+            try:
+                return self._reopen(now_ns)
+            except BaseException:
+                self._mtimes = before  # the next poll tries again, whatever else changed by then
+                raise
+
+    def _reopen(self, now_ns: int) -> bool:
+        """Open the run, or refresh its views; True when they were (re)built."""
+        if self.run is None:
+            if (self.path / layout.RUN_JSON).exists():
+                try:
+                    self.run = open_run(self.path)
+                    self.error = None
+                except RunDirError as exc:
+                    self.error = str(exc)
                     return False
             else:
-                for problem in self.run.refresh():
-                    log.warning("%s", problem)
-                _forget_outgrown_problems(self.run)
-            self.refreshed_ns = now_ns
-            self.generation += 1
-            self.last_change_s = time.monotonic()
-            self._cache = {k: v for k, v in self._cache.items() if v[0] == self.generation}
-            log.debug("run %s: generation %d", self.id, self.generation)
-            return True
+                self.error = f"{self.path.name}: waiting for the job to write run.json"
+                return False
+        else:
+            for problem in self.run.refresh():
+                log.warning("%s", problem)
+            _forget_outgrown_problems(self.run)
+        self.refreshed_ns = now_ns
+        self.generation += 1
+        self.last_change_s = time.monotonic()
+        self._cache = {k: v for k, v in self._cache.items() if v[0] == self.generation}
+        log.debug("run %s: generation %d", self.id, self.generation)
+        return True
 
     # ---------------------------------------------------------------- results
 
@@ -397,8 +405,9 @@ class RunRegistry:
             try:
                 if served.poll():
                     changed.append(served.id)
-            except OSError as exc:
-                log.warning("run %s: poll failed: %s", served.id, exc)
+            except Exception as exc:  # noqa: BLE001 - the watcher serves every run; it must not die
+                log.warning("run %s: refresh failed, tried again next poll: %s", served.id,
+                            str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return changed
 
     def _watch(self) -> None:
@@ -475,14 +484,13 @@ class RunRegistry:
             CompactionBusy,
             compact,
         )
-        from megascope.errors import MegascopeError
 
         try:
             result = compact(served.path, min_age_s=DEFAULT_MIN_AGE_S, keep_newest=DEFAULT_KEEP_NEWEST,
                              grace_s=max(DEFAULT_GRACE_S, 10 * self.poll_interval_s))
         except CompactionBusy:
             return  # someone else's pass (the nodes' own, say): try again next period
-        except (MegascopeError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a thread of its own: its error is logged, never raised
             self._no_compaction.add(served.id)
             log.warning("run %s: not compacted, compaction off for it (%s)", served.id, exc)
             return

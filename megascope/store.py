@@ -357,7 +357,26 @@ def _scan_each(run: Run, table: str, files: list[Path], *, thorough: bool = True
     return _Parts(good, whole_glob and len(good) == len(files), False)
 
 
+# How often the views are built again when a file listed for them was removed before DuckDB read
+# it: a compaction pass commits the manifest naming a part's rows before it removes the part, so
+# listing the directory again finds those rows in the compacted file.
+_VANISHED_RETRIES = 3
+
+
 def _create_views(run: Run) -> None:
+    for attempt in range(_VANISHED_RETRIES + 1):
+        try:
+            _create_views_once(run)
+            return
+        except duckdb.IOException as exc:
+            gone = next((f for files in run.files.values() for f in files if not os.path.lexists(f)), None)
+            if gone is None or attempt == _VANISHED_RETRIES:
+                raise
+            log.info("%s: %s was removed while the views were built (%s); listing the run again",
+                     run.path, gone, str(exc).splitlines()[0])
+
+
+def _create_views_once(run: Run) -> None:
     _create_table_views(run)
     _create_sums_views(run)
     # The table views read through globs and do not change as parts arrive; this one does, so that

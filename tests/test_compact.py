@@ -809,3 +809,44 @@ def test_a_manifest_superseded_while_read_is_no_problem(run: Path, monkeypatch: 
     opened.refresh()  # the next refresh reads the run as it is
     (row,) = opened.con.execute(_FINGERPRINT).fetchall()
     assert tuple(round(v, 6) if isinstance(v, float) else v for v in row) == expected
+
+
+def test_parts_removed_while_the_views_are_built_are_read_from_the_compacted_files(
+        run: Path, monkeypatch: pytest.MonkeyPatch, expected: tuple[object, ...]) -> None:
+    """A pass with no grace (a job's last) may remove parts after a refresh listed them and before
+    DuckDB bound a view over them: the refresh lists the run again, never fails on that."""
+    from megascope import store
+
+    opened = open_run(run)
+    real = store._create_table_views
+    passes: list[int] = []
+
+    def listed_then_compacted(r: store.Run, *args: object) -> None:
+        real(r, *args)  # type: ignore[arg-type]
+        if not passes:
+            passes.append(compact(run, everything=True).parts_merged)
+
+    monkeypatch.setattr(store, "_create_table_views", listed_then_compacted)
+    opened.refresh()
+    assert passes and passes[0] > 0
+    assert not list(run.glob(layout.table_glob("spans")))  # every part the first listing named is gone
+    (row,) = opened.con.execute(_FINGERPRINT).fetchall()
+    assert tuple(round(v, 6) if isinstance(v, float) else v for v in row) == expected
+    assert opened.problems == []
+
+
+def test_a_file_that_stays_unreadable_still_fails_the_refresh(run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only a removed file makes the views be built again; any other read error is the caller's."""
+    from megascope import store
+
+    opened = open_run(run)
+    calls: list[int] = []
+
+    def failing(r: store.Run) -> None:
+        calls.append(1)
+        raise duckdb.IOException("IO Error: something else")
+
+    monkeypatch.setattr(store, "_create_views_once", failing)
+    with pytest.raises(duckdb.IOException, match="something else"):
+        opened.refresh()
+    assert calls == [1]

@@ -12,7 +12,9 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import duckdb
 import pyarrow as pa
 import pytest
 from click.testing import Result
@@ -294,6 +296,36 @@ def test_a_slow_full_refresh_waits_its_share(tmp_path: Path) -> None:
     assert served.follow() and dash_data.live_per_step(served)["step"].tolist() == [0, 1]
     served._next_full_s = 0.0
     assert registry.poll_all() == ["s"]
+
+
+def test_a_refresh_that_fails_is_tried_again_and_the_watcher_goes_on(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any error of one run's refresh (DuckDB's own, not only OSError) is logged and tried again
+    next poll, even with no new file: the watcher thread serves every run and must not die."""
+    run_dir = tmp_path / "s"
+    layout.write_run_meta(run_dir, schema.RunMeta(run_id="s", source="synth", world_size=1))
+    layout.write_spans_part(run_dir, _spans_for_step(0, 0), rank=0)
+    registry = RunRegistry([run_dir])
+    served = registry.get("s")
+    assert served is not None and served.run is not None
+    _after_last_write(run_dir)
+    layout.write_spans_part(run_dir, _spans_for_step(0, 1), rank=0)
+    real = type(served.run).refresh
+    failures = [duckdb.IOException("IO Error: No files found that match the pattern")]
+
+    def refresh(run: Any) -> list[str]:
+        if failures:
+            raise failures.pop()
+        return real(run)
+
+    monkeypatch.setattr(type(served.run), "refresh", refresh)
+    generation = served.generation
+    assert registry.poll_all() == []  # logged, not raised
+    assert served.generation == generation
+    assert registry.poll_all() == ["s"]  # nothing new on disk, and still tried again
+    assert served.generation == generation + 1
+    steps = served.run.con.execute("SELECT DISTINCT step FROM spans ORDER BY step").fetchall()
+    assert steps == [(0,), (1,)]
 
 
 # ------------------------------------------------------------------------------------ data
