@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+import duckdb
+
 from megascope import layout
 from megascope.errors import ConfigError, RunDirError
 from megascope.live import StepSumsTail
@@ -265,19 +267,33 @@ class ServedRun:
                     raise hit[1].error
                 return hit[1]  # type: ignore[no-any-return]
             started = time.perf_counter()
-            # A fresh cursor per computation: one analysis' half-read result never blocks the next.
-            run = self.run.with_cursor()
             try:
-                value = compute(run)
+                try:
+                    value = self._compute(compute)
+                except duckdb.IOException:
+                    # A compaction pass with no grace (a job's last) removed a file the views name
+                    # since the last refresh: the rows are in its compacted files, read them there.
+                    if self.run.file_gone() is None:
+                        raise
+                    log.info("run %s: files removed since the last refresh; refreshing before %s", self.id, key)
+                    self.run.refresh()
+                    value = self._compute(compute)
             except Exception as exc:
                 # Remembered for this generation: a failing analysis is not re-run on every view.
                 self._cache[key] = (self.generation, _Failed(exc))
                 raise
-            finally:
-                run.con.close()
             log.debug("run %s: %s computed in %.3f s", self.id, key, time.perf_counter() - started)
             self._cache[key] = (self.generation, value)
             return value
+
+    def _compute(self, compute: Callable[[Run], T]) -> T:
+        assert self.run is not None
+        # A fresh cursor per computation: one analysis' half-read result never blocks the next.
+        run = self.run.with_cursor()
+        try:
+            return compute(run)
+        finally:
+            run.con.close()
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[Run]:

@@ -110,6 +110,11 @@ class Run:
     def has_rows(self, table: str) -> bool:
         return bool(self.files.get(table))
 
+    def file_gone(self) -> Path | None:
+        """A file the views were built over that is no longer there (a compaction pass merged and
+        removed it), or None. Stats every listed file: for after a read failed, not before each."""
+        return next((f for files in self.files.values() for f in files if not os.path.lexists(f)), None)
+
     def ranks_written(self, tables: tuple[str, ...] = ("spans", "markers")) -> set[int]:
         """Ranks with any file of ``tables``: from part directory names and the compaction
         manifests, without reading a file."""
@@ -369,7 +374,7 @@ def _create_views(run: Run) -> None:
             _create_views_once(run)
             return
         except duckdb.IOException as exc:
-            gone = next((f for files in run.files.values() for f in files if not os.path.lexists(f)), None)
+            gone = run.file_gone()
             if gone is None or attempt == _VANISHED_RETRIES:
                 raise
             log.info("%s: %s was removed while the views were built (%s); listing the run again",

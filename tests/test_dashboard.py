@@ -328,6 +328,24 @@ def test_a_refresh_that_fails_is_tried_again_and_the_watcher_goes_on(tmp_path: P
     assert steps == [(0,), (1,)]
 
 
+def test_an_analysis_over_parts_a_pass_removed_reads_them_from_the_compacted_files(
+        tmp_path: Path, synth: Synth) -> None:
+    """A job's last pass (no grace) may remove parts between the watcher's refresh and a page's
+    analysis: the analysis reads the run as it now is, never an error about a removed file."""
+    from megascope.compact import compact
+
+    run_dir = synth(tmp_path / "c", ranks=4, steps=6, tp=2, pp=1, seed=5, chunk_rows=200)
+    query = "SELECT (SELECT count(*) FROM spans_unsummed), (SELECT coalesce(sum(spans), 0) FROM step_sums)"
+    registry = RunRegistry([run_dir])
+    served = registry.get("c")
+    assert served is not None and served.run is not None
+    expected = served.run.con.execute(query).fetchall()
+    assert compact(run_dir, everything=True).parts_merged > 0
+    assert not list(run_dir.glob(layout.table_glob("spans")))
+    got = served.result(("count",), lambda run: run.con.execute(query).fetchall())
+    assert got == expected
+
+
 # ------------------------------------------------------------------------------------ data
 
 
