@@ -72,6 +72,18 @@ def _prepare_phases(served: Any) -> dict[str, float]:
     return phases
 
 
+def _compact_nodes(run: Path, ranks: int, per_node: int) -> tuple[float, int]:
+    """One scoped pass per node, as each node's own process runs it: parts of any age, each rank's
+    newest two kept; heartbeats are left out (the synth job writes none). Seconds, parts merged."""
+    from megascope.compact import Scope, compact
+
+    t0, merged = time.perf_counter(), 0
+    for lo in range(0, ranks, per_node):
+        scope = Scope(ranks=(lo, min(lo + per_node, ranks) - 1))
+        merged += compact(run, min_age_s=0, keep_newest=2, grace_s=0, scope=scope).parts_merged
+    return round(time.perf_counter() - t0, 2), merged
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=1024)
@@ -86,6 +98,10 @@ def main() -> None:
                         help="current path: time the analysis' base tables phase by phase before the results")
     parser.add_argument("--steps-per-part", type=int, default=1,
                         help="steps (seconds of the job) each rank's part holds: a writer flushing less often")
+    parser.add_argument("--compact-every", type=int, default=0, metavar="TICKS",
+                        help="every TICKS ticks, before the refresh, a compaction pass per node (untimed: the "
+                             "nodes' own CPUs run it), as MEGASCOPE_COMPACT_EVERY_S does; 0: none")
+    parser.add_argument("--node-ranks", type=int, default=8, help="ranks per node for --compact-every")
     args = parser.parse_args()
     paths = set(args.paths.split(","))
     run = args.work / f"live-{args.ranks}"
@@ -106,8 +122,10 @@ def main() -> None:
         written = job.write_step(args.steps_per_part)
         write_s = time.perf_counter() - t0
         row: dict[str, Any] = {"tick": tick, "ranks": args.ranks, "steps_per_part": args.steps_per_part,
-                               "written": written, "write_s": round(write_s, 2),
-                               "files": _files(run), "load_before": _load()}
+                               "written": written, "write_s": round(write_s, 2)}
+        if args.compact_every and (tick + 1) % args.compact_every == 0:
+            row["compact_s"], row["compacted_parts"] = _compact_nodes(run, args.ranks, args.node_ranks)
+        row.update({"files": _files(run), "load_before": _load()})
         if "current" in paths:
             from megascope.dashboard import data
             from megascope.dashboard.runs import RunRegistry
