@@ -26,6 +26,7 @@ from megascope.dashboard.replay import replay_run
 from megascope.dashboard.routes import format_ranks, href, parse_path, parse_ranks, parse_steps
 from megascope.dashboard.runs import RunRegistry, run_id_for
 from megascope.dashboard.security import check_bind, is_loopback
+from megascope.dashboard.shell import status_line
 
 from megascope import analysis, layout, schema
 from megascope.errors import ConfigError, RunDirError
@@ -322,8 +323,13 @@ def test_a_refresh_that_fails_is_tried_again_and_the_watcher_goes_on(tmp_path: P
     generation = served.generation
     assert registry.poll_all() == []  # logged, not raised
     assert served.generation == generation
+    # Every page's header says the views are the last good refresh's, and why.
+    assert served.refresh_error is not None and "No files found" in served.refresh_error[1]
+    header = str(status_line(served))
+    assert "refresh failing (IO Error: No files found that match the pattern)" in header, header
     assert registry.poll_all() == ["s"]  # nothing new on disk, and still tried again
     assert served.generation == generation + 1
+    assert served.refresh_error is None and "refresh failing" not in str(status_line(served))
     steps = served.run.con.execute("SELECT DISTINCT step FROM spans ORDER BY step").fetchall()
     assert steps == [(0,), (1,)]
 
