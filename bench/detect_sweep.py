@@ -83,14 +83,28 @@ def plan(meshes: list[tuple[int, int, int]], seed: int, *, gpu: bool) -> list[di
     return runs
 
 
+def mesh_model_args(tp: int, pp: int, dp: int, *, gpu: bool) -> list[str]:
+    """The model's arguments for this mesh: the sweep's model (the trainer's default on CPU), with
+    as many attention heads as TP ranks where it has fewer, and a global batch that every DP rank's
+    micro-batches divide (the trainer's default micro-batches: max(4, pp))."""
+    args = list(GPU_MODEL) if gpu else []
+    heads = int(GPU_MODEL[GPU_MODEL.index("--heads") + 1]) if gpu else 4
+    if tp > heads:
+        args = [a for i, a in enumerate(args) if a != "--heads" and (i == 0 or args[i - 1] != "--heads")]
+        args += ["--heads", str(tp)]
+    per_step = dp * max(4, pp)
+    if 16 % per_step:
+        args += ["--global-batch", str(per_step * -(-16 // per_step))]
+    return args
+
+
 def launch(r: dict[str, Any], out: Path, *, gpu: bool, steps: int, profile: int | None,
            nvrx: bool = False) -> dict[str, Any]:
     tp, pp, dp = r["mesh"]
     cmd = [sys.executable, "-c", "from megascope.cli import main; main()", "train", "--nproc", str(tp * pp * dp), "--tp", str(tp),
            "--pp", str(pp), "--dp", str(dp), "--steps", str(steps), "--seed", str(abs(hash(r["name"])) % 1000),
            "--collective-timeout", "15", "--device", "cuda" if gpu else "cpu", "-o", str(out / r["name"])]
-    if gpu:
-        cmd += GPU_MODEL
+    cmd += mesh_model_args(tp, pp, dp, gpu=gpu)
     if r["inject"]:
         cmd += ["--inject", r["inject"]]
     if profile:
@@ -451,6 +465,7 @@ def main() -> int:
             peers[rec.pop("name")] = rec
     started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     rows = []
+    not_run: list[str] = []
     began = time.monotonic()
     for r in runs:
         if args.budget_s and time.monotonic() - began > args.budget_s and r["name"] not in done:
@@ -464,6 +479,10 @@ def main() -> int:
             with log.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
         if "load" not in rec or args.no_score:
+            continue
+        if rec.get("rc") and not (args.out / r["name"] / "run.json").exists():
+            # The job never started training (a mesh the model does not fit): no run to score.
+            not_run.append(f"{r['name']}: {rec.get('err') or 'exit ' + str(rec['rc'])}")
             continue
         try:
             rec.update(score(rec, args.out / r["name"]))
@@ -481,6 +500,8 @@ def main() -> int:
     print(f"{'GPU' if args.gpu else 'CPU'} sweep, seed {args.seed}, {len(rows)} runs, scored {started}, "
           f"load now {os.getloadavg()[0]:.1f}\n")
     print(table(rows, gpu=args.gpu))
+    if not_run:
+        print(f"\n{len(not_run)} runs did not start and are not scored; the first: {not_run[0]}")
     if any(k in g for g in rows for k in ("hta", "nvrx", "kineto")):
         print()
         print(peers_table(rows))

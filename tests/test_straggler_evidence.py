@@ -504,3 +504,38 @@ def test_on_a_tensor_parallel_only_mesh_the_pair_itself_names_the_slow_gpu(tmp_p
     noisy = tp.reset_index().assign(other_imbalance=tp.at[0, "ratio"])
     assert not any(straggler_module._tp_clear(r, config) for r in noisy.itertuples())
     assert straggler_module._tp_clear(next(tp.reset_index().itertuples()), config)
+
+
+def test_a_pause_before_the_gradient_sync_is_named_however_the_replayed_steps_fall(tmp_path: Path) -> None:
+    """tests/data/cpu-dp8-pause: the bundled trainer on CPU (gloo, dp8, 16 steps), rank 6 pausing
+    100 ms before each step's last backward, where its gradient sync starts. Replaying rank 6 at
+    its peers' pace saves 1-10% of 10 of the 15 steps after the warm-up and nothing in 4 of them;
+    the three evenly spaced steps a replay used to take were three of those 4, and rank 6 was
+    dismissed. The
+    replay now covers every step of so small a run but the warm-up, the median step decides, and
+    rank 6 is named, for its host."""
+    whatif_module = importlib.import_module("megascope.analysis.whatif")
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-dp8-pause", tmp_path / "run"))
+    three = whatif_module.whatif(run, ranks=[6], steps=[1, 6, 11])
+    assert three["speedup"] == pytest.approx(1.0, abs=1e-6)
+    replayed = whatif_module.whatif(run, ranks=[6])
+    assert replayed["steps_modeled"] == list(range(1, 16))  # every step but the warm-up
+    savings = replayed["step_savings"]
+    assert len(savings) == 15 and sum(s > 0.01 for s in savings) >= 10
+    assert straggler_module._host_saving(run, 6) == pytest.approx(float(np.median(savings)))
+    assert np.median(savings) > 2 * straggler_module.StragglerConfig().min_host_saving
+    found = analysis.stragglers(run)
+    assert list(found["rank"]) == [6]
+    assert found.iloc[0]["cause"] == "host"
+    assert analysis.stragglers_dismissed(run).empty
+
+
+def test_the_replay_covers_more_steps_the_fewer_calls_a_step_holds() -> None:
+    whatif_module = importlib.import_module("megascope.analysis.whatif")
+    count = whatif_module.replay_step_count
+    assert count(400) == whatif_module.WHATIF_MAX_STEPS  # an 8-rank run: every step
+    assert count(19_456) == 5  # 1,024 ranks of a tp8 x pp8 synth run
+    assert count(60_000) == whatif_module.WHATIF_SAMPLE_STEPS
+    assert count(233_000) == 1 and count(10**7) == 1  # never past the event budget

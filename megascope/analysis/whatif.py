@@ -41,9 +41,23 @@ from megascope.store import Run
 
 log = logging.getLogger(__name__)
 
+# Steps replayed: as many as hold WHATIF_SMALL_BUDGET events, at least WHATIF_SAMPLE_STEPS and at
+# most WHATIF_MAX_STEPS, never more than WHATIF_EVENT_BUDGET events (the replay is Python, ~15 µs
+# an event): all 16 steps of an 8-rank run, 5 at 1,024 ranks, 1 at 12,288. Three steps alone were
+# too few to dismiss a rank on (stragglers._host_savings): a 100 ms pause before the gradient sync
+# of a dp8 CPU run saved 1-10% in 10 of its 15 steps after the warm-up and nothing in 4, and the
+# three steps sampled were three of those 4.
 WHATIF_SAMPLE_STEPS = 3
-# Replayed communication events at most (the replay is Python): fewer steps on huge runs.
+WHATIF_MAX_STEPS = 16
+WHATIF_SMALL_BUDGET = 100_000
 WHATIF_EVENT_BUDGET = 400_000
+
+
+def replay_step_count(events_per_step: float) -> int:
+    """How many steps a replay covers, for steps of ``events_per_step`` calls (see above)."""
+    per_step = max(events_per_step, 1.0)
+    wanted = min(WHATIF_MAX_STEPS, max(WHATIF_SAMPLE_STEPS, int(WHATIF_SMALL_BUDGET // per_step)))
+    return int(max(1, min(wanted, WHATIF_EVENT_BUDGET // per_step)))
 
 
 def gain_words(speedup: float) -> str:
@@ -196,7 +210,7 @@ def whatif(run: Run, *, ranks: list[int] | None = None,
     """Step time and MFU if ``ranks`` (default: the detected stragglers) ran at their peers' median.
 
     Returns {ranks, steps_modeled, step_time_ns (measured median), modeled_baseline_ns,
-    modeled_fixed_ns, whatif_step_time_ns, speedup, mfu, whatif_mfu, lower_bound}. ``lower_bound``:
+    modeled_fixed_ns, whatif_step_time_ns, speedup, step_savings, mfu, whatif_mfu, lower_bound}. ``lower_bound``:
     some communication calls were not timed (the collector timed a group's calls in some
     micro-batches only), so the replay cannot free the waits behind them and the speedup is a
     lower bound.
@@ -213,22 +227,19 @@ def whatif(run: Run, *, ranks: list[int] | None = None,
         full = per_step[per_step["ranks"] == per_step["ranks"].max()]["step"].astype(int).tolist()
         row = _sql.first(_sql.execute(con, "whatif", "events_per_step"))
         per_step_events = float(row[0]) if row and row[0] else 1.0
-        count = int(max(1, min(WHATIF_SAMPLE_STEPS, WHATIF_EVENT_BUDGET // max(per_step_events, 1.0))))
-        steps = sample_steps(full, count)
-    base_total = fixed_total = 0.0
+        # The first step (warm-up: allocations, first calls) is left out where there are others.
+        steps = sample_steps(full[1:] if len(full) > 1 else full, replay_step_count(per_step_events))
     # The replay is a deterministic function of the base tables, the steps and the ranks fixed:
     # kept in the run's analysis cache, a second report does not replay again.
-    memo_name = f"whatif:{json.dumps({'steps': [int(s) for s in steps], 'ranks': sorted(int(r) for r in ranks)})}"
+    memo_name = f"whatif-steps:{json.dumps({'steps': [int(s) for s in steps], 'ranks': sorted(int(r) for r in ranks)})}"
     memo = persist.memo_get(con, memo_name)
-    if isinstance(memo, list) and len(memo) == 2 and all(isinstance(v, float) for v in memo):
-        base_total, fixed_total = memo
+    if isinstance(memo, list) and all(isinstance(v, list) and len(v) == 2 for v in memo):
+        pairs = [(float(b), float(f)) for b, f in memo]
     else:
         frames = _steps_frame(con, [int(s) for s in steps])
-        for _, frame in frames.groupby("step", sort=True):
-            base, fixed = replay_step(frame, set(ranks))
-            base_total += base
-            fixed_total += fixed
-        persist.memo_put(con, memo_name, [float(base_total), float(fixed_total)])
+        pairs = [replay_step(frame, set(ranks)) for _, frame in frames.groupby("step", sort=True)]
+        persist.memo_put(con, memo_name, [[float(b), float(f)] for b, f in pairs])
+    base_total, fixed_total = sum(b for b, _ in pairs), sum(f for _, f in pairs)
     speedup = base_total / fixed_total if fixed_total > 0 else 1.0
     # Calls the collector left untimed (CollectorConfig.comm_sample_kinds) are no sync points of
     # the replay: the waits behind them count as the waiting ranks' own work, and the fix saves less.
@@ -241,6 +252,8 @@ def whatif(run: Run, *, ranks: list[int] | None = None,
         "modeled_fixed_ns": fixed_total / len(steps) if steps else None,
         "whatif_step_time_ns": measured / speedup if speedup > 0 else measured,
         "speedup": speedup,
+        # Per step replayed: the share of its modeled time the fix saves (negative: it lengthens).
+        "step_savings": [1.0 - f / b for b, f in pairs if b > 0],
         "mfu": mean_mfu,
         "whatif_mfu": mean_mfu * speedup if mean_mfu is not None else None,
         "lower_bound": lower_bound,
