@@ -473,7 +473,10 @@ def _host_savings(run: Run, frame: pd.DataFrame, config: StragglerConfig) -> pd.
     healthy runs named one. The replay tells them apart: it saved 0.1-0.46% of the step for each
     GPU one and -0.5% and 0.4% for the CPU ones, 3.1-10.7% for planted pauses of 100-200 ms that
     slowed GPU jobs 23-79%, and 0.89-10.2% for every planted pause of 50 ms or more on the CPU runs;
-    the bar, 0.7%, lies between the two, chosen having seen them all (docs/benchmarks.md). The
+    the bar, 0.7%, lies between the two, chosen having seen them all (docs/benchmarks.md). Those
+    figures are of a replay of three steps and its total; it now replays up to 16 and reads the
+    median step's saving (whatif.replay_step_count), with which every sweep kept scored the same
+    but for a dp8 CPU run's 100 ms pause, dismissed before and named now. The
     replay starts each step where its ranks began it, so it undervalues a pause whose delay carries
     into its group's next step (a synthetic 40 ms pause just before the step's last collective
     replayed at 0): synthetic runs keep their name (their pauses are planted, no offset is drawn).
