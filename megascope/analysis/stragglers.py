@@ -475,8 +475,8 @@ def _host_savings(run: Run, frame: pd.DataFrame, config: StragglerConfig) -> pd.
     slowed GPU jobs 23-79%, and 0.89-10.2% for every planted pause of 50 ms or more on the CPU runs;
     the bar, 0.7%, lies between the two, chosen having seen them all (docs/benchmarks.md). Those
     figures are of a replay of three steps and its total; it now replays up to 16 and reads the
-    median step's saving (whatif.replay_step_count), with which every sweep kept scored the same
-    but for a dp8 CPU run's 100 ms pause, dismissed before and named now. The
+    median step's saving (whatif.replay_step_count), with which every sweep kept scored the same in
+    the targets' rows but for a dp8 CPU run's 100 ms pause, dismissed before and named now. The
     replay starts each step where its ranks began it, so it undervalues a pause whose delay carries
     into its group's next step (a synthetic 40 ms pause just before the step's last collective
     replayed at 0): synthetic runs keep their name (their pauses are planted, no offset is drawn).
