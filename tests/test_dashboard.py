@@ -403,6 +403,27 @@ def test_a_mesh_without_peers_says_stragglers_cannot_be_told(synth: Synth, tmp_p
     assert any("No stragglers" in t for t in text) and not any("no pipeline stage" in t for t in text)
 
 
+def test_a_straggler_named_on_its_steps_together_is_never_said_slow_in_no_step(tmp_path: Path) -> None:
+    """A rank named for its steps together, though no single step passed the per-step bar (a real
+    dp8 run's 50 ms pause read "slow in 0% of steps"), is said to be that; a rank slow in some
+    steps keeps the share (tests/data/cpu-dp8-pause, a real gloo run: rank 6, 2 of 16 steps)."""
+    import shutil
+
+    from megascope.dashboard.pages.overview import alerts, slow_steps_text
+
+    assert slow_steps_text({"steps_slow_frac": 0.0, "last_arrival_frac": 0.29}) == \
+        "slow over its steps together, none alone past the per-step bar, last at 29% of its calls"
+    assert slow_steps_text({"steps_slow_frac": 0.0, "last_arrival_frac": float("nan")}) == \
+        "slow over its steps together, none alone past the per-step bar"
+    run_dir = shutil.copytree(Path(__file__).parent / "data" / "cpu-dp8-pause", tmp_path / "pause")
+    served = registry_of(create_app([run_dir], start_watcher=False)).get("pause")
+    assert served is not None
+    frame = dash_data.stragglers(served)
+    assert list(frame["rank"]) == [6] and float(frame.iloc[0]["steps_slow_frac"]) == 0.125
+    text = " ".join(str(a) for a in alerts(served))
+    assert "Straggler: rank 6" in text and "cause host, slow in 12% of steps" in text
+
+
 def test_the_stragglers_page_says_why_a_rank_late_at_every_call_is_not_named(tmp_path: Path) -> None:
     """A rank late by a steady offset at overlapping calls (analysis: flagged for its host, not
     named) gets a line under the empty table with the replay's saving; a run without one, none."""

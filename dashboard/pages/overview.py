@@ -39,6 +39,17 @@ def coords_text(coords: Any) -> str:
     return format_coords(coords)
 
 
+def slow_steps_text(row: dict[str, Any]) -> str:
+    """How often a named straggler was slow: in what share of its steps, or, where no single step
+    passed the per-step bar, that it is named on all its steps together (never "0% of steps")."""
+    frac = float(row.get("steps_slow_frac") or 0.0)
+    if frac > 0:
+        return f"slow in {100 * frac:.0f}% of steps"
+    last = row.get("last_arrival_frac")
+    late = f", last at {100 * float(last):.0f}% of its calls" if last is not None and last == last else ""
+    return f"slow over its steps together, none alone past the per-step bar{late}"
+
+
 def alerts(served: ServedRun) -> list[Any]:
     """The alert lines of a run, most urgent first; each links to the page that explains it."""
     out: list[Any] = []
@@ -62,7 +73,7 @@ def alerts(served: ServedRun) -> list[Any]:
     for row in frame.head(5).to_dict("records"):
         text = (f"Straggler: rank {row['rank']} ({row.get('host', '?')}, {coords_text(row.get('coords'))}) "
                 f"{row.get('phase', '')} x{float(row.get('slowdown', float('nan'))):.2f}, "
-                f"cause {row.get('cause', '?')}, slow in {100 * float(row.get('steps_slow_frac', 0)):.0f}% of steps")
+                f"cause {row.get('cause', '?')}, {slow_steps_text(row)}")
         out.append(html.Div([text, " ", dcc.Link("details", href=routes.href(served.id, "stragglers"))],
                             className="alert alert-straggler"))
     if len(frame) > 5:
