@@ -511,9 +511,8 @@ def test_a_pause_before_the_gradient_sync_is_named_however_the_replayed_steps_fa
     100 ms before each step's last backward, where its gradient sync starts. Replaying rank 6 at
     its peers' pace saves 1-10% of 10 of the 15 steps after the warm-up and nothing in 4 of them;
     the three evenly spaced steps a replay used to take were three of those 4, and rank 6 was
-    dismissed. The
-    replay now covers every step of so small a run but the warm-up, the median step decides, and
-    rank 6 is named, for its host."""
+    dismissed. The replay now covers every step of so small a run but the warm-up, the median step
+    decides, and rank 6 is named, for its host."""
     whatif_module = importlib.import_module("megascope.analysis.whatif")
     straggler_module = importlib.import_module("megascope.analysis.stragglers")
 
