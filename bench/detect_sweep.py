@@ -87,11 +87,9 @@ def mesh_model_args(tp: int, pp: int, dp: int, *, gpu: bool) -> list[str]:
     """The model's arguments for this mesh: the sweep's model (the trainer's default on CPU), with
     as many attention heads as TP ranks where it has fewer, and a global batch that every DP rank's
     micro-batches divide (the trainer's default micro-batches: max(4, pp))."""
-    args = list(GPU_MODEL) if gpu else []
-    heads = int(GPU_MODEL[GPU_MODEL.index("--heads") + 1]) if gpu else 4
-    if tp > heads:
-        args = [a for i, a in enumerate(args) if a != "--heads" and (i == 0 or args[i - 1] != "--heads")]
-        args += ["--heads", str(tp)]
+    args = list(GPU_MODEL) if gpu else ["--heads", "4"]  # 4: the trainer's default
+    at = args.index("--heads") + 1
+    args[at] = str(max(int(args[at]), tp))
     per_step = dp * max(4, pp)
     if 16 % per_step:
         args += ["--global-batch", str(per_step * -(-16 // per_step))]

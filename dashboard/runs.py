@@ -127,9 +127,9 @@ class ServedRun:
     _live_cache: dict[tuple[Any, ...], tuple[int, Any]] = field(default_factory=dict, repr=False)
     # When the throttled full refresh may run next (monotonic seconds; see RunRegistry).
     _next_full_s: float = field(default=0.0, repr=False)
-    # Why the views could not be refreshed, and since when (wall-clock ns), while that lasts: the
-    # pages then show the views of the last refresh that worked, and the header says so.
-    refresh_error: tuple[int, str] | None = None
+    # Why the views could not be refreshed, while that lasts: the pages then show the views of the
+    # last refresh that worked (refreshed_ns), and the header says so.
+    refresh_error: str | None = None
 
     # ---------------------------------------------------------------- following the step sums
 
@@ -227,8 +227,7 @@ class ServedRun:
                 changed = self._reopen(now_ns)
             except BaseException as exc:
                 self._mtimes = before  # the next poll tries again, whatever else changed by then
-                if self.refresh_error is None:
-                    self.refresh_error = (now_ns, (str(exc).splitlines() or [type(exc).__name__])[0])
+                self.refresh_error = (str(exc).splitlines() or [type(exc).__name__])[0]
                 raise
             self.refresh_error = None
             return changed

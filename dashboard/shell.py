@@ -104,8 +104,7 @@ def status_line(served: ServedRun) -> list[Any]:
     if state is not None:
         parts.append(f"data written {age_text(state.get('last_data_age_s'))} ago")
     if served.refresh_error is not None:
-        _since, why = served.refresh_error
-        read = served.refreshed_ns
+        why, read = served.refresh_error, served.refreshed_ns
         when = f" at {time.strftime('%H:%M:%S', time.gmtime(read / 1e9))} UTC" if read else " earlier"
         parts.append(f"refresh failing ({why}): showing what was read{when}")
     text = " · ".join(p for p in parts if p)

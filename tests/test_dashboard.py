@@ -324,7 +324,7 @@ def test_a_refresh_that_fails_is_tried_again_and_the_watcher_goes_on(tmp_path: P
     assert registry.poll_all() == []  # logged, not raised
     assert served.generation == generation
     # Every page's header says the views are the last good refresh's, and why.
-    assert served.refresh_error is not None and "No files found" in served.refresh_error[1]
+    assert served.refresh_error is not None and "No files found" in served.refresh_error
     header = str(status_line(served))
     assert "refresh failing (IO Error: No files found that match the pattern)" in header, header
     assert registry.poll_all() == ["s"]  # nothing new on disk, and still tried again

@@ -252,8 +252,8 @@ def whatif(run: Run, *, ranks: list[int] | None = None,
         "modeled_fixed_ns": fixed_total / len(steps) if steps else None,
         "whatif_step_time_ns": measured / speedup if speedup > 0 else measured,
         "speedup": speedup,
-        # Per step replayed: the share of its modeled time the fix saves (negative: it lengthens).
-        "step_savings": [1.0 - f / b for b, f in pairs if b > 0],
+        # Per step of steps_modeled: the share of its modeled time the fix saves (negative: it lengthens).
+        "step_savings": [1.0 - f / b if b > 0 else 0.0 for b, f in pairs],
         "mfu": mean_mfu,
         "whatif_mfu": mean_mfu * speedup if mean_mfu is not None else None,
         "lower_bound": lower_bound,
