@@ -65,7 +65,7 @@ train() {  # name gpus collector(on|off|ab) extra-args...
   local devices; devices=$(seq -s, 0 $((gpus - 1)))
   echo "== $name ($gpus GPU, collector $mode ${EXTRA_ENV:-}) $*"
   env "${env[@]}" CUDA_VISIBLE_DEVICES="$devices" timeout 200 $PY -m megascope train --nproc "$gpus" "${MODEL[@]}" \
-    --steps "$STEPS" "$@" --result-json "$RUNS/$name-$mode.json" -o "$RUNS/$name-$mode" > "$RUNS/$name-$mode.log" 2>&1 \
+    --steps "$STEPS" "$@" --result-json "$RUNS/$name-$mode.json" --host-stats "$RUNS/$name-$mode-host" -o "$RUNS/$name-$mode" > "$RUNS/$name-$mode.log" 2>&1 \
     || { echo "failed:"; tail -3 "$RUNS/$name-$mode.log"; }
   # Step times so far, in one small file: what a call cut off at its time limit still brings back.
   tar czf "$OUT/results-so-far.tar.gz" -C "$OUT" runs --exclude='runs/*/*' 2>/dev/null || true

@@ -95,6 +95,35 @@ def waits(runs: Path, first: int, last: int) -> str:
     return "\n".join(lines)
 
 
+def host(runs: Path, first: int, last: int) -> str:
+    """Each rank's host counters per step (``--host-stats``, ``<run>-host/rank-N.json``), pooled over
+    the rounds of a layout and mode: step time, the training thread's CPU, the process's CPU (every
+    thread) and the training thread's voluntary (it blocked) and involuntary (its CPU was taken)
+    context switches."""
+    keys = ("seconds", "thread_cpu_s", "process_cpu_s", "voluntary", "involuntary")
+    timed = keys[:3]  # seconds, printed as milliseconds
+    rows: dict[tuple[str, str, int], dict[str, list[float]]] = defaultdict(lambda: {k: [] for k in keys})
+    for d in sorted(runs.glob("*-host")):
+        m = re.match(r"(.+)-r(\d+)-(on|off)-host$", d.name)
+        if not m:
+            continue
+        for f in sorted(d.glob("rank-*.json")):
+            data = json.loads(f.read_text())
+            if len(data.get("seconds") or []) < last:
+                continue
+            row = rows[(m.group(1), m.group(3), int(data["rank"]))]
+            for k in keys:
+                row[k] += (data.get(k) or [])[first:last]
+    if not rows:
+        return ""
+    lines = ["| layout | mode | rank | step ms | thread CPU ms | process CPU ms | voluntary switches | "
+             "involuntary switches |", "|---|---|---|---|---|---|---|---|"]
+    for (layout, mode, rank), row in sorted(rows.items()):
+        cells = [f"{statistics.fmean(row[k]) * (1e3 if k in timed else 1.0):.1f}" if row[k] else "-" for k in keys]
+        lines.append(f"| {layout} | {mode} | {rank} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", type=Path)
@@ -107,6 +136,10 @@ def main() -> None:
     if wait:
         print("\nrank 0's wait for its device per step (the host at most a step ahead)")
         print(wait)
+    counters = host(args.runs, args.first, args.last)
+    if counters:
+        print("\neach rank's host per step (--host-stats): its training thread's CPU and context switches")
+        print(counters)
 
 
 if __name__ == "__main__":

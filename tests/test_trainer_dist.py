@@ -235,10 +235,15 @@ def test_collector_ab_pauses_the_collector_for_every_other_block(tmp_path: Path,
     result = cli(
         "train", "--nproc", "2", "--dp", "2", "--steps", "6", "--layers", "2", "--hidden", "32", "--heads", "4",
         "--vocab", "64", "--seq-len", "16", "--global-batch", "8", "--micro-batches", "2", "--lr", "3e-3",
-        "--collector-ab", "2", "--gc-interval", "2", "--result-json", str(result_json), "-o", str(out),
-        env={"MEGASCOPE_GC_SPAN_MS": "0"})
+        "--collector-ab", "2", "--gc-interval", "2", "--result-json", str(result_json),
+        "--host-stats", str(tmp_path / "host"), "-o", str(out), env={"MEGASCOPE_GC_SPAN_MS": "0"})
     assert result.exit_code == 0, result.output
     record = json.loads(result_json.read_text())
+    # --host-stats: each rank's host counters for each of its 6 steps.
+    for rank in (0, 1):
+        host = json.loads((tmp_path / "host" / f"rank-{rank}.json").read_text())
+        assert host["rank"] == rank and all(len(host[k]) == 6 for k in ("seconds", "thread_cpu_s", "process_cpu_s"))
+        assert sum(host["process_cpu_s"]) >= sum(host["thread_cpu_s"]) > 0
     assert record["collector_on"] == [True, True, False, False, True, True]
     assert len(record["ab_flush_seconds"]) == 1 and len(record["step_seconds"]) == 6
     plain = train(_cfg(tmp_path / "plain", dp=2, steps=6), nproc=2)

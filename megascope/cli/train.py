@@ -69,6 +69,9 @@ from megascope.cli.common import inject_option, out_run_option
 @click.option("--nvrx-straggler", is_flag=True,
               help="Also run NVIDIA's straggler detector (the nvidia-resiliency-ext package) in the job; "
                    "rank 0 writes its scores and the ranks it names to RUN/nvrx_straggler.json.")
+@click.option("--host-stats", type=click.Path(path_type=Path, file_okay=False), default=None,
+              help="Also write, per rank and step, the training thread's CPU time and context switches and "
+                   "the process's CPU time to DIR/rank-N.json (for benchmarks of the collector's cost).")
 @click.option("--result-json", type=click.Path(path_type=Path, dir_okay=False), default=None,
               help="Also write the loss and host seconds of every step here (for benchmarks).")
 @click.option("--compact/--no-compact", "compact_parts", default=True, show_default=True,
@@ -81,7 +84,7 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
           serial_block: bool, no_sequence_parallel: bool, optimizer: str, lr: float, data: Path | None,
           data_dtype: str, collective_timeout: float, device: str, no_overlap: tuple[str, ...], bucket_mb: float,
           layer_spans: str, no_layer_spans: bool, tp_comm_spans: str, collector_ab: int, gc_interval: int,
-          cpu_bind: str, profile_steps: int, nvrx_straggler: bool, result_json: Path | None, compact_parts: bool, injects: tuple[str, ...], out: Path) -> None:
+          cpu_bind: str, profile_steps: int, nvrx_straggler: bool, host_stats: Path | None, result_json: Path | None, compact_parts: bool, injects: tuple[str, ...], out: Path) -> None:
     """Train the bundled GPT on a TP x PP x DP mesh, fully instrumented, with optional planted faults."""
     from megascope.inject import parse_injects
     from megascope.trainer.config import OVERLAP_DIMS, ModelConfig, TrainConfig
@@ -96,7 +99,7 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
                       layer_spans="none" if no_layer_spans else layer_spans, tp_comm_spans=tp_comm_spans,
                       bucket_mb=bucket_mb,
                       collector_ab=collector_ab, gc_interval=gc_interval, cpu_bind=cpu_bind,
-                      profile_steps=profile_steps, nvrx_straggler=nvrx_straggler,
+                      profile_steps=profile_steps, nvrx_straggler=nvrx_straggler, host_stats=host_stats,
                       overlap=frozenset() if "all" in no_overlap else frozenset(OVERLAP_DIMS) - set(no_overlap))
     # Never into an existing run: new parts would mix with the old ones. Under torchrun every rank
     # checks here, before the rendezvous, so no rank can have written anything yet.

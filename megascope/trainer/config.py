@@ -127,6 +127,8 @@ class TrainConfig:
     # this many steps (0: none), and NVIDIA's straggler detector in the job.
     profile_steps: int = 0
     nvrx_straggler: bool = False
+    # Each rank's host counters per step (megascope.trainer.hoststats) into this directory.
+    host_stats: Path | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

@@ -44,6 +44,7 @@ from megascope.trainer.config import TrainConfig
 from megascope.trainer.data import Prefetcher, Source, SyntheticLanguage, TokenFile
 from megascope.trainer.faults import Burner, DeviceStretch, FaultPlan
 from megascope.trainer.flops import model_flops_per_step, peak_flops
+from megascope.trainer.hoststats import HostMeter
 from megascope.trainer.instrument import Comm, instrument_blocks, open_collector
 from megascope.trainer.model import GPTStage
 from megascope.trainer.parallel import ParallelState
@@ -231,6 +232,7 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device,
     ab_flushes: list[float] = []
     previous_step_done: torch.cuda.Event | None = None
     waits: list[float] = []
+    meter = HostMeter() if cfg.host_stats is not None else None
     # On GPUs the batches come from a worker process: the synthetic language's token-by-token
     # build would otherwise take the training thread's interpreter lock thousands of times a step.
     prefetch = Prefetcher(_source(cfg), steps=range(cfg.steps), global_batch=cfg.global_batch, rows=rows,
@@ -278,6 +280,8 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device,
             col.metric("tokens", float(cfg.tokens_per_step), step=step)
             losses.append(global_loss.detach())
             step_ends.append(time.perf_counter())
+            if meter is not None:
+                meter.tick()
             if progress is not None:
                 os.utime(progress)
             nvrx.after_step(step)
@@ -285,6 +289,8 @@ def _loop(cfg: TrainConfig, ps: ParallelState, col: Any, device: torch.device,
         # Inside the profiler's window: a collective still in flight when the profiler stops ends
         # its recorded call after the profiler's state is gone (a crash seen on gloo).
         opt.wait_params()
+    if meter is not None and cfg.host_stats is not None:
+        meter.write(cfg.host_stats, rank=ps.rank)
     return RankResult(losses=torch.stack(losses).tolist(),
                       step_seconds=[b - a for a, b in zip(step_ends, step_ends[1:], strict=False)],
                       collector_on=ab_on if cfg.collector_ab else None,
