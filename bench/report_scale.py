@@ -1,7 +1,8 @@
 """Benchmark: ``megascope report`` at scale, cold and again (targets, issue 23: 1,024 x 1,000 under
 10 s; 12,288 x 100 under 30 s and a second report under 5 s; peak memory under 4 GB; 2 cores).
 
-Each run is written once with ``megascope synth`` (tp=8, pp=8, a straggler planted at rank 517, or 517 mod ranks) into
+Each run is written once with ``megascope synth`` (tp=8, pp=8, a straggler planted at rank 517, or 517 mod ranks,
+``--factor`` times slower: 1.3 by default, which the report names, so its what-if replay is measured too) into
 ``--dir`` and kept for re-runs. Per size, in fresh processes (so each peak RSS is its own):
 
 * cold: the analysis cache (``RUN/_cache``) removed first, so the base tables are built from the parts;
@@ -54,12 +55,12 @@ print("RESULT " + json.dumps({"open": t1 - t0, "base": t2 - t1, "rest": t3 - t2,
 STRAGGLER_RANK = 517
 
 
-def ensure_run(root: Path, ranks: int, steps: int, tp: int, pp: int) -> Path:
-    out = root / f"r{ranks}x{steps}"
+def ensure_run(root: Path, ranks: int, steps: int, tp: int, pp: int, factor: float) -> Path:
+    out = root / f"r{ranks}x{steps}-f{factor:g}"
     if not (out / "run.json").exists():
         print(f"writing {out} (once) ...", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "megascope", "synth", "--ranks", str(ranks), "--steps", str(steps),
-                        "--tp", str(tp), "--pp", str(pp), "--inject", f"straggler:rank={STRAGGLER_RANK % ranks},factor=1.1",
+                        "--tp", str(tp), "--pp", str(pp), "--inject", f"straggler:rank={STRAGGLER_RANK % ranks},factor={factor:g}",
                         "-o", str(out)], check=True, stdout=subprocess.DEVNULL)
     return out
 
@@ -77,6 +78,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, action="append")
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--pp", type=int, default=8)
+    parser.add_argument("--factor", type=float, default=1.3, help="The planted straggler's slowdown.")
     parser.add_argument("--memory-limit", default="3GB", help="DuckDB memory_limit, as the CLI sets it.")
     parser.add_argument("--phases", action="store_true", help="Print a cold report's time per phase.")
     parser.add_argument("--compact", action="store_true", help="Also measure after megascope compact --all.")
@@ -85,8 +87,10 @@ def main() -> None:
     print(f"{'ranks':>7} {'steps':>6} {'layout':>9} {'files':>8} | {'cold s':>7} {'open':>6} {'base':>6} {'rest':>6} "
           f"{'peak MB':>8} | {'again s':>7} {'open':>6} {'base':>6} {'rest':>6} {'peak MB':>8} | {'load 1m':>7}  found")
     for ranks, steps in configs:
-        run = ensure_run(args.dir, ranks, steps, args.tp, args.pp)
-        layouts = ["parts", "compacted"] if args.compact else ["parts"]
+        run = ensure_run(args.dir, ranks, steps, args.tp, args.pp, args.factor)
+        # Without --compact the run is measured as it is (compacted by an earlier --compact, or not).
+        as_is = "compacted" if any((run / "compacted").rglob("*.parquet")) else "parts"
+        layouts = ["parts", "compacted"] if args.compact else [as_is]
         for layout in layouts:
             if layout == "compacted":
                 from megascope.compact import compact

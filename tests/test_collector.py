@@ -362,8 +362,9 @@ def test_waiting_on_an_async_call_writes_its_wait_span(tmp_path: Path, wait_span
 
 
 def test_writer_resolves_a_span_only_when_both_stamps_are_done() -> None:
-    """The writer asks the device only whether a span's end is done; a start that is not (a span
-    whose stamps went to different streams) keeps the span pending, and a device error drops it."""
+    """The writer times a span without asking the device first while the spans before it were
+    done, and asks about each end once one was not; a start that is not done (a span whose stamps
+    went to different streams) keeps the span pending, and a device error drops it."""
     from megascope.collectors.timing import Anchor
     from megascope.collectors.writer import Sink, resolve_pending
 
@@ -372,6 +373,8 @@ def test_writer_resolves_a_span_only_when_both_stamps_are_done() -> None:
             self.ns, self.done, self.broken = ns, done, broken
 
     class FakeDeviceTimer:
+        is_device = True
+
         def __init__(self) -> None:
             self.queries = 0
 
@@ -399,8 +402,23 @@ def test_writer_resolves_a_span_only_when_both_stamps_are_done() -> None:
     sink.pending_spans.put(item(Token(10, broken=True), Token(60), "broken"))
     assert resolve_pending(sink, timer, rank=3) == 1  # the broken one, dropped
     assert [(r[0], r[2], r[5], r[6]) for r in sink.spans.drain()] == [(3, "done", 1_010, 20)]
-    assert timer.queries == 4 + 2  # one per end, and a start only where timing it failed (2)
+    # "done": timed without asking; "start-pending": its start asked once timing it failed; from
+    # there on every end is asked ("end-pending", "broken"), and the broken start once more.
+    assert timer.queries == 4
     assert [i[4] for i in sink.pending_spans.drain()] == ["start-pending", "end-pending"]
+
+    # A pass of spans that are all done asks the device nothing; the first that is not costs one
+    # question, and every span after it one each, done or not (another stream's, done earlier).
+    sink, timer = Sink(16), FakeDeviceTimer()
+    for i in range(5):
+        sink.pending_spans.put(item(Token(10), Token(20 + i), f"d{i}"))
+    sink.pending_spans.put(item(Token(10), Token(90, done=False), "later"))
+    sink.pending_spans.put(item(Token(10), Token(30), "other-stream"))
+    sink.pending_spans.put(item(Token(10), Token(95, done=False), "latest"))
+    assert resolve_pending(sink, timer, rank=0) == 0
+    assert [r[2] for r in sink.spans.drain()] == ["d0", "d1", "d2", "d3", "d4", "other-stream"]
+    assert timer.queries == 3
+    assert [i[4] for i in sink.pending_spans.drain()] == ["later", "latest"]
 
 
 class _FakeClock:
