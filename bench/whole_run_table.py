@@ -124,6 +124,29 @@ def host(runs: Path, first: int, last: int) -> str:
     return "\n".join(lines)
 
 
+PASS_SWITCHES = 30  # a step in which a rank's training thread blocked this often held a writer pass (unrecorded: 5-22)
+
+
+def pass_steps(runs: Path, first: int, last: int) -> str:
+    """Per recorded run: rank 0's mean step time over the steps in which some rank's training thread
+    switched PASS_SWITCHES times or more (its writer made a pass then) and over the others."""
+    lines = ["| run | steps holding a pass | their mean ms | the other steps | their mean ms |", "|---|---|---|---|---|"]
+    for d in sorted(runs.glob("*-on-host")):
+        ranks = [json.loads(f.read_text()) for f in sorted(d.glob("rank-*.json"))]
+        ranks = [r for r in ranks if len(r.get("voluntary") or []) >= last]
+        if not ranks:
+            continue
+        steps = range(first, last)
+        held = [s for s in steps if any(r["voluntary"][s] >= PASS_SWITCHES for r in ranks)]
+        other = [s for s in steps if s not in held]
+        rank0 = next((r for r in ranks if r["rank"] == 0), ranks[0])["seconds"]
+
+        def mean(ss: list[int], step_s: list[float] = rank0) -> str:
+            return f"{statistics.fmean(step_s[s] for s in ss) * 1e3:.1f}" if ss else "-"
+        lines.append(f"| {d.name[:-5]} | {len(held)} | {mean(held)} | {len(other)} | {mean(other)} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", type=Path)
@@ -140,6 +163,11 @@ def main() -> None:
     if counters:
         print("\neach rank's host per step (--host-stats): its training thread's CPU and context switches")
         print(counters)
+    passes = pass_steps(args.runs, args.first, args.last)
+    if passes:
+        print(f"\nrank 0's step time, steps where some rank's training thread switched {PASS_SWITCHES}+ times "
+              "(its writer's pass) and the others")
+        print(passes)
 
 
 if __name__ == "__main__":
