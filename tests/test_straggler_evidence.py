@@ -538,3 +538,58 @@ def test_the_replay_covers_more_steps_the_fewer_calls_a_step_holds() -> None:
     assert count(19_456) == 5  # 1,024 ranks of a tp8 x pp8 synth run
     assert count(60_000) == whatif_module.WHATIF_SAMPLE_STEPS
     assert count(233_000) == 1 and count(10**7) == 1  # never past the event budget
+
+
+def test_a_slow_rank_of_a_pipeline_replica_is_named_by_its_spans_against_its_dp_peer(tmp_path: Path) -> None:
+    """tests/data/cpu-pp4-dp2-slow: the bundled trainer on CPU (gloo, pp4 x dp2, 16 steps), rank 3
+    (stage 1, replica 1) planted 1.3x slow. Its replica-mates wait for it at their receives and, on
+    the two shared cores, their own time reads nearly as slow: its combined evidence stays under
+    the bar. Its forward and backward spans are what stand out, against rank 2's at its stage."""
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+    from megascope.analysis import _sql
+    from megascope.analysis.base import prepare
+
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-pp4-dp2-slow", tmp_path / "run"))
+    config = straggler_module.StragglerConfig()
+    candidates, _ = straggler_module._candidates(run, config)
+    assert not bool(candidates.set_index("rank").at[3, "straggler"])  # the evidence alone misses it
+    prepare(run.con)
+    dp = _sql.query_df(run.con, "stragglers", "dp_compute", bar=config.min_named_slowdown).set_index("rank")
+    assert sorted(dp.index) == list(range(8))
+    assert dp.at[3, "ratio"] >= straggler_module.DP_COMPUTE_BAR
+    assert dp.at[3, "slow_frac"] >= straggler_module.DP_SLOW_FRAC
+    assert dp.drop(index=3)["ratio"].max() < 1.2
+    # A pair: rank 2's ratio is the inverse of rank 3's, step by step.
+    assert dp.at[2, "ratio"] == pytest.approx(1 / dp.at[3, "ratio"], rel=1e-6)
+    found = analysis.stragglers(run)
+    assert list(found["rank"]) == [3]
+    row = found.iloc[0]
+    assert row["cause"] == "compute" and row["phase"] == "compute"
+    assert row["slowdown"] == pytest.approx(dp.at[3, "ratio"]) and row["dp_compute_ratio"] == row["slowdown"]
+    assert row["steps_slow_frac"] == pytest.approx(dp.at[3, "slow_frac"])
+
+
+def test_a_healthy_pipeline_and_data_parallel_run_names_no_rank_by_its_spans(tmp_path: Path) -> None:
+    """tests/data/cpu-pp4-dp2-healthy: the same mesh with nothing planted. The largest span ratio
+    against a DP peer (1.15x, rank 6) stays under the bar, and no rank is named."""
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+    from megascope.analysis import _sql
+    from megascope.analysis.base import prepare
+
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-pp4-dp2-healthy", tmp_path / "run"))
+    prepare(run.con)
+    dp = _sql.query_df(run.con, "stragglers", "dp_compute", bar=1.10)
+    assert len(dp) == 8 and 1.0 < dp["ratio"].max() < straggler_module.DP_COMPUTE_BAR
+    assert analysis.stragglers(run).empty
+
+
+def test_ranks_with_tp_partners_are_not_measured_against_dp_peers(tmp_path: Path) -> None:
+    """On a tensor-parallel mesh the TP measure decides (a slow rank's partners' spans hold its
+    waits, so its DP peers' spans differ from its own for reasons of the TP group): the DP measure
+    reads no rank there."""
+    from megascope.analysis import _sql
+    from megascope.analysis.base import prepare
+
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "gpu-tp-pair", tmp_path / "run"))
+    prepare(run.con)
+    assert _sql.query_df(run.con, "stragglers", "dp_compute", bar=1.10).empty

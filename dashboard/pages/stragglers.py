@@ -19,11 +19,12 @@ from megascope.analysis.whatif import gain_words
 from megascope.topology import format_coords
 
 COLUMNS = ("rank", "host", "coords", "cause", "phase", "slowdown", "steps_slow_frac", "last_arrival_frac",
-           "late_at", "tp_compute_ratio", "cpu_slowdown")
+           "late_at", "tp_compute_ratio", "dp_compute_ratio", "cpu_slowdown")
 NAMES = {"steps_slow_frac": "steps slow", "slowdown": "own time vs peers",
          "last_arrival_frac": "collectives it arrives last at", "late_at": "last at (group)",
          "phase": "where (largest excess)", "cpu_slowdown": "its CPU vs the median rank's (host probe)",
-         "tp_compute_ratio": "compute outside TP calls vs its TP partners'"}
+         "tp_compute_ratio": "compute outside TP calls vs its TP partners'",
+         "dp_compute_ratio": "forward and backward vs its DP peers' (same stage)"}
 
 
 def shown_frame(frame: Any) -> Any:
@@ -34,7 +35,7 @@ def shown_frame(frame: Any) -> Any:
     for column in ("steps_slow_frac", "last_arrival_frac"):
         if column in out:
             out[column] = [f"{100 * float(v):.0f}%" if v == v and v is not None else "" for v in out[column]]
-    for column in ("slowdown", "cpu_slowdown", "tp_compute_ratio"):
+    for column in ("slowdown", "cpu_slowdown", "tp_compute_ratio", "dp_compute_ratio"):
         if column in out:
             out[column] = [f"x{float(v):.2f}" if v == v and v is not None else "" for v in out[column]]
     return out

@@ -41,7 +41,7 @@ COLUMNS = [
     "rank", "host", "coords", "pp", "dp", "tp", "phase", "cause", "slowdown", "steps_slow_frac", "steps",
     "excess_ns", "base_own_ns", "last_arrival_frac", "late_at", "impact",
     "z", "p_value", "confidence", "t_own", "t_blame", "last_z", "spans_share", "t_spans", "device_idle_frac",
-    "cpu_slowdown", "tp_compute_ratio",
+    "cpu_slowdown", "tp_compute_ratio", "dp_compute_ratio",
 ]
 # A rank's host probe (megascope.schema.HOST_PROBE_METRIC) is compared with the median rank's only
 # where at least this many ranks wrote at least HOST_PROBE_MIN probes each.
@@ -266,6 +266,46 @@ def _tp_stretched(run: Run, frame: pd.DataFrame, config: StragglerConfig,
     return out
 
 
+# Compute against the data-parallel peers (sql/stragglers.sql, statement dp_compute), on meshes
+# without tensor-parallel partners: a rank whose forward and backward spans are at least
+# DP_COMPUTE_BAR times its peers' at the same stage (median over the steps), and at least
+# ``min_named_slowdown`` times in DP_SLOW_FRAC of the steps, is named for its compute even where
+# the combined evidence falls short. On a pipeline-and-data-parallel mesh a slow rank makes its
+# whole replica slow (its replica-mates wait at their receives, and on shared CPU cores their own
+# time reads nearly as slow), so its own time stands out little: planted 1.3x and 1.6x ranks of
+# pp4 x dp2 CPU runs scored z 4.2 against the bar of 4.5, with spans 1.29-1.39x their peers'. Over
+# the healthy and host-pause runs of five CPU sweeps on such meshes (45 runs), no rank's spans
+# measured more than 1.17x its peers'; over 17 GPU runs, 1.00x.
+DP_COMPUTE_BAR = 1.25
+DP_SLOW_FRAC = 0.7
+
+
+def _dp_stretched(run: Run, pool: pd.DataFrame, sizes: dict[str, int], config: StragglerConfig,
+                  named: set[int]) -> pd.DataFrame:
+    """Rows of ``pool`` (every rank's candidate row) for the ranks not in ``named`` whose compute
+    spans stretch against their data-parallel peers' (see above): cause ``compute``, the ratio as
+    ``median_slowdown`` and ``dp_compute_ratio``, the share of its steps over the bar as
+    ``steps_slow_frac``; a rank whose device waited for its host reads ``host`` after it
+    (:func:`_launch_bound`)."""
+    dp = _sql.query_df(run.con, "stragglers", "dp_compute", bar=float(config.min_named_slowdown))
+    if dp.empty:
+        return pool.iloc[0:0]
+    clear = dp[(dp["ratio"].astype(float) >= DP_COMPUTE_BAR) & (dp["slow_frac"].astype(float) >= DP_SLOW_FRAC)
+               & (dp["samples"].astype(int) >= config.min_steps) & ~dp["rank"].astype(int).isin(named)]
+    rows = pool[pool["rank"].astype(int).isin(clear["rank"].astype(int))]
+    if rows.empty:
+        return pool.iloc[0:0]
+    ratio = dict(zip(clear["rank"].astype(int), clear["ratio"].astype(float), strict=True))
+    frac = dict(zip(clear["rank"].astype(int), clear["slow_frac"].astype(float), strict=True))
+    out = pd.concat([rows, _attribute(rows, sizes)], axis=1)
+    out["cause"] = "compute"
+    out["phase"] = "compute"
+    out["median_slowdown"] = [ratio[int(r)] for r in out["rank"]]
+    out["steps_slow_frac"] = [frac[int(r)] for r in out["rank"]]
+    out["dp_compute_ratio"] = out["median_slowdown"]
+    return _launch_bound(run, out)
+
+
 def p_value(z: float, ranks: int) -> float:
     """One-sided normal tail of ``z``, times the ranks tested (Bonferroni), at most 1."""
     return min(1.0, 0.5 * math.erfc(z / math.sqrt(2.0)) * max(ranks, 1))
@@ -285,7 +325,9 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
     its host; for stragglers named for their compute or host and timed on a device, else NaN): a
     compute straggler at ``LAUNCH_BOUND_FRAC`` or more reads ``host`` (see :func:`_launch_bound`), and cpu_slowdown
     (its host probe over the median rank's: how much slower the CPU under its training thread ran
-    a fixed loop; NaN where the run has no probes, see :func:`cpu_slowdown`).
+    a fixed loop; NaN where the run has no probes, see :func:`cpu_slowdown`), tp_compute_ratio and
+    dp_compute_ratio (its compute against its TP partners' or its data-parallel peers', for the
+    ranks those measures named; see :func:`_tp_stretched` and :func:`_dp_stretched`).
     """
     return detect(run, config)[0]
 
@@ -321,6 +363,10 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
                 costless = saving < config.min_host_saving
                 out_own = pd.concat([out_own, shaded[~costless]])
                 gone.append(shaded[costless].assign(saving=saving[costless]))
+    stretched = _dp_stretched(run, c, sizes, config, named={int(r) for r in out_own["rank"]})
+    if not stretched.empty:
+        out_own = pd.concat([out_own, stretched]) if not out_own.empty else stretched
+        own_slow = own_slow | c["rank"].isin(stretched["rank"])
     out_comm = c[~own_slow & (c["steps_comm_slow_frac"] >= config.min_frac)
                  & (c["steps_slow_frac"] < config.min_frac)].copy()
     if not out_comm.empty:
@@ -348,7 +394,7 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
     # slowdown x persistence would put its own wake ahead of it), then impact.
     out["_z"] = out["z"].astype(float).where(out["cause"] != "communication", -np.inf)
     out = out.sort_values(["_z", "impact", "rank"], ascending=[False, False, True], kind="stable")
-    for column in ("device_idle_frac", "tp_compute_ratio"):
+    for column in ("device_idle_frac", "tp_compute_ratio", "dp_compute_ratio"):
         if column not in out:
             out[column] = np.nan
     probe = cpu_slowdown(run)

@@ -76,6 +76,10 @@ def _print_report(r: dict[str, Any]) -> None:
             if s["cause"] == "compute" and tp is not None and tp == tp:
                 click.echo(f"  rank {s['rank']}: compute outside its TP calls {tp:.2f}x its TP partners' "
                            "(their spans hold their waits for it)")
+            dp = (s.get("evidence") or {}).get("dp_compute_ratio")
+            if s["cause"] == "compute" and dp is not None and dp == dp:
+                click.echo(f"  rank {s['rank']}: forward and backward {dp:.2f}x its data-parallel peers' at its stage "
+                           "(its replica waits for it, so its own time stands out less)")
             cpu = (s.get("evidence") or {}).get("cpu_slowdown")
             if s["cause"] != "host" or cpu is None or cpu != cpu:  # NaN: no host probes
                 continue

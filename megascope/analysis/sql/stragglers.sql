@@ -322,6 +322,43 @@ SELECT r.rank, r.grp, r.samples, r.ratio, r.slow_frac, gi.imbalance,
 FROM r JOIN gi USING (grp)
 ORDER BY r.rank;
 
+-- @statement dp_compute
+-- Compute against the data-parallel peers doing the same work, for ranks without tensor-parallel
+-- partners (a pipeline-and-data-parallel or data-parallel-only mesh): per step after the first,
+-- the rank's forward and backward spans as recorded (rank_step's forward_ns + backward_ns) over
+-- the median of the ranks at its stage and TP coordinate (the other one of a pair), which run the
+-- same spans. On such a mesh a slow rank makes its whole pipeline replica slow: its replica-mates
+-- wait for it at their receives, and on shared CPU cores their own time reads nearly as slow as
+-- its own, but their spans do not stretch. (Its own time less the waits inside its spans, compute_excl_ns, is no
+-- measure here: the waits of the asynchronous gradient calls inside a backward vary more from
+-- step to step than a 1.3x slowdown.)
+-- @column rank       the rank
+-- @column samples    steps compared
+-- @column ratio      median over those steps of its compute over its peers' median
+-- @column slow_frac  share of the steps at {{bar}} times its peers' or more
+WITH first AS (SELECT min(step) AS step FROM ms_cache.rank_step),
+solo AS (
+    SELECT i.rank, i.stage, i.tp FROM ms_cache.rank_info i
+    WHERE NOT EXISTS (SELECT 1 FROM ms_cache.rank_info j
+                      WHERE j.stage = i.stage AND j.tp_key IS NOT DISTINCT FROM i.tp_key AND j.rank <> i.rank
+                        AND j.tp IS NOT NULL)
+), c AS (
+    SELECT r.rank, r.step, s.stage, s.tp, (r.forward_ns + r.backward_ns)::DOUBLE AS compute
+    FROM ms_cache.rank_step r JOIN solo s USING (rank)
+    WHERE r.step > (SELECT step FROM first) AND r.forward_ns + r.backward_ns > 0
+), w AS (
+    -- Its peers' median without a self-join (a data-parallel-only mesh of thousands of ranks has
+    -- thousands of peers a stage): the other one of a pair, the median of all of them from three.
+    SELECT rank, step, compute, count(*) OVER p AS n, sum(compute) OVER p AS total, median(compute) OVER p AS mid
+    FROM c WINDOW p AS (PARTITION BY stage, tp, step)
+), x AS (
+    SELECT rank, step, compute / CASE WHEN n = 2 THEN total - compute ELSE mid END AS ratio
+    FROM w WHERE n >= 2
+)
+SELECT rank, count(*) AS samples, median(ratio) AS ratio,
+       avg(CASE WHEN ratio >= {{bar}} THEN 1.0 ELSE 0.0 END) AS slow_frac
+FROM x GROUP BY rank ORDER BY rank;
+
 -- @statement tp_members
 -- The TP groups and their members, from the groups table.
 -- @column grp      the group id
