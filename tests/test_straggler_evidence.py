@@ -187,7 +187,8 @@ def test_report_json_carries_confidence_and_evidence(tmp_path: Path) -> None:
     first = result["stragglers"][0]
     assert first["rank"] == 6
     assert set(first["evidence"]) == {"z", "own_time_t", "wait_caused_t", "last_arrival_z", "compute_span_share",
-                                      "compute_span_t", "device_idle_frac", "cpu_slowdown", "tp_compute_ratio"}
+                                      "compute_span_t", "device_idle_frac", "cpu_slowdown", "tp_compute_ratio",
+                                      "dp_compute_ratio"}
     assert first["evidence"]["last_arrival_z"] > 0 and first["evidence"]["wait_caused_t"] > 0
     cpu = first["evidence"]["cpu_slowdown"]
     assert cpu is None or np.isnan(cpu)  # this run's ranks wrote no host probes

@@ -270,10 +270,12 @@ def _tp_stretched(run: Run, frame: pd.DataFrame, config: StragglerConfig,
 # without tensor-parallel partners: a rank whose forward and backward spans are at least
 # DP_COMPUTE_BAR times its peers' at the same stage (median over the steps), and at least
 # ``min_named_slowdown`` times in DP_SLOW_FRAC of the steps, is named for its compute even where
-# the combined evidence falls short. On a pipeline-and-data-parallel mesh a slow rank makes its
+# the combined evidence falls short, provided that evidence is at least ``shadow`` times the
+# strongest rank's. On a pipeline-and-data-parallel mesh a slow rank makes its
 # whole replica slow (its replica-mates wait at their receives, and on shared CPU cores their own
 # time reads nearly as slow), so its own time stands out little: planted 1.3x and 1.6x ranks of
-# pp4 x dp2 CPU runs scored z 4.2 against the bar of 4.5, with spans 1.29-1.39x their peers'. Over
+# pp4 x dp2 CPU runs scored z 2.7 and 4.2 against the bar of 4.5, with spans 1.39x and 1.29x their
+# peers'. Over
 # the healthy and host-pause runs of five CPU sweeps on such meshes (45 runs), no rank's spans
 # measured more than 1.17x its peers'; over 17 GPU runs, 1.00x.
 DP_COMPUTE_BAR = 1.25
@@ -292,7 +294,12 @@ def _dp_stretched(run: Run, pool: pd.DataFrame, sizes: dict[str, int], config: S
         return pool.iloc[0:0]
     clear = dp[(dp["ratio"].astype(float) >= DP_COMPUTE_BAR) & (dp["slow_frac"].astype(float) >= DP_SLOW_FRAC)
                & (dp["samples"].astype(int) >= config.min_steps) & ~dp["rank"].astype(int).isin(named)]
-    rows = pool[pool["rank"].astype(int).isin(clear["rank"].astype(int))]
+    # Not the wake of a worse rank: its combined evidence at least ``shadow`` times the strongest
+    # (a replica-mate of a slow rank had spans 1.22x its DP peer's, on a real pp4 x dp2 CPU run,
+    # with a third of the slow rank's evidence).
+    top = float(pool["z"].astype(float).max())
+    rows = pool[pool["rank"].astype(int).isin(clear["rank"].astype(int))
+                & (pool["z"].astype(float) >= config.shadow * top)]
     if rows.empty:
         return pool.iloc[0:0]
     ratio = dict(zip(clear["rank"].astype(int), clear["ratio"].astype(float), strict=True))
