@@ -4,7 +4,10 @@ Reads the trainer's ``--result-json`` files that ``bench/gpu_trainer.sh`` (part 
 named ``<layout>-r<round>-<on|off>.json``, and prints per layout one row per pair (the on and off
 run of one round) and one summary row: the mean, median and p90 step time of each mode over every
 counted step of its runs, and on / off - 1 for each. Steps counted: FIRST to LAST-1 (``--steps``,
-default 4-23, the issue's window), rank 0's host clock between step ends.
+default 4-23, the issue's window), rank 0's host clock between step ends. Then rank 0's wait for
+its device per step, and, where the runs were made with ``--host-stats`` (``<run>-host/``), each
+rank's host counters per step and rank 0's step time in the steps holding a writer pass against
+the others.
 
     python bench/whole_run_table.py RUNS_DIR [--first 4 --last 24]
 """
