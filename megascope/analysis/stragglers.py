@@ -271,13 +271,12 @@ def _tp_stretched(run: Run, frame: pd.DataFrame, config: StragglerConfig,
 # DP_COMPUTE_BAR times its peers' at the same stage (median over the steps), and at least
 # ``min_named_slowdown`` times in DP_SLOW_FRAC of the steps, is named for its compute even where
 # the combined evidence falls short, provided that evidence is at least ``shadow`` times the
-# strongest rank's. On a pipeline-and-data-parallel mesh a slow rank makes its
-# whole replica slow (its replica-mates wait at their receives, and on shared CPU cores their own
-# time reads nearly as slow), so its own time stands out little: planted 1.3x and 1.6x ranks of
-# pp4 x dp2 CPU runs scored z 2.7 and 4.2 against the bar of 4.5, with spans 1.39x and 1.29x their
-# peers'. Over
-# the healthy and host-pause runs of five CPU sweeps on such meshes (45 runs), no rank's spans
-# measured more than 1.17x its peers'; over 17 GPU runs, 1.00x.
+# strongest rank's. On a pipeline-and-data-parallel mesh a slow rank makes its whole replica slow
+# (its replica-mates wait at their receives, and on shared CPU cores their own time reads nearly as
+# slow), so its own time stands out little: planted 1.3x and 1.6x ranks of pp4 x dp2 CPU runs
+# scored z 2.7 and 4.2 against the bar of 4.5, with spans 1.39x and 1.29x their peers'. Over the
+# healthy and host-pause runs of five CPU sweeps on such meshes (45 runs), no rank's spans measured
+# more than 1.17x its peers'; over 17 GPU runs, 1.00x.
 DP_COMPUTE_BAR = 1.25
 DP_SLOW_FRAC = 0.7
 

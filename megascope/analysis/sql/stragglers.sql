@@ -329,9 +329,9 @@ ORDER BY r.rank;
 -- the median of the ranks at its stage and TP coordinate (the other one of a pair), which run the
 -- same spans. On such a mesh a slow rank makes its whole pipeline replica slow: its replica-mates
 -- wait for it at their receives, and on shared CPU cores their own time reads nearly as slow as
--- its own, but their spans do not stretch. (Its own time less the waits inside its spans, compute_excl_ns, is no
--- measure here: the waits of the asynchronous gradient calls inside a backward vary more from
--- step to step than a 1.3x slowdown.)
+-- its own, but their spans do not stretch. (Its own time less the waits inside its spans,
+-- compute_excl_ns, is no measure here: the waits of the asynchronous gradient calls inside a
+-- backward vary more from step to step than a 1.3x slowdown.)
 -- @column rank       the rank
 -- @column samples    steps compared
 -- @column ratio      median over those steps of its compute over its peers' median
