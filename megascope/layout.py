@@ -370,6 +370,27 @@ def check_output_dir(path: Path | str, *, replace: bool = False) -> Path:
     return path
 
 
+def check_counters_dir(path: Path | str, *, run: Path | str) -> Path:
+    """Create a directory that a job writes files into beside its run (``train --host-stats``) and make
+    sure it can be written, before the job starts: not inside ``run`` (about to be written) nor any
+    other run directory. Files of the same name in it are replaced."""
+    path = Path(path)
+    outer = _inside(path, (run,))
+    if outer is not None:
+        raise OutputError(f"{path}: inside the run directory {outer}; write it outside the run")
+    probe = path / f"{_PROBE}{os.getpid()}.tmp"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"0")
+    except OSError as exc:
+        raise OutputError(f"{exc.filename or path}: cannot write ({exc.strerror or exc})") from None
+    finally:
+        if probe.parent.is_dir():
+            probe.unlink(missing_ok=True)
+    return path
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from safety import assert_one_line_error, megascope
 
 from megascope.trainer.hoststats import HostMeter
 
@@ -46,3 +47,13 @@ def test_without_proc_the_switches_are_left_out(monkeypatch: pytest.MonkeyPatch)
     meter = HostMeter()
     meter.tick()
     assert meter.steps["voluntary"] == [] and len(meter.steps["thread_cpu_s"]) == 1
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "inside-the-run"])
+def test_an_unusable_host_stats_directory_is_one_line_before_the_job(tmp_path: Path, where: str) -> None:
+    (tmp_path / "f.txt").write_text("x")
+    target = tmp_path / "f.txt" / "host" if where == "under-a-file" else tmp_path / "run" / "host"
+    proc = megascope("train", "--nproc", "1", "--steps", "1", "--host-stats", str(target), "-o", str(tmp_path / "run"),
+                     cwd=tmp_path)
+    assert_one_line_error(proc, mentions="host" if where == "under-a-file" else "inside the run directory")
+    assert not (tmp_path / "run").exists()  # nothing started

@@ -107,6 +107,8 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
 
     if result_json is not None:
         layout.check_output_file(result_json, replace=True, runs=(out,))
+    if host_stats is not None:
+        layout.check_counters_dir(host_stats, run=out)
     if nvrx_straggler:
         import importlib.util
 
