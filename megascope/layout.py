@@ -316,16 +316,23 @@ def prepare_run_dir(out: Path | str) -> Path:
     """
     out = Path(out)
     check_new_run_dir(out)
-    probe = out / f"{_PROBE}{os.getpid()}.tmp"
+    return _writable_dir(out)
+
+
+def _writable_dir(path: Path) -> Path:
+    """Create ``path`` (and its parents) and write a probe file into it: an OutputError in one line
+    where that fails (read-only or full filesystem, a file in the way)."""
+    probe = path / f"{_PROBE}{os.getpid()}.tmp"
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        path.mkdir(parents=True, exist_ok=True)
         with open(probe, "wb") as f:
             f.write(b"0")
     except OSError as exc:
-        raise OutputError(f"{exc.filename or out}: cannot write ({exc.strerror or exc})") from None
+        raise OutputError(f"{exc.filename or path}: cannot write ({exc.strerror or exc})") from None
     finally:
-        probe.unlink(missing_ok=True)
-    return out
+        if path.is_dir():
+            probe.unlink(missing_ok=True)
+    return path
 
 
 def _inside(path: Path, runs: tuple[Path | str, ...]) -> Path | None:
@@ -378,17 +385,7 @@ def check_counters_dir(path: Path | str, *, run: Path | str) -> Path:
     outer = _inside(path, (run,))
     if outer is not None:
         raise OutputError(f"{path}: inside the run directory {outer}; write it outside the run")
-    probe = path / f"{_PROBE}{os.getpid()}.tmp"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with open(probe, "wb") as f:
-            f.write(b"0")
-    except OSError as exc:
-        raise OutputError(f"{exc.filename or path}: cannot write ({exc.strerror or exc})") from None
-    finally:
-        if probe.parent.is_dir():
-            probe.unlink(missing_ok=True)
-    return path
+    return _writable_dir(path)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
