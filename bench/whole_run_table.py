@@ -20,6 +20,7 @@ import re
 import statistics
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 
 def _p90(xs: list[float]) -> float:
@@ -98,23 +99,34 @@ def waits(runs: Path, first: int, last: int) -> str:
     return "\n".join(lines)
 
 
-def host(runs: Path, first: int, last: int) -> str:
-    """Each rank's host counters per step (``--host-stats``, ``<run>-host/rank-N.json``), pooled over
-    the rounds of a layout and mode: step time, the training thread's CPU, the process's CPU (every
-    thread) and the training thread's voluntary (it blocked) and involuntary (its CPU was taken)
-    context switches."""
-    keys = ("seconds", "thread_cpu_s", "process_cpu_s", "voluntary", "involuntary")
-    timed = keys[:3]  # seconds, printed as milliseconds
-    rows: dict[tuple[str, str, int], dict[str, list[float]]] = defaultdict(lambda: {k: [] for k in keys})
+HostRun = tuple[str, str, str, list[dict[str, Any]]]  # run name, layout, mode, its ranks' counters
+
+
+def _host_runs(runs: Path, last: int) -> list[HostRun]:
+    """(run, layout, mode, its ranks' counters) of every run with ``--host-stats`` (``<run>-host/rank-N.json``)
+    whose ranks all wrote at least ``last`` steps of counters (those that did not are left out)."""
+    out = []
     for d in sorted(runs.glob("*-host")):
         m = re.match(r"(.+)-r(\d+)-(on|off)-host$", d.name)
         if not m:
             continue
-        for f in sorted(d.glob("rank-*.json")):
-            data = json.loads(f.read_text())
-            if len(data.get("seconds") or []) < last:
-                continue
-            row = rows[(m.group(1), m.group(3), int(data["rank"]))]
+        ranks = [json.loads(f.read_text()) for f in sorted(d.glob("rank-*.json"))]
+        ranks = [r for r in ranks if len(r.get("seconds") or []) >= last]
+        if ranks:
+            out.append((d.name[:-len("-host")], m.group(1), m.group(3), ranks))
+    return out
+
+
+def host(found: list[HostRun], first: int, last: int) -> str:
+    """Each rank's host counters per step, pooled over the rounds of a layout and mode: step time,
+    the training thread's CPU, the process's CPU (every thread) and the training thread's voluntary
+    (it blocked) and involuntary (its CPU was taken) context switches."""
+    keys = ("seconds", "thread_cpu_s", "process_cpu_s", "voluntary", "involuntary")
+    timed = keys[:3]  # seconds, printed as milliseconds
+    rows: dict[tuple[str, str, int], dict[str, list[float]]] = defaultdict(lambda: {k: [] for k in keys})
+    for _, layout, mode, ranks in found:
+        for data in ranks:
+            row = rows[(layout, mode, int(data["rank"]))]
             for k in keys:
                 row[k] += (data.get(k) or [])[first:last]
     if not rows:
@@ -130,23 +142,22 @@ def host(runs: Path, first: int, last: int) -> str:
 PASS_SWITCHES = 30  # a step in which a rank's training thread blocked this often held a writer pass (unrecorded: 5-22)
 
 
-def pass_steps(runs: Path, first: int, last: int) -> str:
+def _mean_ms(seconds: list[float], steps: list[int]) -> str:
+    return f"{statistics.fmean(seconds[s] for s in steps) * 1e3:.1f}" if steps else "-"
+
+
+def pass_steps(found: list[HostRun], first: int, last: int) -> str:
     """Per recorded run: rank 0's mean step time over the steps in which some rank's training thread
     switched PASS_SWITCHES times or more (its writer made a pass then) and over the others."""
     lines = ["| run | steps holding a pass | their mean ms | the other steps | their mean ms |", "|---|---|---|---|---|"]
-    for d in sorted(runs.glob("*-on-host")):
-        ranks = [json.loads(f.read_text()) for f in sorted(d.glob("rank-*.json"))]
+    for name, _, mode, ranks in found:
         ranks = [r for r in ranks if len(r.get("voluntary") or []) >= last]
-        if not ranks:
+        if mode != "on" or not ranks:
             continue
-        steps = range(first, last)
-        held = [s for s in steps if any(r["voluntary"][s] >= PASS_SWITCHES for r in ranks)]
-        other = [s for s in steps if s not in held]
+        held = [s for s in range(first, last) if any(r["voluntary"][s] >= PASS_SWITCHES for r in ranks)]
+        other = [s for s in range(first, last) if s not in held]
         rank0 = next((r for r in ranks if r["rank"] == 0), ranks[0])["seconds"]
-
-        def mean(ss: list[int], step_s: list[float] = rank0) -> str:
-            return f"{statistics.fmean(step_s[s] for s in ss) * 1e3:.1f}" if ss else "-"
-        lines.append(f"| {d.name[:-5]} | {len(held)} | {mean(held)} | {len(other)} | {mean(other)} |")
+        lines.append(f"| {name} | {len(held)} | {_mean_ms(rank0, held)} | {len(other)} | {_mean_ms(rank0, other)} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -162,11 +173,12 @@ def main() -> None:
     if wait:
         print("\nrank 0's wait for its device per step (the host at most a step ahead)")
         print(wait)
-    counters = host(args.runs, args.first, args.last)
+    found = _host_runs(args.runs, args.last)
+    counters = host(found, args.first, args.last)
     if counters:
         print("\neach rank's host per step (--host-stats): its training thread's CPU and context switches")
         print(counters)
-    passes = pass_steps(args.runs, args.first, args.last)
+    passes = pass_steps(found, args.first, args.last)
     if passes:
         print(f"\nrank 0's step time, steps where some rank's training thread switched {PASS_SWITCHES}+ times "
               "(its writer's pass) and the others")
