@@ -111,6 +111,7 @@ class Collector:
         self._comm_specs: dict[Any, tuple[str, str, Any, str, str, bool]] = {}
         self._sample_mbs = frozenset(config.comm_sample_microbatches)
         self._sample_every = config.comm_sample_every
+        self._sample_calls = config.comm_sample_calls
         self._sampled_calls: dict[str, int] = {}  # group -> calls this step, where comm_sample_kinds applies
         self._groups: dict[str, Group] = {}
         self._groups_by_pg: dict[Any, Group] = {}
@@ -496,10 +497,13 @@ class Collector:
             kind_s, op_s, record_on, label, name, sampled = spec
             timed = True
             if sampled:
-                self._sampled_calls[group] = self._sampled_calls.get(group, 0) + 1
+                index = self._sampled_calls.get(group, 0)
+                self._sampled_calls[group] = index + 1
                 mb = self._microbatch
                 if mb is None:
-                    timed = True
+                    # A step-level call: all timed, or one in comm_sample_calls by its place in the
+                    # step, the same calls on every member of the group.
+                    timed = not self._sample_calls or (index - (self._step or 0)) % self._sample_calls == 0
                 elif self._sample_every:
                     timed = (mb - (self._step or 0)) % self._sample_every == 0
                 else:

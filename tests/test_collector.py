@@ -317,6 +317,45 @@ def test_sampled_calls_rotate_over_the_microbatches_step_by_step(tmp_path: Path)
         CollectorConfig(run_dir=Path("r"), comm_sample_every=-1)
 
 
+def test_step_level_calls_of_sampled_kinds_are_timed_one_in_n_by_their_place_in_the_step(tmp_path: Path) -> None:
+    """comm_sample_calls=N: a step-level call on a sampled group is timed where (its place among
+    the group's calls of the step - step) % N == 0, so each place is timed once in N steps; the
+    untimed calls keep both markers and are counted in collector_calls; other kinds are all timed."""
+    from megascope.schema import COLLECTOR_CALLS_METRIC
+
+    run = tmp_path / "run"
+    col = _collector(run, comm_sample_kinds=("dp",), comm_sample_calls=3)
+    for step in range(3):
+        with col.step(step):
+            with col.span("backward", kind=SpanKind.BACKWARD, microbatch=1), col.step_level():
+                for _ in range(4):  # the gradient sync's buckets, launched from the last backward
+                    handle = col.comm_begin(op="reduce_scatter", group="dp:0", bytes=64)
+                    handle.waiting()
+                    handle.end()
+            with col.comm(op="all_gather", group="dp:0", bytes=64):  # outside any micro-batch
+                pass
+            with col.comm(op="all_reduce", group="world", bytes=8):
+                pass
+    col.close()
+    con = open_run(run).con
+    timed = con.sql("""SELECT step, seq - 5 * step AS place, op, microbatch FROM spans WHERE "group" = 'dp:0'
+                       ORDER BY step, seq""").fetchall()
+    assert timed == [(0, 0, "reduce_scatter", None), (0, 3, "reduce_scatter", None),
+                     (1, 1, "reduce_scatter", None), (1, 4, "all_gather", None),
+                     (2, 2, "reduce_scatter", None)]
+    waits = con.sql("SELECT step, count(*) FROM spans WHERE name = 'dp.reduce_scatter:wait' GROUP BY step ORDER BY step")
+    assert waits.fetchall() == [(0, 2), (1, 1), (2, 1)]
+    assert con.sql("SELECT count(*) FROM spans WHERE \"group\" = 'world'").fetchall() == [(3,)]
+    markers = con.sql("""SELECT state, count(*) FROM markers WHERE "group" = 'dp:0' GROUP BY state ORDER BY state""")
+    assert markers.fetchall() == [("completed", 15), ("enqueued", 15)]
+    calls = con.sql(f"SELECT step, value FROM metrics WHERE name = '{COLLECTOR_CALLS_METRIC}dp:0' ORDER BY step")
+    assert calls.fetchall() == [(0, 5.0), (1, 5.0), (2, 5.0)]
+    assert col.stats["untimed_calls"] == 10
+    with pytest.raises(ConfigError, match="comm_sample_calls"):
+        CollectorConfig(run_dir=Path("r"), comm_sample_calls=-1)
+    assert CollectorConfig(run_dir=Path("r")).with_env({"MEGASCOPE_COMM_SAMPLE_CALLS": "4"}).comm_sample_calls == 4
+
+
 def test_comm_sample_kinds_from_the_environment_and_checked() -> None:
     cfg = CollectorConfig(run_dir=Path("r"))
     assert cfg.with_env({"MEGASCOPE_COMM_SAMPLE": "tp, dp"}).comm_sample_kinds == ("tp", "dp")

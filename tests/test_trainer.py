@@ -46,6 +46,7 @@ def _stage(cfg: ModelConfig, seed: int = 0) -> GPTStage:
         ({"world_size": 2, "faults": parse_injects(["hang:rank=1,step=9"]), "steps": 5}, "past the last step"),
         ({"world_size": 2, "faults": parse_injects(["skew:rank=2,ms=5"])}, "outside a job of 2 ranks"),
         ({"world_size": 1, "tp_comm_spans": "some"}, "unknown --tp-comm-spans 'some'"),
+        ({"world_size": 1, "dp_comm_spans": "first"}, "unknown --dp-comm-spans 'first'"),
     ],
 )
 def test_bad_configs_are_rejected_with_the_reason(tmp_path: Path, kwargs: dict, message: str) -> None:
@@ -281,6 +282,18 @@ def test_tp_calls_are_sampled_where_timing_events_cost_device_time(tmp_path: Pat
     cfg = TrainConfig(out=tmp_path, model=TINY, world_size=1, tp_comm_spans=setting)
     assert (cfg.tp_comm_spans_on("cuda"), cfg.tp_comm_spans_on("cpu")) == (cuda, cpu)
     assert (cfg.sampled_tp("cuda"), cfg.sampled_tp("cpu")) == (cuda != "all", cpu != "all")
+
+
+@pytest.mark.parametrize(("tp", "dp", "cuda", "cpu"), [
+    ("auto", "auto", (("tp",), 4, 0), ((), 0, 0)),
+    ("all", "rotate", (("dp",), 0, 4), (("dp",), 0, 4)),
+    ("rotate", "rotate", (("tp", "dp"), 4, 4), (("tp", "dp"), 4, 4)),
+    ("first", "all", (("tp",), 0, 0), (("tp",), 0, 0)),
+])
+def test_the_collectors_sampling_follows_the_tp_and_dp_span_settings(tmp_path: Path, tp: str, dp: str,
+                                                                   cuda: tuple, cpu: tuple) -> None:
+    cfg = TrainConfig(out=tmp_path, model=TINY, world_size=1, micro_batches=4, tp_comm_spans=tp, dp_comm_spans=dp)
+    assert (cfg.sampled_comm("cuda"), cfg.sampled_comm("cpu")) == (cuda, cpu)
 
 
 def test_the_launcher_calls_a_job_stalled_past_the_limit_or_four_of_its_longest_gaps(tmp_path: Path) -> None:

@@ -330,6 +330,35 @@ def test_overlap_is_what_the_exposed_comm_analysis_sees(tmp_path: Path, referenc
     assert on["overlapped_ns"] > 1_000_000 and on["overlapped_ns"] / on["comm_ns"] > 0.05
 
 
+def test_dp_calls_timed_one_in_four_keep_every_marker_and_still_find_the_straggler(tmp_path: Path) -> None:
+    """--dp-comm-spans rotate: the gradient sync's reduce-scatters and the parameters' all-gathers
+    (a dozen buckets here) get spans one in four, by their place in the step, the same calls on
+    every rank; every call keeps both markers, the calls metric counts them all, and the planted
+    straggler is still named first, cause compute."""
+    from megascope.analysis import stragglers
+
+    rank = 2
+    cfg = _cfg(tmp_path / "run", dp=4, steps=6, global_batch=16, micro_batches=2, bucket_mb=0.01,
+               faults=parse_injects([f"straggler:rank={rank},factor=3"]), dp_comm_spans="rotate")
+    run = open_run(train(cfg, nproc=4).out)
+    assert run.meta.config["dp_comm_spans"] == "rotate"
+    con = run.con
+    (issued, done, timed, with_mb), = con.execute("""SELECT count(*) FILTER (WHERE m.state = 'enqueued'),
+        count(*) FILTER (WHERE m.state = 'completed'),
+        (SELECT count(*) FROM spans WHERE "group" LIKE 'dp:%' AND kind = 'collective'),
+        (SELECT count(*) FROM spans WHERE "group" LIKE 'dp:%' AND microbatch IS NOT NULL)
+        FROM markers m WHERE m."group" LIKE 'dp:%'""").fetchall()
+    assert issued == done and issued >= 4 * 6 * 12 and 3 * timed < issued and with_mb == 0
+    calls = con.execute("SELECT sum(value) FROM metrics WHERE name LIKE 'collector_calls:dp:%'").fetchone()[0]
+    assert calls == issued
+    # Every rank timed the same calls: each timed (group, seq) has a span on all four ranks.
+    members = con.execute("""SELECT DISTINCT count(*) FROM spans WHERE "group" LIKE 'dp:%' AND kind = 'collective'
+                             GROUP BY "group", seq""").fetchall()
+    assert members == [(4,)]
+    found = stragglers(run).sort_values("slowdown", ascending=False)
+    assert found["rank"].tolist()[0] == rank and found["cause"].tolist()[0] == "compute"
+
+
 @pytest.mark.parametrize("tp_spans", ["rotate", "first"])
 def test_tp_calls_timed_in_one_microbatch_a_step_still_find_the_straggler(tmp_path: Path, tp_spans: str) -> None:
     """--tp-comm-spans rotate (the default on CUDA) and first: TP calls get spans in one micro-batch a

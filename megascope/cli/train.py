@@ -52,6 +52,10 @@ from megascope.cli.common import inject_option, out_run_option
                    "one each step (rotate); or in the first of each step (the untimed calls keep their "
                    "enqueued/completed markers; on a GPU each span costs the device 2-3 timing events); "
                    "auto: rotate on CUDA, all on CPU.")
+@click.option("--dp-comm-spans", type=click.Choice(["auto", "all", "rotate"]), default="auto", show_default=True,
+              help="Spans of the DP calls (one per gradient bucket): all of them, or one in 4 by their place "
+                   "in the step, a different one each step (rotate; the others keep their markers). "
+                   "auto: all.")
 @click.option("--collector-ab", type=click.IntRange(min=0), default=0, show_default=True,
               help="Measure the collector's cost in this run: it records blocks of this many steps and "
                    "is paused for the blocks between (0: always on; see --result-json).")
@@ -83,7 +87,8 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
           micro_batches: int, layers: int, hidden: int, heads: int, vocab: int, seq_len: int, window: int | None,
           serial_block: bool, no_sequence_parallel: bool, optimizer: str, lr: float, data: Path | None,
           data_dtype: str, collective_timeout: float, device: str, no_overlap: tuple[str, ...], bucket_mb: float,
-          layer_spans: str, no_layer_spans: bool, tp_comm_spans: str, collector_ab: int, gc_interval: int,
+          layer_spans: str, no_layer_spans: bool, tp_comm_spans: str, dp_comm_spans: str, collector_ab: int,
+          gc_interval: int,
           cpu_bind: str, profile_steps: int, nvrx_straggler: bool, host_stats: Path | None, result_json: Path | None, compact_parts: bool, injects: tuple[str, ...], out: Path) -> None:
     """Train the bundled GPT on a TP x PP x DP mesh, fully instrumented, with optional planted faults."""
     from megascope.inject import parse_injects
@@ -97,6 +102,7 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
                       lr=lr, sequence_parallel=not no_sequence_parallel, data=data, data_dtype=data_dtype,
                       faults=parse_injects(injects), collective_timeout_s=collective_timeout, device=device,
                       layer_spans="none" if no_layer_spans else layer_spans, tp_comm_spans=tp_comm_spans,
+                      dp_comm_spans=dp_comm_spans,
                       bucket_mb=bucket_mb,
                       collector_ab=collector_ab, gc_interval=gc_interval, cpu_bind=cpu_bind,
                       profile_steps=profile_steps, nvrx_straggler=nvrx_straggler, host_stats=host_stats,

@@ -24,6 +24,9 @@ from megascope.inject import Faults
 OVERLAP_DIMS = ("tp", "pp", "dp")
 LAYER_SPANS = ("all", "first", "none")
 TP_COMM_SPANS = ("auto", "all", "rotate", "first")
+DP_COMM_SPANS = ("auto", "all", "rotate")
+# --dp-comm-spans rotate: the gradient sync's calls timed one in this many, a different one each step.
+DP_SAMPLE_CALLS = 4
 CPU_BIND = ("node", "slice", "none")
 
 
@@ -112,6 +115,11 @@ class TrainConfig:
     # each. "auto": first on CUDA, where each timing event costs the device ~2 us; all on CPU, where
     # a stamp is a host clock read that costs no more than the untimed call's bookkeeping.
     tp_comm_spans: str = "auto"
+    # Spans of the DP calls (the gradient sync's reduce-scatters, the parameters' all-gathers, one
+    # per bucket): all of them, or one in DP_SAMPLE_CALLS by their place in the step, a different
+    # one each step ("rotate"; the others keep their markers). ~200 calls a step on the ~1.4B
+    # model, three timing events each. "auto": all.
+    dp_comm_spans: str = "auto"
     flush_interval_s: float = 1.0
     # Steps per block of the collector A/B: the collector records blocks of this many steps and is
     # paused for the blocks between (0: always on). What the collector costs, measured in one process.
@@ -187,6 +195,8 @@ class TrainConfig:
             raise ConfigError(f"unknown --layer-spans {self.layer_spans!r} (known: {', '.join(LAYER_SPANS)})")
         if self.tp_comm_spans not in TP_COMM_SPANS:
             raise ConfigError(f"unknown --tp-comm-spans {self.tp_comm_spans!r} (known: {', '.join(TP_COMM_SPANS)})")
+        if self.dp_comm_spans not in DP_COMM_SPANS:
+            raise ConfigError(f"unknown --dp-comm-spans {self.dp_comm_spans!r} (known: {', '.join(DP_COMM_SPANS)})")
         if self.cpu_bind not in CPU_BIND:
             raise ConfigError(f"unknown --cpu-bind {self.cpu_bind!r} (known: {', '.join(CPU_BIND)})")
         if self.gc_interval < 0:
@@ -209,6 +219,19 @@ class TrainConfig:
         if self.tp_comm_spans == "auto":
             return "rotate" if device_type == "cuda" else "all"
         return self.tp_comm_spans
+
+    def dp_comm_spans_on(self, device_type: str) -> str:
+        """Which DP calls get spans on a device of this type: ``all`` or ``rotate`` (one in
+        ``DP_SAMPLE_CALLS``, by their place in the step)."""
+        return "all" if self.dp_comm_spans == "auto" else self.dp_comm_spans
+
+    def sampled_comm(self, device_type: str) -> tuple[tuple[str, ...], int, int]:
+        """The collector's sampling on a device of this type: (group kinds sampled, micro-batch
+        rotation, step-level calls timed one in N)."""
+        kinds = (("tp",) if self.sampled_tp(device_type) else ()) + \
+            (("dp",) if self.dp_comm_spans_on(device_type) == "rotate" else ())
+        every = self.micro_batches if self.tp_comm_spans_on(device_type) == "rotate" else 0
+        return kinds, every, DP_SAMPLE_CALLS if "dp" in kinds else 0
 
     @property
     def micro_batch_size(self) -> int:

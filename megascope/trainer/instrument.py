@@ -32,19 +32,21 @@ HEARTBEAT_S = 5.0
 
 def open_collector(run_dir: Any, *, rank: int, world_size: int, coords: dict[str, int],
                    groups: Sequence[Any], meta: Any, device: torch.device | None,
-                   flush_interval_s: float, sampled_comm: Sequence[str] = (), sample_every: int = 0,
+                   flush_interval_s: float, sampling: tuple[Sequence[str], int, int] = ((), 0, 0),
                    collective_timeout_s: float | None = None) -> Any:
-    """The rank's collector (rank 0 writes ``run.json`` from ``meta``). Communication on groups of
-    the ``sampled_comm`` kinds is timed in one micro-batch in ``sample_every``, rotating with the
-    step (0: in the first micro-batch of each step only). A step still running at half the
-    collective timeout gets every thread's stack dumped, before any abort."""
+    """The rank's collector (rank 0 writes ``run.json`` from ``meta``). ``sampling`` is
+    (kinds, every, calls): communication on groups of these kinds is timed in one micro-batch in
+    ``every``, rotating with the step (0: in the first micro-batch of each step only), and their
+    step-level calls one in ``calls`` (0: all). A step still running at half the collective
+    timeout gets every thread's stack dumped, before any abort."""
     from megascope.collectors import Collector, CollectorConfig
 
+    kinds, every, calls = sampling
     stacks_after = max(1.0, collective_timeout_s / 2) if collective_timeout_s else 300.0
     cfg = CollectorConfig(run_dir=run_dir, flush_interval_s=flush_interval_s,
                           device=device if device is not None and device.type == "cuda" else None,
-                          comm_sample_kinds=tuple(sampled_comm), comm_sample_microbatches=(0,),
-                          comm_sample_every=sample_every,
+                          comm_sample_kinds=tuple(kinds), comm_sample_microbatches=(0,),
+                          comm_sample_every=every, comm_sample_calls=calls,
                           heartbeat_interval_s=HEARTBEAT_S, stacks_after_s=stacks_after)
     return Collector(cfg, rank=rank, world_size=world_size, coords=coords, groups=list(groups), meta=meta)
 

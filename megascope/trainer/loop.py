@@ -105,6 +105,7 @@ def run_meta(cfg: TrainConfig, *, device: torch.device, start_ns: int) -> RunMet
             "overlap": sorted(cfg.overlap), "bucket_mb": cfg.bucket_mb,
             "cpu_bind": cfg.cpu_bind if device.type == "cuda" else "none",
             "layer_spans": cfg.layer_spans, "tp_comm_spans": cfg.tp_comm_spans_on(device.type),
+            "dp_comm_spans": cfg.dp_comm_spans_on(device.type),
             "data": str(cfg.data) if cfg.data else "synthetic",
             "dtype": "bf16-autocast" if device.type == "cuda" else "fp32",
             "profile_steps": cfg.profile_steps, "nvrx_straggler": cfg.nvrx_straggler,
@@ -157,8 +158,7 @@ def _train(cfg: TrainConfig, *, rank: int, device: torch.device, meta: RunMeta |
     ps = ParallelState.build(mesh, rank, timeout=timeout)
     col = open_collector(cfg.out, rank=rank, world_size=cfg.world_size, coords=ps.coords, groups=ps.groups(),
                          meta=meta, device=device, flush_interval_s=cfg.flush_interval_s,
-                         sampled_comm=("tp",) if cfg.sampled_tp(device.type) else (),
-                         sample_every=cfg.micro_batches if cfg.tp_comm_spans_on(device.type) == "rotate" else 0,
+                         sampling=cfg.sampled_comm(device.type),
                          collective_timeout_s=cfg.collective_timeout_s)
     try:
         ps.register(col)

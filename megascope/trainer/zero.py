@@ -247,12 +247,15 @@ class ShardedOptimizer:
         self._armed = True
 
     def _launch(self, buf: FlatBuffer, bucket: _Bucket) -> None:
-        if self.sync_tp and bucket.replicated:
-            assert self.comm is not None
-            parts = [buf.grad_flat[s:e] for s, e in bucket.replicated]
-            # Once a step, though launched from the last micro-batch's backward: a step-level call,
-            # timed even where the TP calls of its micro-batch are not (--tp-comm-spans rotate/first).
-            with self.comm.col.step_level():
+        if not (self.sync_tp and bucket.replicated) and self.dp.size == 1:
+            return
+        assert self.comm is not None
+        # Once a step, though launched from the last micro-batch's backward: step-level calls, timed
+        # where the TP calls of that micro-batch are not (--tp-comm-spans rotate/first), or one in
+        # N by their place in the step (--dp-comm-spans rotate).
+        with self.comm.col.step_level():
+            if self.sync_tp and bucket.replicated:
+                parts = [buf.grad_flat[s:e] for s, e in bucket.replicated]
                 if len(parts) == 1:
                     self.comm.all_reduce(parts[0], self.tp.pg)
                 else:
@@ -260,13 +263,14 @@ class ShardedOptimizer:
                     # all-reduce costs its launch and latency whatever its size.
                     packed = self.comm.all_reduce(torch.cat(parts), self.tp.pg)
                     torch._foreach_copy_(parts, list(packed.split([p.numel() for p in parts])))
-        if self.dp.size > 1:
-            assert self.comm is not None
-            # Into this bucket's slice of the reduced-gradient shard: a separate buffer (an output
-            # aliasing the input is not something gloo promises to handle), and no concatenation later.
-            chunk = bucket.size // self.dp.size
-            out = self.grad_shards[self.buffers.index(buf)][bucket.shard_start:bucket.shard_start + chunk]
-            bucket.work = self.comm.reduce_scatter_async(out, buf.grad_flat[bucket.start:bucket.end], self.dp.pg)
+            if self.dp.size > 1:
+                # Into this bucket's slice of the reduced-gradient shard: a separate buffer (an output
+                # aliasing the input is not something gloo promises to handle), and no concatenation
+                # later.
+                chunk = bucket.size // self.dp.size
+                out = self.grad_shards[self.buffers.index(buf)][bucket.shard_start:bucket.shard_start + chunk]
+                bucket.work = self.comm.reduce_scatter_async(out, buf.grad_flat[bucket.start:bucket.end],
+                                                             self.dp.pg)
 
     def _finish_sync(self) -> list[torch.Tensor]:
         """Wait for every bucket; return each buffer's reduced gradient shard."""
