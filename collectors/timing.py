@@ -311,7 +311,11 @@ def resolve_device(device: Any) -> Any:
     import torch
 
     if device is not None:
-        return torch.device(device)
+        chosen = torch.device(device)
+        if chosen.type == "cuda" and chosen.index is None:
+            # "cuda" alone is CUDA's current device, as torch itself reads it.
+            chosen = torch.device("cuda", torch.cuda.current_device())
+        return chosen
     if torch.cuda.is_available():
         local = os.environ.get("LOCAL_RANK", "")
         if not torch.cuda.is_initialized() and local.isdigit():

@@ -481,6 +481,11 @@ def test_a_collector_made_before_set_device_takes_the_local_rank_s_gpu(monkeypat
     monkeypatch.delenv("LOCAL_RANK")
     assert resolve_device(None) == torch.device("cuda", 0)
     assert resolve_device("cpu") == torch.device("cpu")
+    # "cuda" without an index is CUDA's current device, so the collector's check of the job's
+    # device compares two numbers (it once warned, with a formatting error, on device="cuda").
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert resolve_device("cuda") == torch.device("cuda", 1)
+    assert resolve_device(torch.device("cuda", 0)) == torch.device("cuda", 0)
 
 
 @pytest.mark.gpu
