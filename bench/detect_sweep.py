@@ -28,6 +28,7 @@ import datetime
 import json
 import os
 import random
+import shlex
 import signal
 import subprocess
 import sys
@@ -97,7 +98,7 @@ def mesh_model_args(tp: int, pp: int, dp: int, *, gpu: bool) -> list[str]:
 
 
 def launch(r: dict[str, Any], out: Path, *, gpu: bool, steps: int, profile: int | None,
-           nvrx: bool = False) -> dict[str, Any]:
+           nvrx: bool = False, train_args: tuple[str, ...] = ()) -> dict[str, Any]:
     tp, pp, dp = r["mesh"]
     cmd = [sys.executable, "-c", "from megascope.cli import main; main()", "train", "--nproc", str(tp * pp * dp), "--tp", str(tp),
            "--pp", str(pp), "--dp", str(dp), "--steps", str(steps), "--seed", str(abs(hash(r["name"])) % 1000),
@@ -109,6 +110,7 @@ def launch(r: dict[str, Any], out: Path, *, gpu: bool, steps: int, profile: int 
         cmd += ["--profile", str(profile)]
     if nvrx:
         cmd += ["--nvrx-straggler"]
+    cmd += train_args
     load = os.getloadavg()[0]
     busy0, kids0 = _busy_cpu_s(), _children_cpu_s()
     t0 = time.perf_counter()
@@ -429,6 +431,8 @@ def main() -> int:
                              "--drop-traces, then delete each run's profiler traces)")
     parser.add_argument("--drop-traces", action="store_true", help="with --peers-only: see there")
     parser.add_argument("--limit", type=int, default=0, help="only the first N runs (a quick look)")
+    parser.add_argument("--train-args", default="", metavar="ARGS",
+                        help="more arguments for every run's megascope train, e.g. '--dp-comm-spans rotate'")
     parser.add_argument("--mesh", action="append", default=[], metavar="TPxPPxDP",
                         help="only these meshes (repeatable), e.g. 2x2x2")
     parser.add_argument("--only", action="append", default=[], choices=("straggler", "skew", "hang", "healthy"),
@@ -473,7 +477,7 @@ def main() -> int:
         rec.update(r)
         if not args.score_only and r["name"] not in done:
             rec.update(launch(r, args.out, gpu=args.gpu, steps=args.steps, profile=args.profile if args.hta else None,
-                              nvrx=args.nvrx))
+                              nvrx=args.nvrx, train_args=tuple(shlex.split(args.train_args))))
             with log.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
         if "load" not in rec or args.no_score:

@@ -44,7 +44,7 @@ import weakref
 from typing import Any
 
 from megascope.collectors.buffers import rows_to_table
-from megascope.collectors.config import CollectorConfig
+from megascope.collectors.config import SAMPLED_CALLS_MIN_TIMED, CollectorConfig
 from megascope.collectors.contexts import NOOP, CommHandle, SpanContext, StepContext, StepLevel
 from megascope.collectors.evidence import AgentLink, StackWatch, enable_nccl_flight_recorder
 from megascope.collectors.runid import RunId, new_run_id, resolve_run_id
@@ -113,6 +113,9 @@ class Collector:
         self._sample_every = config.comm_sample_every
         self._sample_calls = config.comm_sample_calls
         self._sampled_calls: dict[str, int] = {}  # group -> calls this step, where comm_sample_kinds applies
+        # group -> its step-level calls this step, and in the step before (comm_sample_calls).
+        self._step_calls: dict[str, int] = {}
+        self._prev_step_calls: dict[str, int] = {}
         self._groups: dict[str, Group] = {}
         self._groups_by_pg: dict[Any, Group] = {}
         self._groups_by_name: dict[str, Group] = {}  # torch group_name -> Group (flight recorder)
@@ -497,13 +500,19 @@ class Collector:
             kind_s, op_s, record_on, label, name, sampled = spec
             timed = True
             if sampled:
-                index = self._sampled_calls.get(group, 0)
-                self._sampled_calls[group] = index + 1
+                self._sampled_calls[group] = self._sampled_calls.get(group, 0) + 1
                 mb = self._microbatch
                 if mb is None:
                     # A step-level call: all timed, or one in comm_sample_calls by its place in the
-                    # step, the same calls on every member of the group.
-                    timed = not self._sample_calls or (index - (self._step or 0)) % self._sample_calls == 0
+                    # step once the group issued enough of them the step before: the same calls on
+                    # every member of the group (they issue the same calls).
+                    timed = True
+                    every = self._sample_calls
+                    if every:
+                        index = self._step_calls.get(group, 0)
+                        self._step_calls[group] = index + 1
+                        if self._prev_step_calls.get(group, 0) >= every * SAMPLED_CALLS_MIN_TIMED:
+                            timed = (index - (self._step or 0)) % every == 0
                 elif self._sample_every:
                     timed = (mb - (self._step or 0)) % self._sample_every == 0
                 else:

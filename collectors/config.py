@@ -64,6 +64,11 @@ def _env_number(name: str, raw: str, kind: type) -> Any:
         raise ConfigError(f"{name}={raw!r}: expected a{'n integer' if kind is int else ' number'}") from None
 
 
+# comm_sample_calls samples a group's step-level calls only where it keeps at least this many
+# timed a step.
+SAMPLED_CALLS_MIN_TIMED = 8
+
+
 @dataclass(frozen=True, kw_only=True)
 class CollectorConfig:
     """Settings of one rank's collector.
@@ -138,10 +143,12 @@ class CollectorConfig:
     comm_sample_every: int = 0
     # Calls of the sampled kinds made outside a micro-batch (or under step_level()) are all timed
     # by default. With comm_sample_calls = N > 0 they are timed one in N instead, by their place
-    # among the group's calls of the step: call i of step s where (i - s) % N == 0, a different
-    # one each step. For a gradient sync issued in buckets (the bundled trainer's ZeRO issues ~100
-    # reduce-scatters and ~100 all-gathers a step on a 1.4B model): every member times the same
-    # calls, so arrivals still compare, and the untimed ones keep their markers.
+    # among the group's step-level calls of the step: call i of step s where (i - s) % N == 0, a
+    # different one each step, once the group issued at least N x SAMPLED_CALLS_MIN_TIMED of them
+    # in the step before (fewer: all timed, so every step keeps some). For a gradient sync issued
+    # in buckets (the bundled trainer's ZeRO issues ~100 reduce-scatters and ~100 all-gathers a
+    # step on a 1.4B model): every member times the same calls, so arrivals still compare, and
+    # the untimed ones keep their markers.
     comm_sample_calls: int = 0
     # Markers go through a shared-memory ring to a small process per rank that writes them
     # (megascope.collectors.agent), so the hang trail reaches the disk while the rank is blocked

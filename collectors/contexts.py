@@ -140,6 +140,7 @@ class StepContext(SpanContext):
             col._internal_error("anchor refresh")
         self._stamps = col._timer.stamps
         col._sampled_calls.clear()
+        col._prev_step_calls, col._step_calls = col._step_calls, {}
         if col._stacks is not None:
             try:
                 col._stacks.arm(self.step, threading.get_ident())

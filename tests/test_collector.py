@@ -319,38 +319,47 @@ def test_sampled_calls_rotate_over_the_microbatches_step_by_step(tmp_path: Path)
 
 def test_step_level_calls_of_sampled_kinds_are_timed_one_in_n_by_their_place_in_the_step(tmp_path: Path) -> None:
     """comm_sample_calls=N: a step-level call on a sampled group is timed where (its place among
-    the group's calls of the step - step) % N == 0, so each place is timed once in N steps; the
-    untimed calls keep both markers and are counted in collector_calls; other kinds are all timed."""
+    the group's step-level calls of the step - step) % N == 0, once the group issued at least
+    N x SAMPLED_CALLS_MIN_TIMED of them the step before; a group issuing fewer (and every group in
+    the first step) is timed in full. The untimed calls keep both markers and are counted in
+    collector_calls; other kinds are all timed."""
+    from megascope.collectors.config import SAMPLED_CALLS_MIN_TIMED
+
     from megascope.schema import COLLECTOR_CALLS_METRIC
 
+    every, buckets = 3, 3 * SAMPLED_CALLS_MIN_TIMED  # the bucket reduce-scatters, then one all-gather
     run = tmp_path / "run"
-    col = _collector(run, comm_sample_kinds=("dp",), comm_sample_calls=3)
-    for step in range(3):
+    col = _collector(run, comm_sample_kinds=("dp",), comm_sample_calls=every)
+    for step in range(4):
         with col.step(step):
             with col.span("backward", kind=SpanKind.BACKWARD, microbatch=1), col.step_level():
-                for _ in range(4):  # the gradient sync's buckets, launched from the last backward
+                for _ in range(buckets):  # the gradient sync, launched from the last backward
                     handle = col.comm_begin(op="reduce_scatter", group="dp:0", bytes=64)
                     handle.waiting()
                     handle.end()
             with col.comm(op="all_gather", group="dp:0", bytes=64):  # outside any micro-batch
                 pass
+            for _ in range(2):  # a small group: under the minimum, always timed
+                with col.comm(op="all_reduce", group="dp:1", bytes=8):
+                    pass
             with col.comm(op="all_reduce", group="world", bytes=8):
                 pass
     col.close()
     con = open_run(run).con
-    timed = con.sql("""SELECT step, seq - 5 * step AS place, op, microbatch FROM spans WHERE "group" = 'dp:0'
-                       ORDER BY step, seq""").fetchall()
-    assert timed == [(0, 0, "reduce_scatter", None), (0, 3, "reduce_scatter", None),
-                     (1, 1, "reduce_scatter", None), (1, 4, "all_gather", None),
-                     (2, 2, "reduce_scatter", None)]
-    waits = con.sql("SELECT step, count(*) FROM spans WHERE name = 'dp.reduce_scatter:wait' GROUP BY step ORDER BY step")
-    assert waits.fetchall() == [(0, 2), (1, 1), (2, 1)]
-    assert con.sql("SELECT count(*) FROM spans WHERE \"group\" = 'world'").fetchall() == [(3,)]
+    calls = buckets + 1
+    timed = con.sql(f"""SELECT step, list(seq - {calls} * step ORDER BY seq) FROM spans WHERE "group" = 'dp:0'
+                        AND kind = 'collective' GROUP BY step ORDER BY step""").fetchall()
+    assert timed == [(0, list(range(calls)))] + [(s, [i for i in range(calls) if (i - s) % every == 0])
+                                                   for s in range(1, 4)]
+    waits = con.sql("SELECT count(*) FROM spans WHERE name = 'dp.reduce_scatter:wait'").fetchall()
+    assert waits == [(buckets + sum(1 for s in range(1, 4) for i in range(buckets) if (i - s) % every == 0),)]
+    small = con.sql("""SELECT count(*) FROM spans WHERE "group" IN ('dp:1', 'world')""").fetchall()
+    assert small == [(4 * 3,)]
     markers = con.sql("""SELECT state, count(*) FROM markers WHERE "group" = 'dp:0' GROUP BY state ORDER BY state""")
-    assert markers.fetchall() == [("completed", 15), ("enqueued", 15)]
-    calls = con.sql(f"SELECT step, value FROM metrics WHERE name = '{COLLECTOR_CALLS_METRIC}dp:0' ORDER BY step")
-    assert calls.fetchall() == [(0, 5.0), (1, 5.0), (2, 5.0)]
-    assert col.stats["untimed_calls"] == 10
+    assert markers.fetchall() == [("completed", 4 * calls), ("enqueued", 4 * calls)]
+    metric = con.sql(f"SELECT step, value FROM metrics WHERE name = '{COLLECTOR_CALLS_METRIC}dp:0' ORDER BY step")
+    assert metric.fetchall() == [(s, float(calls)) for s in range(4)]
+    assert col.stats["untimed_calls"] == 4 * calls - len([1 for _, seqs in timed for _ in seqs])
     with pytest.raises(ConfigError, match="comm_sample_calls"):
         CollectorConfig(run_dir=Path("r"), comm_sample_calls=-1)
     assert CollectorConfig(run_dir=Path("r")).with_env({"MEGASCOPE_COMM_SAMPLE_CALLS": "4"}).comm_sample_calls == 4

@@ -285,7 +285,7 @@ def test_tp_calls_are_sampled_where_timing_events_cost_device_time(tmp_path: Pat
 
 
 @pytest.mark.parametrize(("tp", "dp", "cuda", "cpu"), [
-    ("auto", "auto", (("tp",), 4, 0), ((), 0, 0)),
+    ("auto", "auto", (("tp", "dp"), 4, 4), ((), 0, 0)),
     ("all", "rotate", (("dp",), 0, 4), (("dp",), 0, 4)),
     ("rotate", "rotate", (("tp", "dp"), 4, 4), (("tp", "dp"), 4, 4)),
     ("first", "all", (("tp",), 0, 0), (("tp",), 0, 0)),

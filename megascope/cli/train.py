@@ -54,8 +54,8 @@ from megascope.cli.common import inject_option, out_run_option
                    "auto: rotate on CUDA, all on CPU.")
 @click.option("--dp-comm-spans", type=click.Choice(["auto", "all", "rotate"]), default="auto", show_default=True,
               help="Spans of the DP calls (one per gradient bucket): all of them, or one in 4 by their place "
-                   "in the step, a different one each step (rotate; the others keep their markers). "
-                   "auto: all.")
+                   "in the step, a different one each step (rotate; the others keep their markers; a group "
+                   "issuing fewer than 32 a step keeps all); auto: rotate on CUDA, all on CPU.")
 @click.option("--collector-ab", type=click.IntRange(min=0), default=0, show_default=True,
               help="Measure the collector's cost in this run: it records blocks of this many steps and "
                    "is paused for the blocks between (0: always on; see --result-json).")

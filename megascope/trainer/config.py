@@ -117,8 +117,9 @@ class TrainConfig:
     tp_comm_spans: str = "auto"
     # Spans of the DP calls (the gradient sync's reduce-scatters, the parameters' all-gathers, one
     # per bucket): all of them, or one in DP_SAMPLE_CALLS by their place in the step, a different
-    # one each step ("rotate"; the others keep their markers). ~200 calls a step on the ~1.4B
-    # model, three timing events each. "auto": all.
+    # one each step ("rotate"; the others keep their markers; a DP group issuing fewer than 32 a
+    # step keeps all). ~200 calls a step on the ~1.4B model, three timing events each. "auto":
+    # rotate on CUDA, all on CPU, as for the TP calls.
     dp_comm_spans: str = "auto"
     flush_interval_s: float = 1.0
     # Steps per block of the collector A/B: the collector records blocks of this many steps and is
@@ -222,8 +223,10 @@ class TrainConfig:
 
     def dp_comm_spans_on(self, device_type: str) -> str:
         """Which DP calls get spans on a device of this type: ``all`` or ``rotate`` (one in
-        ``DP_SAMPLE_CALLS``, by their place in the step)."""
-        return "all" if self.dp_comm_spans == "auto" else self.dp_comm_spans
+        ``DP_SAMPLE_CALLS``, by their place in the step: the default on CUDA)."""
+        if self.dp_comm_spans == "auto":
+            return "rotate" if device_type == "cuda" else "all"
+        return self.dp_comm_spans
 
     def sampled_comm(self, device_type: str) -> tuple[tuple[str, ...], int, int]:
         """The collector's sampling on a device of this type: (group kinds sampled, micro-batch
