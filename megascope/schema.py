@@ -186,6 +186,11 @@ COLLECTOR_STAMPS_METRIC = "collector_stamps"
 # collector times in some micro-batches only (CollectorConfig.comm_sample_kinds): the calls issued on
 # it in the step, timed or not. The analysis counts the timed ones' waits for all of them.
 COLLECTOR_CALLS_METRIC = "collector_calls:"
+# ``collector_step_calls:<group>``: beside it, where the group's step-level calls were timed one in
+# N (CollectorConfig.comm_sample_calls): how many step-level calls it issued in the step. Such calls
+# (a gradient sync's buckets) overlap and their waits do not add up: the analysis scales their wait,
+# never the extent that bounds it.
+COLLECTOR_STEP_CALLS_METRIC = "collector_step_calls:"
 # A ``metrics`` row per rank every CollectorConfig.host_probe_every steps: nanoseconds the training
 # thread took for HOST_PROBE_LOOPS iterations of a fixed pure-Python loop at the step's end. The same
 # work everywhere, so it says how fast the CPU under that thread was then: a host-bound rank on a

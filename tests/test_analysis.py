@@ -551,3 +551,32 @@ def test_gc_pauses_inside_steps_per_rank(tmp_path: Path, cli: Callable[..., Resu
     out = cli("report", str(tmp_path / "run"), "--no-whatif", "-q")
     assert out.exit_code == 0, out.output
     assert "GC PAUSES inside steps: 2 of 3 ranks, 47.0 ms in all; longest: rank 1, 42.0 ms over 2 steps" in out.output
+
+
+@pytest.mark.parametrize(("step_level", "wait_ms"), [(True, 14), (False, 40)])
+def test_sampled_calls_scale_their_wait_and_the_bound_only_for_whole_microbatches(tmp_path: Path, step_level: bool,
+                                                                                wait_ms: int) -> None:
+    """Eight overlapping asynchronous calls in a step (10 ms each, 1 ms apart), rank 1 5 ms late at
+    each; the collector timed calls 0 and 4 and counted 8 (collector_calls). Timed one in N among
+    step-level calls (collector_step_calls, a gradient sync's buckets), rank 0's wait is the timed
+    waits scaled (2 x 5 ms x 4) bounded by the timed spans' extent, 14 ms; timed in one micro-batch
+    of four instead, the bound is scaled with the wait: min(10, 14) x 4 = 40 ms."""
+    spans, metrics = [], []
+    for r in range(2):
+        spans.append(span(r, 0, "step", 0, 100 * MS))
+        for i in (0, 4):
+            arrive = i * MS + (5 * MS if r == 1 else 0)
+            spans.append(span(r, 0, "collective", arrive, 10 * MS - (arrive - i * MS), group="dp:0", seq=i))
+        metrics.append({"rank": r, "step": 0, "name": f"{schema.COLLECTOR_CALLS_METRIC}dp:0", "value": 8.0,
+                        "time_ns": None})
+        if step_level:
+            metrics.append({"rank": r, "step": 0, "name": f"{schema.COLLECTOR_STEP_CALLS_METRIC}dp:0", "value": 8.0,
+                            "time_ns": None})
+    run_dir = hand_run(tmp_path / "run", spans, [], world=2, hosts=("h0", "h0"))
+    for r in range(2):
+        layout.write_part(run_dir, "metrics", pa.Table.from_pylist([m for m in metrics if m["rank"] == r],
+                                                                   schema=schema.METRICS), rank=r)
+    con = open_run(run_dir).con
+    prepare(con)
+    waits = dict(con.execute("SELECT rank, wait_ns FROM ms_cache.rank_step").fetchall())
+    assert waits == {0: wait_ms * MS, 1: 0}

@@ -336,6 +336,7 @@ def test_dp_calls_timed_one_in_four_keep_every_marker_and_still_find_the_straggl
     the step, the same calls on every rank; every call keeps both markers, the calls metric counts
     them all, and the planted straggler is still named first, cause compute."""
     from megascope.analysis import stragglers
+    from megascope.analysis.base import prepare
 
     rank = 2
     cfg = _cfg(tmp_path / "run", dp=4, steps=6, global_batch=16, micro_batches=2, bucket_mb=0.002,
@@ -359,6 +360,15 @@ def test_dp_calls_timed_one_in_four_keep_every_marker_and_still_find_the_straggl
     members = con.execute("""SELECT DISTINCT count(*) FROM spans WHERE "group" LIKE 'dp:%' AND kind = 'collective'
                              GROUP BY "group", seq""").fetchall()
     assert members == [(4,)]
+    # The steps whose DP calls were sampled say so (collector_step_calls), so the analysis scales
+    # the peers' wait in those overlapping buckets without scaling its bound
+    # (test_analysis.py::test_sampled_calls_scale_their_wait_and_the_bound_only_for_whole_microbatches).
+    sampled_steps = [s for (s,) in con.execute("""SELECT DISTINCT step FROM metrics
+                                                  WHERE name LIKE 'collector_step_calls:dp:%' ORDER BY step""").fetchall()]
+    assert sampled_steps == list(range(1, 6))
+    prepare(con)
+    own = dict(con.execute("SELECT rank, median(own_ns) FROM ms_cache.rank_step WHERE step > 0 GROUP BY rank").fetchall())
+    assert own[rank] > 1.4 * max(own[r] for r in range(4) if r != rank)
     found = stragglers(run).sort_values("slowdown", ascending=False)
     assert found["rank"].tolist()[0] == rank and found["cause"].tolist()[0] == "compute"
 

@@ -33,7 +33,7 @@ import numpy as np
 import pandas as pd
 
 from megascope.analysis import _sql, persist
-from megascope.schema import COLLECTOR_CALLS_METRIC
+from megascope.schema import COLLECTOR_CALLS_METRIC, COLLECTOR_STEP_CALLS_METRIC
 
 log = logging.getLogger(__name__)
 
@@ -366,7 +366,9 @@ def _rank_step(con: duckdb.DuckDBPyConnection, params: dict[str, Any], *, where:
 def _rank_step_from(con: duckdb.DuckDBPyConnection, params: dict[str, Any], spans: str, lvl: str, where: str,
                     metrics_where: str) -> None:
     _sql.execute(con, "base", "rank_step", spans=spans, lvl=lvl, calls_prefix=_sql.Raw(COLLECTOR_CALLS_METRIC),
-                 calls_prefix_len=len(COLLECTOR_CALLS_METRIC), where=_sql.Raw(where),
+                 calls_prefix_len=len(COLLECTOR_CALLS_METRIC),
+                 step_calls_prefix=_sql.Raw(COLLECTOR_STEP_CALLS_METRIC),
+                 step_calls_prefix_len=len(COLLECTOR_STEP_CALLS_METRIC), where=_sql.Raw(where),
                  metrics_where=_sql.Raw(metrics_where),
                  peer_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in params["peer_kinds"]) + "]::VARCHAR[]"),
                  nested_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in params["nested_kinds"]) + "]::VARCHAR[]"))

@@ -329,11 +329,21 @@ WITH spans_lvl AS (
 ), sampled AS (
     -- Groups whose calls the collector timed in some micro-batches only: the calls issued per
     -- rank-step (metric collector_calls:<group>). The timed calls' wait and time stand for all.
-    SELECT rank, step, substr(name, {{calls_prefix_len}} + 1) AS grp, max(value) AS calls
-    FROM metrics WHERE starts_with(name, '{{calls_prefix}}') AND step IS NOT NULL AND {{metrics_where}}
+    -- Where it timed the group's step-level calls one in N (metric collector_step_calls:<group>,
+    -- step_calls), those calls overlap (a gradient sync's buckets): their wait is scaled, but not
+    -- the extent that bounds it.
+    SELECT rank, step, grp, max(value) FILTER (WHERE NOT step_level) AS calls,
+           max(value) FILTER (WHERE step_level) AS step_calls
+    FROM (SELECT rank, step, value, starts_with(name, '{{step_calls_prefix}}') AS step_level,
+                 CASE WHEN starts_with(name, '{{step_calls_prefix}}') THEN substr(name, {{step_calls_prefix_len}} + 1)
+                      ELSE substr(name, {{calls_prefix_len}} + 1) END AS grp
+          FROM metrics
+          WHERE (starts_with(name, '{{calls_prefix}}') OR starts_with(name, '{{step_calls_prefix}}'))
+            AND step IS NOT NULL AND {{metrics_where}})
     GROUP BY ALL
 ), lvl_s AS (
-    SELECT l.*, CASE WHEN sm.calls > l.coll_spans AND l.coll_spans > 0 THEN sm.calls / l.coll_spans ELSE 1.0 END AS scale
+    SELECT l.*, CASE WHEN sm.calls > l.coll_spans AND l.coll_spans > 0 THEN sm.calls / l.coll_spans ELSE 1.0 END AS scale,
+           coalesce(sm.step_calls > 0, false) AS calls_sampled
     FROM lvl l LEFT JOIN sampled sm ON sm.rank = l.rank AND sm.step = l.step AND sm.grp = l.grp
 ), waited AS (
     SELECT l.* REPLACE ((l.coll_ns * l.scale)::BIGINT AS coll_ns),
@@ -344,12 +354,17 @@ WITH spans_lvl AS (
            -- arrival), no join back to the spans needed. Bounded by the extent of those spans:
            -- asynchronous buckets overlap each other and must not count their wait twice.
            -- Unknown membership (it missed instances of the group): the whole duration.
-           -- Calls left untimed (sampled): counted at the timed ones' mean (scale).
+           -- Calls left untimed (sampled): counted at the timed ones' mean (scale); the bound
+           -- scaled with them where whole micro-batches were left untimed, not where one
+           -- step-level call in N was timed (calls_sampled: the timed ones span the whole sync).
            (CASE WHEN l.grp IS NULL THEN 0
+                 WHEN p.all_instances = l.coll_spans AND l.calls_sampled
+                 THEN least((p.last_arrival_sum - l.arrival_sum - l.coll_spans * coalesce(k.offset_ns, 0)) * l.scale,
+                            l.last_raw - l.first_raw)
                  WHEN p.all_instances = l.coll_spans
                  THEN least((p.last_arrival_sum - l.arrival_sum - l.coll_spans * coalesce(k.offset_ns, 0))::BIGINT,
-                            l.last_raw - l.first_raw)
-                 ELSE l.coll_ns END * l.scale)::BIGINT AS coll_wait
+                            l.last_raw - l.first_raw) * l.scale
+                 ELSE l.coll_ns * l.scale END)::BIGINT AS coll_wait
     FROM lvl_s l
     LEFT JOIN ms_cache.rank_clock k USING (rank)
     LEFT JOIN per_group p ON p.grp = l.grp AND p.step = l.step
