@@ -64,7 +64,12 @@ def _literal(name: str, value: object) -> str:
     if isinstance(value, str) and _IDENT.match(value):
         return value
     if isinstance(value, list | tuple) and all(isinstance(v, int) for v in value):
-        return "[" + ", ".join(str(int(v)) for v in value) + "]::BIGINT[]"
+        # Typed as narrow as the values allow: steps and ranks are INTEGER columns, and DuckDB
+        # pushes list_contains(INTEGER[], step) into the Parquet scan (row groups skipped by their
+        # step range) where a BIGINT[] list, needing a cast of the column, becomes a join over
+        # every row read.
+        narrow = all(-2**31 <= int(v) < 2**31 for v in value)
+        return "[" + ", ".join(str(int(v)) for v in value) + ("]::INTEGER[]" if narrow else "]::BIGINT[]")
     raise ValueError(f"SQL placeholder {name}: unsupported value {value!r}")
 
 
