@@ -112,6 +112,8 @@ class Collector:
         self._sample_mbs = frozenset(config.comm_sample_microbatches)
         self._sample_every = config.comm_sample_every
         self._sample_calls = config.comm_sample_calls
+        # A group's step-level calls are sampled once it issued this many the step before.
+        self._sample_calls_floor = config.comm_sample_calls * SAMPLED_CALLS_MIN_TIMED
         self._sampled_calls: dict[str, int] = {}  # group -> calls this step, where comm_sample_kinds applies
         # group -> its step-level calls this step, and in the step before (comm_sample_calls).
         self._step_calls: dict[str, int] = {}
@@ -511,7 +513,7 @@ class Collector:
                     if every:
                         index = self._step_calls.get(group, 0)
                         self._step_calls[group] = index + 1
-                        if self._prev_step_calls.get(group, 0) >= every * SAMPLED_CALLS_MIN_TIMED:
+                        if self._prev_step_calls.get(group, 0) >= self._sample_calls_floor:
                             timed = (index - (self._step or 0)) % every == 0
                 elif self._sample_every:
                     timed = (mb - (self._step or 0)) % self._sample_every == 0

@@ -22,8 +22,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from megascope.collectors.config import SAMPLED_CALLS_MIN_TIMED
-
 from megascope.schema import (
     COLLECTOR_CALLS_METRIC,
     COLLECTOR_STAMPS_METRIC,
@@ -167,9 +165,8 @@ class StepContext(SpanContext):
         for group, calls in col._sampled_calls.items():
             col._sink.metrics.put((col.rank, self.step, COLLECTOR_CALLS_METRIC + group, float(calls), now))
         if col._sample_calls:
-            floor = col._sample_calls * SAMPLED_CALLS_MIN_TIMED
             for group, calls in col._step_calls.items():
-                if col._prev_step_calls.get(group, 0) >= floor:  # its step-level calls were sampled
+                if col._prev_step_calls.get(group, 0) >= col._sample_calls_floor:  # they were sampled
                     col._sink.metrics.put((col.rank, self.step, COLLECTOR_STEP_CALLS_METRIC + group, float(calls),
                                            now))
         every = col.config.host_probe_every

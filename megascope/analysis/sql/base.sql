@@ -345,6 +345,12 @@ WITH spans_lvl AS (
     SELECT l.*, CASE WHEN sm.calls > l.coll_spans AND l.coll_spans > 0 THEN sm.calls / l.coll_spans ELSE 1.0 END AS scale,
            coalesce(sm.step_calls > 0, false) AS calls_sampled
     FROM lvl l LEFT JOIN sampled sm ON sm.rank = l.rank AND sm.step = l.step AND sm.grp = l.grp
+), lvl_b AS (
+    -- Where the scale applies to the wait: before its bound (step-level calls timed one in N),
+    -- or after it (whole micro-batches left untimed).
+    SELECT *, CASE WHEN calls_sampled THEN scale ELSE 1.0 END AS wait_scale,
+           CASE WHEN calls_sampled THEN 1.0 ELSE scale END AS bound_scale
+    FROM lvl_s
 ), waited AS (
     SELECT l.* REPLACE ((l.coll_ns * l.scale)::BIGINT AS coll_ns),
            coalesce(k.offset_ns, 0) AS offset_ns, coalesce(k.stage, 0) AS stage, p.group_kind, p.instances,
@@ -358,14 +364,11 @@ WITH spans_lvl AS (
            -- scaled with them where whole micro-batches were left untimed, not where one
            -- step-level call in N was timed (calls_sampled: the timed ones span the whole sync).
            (CASE WHEN l.grp IS NULL THEN 0
-                 WHEN p.all_instances = l.coll_spans AND l.calls_sampled
-                 THEN least((p.last_arrival_sum - l.arrival_sum - l.coll_spans * coalesce(k.offset_ns, 0)) * l.scale,
-                            l.last_raw - l.first_raw)
                  WHEN p.all_instances = l.coll_spans
-                 THEN least((p.last_arrival_sum - l.arrival_sum - l.coll_spans * coalesce(k.offset_ns, 0))::BIGINT,
-                            l.last_raw - l.first_raw) * l.scale
+                 THEN least((p.last_arrival_sum - l.arrival_sum - l.coll_spans * coalesce(k.offset_ns, 0)) * l.wait_scale,
+                            l.last_raw - l.first_raw) * l.bound_scale
                  ELSE l.coll_ns * l.scale END)::BIGINT AS coll_wait
-    FROM lvl_s l
+    FROM lvl_b l
     LEFT JOIN ms_cache.rank_clock k USING (rank)
     LEFT JOIN per_group p ON p.grp = l.grp AND p.step = l.step
 ), j AS (
