@@ -134,7 +134,7 @@ class Collector:
         self.device = resolve_device(config.device)
         self._timer: Timer = make_timer(
             self.device, anchor_interval_s=config.anchor_interval_s, max_events=2 * config.max_buffered_rows + 64,
-            clock=config.clock,
+            clock=config.clock, event_calls=config.event_calls,
         )
         self._sink = Sink(config.max_buffered_rows)
         self.start_ns = time.time_ns()

@@ -14,6 +14,7 @@ script wrote, so an operator can switch the collector off or move its output wit
 ``MEGASCOPE_HEARTBEAT_S=5``           ``heartbeat_interval_s`` (0 turns it off)
 ``MEGASCOPE_WAIT_SPANS=0``            ``wait_spans=False``
 ``MEGASCOPE_CLOCK=host``              ``clock`` (``device``, ``side-stream`` or ``host``)
+``MEGASCOPE_EVENT_CALLS=torch``       ``event_calls`` (``driver`` or ``torch``)
 ``MEGASCOPE_WRITER_DUTY=0.25``        ``writer_duty`` (1 turns the writer's pacing off)
 ``MEGASCOPE_GC_SPAN_MS=1``            ``gc_span_min_ms`` (a negative value turns GC spans off)
 ``MEGASCOPE_COMM_SAMPLE=tp``          ``comm_sample_kinds`` (comma-separated; ``none`` times every call)
@@ -44,6 +45,7 @@ from typing import Any
 from megascope.errors import ConfigError
 
 CLOCKS = ("device", "side-stream", "host")
+EVENT_CALLS = ("driver", "torch")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -115,6 +117,13 @@ class CollectorConfig:
     # issued work, not when the device ran it (for telling the collector's host cost from its
     # device cost). CPU ranks always use the host clock.
     clock: str = "device"
+    # How the device events of clock "device" are created, recorded, asked and timed. "driver":
+    # straight through the CUDA driver (libcuda), each call letting go of the interpreter lock
+    # while it runs, so the writer thread, asking thousands of events a second whether they are
+    # done, never holds the lock inside a driver call that waits behind a launch stuck in a full
+    # queue while the training thread waits for the lock to launch. "torch": torch.cuda.Event,
+    # whose calls hold the lock (also the fallback where the driver library cannot be loaded).
+    event_calls: str = "driver"
     # The writer thread's largest share of the interpreter lock while it works in the background:
     # it works in half-millisecond slices and sleeps between them (1: never sleeps). The training
     # thread launches the device's work from Python; a writer holding the lock for tens of
@@ -195,6 +204,8 @@ class CollectorConfig:
             raise ConfigError(f"writer_duty must be in (0, 1], got {self.writer_duty}")
         if self.clock not in CLOCKS:
             raise ConfigError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
+        if self.event_calls not in EVENT_CALLS:
+            raise ConfigError(f"event_calls must be one of {', '.join(EVENT_CALLS)}, got {self.event_calls!r}")
         if self.gc_span_min_ms is not None and self.gc_span_min_ms < 0:
             raise ConfigError(f"gc_span_min_ms must be >= 0 or None, got {self.gc_span_min_ms}")
         kinds = self.comm_sample_kinds
@@ -251,6 +262,8 @@ class CollectorConfig:
             changes["wait_spans"] = env_bool("MEGASCOPE_WAIT_SPANS", env["MEGASCOPE_WAIT_SPANS"])
         if "MEGASCOPE_CLOCK" in env:
             changes["clock"] = env["MEGASCOPE_CLOCK"].strip().lower()
+        if "MEGASCOPE_EVENT_CALLS" in env:
+            changes["event_calls"] = env["MEGASCOPE_EVENT_CALLS"].strip().lower()
         if "MEGASCOPE_WRITER_DUTY" in env:
             changes["writer_duty"] = _env_number("MEGASCOPE_WRITER_DUTY", env["MEGASCOPE_WRITER_DUTY"], float)
         if "MEGASCOPE_GC_SPAN_MS" in env:

@@ -13,8 +13,10 @@ untimed. Both timers have the same methods, so every code path above them runs t
 * :class:`CudaTimer`: a token is the key of a ``torch.cuda.Event(enable_timing=True)`` in a pool, recorded
   on the stream doing the work, or (``side_stream``, clock ``side-stream``) on a private stream made to
   wait for a timing-free marker on the work's stream, so that no timing event sits between the
-  work's kernels. ``ready`` is ``Event.query()`` and ``wall_ns`` is
-  ``anchor.event.elapsed_time(token)``: neither waits for the device. An anchor is an event
+  work's kernels. ``ready`` asks whether the event is done and ``wall_ns`` is the time from the
+  anchor's event to it: neither waits for the device. Both go straight to the CUDA driver
+  (:class:`DriverEventCalls`, ``event_calls="driver"``), letting go of the interpreter lock for the
+  call, or through ``torch.cuda.Event``, which holds it. An anchor is an event
   recorded while the stream is idle (checked with ``Stream.query()``, a natural sync point such as
   the host having just read the loss), paired with the host wall clock of that moment. A new one is
   taken at most every ``anchor_interval_s`` and only when the stream is idle, so anchors never cost
@@ -37,9 +39,11 @@ Example::
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import os
+import threading
 import time
 from collections import deque
 from typing import Any
@@ -150,6 +154,89 @@ class HostTimer(_Anchors):
         return 0
 
 
+_CUDA_SUCCESS = 0
+_CUDA_ERROR_NOT_READY = 600
+
+
+class DriverEventCalls:
+    """``cuEventQuery`` and ``cuEventElapsedTime`` on torch's events, called through ctypes.
+
+    A ctypes call lets go of the interpreter lock while the driver runs it; ``torch.cuda.Event``'s
+    ``query`` and ``elapsed_time`` hold it. The writer thread asks thousands of events a second
+    whether they are done, and a driver call can wait for the driver's lock behind a launch that
+    the training thread is blocked in (its launch queue full): holding the interpreter lock there,
+    the writer would hold back the training thread's next launch until the device has drained a
+    slot. ``lib`` is the driver library, ``context`` the CUDA context of the events: a thread that
+    has no current context (the writer's own) is given it at its first call; one that has a
+    current context keeps it (an event can be asked from any device's context).
+    """
+
+    def __init__(self, lib: Any, context: int) -> None:
+        self._query = lib.cuEventQuery
+        self._query.argtypes = [ctypes.c_void_p]
+        self._query.restype = ctypes.c_int
+        try:
+            self._elapsed = lib.cuEventElapsedTime
+        except AttributeError:
+            self._elapsed = lib.cuEventElapsedTime_v2
+        self._elapsed.argtypes = [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p, ctypes.c_void_p]
+        self._elapsed.restype = ctypes.c_int
+        self._get_current = lib.cuCtxGetCurrent
+        self._get_current.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        self._get_current.restype = ctypes.c_int
+        self._set_current = lib.cuCtxSetCurrent
+        self._set_current.argtypes = [ctypes.c_void_p]
+        self._set_current.restype = ctypes.c_int
+        self._context = context
+        self._bound = threading.local()
+
+    @classmethod
+    def load(cls, torch: Any, index: int) -> DriverEventCalls | None:
+        """The calls for device ``index`` of this process, or None (logged) where the driver library
+        or one of its functions is missing."""
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            get_current = lib.cuCtxGetCurrent
+            get_current.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+            get_current.restype = ctypes.c_int
+            context = ctypes.c_void_p()
+            with torch.cuda.device(index):  # the device's primary context, current for the moment
+                rc = get_current(ctypes.byref(context))
+            if rc != _CUDA_SUCCESS or not context.value:
+                raise OSError(f"cuCtxGetCurrent returned {rc}")
+            return cls(lib, context.value)
+        except (OSError, AttributeError) as exc:
+            log.info("CUDA events through torch: the driver library is not usable (%s)", exc)
+            return None
+
+    def _bind(self) -> None:
+        current = ctypes.c_void_p()
+        if self._get_current(ctypes.byref(current)) == _CUDA_SUCCESS and not current.value:
+            self._set_current(self._context)
+        self._bound.done = True
+
+    def done(self, handle: int) -> bool:
+        """Whether the event ``handle`` is done; raises on a device error."""
+        if not getattr(self._bound, "done", False):
+            self._bind()
+        rc = self._query(handle)
+        if rc == _CUDA_SUCCESS:
+            return True
+        if rc == _CUDA_ERROR_NOT_READY:
+            return False
+        raise RuntimeError(f"cuEventQuery returned CUDA error {rc}")
+
+    def elapsed_ms(self, start: int, end: int) -> float:
+        """Milliseconds from event ``start`` to event ``end``; raises where either is not done."""
+        if not getattr(self._bound, "done", False):
+            self._bind()
+        ms = ctypes.c_float()
+        rc = self._elapsed(ctypes.byref(ms), start, end)
+        if rc != _CUDA_SUCCESS:
+            raise RuntimeError(f"cuEventElapsedTime returned CUDA error {rc}")
+        return ms.value
+
+
 class CudaTimer(_Anchors):
     """Timestamps from pooled CUDA events on the stream doing the work; nothing synchronizes.
 
@@ -161,7 +248,7 @@ class CudaTimer(_Anchors):
     is_device = True
 
     def __init__(self, device: Any, *, anchor_interval_s: float = 1.0, max_events: int = 200_000,
-                 side_stream: bool = False) -> None:
+                 side_stream: bool = False, event_calls: str = "driver") -> None:
         import torch
 
         self._torch = torch
@@ -186,6 +273,9 @@ class CudaTimer(_Anchors):
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._index = self.device.index
+        # ready, wall_ns and mark_done (the writer's calls) through the driver, without the
+        # interpreter lock; None: through torch.
+        self._cu = DriverEventCalls.load(torch, self._index) if event_calls == "driver" else None
         self._interval_ns = int(anchor_interval_s * 1e9)
         self._max_events = max_events
         # The pool: a token is a key of it. Keys come from a counter, whose next() no two threads
@@ -259,12 +349,21 @@ class CudaTimer(_Anchors):
             stream = self._streams[raw] = self._torch.cuda.current_stream(self.device)
         return stream
 
+    @property
+    def event_calls(self) -> str:
+        """``driver`` or ``torch``: how ready, wall_ns and mark_done reach the device."""
+        return "torch" if self._cu is None else "driver"
+
     def ready(self, token: int) -> bool:
+        if self._cu is not None:
+            return self._cu.done(self._events[token].cuda_event)
         return bool(self._query(self._events[token]))
 
     def wall_ns(self, token: int, anchor: int | Anchor) -> int:
-        # elapsed_time raises (never waits) if either event has not completed; callers ask ready().
+        # The elapsed time raises (never waits) if either event has not completed; callers ask ready().
         a = self.anchor_of(anchor)
+        if self._cu is not None:
+            return int(a.wall_ns + round(self._cu.elapsed_ms(a.mark.cuda_event, self._events[token].cuda_event) * 1e6))
         return int(a.wall_ns + round(self._elapsed(a.mark, self._events[token]) * 1e6))
 
     def release(self, token: int | None) -> None:
@@ -285,6 +384,8 @@ class CudaTimer(_Anchors):
         return key
 
     def mark_done(self, mark: int) -> bool:
+        if self._cu is not None:
+            return self._cu.done(self._marks[mark].cuda_event)
         return bool(self._query(self._marks[mark]))
 
     def release_mark(self, mark: int | None) -> None:
@@ -324,9 +425,10 @@ def resolve_device(device: Any) -> Any:
     return torch.device("cpu")
 
 
-def make_timer(device: Any, *, anchor_interval_s: float, max_events: int, clock: str = "device") -> Timer:
+def make_timer(device: Any, *, anchor_interval_s: float, max_events: int, clock: str = "device",
+               event_calls: str = "driver") -> Timer:
     """The timer for ``device`` (a torch.device): events on CUDA unless ``clock`` is ``host``."""
     if getattr(device, "type", "cpu") == "cuda" and clock != "host":
         return CudaTimer(device, anchor_interval_s=anchor_interval_s, max_events=max_events,
-                         side_stream=clock == "side-stream")
+                         side_stream=clock == "side-stream", event_calls=event_calls)
     return HostTimer(anchor_interval_s=anchor_interval_s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -851,6 +852,10 @@ def _fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
     monkeypatch.setattr(torch._C, "_CudaEventBase", None, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", None, raising=False)
+    from megascope.collectors import timing
+
+    # torch's calls on the stand-in events, also on a machine with a real driver library
+    monkeypatch.setattr(timing.DriverEventCalls, "load", classmethod(lambda cls, torch, index: None))
 
 
 @pytest.mark.parametrize("side_stream", [False, True])
@@ -903,6 +908,124 @@ def test_cuda_timer_marks_are_timing_free_pooled_and_bounded(monkeypatch: pytest
     assert timer.mark_done(m0) and timer.mark_done(m1)
     timer.release_mark(m0)
     assert timer.mark() == m0 and events == [False, False]
+
+
+class _FakeDriver:
+    """libcuda's event calls over _FakeCudaEvent handles (``cuda_event``): return codes, the
+    elapsed time written through its pointer, and which thread set which current context."""
+
+    def __init__(self) -> None:
+        self.events: dict[int, _FakeCudaEvent] = {}
+        self.current: dict[int, int] = {}  # thread id -> its current context
+        self.set_calls: list[tuple[int, int]] = []
+        self.fail: int | None = None  # a device error every call returns
+
+        def query(handle: int) -> int:
+            if self.fail is not None:
+                return self.fail
+            return 0 if self.events[handle].t is not None else 600
+
+        def elapsed(ms: Any, start: int, end: int) -> int:
+            a, b = self.events[start], self.events[end]
+            if a.t is None or b.t is None:
+                return 600
+            ms._obj.value = (b.t - a.t) / 1e6
+            return 0
+
+        def get_current(out: Any) -> int:
+            out._obj.value = self.current.get(threading.get_ident())
+            return 0
+
+        def set_current(context: int) -> int:
+            self.set_calls.append((threading.get_ident(), context))
+            self.current[threading.get_ident()] = context
+            return 0
+
+        self.cuEventQuery, self.cuEventElapsedTime = query, elapsed
+        self.cuCtxGetCurrent, self.cuCtxSetCurrent = get_current, set_current
+
+    def handle(self, event: _FakeCudaEvent) -> int:
+        self.events[id(event)] = event
+        return id(event)
+
+
+def test_cuda_timer_asks_the_driver_without_torch_and_binds_a_bare_thread_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With event_calls "driver" the writer's calls (ready, wall_ns, mark_done) go to the driver
+    library's cuEventQuery and cuEventElapsedTime on the events' handles, with the same answers as
+    torch's calls; a thread with no current CUDA context is given the device's once, a thread
+    with one keeps it; a device error raises; "torch" never touches the driver."""
+    from megascope.collectors import timing
+
+    driver = _FakeDriver()
+
+    class Event(_FakeCudaEvent):
+        @property
+        def cuda_event(self) -> int:
+            return driver.handle(self)
+
+        def query(self) -> bool:
+            raise AssertionError("asked through torch")
+
+        def elapsed_time(self, other: _FakeCudaEvent) -> float:
+            raise AssertionError("timed through torch")
+
+    _fake_cuda(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    calls = timing.DriverEventCalls(driver, context=0xC0)
+    monkeypatch.setattr(timing.DriverEventCalls, "load", classmethod(lambda cls, torch, index: calls))
+    driver.current[threading.get_ident()] = 0xAA  # the training thread's own context
+    timer = timing.CudaTimer("cuda", anchor_interval_s=3600.0)
+    assert timer.event_calls == "driver"
+    ref = timer.anchor_ref
+    t0 = timer.stamp()
+    time.sleep(0.002)
+    t1 = timer.stamp()
+    mark = timer.mark()
+    assert t0 is not None and t1 is not None and mark is not None
+    assert timer.ready(t1) and timer.mark_done(mark)
+    assert 2_000_000 <= timer.wall_ns(t1, ref) - timer.wall_ns(t0, ref) < 1_000_000_000
+    assert driver.set_calls == []  # this thread had a context: kept
+
+    got: list[Any] = []
+    writer = threading.Thread(target=lambda: got.extend([timer.ready(t1), timer.ready(t0), timer.wall_ns(t1, ref)]))
+    writer.start()
+    writer.join()
+    assert got[:2] == [True, True] and got[2] == timer.wall_ns(t1, ref)
+    assert [context for _, context in driver.set_calls] == [0xC0]  # the bare thread, bound once
+
+    pending = timer.stamp()
+    assert pending is not None
+    timer._events[pending].t = None  # recorded, not done yet
+    assert not timer.ready(pending)
+    with pytest.raises(RuntimeError, match="600"):
+        timer.wall_ns(pending, ref)
+    driver.fail = 700
+    with pytest.raises(RuntimeError, match="700"):
+        timer.ready(t1)
+
+    monkeypatch.setattr(torch.cuda, "Event", _FakeCudaEvent)
+    plain = timing.CudaTimer("cuda", event_calls="torch")
+    assert plain.event_calls == "torch"
+    token = plain.stamp()
+    assert token is not None and plain.ready(token)
+
+
+def test_event_calls_fall_back_to_torch_where_the_driver_cannot_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No driver library (a machine without one, a stripped container): torch's calls, logged."""
+    import ctypes
+
+    from megascope.collectors import timing
+
+    def missing(name: str) -> None:
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    assert timing.DriverEventCalls.load(torch, 0) is None
+    _fake_cuda(monkeypatch)
+    assert timing.CudaTimer("cuda").event_calls == "torch"
+    with pytest.raises(ConfigError, match="event_calls"):
+        CollectorConfig(run_dir=Path("r"), event_calls="cuda")
+    assert CollectorConfig(run_dir=Path("r")).with_env({"MEGASCOPE_EVENT_CALLS": " Torch"}).event_calls == "torch"
 
 
 def test_pending_spans_hold_nothing_the_garbage_collector_tracks(tmp_path: Path) -> None:

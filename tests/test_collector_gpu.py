@@ -179,3 +179,38 @@ def test_nccl_calls_left_untimed_keep_their_markers_and_cost_no_timing_event(tmp
     done = con.sql("SELECT seq FROM markers WHERE state = 'completed' ORDER BY seq").fetchall()
     assert done == [(s,) for s in range(12)]
     assert col.stats["untimed_calls"] == 8
+
+
+@needs_cuda
+def test_driver_event_calls_agree_with_torchs_from_any_thread() -> None:
+    """The writer's calls through the driver give torch's answers on the same events: done or not,
+    and the time from the anchor to each, also from a thread that never used CUDA (given the
+    device's context at its first call)."""
+    import threading
+
+    from megascope.collectors import timing
+
+    timer = timing.CudaTimer(torch.device("cuda"), anchor_interval_s=3600.0)
+    assert timer.event_calls == "driver"
+    x = torch.randn(2048, 2048, device="cuda")
+    torch.cuda.synchronize()
+    ref = timer.anchor_ref
+    t0 = timer.stamp()
+    for _ in range(20):
+        x = x @ x / 2048
+    t1 = timer.stamp()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of device time: the next event is not done for a while
+    t2 = timer.stamp()
+    assert t0 is not None and t1 is not None and t2 is not None
+    assert not timer.ready(t2)
+    with pytest.raises(RuntimeError):
+        timer.wall_ns(t2, ref)
+    torch.cuda.synchronize()
+    got: list[object] = []
+    thread = threading.Thread(target=lambda: got.extend([timer.ready(t2)] + [timer.wall_ns(t, ref) for t in (t0, t1, t2)]))
+    thread.start()
+    thread.join()
+    anchor = timer.anchor_of(ref)
+    via_torch = [anchor.wall_ns + round(anchor.mark.elapsed_time(timer._events[t]) * 1e6) for t in (t0, t1, t2)]
+    assert got[0] is True and got[1:] == via_torch
+    assert via_torch[0] < via_torch[1] < via_torch[2]
