@@ -14,7 +14,7 @@ script wrote, so an operator can switch the collector off or move its output wit
 ``MEGASCOPE_HEARTBEAT_S=5``           ``heartbeat_interval_s`` (0 turns it off)
 ``MEGASCOPE_WAIT_SPANS=0``            ``wait_spans=False``
 ``MEGASCOPE_CLOCK=host``              ``clock`` (``device``, ``side-stream`` or ``host``)
-``MEGASCOPE_EVENT_CALLS=torch``       ``event_calls`` (``driver`` or ``torch``)
+``MEGASCOPE_EVENT_CALLS=driver``      ``event_calls`` (``torch`` or ``driver``)
 ``MEGASCOPE_WRITER_DUTY=0.25``        ``writer_duty`` (1 turns the writer's pacing off)
 ``MEGASCOPE_GC_SPAN_MS=1``            ``gc_span_min_ms`` (a negative value turns GC spans off)
 ``MEGASCOPE_COMM_SAMPLE=tp``          ``comm_sample_kinds`` (comma-separated; ``none`` times every call)
@@ -117,13 +117,14 @@ class CollectorConfig:
     # issued work, not when the device ran it (for telling the collector's host cost from its
     # device cost). CPU ranks always use the host clock.
     clock: str = "device"
-    # How the device events of clock "device" are created, recorded, asked and timed. "driver":
-    # straight through the CUDA driver (libcuda), each call letting go of the interpreter lock
-    # while it runs, so the writer thread, asking thousands of events a second whether they are
-    # done, never holds the lock inside a driver call that waits behind a launch stuck in a full
-    # queue while the training thread waits for the lock to launch. "torch": torch.cuda.Event,
-    # whose calls hold the lock (also the fallback where the driver library cannot be loaded).
-    event_calls: str = "driver"
+    # How the writer thread asks the device events whether they are done and times them. "torch":
+    # torch.cuda.Event's calls, which hold the interpreter lock while the driver runs them.
+    # "driver": the CUDA driver's cuEventQuery and cuEventElapsedTime through ctypes, which let go
+    # of the lock for the call, so a writer never holds it inside a driver call that waits (torch
+    # where the driver library cannot be loaded). On 2x H200 tp2 whole runs the two were within
+    # each other's noise, the training thread switching ~5x as often with "driver"
+    # (docs/benchmarks-log.md, "The writer's event calls without the interpreter lock").
+    event_calls: str = "torch"
     # The writer thread's largest share of the interpreter lock while it works in the background:
     # it works in half-millisecond slices and sleeps between them (1: never sleeps). The training
     # thread launches the device's work from Python; a writer holding the lock for tens of

@@ -14,9 +14,9 @@ untimed. Both timers have the same methods, so every code path above them runs t
   on the stream doing the work, or (``side_stream``, clock ``side-stream``) on a private stream made to
   wait for a timing-free marker on the work's stream, so that no timing event sits between the
   work's kernels. ``ready`` asks whether the event is done and ``wall_ns`` is the time from the
-  anchor's event to it: neither waits for the device. Both go straight to the CUDA driver
-  (:class:`DriverEventCalls`, ``event_calls="driver"``), letting go of the interpreter lock for the
-  call, or through ``torch.cuda.Event``, which holds it. An anchor is an event
+  anchor's event to it: neither waits for the device. Both go through ``torch.cuda.Event``, which
+  holds the interpreter lock for the call, or (``event_calls="driver"``) straight to the CUDA driver
+  (:class:`DriverEventCalls`), which lets go of it. An anchor is an event
   recorded while the stream is idle (checked with ``Stream.query()``, a natural sync point such as
   the host having just read the loss), paired with the host wall clock of that moment. A new one is
   taken at most every ``anchor_interval_s`` and only when the stream is idle, so anchors never cost
@@ -248,7 +248,7 @@ class CudaTimer(_Anchors):
     is_device = True
 
     def __init__(self, device: Any, *, anchor_interval_s: float = 1.0, max_events: int = 200_000,
-                 side_stream: bool = False, event_calls: str = "driver") -> None:
+                 side_stream: bool = False, event_calls: str = "torch") -> None:
         import torch
 
         self._torch = torch
@@ -426,7 +426,7 @@ def resolve_device(device: Any) -> Any:
 
 
 def make_timer(device: Any, *, anchor_interval_s: float, max_events: int, clock: str = "device",
-               event_calls: str = "driver") -> Timer:
+               event_calls: str = "torch") -> Timer:
     """The timer for ``device`` (a torch.device): events on CUDA unless ``clock`` is ``host``."""
     if getattr(device, "type", "cpu") == "cuda" and clock != "host":
         return CudaTimer(device, anchor_interval_s=anchor_interval_s, max_events=max_events,

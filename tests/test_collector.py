@@ -974,7 +974,7 @@ def test_cuda_timer_asks_the_driver_without_torch_and_binds_a_bare_thread_once(m
     calls = timing.DriverEventCalls(driver, context=0xC0)
     monkeypatch.setattr(timing.DriverEventCalls, "load", classmethod(lambda cls, torch, index: calls))
     driver.current[threading.get_ident()] = 0xAA  # the training thread's own context
-    timer = timing.CudaTimer("cuda", anchor_interval_s=3600.0)
+    timer = timing.CudaTimer("cuda", anchor_interval_s=3600.0, event_calls="driver")
     assert timer.event_calls == "driver"
     ref = timer.anchor_ref
     t0 = timer.stamp()
@@ -1004,8 +1004,8 @@ def test_cuda_timer_asks_the_driver_without_torch_and_binds_a_bare_thread_once(m
         timer.ready(t1)
 
     monkeypatch.setattr(torch.cuda, "Event", _FakeCudaEvent)
-    plain = timing.CudaTimer("cuda", event_calls="torch")
-    assert plain.event_calls == "torch"
+    plain = timing.CudaTimer("cuda")
+    assert plain.event_calls == "torch"  # the default
     token = plain.stamp()
     assert token is not None and plain.ready(token)
 
@@ -1022,10 +1022,10 @@ def test_event_calls_fall_back_to_torch_where_the_driver_cannot_load(monkeypatch
     monkeypatch.setattr(ctypes, "CDLL", missing)
     assert timing.DriverEventCalls.load(torch, 0) is None
     _fake_cuda(monkeypatch)
-    assert timing.CudaTimer("cuda").event_calls == "torch"
+    assert timing.CudaTimer("cuda", event_calls="driver").event_calls == "torch"
     with pytest.raises(ConfigError, match="event_calls"):
         CollectorConfig(run_dir=Path("r"), event_calls="cuda")
-    assert CollectorConfig(run_dir=Path("r")).with_env({"MEGASCOPE_EVENT_CALLS": " Torch"}).event_calls == "torch"
+    assert CollectorConfig(run_dir=Path("r")).with_env({"MEGASCOPE_EVENT_CALLS": " Driver"}).event_calls == "driver"
 
 
 def test_pending_spans_hold_nothing_the_garbage_collector_tracks(tmp_path: Path) -> None:

@@ -190,7 +190,7 @@ def test_driver_event_calls_agree_with_torchs_from_any_thread() -> None:
 
     from megascope.collectors import timing
 
-    timer = timing.CudaTimer(torch.device("cuda"), anchor_interval_s=3600.0)
+    timer = timing.CudaTimer(torch.device("cuda"), anchor_interval_s=3600.0, event_calls="driver")
     assert timer.event_calls == "driver"
     x = torch.randn(2048, 2048, device="cuda")
     torch.cuda.synchronize()
