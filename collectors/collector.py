@@ -146,7 +146,7 @@ class Collector:
         self._writer = Writer(
             config.run_dir, rank=self.rank, sink=self._sink, timer=self._timer,
             interval_s=self.flush_interval_s, capacity=config.max_buffered_rows, duty=config.writer_duty,
-            run_id=self._run_id.get,
+            run_id=self._run_id.get, align_steps=config.align_passes,
         )
         self._gc_watch: _GcWatch | None = None  # before any thread that reads stats starts
         self._agent: AgentLink | None = None
@@ -740,6 +740,8 @@ class Collector:
             "spans_pending": len(self._sink.pending_spans),
             "rows_buffered": len(self._sink.spans) + len(self._sink.markers) + len(self._sink.metrics) + w.pending_rows,
             "parts_written": w.parts_written,
+            "aligned_passes": w.aligned_passes,
+            "pass_every_steps": w.every_steps,
             "internal_errors": self._internal_errors + w.internal_errors,
             "anchors_taken": self._timer.anchors_taken,
             "gc_spans": self._gc_watch.recorded if self._gc_watch is not None else 0,

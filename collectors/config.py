@@ -16,6 +16,7 @@ script wrote, so an operator can switch the collector off or move its output wit
 ``MEGASCOPE_CLOCK=host``              ``clock`` (``device``, ``side-stream`` or ``host``)
 ``MEGASCOPE_EVENT_CALLS=driver``      ``event_calls`` (``torch`` or ``driver``)
 ``MEGASCOPE_WRITER_DUTY=0.25``        ``writer_duty`` (1 turns the writer's pacing off)
+``MEGASCOPE_ALIGN_PASSES=0``          ``align_passes=False``
 ``MEGASCOPE_GC_SPAN_MS=1``            ``gc_span_min_ms`` (a negative value turns GC spans off)
 ``MEGASCOPE_COMM_SAMPLE=tp``          ``comm_sample_kinds`` (comma-separated; ``none`` times every call)
 ``MEGASCOPE_COMM_SAMPLE_CALLS=4``     ``comm_sample_calls`` (0: every step-level call of those kinds)
@@ -130,6 +131,11 @@ class CollectorConfig:
     # thread launches the device's work from Python; a writer holding the lock for tens of
     # milliseconds at a stretch would stall it that long.
     writer_duty: float = 0.25
+    # The writer's passes at the ends of the same steps on every rank (every K steps, K a power
+    # of two that makes K steps about a flush interval), not at each rank's own moments: a pass
+    # slows its rank, and a synchronous job goes at the pace of its slowest rank, so passes at
+    # scattered moments slow nearly every step of a large job. Without steps, every interval.
+    align_passes: bool = True
     # A host span ("gc.gen0/1/2", kind host) for every garbage collection of the interpreter that
     # takes at least this many milliseconds (None: none). A full collection stops every thread
     # of the rank for tens of milliseconds, long enough to make one rank a straggler.
@@ -267,6 +273,8 @@ class CollectorConfig:
             changes["event_calls"] = env["MEGASCOPE_EVENT_CALLS"].strip().lower()
         if "MEGASCOPE_WRITER_DUTY" in env:
             changes["writer_duty"] = _env_number("MEGASCOPE_WRITER_DUTY", env["MEGASCOPE_WRITER_DUTY"], float)
+        if "MEGASCOPE_ALIGN_PASSES" in env:
+            changes["align_passes"] = env_bool("MEGASCOPE_ALIGN_PASSES", env["MEGASCOPE_ALIGN_PASSES"])
         if "MEGASCOPE_GC_SPAN_MS" in env:
             ms = _env_number("MEGASCOPE_GC_SPAN_MS", env["MEGASCOPE_GC_SPAN_MS"], float)
             changes["gc_span_min_ms"] = ms if ms >= 0 else None

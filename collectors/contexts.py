@@ -172,6 +172,7 @@ class StepContext(SpanContext):
         every = col.config.host_probe_every
         if every and self.step % every == 0:
             col._sink.metrics.put((col.rank, self.step, HOST_PROBE_METRIC, float(probe_host()), now))
+        col._writer.step_ended(self.step)  # the writer's pass, at the same steps on every rank
 
 
 def probe_host(loops: int = HOST_PROBE_LOOPS) -> int:

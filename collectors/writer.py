@@ -14,7 +14,13 @@ SIGTERM and exit) it
 3. (re)writes the per-rank ``ranks``/``groups`` files and ``run.json`` when they changed.
 
 It runs on its own thread, so markers keep reaching the disk while the training thread is blocked
-inside a collective. In the background it is paced (:class:`Pacer`): it works in slices of half a
+inside a collective. While the job marks steps, a pass starts at the end of a step whose number is
+a multiple of a power of two, K, chosen so that K steps last about the flush interval
+(:meth:`Writer.step_ended`): every rank of a synchronous job measures about the same step time and
+so picks the same steps (or, across a rounding edge, every other one of them). A pass slows its
+rank's training thread, and in a synchronous job the slowest rank of a step sets its pace: passes
+at their own moments on every rank would slow almost every step of a large job, passes at the same
+steps slow one step in K. Without steps (or while they stall) passes come every interval. In the background it is paced (:class:`Pacer`): it works in slices of half a
 millisecond and sleeps between them, so that it holds the interpreter lock for at most
 ``writer_duty`` of the time. Unpaced, a pass over a second's spans holds the lock for tens of
 milliseconds at a stretch, and a training thread that launches work from Python stops launching for
@@ -34,6 +40,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -56,6 +63,8 @@ log = logging.getLogger(__name__)
 _PART_TABLES = (("spans", schema.SPANS), ("markers", schema.MARKERS), ("metrics", schema.METRICS))
 _WARN_EVERY_S = 60.0
 _PACED_CHUNK_ROWS = 256  # rows turned into Arrow at a time between a paced pass's ticks
+_MAX_EVERY_STEPS = 4096  # the most steps between step-aligned passes
+_STEP_EMA = 0.2  # weight of the latest step in the step time a rank measures
 
 
 class Sink:
@@ -276,6 +285,7 @@ class Writer:
         capacity: int,
         duty: float = 1.0,
         run_id: Callable[[], str | None] | None = None,
+        align_steps: bool = True,
     ) -> None:
         self.run_dir = Path(run_dir)
         # run.json's run_id, stamped into every part (None: not known yet, or not stamped).
@@ -292,6 +302,15 @@ class Writer:
         self._static_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Step-aligned passes (step_ended): the training thread sets _due at the end of a step
+        # whose number is a multiple of every_steps (0: passes every interval_s).
+        self.align_steps = align_steps
+        self._due = threading.Event()
+        self.every_steps = 0
+        self._step_s: float | None = None  # the rank's step time, smoothed
+        self._last_step_end: float | None = None
+        self.aligned_passes = 0
+        self._monotonic = time.monotonic
         self._static: dict[str, pa.Table] = {}  # ranks / groups: whole files, rewritten when changed
         self._run_meta: RunMeta | None = None
         self._retry: dict[str, pa.Table] = {}
@@ -344,8 +363,42 @@ class Writer:
         self._thread = threading.Thread(target=self._loop, name=f"megascope-writer-r{self.rank}", daemon=True)
         self._thread.start()
 
+    def step_ended(self, step: int) -> None:
+        """The training thread ended ``step``: start a pass if it is one of the aligned steps.
+
+        K (``every_steps``) is the power of two nearest to the flush interval over the rank's
+        step time, so ranks whose step times differ by a few percent agree on it, and where two
+        ranks pick K and 2K their passes still coincide at every multiple of 2K."""
+        now = self._monotonic()
+        last, self._last_step_end = self._last_step_end, now
+        if not self.align_steps or last is None:
+            return
+        took = now - last
+        smooth = self._step_s = took if self._step_s is None else self._step_s + _STEP_EMA * (took - self._step_s)
+        if smooth <= 0:
+            return
+        ratio = self.interval_s / smooth
+        every = 1 << min(max(round(math.log2(ratio)), 0), _MAX_EVERY_STEPS.bit_length() - 1) if ratio > 1 else 1
+        self.every_steps = every
+        if step % every == 0:
+            self._due.set()
+
+    def _wait_s(self) -> float:
+        """How long the thread waits for an aligned step before a pass by time: the interval
+        without steps; with them, two intervals or two steps, so that passes wait for the steps
+        while they come and go on by time when they stop (a hang, a long evaluation, the end)."""
+        if not self.every_steps or self._step_s is None:
+            return self.interval_s
+        return 2 * max(self.interval_s, self._step_s)
+
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while not self._stop.is_set():
+            aligned = self._due.wait(self._wait_s())
+            self._due.clear()
+            if self._stop.is_set():
+                break
+            if aligned:
+                self.aligned_passes += 1
             self.flush(paced=True)
 
     def flush(self, *, lock_timeout_s: float = -1, paced: bool = False) -> bool:
@@ -376,6 +429,7 @@ class Writer:
     def close(self, *, timeout_s: float) -> None:
         """Stop the thread, wait up to ``timeout_s`` for device events (never synchronizing), flush."""
         self._stop.set()
+        self._due.set()
         self.pacer.hurry = True
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=max(self.interval_s, 1.0) + 5.0)

@@ -548,6 +548,65 @@ def test_background_passes_are_paced_unless_far_behind(tmp_path: Path) -> None:
     assert len(_parquet_rows(tmp_path)) == 200
 
 
+def test_passes_align_to_steps_every_power_of_two_ranks_agree_on(tmp_path: Path) -> None:
+    """The writer's pass is due at the end of a step whose number is a multiple of K, the power of
+    two nearest to the interval over the rank's step time: ranks whose step times differ by a few
+    percent pick the same steps, and across a rounding edge K and 2K still meet every 2K steps.
+    Without steps it waits one interval; with them two intervals or two steps."""
+    from megascope.collectors.timing import HostTimer
+    from megascope.collectors.writer import Sink, Writer
+
+    def writer(step_s: float, interval_s: float = 1.0, align: bool = True) -> tuple[Writer, list[int]]:
+        w = Writer(tmp_path, rank=0, sink=Sink(10), timer=HostTimer(), interval_s=interval_s, capacity=10,
+                   align_steps=align)
+        now = [0.0]
+        w._monotonic = lambda: now[0]
+        due: list[int] = []
+        for step in range(40):
+            now[0] += step_s
+            w.step_ended(step)
+            if w._due.is_set():
+                due.append(step)
+                w._due.clear()
+        return w, due
+
+    fast, due_fast = writer(0.120)  # 1 s / 0.12 s = 8.3 steps: K = 8
+    slow, due_slow = writer(0.126)  # 5% slower, the same K
+    assert fast.every_steps == slow.every_steps == 8 and due_fast == due_slow == [8, 16, 24, 32]
+    edge_a, due_a = writer(1.0 / 2.7)  # log2(2.7) = 1.43: K = 2
+    edge_b, due_b = writer(1.0 / 2.9)  # log2(2.9) = 1.54: K = 4
+    assert (edge_a.every_steps, edge_b.every_steps) == (2, 4) and set(due_b) <= set(due_a)
+    long_steps, due_long = writer(3.0)  # steps longer than the interval: a pass at every step end
+    assert long_steps.every_steps == 1 and due_long == list(range(1, 40))
+    assert long_steps._wait_s() == pytest.approx(6.0) and fast._wait_s() == pytest.approx(2.0)
+    off, due_off = writer(0.120, align=False)
+    assert off.every_steps == 0 and due_off == [] and off._wait_s() == 1.0
+    huge, _ = writer(1e-6, interval_s=100.0)
+    assert huge.every_steps == 4096  # at most
+
+
+def test_a_collector_writes_its_parts_at_the_aligned_steps_and_by_time_once_steps_stop(tmp_path: Path) -> None:
+    """A job marking 10 ms steps with a 0.08 s flush interval: once its step time is known, passes
+    at the ends of steps 16, 24, 32, ..., so every spans part but the last ends at such a step;
+    once the steps stop, the writer goes on by time and the last spans reach the disk without
+    close()."""
+    col = Collector(CollectorConfig(run_dir=tmp_path / "run", flush_interval_s=0.08, marker_agent=False,
+                                    handle_sigterm=False, host_probe_every=0), rank=0, world_size=1)
+    for step in range(60):
+        with col.step(step), col.span("work"):
+            time.sleep(0.01)
+    every = col.stats["pass_every_steps"]
+    assert every == 8, every
+    wait_until(lambda: _parquet_rows(tmp_path / "run") and max(r["step"] for r in _parquet_rows(tmp_path / "run")) == 59,
+               timeout=5.0, message="the last steps' spans on disk after the steps stopped")
+    ends = [max(r["step"] for r in pq.read_table(p).to_pylist())
+            for p in sorted((tmp_path / "run" / "spans").glob("rank=*/*.parquet"))]
+    settled = [end for end in ends[:-1] if end >= 16]  # once the step time is known
+    assert ends[-1] == 59 and len(settled) >= 4 and all(end % every == 0 for end in settled), ends
+    assert col.stats["aligned_passes"] >= 5
+    col.close()
+
+
 def _parquet_rows(run_dir: Path) -> list[Any]:
     return [r for p in sorted((run_dir / "spans").glob("rank=*/*.parquet")) for r in pq.read_table(p).to_pylist()]
 
