@@ -284,6 +284,19 @@ def test_a_straggler_s_tp_partner_is_not_named_beside_it() -> None:
     assert named == [0]
 
 
+def test_a_paused_rank_is_named_where_it_and_its_tp_partner_shade_each_other() -> None:
+    # A real 100 ms pause on rank 4 of a tp4 x dp2 CPU run: its own time and the wait it caused
+    # are clear (t_own 14.3, t_blame 16.2), its spans short (t_spans -3.2); its TP partner rank 6,
+    # whose spans held the wait, has the larger z (t_spans 8.1) but a third of its own time. Each
+    # fell short of the other's bar (z under 3/4 of 6's, t_own under half of 4's), and nothing was
+    # named; the one with the most own time is.
+    evidence = {4: (14.32, 16.22, -0.15, -3.22, 1.22), 5: (2.72, 3.38, 1.45, 8.79, 1.04),
+                6: (5.08, 4.50, 0.87, 8.11, 1.07), 7: (0.93, 2.52, -0.75, 8.12, 1.01)}
+    assert _named_from_scores(evidence, tp=4) == [4]
+    # Where the rank with the largest z passes both bars, the rule is as before: that one alone.
+    assert _named_from_scores({4: (14.32, 16.22, 3.0, 6.0, 1.22), 6: (5.08, 4.50, 0.87, 8.11, 1.07)}, tp=4) == [4]
+
+
 def test_a_hung_run_names_no_straggler(tmp_path: Path, synth: Synth) -> None:
     run = open_run(synth(tmp_path / "run", "straggler:rank=5,factor=1.5", "hang:rank=9,step=5",
                          ranks=16, steps=8, tp=2, pp=2, seed=3, gpus_per_host=4))

@@ -210,7 +210,11 @@ DROP TABLE IF EXISTS ms_cache.peer_step;
 -- Not a rank whose excess over its peers is explained by longer pipeline receives (a neighbour
 -- of a slow stage): that one is named instead. Not a rank whose TP partners are, in the median,
 -- at least 3/4 as slow as it is: a whole TP group late is a group effect (a straggler's TP
--- partner, whose spans hold its waits, reads slow too, but clearly less).
+-- partner, whose spans hold its waits, reads slow too, but clearly less). Where every flagged
+-- rank is a shadow of another (the largest z and the largest t_own belong to different ranks,
+-- each short of the other's bar), the flagged rank with the largest t_own is named: a rank
+-- paused outside its spans has the most own time, while its TP partners' spans, holding the
+-- wait, give them the larger z.
 -- @column rank, stage, steps, slow_steps, strict_steps, comm_slow_steps  as in rank_scores
 -- @column median_slowdown, slowdown, xfer_slowdown, ex_*_ns, base_own_ns  as in rank_scores
 -- @column median_ex_recv_ns, median_ex_own_ns, median_ex_spans_ns  as in rank_scores
@@ -250,12 +254,21 @@ WITH e AS (
                     AND NOT coalesce(z.median_ex_recv_ns > 0 AND z.median_ex_recv_ns >= z.median_ex_own_ns, false),
                     false) AS flag
     FROM z LEFT JOIN grp USING (rank) WHERE z.steps >= {{min_steps}}
+), shaded AS (
+    SELECT f.*,
+           f.flag AND f.z >= {{shadow}} * max(f.z) FILTER (WHERE f.flag) OVER ()
+                  AND f.t_own >= {{own_shadow}} * max(f.t_own) FILTER (WHERE f.flag) OVER () AS unshaded,
+           -- The flagged rank with the most own-time evidence (then z, then the lowest rank).
+           f.flag AND row_number() OVER (ORDER BY f.flag DESC, f.t_own DESC, f.z DESC, f.rank) = 1 AS leader
+    FROM flagged f
 )
-SELECT f.*, i.host, i.coords, i.pp, i.dp, i.tp,
+SELECT f.* EXCLUDE (unshaded, leader), i.host, i.coords, i.pp, i.dp, i.tp,
        f.slow_steps / f.steps AS steps_slow_frac, f.comm_slow_steps / f.steps AS steps_comm_slow_frac,
-       f.flag AND f.z >= {{shadow}} * max(f.z) FILTER (WHERE f.flag) OVER ()
-              AND f.t_own >= {{own_shadow}} * max(f.t_own) FILTER (WHERE f.flag) OVER () AS straggler
-FROM flagged f JOIN ms_cache.rank_info i USING (rank);
+       -- Where every flagged rank shades another (the one with the largest z holds less own
+       -- time than half of another's, that one less z than 3/4 of the first's: a rank paused
+       -- outside its spans, whose TP partner's spans hold the wait and read long), the leader.
+       f.unshaded OR f.leader AND NOT bool_or(f.unshaded) OVER () AS straggler
+FROM shaded f JOIN ms_cache.rank_info i USING (rank);
 
 -- @statement largest_stage
 -- How many ranks the most populous pipeline stage has: with one, no rank has a peer doing the
