@@ -20,8 +20,10 @@ a multiple of a power of two, K, chosen so that K steps last about the flush int
 so picks the same steps (or, across a rounding edge, every other one of them). A pass slows its
 rank's training thread, and in a synchronous job the slowest rank of a step sets its pace: passes
 at their own moments on every rank would slow almost every step of a large job, passes at the same
-steps slow one step in K. Without steps (or while they stall) passes come every interval. In the background it is paced (:class:`Pacer`): it works in slices of half a
-millisecond and sleeps between them, so that it holds the interpreter lock for at most
+steps slow one step in K. Without steps (or while they stall) passes come every interval.
+
+In the background it is paced (:class:`Pacer`): it works in slices of half a millisecond and
+sleeps between them, so that it holds the interpreter lock for at most
 ``writer_duty`` of the time. Unpaced, a pass over a second's spans holds the lock for tens of
 milliseconds at a stretch, and a training thread that launches work from Python stops launching for
 that long: on a job whose host runs only a few tens of milliseconds ahead of its device, that is
@@ -384,12 +386,14 @@ class Writer:
             self._due.set()
 
     def _wait_s(self) -> float:
-        """How long the thread waits for an aligned step before a pass by time: the interval
-        without steps; with them, two intervals or two steps, so that passes wait for the steps
-        while they come and go on by time when they stop (a hang, a long evaluation, the end)."""
-        if not self.every_steps or self._step_s is None:
+        """How long the thread waits for an aligned step before a pass by time: while steps come,
+        two intervals or two steps (an aligned step comes well before); without steps, or once
+        none has ended for that long (a hang, a long evaluation, the end), the interval."""
+        last, step_s = self._last_step_end, self._step_s
+        if not self.every_steps or step_s is None or last is None:
             return self.interval_s
-        return 2 * max(self.interval_s, self._step_s)
+        patience = 2 * max(self.interval_s, step_s)
+        return patience if self._monotonic() - last < patience else self.interval_s
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -579,6 +579,9 @@ def test_passes_align_to_steps_every_power_of_two_ranks_agree_on(tmp_path: Path)
     long_steps, due_long = writer(3.0)  # steps longer than the interval: a pass at every step end
     assert long_steps.every_steps == 1 and due_long == list(range(1, 40))
     assert long_steps._wait_s() == pytest.approx(6.0) and fast._wait_s() == pytest.approx(2.0)
+    stalled = fast._last_step_end
+    fast._monotonic = lambda: stalled + 2.5  # no step for longer than that: passes by time again
+    assert fast._wait_s() == 1.0
     off, due_off = writer(0.120, align=False)
     assert off.every_steps == 0 and due_off == [] and off._wait_s() == 1.0
     huge, _ = writer(1e-6, interval_s=100.0)
