@@ -124,7 +124,8 @@ class CollectorConfig:
     # of the lock for the call, so a writer never holds it inside a driver call that waits (torch
     # where the driver library cannot be loaded). On 2x H200 tp2 whole runs the two were within
     # each other's noise, the training thread switching ~5x as often with "driver"
-    # (docs/benchmarks-log.md, "The writer's event calls without the interpreter lock").
+    # (docs/benchmarks-log.md, "tp2 x dp2 with the DP calls sampled, and the writer's event calls
+    # without the interpreter lock").
     event_calls: str = "torch"
     # The writer thread's largest share of the interpreter lock while it works in the background:
     # it works in half-millisecond slices and sleeps between them (1: never sleeps). The training
