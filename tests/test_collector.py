@@ -588,25 +588,32 @@ def test_passes_align_to_steps_every_power_of_two_ranks_agree_on(tmp_path: Path)
     assert huge.every_steps == 4096  # at most
 
 
-def test_a_collector_writes_its_parts_at_the_aligned_steps_and_by_time_once_steps_stop(tmp_path: Path) -> None:
-    """A job marking 10 ms steps with a 0.08 s flush interval: once its step time is known, passes
-    at the ends of steps 16, 24, 32, ..., so every spans part but the last ends at such a step;
-    once the steps stop, the writer goes on by time and the last spans reach the disk without
-    close()."""
+def test_a_collector_starts_its_passes_at_the_aligned_steps_and_by_time_once_steps_stop(tmp_path: Path) -> None:
+    """A job marking 10 ms steps (on the writer's clock) with a 0.08 s flush interval: its passes
+    are due at the ends of steps 8, 16, 24, ... and no others, and the writer thread makes them
+    (a part then holds the spans up to the step running when the pass drains them); once the steps
+    stop, the writer goes on by time and the last spans reach the disk without close()."""
     col = Collector(CollectorConfig(run_dir=tmp_path / "run", flush_interval_s=0.08, marker_agent=False,
                                     handle_sigterm=False, host_probe_every=0), rank=0, world_size=1)
+    writer = col._writer
+    clock, current, due_at = [0.0], [-1], []
+    writer._monotonic = lambda: clock[0]
+    step_ended, set_due = writer.step_ended, writer._due.set
+
+    def ended(step: int) -> None:
+        current[0] = step
+        step_ended(step)
+
+    writer.step_ended = ended  # type: ignore[method-assign]
+    writer._due.set = lambda: (due_at.append(current[0]), set_due())  # type: ignore[method-assign]
     for step in range(60):
         with col.step(step), col.span("work"):
             time.sleep(0.01)
-    every = col.stats["pass_every_steps"]
-    assert every == 8, every
+            clock[0] += 0.01
+    assert col.stats["pass_every_steps"] == 8 and due_at == list(range(8, 60, 8))
     wait_until(lambda: _parquet_rows(tmp_path / "run") and max(r["step"] for r in _parquet_rows(tmp_path / "run")) == 59,
                timeout=5.0, message="the last steps' spans on disk after the steps stopped")
-    ends = [max(r["step"] for r in pq.read_table(p).to_pylist())
-            for p in sorted((tmp_path / "run" / "spans").glob("rank=*/*.parquet"))]
-    settled = [end for end in ends[:-1] if end >= 16]  # once the step time is known
-    assert ends[-1] == 59 and len(settled) >= 4 and all(end % every == 0 for end in settled), ends
-    assert col.stats["aligned_passes"] >= 5
+    assert col.stats["aligned_passes"] >= 4
     col.close()
 
 
