@@ -583,6 +583,29 @@ def test_a_slow_rank_of_a_pipeline_replica_is_named_by_its_spans_against_its_dp_
     assert row["steps_slow_frac"] == pytest.approx(dp.at[3, "slow_frac"])
 
 
+def test_a_mild_slow_rank_of_a_pipeline_replica_is_not_shaded_by_its_own_wake(tmp_path: Path) -> None:
+    """tests/data/cpu-pp4-dp2-mild: the same mesh, rank 0 (stage 0, replica 0) planted 1.15x slow.
+    The next stage of its replica, rank 2, waits for it at its receives and reads the largest
+    combined evidence of the run, though it is neither flagged nor stretched; rank 0's spans are
+    1.34x its DP peer's. The DP-peer rule holds a rank to the strongest straggler's evidence, and
+    a wake is none: rank 0 is named, for its compute."""
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+    from megascope.analysis import _sql
+    from megascope.analysis.base import prepare
+
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-pp4-dp2-mild", tmp_path / "run"))
+    config = straggler_module.StragglerConfig()
+    candidates, _ = straggler_module._candidates(run, config)
+    c = candidates.set_index("rank")
+    assert not c["flag"].fillna(False).astype(bool).any()  # nothing flagged: the spans rule alone
+    assert c["z"].idxmax() == 2 and c.at[0, "z"] < config.shadow * c.at[2, "z"]
+    prepare(run.con)
+    dp = _sql.query_df(run.con, "stragglers", "dp_compute", bar=config.min_named_slowdown).set_index("rank")
+    assert dp.at[0, "ratio"] >= straggler_module.DP_COMPUTE_BAR and dp.at[2, "ratio"] < 1.1
+    found = analysis.stragglers(run)
+    assert list(found["rank"]) == [0] and found.iloc[0]["cause"] == "compute"
+
+
 def test_a_healthy_pipeline_and_data_parallel_run_names_no_rank_by_its_spans(tmp_path: Path) -> None:
     """tests/data/cpu-pp4-dp2-healthy: the same mesh with nothing planted. The largest span ratio
     against a DP peer (1.15x, rank 6) stays under the bar, and no rank is named."""

@@ -294,9 +294,15 @@ def _dp_stretched(run: Run, pool: pd.DataFrame, sizes: dict[str, int], config: S
     clear = dp[(dp["ratio"].astype(float) >= DP_COMPUTE_BAR) & (dp["slow_frac"].astype(float) >= DP_SLOW_FRAC)
                & (dp["samples"].astype(int) >= config.min_steps) & ~dp["rank"].astype(int).isin(named)]
     # Not the wake of a worse rank: its combined evidence at least ``shadow`` times the strongest
-    # (a replica-mate of a slow rank had spans 1.22x its DP peer's, on a real pp4 x dp2 CPU run,
-    # with a third of the slow rank's evidence).
-    top = float(pool["z"].astype(float).max())
+    # of the ranks that are stragglers themselves (flagged, named, or stretched here): a
+    # replica-mate of a slow rank had spans 1.22x its DP peer's, on a real pp4 x dp2 CPU run, with
+    # a third of the slow rank's evidence. A rank that is none of these is no worse rank, only a
+    # wake: the next stage of a 1.15x rank's replica, waiting at its receives, read z 4.1 against
+    # the slow rank's 3.0 (spans 1.34x its DP peer's in 87% of the steps) and kept it unnamed.
+    strong = pool["rank"].astype(int).isin(clear["rank"].astype(int)) | pool["rank"].astype(int).isin(named)
+    if "flag" in pool:
+        strong |= pool["flag"].fillna(False).astype(bool)
+    top = float(pool.loc[strong, "z"].astype(float).max()) if strong.any() else float("nan")
     rows = pool[pool["rank"].astype(int).isin(clear["rank"].astype(int))
                 & (pool["z"].astype(float) >= config.shadow * top)]
     if rows.empty:
