@@ -195,16 +195,14 @@ class DriverEventCalls:
         """The calls for device ``index`` of this process, or None (logged) where the driver library
         or one of its functions is missing."""
         try:
-            lib = ctypes.CDLL("libcuda.so.1")
-            get_current = lib.cuCtxGetCurrent
-            get_current.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
-            get_current.restype = ctypes.c_int
+            calls = cls(ctypes.CDLL("libcuda.so.1"), 0)
             context = ctypes.c_void_p()
             with torch.cuda.device(index):  # the device's primary context, current for the moment
-                rc = get_current(ctypes.byref(context))
+                rc = calls._get_current(ctypes.byref(context))
             if rc != _CUDA_SUCCESS or not context.value:
                 raise OSError(f"cuCtxGetCurrent returned {rc}")
-            return cls(lib, context.value)
+            calls._context = context.value
+            return calls
         except (OSError, AttributeError) as exc:
             log.info("CUDA events through torch: the driver library is not usable (%s)", exc)
             return None

@@ -299,12 +299,13 @@ def _dp_stretched(run: Run, pool: pd.DataFrame, sizes: dict[str, int], config: S
     # a third of the slow rank's evidence. A rank that is none of these is no worse rank, only a
     # wake: the next stage of a 1.15x rank's replica, waiting at its receives, read z 4.1 against
     # the slow rank's 3.0 (spans 1.34x its DP peer's in 87% of the steps) and kept it unnamed.
-    strong = pool["rank"].astype(int).isin(clear["rank"].astype(int)) | pool["rank"].astype(int).isin(named)
+    ranks = pool["rank"].astype(int)
+    stretched = ranks.isin(clear["rank"].astype(int))
+    strong = stretched | ranks.isin(named)
     if "flag" in pool:
         strong |= pool["flag"].fillna(False).astype(bool)
     top = float(pool.loc[strong, "z"].astype(float).max()) if strong.any() else float("nan")
-    rows = pool[pool["rank"].astype(int).isin(clear["rank"].astype(int))
-                & (pool["z"].astype(float) >= config.shadow * top)]
+    rows = pool[stretched & (pool["z"].astype(float) >= config.shadow * top)]
     if rows.empty:
         return pool.iloc[0:0]
     ratio = dict(zip(clear["rank"].astype(int), clear["ratio"].astype(float), strict=True))
