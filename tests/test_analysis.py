@@ -249,6 +249,24 @@ def test_exposed_communication_arithmetic(tmp_path: Path) -> None:
     assert got["exposed_ns_per_rank_step"].sum() == (5 + 10 + 13) * MS
 
 
+def test_exposed_communication_is_the_same_whatever_order_the_spans_are_read_in(tmp_path: Path) -> None:
+    """A receive and a send posted at the same moment, without wait spans, overlap: the one counted
+    first is exposed whole, the other from where the first ends. Which one is first is fixed by
+    kind (receive before send), not by the order the rows are stored in."""
+    def comm(kind: str, start: int, dur: int, seq: int) -> dict[str, object]:
+        return {**span(0, 0, kind, start * MS, dur * MS, group="pp:0", seq=seq, name=f"pp.{kind}"),
+                "op": kind, "peer": 1}
+
+    calls = [comm("send", 20, 10, 0), comm("recv", 20, 6, 1)]
+    got = []
+    for order in (calls, calls[::-1]):
+        spans = [span(0, 0, "step", 0, 100 * MS), *order]
+        run = open_run(hand_run(tmp_path / f"run{len(got)}", spans, [], world=1, hosts=("h0",)))
+        got.append(analysis.exposed_comm(run, steps=[0]).set_index("name")["exposed_ns"].to_dict())
+        run.con.close()
+    assert got[0] == got[1] == {"pp.recv": 6 * MS, "pp.send": 4 * MS}
+
+
 def test_host_lead_names_the_rank_whose_device_waited_for_its_host(tmp_path: Path, cli: Callable[..., Result]) -> None:
     """host_bound_run: rank 1's device reached a quarter of its calls 0.1 ms after the host issued
     them (it had run dry), rank 0's always 10 ms after; rank 2 is host-timed and left out."""

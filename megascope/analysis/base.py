@@ -41,6 +41,9 @@ Progress = Callable[[str], None] | None
 
 # Steps sampled for clock-offset estimation: enough samples per host, a bounded cost at any size.
 CLOCK_SAMPLE_STEPS = 8
+# Steps of one rank probed for collectives nested in compute spans (a structural property of the
+# job: any few steps tell it).
+NESTED_PROBE_STEPS = 16
 
 
 def sample_steps(steps: list[int], count: int) -> list[int]:
@@ -53,16 +56,31 @@ def sample_steps(steps: list[int], count: int) -> list[int]:
 
 
 def _clock_sample_steps(steps: list[int], count: int) -> list[int]:
-    """Steps for clock-offset estimation: as :func:`sample_steps`, spread over the longest
-    power-of-two prefix of the run (at least ``count`` steps), so that the sample, and with it the
-    estimate, stays the same while a live run grows until it doubles: the base tables of the steps
-    already read stay valid and are extended rather than rebuilt."""
+    """Steps for clock-offset estimation: two runs of ``count // 2`` consecutive steps, at a
+    quarter and at three quarters of the longest power-of-two prefix of the run (after the
+    warm-up step, at least ``count`` steps), so that
+
+    * the sample, and with it the estimate, stays the same while a live run grows until it
+      doubles: the base tables of the steps already read stay valid and are extended rather than
+      rebuilt;
+    * it is cheap to read: compacted spans keep whole steps together in row groups of many steps
+      each, and consecutive steps share them (eight steps spread over a 1,024-rank run read eight
+      of its step bands, a quarter of the run's communication spans, for 1/128 of them kept).
+    """
     if len(steps) <= count + 1:
         return sample_steps(steps, count)
     pool = steps[1:]
     pool = pool[:max(count, 1 << (len(pool).bit_length() - 1))]
-    stride = len(pool) / count
-    return sorted({pool[int(i * stride)] for i in range(count)})
+    half = max(count // 2, 1)
+    picked: set[int] = set()
+    for at in (len(pool) // 4, (3 * len(pool)) // 4):
+        lo = min(at, len(pool) - half)
+        picked.update(pool[lo:lo + half])
+    for step in pool:  # an odd count, or the two runs overlapping in a short run
+        if len(picked) >= count:
+            break
+        picked.add(step)
+    return sorted(picked)
 
 
 def solve_offsets(hosts: list[str], pairs: pd.DataFrame) -> pd.DataFrame:
@@ -301,9 +319,9 @@ def _extend(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], ne
     if first is None or not persist.load(con, root, meta, BASE_TABLES, prefix="old_"):
         return None
     try:
-        _ranks_and_clock(con, say)
+        steps = _ranks_and_clock(con, say)
         moved = _sql.first(_sql.execute(con, "base", "moved_clocks"))
-        params = _params(con)
+        params = _params(con, steps)
         if (moved and moved[0]) or params != meta.get("params"):
             log.info("analysis cache: clock estimate or parameters changed; rebuilding")
             return None
@@ -327,12 +345,16 @@ def _extend(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], ne
         persist.drop(con, BASE_TABLES, prefix="old_")
 
 
-def _params(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
+def _params(con: duckdb.DuckDBPyConnection, steps: list[int]) -> dict[str, Any]:
     """What rank_step is built with beside the spans: the group kinds whose collectives run inside
-    compute spans (probed on one rank), and the group kinds whose members are peers."""
+    compute spans (probed on one rank, in the first :data:`NESTED_PROBE_STEPS` of the run's
+    ``steps`` after the warm-up: the same answer while the run grows), and the group kinds whose
+    members are peers."""
     shape = _sql.first(_sql.execute(con, "base", "rank_shape"))
     probe = int(shape[0]) if shape and shape[0] is not None else 0
-    nested = [str(k) for (k,) in _sql.execute(con, "base", "nested_kinds", rank=probe).fetchall()]
+    window = steps[1:NESTED_PROBE_STEPS + 1] if len(steps) > NESTED_PROBE_STEPS else steps
+    nested = [str(k) for (k,) in _sql.execute(con, "base", "nested_kinds", rank=probe,
+                                              steps=window or [-1]).fetchall()]
     # Groups whose members do the same work: TP and DP; with one stage every group.
     peer_kinds = ["tp", "dp"] if shape and shape[1] > 1 else ["tp", "dp", "pp", "other"]
     return {"nested_kinds": sorted(k for k in nested if k.isalnum()), "peer_kinds": peer_kinds}
@@ -392,7 +414,7 @@ def _build(con: duckdb.DuckDBPyConnection, say: Callable[[str], None]) -> dict[s
     say("matching collectives")
     _sql.execute(con, "base", "inst", where=_sql.Raw("true"))
     say("splitting step time per rank")
-    params = _params(con)
+    params = _params(con, steps)
     _rank_step(con, params)
     _sql.execute(con, "base", "add_unknown_ranks")
     log.info("base tables built for %d steps", len(steps))

@@ -422,9 +422,9 @@ FROM j LEFT JOIN lasts l ON l.rank = j.rank AND l.step = j.step;
 
 -- @statement nested_kinds
 -- Group kinds whose collectives start inside the rank's compute spans, probed on one rank's
--- partition ({{rank}}): their wait is inside the compute spans' durations.
+-- partition ({{rank}}) in steps {{steps}}: their wait is inside the compute spans' durations.
 -- @column group_kind     tp | dp | pp | cp | ep | world | other
-WITH s AS (SELECT * FROM spans WHERE rank = {{rank}} AND step IS NOT NULL),
+WITH s AS (SELECT * FROM spans WHERE rank = {{rank}} AND list_contains({{steps}}, step)),
 c AS (SELECT step, start_ns AS s, start_ns + dur_ns AS e FROM s WHERE kind IN ('forward', 'backward', 'compute')),
 k AS (
     SELECT row_number() OVER () AS id, s.step, s.start_ns, coalesce(gk.kind, 'other') AS group_kind

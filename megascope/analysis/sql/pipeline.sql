@@ -42,16 +42,26 @@ GROUP BY stage ORDER BY stage;
 --                       --tp-comm-spans rotate) leaves the others with their markers alone.
 -- @column exposed_all_ns exposed_ns estimated for every call issued: the calls of one (group kind,
 --                       op, bytes) are counted at the mean stall of the timed ones
-WITH c AS (
-    SELECT row_number() OVER () AS id, rank, step, name, kind, "group", seq, op, peer, bytes,
-           start_ns AS s, start_ns + dur_ns AS e, dur_ns
+WITH src AS MATERIALIZED (
+    -- One read of the sampled rank-steps' spans: a step's row group holds every rank of its file,
+    -- so each read of the spans decodes many more rows than it keeps.
+    SELECT rank, step, name, kind, "group", seq, op, peer, bytes, start_ns, dur_ns
     FROM spans
-    WHERE rank IN ({{ranks}}) AND kind IN ('collective', 'send', 'recv') AND list_contains({{steps}}, step)
+    WHERE rank IN ({{ranks}}) AND list_contains({{steps}}, step)
+      AND (kind IN ('collective', 'send', 'recv', 'forward', 'backward', 'optimizer', 'compute')
+           OR kind = 'other' AND name LIKE '%:wait')
+), c AS (
+    -- Numbered in a fixed order, whatever order the spans were read in: calls that start at the
+    -- same moment (a send and a receive posted together) are ordered by kind, then sequence.
+    SELECT row_number() OVER (ORDER BY rank, step, start_ns, kind, "group", seq, peer, name) AS id,
+           rank, step, name, kind, "group", seq, op, peer, bytes,
+           start_ns AS s, start_ns + dur_ns AS e, dur_ns
+    FROM src
+    WHERE kind IN ('collective', 'send', 'recv')
 ), w AS (
     SELECT rank, step, seq, op, peer, left(name, length(name) - 5) AS name, start_ns AS s, start_ns + dur_ns AS e
-    FROM spans
-    WHERE rank IN ({{ranks}}) AND kind = 'other' AND name LIKE '%:wait' AND seq IS NOT NULL
-      AND list_contains({{steps}}, step)
+    FROM src
+    WHERE kind = 'other' AND name LIKE '%:wait' AND seq IS NOT NULL
 ), cw0 AS (
     SELECT c.*, w.s AS wait_s, CASE WHEN w.s IS NOT NULL THEN least(w.e - w.s, c.dur_ns) END AS wait_ns
     FROM c LEFT JOIN w ON c.rank = w.rank AND c.seq = w.seq AND c.op = w.op AND c.name = w.name
@@ -69,8 +79,8 @@ WITH c AS (
     SELECT rank, step, s, e FROM cw WHERE wait_ns IS NULL
 ), comp AS (
     SELECT DISTINCT rank, step, start_ns AS s, start_ns + dur_ns AS e
-    FROM spans
-    WHERE rank IN ({{ranks}}) AND kind IN ('forward', 'backward', 'optimizer', 'compute') AND list_contains({{steps}}, step)
+    FROM src
+    WHERE kind IN ('forward', 'backward', 'optimizer', 'compute')
 ), p AS (
     -- Leaf compute: encloses no communication span.
     SELECT * FROM comp q
