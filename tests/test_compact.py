@@ -538,6 +538,57 @@ def test_cli_compacts_and_says_what_it_did(cli_run: Path, expected: tuple[object
     assert proc.returncode == 0 and "merged 0 parts" in proc.stdout
 
 
+def test_cli_all_keeps_what_the_first_report_reads(cli_run: Path, tmp_path: Path) -> None:
+    from megascope.analysis import report
+
+    untouched = tmp_path / "untouched"
+    shutil.copytree(cli_run, untouched)
+    proc = megascope("compact", cli_run, "--all", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["analysis_s"] > 0
+    said: list[str] = []
+    run = open_run(cli_run)
+    warm = report(run, progress=said.append)
+    run.con.close()
+    assert "reading the analysis cache" in said and "matching collectives" not in said, said
+    # The same report as one that builds everything from the compacted parts.
+    shutil.rmtree(cli_run / "_cache")
+    said.clear()
+    run = open_run(cli_run)
+    cold = report(run, progress=said.append)
+    run.con.close()
+    assert "matching collectives" in said
+    assert _comparable(warm) == _comparable(cold)
+    # Not asked for: nothing is kept, and a pass without --all builds nothing unless asked.
+    proc = megascope("compact", untouched, "--all", "--no-analyze")
+    assert proc.returncode == 0, proc.stderr
+    assert "analysis tables" not in proc.stdout and not (untouched / "_cache").exists()
+    proc = megascope("compact", untouched, "--analyze", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["analysis_s"] > 0 and (untouched / "_cache" / "key.json").is_file()
+    assert_one_line_error(megascope("compact", untouched, "--analyze", "--ranks", "0-3"), mentions="--analyze")
+
+
+def _comparable(value: object) -> object:
+    """A report as two reports of the same run agree on: the ages measured from now left out, floats
+    to 9 digits (regression slopes differ in their last bits with the order rows were read in)."""
+    if isinstance(value, dict):
+        return {k: _comparable(v) for k, v in value.items() if k not in ("idle_s", "progress_age_s", "last_data_age_s")}
+    if isinstance(value, list):
+        return [_comparable(v) for v in value]
+    if isinstance(value, float):
+        return float(f"{value:.9g}")
+    return value
+
+
+def test_an_analysis_that_fails_after_a_compaction_is_a_warning(tmp_path: Path) -> None:
+    from megascope.cli.compact import _analysis_note
+
+    seconds, problem = _analysis_note(tmp_path / "nowhere")
+    assert seconds is None
+    assert problem is not None and "analysis tables not kept" in problem and "nowhere" in problem
+
+
 def test_cli_errors_are_one_line(cli_run: Path, tmp_path: Path) -> None:
     assert_one_line_error(megascope("compact", tmp_path / "nowhere"), mentions="no such run directory")
     empty = tmp_path / "empty"

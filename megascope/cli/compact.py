@@ -32,10 +32,14 @@ from megascope.cli.common import echo_json, json_option, run_dir_argument
               help="Repeat the pass this often until interrupted (a pass another holds is skipped, said once).")
 @click.option("--while-pid", "while_pid", type=click.IntRange(min=1), default=None, metavar="PID",
               help="With --every: stop once process PID has ended (the job's, say).")
+@click.option("--analyze/--no-analyze", "analyze", default=None,
+              help="Then build what `megascope report` and the dashboard read (base tables, straggler scores, "
+                   "the what-if replay) and keep it beside the run, so that the first report reads it "
+                   "(default: with --all).")
 @json_option
 def compact(run_dir: Path, everything: bool, min_age_s: float | None, keep_newest: int | None,
             grace_s: float | None, ranks: str | None, host: str | None, every_s: float | None,
-            while_pid: int | None, as_json: bool) -> None:
+            while_pid: int | None, analyze: bool | None, as_json: bool) -> None:
     """Merge RUN's part files into a few large files sorted by step and rank (spans: step, kind, rank).
 
     Safe while the job still writes (only parts older than --min-age, never a rank's newest), on a
@@ -49,6 +53,8 @@ def compact(run_dir: Path, everything: bool, min_age_s: float | None, keep_newes
         raise click.UsageError("--every repeats a live pass; --all is the last pass of an ended job")
     if while_pid is not None and every_s is None:
         raise click.UsageError("--while-pid goes with --every")
+    if analyze and (every_s is not None or ranks is not None or host is not None):
+        raise click.UsageError("--analyze goes with a pass over the whole run, not --every, --ranks or --host")
     scope = Scope(ranks=_rank_range(ranks), host=host) if ranks is not None or host is not None else None
     kwargs = {
         "everything": everything,
@@ -58,7 +64,7 @@ def compact(run_dir: Path, everything: bool, min_age_s: float | None, keep_newes
         "scope": scope,
     }
     if every_s is None:
-        _one_pass(run_dir, kwargs, as_json)
+        _one_pass(run_dir, kwargs, as_json, analyze=everything if analyze is None else analyze)
         return
     _repeat(run_dir, kwargs, as_json, every_s, while_pid)
 
@@ -118,13 +124,41 @@ def _repeat(run_dir: Path, kwargs: dict[str, Any], as_json: bool, every_s: float
         return
 
 
+def keep_analysis(run_dir: Path) -> float:
+    """Run the report's analyses on ``run_dir`` so that what they build is kept in its analysis
+    cache (``RUN/_cache``, megascope.analysis.persist) for the first report and the dashboard;
+    returns the seconds it took. Raises what opening or analysing the run raises."""
+    from megascope.analysis import report as build_report
+    from megascope.cli.analyze import _open
+
+    started = time.monotonic()
+    run = _open(run_dir)
+    try:
+        build_report(run)
+    finally:
+        run.con.close()
+    return time.monotonic() - started
+
+
+def _analysis_note(run_dir: Path) -> tuple[float | None, str | None]:
+    """:func:`keep_analysis`, or why it could not be done: a warning, never a failure, since the
+    compaction it follows stands and the first report builds the same tables."""
+    try:
+        return keep_analysis(run_dir), None
+    except Exception as exc:  # noqa: BLE001 - optional work after a finished compaction
+        return None, f"{run_dir}: analysis tables not kept ({type(exc).__name__}: {exc}); the first report builds them"
+
+
 def _one_pass(run_dir: Path, kwargs: dict[str, Any], as_json: bool, *, quiet: bool = False,
-              said: set[str] | None = None) -> None:
+              said: set[str] | None = None, analyze: bool = False) -> None:
     """One pass, and what it did (``quiet``: nothing said of a pass that did nothing; ``said``: the
-    warnings already given by earlier passes, not repeated)."""
+    warnings already given by earlier passes, not repeated; ``analyze``: then :func:`keep_analysis`)."""
     from megascope.compact import compact as run_compaction
 
     result = run_compaction(run_dir, **kwargs)
+    analysis_s, problem = _analysis_note(run_dir) if analyze else (None, None)
+    if problem is not None:
+        click.echo(f"warning: {problem}", err=True)
     skipped = [line for t in result.tables.values() for line in t.skipped]
     for line in skipped:
         if said is None or line not in said:
@@ -144,12 +178,15 @@ def _one_pass(run_dir: Path, kwargs: dict[str, Any], as_json: bool, *, quiet: bo
             "tables": {t: {"parts_merged": r.parts_merged, "files_written": r.files_written, "rows": r.rows}
                        for t, r in result.tables.items()},
             "skipped": skipped,
+            "analysis_s": round(analysis_s, 3) if analysis_s is not None else None,
         })
         return
     scope = kwargs.get("scope")
     where = f"{run_dir} ({scope})" if scope is not None else f"{run_dir}"
     click.echo(f"{where}: merged {result.parts_merged} parts ({result.rows} rows) into {result.files_written} "
                f"files in {result.seconds:.1f} s; removed {result.removed} files")
+    if analysis_s is not None:
+        click.echo(f"{run_dir}: analysis tables kept beside the run in {analysis_s:.1f} s (the first report reads them)")
 
 
 def register(group: click.Group) -> None:
