@@ -129,10 +129,11 @@ def keep_analysis(run_dir: Path) -> float:
     cache (``RUN/_cache``, megascope.analysis.persist) for the first report and the dashboard;
     returns the seconds it took. Raises what opening or analysing the run raises."""
     from megascope.analysis import report as build_report
-    from megascope.cli.analyze import _open
+    from megascope.cli.analyze import MEMORY_LIMIT
+    from megascope.store import open_run
 
     started = time.monotonic()
-    run = _open(run_dir)
+    run = open_run(run_dir, memory_limit=MEMORY_LIMIT)
     try:
         build_report(run)
     finally:
