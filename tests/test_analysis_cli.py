@@ -11,6 +11,8 @@ import pytest
 from click.testing import Result
 from conftest import Synth
 
+from megascope.store import open_run
+
 
 @pytest.fixture(scope="module")
 def hung_run(synth: Synth, tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -40,6 +42,33 @@ def test_report_json_contract(hung_run: Path, slow_run: Path, cli: Callable[...,
     assert {"rank", "host", "coords", "phase", "slowdown", "steps_slow_frac", "cause", "confidence", "evidence"} <= set(top)
     assert top["rank"] == 3 and top["cause"] == "compute" and set(top["coords"]) == {"pp", "dp", "tp"}
     assert slow["stragglers_withheld"] is None
+
+
+def test_report_hints_at_compaction_on_a_run_of_many_parts(slow_run: Path, tmp_path: Path,
+                                                           cli: Callable[..., Result],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from megascope.cli import analyze
+    from megascope.compact import compact
+
+    run = tmp_path / "run"
+    shutil.copytree(slow_run, run)
+    monkeypatch.setattr(analyze, "COMPACT_HINT_PARTS", 20)
+    result = cli("report", str(run), "--json", "--no-whatif")
+    assert result.exit_code == 0, result.output
+    json.loads(result.stdout)  # the hint leaves the JSON alone
+    hint = [line for line in result.stderr.splitlines() if line.startswith("hint:")]
+    assert len(hint) == 1 and f"megascope compact {run} --all" in hint[0], result.stderr
+    compact(run, min_age_s=0, keep_newest=0, grace_s=0, everything=True)
+    result = cli("report", str(run), "--no-whatif")
+    assert result.exit_code == 0 and "hint:" not in result.stderr, result.stderr
+    monkeypatch.setattr(analyze, "COMPACT_HINT_PARTS", 2_000)
+    assert "hint:" not in cli("report", str(slow_run), "--no-whatif").stderr
+    # A run that may still be written to: only the parts older than a minute, beside the job.
+    opened = open_run(slow_run)
+    monkeypatch.setattr(analyze, "COMPACT_HINT_PARTS", 20)
+    live = analyze._compact_hint(opened, slow_run, "stalled")
+    opened.con.close()
+    assert live is not None and f"megascope compact {slow_run}`" in live and "--all" not in live
 
 
 def test_localize_json_and_text(hung_run: Path, cli: Callable[..., Result]) -> None:
