@@ -66,6 +66,59 @@ def test_second_report_reads_the_cache_and_answers_the_same(run: Path, tmp_path:
     assert same_answer(_uncached(run, tmp_path), first)
 
 
+def test_the_cache_is_written_beside_the_analysis_and_its_extras_after_it(
+        run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A report goes on while its base tables are written: the stragglers are scored before the
+    write is done, what they keep meanwhile is written after it, and nothing is missing once the
+    report returns."""
+    import importlib
+    import threading
+
+    report_module = importlib.import_module("megascope.analysis.report")  # the package exports report()
+
+    expected = _uncached(run, tmp_path)
+    release = threading.Event()
+    order: list[str] = []
+    real_save, real_extra, real_detect = persist.save, persist._write_extra, report_module.detect
+
+    def slow_save(*args: Any, **kwargs: Any) -> bool:
+        assert release.wait(120)
+        order.append("base tables")
+        return real_save(*args, **kwargs)
+
+    def extra(con: Any, source: Any, name: str, table: str, shown: str) -> bool:
+        order.append(name)
+        return real_extra(con, source, name, table, shown)
+
+    def detect(*args: Any, **kwargs: Any) -> Any:
+        found = real_detect(*args, **kwargs)
+        order.append("scored")
+        # The base tables are still being written: nothing kept under the new key is read back.
+        source = persist._source(args[0].con)
+        assert source is not None and persist._in_flight(source)
+        assert persist.load_extra(args[0].con, "rank_scores") is False
+        release.set()
+        return found
+
+    monkeypatch.setattr(persist, "save", slow_save)
+    monkeypatch.setattr(persist, "_write_extra", extra)
+    monkeypatch.setattr(report_module, "detect", detect)
+    opened = open_run(run)
+    first = analysis.report(opened)
+    first.pop("state")
+    assert same_answer(first, expected)
+    assert order[:2] == ["scored", "base tables"]
+    assert [n for n in order[2:] if n.startswith("rank_scores")] and [n for n in order[2:] if n.startswith("whatif_")]
+    key = _key(run)
+    assert set(key["tables"]) == set(BASE_TABLES)
+    assert set(key["extra"]) == set(order[2:])
+    assert [m for m in key["memo"] if m.startswith("whatif-steps:")]
+    # The copies the extras were written from are gone.
+    assert not opened.con.execute("SELECT table_name FROM duckdb_tables() WHERE table_name LIKE '\\_aside\\_%' ESCAPE '\\'").fetchall()
+    monkeypatch.undo()
+    assert same_answer(_report(run), first)
+
+
 def test_cache_never_read_as_a_table(run: Path) -> None:
     _report(run)
     again = open_run(run)

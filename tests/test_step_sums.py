@@ -124,7 +124,8 @@ def _check_same_answers(path: Path, tmp: Path) -> None:
 
 
 @pytest.mark.dist
-def test_a_gloo_run_of_the_trainer_gives_the_same_tables_from_its_sums(tmp_path: Path) -> None:
+def test_a_gloo_run_of_the_trainer_gives_the_same_tables_from_its_sums(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     from megascope.inject import parse_injects
     from megascope.trainer import ModelConfig, TrainConfig, train
 
@@ -137,6 +138,34 @@ def test_a_gloo_run_of_the_trainer_gives_the_same_tables_from_its_sums(tmp_path:
     split = sums.group_by(["rank", "step", "group"]).aggregate([("spans", "count")])
     assert pc.max(split.column("spans_count")).as_py() > 1
     _check_same_answers(path, tmp_path)
+    _check_compacted_splits(path, tmp_path, monkeypatch)
+
+
+def _check_compacted_splits(path: Path, tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compacted files of a few hundred rows cut ranks in two, so a step that crossed a flush has
+    a row in two files' sums: they are looked for only among the ranks where two files' rank and
+    step ranges overlap, and the table is the one summed from the spans."""
+    from megascope import compact as compact_module
+    from megascope.analysis.base import _split_filter
+
+    dest = tmp / "compacted"
+    shutil.copytree(path, dest, ignore=shutil.ignore_patterns("_cache"))
+    monkeypatch.setattr(compact_module, "FILE_ROWS", 600)
+    compact_module.compact(dest, everything=True, min_age_s=0.0, keep_newest=0)
+    twins = sorted((dest / layout.COMPACTED_DIR / layout.STEP_SUMS_DIR).glob("*.parquet"))
+    assert len(twins) >= 2 and not list(dest.glob(layout.sums_glob()))
+    sums = pa.concat_tables([pq.read_table(f) for f in twins])
+    split = sums.group_by(["rank", "step", "group"]).aggregate([("spans", "count")]).filter(
+        pc.field("spans_count") > 1)
+    assert split.num_rows > 0
+    where = _split_filter(open_run(dest).con)
+    assert where.startswith("(s.rank BETWEEN")
+    searched = {int(r) for (r,) in open_run(dest).con.execute(
+        f"SELECT DISTINCT rank FROM step_sums s WHERE {where}").fetchall()}
+    assert set(split.column("rank").to_pylist()) <= searched < set(range(8))
+    summed, source = _rank_step(dest)
+    assert source == ("spans", "sums_lvl")
+    assert summed.equals(_rank_step(tmp / "none")[0])
 
 
 def test_a_synth_run_gives_the_same_tables_from_its_sums(synth: Synth, tmp_path: Path) -> None:
@@ -200,3 +229,17 @@ def test_a_kineto_ingest_writes_the_sums_of_its_spans(tmp_path: Path) -> None:
     with_sums, source = _rank_step(tmp_path / "run")
     assert source == ("spans", "sums_lvl") and with_sums.num_rows > 0
     assert with_sums.equals(_rank_step(none)[0])
+
+
+def test_the_search_for_split_sums_reads_every_row_of_a_run_of_parts(synth: Synth, tmp_path: Path) -> None:
+    from megascope.analysis.base import _split_filter
+
+    path = synth(tmp_path / "run", ranks=8, steps=4, tp=2, pp=2, seed=3)
+    assert _split_filter(open_run(path).con) == "true"
+    compact_run = tmp_path / "compacted"
+    shutil.copytree(path, compact_run)
+    from megascope.compact import compact
+
+    compact(compact_run, everything=True, min_age_s=0.0, keep_newest=0)
+    # One compacted file: no two files to split a rank-step between.
+    assert _split_filter(open_run(compact_run).con) == "false"

@@ -229,14 +229,17 @@ def has_step_spans(con: duckdb.DuckDBPyConnection) -> bool:
     return bool(row and row[0])
 
 
-def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None, persist_cache: bool = True) -> None:
+def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None, persist_cache: bool = True,
+            save_later: bool = False) -> None:
     """Build the base tables unless they are current for this run's files.
 
     With ``persist_cache`` (and a run directory behind ``con``): read them from the run's cache
     (``RUN/_cache``, :mod:`megascope.analysis.persist`) when it was built from the same files;
     extend it when the run only grew (new span or metric parts, the clock estimate unchanged):
     the steps the new parts hold are computed, the others kept; else build them from the parts.
-    What was built is kept there for the next reader, where the run can be written.
+    What was built is kept there for the next reader, where the run can be written: before this
+    returns, or with ``save_later`` on the cache's writer thread while the caller goes on (it then
+    calls :func:`megascope.analysis.persist.wait_saves` before it is done).
     """
     # Cursors do not inherit the connection's settings; DuckDB's progress bar would go to stdout.
     con.execute("SET enable_progress_bar = false")
@@ -244,6 +247,9 @@ def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None, persis
         _sql.ensure_schema(con)
         if _sql.cache_is_fresh(con, "base"):
             return
+        # A save of this process still going on is finished first: the key it writes is the one
+        # compared below.
+        persist.wait_saves()
         say = progress or (lambda msg: None)
         root = persist.run_dir(con) if persist_cache else None
         now = None
@@ -265,17 +271,28 @@ def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None, persis
                 say("extending the analysis cache")
                 params = _extend(con, root, meta, new, say)
                 if params is not None:
-                    saved = persist.save(con, root, now, BASE_TABLES, params)
-                    persist.remember(con, root if saved else None, now.digest)
+                    _keep(con, root, now, params, save_later, say)
                     _sql.mark_built(con, "base")
                     return
         params = _build(con, say)
-        saved = False
         if root is not None and now is not None:
-            say("keeping the base tables beside the run")
-            saved = persist.save(con, root, now, BASE_TABLES, params)
-        persist.remember(con, root if saved else None, now.digest if now is not None else None)
+            _keep(con, root, now, params, save_later, say)
+        else:
+            persist.remember(con, None, now.digest if now is not None else None)
         _sql.mark_built(con, "base")
+
+
+def _keep(con: duckdb.DuckDBPyConnection, root: Path, now: persist.Key, params: dict[str, Any], later: bool,
+          say: Callable[[str], None]) -> None:
+    """Write the base tables to the run's cache (now, or on the cache's writer thread)."""
+    if later:
+        say("keeping the base tables beside the run (while the analysis goes on)")
+        persist.save_later(con, root, now, BASE_TABLES, params)
+        persist.remember(con, root, now.digest)
+        return
+    say("keeping the base tables beside the run")
+    saved = persist.save(con, root, now, BASE_TABLES, params)
+    persist.remember(con, root if saved else None, now.digest)
 
 
 def _first_new_step(con: duckdb.DuckDBPyConnection, new: dict[str, list[str]]) -> int | None:
@@ -385,9 +402,65 @@ def _rank_step(con: duckdb.DuckDBPyConnection, params: dict[str, Any], *, where:
     _rank_step_from(con, params, "spans", "spans_lvl", where, metrics_where)
 
 
+# At most this many step_sums files have their footers read to narrow the search for rows split
+# across files (_split_filter): a compacted run has a few dozen; a run of parts has thousands
+# (read through a glob), and its rows are searched instead.
+SPLIT_CHECK_MAX_FILES = 2000
+# Ranks searched by name at most; past it every row is searched.
+SPLIT_CHECK_MAX_RANKS = 256
+
+
+def _split_filter(con: duckdb.DuckDBPyConnection) -> str:
+    """A predicate on ``s.rank`` for the step_sums rows that may be split across files.
+
+    Within one file a (rank, step, group) has one row (a writer's part, or a compacted file's
+    sums rebuilt from its rows), so a split needs two files whose rank ranges and step ranges
+    overlap: the ranks where they do, from the files' footers. 'true' (every row) where the
+    footers cannot tell: a glob of parts, a file without statistics, a step without a value."""
+    files = persist.view_files(con, "step_sums")
+    if not files or len(files) > SPLIT_CHECK_MAX_FILES:
+        return "true"
+    try:
+        rows = con.execute(
+            "SELECT file_name, path_in_schema, min(TRY_CAST(stats_min_value AS BIGINT)), "
+            "max(TRY_CAST(stats_max_value AS BIGINT)), bool_or(stats_min_value IS NULL OR stats_max_value IS NULL), "
+            "sum(stats_null_count) FROM parquet_metadata(?) WHERE path_in_schema IN ('rank', 'step') GROUP BY ALL",
+            [files]).fetchall()
+    except duckdb.Error:
+        return "true"
+    boxes: dict[str, dict[str, tuple[int, int]]] = {}
+    for name, column, low, high, unknown, nulls in rows:
+        if unknown or low is None or high is None or nulls is None or nulls > 0:
+            return "true"
+        boxes.setdefault(name, {})[column] = (int(low), int(high))
+    if len(boxes) != len(set(files)) or any(len(b) != 2 for b in boxes.values()):
+        return "true"
+    ordered = sorted((b["rank"], b["step"]) for b in boxes.values())
+    shared: list[tuple[int, int]] = []
+    for i, ((_low, r1), (s0, s1)) in enumerate(ordered):
+        for (q0, q1), (t0, t1) in ordered[i + 1:]:
+            if q0 > r1:
+                break
+            if t0 <= s1 and s0 <= t1:
+                shared.append((q0, min(r1, q1)))
+    if not shared:
+        return "false"
+    merged: list[list[int]] = []
+    for low, high in sorted(shared):
+        if merged and low <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], high)
+        else:
+            merged.append([low, high])
+    if sum(high - low + 1 for low, high in merged) > SPLIT_CHECK_MAX_RANKS:
+        return "true"
+    return "(" + " OR ".join(f"s.rank BETWEEN {low} AND {high}" for low, high in merged) + ")"
+
+
 def _rank_step_from(con: duckdb.DuckDBPyConnection, params: dict[str, Any], spans: str, lvl: str, where: str,
                     metrics_where: str) -> None:
-    _sql.execute(con, "base", "rank_step", spans=spans, lvl=lvl, calls_prefix=_sql.Raw(COLLECTOR_CALLS_METRIC),
+    split = _split_filter(con) if lvl != "spans_lvl" else "true"
+    _sql.execute(con, "base", "rank_step", spans=spans, lvl=lvl, split_where=_sql.Raw(split),
+                 calls_prefix=_sql.Raw(COLLECTOR_CALLS_METRIC),
                  calls_prefix_len=len(COLLECTOR_CALLS_METRIC),
                  step_calls_prefix=_sql.Raw(COLLECTOR_STEP_CALLS_METRIC),
                  step_calls_prefix_len=len(COLLECTOR_STEP_CALLS_METRIC), where=_sql.Raw(where),

@@ -23,6 +23,12 @@ Never a wrong answer, never a failed report:
 * files are written under hidden temporary names and renamed, ``key.json`` last; a reader sees the
   old cache, the new one, or none.
 
+Writing the cache can go on beside the analysis (:func:`save_later`, what ``report`` does): one
+writer thread with a cursor of its own writes the base tables, then the extras and memos asked for
+meanwhile, in that order (each extra copied aside first, so that the analysis may drop or replace
+its table at once). Until it is done a reader of this process finds no extra for the new key (there
+is none yet) and computes it; :func:`wait_saves` returns when everything asked for is written.
+
 ``_cache`` matches no table's glob (``spans/rank=*/*.parquet`` ...) and starts with ``_``, which
 Hive-style readers (pyarrow datasets, Spark) skip. Deleting it is always safe.
 
@@ -41,8 +47,11 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -110,6 +119,19 @@ def _views(con: duckdb.DuckDBPyConnection, names: tuple[str, ...] = SOURCE_VIEWS
 
 def _is_path(literal: str) -> bool:
     return literal.endswith(".parquet") and ("/" in literal or os.sep in literal)
+
+
+def view_files(con: duckdb.DuckDBPyConnection, view: str) -> list[str] | None:
+    """The files the store's ``view`` reads, as its definition names them; None where it names a
+    glob (a run's parts: the view stays small however many there are) or no such view."""
+    found = _views(con, (view,))
+    if not found:
+        return None
+    paths = [m.group(1).replace("''", "'") for m in _LITERAL.finditer(found[0][1])]
+    paths = [p for p in paths if _is_path(p)]
+    if any(glob.has_magic(p) for p in paths):
+        return None
+    return paths
 
 
 # Tables whose new parts may extend the cache instead of replacing it (a live run's growth).
@@ -359,11 +381,81 @@ def _source(con: duckdb.DuckDBPyConnection) -> tuple[Path, str] | None:
     return (Path(row[0]), str(row[1])) if row and row[0] and row[1] else None
 
 
+# Saves going on beside the analysis: (run directory, key) -> the last job asked for it. One
+# writer thread runs them in the order they were asked for.
+_pending: dict[tuple[str, str], Future[Any]] = {}
+_pending_lock = threading.Lock()
+_writer: ThreadPoolExecutor | None = None
+
+
+def _in_flight(source: tuple[Path, str]) -> bool:
+    with _pending_lock:
+        job = _pending.get((str(source[0]), source[1]))
+    return job is not None and not job.done()
+
+
+def _after_save(con: duckdb.DuckDBPyConnection, source: tuple[Path, str],
+                job: Callable[[duckdb.DuckDBPyConnection], Any]) -> bool:
+    """Queue ``job`` behind the save of ``source`` still going on (True), or tell the caller to run
+    it now (False). The job gets a cursor of its own, closed when it is done."""
+    global _writer
+    key = (str(source[0]), source[1])
+    with _pending_lock:
+        last = _pending.get(key)
+        if last is None or last.done():
+            return False
+        cursor = con.cursor()
+
+        def run() -> Any:
+            try:
+                return job(cursor)
+            finally:
+                cursor.close()
+
+        if _writer is None:
+            _writer = ThreadPoolExecutor(1, thread_name_prefix="megascope-cache")
+        _pending[key] = _writer.submit(run)
+    return True
+
+
+def save_later(con: duckdb.DuckDBPyConnection, root: Path, now: Key, tables: list[str],
+               params: dict[str, Any] | None = None) -> None:
+    """:func:`save`, on the cache's writer thread: the caller goes on at once. Whatever the tables
+    become meanwhile, the files hold them as they were (the analysis does not change a base table
+    once built). :func:`wait_saves` waits for it."""
+    global _writer
+    cursor = con.cursor()
+
+    def run() -> bool:
+        try:
+            return save(cursor, root, now, tables, params)
+        finally:
+            cursor.close()
+
+    with _pending_lock:
+        if _writer is None:
+            _writer = ThreadPoolExecutor(1, thread_name_prefix="megascope-cache")
+        _pending[(str(root), now.digest)] = _writer.submit(run)
+
+
+def wait_saves() -> None:
+    """Return once every save asked for by :func:`save_later` (and queued behind it) is written."""
+    with _pending_lock:
+        jobs = list(_pending.values())
+    for job in jobs:
+        with contextlib.suppress(Exception):  # each job logs its own failure
+            job.result()
+    with _pending_lock:
+        for key, job in list(_pending.items()):
+            if job.done():
+                del _pending[key]
+
+
 def load_extra(con: duckdb.DuckDBPyConnection, name: str, *, table: str | None = None) -> bool:
     """Fill ``ms_cache.<table>`` (default ``name``) from what :func:`save_extra` kept as ``name``
     for the current key."""
     source = _source(con)
-    if source is None:
+    if source is None or _in_flight(source):  # a key being written has no extras yet
         return False
     root, digest = source
     meta = read_meta(root)
@@ -376,12 +468,36 @@ def load_extra(con: duckdb.DuckDBPyConnection, name: str, *, table: str | None =
 
 def save_extra(con: duckdb.DuckDBPyConnection, name: str, *, table: str | None = None) -> bool:
     """Keep ``ms_cache.<table>`` (default ``name``) in the cache as ``name`` under the current key
-    (if the run can be written and the cache is still the one the base tables came from)."""
+    (if the run can be written and the cache is still the one the base tables came from). While
+    the key's tables are still being written, a copy of the table is written after them."""
     source = _source(con)
     if source is None:
         return False
-    root, digest = source
     table = table or name
+    if not _in_flight(source):
+        return _write_extra(con, source, name, table, table)
+    aside = f"_aside_{uuid.uuid4().hex[:12]}"
+    try:
+        con.execute(f"CREATE TABLE {_sql.CACHE_SCHEMA}.{aside} AS SELECT * FROM {_sql.CACHE_SCHEMA}.{table}")
+    except duckdb.Error as exc:
+        log.info("analysis cache: %s not kept (%s)", table, exc)
+        return False
+
+    def later(cursor: duckdb.DuckDBPyConnection) -> bool:
+        try:
+            return _write_extra(cursor, source, name, aside, table)
+        finally:
+            with contextlib.suppress(duckdb.Error):
+                cursor.execute(f"DROP TABLE IF EXISTS {_sql.CACHE_SCHEMA}.{aside}")
+
+    if _after_save(con, source, later):
+        return True
+    return later(con)
+
+
+def _write_extra(con: duckdb.DuckDBPyConnection, source: tuple[Path, str], name: str, table: str,
+                 shown: str) -> bool:
+    root, digest = source
     where = cache_dir(root)
     tag = uuid.uuid4().hex[:12]
     tmp = where / f".tmp-{tag}-{name}.parquet"
@@ -400,7 +516,7 @@ def save_extra(con: duckdb.DuckDBPyConnection, name: str, *, table: str | None =
         key_tmp.write_text(json.dumps(meta, indent=1))
         os.replace(key_tmp, where / KEY_FILE)
     except (OSError, duckdb.Error) as exc:
-        log.info("analysis cache: %s not kept (%s)", table, exc)
+        log.info("analysis cache: %s not kept (%s)", shown, exc)
         for path in (tmp, key_tmp):
             with contextlib.suppress(OSError):
                 path.unlink()
@@ -411,8 +527,10 @@ def save_extra(con: duckdb.DuckDBPyConnection, name: str, *, table: str | None =
 def memo_get(con: duckdb.DuckDBPyConnection, name: str) -> Any:
     """A small JSON value kept under the current key by :func:`memo_put`, or None."""
     source = _source(con)
-    meta = read_meta(source[0]) if source is not None else None
-    if source is None or meta is None or meta.get("key") != source[1]:
+    if source is None or _in_flight(source):  # a key being written has no memos yet
+        return None
+    meta = read_meta(source[0])
+    if meta is None or meta.get("key") != source[1]:
         return None
     memo = meta.get("memo")
     return memo.get(name) if isinstance(memo, dict) else None
@@ -420,10 +538,17 @@ def memo_get(con: duckdb.DuckDBPyConnection, name: str) -> Any:
 
 def memo_put(con: duckdb.DuckDBPyConnection, name: str, value: Any) -> bool:
     """Keep ``value`` (plain JSON) in ``key.json`` under the current key: a result derived from the
-    base tables alone that costs more than reading it back (the what-if replay)."""
+    base tables alone that costs more than reading it back (the what-if replay). While the key's
+    tables are still being written, it is kept after them."""
     source = _source(con)
     if source is None:
         return False
+    if _after_save(con, source, lambda _cursor: _write_memo(source, name, value)):
+        return True
+    return _write_memo(source, name, value)
+
+
+def _write_memo(source: tuple[Path, str], name: str, value: Any) -> bool:
     root, digest = source
     key_tmp = cache_dir(root) / f".tmp-{uuid.uuid4().hex[:12]}-{KEY_FILE}"
     try:

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import duckdb
 import pandas as pd
 
-from megascope.analysis import _sql
+from megascope.analysis import _sql, persist
 from megascope.analysis.base import prepare
 from megascope.analysis.hang import localize
 from megascope.analysis.pipeline import bubbles, exposed_comm, host_lead_summary
@@ -139,7 +140,17 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
     say = progress or (lambda msg: None)
     run = run.with_cursor()
     con = run.con
-    prepare(con, progress=say)
+    # The base tables are written to the run's cache beside the analysis below, done when this returns.
+    prepare(con, progress=say, save_later=True)
+    try:
+        return _report(run, say, config, with_whatif)
+    finally:
+        persist.wait_saves()
+
+
+def _report(run: Run, say: Callable[[str], None], config: StragglerConfig | None,
+            with_whatif: bool) -> dict[str, Any]:
+    con = run.con
     axes = tuple(run.meta.mesh_axes)
     extent = _sql.first(_sql.execute(con, "report", "extent"))
     n_steps = int(extent[0]) if extent else 0
@@ -159,20 +170,34 @@ def report(run: Run, *, progress: Callable[[str], None] | None = None,
     per_step = mfu(run)
     drift = mfu_drift(per_step) if not per_step.empty else {"drifting": False}
     median_step = float(per_step["step_time_ns"].median()) if not per_step.empty else None
-    say("measuring skew")
-    by_collective = skew_by_collective(run)
-    skew_drifts = skew_drift(run, step_time_ns=median_step, by_collective=by_collective)
-    state = run_state(run, hang=hang)
-    say("pipeline bubbles and exposed communication")
-    bubble_frame = bubbles(run)
-    exposed = exposed_comm(run)
-    lead = host_lead_summary(run)
-    offsets = clock_offsets(run)
-    whatif_result = None
     causal = slow[slow["cause"] != "communication"] if not slow.empty else slow
+    replay: Future[dict[str, Any]] | None = None
+    pool = side = None
     if with_whatif and not causal.empty and not per_step.empty:
-        say("replaying steps without stragglers")
-        whatif_result = whatif(run, ranks=[int(r) for r in causal["rank"]])
+        say("replaying steps without stragglers (beside the sections below)")
+        # The replay is mostly Python: on a thread of its own (and a cursor of its own), beside
+        # the SQL of the sections below, which leaves the interpreter free while it runs.
+        side = run.with_cursor()
+        pool = ThreadPoolExecutor(1, thread_name_prefix="megascope-whatif")
+        replay = pool.submit(whatif, side, ranks=[int(r) for r in causal["rank"]], per_step=per_step)
+    try:
+        say("measuring skew")
+        by_collective = skew_by_collective(run)
+        skew_drifts = skew_drift(run, step_time_ns=median_step, by_collective=by_collective)
+        state = run_state(run, hang=hang)
+        say("pipeline bubbles and exposed communication")
+        bubble_frame = bubbles(run)
+        exposed = exposed_comm(run)
+        lead = host_lead_summary(run)
+        offsets = clock_offsets(run)
+        if replay is not None and not replay.done():
+            say("finishing the replay")
+        whatif_result = replay.result() if replay is not None else None
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True)
+        if side is not None:
+            side.con.close()
     mesh = {a: int(run.meta.mesh_sizes.get(a, 1)) for a in axes} if run.meta.mesh_sizes else run.mesh.size
     result = {
         "run": {

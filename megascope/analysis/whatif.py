@@ -80,62 +80,75 @@ def _simulate(rank_of_row: np.ndarray, inst_of_row: np.ndarray, own: np.ndarray,
     ``posted`` rows (sends, calls waited for later) contribute their arrival to the instance but
     do not block the rank. ``waiter`` rows (the wait for such a call) are no arrival: they hold
     the rank until the instance completes.
+
+    Each rank runs down its rows until an instance it must wait for is incomplete; the last
+    arrival of an instance completes it and releases the ranks held there. The result depends on
+    the dependencies alone, not on the order the ranks are taken in.
     """
-    ranks = list(dict.fromkeys(rank_of_row.tolist()))
-    bounds: dict[int, list[int]] = {}
-    for i, r in enumerate(rank_of_row.tolist()):
-        b = bounds.setdefault(r, [i, i])
-        b[1] = i + 1
-    n_inst = int(inst_of_row.max()) + 1 if len(inst_of_row) else 0
+    n = len(rank_of_row)
+    if n == 0:
+        return 0.0
+    # Ranks by position j: each one's rows are the run [los[j], his[j]).
+    cuts = np.flatnonzero(rank_of_row[1:] != rank_of_row[:-1]) + 1
+    los: list[int] = np.concatenate(([0], cuts)).tolist()
+    his: list[int] = np.concatenate((cuts, [n])).tolist()
+    ranks: list[int] = rank_of_row[los].tolist()
+    n_inst = int(inst_of_row.max()) + 1
     waits = waiter.astype(bool)
     need = np.bincount(inst_of_row[~waits], minlength=n_inst).tolist()
-    inst_l, own_l, xfer_l, posted_l, wait_l = inst_of_row.tolist(), own.tolist(), xfer.tolist(), posted.tolist(), waits.tolist()
+    inst_l, own_l, xfer_l = inst_of_row.tolist(), own.tolist(), xfer.tolist()
+    posted_l, wait_l = posted.astype(bool).tolist(), waits.tolist()
     count = [0] * n_inst
     latest = [0.0] * n_inst
     done_at: list[float | None] = [None] * n_inst
     members: list[list[int]] = [[] for _ in range(n_inst)]
     waiting: list[list[tuple[int, float]]] = [[] for _ in range(n_inst)]
-    t = {r: float(start.get(r, 0.0)) for r in ranks}
-    ptr = {r: bounds[r][0] for r in ranks}
-    stack = list(reversed(ranks))
-    while stack:
-        r = stack.pop()
-        i = ptr[r]
-        if i >= bounds[r][1]:
-            continue
-        k = inst_l[i]
-        arrival = t[r] + own_l[i]
-        if wait_l[i]:
-            finished = done_at[k]
-            if finished is None:
-                waiting[k].append((r, arrival))
+    t = [float(start.get(r, 0.0)) for r in ranks]
+    ptr = list(los)
+    ready = list(range(len(ranks) - 1, -1, -1))
+    while ready:
+        j = ready.pop()
+        i, hi, tj = ptr[j], his[j], t[j]
+        while i < hi:
+            k = inst_l[i]
+            arrival = tj + own_l[i]
+            if wait_l[i]:
+                finished = done_at[k]
+                if finished is None:
+                    waiting[k].append((j, arrival))
+                    break
+                tj = max(arrival, finished)
+                i += 1
+                continue
+            count[k] += 1
+            if arrival > latest[k]:
+                latest[k] = arrival
+            held = not posted_l[i]
+            if held:
+                members[k].append(j)
             else:
-                t[r] = max(arrival, finished)
-                ptr[r] += 1
-                stack.append(r)
-            continue
-        count[k] += 1
-        latest[k] = max(latest[k], arrival)
-        if posted_l[i]:
-            t[r] = arrival
-            ptr[r] += 1
-            stack.append(r)
-        else:
-            members[k].append(r)
-        if count[k] == need[k]:
-            done = done_at[k] = latest[k] + xfer_l[k]
-            for m in members[k]:
-                t[m] = done
-                ptr[m] += 1
-                stack.append(m)
-            for m, at in waiting[k]:
-                t[m] = max(at, done)
-                ptr[m] += 1
-                stack.append(m)
-    stuck = [r for r in ranks if ptr[r] < bounds[r][1]]
+                tj = arrival
+                i += 1
+            if count[k] == need[k]:
+                ptr[j], t[j] = i, tj
+                done = done_at[k] = latest[k] + xfer_l[k]
+                for m in members[k]:
+                    t[m] = done
+                    ptr[m] += 1
+                    if m != j:
+                        ready.append(m)
+                for m, at in waiting[k]:
+                    t[m] = max(at, done)
+                    ptr[m] += 1
+                    ready.append(m)
+                i, tj = ptr[j], t[j]
+            elif held:
+                break
+        ptr[j], t[j] = i, tj
+    stuck = sum(1 for j in range(len(ranks)) if ptr[j] < his[j])
     if stuck:
-        log.info("what-if replay: %d ranks never finished their chain", len(stuck))
-    return max(t[r] + tail.get(r, 0.0) - start.get(r, 0.0) for r in ranks) if ranks else 0.0
+        log.info("what-if replay: %d ranks never finished their chain", stuck)
+    return max(t[j] + tail.get(r, 0.0) - start.get(r, 0.0) for j, r in enumerate(ranks))
 
 
 def _float_map(series: pd.Series) -> dict[int, float]:
@@ -205,22 +218,24 @@ def replay_step(frame: pd.DataFrame, fixed_ranks: set[int]) -> tuple[float, floa
     return base, fixed
 
 
-def whatif(run: Run, *, ranks: list[int] | None = None,
-           steps: list[int] | None = None) -> dict[str, Any]:
+def whatif(run: Run, *, ranks: list[int] | None = None, steps: list[int] | None = None,
+           per_step: pd.DataFrame | None = None) -> dict[str, Any]:
     """Step time and MFU if ``ranks`` (default: the detected stragglers) ran at their peers' median.
 
     Returns {ranks, steps_modeled, step_time_ns (measured median), modeled_baseline_ns,
     modeled_fixed_ns, whatif_step_time_ns, speedup, step_savings, mfu, whatif_mfu, lower_bound}. ``lower_bound``:
     some communication calls were not timed (the collector timed a group's calls in some
     micro-batches only), so the replay cannot free the waits behind them and the speedup is a
-    lower bound.
+    lower bound. ``per_step``: :func:`megascope.analysis.timeline.mfu` of the run, where the caller
+    has it.
     """
     con = run.con
     prepare(con)
     if ranks is None:
         found = stragglers(run)
         ranks = [int(r) for r, c in zip(found["rank"], found["cause"], strict=True) if c != "communication"]
-    per_step = mfu(run)
+    if per_step is None:
+        per_step = mfu(run)
     measured = float(per_step["step_time_ns"].median()) if not per_step.empty else 0.0
     mean_mfu = float(per_step["mfu"].mean()) if per_step["mfu"].notna().any() else None
     if steps is None:

@@ -200,7 +200,7 @@ FROM g LEFT JOIN ms_cache.group_kind k ON k."group" = g.grp;
 -- One row per (rank, step): step time and what it was spent on ({{where}}, {{metrics_where}}: the
 -- spans' and metrics' steps read, all of them or those a grown run added). Summed from the
 -- writers' step_sums where the spans files have them, from the spans where not ({{lvl}},
--- {{spans}}: base._sums_source): the same table either way.
+-- {{spans}}: base._sums_source): the same table either way ({{split_where}}: see sums_split).
 -- @column rank, step     the rank and the step
 -- @column stage          pipeline stage
 -- @column step_ns        the rank's step span (NULL when it wrote none: an unfinished step)
@@ -271,8 +271,10 @@ WITH spans_lvl AS (
     SELECT * FROM step_sums s WHERE {{where}}
 ), sums_split AS (
     -- (rank, step, group)s with rows in more than one file (a step that crossed a flush, or
-    -- compacted files): only these are aggregated, the others (most) taken as they are.
-    SELECT rank, step, "group" FROM sums GROUP BY ALL HAVING count(*) > 1
+    -- compacted files): only these are aggregated, the others (most) taken as they are. Looked
+    -- for among the rows {{split_where}} (base._split_filter: the ranks of files whose rank and
+    -- step ranges overlap, where the files' footers tell; else every row).
+    SELECT rank, step, "group" FROM sums s WHERE {{split_where}} GROUP BY ALL HAVING count(*) > 1
 ), sums_lvl AS (
     -- The same from the sums the writers kept beside their spans files (view step_sums), one row
     -- or more per (rank, step, group): sums and counts add up, extremes combine. Arrivals are
