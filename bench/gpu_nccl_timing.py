@@ -1,0 +1,141 @@
+"""What timing one collective costs the training thread, by who times it (one CUDA device).
+
+In an NCCL world of one (real collective kernels, a 4 KiB all-reduce), the training thread's CPU
+time per call (``time.thread_time_ns``, median of repeats) of:
+
+* ``plain``: ``dist.all_reduce`` alone;
+* ``+ 2 timing events``: the same between two ``torch.cuda.Event(enable_timing=True)`` records,
+  what any span timed on the device adds at the least;
+* ``megascope comm span, device clock`` / ``host clock``: the call inside ``col.comm(...)``; with
+  the device clock also with the writer parked (no pass during the measurement: what the writer's
+  passes take from the training thread) and with the markers kept in the process (no marker
+  agent: what its shared-memory ring costs);
+* ``plain, TORCH_NCCL_ENABLE_TIMING=1``: torch's own start/end events per collective, recorded in
+  C++ (the flight recorder keeps their durations).
+
+Each configuration runs in a fresh process (the NCCL variable is read when the group is made),
+the processes interleaved, ``--rounds`` times. Prints a table; with ``OUT`` set, writes
+``$OUT/nccl_timing.json``.
+
+    python bench/gpu_nccl_timing.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+VARIANTS = ("plain", "events", "span-device", "span-device-parked", "span-device-no-agent", "span-host", "torch-timing")
+LABELS = {
+    "plain": "plain",
+    "events": "+ 2 timing events",
+    "span-device": "megascope comm span, device clock",
+    "span-device-parked": "the same, writer parked",
+    "span-device-no-agent": "the same, markers kept in process",
+    "span-host": "megascope comm span, host clock",
+    "torch-timing": "plain, TORCH_NCCL_ENABLE_TIMING=1",
+}
+
+
+def child(variant: str, calls: int, repeats: int) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+    from megascope.collectors import Collector, CollectorConfig
+
+    tmp = Path(tempfile.mkdtemp(prefix="megascope-nccl-timing-"))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp / 'init'}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    x = torch.ones(1024, device="cuda")
+    col = None
+    if variant.startswith("span-"):
+        col = Collector(CollectorConfig(run_dir=tmp / "run", device=torch.device("cuda"),
+                                        clock=variant.split("-")[1], handle_sigterm=False,
+                                        flush_interval_s=3600.0 if variant.endswith("-parked") else 0.5,
+                                        max_buffered_rows=4 * calls * (repeats + 1),
+                                        marker_agent=not variant.endswith("-no-agent")), rank=0, world_size=1)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def run(k: int) -> None:
+        for _ in range(k):
+            if variant == "events":
+                begin.record()
+                dist.all_reduce(x)
+                end.record()
+            elif col is not None:
+                with col.comm(op="all_reduce", group="world", bytes=4096):
+                    dist.all_reduce(x)
+            else:
+                dist.all_reduce(x)
+
+    cpu, wall = [], []
+    for step in range(repeats + 1):
+        torch.cuda.synchronize()
+        t0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+        if col is not None:
+            with col.step(step):
+                run(calls)
+        else:
+            run(calls)
+        cpu.append((time.thread_time_ns() - t0) / calls / 1e3)
+        wall.append((time.perf_counter_ns() - w0) / calls / 1e3)
+    torch.cuda.synchronize()
+    if col is not None:
+        col.close()
+    dist.destroy_process_group()
+    # The first repeat warms NCCL and the event pool up: left out.
+    return {"cpu_us": statistics.median(cpu[1:]), "wall_us": statistics.median(wall[1:])}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--only", action="append", choices=VARIANTS, help="only these (repeatable)")
+    parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print("RESULT " + json.dumps(child(args.child, args.calls, args.repeats)))
+        return 0
+    chosen = tuple(v for v in VARIANTS if not args.only or v in args.only or v == "plain")
+    results: dict[str, list[dict[str, float]]] = {v: [] for v in chosen}
+    for r in range(args.rounds):
+        order = chosen if r % 2 == 0 else tuple(reversed(chosen))
+        for variant in order:
+            env = dict(os.environ, TORCH_NCCL_ENABLE_TIMING="1" if variant == "torch-timing" else "0")
+            proc = subprocess.run([sys.executable, __file__, "--child", variant, "--calls", str(args.calls),
+                                   "--repeats", str(args.repeats)], capture_output=True, text=True, env=env)
+            line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                print(f"{variant}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
+                return 1
+            results[variant].append(json.loads(line[7:]))
+    base = statistics.median(x["cpu_us"] for x in results["plain"])
+    rows: list[dict[str, Any]] = []
+    print(f"\nHost CPU time per 4 KiB all-reduce, NCCL world of one, {args.rounds} rounds x {args.repeats} repeats "
+          f"x {args.calls} calls (median of the rounds' medians)\n")
+    print(f"| {'how it is timed':<36} | CPU us / call | over plain | wall us / call |")
+    print(f"|{'-' * 38}|---------------|------------|---------------|")
+    for variant in chosen:
+        cpu = statistics.median(x["cpu_us"] for x in results[variant])
+        wall = statistics.median(x["wall_us"] for x in results[variant])
+        rows.append({"variant": variant, "cpu_us": cpu, "over_plain_us": cpu - base, "wall_us": wall,
+                     "rounds": results[variant]})
+        print(f"| {LABELS[variant]:<36} | {cpu:13.2f} | {cpu - base:+10.2f} | {wall:13.2f} |")
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "nccl_timing.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
