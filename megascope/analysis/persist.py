@@ -439,7 +439,8 @@ def save_later(con: duckdb.DuckDBPyConnection, root: Path, now: Key, tables: lis
 
 
 def wait_saves() -> None:
-    """Return once every save asked for by :func:`save_later` (and queued behind it) is written."""
+    """Return once every save asked for by :func:`save_later`, and everything queued behind it
+    before this call, is written (or has failed, which the job logs)."""
     with _pending_lock:
         jobs = list(_pending.values())
     for job in jobs:
