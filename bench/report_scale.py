@@ -10,8 +10,9 @@ Each run is written once with ``megascope synth`` (tp=8, pp=8, a straggler plant
 
 Columns: the whole report (open + base tables + the rest, what ``megascope report --json`` does
 minus printing), its parts, and the peak resident memory. The base tables are counted until the
-first section starts; writing them to the run's cache goes on beside the sections, in the rest. ``--phases`` prints where a cold report's
-time goes, phase by phase (the report's own progress messages).
+first section starts; writing them to the run's cache goes on beside the sections, in the rest.
+``--phases`` prints where a cold report's time goes, phase by phase (the report's own progress
+messages).
 
     python bench/report_scale.py --dir /big/disk/bench                     # both sizes
     python bench/report_scale.py --dir D --ranks 1024 --steps 100 --phases  # one size
