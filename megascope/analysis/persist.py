@@ -394,27 +394,34 @@ def _in_flight(source: tuple[Path, str]) -> bool:
     return job is not None and not job.done()
 
 
+def _queue(con: duckdb.DuckDBPyConnection, key: tuple[str, str],
+           job: Callable[[duckdb.DuckDBPyConnection], Any]) -> None:
+    """Run ``job`` on the cache's writer thread with a cursor of its own (closed when it is done),
+    as the last job of ``key``. Called with ``_pending_lock`` held."""
+    global _writer
+    cursor = con.cursor()
+
+    def run() -> Any:
+        try:
+            return job(cursor)
+        finally:
+            cursor.close()
+
+    if _writer is None:
+        _writer = ThreadPoolExecutor(1, thread_name_prefix="megascope-cache")
+    _pending[key] = _writer.submit(run)
+
+
 def _after_save(con: duckdb.DuckDBPyConnection, source: tuple[Path, str],
                 job: Callable[[duckdb.DuckDBPyConnection], Any]) -> bool:
     """Queue ``job`` behind the save of ``source`` still going on (True), or tell the caller to run
-    it now (False). The job gets a cursor of its own, closed when it is done."""
-    global _writer
+    it now (False)."""
     key = (str(source[0]), source[1])
     with _pending_lock:
         last = _pending.get(key)
         if last is None or last.done():
             return False
-        cursor = con.cursor()
-
-        def run() -> Any:
-            try:
-                return job(cursor)
-            finally:
-                cursor.close()
-
-        if _writer is None:
-            _writer = ThreadPoolExecutor(1, thread_name_prefix="megascope-cache")
-        _pending[key] = _writer.submit(run)
+        _queue(con, key, job)
     return True
 
 
@@ -423,19 +430,8 @@ def save_later(con: duckdb.DuckDBPyConnection, root: Path, now: Key, tables: lis
     """:func:`save`, on the cache's writer thread: the caller goes on at once. Whatever the tables
     become meanwhile, the files hold them as they were (the analysis does not change a base table
     once built). :func:`wait_saves` waits for it."""
-    global _writer
-    cursor = con.cursor()
-
-    def run() -> bool:
-        try:
-            return save(cursor, root, now, tables, params)
-        finally:
-            cursor.close()
-
     with _pending_lock:
-        if _writer is None:
-            _writer = ThreadPoolExecutor(1, thread_name_prefix="megascope-cache")
-        _pending[(str(root), now.digest)] = _writer.submit(run)
+        _queue(con, (str(root), now.digest), lambda cursor: save(cursor, root, now, tables, params))
 
 
 def wait_saves() -> None:
