@@ -489,7 +489,12 @@ def part_run_id(path: Path | str) -> str | None:
     """The run id stamped into a part, or None (a part written without one)."""
     import pyarrow.parquet as pq
 
-    raw = (pq.read_metadata(path).metadata or {}).get(RUN_ID_KEY)
+    return run_id_in(pq.read_metadata(path).metadata)
+
+
+def run_id_in(key_values: dict[bytes, bytes] | None) -> str | None:
+    """The run id in a Parquet footer's key-value metadata, or None."""
+    raw = (key_values or {}).get(RUN_ID_KEY)
     return raw.decode(errors="replace") if raw is not None else None
 
 

@@ -253,8 +253,9 @@ def _check_part(path: Path, table: str, run_id: str, con: duckdb.DuckDBPyConnect
     import pyarrow.parquet as pq
 
     try:
-        schema = pq.read_schema(path)
-        part_run_id = layout.part_run_id(path)
+        footer = pq.read_metadata(path)  # once: a compacted file's footer holds hundreds of row groups
+        schema = footer.schema.to_arrow_schema()
+        part_run_id = layout.run_id_in(footer.metadata)
         if con is not None:
             con.execute("DESCRIBE SELECT * FROM read_parquet(?)", [str(path)]).fetchall()
     except (OSError, pa.ArrowException, duckdb.Error) as exc:
