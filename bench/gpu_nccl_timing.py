@@ -11,7 +11,17 @@ time per call (``time.thread_time_ns``, median of repeats) of:
   passes take from the training thread) and with the markers kept in the process (no marker
   agent: what its shared-memory ring costs);
 * ``plain, TORCH_NCCL_ENABLE_TIMING=1``: torch's own start/end events per collective, recorded in
-  C++ (the flight recorder keeps their durations).
+  C++ (the flight recorder keeps their durations);
+* ``torch durations, kept``: the same, the call made asynchronous and waited for, its work object
+  kept with a host stamp for a reader thread that takes each duration (``Work._get_duration``)
+  once the work completed: the training thread's side of timing collectives by torch's events.
+
+``--durations`` checks what torch's duration measures instead (TORCH_NCCL_ENABLE_TIMING=1): a
+device delay (``torch.cuda._sleep``) queued before the call on the compute stream, the call's
+duration against two timing events around it on that stream. The start event is recorded on
+NCCL's stream once it has waited for the compute stream, so a delay before the call must not count;
+with peers it would count the wait for the last of them. Also: the reader's cost per duration, and
+what a duration asked for before the work completed gives.
 
 Each configuration runs in a fresh process (the NCCL variable is read when the group is made),
 the processes interleaved, ``--rounds`` times. Prints a table; with ``OUT`` set, writes
@@ -23,17 +33,20 @@ the processes interleaved, ``--rounds`` times. Prints a table; with ``OUT`` set,
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-VARIANTS = ("plain", "events", "span-device", "span-device-parked", "span-device-no-agent", "span-host", "torch-timing")
+VARIANTS = ("plain", "events", "span-device", "span-device-parked", "span-device-no-agent", "span-host", "torch-timing",
+            "torch-kept")
 LABELS = {
     "plain": "plain",
     "events": "+ 2 timing events",
@@ -42,7 +55,9 @@ LABELS = {
     "span-device-no-agent": "the same, markers kept in process",
     "span-host": "megascope comm span, host clock",
     "torch-timing": "plain, TORCH_NCCL_ENABLE_TIMING=1",
+    "torch-kept": "torch durations, kept for a reader",
 }
+TORCH_TIMED = ("torch-timing", "torch-kept")
 
 
 def child(variant: str, calls: int, repeats: int) -> dict[str, float]:
@@ -63,10 +78,35 @@ def child(variant: str, calls: int, repeats: int) -> dict[str, float]:
                                         max_buffered_rows=4 * calls * (repeats + 1),
                                         marker_agent=not variant.endswith("-no-agent")), rank=0, world_size=1)
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    kept: collections.deque[tuple[int, Any]] = collections.deque()
+    durations: list[float] = []
+    stop = threading.Event()
+
+    def reader() -> None:
+        # Takes the kept works in order, each once it completed (the writer thread's side).
+        while not stop.is_set() or kept:
+            if not kept:
+                time.sleep(0.001)
+                continue
+            _, work = kept[0]
+            if not work.is_completed():
+                time.sleep(0.0002)
+                continue
+            kept.popleft()
+            durations.append(work._get_duration())
+
+    side = threading.Thread(target=reader, daemon=True) if variant == "torch-kept" else None
+    if side is not None:
+        side.start()
 
     def run(k: int) -> None:
         for _ in range(k):
-            if variant == "events":
+            if variant == "torch-kept":
+                stamp = time.perf_counter_ns()
+                work = dist.all_reduce(x, async_op=True)
+                work.wait()
+                kept.append((stamp, work))
+            elif variant == "events":
                 begin.record()
                 dist.all_reduce(x)
                 end.record()
@@ -88,11 +128,68 @@ def child(variant: str, calls: int, repeats: int) -> dict[str, float]:
         cpu.append((time.thread_time_ns() - t0) / calls / 1e3)
         wall.append((time.perf_counter_ns() - w0) / calls / 1e3)
     torch.cuda.synchronize()
+    if side is not None:
+        stop.set()
+        side.join()
     if col is not None:
         col.close()
     dist.destroy_process_group()
     # The first repeat warms NCCL and the event pool up: left out.
-    return {"cpu_us": statistics.median(cpu[1:]), "wall_us": statistics.median(wall[1:])}
+    result = {"cpu_us": statistics.median(cpu[1:]), "wall_us": statistics.median(wall[1:])}
+    if durations:
+        result["durations_read"] = len(durations)
+        result["duration_median_us"] = statistics.median(durations) * 1e3
+    return result
+
+
+def check_durations(trials: int) -> dict[str, Any]:
+    """What ``Work._get_duration`` measures (see the module's doc); run with TORCH_NCCL_ENABLE_TIMING=1."""
+    import torch
+    import torch.distributed as dist
+
+    from megascope.trainer.faults import sleep_cycles_per_ns
+
+    tmp = Path(tempfile.mkdtemp(prefix="megascope-nccl-durations-"))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{tmp / 'init'}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    x = torch.ones(1024, device="cuda")
+    per_ns = sleep_cycles_per_ns(torch.device("cuda", 0))
+    rows = []
+    for delay_us in (0, 200, 2000):
+        torch_us, events_us = [], []
+        for _ in range(trials):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if delay_us:
+                torch.cuda._sleep(int(delay_us * 1e3 * per_ns))
+            a.record()
+            work = dist.all_reduce(x, async_op=True)
+            work.wait()
+            b.record()
+            torch.cuda.synchronize()
+            torch_us.append(work._get_duration() * 1e3)
+            events_us.append(a.elapsed_time(b) * 1e3)
+        rows.append({"delay_before_us": delay_us, "torch_duration_us": statistics.median(torch_us),
+                     "events_around_us": statistics.median(events_us)})
+    # A duration asked for while the work is still queued (behind a 20 ms delay).
+    torch.cuda._sleep(int(20e6 * per_ns))
+    work = dist.all_reduce(x, async_op=True)
+    early: dict[str, Any] = {"completed": work.is_completed()}
+    try:
+        early["duration_ms"] = work._get_duration()
+    except Exception as exc:  # noqa: BLE001 - what torch raises is the finding
+        early["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    torch.cuda.synchronize()
+    # The reader's cost: one duration read from a completed work, CPU time.
+    works = [dist.all_reduce(x, async_op=True) for _ in range(2000)]
+    torch.cuda.synchronize()
+    t0 = time.thread_time_ns()
+    for w in works:
+        w.is_completed()
+        w._get_duration()
+    read_us = (time.thread_time_ns() - t0) / len(works) / 1e3
+    dist.destroy_process_group()
+    return {"rows": rows, "early": early, "read_us": read_us}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,17 +198,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--only", action="append", choices=VARIANTS, help="only these (repeatable)")
+    parser.add_argument("--durations", action="store_true", help="check what torch's per-collective duration measures")
     parser.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--durations-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
         print("RESULT " + json.dumps(child(args.child, args.calls, args.repeats)))
         return 0
+    if args.durations_child:
+        print("RESULT " + json.dumps(check_durations(trials=args.repeats * 3)))
+        return 0
+    if args.durations:
+        return durations_table(args.repeats)
     chosen = tuple(v for v in VARIANTS if not args.only or v in args.only or v == "plain")
     results: dict[str, list[dict[str, float]]] = {v: [] for v in chosen}
     for r in range(args.rounds):
         order = chosen if r % 2 == 0 else tuple(reversed(chosen))
         for variant in order:
-            env = dict(os.environ, TORCH_NCCL_ENABLE_TIMING="1" if variant == "torch-timing" else "0")
+            env = dict(os.environ, TORCH_NCCL_ENABLE_TIMING="1" if variant in TORCH_TIMED else "0")
             proc = subprocess.run([sys.executable, __file__, "--child", variant, "--calls", str(args.calls),
                                    "--repeats", str(args.repeats)], capture_output=True, text=True, env=env)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -134,6 +238,28 @@ def main(argv: list[str] | None = None) -> int:
     out = os.environ.get("OUT")
     if out:
         Path(out, "nccl_timing.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def durations_table(repeats: int) -> int:
+    env = dict(os.environ, TORCH_NCCL_ENABLE_TIMING="1")
+    proc = subprocess.run([sys.executable, __file__, "--durations-child", "--repeats", str(repeats)],
+                          capture_output=True, text=True, env=env)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        print(f"durations: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return 1
+    found = json.loads(line[7:])
+    print("\nWhat torch's per-collective duration measures (4 KiB all-reduce, NCCL world of one, medians)\n")
+    print("| device delay queued before the call | torch's duration, us | two events around the call, us |")
+    print("|---|---|---|")
+    for row in found["rows"]:
+        print(f"| {row['delay_before_us']} us | {row['torch_duration_us']:.1f} | {row['events_around_us']:.1f} |")
+    print(f"\nasked for before completion: {found['early']}")
+    print(f"reading one duration of a completed work: {found['read_us']:.2f} us of CPU")
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, "nccl_durations.json").write_text(json.dumps(found, indent=1))
     return 0
 
 
