@@ -12,9 +12,12 @@ time per call (``time.thread_time_ns``, median of repeats) of:
   agent: what its shared-memory ring costs);
 * ``plain, TORCH_NCCL_ENABLE_TIMING=1``: torch's own start/end events per collective, recorded in
   C++ (the flight recorder keeps their durations);
-* ``torch durations, kept``: the same, the call made asynchronous and waited for, its work object
-  kept with a host stamp for a reader thread that takes each duration (``Work._get_duration``)
-  once the work completed: the training thread's side of timing collectives by torch's events.
+* ``made asynchronous and waited``: the same, ``async_op=True`` and ``wait()``, nothing kept;
+* ``torch durations, kept``: the same, its work object kept with a host stamp for a reader
+  thread that takes each duration (``Work._get_duration``) once the work completed;
+* ``torch durations, flight recorder read``: the plain call with torch's timing, and a reader
+  thread that dumps the flight recorder once per repeat (after its calls; each dump unpickled, its
+  durations counted): durations read in bulk, in C++.
 
 ``--durations`` checks what torch's duration measures instead (TORCH_NCCL_ENABLE_TIMING=1): a
 device delay (``torch.cuda._sleep``) queued before the call on the compute stream, the call's
@@ -36,6 +39,7 @@ import argparse
 import collections
 import json
 import os
+import pickle
 import statistics
 import subprocess
 import sys
@@ -46,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 VARIANTS = ("plain", "events", "span-device", "span-device-parked", "span-device-no-agent", "span-host", "torch-timing",
-            "torch-kept")
+            "torch-async", "torch-kept", "torch-fr")
 LABELS = {
     "plain": "plain",
     "events": "+ 2 timing events",
@@ -55,9 +59,11 @@ LABELS = {
     "span-device-no-agent": "the same, markers kept in process",
     "span-host": "megascope comm span, host clock",
     "torch-timing": "plain, TORCH_NCCL_ENABLE_TIMING=1",
+    "torch-async": "the same, made asynchronous and waited",
     "torch-kept": "torch durations, kept for a reader",
+    "torch-fr": "torch durations, flight recorder read",
 }
-TORCH_TIMED = ("torch-timing", "torch-kept")
+TORCH_TIMED = ("torch-timing", "torch-async", "torch-kept", "torch-fr")
 
 
 def child(variant: str, calls: int, repeats: int) -> dict[str, float]:
@@ -95,7 +101,27 @@ def child(variant: str, calls: int, repeats: int) -> dict[str, float]:
             kept.popleft()
             durations.append(work._get_duration())
 
-    side = threading.Thread(target=reader, daemon=True) if variant == "torch-kept" else None
+    dumps_wanted = threading.Semaphore(0)
+    dump_stats: list[tuple[float, int]] = []  # (reader CPU ms a dump, entries with a duration)
+
+    def fr_reader() -> None:
+        from megascope.collectors.flight_recorder import dump_function
+
+        dump = dump_function()
+        while True:
+            dumps_wanted.acquire()
+            if stop.is_set():
+                return
+            t0 = time.thread_time_ns()
+            entries = pickle.loads(dump(includeCollectives=True, includeStackTraces=False, onlyActive=False)).get("entries", [])
+            timed = sum(1 for e in entries if e.get("duration_ms") is not None)
+            dump_stats.append(((time.thread_time_ns() - t0) / 1e6, timed))
+
+    side = None
+    if variant == "torch-kept":
+        side = threading.Thread(target=reader, daemon=True)
+    elif variant == "torch-fr":
+        side = threading.Thread(target=fr_reader, daemon=True)
     if side is not None:
         side.start()
 
@@ -106,6 +132,8 @@ def child(variant: str, calls: int, repeats: int) -> dict[str, float]:
                 work = dist.all_reduce(x, async_op=True)
                 work.wait()
                 kept.append((stamp, work))
+            elif variant == "torch-async":
+                dist.all_reduce(x, async_op=True).wait()
             elif variant == "events":
                 begin.record()
                 dist.all_reduce(x)
@@ -125,11 +153,14 @@ def child(variant: str, calls: int, repeats: int) -> dict[str, float]:
                 run(calls)
         else:
             run(calls)
+        if variant == "torch-fr":
+            dumps_wanted.release()  # the reader dumps while the next repeat runs
         cpu.append((time.thread_time_ns() - t0) / calls / 1e3)
         wall.append((time.perf_counter_ns() - w0) / calls / 1e3)
     torch.cuda.synchronize()
     if side is not None:
         stop.set()
+        dumps_wanted.release()
         side.join()
     if col is not None:
         col.close()
@@ -139,6 +170,9 @@ def child(variant: str, calls: int, repeats: int) -> dict[str, float]:
     if durations:
         result["durations_read"] = len(durations)
         result["duration_median_us"] = statistics.median(durations) * 1e3
+    if dump_stats:
+        result["dump_cpu_ms"] = statistics.median(d for d, _ in dump_stats)
+        result["dump_timed_entries"] = statistics.median(n for _, n in dump_stats)
     return result
 
 
@@ -216,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         order = chosen if r % 2 == 0 else tuple(reversed(chosen))
         for variant in order:
             env = dict(os.environ, TORCH_NCCL_ENABLE_TIMING="1" if variant in TORCH_TIMED else "0")
+            if variant == "torch-fr":
+                env["TORCH_FR_BUFFER_SIZE"] = str(args.calls)  # one repeat's calls
             proc = subprocess.run([sys.executable, __file__, "--child", variant, "--calls", str(args.calls),
                                    "--repeats", str(args.repeats)], capture_output=True, text=True, env=env)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -235,6 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"variant": variant, "cpu_us": cpu, "over_plain_us": cpu - base, "wall_us": wall,
                      "rounds": results[variant]})
         print(f"| {LABELS[variant]:<36} | {cpu:13.2f} | {cpu - base:+10.2f} | {wall:13.2f} |")
+    for variant in chosen:
+        extra = {k: v for k, v in results[variant][-1].items() if k not in ("cpu_us", "wall_us")}
+        if extra:
+            print(f"{LABELS[variant]}, last round: {extra}")
     out = os.environ.get("OUT")
     if out:
         Path(out, "nccl_timing.json").write_text(json.dumps(rows, indent=1))
