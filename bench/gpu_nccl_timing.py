@@ -102,7 +102,7 @@ def child(variant: str, calls: int, repeats: int) -> dict[str, float]:
             durations.append(work._get_duration())
 
     dumps_wanted = threading.Semaphore(0)
-    dump_stats: list[tuple[float, int]] = []  # (reader CPU ms a dump, entries with a duration)
+    dump_stats: list[tuple[float, int, int]] = []  # (reader CPU ms a dump, entries with a duration, entries)
 
     def fr_reader() -> None:
         from megascope.collectors.flight_recorder import dump_function
@@ -115,7 +115,7 @@ def child(variant: str, calls: int, repeats: int) -> dict[str, float]:
             t0 = time.thread_time_ns()
             entries = pickle.loads(dump(includeCollectives=True, includeStackTraces=False, onlyActive=False)).get("entries", [])
             timed = sum(1 for e in entries if e.get("duration_ms") is not None)
-            dump_stats.append(((time.thread_time_ns() - t0) / 1e6, timed))
+            dump_stats.append(((time.thread_time_ns() - t0) / 1e6, timed, len(entries)))
 
     side = None
     if variant == "torch-kept":
@@ -171,8 +171,9 @@ def child(variant: str, calls: int, repeats: int) -> dict[str, float]:
         result["durations_read"] = len(durations)
         result["duration_median_us"] = statistics.median(durations) * 1e3
     if dump_stats:
-        result["dump_cpu_ms"] = statistics.median(d for d, _ in dump_stats)
-        result["dump_timed_entries"] = statistics.median(n for _, n in dump_stats)
+        result["dump_cpu_ms"] = statistics.median(d for d, _, _ in dump_stats)
+        result["dump_timed_entries"] = statistics.median(n for _, n, _ in dump_stats)
+        result["dump_entries"] = statistics.median(n for _, _, n in dump_stats)
     return result
 
 
@@ -251,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
         for variant in order:
             env = dict(os.environ, TORCH_NCCL_ENABLE_TIMING="1" if variant in TORCH_TIMED else "0")
             if variant == "torch-fr":
-                env["TORCH_FR_BUFFER_SIZE"] = str(args.calls)  # one repeat's calls
+                # One repeat's calls (the variable's name before and since torch 2.7).
+                env["TORCH_FR_BUFFER_SIZE"] = env["TORCH_NCCL_TRACE_BUFFER_SIZE"] = str(args.calls)
             proc = subprocess.run([sys.executable, __file__, "--child", variant, "--calls", str(args.calls),
                                    "--repeats", str(args.repeats)], capture_output=True, text=True, env=env)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
