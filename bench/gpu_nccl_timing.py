@@ -39,7 +39,6 @@ import argparse
 import collections
 import json
 import os
-import pickle
 import statistics
 import subprocess
 import sys
@@ -105,15 +104,15 @@ def child(variant: str, calls: int, repeats: int) -> dict[str, float]:
     dump_stats: list[tuple[float, int, int]] = []  # (reader CPU ms a dump, entries with a duration, entries)
 
     def fr_reader() -> None:
-        from megascope.collectors.flight_recorder import dump_function
+        from megascope.collectors.flight_recorder import dump_entries, dump_functions
 
-        dump = dump_function()
+        dump = dump_functions()
         while True:
             dumps_wanted.acquire()
             if stop.is_set():
                 return
             t0 = time.thread_time_ns()
-            entries = pickle.loads(dump(includeCollectives=True, includeStackTraces=False, onlyActive=False)).get("entries", [])
+            entries = dump_entries(dump)
             timed = sum(1 for e in entries if e.get("duration_ms") is not None)
             dump_stats.append(((time.thread_time_ns() - t0) / 1e6, timed, len(entries)))
 

@@ -2,8 +2,9 @@
 
 Role in the data flow: a poller the writer thread runs each flush when ``CollectorConfig(
 flight_recorder=True)`` (or ``MEGASCOPE_FLIGHT_RECORDER=1``). It reads the in-process flight
-recorder (``torch._C._distributed_c10d._dump_fr_trace`` in torch >= 2.10, ``_dump_nccl_trace``
-before), and writes one marker per new state of each collective: ``enqueued`` (time created),
+recorders (``torch._C._distributed_c10d._dump_fr_trace`` and ``_dump_nccl_trace``, each that
+exists: in torch 2.11 NCCL's entries are in the second alone, the first holding the other backends';
+2.13 has the first only), and writes one marker per new state of each collective: ``enqueued`` (time created),
 ``started`` and ``completed`` (NCCL with ``TORCH_NCCL_ENABLE_TIMING=1``; on gloo only retirement is
 visible, so ``completed`` carries the time the poller first saw it retired).
 
@@ -49,13 +50,30 @@ _ALIASES = {
 _STATE_ORDER = {MarkerState.ENQUEUED.value: 0, MarkerState.STARTED.value: 1, MarkerState.COMPLETED.value: 2}
 
 
-def dump_function() -> Any:
-    """torch's flight-recorder dump function, or None where this torch has none."""
+def dump_functions() -> list[Any]:
+    """torch's flight-recorder dump functions, each this torch has (none: an empty list).
+
+    Both where both exist: torch 2.11 keeps NCCL's entries in a recorder of their own, which
+    ``_dump_fr_trace`` leaves out (measured on 1x H200: 0 entries, against 50 from
+    ``_dump_nccl_trace``). Where the two dump one recorder, its entries come twice, which the
+    reader skips as states already seen."""
     try:
         import torch._C._distributed_c10d as c10d
     except ImportError:
-        return None
-    return getattr(c10d, "_dump_fr_trace", None) or getattr(c10d, "_dump_nccl_trace", None)
+        return []
+    return [f for f in (getattr(c10d, name, None) for name in ("_dump_fr_trace", "_dump_nccl_trace")) if f is not None]
+
+
+def dump_entries(dump: Any) -> list[dict[str, Any]]:
+    """The entries of every recorder ``dump_functions`` gives, without stack traces."""
+    entries: list[dict[str, Any]] = []
+    for fn in dump:
+        try:
+            raw = fn(includeCollectives=True, includeStackTraces=False, onlyActive=False)
+        except TypeError:  # older signatures take fewer keywords
+            raw = fn(includeCollectives=True, includeStackTraces=False)
+        entries += pickle.loads(raw).get("entries", ())
+    return entries
 
 
 def op_name(profiling_name: str) -> str:
@@ -90,10 +108,10 @@ class FlightRecorderPoller:
 
     def __init__(self, collector: Collector) -> None:
         self._col = collector
-        self._dump = dump_function()
+        self._dump = dump_functions()
         # (torch group name, seq) -> highest state already written, bounded by pruning old seqs.
         self._seen: dict[tuple[str, int], int] = {}
-        if self._dump is None:
+        if not self._dump:
             log.warning("megascope collector: this torch has no flight-recorder dump; flight_recorder ignored")
 
     def _group_for(self, pg_name: str) -> str:
@@ -107,17 +125,13 @@ class FlightRecorderPoller:
         return fr_id
 
     def __call__(self) -> None:
-        if self._dump is None:
+        if not self._dump:
             return
-        try:
-            raw = self._dump(includeCollectives=True, includeStackTraces=False, onlyActive=False)
-        except TypeError:  # older signatures take fewer keywords
-            raw = self._dump(includeCollectives=True, includeStackTraces=False)
-        dump = pickle.loads(raw)
+        entries = dump_entries(self._dump)
         now = time.time_ns()
         sink = self._col._sink
         latest: dict[str, int] = {}
-        for entry in dump.get("entries", ()):
+        for entry in entries:
             pg = entry.get("process_group") or ("", "")
             pg_name = str(pg[0] if isinstance(pg, list | tuple) else pg)
             rows = entry_markers(entry, "", self._col.rank, now)
@@ -135,6 +149,6 @@ class FlightRecorderPoller:
                     done = order
             self._seen[key] = done
         # Forget entries that fell out of the ring buffer long ago (the dump holds the newest ones).
-        if len(self._seen) > 4 * max(1, len(dump.get("entries", ()))) + 1024:
+        if len(self._seen) > 4 * max(1, len(entries)) + 1024:
             keep = {k: v for k, v in self._seen.items() if k[1] >= latest.get(k[0], 0) - 4096}
             self._seen = keep

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -805,6 +806,46 @@ def test_flight_recorder_entries_become_markers() -> None:
     stuck = dict(gloo, retired=False)
     assert [r[4] for r in entry_markers(stuck, "g", 0, now_ns=999)] == ["enqueued"]
     assert entry_markers({"collective_seq_id": 1, "is_p2p": True}, "g", 0, now_ns=1) == []
+
+
+def test_flight_recorder_poller_reads_every_recorder_and_writes_each_state_once(tmp_path: Path) -> None:
+    """torch 2.11 keeps NCCL's entries apart from the other backends' (``_dump_nccl_trace`` beside
+    ``_dump_fr_trace``): the poller reads both; an entry both give (one recorder behind two names)
+    is written once, and a state reached later is written when it is."""
+    import pickle
+
+    from megascope.collectors.flight_recorder import FlightRecorderPoller, dump_entries
+
+    def entry(pg: str, seq: int, state: str, **times: int) -> dict[str, object]:
+        return {"process_group": (pg, pg), "collective_seq_id": seq, "profiling_name": "nccl:all_reduce",
+                "state": state, "time_created_ns": 100 + seq, **times}
+
+    nccl = [entry("1", 1, "completed", time_discovered_started_ns=150, time_discovered_completed_ns=300),
+            entry("1", 2, "started", time_discovered_started_ns=400)]
+    other = [dict(entry("2", 1, "scheduled"), profiling_name="gloo:all_reduce", retired=True)]
+    recorders = {"fr": other + nccl[:1], "nccl": nccl}
+
+    def dumper(name: str) -> Callable[..., bytes]:
+        def dump(*, includeCollectives: bool, includeStackTraces: bool, onlyActive: bool) -> bytes:
+            return pickle.dumps({"version": "2.10", "entries": recorders[name]})
+        return dump
+
+    assert len(dump_entries([dumper("fr"), dumper("nccl")])) == 4
+    col = Collector(CollectorConfig(run_dir=tmp_path / "run"), rank=0, world_size=1)
+    poller = FlightRecorderPoller(col)
+    poller._dump = [dumper("fr"), dumper("nccl")]
+    poller()
+    recorders["nccl"] = [nccl[0], entry("1", 2, "completed", time_discovered_started_ns=400,
+                                        time_discovered_completed_ns=500)]
+    poller()
+    col.close()
+    rows = open_run(tmp_path / "run").con.execute(
+        "SELECT \"group\", seq, state, count(*), min(time_ns) FROM markers WHERE starts_with(\"group\", 'fr:') "
+        "GROUP BY ALL ORDER BY ALL").fetchall()
+    assert rows == [("fr:pg:1", 1, "completed", 1, 300), ("fr:pg:1", 1, "enqueued", 1, 101),
+                    ("fr:pg:1", 1, "started", 1, 150), ("fr:pg:1", 2, "completed", 1, 500),
+                    ("fr:pg:1", 2, "enqueued", 1, 102), ("fr:pg:1", 2, "started", 1, 400),
+                    ("fr:pg:2", 1, "completed", 1, rows[6][4]), ("fr:pg:2", 1, "enqueued", 1, 101)]
 
 
 def test_heartbeats_from_the_collector_join_its_rank_by_host(tmp_path: Path) -> None:

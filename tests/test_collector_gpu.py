@@ -182,6 +182,38 @@ def test_nccl_calls_left_untimed_keep_their_markers_and_cost_no_timing_event(tmp
 
 
 @needs_cuda
+def test_nccl_flight_recorder_entries_become_markers_in_the_job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The in-job poller (``flight_recorder=True``) reads NCCL's recorder: in torch 2.11 its entries
+    are not in ``_dump_fr_trace``, only in ``_dump_nccl_trace``."""
+    import torch.distributed as dist
+
+    monkeypatch.setenv("TORCH_NCCL_ENABLE_TIMING", "1")
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "200")
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        run = tmp_path / "run"
+        cfg = CollectorConfig(run_dir=run, flush_interval_s=0.2, device=torch.device("cuda"), handle_sigterm=False,
+                              flight_recorder=True)
+        col = Collector(cfg, rank=0, world_size=1, meta=RunMeta(run_id="gpu-fr", source="collector", world_size=1))
+        t = torch.ones(1 << 20, device="cuda")
+        for step in range(3):
+            with col.step(step):
+                col.dist.all_reduce(t)
+                col.dist.all_reduce(t, async_op=True).wait()
+        torch.cuda.synchronize()
+        time.sleep(2.0)  # NCCL's watchdog marks the entries completed; the writer polls every flush
+        col.close()
+    finally:
+        dist.destroy_process_group()
+    rows = open_run(run).con.sql("""
+        SELECT seq, list(DISTINCT state ORDER BY state) FROM markers WHERE starts_with("group", 'fr:')
+        GROUP BY seq ORDER BY seq""").fetchall()
+    assert [seq for seq, _ in rows] == list(range(1, 7))  # torch numbers a group's collectives from 1
+    assert all(states == ["completed", "enqueued", "started"] for _, states in rows)
+
+
+@needs_cuda
 def test_driver_event_calls_agree_with_torchs_from_any_thread() -> None:
     """The writer's calls through the driver give torch's answers on the same events: done or not,
     and the time from the anchor to each, also from a thread that never used CUDA (given the
