@@ -111,6 +111,9 @@ class FlightRecorderPoller:
         self._dump = dump_functions()
         # (torch group name, seq) -> highest state already written, bounded by pruning old seqs.
         self._seen: dict[tuple[str, int], int] = {}
+        # The recorder is the process's: entries made before this collector (a group destroyed
+        # since, whose successor reuses its name and numbers) are not this run's.
+        self._since_ns = time.time_ns()
         if not self._dump:
             log.warning("megascope collector: this torch has no flight-recorder dump; flight_recorder ignored")
 
@@ -132,6 +135,8 @@ class FlightRecorderPoller:
         sink = self._col._sink
         latest: dict[str, int] = {}
         for entry in entries:
+            if int(entry.get("time_created_ns") or now) < self._since_ns:
+                continue
             pg = entry.get("process_group") or ("", "")
             pg_name = str(pg[0] if isinstance(pg, list | tuple) else pg)
             rows = entry_markers(entry, "", self._col.rank, now)
