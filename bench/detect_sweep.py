@@ -53,6 +53,16 @@ HEALTHY_PER_MESH = 5
 RUN_TIMEOUT_S = 300.0
 
 
+def _numbers(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"every value must be above 0: {text!r}")
+    return values
+
+
 def plan(meshes: list[tuple[int, int, int]], seed: int, *, gpu: bool) -> list[dict[str, Any]]:
     """The sweep's runs: per mesh every factor, every skew, one hang and some healthy runs.
 
@@ -437,12 +447,16 @@ def main() -> int:
                         help="only these meshes (repeatable), e.g. 2x2x2")
     parser.add_argument("--only", action="append", default=[], choices=("straggler", "skew", "hang", "healthy"),
                         help="only these kinds of run (repeatable)")
-    parser.add_argument("--skews-ms", default=None, metavar="MS,MS",
+    parser.add_argument("--factors", default=None, metavar="F,F", type=_numbers,
+                        help=f"the planted stragglers' factors (default {','.join(f'{x:g}' for x in FACTORS)})")
+    parser.add_argument("--skews-ms", default=None, metavar="MS,MS", type=_numbers,
                         help=f"the planted host pauses, milliseconds (default {','.join(f'{x:g}' for x in SKEWS_MS)})")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, _stop_running)
     if args.skews_ms:
-        SKEWS_MS[:] = [float(x) for x in args.skews_ms.split(",")]
+        SKEWS_MS[:] = args.skews_ms
+    if args.factors:
+        FACTORS[:] = args.factors
     meshes = (GPU_MESHES if args.gpus == 4 else GPU2_MESHES) if args.gpu else CPU_MESHES
     if args.mesh:
         meshes = [tuple(int(x) for x in m.split("x")) for m in args.mesh]  # type: ignore[misc]
