@@ -64,15 +64,22 @@ def dump_functions() -> list[Any]:
     return [f for f in (getattr(c10d, name, None) for name in ("_dump_fr_trace", "_dump_nccl_trace")) if f is not None]
 
 
-def dump_entries(dump: Any) -> list[dict[str, Any]]:
-    """The entries of every recorder ``dump_functions`` gives, without stack traces."""
+def dump_entries(dump: list[Any]) -> list[dict[str, Any]]:
+    """The entries of every recorder ``dump_functions`` gives, without stack traces. One that
+    fails leaves the others' entries; the first error is raised only when all of them fail."""
     entries: list[dict[str, Any]] = []
+    failed: list[Exception] = []
     for fn in dump:
         try:
-            raw = fn(includeCollectives=True, includeStackTraces=False, onlyActive=False)
-        except TypeError:  # older signatures take fewer keywords
-            raw = fn(includeCollectives=True, includeStackTraces=False)
-        entries += pickle.loads(raw).get("entries", ())
+            try:
+                raw = fn(includeCollectives=True, includeStackTraces=False, onlyActive=False)
+            except TypeError:  # older signatures take fewer keywords
+                raw = fn(includeCollectives=True, includeStackTraces=False)
+            entries += pickle.loads(raw).get("entries", ())
+        except Exception as exc:  # noqa: BLE001 - one recorder's failure must not hide the others'
+            failed.append(exc)
+    if failed and len(failed) == len(dump):
+        raise failed[0]
     return entries
 
 

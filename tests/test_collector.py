@@ -835,6 +835,13 @@ def test_flight_recorder_poller_reads_every_recorder_and_writes_each_state_once(
         return dump
 
     assert len(dump_entries([dumper("fr"), dumper("nccl")])) == 5
+
+    def broken(**_: bool) -> bytes:
+        raise RuntimeError("no recorder here")
+
+    assert len(dump_entries([broken, dumper("nccl")])) == 3  # the other recorder still read
+    with pytest.raises(RuntimeError, match="no recorder here"):
+        dump_entries([broken])
     col = Collector(CollectorConfig(run_dir=tmp_path / "run"), rank=0, world_size=1)
     poller = FlightRecorderPoller(col)
     poller._dump = [dumper("fr"), dumper("nccl")]
