@@ -16,8 +16,8 @@ time per call (``time.thread_time_ns``, median of repeats) of:
 * ``torch durations, kept``: the same, its work object kept with a host stamp for a reader
   thread that takes each duration (``Work._get_duration``) once the work completed;
 * ``torch durations, flight recorder read``: the plain call with torch's timing, and a reader
-  thread that dumps the flight recorder once per repeat (after its calls; each dump unpickled, its
-  durations counted): durations read in bulk, in C++.
+  thread that dumps the flight recorder (its buffer one repeat's calls long) once per repeat, after
+  its calls, each dump unpickled and its durations counted: durations read in bulk.
 
 ``--durations`` checks what torch's duration measures instead (TORCH_NCCL_ENABLE_TIMING=1): a
 device delay (``torch.cuda._sleep``) queued before the call on the compute stream, the call's
@@ -31,6 +31,8 @@ the processes interleaved, ``--rounds`` times. Prints a table; with ``OUT`` set,
 ``$OUT/nccl_timing.json``.
 
     python bench/gpu_nccl_timing.py --rounds 3
+    python bench/gpu_nccl_timing.py --rounds 3 --only torch-kept --only torch-fr
+    python bench/gpu_nccl_timing.py --durations
 """
 
 from __future__ import annotations
