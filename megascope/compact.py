@@ -539,8 +539,8 @@ def _load(item: _Input, table: str, run_id: str) -> tuple[pa.Table | None, str |
         required = {f.name for f in TABLES[table] if not f.nullable}
         if not required <= names:
             return None, f"{item.path}: not a megascope {table} part; left as it is"
-        stamped = (pf.metadata.metadata or {}).get(layout.RUN_ID_KEY)
-        if stamped is not None and stamped.decode(errors="replace") != run_id:
+        stamped = layout.run_id_in(pf.metadata.metadata)
+        if stamped is not None and stamped != run_id:
             return None, f"{item.path}: a part of another run; left as it is"
         data = pf.read()
     except (OSError, pa.ArrowException) as exc:
