@@ -1,0 +1,200 @@
+"""Real DDP jobs under torch.profiler, one fault planted per job, then `megascope ingest kineto` and
+`report` on what the profiler wrote: is the planted rank named first, with the right cause?
+
+Each job is a DistributedDataParallel MLP (256 -> 1024 -> 1024 -> 256, GELU, Adam, batch 64) on
+gloo, one process per rank, profiled with ``tensorboard_trace_handler`` (gzip, shapes recorded) for
+``--active`` steps after one wait and one warm-up step: the recipe of the shared ``kineto-cpu-4rank``
+sample, at other world sizes and ranks. A job gets one of:
+
+- ``slow F``: the planted rank also runs, each step between its forward and its backward, the
+  forward and backward of a local copy of the model (outside DDP) on (F - 1) of its batch: a
+  computational straggler about F times slower in its compute, which nothing labels;
+- ``pause MS``: the planted rank sleeps MS milliseconds a step at the same place (a host pause:
+  its ops take no longer, it starts them late);
+- ``healthy``: nothing planted; no rank should be named.
+
+Jobs run one at a time; the table counts, by fault, the runs whose first named straggler is the
+planted rank, the cause it was given, and the runs where another rank was named.
+
+    python bench/kineto_sweep.py -o DIR [--seed 5 --worlds 2,3,4,5,6 --factors 1.15,1.3,1.6 --pause-ms 20,50,100]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+JOB = r'''
+import copy, os, sys, time
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+init, out, fault, amount, planted, active = sys.argv[1:7]
+amount, planted, active = float(amount), int(planted), int(active)
+torch.set_num_threads(1)
+torch.manual_seed(0)
+dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                        timeout=timedelta(seconds=120))
+model = DistributedDataParallel(nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(),
+                                              nn.Linear(1024, 256)))
+opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+x, y = torch.randn(64, 256), torch.randn(64, 256)
+mine = rank == planted
+twin = copy.deepcopy(model.module)
+rows = max(1, round((amount - 1) * x.shape[0])) if fault == "slow" else 0
+with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
+             schedule=schedule(wait=1, warmup=1, active=active),
+             on_trace_ready=tensorboard_trace_handler(out, worker_name=f"rank{rank}", use_gzip=True)) as prof:
+    for _ in range(active + 2):
+        loss = (model(x) - y).pow(2).mean()
+        if mine and fault == "slow":
+            (twin(x[:rows]) - y[:rows]).pow(2).mean().backward()
+            twin.zero_grad(set_to_none=True)
+        elif mine and fault == "pause":
+            time.sleep(amount / 1000)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        prof.step()
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+def _numbers(text: str, kind: type) -> list:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def plan(seed: int, worlds: list[int], factors: list[float], pauses: list[float], healthy: int,
+         each: int) -> list[dict]:
+    rng = random.Random(seed)
+    cases = [{"fault": "slow", "amount": f} for f in factors for _ in range(each)]
+    cases += [{"fault": "pause", "amount": ms} for ms in pauses for _ in range(each)]
+    cases += [{"fault": "healthy", "amount": 0} for _ in range(healthy)]
+    for case in cases:
+        case["world"] = rng.choice(worlds)
+        case["planted"] = rng.randrange(case["world"]) if case["fault"] != "healthy" else -1
+    rng.shuffle(cases)
+    return cases
+
+
+def run_job(case: dict, where: Path, active: int, timeout_s: float) -> float:
+    """One job, every rank its own process; returns its wall time."""
+    traces = where / "traces"
+    traces.mkdir(parents=True)
+    init = where / "init"
+    t0 = time.perf_counter()
+    procs = []
+    for rank in range(case["world"]):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(case["world"]), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", JOB, str(init), str(traces), case["fault"], str(case["amount"]),
+             str(case["planted"]), str(active)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    errors = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise RuntimeError("job timed out") from None
+        if p.returncode:
+            errors.append(err.decode(errors="replace").strip().splitlines()[-1:])
+    if errors:
+        raise RuntimeError(f"job failed: {errors}")
+    return time.perf_counter() - t0
+
+
+def megascope(*args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "megascope", *args], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"megascope {args[0]} failed: {out.stderr.strip()[-300:]}")
+    return out.stdout
+
+
+def score(case: dict, report: dict) -> dict:
+    named = report.get("stragglers") or []
+    first = named[0] if named else None
+    hit = first is not None and first["rank"] == case["planted"]
+    others = sorted({int(s["rank"]) for s in named} - {case["planted"]})
+    return {"first": None if first is None else int(first["rank"]), "cause": None if first is None else first.get("cause"),
+            "hit": hit, "others": others, "slowdown": None if first is None else first.get("slowdown")}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-o", "--out", type=Path, required=True, help="work directory (traces and runs)")
+    parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument("--worlds", type=lambda t: _numbers(t, int), default=[2, 3, 4, 5, 6])
+    parser.add_argument("--factors", type=lambda t: _numbers(t, float), default=[1.15, 1.3, 1.6],
+                        help="compute slowdowns of the planted rank")
+    parser.add_argument("--pause-ms", type=lambda t: _numbers(t, float), default=[20, 50, 100])
+    parser.add_argument("--healthy", type=int, default=6)
+    parser.add_argument("--each", type=int, default=3, help="jobs per fault and amount")
+    parser.add_argument("--active", type=int, default=12, help="profiled steps")
+    parser.add_argument("--timeout-s", type=float, default=600)
+    parser.add_argument("--keep", action="store_true", help="keep each job's traces and run")
+    args = parser.parse_args()
+    if args.healthy < 0 or args.each < 1 or args.active < 2:
+        parser.error("--healthy must be >= 0, --each >= 1 and --active >= 2")
+    if any(w < 2 for w in args.worlds):
+        parser.error("--worlds: a distributed job needs at least 2 ranks")
+    if any(f <= 1 or f > 2 for f in args.factors):
+        parser.error("--factors: each must be above 1 and at most 2")
+    args.out.mkdir(parents=True, exist_ok=True)
+    cases = plan(args.seed, args.worlds, args.factors, args.pause_ms, args.healthy, args.each)
+    results = []
+    log = (args.out / "results.jsonl").open("a")
+    for i, case in enumerate(cases):
+        where = args.out / f"job{i:03d}"
+        shutil.rmtree(where, ignore_errors=True)
+        load = os.getloadavg()[0]
+        wall = run_job(case, where, args.active, args.timeout_s)
+        megascope("ingest", "kineto", str(where / "traces"), "-o", str(where / "run"))
+        report = json.loads(megascope("report", "--json", "-q", str(where / "run")))
+        row = {**case, **score(case, report), "load": round(load, 2), "wall_s": round(wall, 1)}
+        results.append(row)
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+        print(f"{i:3d} {case['fault']:7s} {case['amount']:>5} world {case['world']} planted {case['planted']:2d}: "
+              f"first {row['first']} ({row['cause']}, {row['slowdown']}) others {row['others']} "
+              f"load {load:.1f} {wall:.0f} s", flush=True)
+        if not args.keep:
+            shutil.rmtree(where, ignore_errors=True)
+    print()
+    print("| fault | runs | planted rank named first | cause | another rank named | load (min-max) |")
+    print("|---|---|---|---|---|---|")
+    for key in sorted({(r["fault"], r["amount"]) for r in results}, key=lambda k: (k[0], k[1])):
+        rows = [r for r in results if (r["fault"], r["amount"]) == key]
+        causes: dict[str, int] = {}
+        for r in rows:
+            if r["hit"]:
+                causes[str(r["cause"])] = causes.get(str(r["cause"]), 0) + 1
+        label = "healthy" if key[0] == "healthy" else f"{key[0]} {key[1]:g}"
+        hits = "-" if key[0] == "healthy" else f"{sum(r['hit'] for r in rows)}/{len(rows)}"
+        loads = [r["load"] for r in rows]
+        print(f"| {label} | {len(rows)} | {hits} | {', '.join(f'{k} {v}' for k, v in sorted(causes.items())) or '-'} "
+              f"| {sum(bool(r['others']) for r in rows)} | {min(loads):.1f}-{max(loads):.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
