@@ -29,10 +29,11 @@ RANKS = 8
 
 
 def noisy_run(path: Path, *, seed: int, slow: int | None = None, factor: float = 1.0, paused: int | None = None,
-              pause_ms: float = 0.0, steps: int = 16, noise: float = 0.15, idle: int | None = None,
-              on_gpus: bool = False) -> Path:
+              pause_ms: float = 0.0, stretch_ms: float = 0.0, steps: int = 16, noise: float = 0.15,
+              idle: int | None = None, on_gpus: bool = False) -> Path:
     """``RANKS`` ranks of one stage; per step a forward span, then (after an optional pause outside
-    every span) a data-parallel all-reduce that completes 1 ms after the last arrival. ``on_gpus``:
+    every span) a data-parallel all-reduce that completes 1 ms after the last arrival. The paused
+    rank's forward span is ``stretch_ms`` longer (what a pause leaves behind on a CPU). ``on_gpus``:
     the ranks are timed on CUDA devices and each call's ``enqueued`` marker is written 10 ms before
     its device reaches it (a host ahead of its device), 0.1 ms before on rank ``idle`` (a device
     that had run dry, waiting for its host)."""
@@ -46,6 +47,7 @@ def noisy_run(path: Path, *, seed: int, slow: int | None = None, factor: float =
         pause = np.zeros(RANKS)
         if paused is not None:
             pause[paused] = pause_ms * MS
+            compute[paused] += stretch_ms * MS
         arrival = t0 + compute + pause
         end = int(arrival.max()) + MS
         for r in range(RANKS):
@@ -187,8 +189,10 @@ def test_report_json_carries_confidence_and_evidence(tmp_path: Path) -> None:
     first = result["stragglers"][0]
     assert first["rank"] == 6
     assert set(first["evidence"]) == {"z", "own_time_t", "wait_caused_t", "last_arrival_z", "compute_span_share",
-                                      "compute_span_t", "device_idle_frac", "cpu_slowdown", "tp_compute_ratio",
-                                      "dp_compute_ratio"}
+                                      "compute_span_t", "pause_share", "device_idle_frac", "cpu_slowdown",
+                                      "tp_compute_ratio", "dp_compute_ratio"}
+    pause = first["evidence"]["pause_share"]
+    assert pause is None or np.isnan(pause)  # a clear share of its excess is in its spans: not checked
     assert first["evidence"]["last_arrival_z"] > 0 and first["evidence"]["wait_caused_t"] > 0
     cpu = first["evidence"]["cpu_slowdown"]
     assert cpu is None or np.isnan(cpu)  # this run's ranks wrote no host probes
@@ -205,6 +209,25 @@ def test_a_pause_outside_every_span_is_a_host_cause(tmp_path: Path, seed: int) -
     from megascope.analysis.stragglers import CLEAR_SHARE, COMPUTE_T
     row = found.iloc[0]
     assert row["t_spans"] < COMPUTE_T and (row["spans_share"] < CLEAR_SHARE or row["t_spans"] < 2.0)
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_a_pause_that_leaves_the_spans_after_it_longer_is_still_a_host_cause(tmp_path: Path, seed: int) -> None:
+    """A 40 ms pause that stretches the paused rank's spans by 6 ms, beyond their noise (as sleeping
+    ranks of real DDP jobs on shared CPU cores came back): 13% of its excess is in its spans, the
+    rest outside all of them, so the cause is ``host``; a rank 6 ms slow in its compute alone, with
+    nothing outside its spans, stays ``compute``."""
+    from megascope.analysis.stragglers import CLEAR_SHARE, COMPUTE_SHARE, COMPUTE_T, PAUSE_SHARE
+    run = open_run(noisy_run(tmp_path / "run", seed=seed, paused=3, pause_ms=40.0, stretch_ms=6.0, noise=0.02))
+    row = analysis.stragglers(run).iloc[0]
+    assert row["rank"] == 3
+    # The spans alone would say compute: a small share of the excess, beyond doubt.
+    assert COMPUTE_SHARE <= row["spans_share"] < CLEAR_SHARE and row["t_spans"] >= COMPUTE_T
+    assert row["cause"] == "host" and row["phase"] == "host"
+    assert row["pause_share"] >= PAUSE_SHARE and row["pause_share"] == pytest.approx(40 / 46, abs=0.1)
+    slow = open_run(noisy_run(tmp_path / "slow", seed=seed, slow=3, factor=1.12, noise=0.02))
+    row = analysis.stragglers(slow).iloc[0]
+    assert row["rank"] == 3 and row["cause"] == "compute"
 
 
 @pytest.mark.parametrize("seed", range(10, 16))

@@ -126,7 +126,8 @@ def _straggler_list(frame: pd.DataFrame, axes: tuple[str, ...]) -> list[dict[str
             "evidence": {
                 "z": row.get("z"), "own_time_t": row.get("t_own"), "wait_caused_t": row.get("t_blame"),
                 "last_arrival_z": row.get("last_z"), "compute_span_share": row.get("spans_share"),
-                "compute_span_t": row.get("t_spans"), "device_idle_frac": row.get("device_idle_frac"),
+                "compute_span_t": row.get("t_spans"), "pause_share": row.get("pause_share"),
+                "device_idle_frac": row.get("device_idle_frac"),
                 "cpu_slowdown": row.get("cpu_slowdown"), "tp_compute_ratio": row.get("tp_compute_ratio"),
                 "dp_compute_ratio": row.get("dp_compute_ratio"),
             },

@@ -40,8 +40,8 @@ from megascope.store import Run
 COLUMNS = [
     "rank", "host", "coords", "pp", "dp", "tp", "phase", "cause", "slowdown", "steps_slow_frac", "steps",
     "excess_ns", "base_own_ns", "last_arrival_frac", "late_at", "impact",
-    "z", "p_value", "confidence", "t_own", "t_blame", "last_z", "spans_share", "t_spans", "device_idle_frac",
-    "cpu_slowdown", "tp_compute_ratio", "dp_compute_ratio",
+    "z", "p_value", "confidence", "t_own", "t_blame", "last_z", "spans_share", "t_spans", "pause_share",
+    "device_idle_frac", "cpu_slowdown", "tp_compute_ratio", "dp_compute_ratio",
 ]
 # A rank's host probe (megascope.schema.HOST_PROBE_METRIC) is compared with the median rank's only
 # where at least this many ranks wrote at least HOST_PROBE_MIN probes each.
@@ -143,14 +143,51 @@ CLEAR_SHARE = 0.25
 CLEAR_T = 2.0
 
 
-def _attribute(c: pd.DataFrame, sizes: dict[str, int]) -> pd.DataFrame:
-    """Name each candidate's cause and phase from its excess own time."""
-    compute_parts = {
+# Time outside every span (sql/stragglers.sql, statement outside: the step's extent less the
+# union of the rank's compute and communication spans, on its own clock) tells a pause from slow
+# compute where the share above cannot:
+#
+# - A pause can still stretch the spans after it, a little: on real DDP jobs under torch.profiler
+#   (CPU, gloo), a rank sleeping 20-50 ms a step came back to ops 7-10 ms slower than its peers'
+#   (cold caches, a CPU given to another rank meanwhile): 11-15% of its excess own time, beyond
+#   doubt (t_spans 3.2-3.9), which the small-share rule reads as ``compute``. Its time outside its
+#   spans then holds the pause, 22-51 ms beyond its peers', while they wait in their collectives.
+#   A row read as ``compute`` on a share under CLEAR_SHARE reads ``host`` where its time outside
+#   its spans exceeds its peers' (median over the steps) by at least PAUSE_SHARE of its excess own
+#   time and PAUSE_OVER_SPANS times its spans' excess.
+# - Its excess own time can also hold what is neither in its spans nor outside them: on those jobs
+#   the gradient all-reduces run beside the backward pass, so the peers' waits in them cover some
+#   of their own compute, and a rank that arrives last gains that as excess. A 1.15x rank of a
+#   5-rank job had 34 ms of excess own time, 4.7 ms of it in its spans (t_spans 2.1) and 0.8 ms
+#   outside them, and read ``host``. On a mesh without TP partners (whose spans hold each other's
+#   waits, see _tp_stretched), a row read as ``host`` whose spans stretch (t_spans of at least
+#   CLEAR_T) by PAUSE_OVER_SPANS times its time outside them beyond its peers', which is under
+#   PAUSE_SHARE of its excess own time, reads ``compute``: a host pause is time outside the spans.
+#
+# A rank slow in its compute has no time outside its spans: they fill its step as its peers' do.
+# Where its peers' spans hold their waits for it (a device's collectives inside forward and
+# backward), its excess is not in its spans either, but not outside them: the real GPU DDP
+# straggler of a 2-rank trace, read ``compute`` on a share of 0.12 (its peer's NCCL kernels hold
+# the wait), spent 3.9 ms less outside its spans than its peer.
+PAUSE_SHARE = 0.25
+PAUSE_OVER_SPANS = 2.0
+# Peers whose time outside their spans a candidate's is compared with: at most this many ranks
+# at its stage.
+PAUSE_PEERS = 8
+
+
+def _compute_phase(c: pd.DataFrame) -> pd.Series:
+    """The compute phase holding most of each row's excess."""
+    return pd.DataFrame({
         "forward": _pos(c, "ex_forward_ns"),
         "backward": _pos(c, "ex_backward_ns"),
         "optimizer": _pos(c, "ex_optimizer_ns"),
         "compute": _pos(c, "ex_compute_ns"),
-    }
+    }).idxmax(axis=1)
+
+
+def _attribute(c: pd.DataFrame, sizes: dict[str, int]) -> pd.DataFrame:
+    """Name each candidate's cause and phase from its excess own time."""
     own = c["median_ex_own_ns"].astype(float)
     spans = c["median_ex_spans_ns"].astype(float)
     share = (spans / own.where(own > 0)).fillna(0.0)
@@ -159,13 +196,57 @@ def _attribute(c: pd.DataFrame, sizes: dict[str, int]) -> pd.DataFrame:
     t_spans = c["t_spans"].astype(float).fillna(0.0)
     stretched = ((share >= COMPUTE_SHARE) & (t_spans >= COMPUTE_T)) | ((share >= CLEAR_SHARE) & (t_spans >= CLEAR_T))
     cause = pd.Series(np.where(data_wins, "data", np.where(stretched, "compute", "host")), index=c.index)
-    compute_phase = pd.DataFrame(compute_parts).idxmax(axis=1)
-    phase = np.where(cause == "compute", compute_phase, cause)
+    phase = np.where(cause == "compute", _compute_phase(c), cause)
     # Where it is last more often than chance (1 / group size) says where it arrives late.
     lift = pd.DataFrame({k: c[f"last_{k}"].fillna(0.0) * sizes.get(k, 1) for k in ("tp", "dp", "pp", "other")})
     late_at = lift.idxmax(axis=1).where(lift.max(axis=1) > 1.5, None)
     return pd.DataFrame({"cause": cause, "phase": phase, "late_at": late_at, "excess_ns": c["ex_own_ns"],
                          "spans_share": share})
+
+
+def _outside_excess(run: Run, rank: int, stage: dict[int, int]) -> float | None:
+    """The median over the steps of ``rank``'s time outside its spans less the median of at most
+    PAUSE_PEERS peers' at its stage, in ns; None without peers or common steps."""
+    peers = [r for r in sorted(stage) if r != rank and stage[r] == stage.get(rank)][:PAUSE_PEERS]
+    if not peers:
+        return None
+    read = [rank, *peers]
+    outside = _sql.query_df(run.con, "stragglers", "outside", ranks=read, spans=_sql.Raw(run.rank_source("spans", read)))
+    table = outside.pivot_table(index="step", columns="rank", values="outside")
+    if rank not in table.columns or len(table.columns) < 2:
+        return None
+    excess = (table[rank] - table.drop(columns=[rank]).median(axis=1)).dropna()
+    return float(excess.median()) if not excess.empty else None
+
+
+def _outside_spans(run: Run, frame: pd.DataFrame, sizes: dict[str, int]) -> pd.DataFrame:
+    """The causes of the rows the spans' share cannot settle, from their time outside their spans
+    (see PAUSE_SHARE), and ``pause_share``: that time beyond their peers', as a share of their
+    excess own time, for the rows checked (NaN for the others)."""
+    out = frame.copy()
+    out["pause_share"] = np.nan
+    share = out["spans_share"].astype(float)
+    weak = (out["cause"] == "compute") & (share < CLEAR_SHARE)
+    stretched = ((out["cause"] == "host") & (sizes.get("tp", 1) <= 1)
+                 & (out["t_spans"].astype(float) >= CLEAR_T) & (out["median_ex_spans_ns"].astype(float) > 0))
+    if not (weak | stretched).any():
+        return out
+    places = _sql.query_df(run.con, "base", "places")
+    stage = dict(zip(places["rank"].astype(int), places["stage"].astype(int), strict=True))
+    for idx in out.index[weak | stretched]:
+        own = float(out.at[idx, "median_ex_own_ns"])
+        pause = _outside_excess(run, int(out.at[idx, "rank"]), stage) if own > 0 else None
+        if pause is None:
+            continue
+        out.at[idx, "pause_share"] = pause / own
+        spans = float(out.at[idx, "median_ex_spans_ns"])
+        if weak[idx] and pause >= PAUSE_SHARE * own and pause >= PAUSE_OVER_SPANS * spans:
+            out.at[idx, "cause"] = "host"
+            out.at[idx, "phase"] = "host"
+        elif stretched[idx] and pause < PAUSE_SHARE * own and spans >= PAUSE_OVER_SPANS * max(pause, 0.0):
+            out.at[idx, "cause"] = "compute"
+            out.at[idx, "phase"] = _compute_phase(out.loc[[idx]]).iloc[0]
+    return out
 
 
 # TP-exclusive compute (sql/stragglers.sql, statement tp_exclusive): a rank read as ``host`` whose
@@ -407,7 +488,7 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
     # slowdown x persistence would put its own wake ahead of it), then impact.
     out["_z"] = out["z"].astype(float).where(out["cause"] != "communication", -np.inf)
     out = out.sort_values(["_z", "impact", "rank"], ascending=[False, False, True], kind="stable")
-    for column in ("device_idle_frac", "tp_compute_ratio", "dp_compute_ratio"):
+    for column in ("device_idle_frac", "tp_compute_ratio", "dp_compute_ratio", "pause_share"):
         if column not in out:
             out[column] = np.nan
     probe = cpu_slowdown(run)
@@ -418,9 +499,10 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
 def _causes(run: Run, flagged: pd.DataFrame, sizes: dict[str, int], config: StragglerConfig,
             pool: pd.DataFrame | None = None) -> pd.DataFrame:
     """Flagged candidates with their cause and phase: from their excess own time, then their
-    compute outside the TP calls (where a TP partner in ``pool``, every rank's candidate row, may
-    take a row's place), the compute bar, and whether their device waited for its host."""
-    attributed = pd.concat([flagged, _attribute(flagged, sizes)], axis=1)
+    time outside their spans, their compute outside the TP calls (where a TP partner in
+    ``pool``, every rank's candidate row, may take a row's place), the compute bar, and whether
+    their device waited for its host."""
+    attributed = _outside_spans(run, pd.concat([flagged, _attribute(flagged, sizes)], axis=1), sizes)
     return _launch_bound(run, _floor(_tp_stretched(run, attributed, config, pool, sizes), config))
 
 

@@ -377,3 +377,32 @@ FROM x GROUP BY rank ORDER BY rank;
 -- @column grp      the group id
 -- @column members  its global ranks
 SELECT "group" AS grp, any_value(members) AS members FROM groups WHERE kind = 'tp' GROUP BY "group" ORDER BY "group";
+
+-- @statement outside
+-- How long each step a rank ran none of its compute or communication spans, for the ranks in
+-- {{ranks}}, read from {{spans}} (those ranks' files only), on each rank's own clock: the step's
+-- extent (its step span where there is one, else its spans' first start to last end) less the
+-- union of those spans within it. A rank that pauses outside its spans (a sleep, a stall of its
+-- host thread) shows the pause here, while its peers, waiting for it, sit in their collectives.
+-- @column rank     the rank
+-- @column step     the step
+-- @column outside  that time in ns
+WITH s0 AS (
+    SELECT rank, step, kind, start_ns, start_ns + dur_ns AS end_ns FROM {{spans}}
+    WHERE list_contains({{ranks}}, rank) AND step IS NOT NULL AND dur_ns >= 0
+      AND kind IN ('step', 'forward', 'backward', 'optimizer', 'compute', 'collective', 'send', 'recv')
+), st AS (
+    SELECT rank, step, min(start_ns) AS lo, max(end_ns) AS hi FROM s0 WHERE kind = 'step' GROUP BY rank, step
+), c AS (
+    SELECT s0.rank, s0.step, st.lo, st.hi,
+           greatest(s0.start_ns, coalesce(st.lo, s0.start_ns)) AS a, least(s0.end_ns, coalesce(st.hi, s0.end_ns)) AS b
+    FROM s0 LEFT JOIN st USING (rank, step) WHERE s0.kind <> 'step'
+), o AS (
+    SELECT rank, step, lo, hi, a, b,
+           max(b) OVER (PARTITION BY rank, step ORDER BY a, b ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING) AS covered
+    FROM c WHERE b > a
+)
+SELECT rank, step,
+       greatest(coalesce(any_value(hi), max(b)) - coalesce(any_value(lo), min(a))
+                - sum(greatest(b - greatest(a, coalesce(covered, a)), 0)), 0) AS outside
+FROM o GROUP BY rank, step ORDER BY rank, step;
