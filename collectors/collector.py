@@ -67,6 +67,8 @@ log = logging.getLogger(__name__)
 
 _COMM_KINDS = frozenset({SpanKind.COLLECTIVE.value, SpanKind.SEND.value, SpanKind.RECV.value})
 _HOST_KINDS = frozenset({SpanKind.HOST.value, SpanKind.DATA.value})
+# Kinds whose spans say the job times its own forward and backward (see ``_times_compute``).
+_OWN_COMPUTE_KINDS = frozenset({SpanKind.FORWARD.value, SpanKind.BACKWARD.value})
 _KINDS = frozenset(k.value for k in SpanKind)
 _SEND = SpanKind.SEND.value
 _RECV = SpanKind.RECV.value
@@ -107,6 +109,10 @@ class Collector:
         self._last_step: int | None = None
         self._microbatch: int | None = None
         self._chunk: int | None = None
+        # Set once the job opens a forward or backward span of its own (its code, or its modules'
+        # hooks): the whole-model spans of the DDP door (megascope.collectors.modules.time_model)
+        # then stand aside rather than count that time twice.
+        self._times_compute = False
         self._seqs: dict[Any, int] = {}
         self._comm_specs: dict[Any, tuple[str, str, Any, str, str, bool]] = {}
         self._sample_mbs = frozenset(config.comm_sample_microbatches)
@@ -413,6 +419,8 @@ class Collector:
         if not self._active:
             return NOOP
         kind_s = self._kind(kind)
+        if kind_s in _OWN_COMPUTE_KINDS:
+            self._times_compute = True
         record_on, label = self._label(kind_s, stream)
         return SpanContext(self, name, kind_s, record_on, label, microbatch, chunk)
 

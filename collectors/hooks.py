@@ -21,7 +21,9 @@ span, and a ``completed`` marker once the operation is done. Four doors cover wh
   ``all_reduce`` asynchronously, hand DDP the future), whose ``all_reduce`` the first door sees.
   DDP keeps its bucketing and its overlap of communication with backward. A job that registers
   its own hook keeps it; a Python hook's ``torch.distributed`` calls are seen, a built-in (C++)
-  one's are not.
+  one's are not. The model DDP wraps also gets top-level ``forward`` and ``backward`` spans
+  (:func:`megascope.collectors.modules.time_model`) unless the job times its compute itself: without
+  them a rank slow in its compute could not be told from one that pauses outside it.
 
 - **Point-to-point**: ``batch_isend_irecv`` (what pipeline schedules, ``torch.distributed.pipelining``
   included, issue) and the blocking ``send``/``recv``, as send/recv spans with their peer's global
@@ -196,6 +198,7 @@ class Interception:
         self._pending: Any = None  # result tensor of a functional collective -> its handle
         self.installed = False
         self.ddp_hooks = 0  # DDP models given the recording all-reduce hook
+        self._model_hooks: list[Any] = []  # forward hooks timing the models DDP wraps
         self.no_future = 0  # asynchronous calls whose work had no future: ended at launch
         self._ddp_register: Callable[..., Any] = lambda *args: None
 
@@ -267,6 +270,9 @@ class Interception:
         for owner, name, original in reversed(self._saved):
             setattr(owner, name, original)
         self._saved.clear()
+        for handle in self._model_hooks:
+            handle.remove()
+        self._model_hooks.clear()
         self.installed = False
 
     def _patch(self, owner: Any, name: str, value: Any) -> None:
@@ -498,6 +504,8 @@ class Interception:
         self._ddp_register = original_register
 
         def forward(model: Any, *inputs: Any, **kwargs: Any) -> Any:
+            if "_megascope_timed" not in model.__dict__:
+                interception._time_ddp(model)
             if "_megascope_seen" not in model.__dict__:
                 interception._hook_ddp(model)
             return original_forward(model, *inputs, **kwargs)
@@ -516,6 +524,20 @@ class Interception:
         self._patch(DDP, "forward", forward)
         self._patch(DDP, "register_comm_hook", register_comm_hook)
         self._patch(DDP, "_register_builtin_comm_hook", register_builtin_comm_hook)
+
+    def _time_ddp(self, model: Any) -> None:
+        """Forward and backward spans of the model DDP wraps (megascope.collectors.modules.time_model),
+        from its first forward; DDP's own work around it (buffer broadcasts) stays outside them."""
+        model.__dict__["_megascope_timed"] = True
+        col = self._col()
+        if col is None or not col._active:
+            return
+        try:
+            from megascope.collectors.modules import time_model
+
+            self._model_hooks.extend(time_model(model.module, col))
+        except Exception:
+            col._internal_error("DDP model spans")
 
     def _hook_ddp(self, model: Any) -> None:
         model.__dict__["_megascope_seen"] = True

@@ -30,10 +30,12 @@ Example::
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
 from megascope.collectors.collector import Collector
+from megascope.collectors.contexts import SpanContext
 
 from megascope.schema import SpanKind, Stream
 
@@ -197,3 +199,64 @@ def instrument_module(model: Any, patterns: Sequence[str], collector: Collector,
         handles.append(modules[name].register_forward_pre_hook(timer.pre))
         handles.append(modules[name].register_forward_hook(timer.post))
     return handles
+
+
+class _ModelTimer:
+    """A whole model's forward and backward as top-level ``forward`` and ``backward`` spans, for a
+    job that times none of its compute itself (see :func:`time_model`)."""
+
+    __slots__ = ("col", "_open")
+
+    def __init__(self, col: Collector) -> None:
+        self.col = col
+        self._open: list[SpanContext] = []
+
+    def pre(self, module: Any, args: Any) -> None:
+        col = self.col
+        if not col._active or col._times_compute:
+            return
+        try:
+            record_on, label = col._label(_FORWARD, None)
+            span = SpanContext(col, _FORWARD, _FORWARD, record_on, label, None, None)
+            span.__enter__()
+            self._open.append(span)
+        except Exception:
+            col._internal_error("model forward pre-hook")
+
+    def post(self, module: Any, args: Any, output: Any) -> None:
+        if not self._open:
+            return
+        span = self._open.pop()
+        try:
+            span.__exit__(None, None, None)
+            grad_output = _first_grad_tensor(output)
+            if grad_output is not None and grad_output.grad_fn is not None and self.col._active:
+                backward = _BackwardSpan(self.col, _BACKWARD)
+                grad_output.grad_fn.register_prehook(functools.partial(_backward_started, backward))
+        except Exception:
+            self.col._internal_error("model forward hook")
+
+
+def _backward_started(backward: _BackwardSpan, grad_outputs: Any) -> None:
+    """The output's gradient is ready: the model's backward starts here and ends when the autograd
+    engine finishes this backward pass (a callback it runs before ``backward()`` returns)."""
+    backward.on_output_grad(None)
+    try:
+        from torch.autograd import Variable
+
+        Variable._execution_engine.queue_callback(functools.partial(backward.on_input_grad, None))
+    except Exception:
+        backward.col._internal_error("model backward hook")
+
+
+def time_model(model: Any, collector: Collector) -> list[Any]:
+    """Top-level ``forward`` and ``backward`` spans of every call of ``model``, what the analysis
+    needs to tell a rank slow in its compute from one that pauses outside it, for a job that
+    records only its steps and collectives. The backward span runs from the gradient of the
+    model's output to the end of that backward pass. Calls under ``torch.no_grad()`` get no
+    backward span. Once the job opens a forward or backward span of its own (``col.span`` or
+    :func:`instrument_module`), these spans stand aside. Returns the hook handles."""
+    if not collector._active:
+        return []
+    timer = _ModelTimer(collector)
+    return [model.register_forward_pre_hook(timer.pre), model.register_forward_hook(timer.post)]

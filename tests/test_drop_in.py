@@ -202,6 +202,41 @@ def test_copies_bound_before_the_collector_and_other_groups_over_the_same_ranks_
     assert rows == [("all_reduce", "dp:0"), ("all_gather_into_tensor", "dp:0")]
 
 
+def test_a_ddp_model_gets_forward_and_backward_spans_unless_the_job_times_its_own(one_rank: Path) -> None:
+    """DDP's model gets a ``forward`` span per call and a ``backward`` span from its output's gradient
+    to the end of the backward pass; its gradient all-reduce is issued inside that backward. A call
+    under ``no_grad`` gets no backward span. Once the job opens a ``forward`` span of its own, the
+    model's spans stand aside (no time counted twice)."""
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    col = Collector.from_env(one_rank, flush_interval_s=0.2, device=torch.device("cpu"), marker_agent=False)
+    model = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)))
+    x = torch.randn(4, 32)
+    for step in range(3):
+        with col.step(step):
+            model(x).square().mean().backward()
+            if step == 1:
+                with torch.no_grad():
+                    model(x)
+    with col.step(3), col.span("forward", kind="forward"):
+        model(x).square().mean().backward()
+    col.close()
+    run = open_run(one_rank)
+    rows = run.con.execute("SELECT step, kind, name, start_ns, dur_ns FROM spans WHERE kind IN ('forward', 'backward') "
+                           "ORDER BY step, start_ns").fetchall()
+    by_step: dict[int, list[str]] = {}
+    for step, kind, name, _, dur in rows:
+        assert name == kind and dur > 0
+        by_step.setdefault(step, []).append(kind)
+    assert by_step == {0: ["forward", "backward"], 1: ["forward", "backward", "forward"], 2: ["forward", "backward"],
+                       3: ["forward"]}
+    # Step 0's backward starts after its forward ends, and DDP issues its all-reduce inside it.
+    fwd, bwd = [(r[3], r[3] + r[4]) for r in rows if r[0] == 0]
+    (start,), = run.con.execute("SELECT start_ns FROM spans WHERE kind = 'collective' AND step = 0").fetchall()
+    assert fwd[1] <= bwd[0] <= start <= bwd[1]
+
+
 def test_an_unwaited_functional_result_is_not_left_looking_stuck(one_rank: Path) -> None:
     import gc
 
@@ -462,6 +497,45 @@ def test_fsdp2_with_tp_on_nccl_names_a_slow_gpu(tmp_path: Path) -> None:
                     "--straggler", "1,3", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [s["rank"] for s in megascope_json("report", str(run_dir))["stragglers"]] == [1]
+
+
+@pytest.mark.gpu
+def test_a_ddp_model_on_a_gpu_gets_device_timed_forward_and_backward_spans(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """NCCL, one rank: the model's spans are timed on the device (the backward's end stamped from
+    autograd's callback), each inside its step, the backward about twice the forward (twice its
+    FLOPs), and the collector counts no internal error."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    torch.cuda.set_device(0)
+    col = Collector.from_env(tmp_path / "run", flush_interval_s=0.2, marker_agent=False)
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        model = DDP(nn.Sequential(nn.Linear(4096, 8192), nn.ReLU(), nn.Linear(8192, 4096)).cuda(), device_ids=[0])
+        x = torch.randn(2048, 4096, device="cuda")
+        for step in range(6):
+            with col.step(step):
+                model(x).square().mean().backward()
+                torch.cuda.synchronize()  # the step ends after its device work
+        errors = col.stats()["internal_errors"]
+        col.close()
+    finally:
+        dist.destroy_process_group()
+    assert errors == 0
+    run = open_run(tmp_path / "run")
+    rows = run.con.execute("""SELECT s.step, s.kind, s.stream, s.dur_ns, s.start_ns - t.start_ns, t.dur_ns FROM spans s
+                              JOIN spans t ON t.rank = s.rank AND t.step = s.step AND t.kind = 'step'
+                              WHERE s.kind IN ('forward', 'backward') ORDER BY s.step, s.start_ns""").fetchall()
+    assert [(r[0], r[1]) for r in rows] == [(step, kind) for step in range(6) for kind in ("forward", "backward")]
+    assert {r[2] for r in rows} == {"compute"}
+    for step in range(1, 6):
+        (_, _, _, fwd, _, _), (_, _, _, bwd, offset, total) = [r for r in rows if r[0] == step]
+        assert 1.3 < bwd / fwd < 3.5 and offset >= 0 and offset + bwd <= total + 1_000_000
 
 
 def test_a_collector_made_before_set_device_takes_the_local_rank_s_gpu(monkeypatch: pytest.MonkeyPatch) -> None:

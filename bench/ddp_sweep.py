@@ -1,14 +1,25 @@
-"""Real DDP jobs under torch.profiler, one fault planted per job, then `megascope ingest kineto` and
-`report` on what the profiler wrote: is the planted rank named first, with the right cause?
+"""Real DDP jobs, one fault planted per job, recorded as users record them, then `megascope report`:
+is the planted rank named first, with the right cause?
 
 Each job is a DistributedDataParallel MLP (256 -> 1024 -> 1024 -> 256, GELU, Adam, batch 64) on
-gloo, one process per rank, profiled with ``tensorboard_trace_handler`` (gzip, shapes recorded) for
-``--active`` steps after one wait and one warm-up step: the recipe of the shared ``kineto-cpu-4rank``
-sample, at other world sizes and ranks. A job gets one of:
+gloo, one process per rank, run for ``--active`` steps after one wait and one warm-up step, and
+recorded one of two ways (``--record``):
 
-- ``slow F``: the planted rank also runs, each step between its forward and its backward, the
-  forward and backward of a local copy of the model (outside DDP) on (F - 1) of its batch: a
-  computational straggler about F times slower in its compute, which nothing labels;
+- ``profiler``: ``torch.profiler`` with ``tensorboard_trace_handler`` (gzip, shapes recorded), the
+  recipe of the shared ``kineto-cpu-4rank`` sample at other world sizes and ranks; the traces go
+  through ``megascope ingest kineto``;
+- ``collector``: megascope's collector as docs/collector.md shows it for DDP
+  (``Collector.from_env`` before ``init_process_group``, each step under ``col.step``), and with
+  ``--modules`` forward and backward spans of the model's layers (``instrument_module``).
+
+A job gets one of:
+
+- ``slow F``: the planted rank also runs the forward and backward of a local copy of the model
+  (outside DDP) on (F - 1) of its batch: a computational straggler about F times slower in its
+  compute. Under the profiler it runs between the model's forward and backward, as the shared
+  sample's extra products do (the profiler sees every op); under the collector it runs inside the
+  model's own forward and backward (a slow device or CPU slows the model's ops, and the collector
+  times the model, not every op);
 - ``pause MS``: the planted rank sleeps MS milliseconds a step at the same place (a host pause:
   its ops take no longer, it starts them late);
 - ``healthy``: nothing planted; no rank should be named.
@@ -16,7 +27,8 @@ sample, at other world sizes and ranks. A job gets one of:
 Jobs run one at a time; the table counts, by fault, the runs whose first named straggler is the
 planted rank, the cause it was given, and the runs where another rank was named.
 
-    python bench/kineto_sweep.py -o DIR [--seed 5 --worlds 2,3,4,5,6 --factors 1.15,1.3,1.6 --pause-ms 20,50,100]
+    python bench/ddp_sweep.py -o DIR [--record profiler|collector --modules --seed 5 --worlds 2,3,4,5,6
+                                      --factors 1.15,1.3,1.6 --pause-ms 20,50,100]
 """
 
 from __future__ import annotations
@@ -41,10 +53,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-init, out, fault, amount, planted, active = sys.argv[1:7]
+init, out, fault, amount, planted, active, record = sys.argv[1:8]
 amount, planted, active = float(amount), int(planted), int(active)
 torch.set_num_threads(1)
 torch.manual_seed(0)
+if record != "profiler":
+    from megascope.collectors import Collector, instrument_module
+    col = Collector.from_env(out)
 dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                         timeout=timedelta(seconds=120))
 model = DistributedDataParallel(nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(),
@@ -54,20 +69,56 @@ x, y = torch.randn(64, 256), torch.randn(64, 256)
 mine = rank == planted
 twin = copy.deepcopy(model.module)
 rows = max(1, round((amount - 1) * x.shape[0])) if fault == "slow" else 0
-with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
-             schedule=schedule(wait=1, warmup=1, active=active),
-             on_trace_ready=tensorboard_trace_handler(out, worker_name=f"rank{rank}", use_gzip=True)) as prof:
-    for _ in range(active + 2):
-        loss = (model(x) - y).pow(2).mean()
-        if mine and fault == "slow":
+inside = mine and fault == "slow" and record != "profiler"
+
+
+class Slow(torch.autograd.Function):
+    """The model's own forward and backward made longer: the twin's on (F - 1) of the batch."""
+
+    @staticmethod
+    def forward(ctx, h):
+        with torch.no_grad():
+            twin(x[:rows])
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, g):
+        with torch.enable_grad():
             (twin(x[:rows]) - y[:rows]).pow(2).mean().backward()
-            twin.zero_grad(set_to_none=True)
-        elif mine and fault == "pause":
-            time.sleep(amount / 1000)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        prof.step()
+        twin.zero_grad(set_to_none=True)
+        return g
+
+
+if inside:
+    model.module[1].register_forward_hook(lambda module, args, out: Slow.apply(out))
+
+
+def step():
+    loss = (model(x) - y).pow(2).mean()
+    if mine and fault == "slow" and not inside:
+        (twin(x[:rows]) - y[:rows]).pow(2).mean().backward()
+        twin.zero_grad(set_to_none=True)
+    elif mine and fault == "pause":
+        time.sleep(amount / 1000)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+if record == "profiler":
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
+                 schedule=schedule(wait=1, warmup=1, active=active),
+                 on_trace_ready=tensorboard_trace_handler(out, worker_name=f"rank{rank}", use_gzip=True)) as prof:
+        for _ in range(active + 2):
+            step()
+            prof.step()
+else:
+    if record == "collector+modules":
+        instrument_module(model.module, ["*"], collector=col)
+    for i in range(active + 2):
+        with col.step(i):
+            step()
+    col.close()
 dist.barrier()
 dist.destroy_process_group()
 '''
@@ -96,10 +147,11 @@ def plan(seed: int, worlds: list[int], factors: list[float], pauses: list[float]
     return cases
 
 
-def run_job(case: dict, where: Path, active: int, timeout_s: float) -> float:
-    """One job, every rank its own process; returns its wall time."""
-    traces = where / "traces"
-    traces.mkdir(parents=True)
+def run_job(case: dict, where: Path, active: int, timeout_s: float, record: str) -> float:
+    """One job, every rank its own process, writing ``where/traces`` (profiler) or ``where/run``
+    (collector); returns its wall time."""
+    traces = where / ("traces" if record == "profiler" else "run")
+    where.mkdir(parents=True)
     init = where / "init"
     t0 = time.perf_counter()
     procs = []
@@ -107,7 +159,7 @@ def run_job(case: dict, where: Path, active: int, timeout_s: float) -> float:
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(case["world"]), OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(
             [sys.executable, "-c", JOB, str(init), str(traces), case["fault"], str(case["amount"]),
-             str(case["planted"]), str(active)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+             str(case["planted"]), str(active), record], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     errors = []
     for p in procs:
         try:
@@ -152,7 +204,13 @@ def main() -> int:
     parser.add_argument("--active", type=int, default=12, help="profiled steps")
     parser.add_argument("--timeout-s", type=float, default=600)
     parser.add_argument("--keep", action="store_true", help="keep each job's traces and run")
+    parser.add_argument("--record", choices=("profiler", "collector"), default="profiler")
+    parser.add_argument("--modules", action="store_true",
+                        help="with --record collector: forward and backward spans of the model's layers")
     args = parser.parse_args()
+    if args.modules and args.record != "collector":
+        parser.error("--modules needs --record collector")
+    record = "collector+modules" if args.modules else args.record
     if args.healthy < 0 or args.each < 1 or args.active < 2:
         parser.error("--healthy must be >= 0, --each >= 1 and --active >= 2")
     if any(w < 2 for w in args.worlds):
@@ -167,8 +225,9 @@ def main() -> int:
         where = args.out / f"job{i:03d}"
         shutil.rmtree(where, ignore_errors=True)
         load = os.getloadavg()[0]
-        wall = run_job(case, where, args.active, args.timeout_s)
-        megascope("ingest", "kineto", str(where / "traces"), "-o", str(where / "run"))
+        wall = run_job(case, where, args.active, args.timeout_s, record)
+        if record == "profiler":
+            megascope("ingest", "kineto", str(where / "traces"), "-o", str(where / "run"))
         report = json.loads(megascope("report", "--json", "-q", str(where / "run")))
         row = {**case, **score(case, report), "load": round(load, 2), "wall_s": round(wall, 1)}
         results.append(row)
