@@ -478,7 +478,7 @@ def test_report_names_the_planted_straggler(tmp_path: Path, sample: str, planted
 @pytest.mark.parametrize(("sample", "planted", "cause"), [("kineto-ddp-pause", 2, "host"), ("kineto-ddp-slow", 0, "compute")])
 def test_real_ddp_traces_name_the_planted_rank_with_its_cause(tmp_path: Path, sample: str, planted: int,
                                                               cause: str) -> None:
-    """Traces torch.profiler wrote of real DDP jobs on gloo (``bench/kineto_sweep.py``), each with one
+    """Traces torch.profiler wrote of real DDP jobs on gloo (``bench/ddp_sweep.py``), each with one
     planted rank whose cause the spans' share alone read wrongly (docs/analysis.md, Causes):
 
     - ``kineto-ddp-pause`` (3 ranks, seed 5, job 21): rank 2 sleeps 20 ms a step between its forward
