@@ -522,7 +522,7 @@ def test_a_ddp_model_on_a_gpu_gets_device_timed_forward_and_backward_spans(tmp_p
             with col.step(step):
                 model(x).square().mean().backward()
                 torch.cuda.synchronize()  # the step ends after its device work
-        errors = col.stats()["internal_errors"]
+        errors = col.stats["internal_errors"]
         col.close()
     finally:
         dist.destroy_process_group()
