@@ -530,7 +530,7 @@ class Interception:
         from its first forward; DDP's own work around it (buffer broadcasts) stays outside them."""
         model.__dict__["_megascope_timed"] = True
         col = self._col()
-        if col is None or not col._active:
+        if col is None or not col._active or not col.config.ddp_model_spans:
             return
         try:
             from megascope.collectors.modules import time_model

@@ -206,7 +206,7 @@ def test_a_ddp_model_gets_forward_and_backward_spans_unless_the_job_times_its_ow
     """DDP's model gets a ``forward`` span per call and a ``backward`` span from its output's gradient
     to the end of the backward pass; its gradient all-reduce is issued inside that backward. A call
     under ``no_grad`` gets no backward span. Once the job opens a ``forward`` span of its own, the
-    model's spans stand aside (no time counted twice)."""
+    model's spans stand aside (no time counted twice); ``ddp_model_spans=False`` turns them off."""
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -235,6 +235,15 @@ def test_a_ddp_model_gets_forward_and_backward_spans_unless_the_job_times_its_ow
     fwd, bwd = [(r[3], r[3] + r[4]) for r in rows if r[0] == 0]
     (start,), = run.con.execute("SELECT start_ns FROM spans WHERE kind = 'collective' AND step = 0").fetchall()
     assert fwd[1] <= bwd[0] <= start <= bwd[1]
+    # Turned off: the steps and the all-reduces are recorded, the model's spans are not.
+    col = Collector.from_env(one_rank.parent / "off", flush_interval_s=0.2, device=torch.device("cpu"),
+                             marker_agent=False, ddp_model_spans=False)
+    model = DDP(nn.Sequential(nn.Linear(32, 8)))
+    with col.step(0):
+        model(x).square().mean().backward()
+    col.close()
+    kinds = open_run(one_rank.parent / "off").con.execute("SELECT DISTINCT kind FROM spans ORDER BY 1").fetchall()
+    assert [k for k, in kinds if k != "host"] == ["collective", "step"]
 
 
 def test_an_unwaited_functional_result_is_not_left_looking_stuck(one_rank: Path) -> None:
