@@ -23,7 +23,7 @@ script wrote, so an operator can switch the collector off or move its output wit
 ``MEGASCOPE_MARKER_AGENT=0``          ``marker_agent=False``
 ``MEGASCOPE_STACKS_AFTER_S=30``       ``stacks_after_s`` (0 turns stack dumps off)
 ``MEGASCOPE_NCCL_FLIGHT_RECORDER=0``  ``nccl_flight_recorder=False``
-``MEGASCOPE_DDP_MODEL_SPANS=0``       ``ddp_model_spans=False``
+``MEGASCOPE_MODEL_SPANS=0``           ``model_spans=False``
 ``MEGASCOPE_HOST_PROBE_EVERY=10``     ``host_probe_every`` (0 turns the probe off)
 ``MEGASCOPE_COMPACT_EVERY_S=60``      ``node_compact_every_s`` (0 turns it off)
 ``MEGASCOPE_COMPACT_MIN_AGE_S=30``    ``node_compact_min_age_s``
@@ -181,12 +181,13 @@ class CollectorConfig:
     # timeout (torch's TORCH_NCCL_* variables, set only where the job has not set them; they take
     # effect for process groups created after the collector). A second witness for `localize`.
     nccl_flight_recorder: bool = True
-    # With the job's collectives intercepted (Collector.from_env), the model a DistributedDataParallel
-    # wraps gets a forward and a backward span per call (megascope.collectors.modules.time_model),
-    # unless the job times its compute itself. On a GPU each costs the backward two trips through
-    # the interpreter lock on autograd's thread: about 0.1 ms a step on 1x H200 (41-212 us of a
-    # 2.3 ms host-bound step). A job whose steps are that short may turn them off; its slow ranks then read ``host``.
-    ddp_model_spans: bool = True
+    # With the job's collectives intercepted (Collector.from_env), the model DistributedDataParallel
+    # wraps, and an FSDP2 model (the outermost module fully_shard sharded), get a forward and a
+    # backward span per call (megascope.collectors.modules.time_model), unless the job times its
+    # compute itself. On a GPU they cost the backward two trips through the interpreter lock on
+    # autograd's thread: about 0.1 ms a step on 1x H200 (41-212 us of a 2.3 ms host-bound step). A
+    # job whose steps are that short may turn them off; its slow ranks then read ``host``.
+    model_spans: bool = True
     # Every this many steps the training thread times a fixed loop of pure Python at the step's end
     # (~0.3 ms) and writes it as the host_loop_ns metric (megascope.schema.HOST_PROBE_METRIC): how
     # fast the CPU under it is. On shared machines CPUs differ: on 4x H200 virtual machines a busy
@@ -300,8 +301,8 @@ class CollectorConfig:
         if "MEGASCOPE_NCCL_FLIGHT_RECORDER" in env:
             changes["nccl_flight_recorder"] = env_bool("MEGASCOPE_NCCL_FLIGHT_RECORDER",
                                                         env["MEGASCOPE_NCCL_FLIGHT_RECORDER"])
-        if "MEGASCOPE_DDP_MODEL_SPANS" in env:
-            changes["ddp_model_spans"] = env_bool("MEGASCOPE_DDP_MODEL_SPANS", env["MEGASCOPE_DDP_MODEL_SPANS"])
+        if "MEGASCOPE_MODEL_SPANS" in env:
+            changes["model_spans"] = env_bool("MEGASCOPE_MODEL_SPANS", env["MEGASCOPE_MODEL_SPANS"])
         if "MEGASCOPE_HOST_PROBE_EVERY" in env:
             changes["host_probe_every"] = _env_number("MEGASCOPE_HOST_PROBE_EVERY", env["MEGASCOPE_HOST_PROBE_EVERY"], int)
         if "MEGASCOPE_COMPACT_EVERY_S" in env:

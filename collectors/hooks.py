@@ -23,7 +23,9 @@ span, and a ``completed`` marker once the operation is done. Four doors cover wh
   its own hook keeps it; a Python hook's ``torch.distributed`` calls are seen, a built-in (C++)
   one's are not. The model DDP wraps also gets top-level ``forward`` and ``backward`` spans
   (:func:`megascope.collectors.modules.time_model`) unless the job times its compute itself: without
-  them a rank slow in its compute could not be told from one that pauses outside it.
+  them a rank slow in its compute could not be told from one that pauses outside it. So does an
+  FSDP2 model: ``fully_shard`` is wrapped, and the outermost forward of the modules it shards (the
+  root's) is timed.
 
 - **Point-to-point**: ``batch_isend_irecv`` (what pipeline schedules, ``torch.distributed.pipelining``
   included, issue) and the blocking ``send``/``recv``, as send/recv spans with their peer's global
@@ -43,7 +45,10 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import importlib
 import logging
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -198,7 +203,8 @@ class Interception:
         self._pending: Any = None  # result tensor of a functional collective -> its handle
         self.installed = False
         self.ddp_hooks = 0  # DDP models given the recording all-reduce hook
-        self._model_hooks: list[Any] = []  # forward hooks timing the models DDP wraps
+        self._model_hooks: list[Any] = []  # forward hooks timing the models DDP and FSDP2 wrap
+        self._fsdp_timer: Any = None
         self.no_future = 0  # asynchronous calls whose work had no future: ended at launch
         self._ddp_register: Callable[..., Any] = lambda *args: None
 
@@ -232,6 +238,7 @@ class Interception:
                     self._patch(owner, "batch_isend_irecv", wrapped)
         self._install_funcol()
         self._install_ddp()
+        self._install_fsdp()
         self._rebind_copies(dist, c10d)
         self.installed = True
         return self
@@ -246,8 +253,6 @@ class Interception:
         originals now hold its wrapper (restored by ``uninstall``). Modules imported later look
         the function up in torch.distributed and get the wrapper anyway.
         """
-        import sys
-
         wrapped: dict[int, Any] = {}
         for owner, name, original in self._saved:
             if owner in doors:
@@ -530,7 +535,7 @@ class Interception:
         from its first forward; DDP's own work around it (buffer broadcasts) stays outside them."""
         model.__dict__["_megascope_timed"] = True
         col = self._col()
-        if col is None or not col._active or not col.config.ddp_model_spans:
+        if col is None or not col._active or not col.config.model_spans:
             return
         try:
             from megascope.collectors.modules import time_model
@@ -538,6 +543,57 @@ class Interception:
             self._model_hooks.extend(time_model(model.module, col))
         except Exception:
             col._internal_error("DDP model spans")
+
+    # ------------------------------------------------------------------ FSDP2
+    def _install_fsdp(self) -> None:
+        """``fully_shard`` wrapped where torch exports it, and in the job's modules that imported it
+        before the collector (``from torch.distributed.fsdp import fully_shard``): every module it
+        shards gets the hooks of one shared timer, which times the outermost forward (the root's:
+        FSDP2 models are sharded layer by layer, then as a whole) as :func:`time_model` does.
+        torch's own modules keep their binding; ``fully_shard``'s attributes (``state``) are kept."""
+        owners = []
+        for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+            try:
+                owners.append(importlib.import_module(name))
+            except Exception:  # an older torch, or a build without distributed
+                continue
+        original = next((o.fully_shard for o in owners if callable(getattr(o, "fully_shard", None))), None)
+        if original is None:
+            return
+        interception = self
+
+        def fully_shard(module: Any, *args: Any, **kwargs: Any) -> Any:
+            result = original(module, *args, **kwargs)
+            interception._time_fsdp(module)
+            return result
+
+        functools.update_wrapper(fully_shard, original)
+        for owner in owners:
+            if getattr(owner, "fully_shard", None) is original:
+                self._patch(owner, "fully_shard", fully_shard)
+        for key, loaded in list(sys.modules.items()):
+            if loaded is None or key.split(".", 1)[0] in ("torch", "megascope"):  # not torchtitan's
+                continue
+            try:
+                names = [k for k, v in vars(loaded).items() if v is original]
+            except Exception:
+                continue
+            for name in names:
+                self._patch(loaded, name, fully_shard)
+
+    def _time_fsdp(self, module: Any) -> None:
+        col = self._col()
+        if col is None or not col._active or not col.config.model_spans:
+            return
+        try:
+            from megascope.collectors.modules import OutermostTimer
+
+            if self._fsdp_timer is None:
+                self._fsdp_timer = OutermostTimer(col)
+            for m in module if isinstance(module, list | tuple) else [module]:
+                self._model_hooks.extend(self._fsdp_timer.attach(m))
+        except Exception:
+            col._internal_error("FSDP model spans")
 
     def _hook_ddp(self, model: Any) -> None:
         model.__dict__["_megascope_seen"] = True

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import threading
 from collections.abc import Container, Iterable, Sequence
 from typing import Any
 
@@ -259,4 +260,31 @@ def time_model(model: Any, collector: Collector) -> list[Any]:
     if not collector._active:
         return []
     timer = _ModelTimer(collector)
-    return [model.register_forward_pre_hook(timer.pre), model.register_forward_hook(timer.post)]
+    return [model.register_forward_pre_hook(timer.pre), model.register_forward_hook(timer.post, always_call=True)]
+
+
+class OutermostTimer(_ModelTimer):
+    """:class:`_ModelTimer` over several modules that call each other (an FSDP2 model's layers and
+    its root): only the outermost forward under way on a thread is timed."""
+
+    __slots__ = ("_depth",)
+
+    def __init__(self, col: Collector) -> None:
+        super().__init__(col)
+        self._depth = threading.local()
+
+    def attach(self, module: Any) -> list[Any]:
+        """The hooks on ``module``; returns their handles."""
+        return [module.register_forward_pre_hook(self.pre), module.register_forward_hook(self.post, always_call=True)]
+
+    def pre(self, module: Any, args: Any) -> None:
+        depth = getattr(self._depth, "n", 0)
+        self._depth.n = depth + 1
+        if depth == 0:
+            super().pre(module, args)
+
+    def post(self, module: Any, args: Any, output: Any) -> None:
+        depth = max(getattr(self._depth, "n", 1) - 1, 0)
+        self._depth.n = depth
+        if depth == 0:
+            super().post(module, args, output)

@@ -52,9 +52,9 @@ def test_config_env_overrides_and_validation(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="clock must be one of device, side-stream, host"):
         cfg.with_env({"MEGASCOPE_CLOCK": "gpu"})
     assert cfg.with_env({}) is cfg
-    assert cfg.ddp_model_spans and not cfg.with_env({"MEGASCOPE_DDP_MODEL_SPANS": "0"}).ddp_model_spans
-    with pytest.raises(ConfigError, match="MEGASCOPE_DDP_MODEL_SPANS"):
-        cfg.with_env({"MEGASCOPE_DDP_MODEL_SPANS": "sometimes"})
+    assert cfg.model_spans and not cfg.with_env({"MEGASCOPE_MODEL_SPANS": "0"}).model_spans
+    with pytest.raises(ConfigError, match="MEGASCOPE_MODEL_SPANS"):
+        cfg.with_env({"MEGASCOPE_MODEL_SPANS": "sometimes"})
     with pytest.raises(ConfigError, match="MEGASCOPE_FLUSH_INTERVAL_S"):
         cfg.with_env({"MEGASCOPE_FLUSH_INTERVAL_S": "soon"})
     with pytest.raises(ConfigError, match="MEGASCOPE_DISABLE"):

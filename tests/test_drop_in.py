@@ -26,9 +26,14 @@ from megascope.collectors.setup import (
     place_from_env,
     process_groups_layout,
 )
+from torch.distributed.fsdp import fully_shard
 
 from megascope.errors import ConfigError
 from megascope.store import open_run
+
+# torch's fully_shard, bound before any collector (the interception rewraps module variables that
+# hold it, so it is kept inside a tuple)
+_FULLY_SHARD = (fully_shard,)
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = Path(__file__).resolve().parent / "jobs"
@@ -206,7 +211,7 @@ def test_a_ddp_model_gets_forward_and_backward_spans_unless_the_job_times_its_ow
     """DDP's model gets a ``forward`` span per call and a ``backward`` span from its output's gradient
     to the end of the backward pass; its gradient all-reduce is issued inside that backward. A call
     under ``no_grad`` gets no backward span. Once the job opens a ``forward`` span of its own, the
-    model's spans stand aside (no time counted twice); ``ddp_model_spans=False`` turns them off."""
+    model's spans stand aside (no time counted twice); ``model_spans=False`` turns them off."""
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -237,13 +242,39 @@ def test_a_ddp_model_gets_forward_and_backward_spans_unless_the_job_times_its_ow
     assert fwd[1] <= bwd[0] <= start <= bwd[1]
     # Turned off: the steps and the all-reduces are recorded, the model's spans are not.
     col = Collector.from_env(one_rank.parent / "off", flush_interval_s=0.2, device=torch.device("cpu"),
-                             marker_agent=False, ddp_model_spans=False)
+                             marker_agent=False, model_spans=False)
     model = DDP(nn.Sequential(nn.Linear(32, 8)))
     with col.step(0):
         model(x).square().mean().backward()
     col.close()
     kinds = open_run(one_rank.parent / "off").con.execute("SELECT DISTINCT kind FROM spans ORDER BY 1").fetchall()
     assert [k for k, in kinds if k != "host"] == ["collective", "step"]
+
+
+def test_an_fsdp2_model_gets_spans_of_its_root_alone(one_rank: Path) -> None:
+    """FSDP2 shards layer by layer, then the whole model: one ``forward`` and one ``backward`` span
+    a step, the root's, with the layers' all-gathers inside the forward. ``fully_shard`` bound by
+    this module before the collector existed is wrapped too, and keeps its ``state`` accessor."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    col = Collector.from_env(one_rank, flush_interval_s=0.2, device=torch.device("cpu"), marker_agent=False)
+    assert fully_shard is not _FULLY_SHARD[0] and hasattr(fully_shard, "state")
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = torch.randn(4, 16)
+    for step in range(3):
+        with col.step(step):
+            model(x).square().mean().backward()
+    col.close()
+    assert fully_shard is _FULLY_SHARD[0]  # put back
+    run = open_run(one_rank)
+    rows = run.con.execute("SELECT step, kind FROM spans WHERE kind IN ('forward', 'backward') "
+                           "ORDER BY step, start_ns").fetchall()
+    assert rows == [(step, kind) for step in range(3) for kind in ("forward", "backward")]
 
 
 def test_an_unwaited_functional_result_is_not_left_looking_stuck(one_rank: Path) -> None:

@@ -89,8 +89,11 @@ def test_real_gloo_job_slow_rank_and_hang(tmp_path: Path) -> None:
     import gc
 
     gc.collect()
+    # Spawned, not forked: a forked child inherits torch's flight recorder, with the entries of every
+    # process group this test process used before (other tests' in-process groups named "0" too),
+    # and its dump then shows collectives the job never issued.
     mp.start_processes(_job, args=(str(tmp_path / "init"), str(traces), str(dumps)), nprocs=WORLD,
-                       start_method="fork", join=True)
+                       start_method="spawn", join=True)
     for p in dumps.glob(".done*"):
         p.unlink()
 

@@ -124,6 +124,9 @@ def executed(synth: Synth, tmp_path_factory: pytest.TempPathFactory,
     _sql.execute(run.con, "stragglers", "tp_members").fetchall()
     _sql.execute(run.con, "stragglers", "tp_exclusive", ranks=[4, 5, 6, 7], bar=1.1,
                  spans=_sql.Raw(run.rank_source("spans", [4, 5, 6, 7]))).fetchall()
+    # Read only for a rank whose cause the spans' share leaves in doubt.
+    _sql.execute(run.con, "stragglers", "outside", ranks=[4, 5],
+                 spans=_sql.Raw(run.rank_source("spans", [4, 5]))).fetchall()
     return seen
 
 

@@ -230,6 +230,22 @@ def test_a_pause_that_leaves_the_spans_after_it_longer_is_still_a_host_cause(tmp
     assert row["rank"] == 3 and row["cause"] == "compute"
 
 
+def test_time_outside_the_spans_is_the_step_less_the_union_of_its_spans(tmp_path: Path) -> None:
+    """Overlapping spans count once; a step span bounds the step, or else the spans' own extent;
+    host and data spans are not the rank's compute or communication, so they leave time outside."""
+    from megascope.analysis import _sql
+
+    spans = [span(0, 0, "step", 0, 100 * MS), span(0, 0, "forward", 10 * MS, 20 * MS),
+             span(0, 0, "collective", 25 * MS, 15 * MS, group="dp:0", seq=0), span(0, 0, "backward", 60 * MS, 20 * MS),
+             span(0, 0, "host", 85 * MS, 10 * MS),
+             span(1, 0, "forward", 0, 10 * MS), span(1, 0, "collective", 20 * MS, 10 * MS, group="dp:0", seq=0),
+             span(1, 0, "data", 10 * MS, 5 * MS)]
+    run = open_run(hand_run(tmp_path / "run", spans, [], world=2, hosts=("h0", "h0")))
+    rows = _sql.execute(run.con, "stragglers", "outside", ranks=[0, 1],
+                        spans=_sql.Raw(run.rank_source("spans", [0, 1]))).fetchall()
+    assert rows == [(0, 0, 50 * MS), (1, 0, 10 * MS)]
+
+
 @pytest.mark.parametrize("seed", range(10, 16))
 def test_noisy_healthy_runs_name_nobody(tmp_path: Path, seed: int) -> None:
     run = open_run(noisy_run(tmp_path / "run", seed=seed))

@@ -7,7 +7,7 @@ training thread, autograd's, the collector's writer) per step of each kind of bl
 spans are the only difference. The job's step is host-bound on purpose (a small MLP), which is where any
 host cost shows in full; a whole-run comparison is bench/gpu_drop_in.sh's.
 
-    python bench/gpu_ddp_model_spans.py [--device cuda|cpu --blocks 10 --steps 200 --hidden 1024]
+    python bench/gpu_model_spans.py [--device cuda|cpu --blocks 10 --steps 200 --hidden 1024]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def main() -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_ddp_model_spans: no GPU here; use --device cpu", file=sys.stderr)
+        print("gpu_model_spans: no GPU here; use --device cpu", file=sys.stderr)
         return 2
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     work = Path(tempfile.mkdtemp(prefix="ddp-spans-"))
