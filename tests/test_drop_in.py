@@ -540,14 +540,17 @@ def test_fsdp2_with_tp_on_nccl_names_a_slow_gpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
-def test_a_ddp_model_on_a_gpu_gets_device_timed_forward_and_backward_spans(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """NCCL, one rank: the model's spans are timed on the device (the backward's end stamped from
-    autograd's callback), each inside its step, the backward about twice the forward (twice its
-    FLOPs), and the collector counts no internal error."""
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_a_data_parallel_model_on_a_gpu_gets_device_timed_forward_and_backward_spans(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wrapper: str) -> None:
+    """NCCL, one rank, DDP or FSDP2 (layers, then the root): the model's spans are timed on the
+    device (the backward's end stamped from autograd's callback), one of each a step, inside it,
+    the backward about twice the forward (twice its FLOPs) in the median step, and the collector
+    counts no internal error."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
     from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     for name, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}.items():
@@ -556,7 +559,14 @@ def test_a_ddp_model_on_a_gpu_gets_device_timed_forward_and_backward_spans(tmp_p
     col = Collector.from_env(tmp_path / "run", flush_interval_s=0.2, marker_agent=False)
     dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
-        model = DDP(nn.Sequential(nn.Linear(4096, 8192), nn.ReLU(), nn.Linear(8192, 4096)).cuda(), device_ids=[0])
+        model: Any = nn.Sequential(nn.Linear(4096, 8192), nn.ReLU(), nn.Linear(8192, 4096)).cuda()
+        if wrapper == "ddp":
+            model = DDP(model, device_ids=[0])
+        else:
+            mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("dp",))
+            for layer in (model[0], model[2]):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
         x = torch.randn(2048, 4096, device="cuda")
         for step in range(6):
             with col.step(step):
@@ -573,9 +583,13 @@ def test_a_ddp_model_on_a_gpu_gets_device_timed_forward_and_backward_spans(tmp_p
                               WHERE s.kind IN ('forward', 'backward') ORDER BY s.step, s.start_ns""").fetchall()
     assert [(r[0], r[1]) for r in rows] == [(step, kind) for step in range(6) for kind in ("forward", "backward")]
     assert {r[2] for r in rows} == {"compute"}
-    for step in range(1, 6):
+    ratios = []
+    for step in range(6):
         (_, _, _, fwd, _, _), (_, _, _, bwd, offset, total) = [r for r in rows if r[0] == step]
-        assert 1.3 < bwd / fwd < 3.5 and offset >= 0 and offset + bwd <= total + 1_000_000
+        assert offset >= 0 and offset + bwd <= total + 1_000_000
+        ratios.append(bwd / fwd)
+    # The median of steps 1-5 (DDP rebuilds its buckets in one early backward: 4.3x once).
+    assert 1.3 < sorted(ratios[1:])[2] < 3.5, ratios
 
 
 def test_a_collector_made_before_set_device_takes_the_local_rank_s_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
