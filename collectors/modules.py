@@ -202,9 +202,21 @@ def instrument_module(model: Any, patterns: Sequence[str], collector: Collector,
     return handles
 
 
+def _in_backward() -> bool:
+    """Whether this thread is running an autograd backward pass: activation checkpointing runs
+    forwards again there, which are part of the backward, not forwards of their own."""
+    import torch
+
+    try:
+        return bool(torch._C._current_graph_task_id() != -1)
+    except Exception:  # a torch without it: no recomputation is told apart
+        return False
+
+
 class _ModelTimer:
     """A whole model's forward and backward as top-level ``forward`` and ``backward`` spans, for a
-    job that times none of its compute itself (see :func:`time_model`)."""
+    job that times none of its compute itself (see :func:`time_model`). A forward run again inside
+    a backward (activation checkpointing) opens no span."""
 
     __slots__ = ("col", "_open")
 
@@ -214,7 +226,7 @@ class _ModelTimer:
 
     def pre(self, module: Any, args: Any) -> None:
         col = self.col
-        if not col._active or col._times_compute:
+        if not col._active or col._times_compute or _in_backward():
             return
         try:
             record_on, label = col._label(_FORWARD, None)
@@ -225,7 +237,7 @@ class _ModelTimer:
             col._internal_error("model forward pre-hook")
 
     def post(self, module: Any, args: Any, output: Any) -> None:
-        if not self._open:
+        if not self._open or _in_backward():
             return
         span = self._open.pop()
         try:
@@ -278,12 +290,16 @@ class OutermostTimer(_ModelTimer):
         return [module.register_forward_pre_hook(self.pre), module.register_forward_hook(self.post, always_call=True)]
 
     def pre(self, module: Any, args: Any) -> None:
+        if _in_backward():
+            return
         depth = getattr(self._depth, "n", 0)
         self._depth.n = depth + 1
         if depth == 0:
             super().pre(module, args)
 
     def post(self, module: Any, args: Any, output: Any) -> None:
+        if _in_backward():
+            return
         depth = max(getattr(self._depth, "n", 1) - 1, 0)
         self._depth.n = depth
         if depth == 0:

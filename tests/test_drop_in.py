@@ -253,16 +253,26 @@ def test_a_ddp_model_gets_forward_and_backward_spans_unless_the_job_times_its_ow
 
 def test_an_fsdp2_model_gets_spans_of_its_root_alone(one_rank: Path) -> None:
     """FSDP2 shards layer by layer, then the whole model: one ``forward`` and one ``backward`` span
-    a step, the root's, with the layers' all-gathers inside the forward. ``fully_shard`` bound by
-    this module before the collector existed is wrapped too, and keeps its ``state`` accessor."""
+    a step, the root's, with the layers' all-gathers inside the forward; a sharded layer that
+    activation checkpointing runs again in the backward opens none. ``fully_shard`` bound by this
+    module before the collector existed is wrapped too, and keeps its ``state`` accessor."""
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):  # its first layer's forward runs again in the backward
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second = nn.Linear(16, 32), nn.Linear(32, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.second(torch.relu(checkpoint(self.first, x, use_reentrant=False)))
 
     col = Collector.from_env(one_rank, flush_interval_s=0.2, device=torch.device("cpu"), marker_agent=False)
     assert fully_shard is not _FULLY_SHARD[0] and hasattr(fully_shard, "state")
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp",))
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
-    for layer in (model[0], model[2]):
+    model = Checkpointed()
+    for layer in (model.first, model.second):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     x = torch.randn(4, 16)
