@@ -240,6 +240,8 @@ class _ModelTimer:
         if not self._open or _in_backward():
             return
         span = self._open.pop()
+        if output is None:  # the forward raised (this hook runs anyway): its span is dropped
+            return
         try:
             span.__exit__(None, None, None)
             grad_output = _first_grad_tensor(output)

@@ -287,6 +287,38 @@ def test_an_fsdp2_model_gets_spans_of_its_root_alone(one_rank: Path) -> None:
     assert rows == [(step, kind) for step in range(3) for kind in ("forward", "backward")]
 
 
+def test_a_forward_that_raises_leaves_no_span_and_the_next_one_is_timed(tmp_path: Path) -> None:
+    """The model's hooks run even when its forward raises: that call's span is dropped, and the
+    next call (outermost again, for nested modules) is timed as usual."""
+    from megascope.collectors.modules import OutermostTimer, time_model
+    from torch import nn
+
+    col = Collector(CollectorConfig(run_dir=tmp_path / "run", marker_agent=False, heartbeat_interval_s=None,
+                                    device=torch.device("cpu")), rank=0, world_size=1)
+    inner = nn.Linear(8, 8)
+    outer = nn.Sequential(inner, nn.ReLU())
+    nested = OutermostTimer(col)
+    handles = nested.attach(inner) + nested.attach(outer)
+    plain = nn.Linear(8, 4)
+    handles += time_model(plain, col)
+    good, bad = torch.randn(2, 8), torch.randn(2, 3)
+    for step in range(3):
+        with col.step(step):
+            if step == 1:
+                for model in (outer, plain):
+                    with pytest.raises(RuntimeError):
+                        model(bad)
+            else:
+                outer(good).sum().backward()
+                plain(good).sum().backward()
+    for h in handles:
+        h.remove()
+    col.close()
+    rows = open_run(tmp_path / "run").con.execute(
+        "SELECT step, kind, count(*) FROM spans WHERE kind IN ('forward', 'backward') GROUP BY ALL ORDER BY ALL").fetchall()
+    assert rows == [(0, "backward", 2), (0, "forward", 2), (2, "backward", 2), (2, "forward", 2)]
+
+
 def test_an_unwaited_functional_result_is_not_left_looking_stuck(one_rank: Path) -> None:
     import gc
 
