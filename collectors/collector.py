@@ -421,8 +421,14 @@ class Collector:
         kind_s = self._kind(kind)
         if kind_s in _OWN_COMPUTE_KINDS:
             self._times_compute = True
-        record_on, label = self._label(kind_s, stream)
-        return SpanContext(self, name, kind_s, record_on, label, microbatch, chunk)
+        return self._span(name, kind_s, microbatch, chunk, stream)
+
+    def _span(self, name: str, kind: str, microbatch: int | None = None, chunk: int | None = None,
+              stream: Any = None) -> SpanContext:
+        """:meth:`span` of a known kind, without telling the collector that the job times its own
+        compute (the model spans of megascope.collectors.modules use it)."""
+        record_on, label = self._label(kind, stream)
+        return SpanContext(self, name, kind, record_on, label, microbatch, chunk)
 
     def step(self, step: int) -> Any:
         """A ``step`` span; inside it every span, marker and metric belongs to ``step``."""

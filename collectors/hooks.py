@@ -243,7 +243,7 @@ class Interception:
         self.installed = True
         return self
 
-    def _rebind_copies(self, *doors: Any) -> None:
+    def _rebind_copies(self, *doors: Any, torch_too: bool = True) -> None:
         """Point the copies other modules took of the wrapped functions at the wrappers.
 
         A library may bind a collective once at import (Megatron's tensor-parallel mappings and
@@ -251,7 +251,8 @@ class Interception:
         ``reduce_scatter_tensor`` in module variables); imported before the collector, its calls
         would bypass the doors above. Every loaded module's variables that hold one of the
         originals now hold its wrapper (restored by ``uninstall``). Modules imported later look
-        the function up in torch.distributed and get the wrapper anyway.
+        the function up in torch.distributed and get the wrapper anyway. ``torch_too=False``
+        leaves torch's own modules their binding.
         """
         wrapped: dict[int, Any] = {}
         for owner, name, original in self._saved:
@@ -262,6 +263,8 @@ class Interception:
         skip = {id(d) for d in doors}
         for key, module in list(sys.modules.items()):
             if module is None or id(module) in skip or key.startswith("megascope"):
+                continue
+            if not torch_too and key.split(".", 1)[0] == "torch":  # torchtitan's are rebound
                 continue
             try:
                 items = [(k, v) for k, v in vars(module).items() if id(v) in wrapped]
@@ -568,18 +571,10 @@ class Interception:
             return result
 
         functools.update_wrapper(fully_shard, original)
-        for owner in owners:
-            if getattr(owner, "fully_shard", None) is original:
-                self._patch(owner, "fully_shard", fully_shard)
-        for key, loaded in list(sys.modules.items()):
-            if loaded is None or key.split(".", 1)[0] in ("torch", "megascope"):  # not torchtitan's
-                continue
-            try:
-                names = [k for k, v in vars(loaded).items() if v is original]
-            except Exception:
-                continue
-            for name in names:
-                self._patch(loaded, name, fully_shard)
+        doors = [owner for owner in owners if getattr(owner, "fully_shard", None) is original]
+        for owner in doors:
+            self._patch(owner, "fully_shard", fully_shard)
+        self._rebind_copies(*doors, torch_too=False)
 
     def _time_fsdp(self, module: Any) -> None:
         col = self._col()

@@ -224,20 +224,31 @@ class _ModelTimer:
         self.col = col
         self._open: list[SpanContext] = []
 
+    def attach(self, module: Any) -> list[Any]:
+        """The hooks on ``module``; returns their handles."""
+        return [module.register_forward_pre_hook(self.pre), module.register_forward_hook(self.post, always_call=True)]
+
     def pre(self, module: Any, args: Any) -> None:
+        if not _in_backward():
+            self._start()
+
+    def post(self, module: Any, args: Any, output: Any) -> None:
+        if not _in_backward():
+            self._end(output)
+
+    def _start(self) -> None:
         col = self.col
-        if not col._active or col._times_compute or _in_backward():
+        if not col._active or col._times_compute:
             return
         try:
-            record_on, label = col._label(_FORWARD, None)
-            span = SpanContext(col, _FORWARD, _FORWARD, record_on, label, None, None)
+            span = col._span(_FORWARD, _FORWARD)
             span.__enter__()
             self._open.append(span)
         except Exception:
             col._internal_error("model forward pre-hook")
 
-    def post(self, module: Any, args: Any, output: Any) -> None:
-        if not self._open or _in_backward():
+    def _end(self, output: Any) -> None:
+        if not self._open:
             return
         span = self._open.pop()
         if output is None:  # the forward raised (this hook runs anyway): its span is dropped
@@ -273,8 +284,7 @@ def time_model(model: Any, collector: Collector) -> list[Any]:
     :func:`instrument_module`), these spans stand aside. Returns the hook handles."""
     if not collector._active:
         return []
-    timer = _ModelTimer(collector)
-    return [model.register_forward_pre_hook(timer.pre), model.register_forward_hook(timer.post, always_call=True)]
+    return _ModelTimer(collector).attach(model)
 
 
 class OutermostTimer(_ModelTimer):
@@ -287,17 +297,13 @@ class OutermostTimer(_ModelTimer):
         super().__init__(col)
         self._depth = threading.local()
 
-    def attach(self, module: Any) -> list[Any]:
-        """The hooks on ``module``; returns their handles."""
-        return [module.register_forward_pre_hook(self.pre), module.register_forward_hook(self.post, always_call=True)]
-
     def pre(self, module: Any, args: Any) -> None:
         if _in_backward():
             return
         depth = getattr(self._depth, "n", 0)
         self._depth.n = depth + 1
         if depth == 0:
-            super().pre(module, args)
+            self._start()
 
     def post(self, module: Any, args: Any, output: Any) -> None:
         if _in_backward():
@@ -305,4 +311,4 @@ class OutermostTimer(_ModelTimer):
         depth = max(getattr(self._depth, "n", 1) - 1, 0)
         self._depth.n = depth
         if depth == 0:
-            super().post(module, args, output)
+            self._end(output)
