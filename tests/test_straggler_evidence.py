@@ -7,6 +7,7 @@ last member arrives. A straggler's compute spans stretch; a skewed rank pauses o
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import shutil
 import sys
@@ -228,6 +229,64 @@ def test_a_pause_that_leaves_the_spans_after_it_longer_is_still_a_host_cause(tmp
     slow = open_run(noisy_run(tmp_path / "slow", seed=seed, slow=3, factor=1.12, noise=0.02))
     row = analysis.stragglers(slow).iloc[0]
     assert row["rank"] == 3 and row["cause"] == "compute"
+
+
+def sharded_run(path: Path, *, seed: int, slow: int | None = None, factor: float = 1.0, paused: int | None = None,
+                pause_ms: float = 0.0, steps: int = 16, noise: float = 0.05) -> Path:
+    """``RANKS`` ranks sharding one model, as FSDP does on gloo: per step a forward span holding
+    three layers, each a blocking all-gather (ending 0.5 ms after its last member arrives) then
+    15 ms of compute, and a backward span holding 5 ms of compute then a reduce-scatter that ends
+    1 ms after the last arrival.
+    The slow rank's layers compute ``factor`` times longer; the paused rank starts its forward
+    ``pause_ms`` late, outside every span."""
+    rng = np.random.default_rng(seed)
+    spans = []
+    t0, seq = 0, 0
+    for step in range(steps):
+        start = np.full(RANKS, float(t0))
+        if paused is not None:
+            start[paused] += pause_ms * MS
+        t = start.copy()
+        for _ in range(3):
+            end = int(t.max()) + MS // 2
+            for r in range(RANKS):
+                spans.append(span(r, step, "collective", int(t[r]), end - int(t[r]), group="dp:0", seq=seq,
+                                  name="all_gather"))
+            seq += 1
+            layer = 15 * MS * np.exp(rng.normal(0.0, noise, RANKS))
+            if slow is not None:
+                layer[slow] *= factor
+            t = end + layer
+        back = t + 5 * MS
+        end = int(back.max()) + MS
+        for r in range(RANKS):
+            spans.append(span(r, step, "forward", int(start[r]), int(t[r] - start[r])))
+            spans.append(span(r, step, "backward", int(t[r]), end - int(t[r])))
+            spans.append(span(r, step, "collective", int(back[r]), end - int(back[r]), group="dp:0", seq=seq,
+                              name="reduce_scatter"))
+            spans.append(span(r, step, "step", t0, end + MS - t0))
+        seq += 1
+        t0 = end + 2 * MS
+    return hand_run(path, spans, [], world=RANKS, hosts=tuple(f"h{r // 4}" for r in range(RANKS)))
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_slow_rank_whose_peers_wait_inside_their_spans_is_slow_in_its_compute(
+        tmp_path: Path, seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sharded layers (FSDP on gloo): the peers' forward spans hold their waits for the slow rank
+    at its all-gathers, so its spans stretch no more than theirs; less those waits, they hold its
+    whole excess, and nothing is outside them: cause ``compute``. Read on the spans alone, ``host``.
+    A rank that starts its forward late in the same job stays ``host``."""
+    module = importlib.import_module("megascope.analysis.stragglers")
+    run = open_run(sharded_run(tmp_path / "slow", seed=seed, slow=5, factor=1.3))
+    row = analysis.stragglers(run).iloc[0]
+    assert row["rank"] == 5 and row["cause"] == "compute" and row["phase"] == "forward"
+    assert row["spans_share"] < module.CLEAR_SHARE and abs(row["pause_share"]) < 0.05
+    paused = analysis.stragglers(open_run(sharded_run(tmp_path / "paused", seed=seed, paused=2, pause_ms=12.0)))
+    assert list(paused["rank"]) == [2] and paused.iloc[0]["cause"] == "host"
+    monkeypatch.setattr(module, "EXCL_SHARE", float("inf"))
+    assert analysis.stragglers(open_run(sharded_run(tmp_path / "again", seed=seed, slow=5, factor=1.3))).iloc[0][
+        "cause"] == "host"
 
 
 def test_time_outside_the_spans_is_the_step_less_the_union_of_its_spans(tmp_path: Path) -> None:

@@ -163,6 +163,19 @@ CLEAR_T = 2.0
 #   waits, see _tp_stretched), a row read as ``host`` whose spans stretch (t_spans of at least
 #   CLEAR_T) by PAUSE_OVER_SPANS times its time outside them beyond its peers', which is under
 #   PAUSE_SHARE of its excess own time, reads ``compute``: a host pause is time outside the spans.
+# - Where the collectives run inside the spans and block (FSDP's all-gathers inside the forward,
+#   its reduce-scatters inside the backward, on gloo), the peers' spans hold their whole wait for
+#   a slow rank and the spans stretch no more than theirs: a rank of a 3-rank FSDP1 job doing 3.5x
+#   its forward's work had spans 1.5 ms (6% of its 23 ms excess own time) over its peers'. Less
+#   the waits inside them (rank_step's compute_excl_ns) they held 99% of it, and nothing was
+#   outside them. On a data-parallel-only mesh (no TP partners, no pipeline), a row read as
+#   ``host`` whose compute less those waits holds at least EXCL_SHARE of its excess own time (the
+#   medians over its slower steps) and PAUSE_OVER_SPANS times its time outside its spans beyond its
+#   peers', which is under PAUSE_SHARE of its excess own time, reads ``compute`` too. Not with a
+#   pipeline: a stage's spans also hold its receives and whatever its schedule does while one is
+#   posted: 50-100 ms host pauses of the bundled trainer on pp2 meshes (CPU, 11 runs of four
+#   sweeps), taken just before a backward, held 0.7-1.3 of their excess there and nothing outside
+#   it, and every one would read ``compute``.
 #
 # A rank slow in its compute has no time outside its spans: they fill its step as its peers' do.
 # Where its peers' spans hold their waits for it (a device's collectives inside forward and
@@ -171,6 +184,7 @@ CLEAR_T = 2.0
 # the wait), spent 3.9 ms less outside its spans than its peer.
 PAUSE_SHARE = 0.25
 PAUSE_OVER_SPANS = 2.0
+EXCL_SHARE = 0.5
 # Peers whose time outside their spans a candidate's is compared with: at most this many ranks
 # at its stage.
 PAUSE_PEERS = 8
@@ -227,8 +241,12 @@ def _outside_spans(run: Run, frame: pd.DataFrame, sizes: dict[str, int]) -> pd.D
     out["pause_share"] = np.nan
     share = out["spans_share"].astype(float)
     weak = (out["cause"] == "compute") & (share < CLEAR_SHARE)
-    stretched = ((out["cause"] == "host") & (sizes.get("tp", 1) <= 1)
-                 & (out["t_spans"].astype(float) >= CLEAR_T) & (out["median_ex_spans_ns"].astype(float) > 0))
+    solo_host = (out["cause"] == "host") & (sizes.get("tp", 1) <= 1)
+    stretched = solo_host & (out["t_spans"].astype(float) >= CLEAR_T) & (out["median_ex_spans_ns"].astype(float) > 0)
+    excl = out["ex_compute_excl_ns"].astype(float)
+    inside = (solo_host & (sizes.get("pp", 1) <= 1) & (excl >= EXCL_SHARE * out["ex_own_ns"].astype(float))
+              & (excl > 0))
+    stretched |= inside
     if not (weak | stretched).any():
         return out
     places = _sql.query_df(run.con, "base", "places")
@@ -243,7 +261,8 @@ def _outside_spans(run: Run, frame: pd.DataFrame, sizes: dict[str, int]) -> pd.D
         if weak[idx] and pause >= PAUSE_SHARE * own and pause >= PAUSE_OVER_SPANS * spans:
             out.at[idx, "cause"] = "host"
             out.at[idx, "phase"] = "host"
-        elif stretched[idx] and pause < PAUSE_SHARE * own and spans >= PAUSE_OVER_SPANS * max(pause, 0.0):
+        elif (stretched[idx] and pause < PAUSE_SHARE * own
+              and max(spans, excl[idx] if inside[idx] else 0.0) >= PAUSE_OVER_SPANS * max(pause, 0.0)):
             out.at[idx, "cause"] = "compute"
             out.at[idx, "phase"] = _compute_phase(out.loc[[idx]]).iloc[0]
     return out
