@@ -1,9 +1,11 @@
-"""Real DDP jobs, one fault planted per job, recorded as users record them, then `megascope report`:
-is the planted rank named first, with the right cause?
+"""Real data-parallel jobs, one fault planted per job, recorded as users record them, then
+`megascope report`: is the planted rank named first, with the right cause?
 
-Each job is a DistributedDataParallel MLP (256 -> 1024 -> 1024 -> 256, GELU, Adam, batch 64) on
-gloo, one process per rank, run for ``--active`` steps after one wait and one warm-up step, and
-recorded one of two ways (``--record``):
+Each job is an MLP (256 -> 1024 -> 1024 -> 256, GELU, Adam, batch 64) under DistributedDataParallel
+(``--wrap ddp``, the default), FullyShardedDataParallel (``fsdp1``) or ``fully_shard`` (``fsdp2``),
+both of these layer by layer and then as a whole, on gloo, one process per rank, run for
+``--active`` steps after one wait and one warm-up step, and recorded one of two ways
+(``--record``):
 
 - ``profiler``: ``torch.profiler`` with ``tensorboard_trace_handler`` (gzip, shapes recorded), the
   recipe of the shared ``kineto-cpu-4rank`` sample at other world sizes and ranks; the traces go
@@ -15,7 +17,7 @@ recorded one of two ways (``--record``):
 A job gets one of:
 
 - ``slow F``: the planted rank also runs the forward and backward of a local copy of the model
-  (outside DDP) on (F - 1) of its batch: a computational straggler about F times slower in its
+  (outside DDP or FSDP) on (F - 1) of its batch: a computational straggler about F times slower in its
   compute. Under the profiler it runs between the model's forward and backward, as the shared
   sample's extra products do (the profiler sees every op); under the collector it runs inside the
   model's own forward and backward (a slow device or CPU slows the model's ops, and the collector
@@ -27,8 +29,8 @@ A job gets one of:
 Jobs run one at a time; the table counts, by fault, the runs whose first named straggler is the
 planted rank, the cause it was given, and the runs where another rank was named.
 
-    python bench/ddp_sweep.py -o DIR [--record profiler|collector --modules --seed 5 --worlds 2,3,4,5,6
-                                      --factors 1.15,1.3,1.6 --pause-ms 20,50,100]
+    python bench/ddp_sweep.py -o DIR [--record profiler|collector --modules --wrap ddp|fsdp1|fsdp2
+                                      --seed 5 --worlds 2,3,4,5,6 --factors 1.15,1.3,1.6 --pause-ms 20,50,100]
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-init, out, fault, amount, planted, active, record = sys.argv[1:8]
+init, out, fault, amount, planted, active, record, wrap = sys.argv[1:9]
 amount, planted, active = float(amount), int(planted), int(active)
 torch.set_num_threads(1)
 torch.manual_seed(0)
@@ -62,12 +64,26 @@ if record != "profiler":
     col = Collector.from_env(out)
 dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                         timeout=timedelta(seconds=120))
-model = DistributedDataParallel(nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(),
-                                              nn.Linear(1024, 256)))
+layers = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 256))
+twin = copy.deepcopy(layers)
+if wrap == "fsdp1":
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    model = FullyShardedDataParallel(layers, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+                                     device_id=torch.device("cpu"))
+elif wrap == "fsdp2":
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in layers:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    model = fully_shard(layers, mesh=mesh)
+else:
+    model = DistributedDataParallel(layers)
 opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 x, y = torch.randn(64, 256), torch.randn(64, 256)
 mine = rank == planted
-twin = copy.deepcopy(model.module)
 rows = max(1, round((amount - 1) * x.shape[0])) if fault == "slow" else 0
 inside = mine and fault == "slow" and record != "profiler"
 
@@ -90,7 +106,7 @@ class Slow(torch.autograd.Function):
 
 
 if inside:
-    model.module[1].register_forward_hook(lambda module, args, out: Slow.apply(out))
+    layers[1].register_forward_hook(lambda module, args, out: Slow.apply(out))
 
 
 def step():
@@ -114,7 +130,7 @@ if record == "profiler":
             prof.step()
 else:
     if record == "collector+modules":
-        instrument_module(model.module, ["*"], collector=col)
+        instrument_module(layers, ["*"], collector=col)
     for i in range(active + 2):
         with col.step(i):
             step()
@@ -147,7 +163,7 @@ def plan(seed: int, worlds: list[int], factors: list[float], pauses: list[float]
     return cases
 
 
-def run_job(case: dict, where: Path, active: int, timeout_s: float, record: str) -> float:
+def run_job(case: dict, where: Path, active: int, timeout_s: float, record: str, wrap: str) -> float:
     """One job, every rank its own process, writing ``where/traces`` (profiler) or ``where/run``
     (collector); returns its wall time."""
     traces = where / ("traces" if record == "profiler" else "run")
@@ -159,7 +175,7 @@ def run_job(case: dict, where: Path, active: int, timeout_s: float, record: str)
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(case["world"]), OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(
             [sys.executable, "-c", JOB, str(init), str(traces), case["fault"], str(case["amount"]),
-             str(case["planted"]), str(active), record], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+             str(case["planted"]), str(active), record, wrap], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
     errors = []
     for p in procs:
         try:
@@ -207,6 +223,9 @@ def main() -> int:
     parser.add_argument("--record", choices=("profiler", "collector"), default="profiler")
     parser.add_argument("--modules", action="store_true",
                         help="with --record collector: forward and backward spans of the model's layers")
+    parser.add_argument("--wrap", choices=("ddp", "fsdp1", "fsdp2"), default="ddp",
+                        help="the model's data parallelism: DDP, FullyShardedDataParallel or fully_shard, layer by "
+                             "layer, then the whole model")
     args = parser.parse_args()
     if args.modules and args.record != "collector":
         parser.error("--modules needs --record collector")
@@ -225,7 +244,7 @@ def main() -> int:
         where = args.out / f"job{i:03d}"
         shutil.rmtree(where, ignore_errors=True)
         load = os.getloadavg()[0]
-        wall = run_job(case, where, args.active, args.timeout_s, record)
+        wall = run_job(case, where, args.active, args.timeout_s, record, args.wrap)
         if record == "profiler":
             megascope("ingest", "kineto", str(where / "traces"), "-o", str(where / "run"))
         report = json.loads(megascope("report", "--json", "-q", str(where / "run")))

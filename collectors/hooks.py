@@ -25,7 +25,8 @@ span, and a ``completed`` marker once the operation is done. Four doors cover wh
   (:func:`megascope.collectors.modules.time_model`) unless the job times its compute itself: without
   them a rank slow in its compute could not be told from one that pauses outside it. So does an
   FSDP2 model: ``fully_shard`` is wrapped, and the outermost forward of the modules it shards (the
-  root's) is timed.
+  root's) is timed; and an FSDP1 model: ``FullyShardedDataParallel.forward`` is wrapped, and of
+  the nested instances the outermost module's forward is timed.
 
 - **Point-to-point**: ``batch_isend_irecv`` (what pipeline schedules, ``torch.distributed.pipelining``
   included, issue) and the blocking ``send``/``recv``, as send/recv spans with their peer's global
@@ -203,8 +204,8 @@ class Interception:
         self._pending: Any = None  # result tensor of a functional collective -> its handle
         self.installed = False
         self.ddp_hooks = 0  # DDP models given the recording all-reduce hook
-        self._model_hooks: list[Any] = []  # forward hooks timing the models DDP and FSDP2 wrap
-        self._fsdp_timer: Any = None
+        self._model_hooks: list[Any] = []  # forward hooks timing the models DDP and FSDP wrap
+        self._fsdp_timer: Any = None  # one timer for every module FSDP (1 or 2) shards
         self.no_future = 0  # asynchronous calls whose work had no future: ended at launch
         self._ddp_register: Callable[..., Any] = lambda *args: None
 
@@ -239,6 +240,7 @@ class Interception:
         self._install_funcol()
         self._install_ddp()
         self._install_fsdp()
+        self._install_fsdp1()
         self._rebind_copies(dist, c10d)
         self.installed = True
         return self
@@ -575,6 +577,30 @@ class Interception:
         for owner in doors:
             self._patch(owner, "fully_shard", fully_shard)
         self._rebind_copies(*doors, torch_too=False)
+
+    # ------------------------------------------------------------------ FSDP1
+    def _install_fsdp1(self) -> None:
+        """``FullyShardedDataParallel`` (FSDP1): at each instance's first forward, the module it wraps
+        gets the hooks of the timer FSDP2 uses, so of the nested instances (an auto-wrap policy wraps
+        layer by layer inside the root) only the outermost forward, the root's, is timed, with the
+        layers' all-gathers inside it. The root's own all-gather, before its module runs, is not."""
+        try:
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        except ImportError:
+            return
+        interception = self
+        original_forward = FSDP.forward
+
+        def forward(model: Any, *inputs: Any, **kwargs: Any) -> Any:
+            if "_megascope_timed" not in model.__dict__:
+                model.__dict__["_megascope_timed"] = True
+                inner = getattr(model, "_fsdp_wrapped_module", None)
+                if inner is not None:
+                    interception._time_fsdp(inner)
+            return original_forward(model, *inputs, **kwargs)
+
+        functools.update_wrapper(forward, original_forward)
+        self._patch(FSDP, "forward", forward)
 
     def _time_fsdp(self, module: Any) -> None:
         col = self._col()

@@ -287,6 +287,34 @@ def test_an_fsdp2_model_gets_spans_of_its_root_alone(one_rank: Path) -> None:
     assert rows == [(step, kind) for step in range(3) for kind in ("forward", "backward")]
 
 
+def test_an_fsdp1_model_gets_spans_of_its_root_alone(one_rank: Path) -> None:
+    """FullyShardedDataParallel wrapped layer by layer (an auto-wrap policy), one layer checkpointed:
+    one ``forward`` and one ``backward`` span a step, the root's; the checkpointed layer's second
+    forward, in the backward, opens none. A call under ``no_grad`` gets a forward span alone."""
+    from torch import nn
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    col = Collector.from_env(one_rank, flush_interval_s=0.2, device=torch.device("cpu"), marker_agent=False)
+    inner = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+    model = FSDP(inner, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=torch.device("cpu"))
+    apply_activation_checkpointing(model, check_fn=lambda m: m is inner[2])
+    assert sum(isinstance(m, FSDP) for m in model.modules()) == 4
+    x = torch.randn(4, 16)
+    for step in range(3):
+        with col.step(step):
+            model(x).square().mean().backward()
+            if step == 2:
+                with torch.no_grad():
+                    model(x)
+    col.close()
+    rows = open_run(one_rank).con.execute("SELECT step, kind FROM spans WHERE kind IN ('forward', 'backward') "
+                                          "ORDER BY step, start_ns").fetchall()
+    assert rows == [(0, "forward"), (0, "backward"), (1, "forward"), (1, "backward"), (2, "forward"),
+                    (2, "backward"), (2, "forward")]
+
+
 def test_a_forward_that_raises_leaves_no_span_and_the_next_one_is_timed(tmp_path: Path) -> None:
     """The model's hooks run even when its forward raises: that call's span is dropped, and the
     next call (outermost again, for nested modules) is timed as usual."""
@@ -404,6 +432,31 @@ def test_ddp_job_straggler_is_named_from_its_own_all_reduce(tmp_path: Path) -> N
     assert report["run"]["mesh"] == {"pp": 1, "dp": 3, "tp": 1}
     assert [s["rank"] for s in report["stragglers"]] == [1], report["stragglers"]
     assert report["hang"]["hung"] is False
+
+
+@pytest.mark.dist
+def test_fsdp1_job_straggler_is_named_compute_from_the_root_s_spans(tmp_path: Path) -> None:
+    """FullyShardedDataParallel, layer by layer: its all-gathers and reduce-scatters are recorded,
+    the root's forward holds the layers' all-gathers and its backward the reduce-scatters, and a
+    rank slow in its model's forward is named with cause ``compute``."""
+    run_dir = tmp_path / "run"
+    proc = torchrun(3, JOBS / "ddp_job.py", str(run_dir), "--wrap", "fsdp1", "--steps", "16", "--straggler",
+                    "2,3.5", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = open_run(run_dir)
+    rows = run.con.execute("""
+        SELECT s.rank, s.kind, count(*), count(DISTINCT s.step),
+               sum((c.op = 'all_gather' AND s.kind = 'forward')::INT),
+               sum((c.op = 'reduce_scatter' AND s.kind = 'backward')::INT)
+        FROM spans s JOIN spans c ON c.rank = s.rank AND c.step = s.step AND c.kind = 'collective'
+             AND c.start_ns BETWEEN s.start_ns AND s.start_ns + s.dur_ns
+        WHERE s.kind IN ('forward', 'backward') AND s.step = 8 GROUP BY ALL ORDER BY ALL""").fetchall()
+    # Step 8: on each rank its forward span holds the three layers' all-gathers, its backward span
+    # the layers' and the root's reduce-scatters.
+    assert [(r[0], r[1]) for r in rows] == [(rank, kind) for rank in range(3) for kind in ("backward", "forward")], rows
+    assert all(r[5] >= 3 for r in rows if r[1] == "backward") and all(r[4] >= 3 for r in rows if r[1] == "forward"), rows
+    report = megascope_json("report", str(run_dir))
+    assert [(s["rank"], s["cause"]) for s in report["stragglers"]] == [(2, "compute")], report["stragglers"]
 
 
 @pytest.mark.dist
@@ -582,10 +635,10 @@ def test_fsdp2_with_tp_on_nccl_names_a_slow_gpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp1", "fsdp2"])
 def test_a_data_parallel_model_on_a_gpu_gets_device_timed_forward_and_backward_spans(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wrapper: str) -> None:
-    """NCCL, one rank, DDP or FSDP2 (layers, then the root): the model's spans are timed on the
+    """NCCL, one rank, DDP, FSDP1 or FSDP2 (layers, then the root): the model's spans are timed on the
     device (the backward's end stamped from autograd's callback), one of each a step, inside it,
     the backward about twice the forward (twice its FLOPs) in the median step, and the collector
     counts no internal error."""
@@ -604,6 +657,11 @@ def test_a_data_parallel_model_on_a_gpu_gets_device_timed_forward_and_backward_s
         model: Any = nn.Sequential(nn.Linear(4096, 8192), nn.ReLU(), nn.Linear(8192, 4096)).cuda()
         if wrapper == "ddp":
             model = DDP(model, device_ids=[0])
+        elif wrapper == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+            from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+            model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=0)
         else:
             mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("dp",))
             for layer in (model[0], model[2]):
