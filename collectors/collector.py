@@ -48,7 +48,7 @@ from megascope.collectors.config import SAMPLED_CALLS_MIN_TIMED, CollectorConfig
 from megascope.collectors.contexts import NOOP, CommHandle, SpanContext, StepContext, StepLevel
 from megascope.collectors.evidence import AgentLink, StackWatch, enable_nccl_flight_recorder
 from megascope.collectors.runid import RunId, new_run_id, resolve_run_id
-from megascope.collectors.timing import Timer, make_timer, resolve_device
+from megascope.collectors.timing import CudaTimer, Timer, make_timer, resolve_device
 from megascope.collectors.writer import Sink, Writer
 
 from megascope.schema import (
@@ -439,19 +439,40 @@ class Collector:
         return StepContext(self, int(step), Stream.HOST.value)
 
     def _check_device(self) -> None:
-        """Once, at the first step: the job's CUDA device is the one the spans are stamped on."""
+        """Once, at the first step: the job's CUDA device is the one the spans are stamped on, and a
+        job that has put nothing on a GPU by then (a CPU job on a GPU host) is timed by the host
+        clock, unless it chose the device itself: events on an idle GPU would time its host's
+        launches and read as a device waiting for its host (``device_idle_frac``)."""
         self._device_checked = True
-        if not self._timer.is_device:
+        timer = self._timer
+        if not isinstance(timer, CudaTimer):
             return
         try:
             import torch
 
             current = torch.cuda.current_device()
+            unused = (self.config.device is None and timer.untouched
+                      and not any(torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count())))
         except Exception:
+            return
+        if unused:
+            self._host_clock()
             return
         if current != self.device.index:
             self._warn_once("device", "megascope collector: spans are stamped on cuda:%d but the job runs on cuda:%d; "
                             "make the collector after torch.cuda.set_device, or pass device=", self.device.index, current)
+
+    def _host_clock(self) -> None:
+        """Stamp on the host clock from now on (no event was recorded yet, so nothing pending
+        refers to the device's) and say so in the ranks table."""
+        config = self.config
+        self.device = resolve_device("cpu")
+        self._timer = make_timer(self.device, anchor_interval_s=config.anchor_interval_s,
+                                 max_events=2 * config.max_buffered_rows + 64)
+        self._writer.timer = self._timer
+        self._writer.set_static("ranks", rows_to_table([self._rank_row()], RANKS))
+        log.info("megascope collector (rank %d): the job put nothing on a GPU before its first step; its spans "
+                 "are timed by the host clock (pass device= to choose)", self.rank)
 
     def _close_span(self, token: Any, anchor: Any, stream: Any, step: int | None, name: str, kind: str, label: str,
                     microbatch: int | None, chunk: int | None, group: str | None, seq: int | None,

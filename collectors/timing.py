@@ -348,6 +348,11 @@ class CudaTimer(_Anchors):
         return stream
 
     @property
+    def untouched(self) -> bool:
+        """Whether no timing event nor mark was ever recorded (the anchors aside)."""
+        return self.stamps == 0 and not self._marks
+
+    @property
     def event_calls(self) -> str:
         """``driver`` or ``torch``: how ready, wall_ns and mark_done reach the device."""
         return "torch" if self._cu is None else "driver"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -251,3 +254,36 @@ def test_driver_event_calls_agree_with_torchs_from_any_thread() -> None:
     via_torch = [anchor.wall_ns + round(anchor.mark.elapsed_time(timer._events[t]) * 1e6) for t in (t0, t1, t2)]
     assert got[0] is True and got[1:] == via_torch
     assert via_torch[0] < via_torch[1] < via_torch[2]
+
+
+_CPU_JOB = """
+import sys, torch
+from megascope.collectors import Collector, CollectorConfig
+from megascope.schema import RunMeta
+col = Collector(CollectorConfig(run_dir=sys.argv[1], flush_interval_s=0.2, handle_sigterm=False), rank=0, world_size=1,
+                meta=RunMeta(run_id="cpu-job", source="collector", world_size=1))
+kept = torch.ones(256, device="cuda") if sys.argv[2] == "gpu" else None
+model = torch.nn.Linear(64, 64).to("cuda" if kept is not None else "cpu")
+for step in range(3):
+    with col.step(step), col.span("forward", kind="forward"):
+        model(torch.randn(32, 64, device=model.weight.device)).sum().backward()
+print(col.stats["device"])
+col.close()
+"""
+
+
+@needs_cuda
+def test_a_job_that_puts_nothing_on_a_gpu_is_timed_by_the_host_clock(tmp_path: Path) -> None:
+    """A CPU job on a GPU host, its collector left to choose: by the first step the job has put
+    nothing on a GPU, so its spans are stamped on the host clock and the ranks table says ``cpu``
+    (events on an idle GPU would read as a device waiting for its host). A job with a tensor on
+    its GPU keeps the device clock."""
+    for where, device in (("cpu", "cpu"), ("gpu", "cuda:0")):
+        run = tmp_path / where
+        proc = subprocess.run([sys.executable, "-c", _CPU_JOB, str(run), where], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "LOCAL_RANK": "0"})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.split() == [device]
+        opened = open_run(run)
+        assert opened.con.execute("SELECT device FROM ranks").fetchall() == [(device,)]
+        assert opened.con.execute("SELECT count(*) FROM spans WHERE kind = 'forward' AND dur_ns > 0").fetchone() == (3,)
