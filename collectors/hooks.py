@@ -194,6 +194,13 @@ class _Together:
             h.abandon()
 
 
+
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` outside any graph ``torch.compile`` traces (see megascope.collectors.modules)."""
+    from megascope.collectors.modules import eager
+
+    return eager(fn)  # type: ignore[no-any-return]
+
 class Interception:
     """Wraps torch's collective entry points for one collector; ``install()`` / ``uninstall()``."""
 
@@ -507,17 +514,18 @@ class Interception:
             from torch.nn.parallel import DistributedDataParallel as DDP
         except ImportError:
             return
-        interception = self
         original_forward = DDP.forward
         original_register = DDP.register_comm_hook
         original_builtin = DDP._register_builtin_comm_hook
         self._ddp_register = original_register
 
+        first = _eager(self._ddp_first_forward)
+
         def forward(model: Any, *inputs: Any, **kwargs: Any) -> Any:
-            if "_megascope_timed" not in model.__dict__:
-                interception._time_ddp(model)
-            if "_megascope_seen" not in model.__dict__:
-                interception._hook_ddp(model)
+            # An attribute, which Dynamo guards where torch.compile traces this: once it is set,
+            # the compiled forward calls nothing of ours.
+            if getattr(model, "_megascope_ready", False) is not True:
+                first(model)
             return original_forward(model, *inputs, **kwargs)
 
         def register_comm_hook(model: Any, state: object, hook: Callable[..., Any]) -> None:
@@ -535,9 +543,19 @@ class Interception:
         self._patch(DDP, "register_comm_hook", register_comm_hook)
         self._patch(DDP, "_register_builtin_comm_hook", register_builtin_comm_hook)
 
+    def _ddp_first_forward(self, model: Any) -> None:
+        """At a DDP model's first forward: its spans and its recording all-reduce hook."""
+        self._time_ddp(model)
+        self._hook_ddp(model)
+        model.__dict__["_megascope_ready"] = True
+
     def _time_ddp(self, model: Any) -> None:
         """Forward and backward spans of the model DDP wraps (megascope.collectors.modules.time_model),
-        from its first forward; DDP's own work around it (buffer broadcasts) stays outside them."""
+        from its first forward; DDP's own work around it (buffer broadcasts) stays outside them.
+        Once a model: where ``torch.compile`` traces DDP's forward, Dynamo does not keep the check
+        before the call, which then comes at every forward."""
+        if "_megascope_timed" in model.__dict__:
+            return
         model.__dict__["_megascope_timed"] = True
         col = self._col()
         if col is None or not col._active or not col.config.model_spans:
@@ -588,19 +606,25 @@ class Interception:
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         except ImportError:
             return
-        interception = self
         original_forward = FSDP.forward
 
+        first = _eager(self._time_fsdp1)
+
         def forward(model: Any, *inputs: Any, **kwargs: Any) -> Any:
-            if "_megascope_timed" not in model.__dict__:
-                model.__dict__["_megascope_timed"] = True
-                inner = getattr(model, "_fsdp_wrapped_module", None)
-                if inner is not None:
-                    interception._time_fsdp(inner)
+            if getattr(model, "_megascope_timed", False) is not True:  # as DDP's
+                first(model)
             return original_forward(model, *inputs, **kwargs)
 
         functools.update_wrapper(forward, original_forward)
         self._patch(FSDP, "forward", forward)
+
+    def _time_fsdp1(self, model: Any) -> None:
+        if "_megascope_timed" in model.__dict__:  # once a model, as _time_ddp
+            return
+        model.__dict__["_megascope_timed"] = True
+        inner = getattr(model, "_fsdp_wrapped_module", None)
+        if inner is not None:
+            self._time_fsdp(inner)
 
     def _time_fsdp(self, module: Any) -> None:
         col = self._col()
@@ -617,6 +641,8 @@ class Interception:
             col._internal_error("FSDP model spans")
 
     def _hook_ddp(self, model: Any) -> None:
+        if "_megascope_seen" in model.__dict__:  # once a model, as _time_ddp
+            return
         model.__dict__["_megascope_seen"] = True
         col = self._col()
         if col is None or not col._active:

@@ -19,6 +19,14 @@ no gradient (the first stage's token ids) get no backward span; neither does any
 ``torch.no_grad()``. Activation checkpointing re-runs forwards during backward: those show as extra
 forward spans.
 
+Under ``torch.compile``: a module called inside a region Dynamo compiles gets no span from
+:func:`instrument_module` (its hooks return at once while Dynamo traces them: timing a layer in the
+middle of a graph would split the graph there, at every layer). The whole model's spans
+(:func:`time_model`, :class:`OutermostTimer`) run as plain Python outside the graph
+(``torch.compiler.disable``): the model's graph then begins after its forward span opens and ends
+before it closes. Traced as they are, the collector's bookkeeping split the graph at each stamp
+and its spans were counted again (20 forward spans for 8 calls of a compiled DDP model).
+
 Example::
 
     handles = instrument_module(model, ["layers.*"], collector=col)
@@ -43,6 +51,24 @@ from megascope.schema import SpanKind, Stream
 _FORWARD = SpanKind.FORWARD.value
 _BACKWARD = SpanKind.BACKWARD.value
 _COMPUTE = Stream.COMPUTE.value
+
+
+def _compiling() -> bool:
+    """Whether Dynamo is tracing this call (``torch.compile``); a constant to Dynamo itself."""
+    import torch
+
+    return bool(torch.compiler.is_compiling())
+
+
+def eager(fn: Any) -> Any:
+    """``fn`` run as plain Python where ``torch.compile`` traces its caller (a graph break around
+    it), or ``fn`` itself on a torch without ``torch.compiler.disable``."""
+    try:
+        import torch
+
+        return torch.compiler.disable(fn)
+    except Exception:
+        return fn
 
 
 def _matches(segments: list[str], pattern: list[str]) -> bool:
@@ -96,7 +122,7 @@ class _ModuleTimer:
 
     def pre(self, module: Any, args: Any) -> None:
         col = self.col
-        if not col._active:
+        if not col._active or _compiling():
             return
         if not self._timed(col._microbatch):
             return
@@ -114,7 +140,7 @@ class _ModuleTimer:
             col._internal_error("module forward pre-hook")
 
     def post(self, module: Any, args: Any, output: Any) -> None:
-        if not self._open or not self._timed(self.col._microbatch):
+        if not self._open or _compiling() or not self._timed(self.col._microbatch):
             return
         forward, backward = self._open.pop()
         try:
@@ -225,8 +251,10 @@ class _ModelTimer:
         self._open: list[SpanContext] = []
 
     def attach(self, module: Any) -> list[Any]:
-        """The hooks on ``module``; returns their handles."""
-        return [module.register_forward_pre_hook(self.pre), module.register_forward_hook(self.post, always_call=True)]
+        """The hooks on ``module``, outside any graph ``torch.compile`` makes of it; returns their
+        handles."""
+        return [module.register_forward_pre_hook(eager(self.pre)),
+                module.register_forward_hook(eager(self.post), always_call=True)]
 
     def pre(self, module: Any, args: Any) -> None:
         if not _in_backward():

@@ -4,6 +4,7 @@ and the README's snippet run as written."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -313,6 +314,48 @@ def test_an_fsdp1_model_gets_spans_of_its_root_alone(one_rank: Path) -> None:
                                           "ORDER BY step, start_ns").fetchall()
     assert rows == [(0, "forward"), (0, "backward"), (1, "forward"), (1, "backward"), (2, "forward"),
                     (2, "backward"), (2, "forward")]
+
+
+def test_a_compiled_ddp_model_gets_its_spans_and_nothing_of_ours_in_its_graphs(one_rank: Path) -> None:
+    """``torch.compile(DDP(model))``, as torch recommends: the model's forward and backward spans
+    come once a step (traced by Dynamo, the hooks were attached again at every call and split the
+    graph at each stamp); once warm the job compiles nothing more, as without the collector; a
+    layer inside a compiled graph, instrumented by name, gets no span rather than a graph split at
+    it."""
+    from megascope.collectors import instrument_module
+    from torch import nn
+    from torch._dynamo.utils import counters
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def run(col: Any) -> int:
+        torch._dynamo.reset()
+        counters.clear()
+        net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+        if col is not None:
+            instrument_module(net, ["0"], collector=col)
+        model = torch.compile(DDP(net), backend="aot_eager")
+        x = torch.randn(4, 32)
+        warm = 0
+        for step in range(5):
+            if step == 3:
+                warm = counters["frames"]["total"]
+            with col.step(step) if col is not None else contextlib.nullcontext():
+                model(x).square().mean().backward()
+        assert counters["frames"]["total"] == warm  # nothing compiled once warm
+        return int(counters["stats"]["calls_captured"])
+
+    run(None)
+    col = Collector.from_env(one_rank, flush_interval_s=0.2, device=torch.device("cpu"), marker_agent=False)
+    try:
+        captured = run(col)
+        errors = col.stats["internal_errors"]
+    finally:
+        col.close()
+        torch._dynamo.reset()
+    assert errors == 0 and captured >= 3  # the model's three layers went into a graph
+    rows = open_run(one_rank).con.execute("SELECT step, kind, name FROM spans WHERE kind IN ('forward', 'backward') "
+                                          "ORDER BY step, start_ns").fetchall()
+    assert rows == [(step, kind, kind) for step in range(5) for kind in ("forward", "backward")]
 
 
 def test_a_forward_that_raises_leaves_no_span_and_the_next_one_is_timed(tmp_path: Path) -> None:
@@ -635,11 +678,12 @@ def test_fsdp2_with_tp_on_nccl_names_a_slow_gpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp1", "fsdp2"])
+@pytest.mark.parametrize("wrapper", ["ddp", "ddp-compiled", "fsdp1", "fsdp2"])
 def test_a_data_parallel_model_on_a_gpu_gets_device_timed_forward_and_backward_spans(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, wrapper: str) -> None:
-    """NCCL, one rank, DDP, FSDP1 or FSDP2 (layers, then the root): the model's spans are timed on the
-    device (the backward's end stamped from autograd's callback), one of each a step, inside it,
+    """NCCL, one rank, DDP (also under ``torch.compile``), FSDP1 or FSDP2 (layers, then the root): the
+    model's spans are timed on the device (the backward's end stamped from autograd's callback),
+    one of each a step, inside it,
     the backward about twice the forward (twice its FLOPs) in the median step, and the collector
     counts no internal error."""
     if not torch.cuda.is_available():
@@ -657,6 +701,8 @@ def test_a_data_parallel_model_on_a_gpu_gets_device_timed_forward_and_backward_s
         model: Any = nn.Sequential(nn.Linear(4096, 8192), nn.ReLU(), nn.Linear(8192, 4096)).cuda()
         if wrapper == "ddp":
             model = DDP(model, device_ids=[0])
+        elif wrapper == "ddp-compiled":
+            model = torch.compile(DDP(model, device_ids=[0]))
         elif wrapper == "fsdp1":
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
             from torch.distributed.fsdp.wrap import ModuleWrapPolicy
