@@ -194,12 +194,12 @@ class _Together:
             h.abandon()
 
 
-
 def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` outside any graph ``torch.compile`` traces (see megascope.collectors.modules)."""
     from megascope.collectors.modules import eager
 
     return eager(fn)  # type: ignore[no-any-return]
+
 
 class Interception:
     """Wraps torch's collective entry points for one collector; ``install()`` / ``uninstall()``."""

@@ -122,9 +122,7 @@ class _ModuleTimer:
 
     def pre(self, module: Any, args: Any) -> None:
         col = self.col
-        if not col._active or _compiling():
-            return
-        if not self._timed(col._microbatch):
+        if not col._active or not self._timed(col._microbatch) or _compiling():
             return
         try:
             forward = col.span(self.name, kind=_FORWARD)
@@ -140,7 +138,7 @@ class _ModuleTimer:
             col._internal_error("module forward pre-hook")
 
     def post(self, module: Any, args: Any, output: Any) -> None:
-        if not self._open or _compiling() or not self._timed(self.col._microbatch):
+        if not self._open or not self._timed(self.col._microbatch):  # (none open where Dynamo traces)
             return
         forward, backward = self._open.pop()
         try:
