@@ -280,7 +280,7 @@ def test_a_slow_rank_whose_peers_wait_inside_their_spans_is_slow_in_its_compute(
     module = importlib.import_module("megascope.analysis.stragglers")
     run = open_run(sharded_run(tmp_path / "slow", seed=seed, slow=5, factor=1.3))
     row = analysis.stragglers(run).iloc[0]
-    assert row["rank"] == 5 and row["cause"] == "compute" and row["phase"] == "forward"
+    assert row["rank"] == 5 and row["cause"] == "compute" and row["phase"] == "compute"
     assert row["spans_share"] < module.CLEAR_SHARE and abs(row["pause_share"]) < 0.05
     paused = analysis.stragglers(open_run(sharded_run(tmp_path / "paused", seed=seed, paused=2, pause_ms=12.0)))
     assert list(paused["rank"]) == [2] and paused.iloc[0]["cause"] == "host"

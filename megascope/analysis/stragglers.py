@@ -171,8 +171,9 @@ CLEAR_T = 2.0
 #   outside them. On a data-parallel-only mesh (no TP partners, no pipeline), a row read as
 #   ``host`` whose compute less those waits holds at least EXCL_SHARE of its excess own time (the
 #   medians over its slower steps) and PAUSE_OVER_SPANS times its time outside its spans beyond its
-#   peers', which is under PAUSE_SHARE of its excess own time, reads ``compute`` too. Not with a
-#   pipeline: a stage's spans also hold its receives and whatever its schedule does while one is
+#   peers', which is under PAUSE_SHARE of its excess own time, reads ``compute`` too, with phase
+#   ``compute``: the spans' excess per phase holds the peers' waits, so which phase is slow is not
+#   known. Not with a pipeline: a stage's spans also hold its receives and whatever its schedule does while one is
 #   posted: 50-100 ms host pauses of the bundled trainer on pp2 meshes (CPU, 11 runs of four
 #   sweeps), taken just before a backward, held 0.7-1.3 of their excess there and nothing outside
 #   it, and every one would read ``compute``.
@@ -246,12 +247,11 @@ def _outside_spans(run: Run, frame: pd.DataFrame, sizes: dict[str, int]) -> pd.D
     excl = out["ex_compute_excl_ns"].astype(float)
     inside = (solo_host & (sizes.get("pp", 1) <= 1) & (excl >= EXCL_SHARE * out["ex_own_ns"].astype(float))
               & (excl > 0))
-    stretched |= inside
-    if not (weak | stretched).any():
+    if not (weak | stretched | inside).any():
         return out
     places = _sql.query_df(run.con, "base", "places")
     stage = dict(zip(places["rank"].astype(int), places["stage"].astype(int), strict=True))
-    for idx in out.index[weak | stretched]:
+    for idx in out.index[weak | stretched | inside]:
         own = float(out.at[idx, "median_ex_own_ns"])
         pause = _outside_excess(run, int(out.at[idx, "rank"]), stage) if own > 0 else None
         if pause is None:
@@ -261,10 +261,13 @@ def _outside_spans(run: Run, frame: pd.DataFrame, sizes: dict[str, int]) -> pd.D
         if weak[idx] and pause >= PAUSE_SHARE * own and pause >= PAUSE_OVER_SPANS * spans:
             out.at[idx, "cause"] = "host"
             out.at[idx, "phase"] = "host"
-        elif (stretched[idx] and pause < PAUSE_SHARE * own
-              and max(spans, excl[idx] if inside[idx] else 0.0) >= PAUSE_OVER_SPANS * max(pause, 0.0)):
+        elif stretched[idx] and pause < PAUSE_SHARE * own and spans >= PAUSE_OVER_SPANS * max(pause, 0.0):
             out.at[idx, "cause"] = "compute"
             out.at[idx, "phase"] = _compute_phase(out.loc[[idx]]).iloc[0]
+        elif inside[idx] and pause < PAUSE_SHARE * own and excl[idx] >= PAUSE_OVER_SPANS * max(pause, 0.0):
+            # The spans' excess per phase holds the peers' waits: which phase is slow is not known.
+            out.at[idx, "cause"] = "compute"
+            out.at[idx, "phase"] = "compute"
     return out
 
 
