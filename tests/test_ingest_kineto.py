@@ -479,7 +479,8 @@ def test_report_names_the_planted_straggler(tmp_path: Path, sample: str, planted
 def test_real_ddp_traces_name_the_planted_rank_with_its_cause(tmp_path: Path, sample: str, planted: int,
                                                               cause: str) -> None:
     """Traces torch.profiler wrote of real DDP jobs on gloo (``bench/ddp_sweep.py``), each with one
-    planted rank whose cause the spans' share alone read wrongly (docs/analysis.md, Causes):
+    planted rank whose cause the spans' share alone read wrongly (docs/analysis.md, Causes), and the
+    wait it caused in the job's process group:
 
     - ``kineto-ddp-pause`` (3 ranks, seed 5, job 21): rank 2 sleeps 20 ms a step between its forward
       and backward; it came back to ops 7 ms slower than its peers' (a small share of its excess,
@@ -498,3 +499,7 @@ def test_real_ddp_traces_name_the_planted_rank_with_its_cause(tmp_path: Path, sa
     assert [s["rank"] for s in report["stragglers"]] == [planted]
     pause = first["evidence"]["pause_share"]
     assert (pause >= PAUSE_SHARE) if cause == "host" else (pause < PAUSE_SHARE)
+    # The job's one process group, which the traces name "world", is its data-parallel group: the
+    # wait the rank made its peers sit through there counts (it read 0 when only groups named TP
+    # or DP did).
+    assert first["evidence"]["wait_caused_t"] > 10

@@ -372,9 +372,23 @@ def _params(con: duckdb.DuckDBPyConnection, steps: list[int]) -> dict[str, Any]:
     window = steps[1:NESTED_PROBE_STEPS + 1] if len(steps) > NESTED_PROBE_STEPS else steps
     nested = [str(k) for (k,) in _sql.execute(con, "base", "nested_kinds", rank=probe,
                                               steps=window or [-1]).fetchall()]
-    # Groups whose members do the same work: TP and DP; with one stage every group.
-    peer_kinds = ["tp", "dp"] if shape and shape[1] > 1 else ["tp", "dp", "pp", "other"]
-    return {"nested_kinds": sorted(k for k in nested if k.isalnum()), "peer_kinds": peer_kinds}
+    return {"nested_kinds": sorted(k for k in nested if k.isalnum()), "peer_kinds": _peer_kinds(shape)}
+
+
+def _peer_kinds(shape: Any) -> list[str]:
+    """Groups whose members do the same work: TP and DP; with one stage every group (a DDP or
+    FSDP job's world, as torch.profiler's traces name it)."""
+    return ["tp", "dp"] if shape and shape[1] > 1 else ["tp", "dp", "pp", "other"]
+
+
+def peer_kinds_sql(con: duckdb.DuckDBPyConnection) -> _sql.Raw:
+    """:func:`_peer_kinds` of the run (after ``rank_info``), as a SQL list of group kinds, every
+    kind but tp, dp and pp read as ``other``."""
+    return _kinds_sql(_peer_kinds(_sql.first(_sql.execute(con, "base", "rank_shape"))))
+
+
+def _kinds_sql(kinds: list[str]) -> _sql.Raw:
+    return _sql.Raw("[" + ", ".join(f"'{k}'" for k in kinds) + "]::VARCHAR[]")
 
 
 def _sums_source(con: duckdb.DuckDBPyConnection) -> tuple[str, str]:
@@ -465,8 +479,7 @@ def _rank_step_from(con: duckdb.DuckDBPyConnection, params: dict[str, Any], span
                  step_calls_prefix=_sql.Raw(COLLECTOR_STEP_CALLS_METRIC),
                  step_calls_prefix_len=len(COLLECTOR_STEP_CALLS_METRIC), where=_sql.Raw(where),
                  metrics_where=_sql.Raw(metrics_where),
-                 peer_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in params["peer_kinds"]) + "]::VARCHAR[]"),
-                 nested_kinds=_sql.Raw("[" + ", ".join(f"'{k}'" for k in params["nested_kinds"]) + "]::VARCHAR[]"))
+                 peer_kinds=_kinds_sql(params["peer_kinds"]), nested_kinds=_kinds_sql(params["nested_kinds"]))
 
 
 def _ranks_and_clock(con: duckdb.DuckDBPyConnection, say: Callable[[str], None]) -> list[int]:

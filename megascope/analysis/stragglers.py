@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from megascope.analysis import _sql, persist
-from megascope.analysis.base import has_step_spans, prepare
+from megascope.analysis.base import has_step_spans, peer_kinds_sql, prepare
 from megascope.analysis.pipeline import HOST_BOUND_MIN_CALLS, host_lead
 from megascope.errors import ConfigError
 from megascope.schema import COLLECTOR_CALLS_METRIC, HOST_PROBE_METRIC, RunSource
@@ -119,7 +119,8 @@ def score(con: duckdb.DuckDBPyConnection, config: StragglerConfig | None = None)
     kept = "rank_scores_" + hashlib.sha256(text.encode()).hexdigest()[:16]
     if persist.load_extra(con, kept, table="rank_scores"):
         return
-    _sql.execute(con, "stragglers", "peer_step", has_step_spans=spans, rel_floor=config.rel_floor)
+    _sql.execute(con, "stragglers", "peer_step", has_step_spans=spans, rel_floor=config.rel_floor,
+                 peer_kinds=peer_kinds_sql(con))
     _sql.execute(con, "stragglers", "rank_scores", min_slowdown=config.min_slowdown, z=config.z)
     _sql.execute(con, "stragglers", "drop_peer_step")
     persist.save_extra(con, kept, table="rank_scores")

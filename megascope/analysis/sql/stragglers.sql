@@ -31,13 +31,16 @@ CREATE OR REPLACE MACRO ms_cache.loo(n, s, x, med) AS
 -- @column ex_spans_ns excess of its compute spans' raw durations (forward, backward, optimizer,
 --                     compute; waits inside them not removed): a rank whose own spans stretch
 --                     is slow in compute; one late with spans of normal length paused outside them
--- @column blame_ns    the wait it caused: over the same-stage collectives (tp, dp) where it
---                     arrived last, (last - mean arrival) x members
+-- @column blame_ns    the wait it caused: over the collectives of its groups of peers
+--                     ({{peer_kinds}}, as rank_step's last arrivals: tp and dp, every group with
+--                     one stage) where it arrived last, (last - mean arrival) x members
 -- @column d_blame     its blame minus the peer baseline blame, over the baseline own time
 CREATE OR REPLACE TABLE ms_cache.peer_step AS
 WITH blame AS (
     SELECT last_rank AS rank, step, sum((last_arrival_ns - mean_arrival_ns) * n) AS blame_ns
-    FROM ms_cache.inst WHERE n >= 2 AND group_kind IN ('tp', 'dp') GROUP BY ALL
+    FROM ms_cache.inst
+    WHERE n >= 2 AND list_contains({{peer_kinds}}, CASE WHEN group_kind IN ('tp', 'dp', 'pp') THEN group_kind ELSE 'other' END)
+    GROUP BY ALL
 ), rs AS (
     SELECT r.*, coalesce(b.blame_ns, 0) AS blame_ns,
            r.forward_ns + r.backward_ns + r.optimizer_ns + r.compute_ns AS spans_ns
