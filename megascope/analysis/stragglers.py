@@ -174,10 +174,10 @@ CLEAR_T = 2.0
 #   medians over its slower steps) and PAUSE_OVER_SPANS times its time outside its spans beyond its
 #   peers', which is under PAUSE_SHARE of its excess own time, reads ``compute`` too, with phase
 #   ``compute``: the spans' excess per phase holds the peers' waits, so which phase is slow is not
-#   known. Not with a pipeline: a stage's spans also hold its receives and whatever its schedule does while one is
-#   posted: 50-100 ms host pauses of the bundled trainer on pp2 meshes (CPU, 11 runs of four
-#   sweeps), taken just before a backward, held 0.7-1.3 of their excess there and nothing outside
-#   it, and every one would read ``compute``.
+#   known. Not with a pipeline: a stage's spans also hold its receives and whatever its schedule
+#   does while one is posted: 50-100 ms host pauses of the bundled trainer on pp2 meshes (CPU, 11
+#   runs of four sweeps), taken just before a backward, held 0.7-1.3 of their excess there and
+#   nothing outside it, and every one would read ``compute``.
 #
 # A rank slow in its compute has no time outside its spans: they fill its step as its peers' do.
 # Where its peers' spans hold their waits for it (a device's collectives inside forward and
