@@ -138,10 +138,7 @@ class Collector:
         if not self.enabled:
             return
         self.device = resolve_device(config.device)
-        self._timer: Timer = make_timer(
-            self.device, anchor_interval_s=config.anchor_interval_s, max_events=2 * config.max_buffered_rows + 64,
-            clock=config.clock, event_calls=config.event_calls,
-        )
+        self._timer: Timer = self._make_timer()
         self._sink = Sink(config.max_buffered_rows)
         self.start_ns = time.time_ns()
         # The id every part of this rank carries, run.json's (megascope.collectors.runid): the
@@ -462,13 +459,18 @@ class Collector:
             self._warn_once("device", "megascope collector: spans are stamped on cuda:%d but the job runs on cuda:%d; "
                             "make the collector after torch.cuda.set_device, or pass device=", self.device.index, current)
 
+    def _make_timer(self) -> Timer:
+        """The timer of ``self.device``, as the config asks."""
+        config = self.config
+        return make_timer(self.device, anchor_interval_s=config.anchor_interval_s,
+                          max_events=2 * config.max_buffered_rows + 64, clock=config.clock,
+                          event_calls=config.event_calls)
+
     def _host_clock(self) -> None:
         """Stamp on the host clock from now on (no event was recorded yet, so nothing pending
         refers to the device's) and say so in the ranks table."""
-        config = self.config
         self.device = resolve_device("cpu")
-        self._timer = make_timer(self.device, anchor_interval_s=config.anchor_interval_s,
-                                 max_events=2 * config.max_buffered_rows + 64)
+        self._timer = self._make_timer()
         self._writer.timer = self._timer
         self._writer.set_static("ranks", rows_to_table([self._rank_row()], RANKS))
         log.info("megascope collector (rank %d): the job put nothing on a GPU before its first step; its spans "

@@ -182,7 +182,7 @@ class CollectorConfig:
     # effect for process groups created after the collector). A second witness for `localize`.
     nccl_flight_recorder: bool = True
     # With the job's collectives intercepted (Collector.from_env), the model DistributedDataParallel
-    # wraps, and an FSDP2 model (the outermost module fully_shard sharded), get a forward and a
+    # wraps, and an FSDP or FSDP2 model (its outermost sharded module), get a forward and a
     # backward span per call (megascope.collectors.modules.time_model), unless the job times its
     # compute itself. On a GPU they cost the backward two trips through the interpreter lock on
     # autograd's thread: about 0.1 ms a step on 1x H200 (41-212 us of a 2.3 ms host-bound step). A

@@ -557,15 +557,7 @@ class Interception:
         if "_megascope_timed" in model.__dict__:
             return
         model.__dict__["_megascope_timed"] = True
-        col = self._col()
-        if col is None or not col._active or not col.config.model_spans:
-            return
-        try:
-            from megascope.collectors.modules import time_model
-
-            self._model_hooks.extend(time_model(model.module, col))
-        except Exception:
-            col._internal_error("DDP model spans")
+        self._attach_model_timer(model.module, shared=False, what="DDP model spans")
 
     # ------------------------------------------------------------------ FSDP2
     def _install_fsdp(self) -> None:
@@ -627,18 +619,27 @@ class Interception:
             self._time_fsdp(inner)
 
     def _time_fsdp(self, module: Any) -> None:
+        self._attach_model_timer(module, shared=True, what="FSDP model spans")
+
+    def _attach_model_timer(self, module: Any, *, shared: bool, what: str) -> None:
+        """The model-span hooks on ``module`` (or each of a list of modules): a timer of its own
+        (megascope.collectors.modules.time_model), or, ``shared``, the one timer of every module
+        FSDP shards, which times the outermost forward under way."""
         col = self._col()
         if col is None or not col._active or not col.config.model_spans:
             return
         try:
-            from megascope.collectors.modules import OutermostTimer
+            from megascope.collectors.modules import OutermostTimer, time_model
 
+            if not shared:
+                self._model_hooks.extend(time_model(module, col))
+                return
             if self._fsdp_timer is None:
                 self._fsdp_timer = OutermostTimer(col)
             for m in module if isinstance(module, list | tuple) else [module]:
                 self._model_hooks.extend(self._fsdp_timer.attach(m))
         except Exception:
-            col._internal_error("FSDP model spans")
+            col._internal_error(what)
 
     def _hook_ddp(self, model: Any) -> None:
         if "_megascope_seen" in model.__dict__:  # once a model, as _time_ddp
