@@ -3,7 +3,8 @@
 # parallel_state, pipeline schedule and DDP; megascope's four added statements). On 4 GPUs: a planted
 # straggler on tp2 x pp2 named by report, a planted hang on tp2 x dp2 named by localize, and the
 # job's step time with megascope off and on (MEGASCOPE_DISABLE=1), interleaved, AB_PAIRS pairs.
-# On 2 GPUs the same on tp2 alone. Needs the megatron-core wheel (cp312) in .wheels/ (gpu_setup.sh
+# On 2 GPUs the same on tp2 alone. On 1 GPU: the model spans Megatron's DDP gets (a forward and a
+# backward per micro-batch, check "spans") and the timing pairs on one rank. Needs the megatron-core wheel (cp312) in .wheels/ (gpu_setup.sh
 # installs it). Logs under $OUT; summary.txt has one line per check, ab.txt the timing table.
 #
 #   OUT=/tmp/o bash bench/gpu_megatron.sh
@@ -16,8 +17,23 @@ export OMP_NUM_THREADS=1 PYTHONPATH=${PYTHONPATH:-$PWD} TORCH_NCCL_WAIT_TIMEOUT_
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 TR=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU")
 if [ "$NGPU" -ge 4 ]; then STRAGGLER_MESH=(--tp 2 --pp 2); AB_MESH=(--tp 2); SLOW=2; HUNG=3
-else STRAGGLER_MESH=(--tp 2); AB_MESH=(--tp 2); SLOW=1; HUNG=1; fi
-CHECKS=${CHECKS:-straggler hang}
+elif [ "$NGPU" -ge 2 ]; then STRAGGLER_MESH=(--tp 2); AB_MESH=(--tp 2); SLOW=1; HUNG=1
+else AB_MESH=(--tp 1); fi
+if [ "$NGPU" -ge 2 ]; then CHECKS=${CHECKS:-straggler hang}; else CHECKS=${CHECKS:-spans}; fi
+if [[ " $CHECKS " == *" spans "* ]]; then  # Megatron's DDP model: forward and backward spans per micro-batch
+  timeout 240 "${TR[@]}" tests/jobs/megatron_job.py "$OUT/spans" "${AB_MESH[@]}" --steps 12 >"$OUT/spans.txt" 2>&1
+  echo "exit $? (spans)" >>"$OUT/spans.txt"
+  "$PY" - "$OUT/spans" <<'PY' | tee -a "$OUT/summary.txt"
+from megascope.store import open_run
+import sys
+con = open_run(sys.argv[1]).con
+rows = con.execute("""SELECT kind, count(*) / count(DISTINCT step), round(median(dur_ns) / 1e6, 2)
+    FROM spans WHERE kind IN ('forward', 'backward') AND step >= 2 GROUP BY kind ORDER BY kind""").fetchall()
+share = con.execute("""SELECT round(sum(dur_ns) FILTER (kind IN ('forward', 'backward'))
+    / sum(dur_ns) FILTER (kind = 'step'), 3) FROM spans WHERE step >= 2 AND rank = 0""").fetchone()[0]
+print(f"spans: per step and median ms {[(k, n, ms) for k, n, ms in rows]}; share of the step {share}")
+PY
+fi
 check() {  # name job-args... : run the job, then report and localize, one summary line
   local name=$1; shift
   [[ " $CHECKS " == *" $name "* ]] || return 0
@@ -39,8 +55,10 @@ print(f"{sys.argv[2]}: mesh {rep['run']['mesh']}; calls {dict(ops)}; "
       f"hung {hang.get('hung')} suspects {[s['rank'] for s in hang.get('suspects', [])][:3]}")
 PY
 }
-check straggler "${STRAGGLER_MESH[@]}" --steps 30 --straggler "$SLOW,1.5"
-check hang --tp 2 --steps 30 --hang "$HUNG,9" --timeout 30
+if [ "$NGPU" -ge 2 ]; then
+  check straggler "${STRAGGLER_MESH[@]}" --steps 30 --straggler "$SLOW,1.5"
+  check hang --tp 2 --steps 30 --hang "$HUNG,9" --timeout 30
+fi
 for i in $(seq "${AB_PAIRS:-2}"); do
   order="0 1"; [ $((i % 2)) = 0 ] && order="1 0"
   for off in $order; do

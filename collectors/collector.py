@@ -433,6 +433,8 @@ class Collector:
             return NOOP
         if not self._device_checked:
             self._check_device()
+            if self._interception is not None:
+                self._interception.install_late()
         return StepContext(self, int(step), Stream.HOST.value)
 
     def _check_device(self) -> None:

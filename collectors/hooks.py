@@ -215,6 +215,7 @@ class Interception:
         self._fsdp_timer: Any = None  # one timer for every module FSDP (1 or 2) shards
         self.no_future = 0  # asynchronous calls whose work had no future: ended at launch
         self._ddp_register: Callable[..., Any] = lambda *args: None
+        self._megatron = False  # Megatron-core's data-parallel wrappers looked for
 
     # ------------------------------------------------------------------ install
     def install(self) -> Interception:
@@ -248,9 +249,17 @@ class Interception:
         self._install_ddp()
         self._install_fsdp()
         self._install_fsdp1()
+        self.install_late()
         self._rebind_copies(dist, c10d)
         self.installed = True
         return self
+
+    def install_late(self) -> None:
+        """What can only be wrapped once the job has imported it (the collector never imports a
+        training library itself): called at install and again at the first step."""
+        if not self._megatron and "megatron.core" in sys.modules:
+            self._megatron = True
+            self._install_megatron()
 
     def _rebind_copies(self, *doors: Any, torch_too: bool = True) -> None:
         """Point the copies other modules took of the wrapped functions at the wrappers.
@@ -284,6 +293,7 @@ class Interception:
                     self._patch(module, name, wrapped[id(value)])
 
     def uninstall(self) -> None:
+        self._megatron = False
         for owner, name, original in reversed(self._saved):
             setattr(owner, name, original)
         self._saved.clear()
@@ -617,6 +627,38 @@ class Interception:
         inner = getattr(model, "_fsdp_wrapped_module", None)
         if inner is not None:
             self._time_fsdp(inner)
+
+    # ------------------------------------------------------------------ Megatron-core
+    def _install_megatron(self) -> None:
+        """Megatron-core's data-parallel wrappers (``DistributedDataParallel``,
+        ``TorchFullyShardedDataParallel``, its FSDP adapter) share one ``forward``, which calls the
+        wrapped model: at each wrapper's first forward, that model gets the hooks of the timer FSDP
+        uses. With a pipeline's virtual stages each model chunk is timed on its own; a chunk that
+        ``fully_shard`` also wraps gets one span, not two (the timer times the outermost forward).
+        Megatron's gradient buffers reduce from their own hooks, whose collectives are recorded as
+        any others."""
+        try:
+            base = importlib.import_module("megatron.core.distributed.data_parallel_base")._BaseDataParallel
+        except Exception:  # another Megatron layout: no model spans, the rest as before
+            return
+        original_forward = base.forward
+        first = _eager(self._time_wrapped)
+
+        def forward(model: Any, *inputs: Any, **kwargs: Any) -> Any:
+            if getattr(model, "_megascope_timed", False) is not True:  # as DDP's
+                first(model)
+            return original_forward(model, *inputs, **kwargs)
+
+        functools.update_wrapper(forward, original_forward)
+        self._patch(base, "forward", forward)
+
+    def _time_wrapped(self, model: Any) -> None:
+        if "_megascope_timed" in model.__dict__:  # once a model, as _time_ddp
+            return
+        model.__dict__["_megascope_timed"] = True
+        inner = getattr(model, "module", None)
+        if inner is not None:
+            self._attach_model_timer(inner, shared=True, what="Megatron model spans")
 
     def _time_fsdp(self, module: Any) -> None:
         self._attach_model_timer(module, shared=True, what="FSDP model spans")

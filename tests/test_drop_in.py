@@ -316,6 +316,58 @@ def test_an_fsdp1_model_gets_spans_of_its_root_alone(one_rank: Path) -> None:
                     (2, "backward"), (2, "forward")]
 
 
+def _megatron_stand_in(monkeypatch: pytest.MonkeyPatch) -> type:
+    """Megatron-core's data-parallel base class as megatron-core 0.16 writes it (a wrapper whose
+    ``forward`` calls ``self.module``), in the modules the collector looks it up in; a real
+    Megatron-core job needs CUDA and runs in ``bench/gpu_megatron.sh``."""
+    import types
+
+    from torch import nn
+
+    class _BaseDataParallel(nn.Module):
+        def __init__(self, config: object, module: nn.Module) -> None:
+            super().__init__()
+            self.config, self.module = config, module
+
+        def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+            return self.module(*inputs, **kwargs)
+
+    base = types.ModuleType("megatron.core.distributed.data_parallel_base")
+    base._BaseDataParallel = _BaseDataParallel  # type: ignore[attr-defined]
+    for name in ("megatron", "megatron.core", "megatron.core.distributed"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, base.__name__, base)
+    return _BaseDataParallel
+
+
+def test_megatron_wrapped_model_chunks_get_spans_each_and_once(one_rank: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Megatron-core's wrappers (its DDP, its FSDP adapters) share the base class's ``forward``: each
+    wrapped model chunk (a pipeline's virtual stages, run one after the other) gets a ``forward``
+    and a ``backward`` span per micro-batch; a chunk that ``fully_shard`` also shards gets one
+    span, not two. Megatron imported after the collector is found at the first step."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    col = Collector.from_env(one_rank, flush_interval_s=0.2, device=torch.device("cpu"), marker_agent=False)
+    wrapper = _megatron_stand_in(monkeypatch)  # imported after the collector, before the first step
+    original = wrapper.forward
+    chunks = [wrapper(None, nn.Sequential(nn.Linear(16, 16), nn.ReLU())) for _ in range(2)]
+    fully_shard(chunks[1].module, mesh=init_device_mesh("cpu", (1,), mesh_dim_names=("dp",)))
+    x = torch.randn(4, 16, requires_grad=True)
+    for step in range(2):
+        with col.step(step):
+            for _ in range(2):  # micro-batches
+                chunks[1](chunks[0](x)).square().mean().backward()
+    col.close()
+    assert wrapper.forward is original  # put back
+    rows = open_run(one_rank).con.execute("SELECT step, kind FROM spans WHERE kind IN ('forward', 'backward') "
+                                          "ORDER BY step, start_ns").fetchall()
+    # Per micro-batch: chunk 0's forward, chunk 1's forward, then one backward through both chunks
+    # (chunk 1's starts first and runs to the end of the pass, chunk 0's inside it).
+    assert rows == [(step, kind) for step in range(2) for _ in range(2)
+                    for kind in ("forward", "forward", "backward", "backward")]
+
+
 def test_a_compiled_ddp_model_gets_its_spans_and_nothing_of_ours_in_its_graphs(one_rank: Path) -> None:
     """``torch.compile(DDP(model))``, as torch recommends: the model's forward and backward spans
     come once a step (traced by Dynamo, the hooks were attached again at every call and split the
