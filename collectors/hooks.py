@@ -28,9 +28,10 @@ span, and a ``completed`` marker once the operation is done. Four doors cover wh
   root's) is timed; and an FSDP1 model: ``FullyShardedDataParallel.forward`` is wrapped, and of
   the nested instances the outermost module's forward is timed.
 
-- **Point-to-point**: ``batch_isend_irecv`` (what pipeline schedules, ``torch.distributed.pipelining``
-  included, issue) and the blocking ``send``/``recv``, as send/recv spans with their peer's global
-  rank. ``isend``/``irecv`` called on their own are not wrapped: ``P2POp`` checks its ``op`` against
+- **Point-to-point**: ``batch_isend_irecv`` (what pipeline schedules issue), the batches of
+  ``torch.distributed.pipelining``'s schedules (``_batch_p2p``, which issues a batch of sends or
+  of receives alone op by op) and the blocking ``send``/``recv``, as send/recv spans with their
+  peer's global rank. ``isend``/``irecv`` called on their own are not wrapped: ``P2POp`` checks its ``op`` against
   those very functions, and a job holding the original would then be refused; time such calls with
   ``col.dist``.
 
@@ -216,6 +217,7 @@ class Interception:
         self.no_future = 0  # asynchronous calls whose work had no future: ended at launch
         self._ddp_register: Callable[..., Any] = lambda *args: None
         self._megatron = False  # Megatron-core's data-parallel wrappers looked for
+        self._pipelining = False  # torch.distributed.pipelining's schedules looked for
 
     # ------------------------------------------------------------------ install
     def install(self) -> Interception:
@@ -260,6 +262,9 @@ class Interception:
         if not self._megatron and "megatron.core" in sys.modules:
             self._megatron = True
             self._install_megatron()
+        if not self._pipelining and "torch.distributed.pipelining.schedules" in sys.modules:
+            self._pipelining = True
+            self._install_pipelining()
 
     def _rebind_copies(self, *doors: Any, torch_too: bool = True) -> None:
         """Point the copies other modules took of the wrapped functions at the wrappers.
@@ -293,7 +298,7 @@ class Interception:
                     self._patch(module, name, wrapped[id(value)])
 
     def uninstall(self) -> None:
-        self._megatron = False
+        self._megatron = self._pipelining = False
         for owner, name, original in reversed(self._saved):
             setattr(owner, name, original)
         self._saved.clear()
@@ -369,10 +374,10 @@ class Interception:
         col_ref = self._col
         interception = self
 
-        def recorded(p2p_op_list: Any) -> Any:
+        def recorded(p2p_op_list: Any, *args: Any, **kwargs: Any) -> Any:
             col = col_ref()
             if col is None or not col._active or getattr(_TLS, "busy", False):
-                return original(p2p_op_list)
+                return original(p2p_op_list, *args, **kwargs)
             handles: list[Any] = []
             try:
                 for p2p in p2p_op_list:
@@ -388,7 +393,7 @@ class Interception:
                 handles = []
             _TLS.busy = True
             try:
-                works = original(p2p_op_list)
+                works = original(p2p_op_list, *args, **kwargs)
             except BaseException:
                 for h in handles:
                     h.abandon()
@@ -407,6 +412,21 @@ class Interception:
             return works
 
         return _like(recorded, original, "batch_isend_irecv")
+
+    def _install_pipelining(self) -> None:
+        """``torch.distributed.pipelining``'s schedules send and receive through ``_batch_p2p``, which
+        (since torch 2.12) issues a batch of sends alone or of receives alone op by op, through
+        ``isend``/``irecv`` (not wrapped, see the module's notes), and a mixed batch through
+        ``batch_isend_irecv``. It is wrapped as ``batch_isend_irecv`` is, so that every op gets its
+        span once: without it a later stage's wait for its first activations, and a stage's last
+        sends, were not recorded, and that wait read as the stage's own time."""
+        import torch.distributed as dist
+
+        schedules = sys.modules.get("torch.distributed.pipelining.schedules")
+        original = getattr(schedules, "_batch_p2p", None)
+        if schedules is None or not callable(original):
+            return
+        self._patch(schedules, "_batch_p2p", self._wrap_batch_p2p(original, dist))
 
     def _end_on_completion(self, work: Any, handle: Any) -> None:
         """End the span when the work completes, without waiting: a callback on its future.

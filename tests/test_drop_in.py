@@ -511,6 +511,30 @@ def test_the_readme_snippet_runs_under_torchrun_and_reports(tmp_path: Path) -> N
 
 # ---------------------------------------------------------------------------- a plain DDP job under torchrun
 @pytest.mark.dist
+def test_a_pipelining_job_with_sharded_stages_records_every_send_and_receive(tmp_path: Path) -> None:
+    """tests/jobs/pipeline_job.py as torchtitan lays a job out (dp2 x pp2, stages sharded with
+    fully_shard, torch.distributed.pipelining's 1F1B over 3 micro-batches): every rank records,
+    every step, a receive and a send per micro-batch (the schedule issues the first receives and
+    the last sends as batches of one kind, op by op), a forward and a backward span per
+    micro-batch, and its stage's all-gathers; the run reads dp2 x pp2."""
+    proc = torchrun(4, JOBS / "pipeline_job.py", str(tmp_path / "run"), "--pp", "2", "--steps", "4",
+                    "--micro-batches", "3", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = open_run(tmp_path / "run")
+    counts = run.con.execute("SELECT rank, step, kind, count(*) FROM spans WHERE step >= 1 AND kind IN "
+                             "('send', 'recv', 'forward', 'backward') GROUP BY ALL").fetchall()
+    assert sorted(counts) == sorted((rank, step, kind, 3) for rank in range(4) for step in range(1, 4)
+                                    for kind in ("send", "recv", "forward", "backward"))
+    peers = run.con.execute("SELECT DISTINCT rank, peer FROM spans WHERE kind IN ('send', 'recv')").fetchall()
+    assert sorted(peers) == [(0, 1), (1, 0), (2, 3), (3, 2)]  # mesh (dp, pp): rank = 2 dp + pp
+    gathers = run.con.execute("SELECT count(*) FROM spans s JOIN groups g USING (\"group\") "
+                              "WHERE s.kind = 'collective' AND s.op = 'all_gather' AND g.kind = 'dp'").fetchone()
+    assert gathers is not None and gathers[0] > 0
+    coords = run.con.execute("SELECT rank, coords['pp'], coords['dp'] FROM ranks ORDER BY rank").fetchall()
+    assert coords == [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1)]
+
+
+@pytest.mark.dist
 def test_ddp_job_straggler_is_named_from_its_own_all_reduce(tmp_path: Path) -> None:
     """DDP's reducer issues the gradient all-reduce in C++; the job registers no hook and wraps no call."""
     run_dir = tmp_path / "run"

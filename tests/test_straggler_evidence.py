@@ -718,6 +718,37 @@ def test_a_healthy_pipeline_and_data_parallel_run_names_no_rank_by_its_spans(tmp
     assert analysis.stragglers(run).empty
 
 
+def test_a_pipeline_rank_whose_fsdp_peer_paused_is_not_named_for_the_wait_inside_its_forward(
+        tmp_path: Path) -> None:
+    """tests/data/cpu-pipeline-fsdp-pause: tests/jobs/pipeline_job.py on CPU (gloo, 4 ranks, dp2 x
+    pp2, each stage sharded with fully_shard over its DP pair, 1F1B over 4 micro-batches, 14
+    steps), rank 3 (stage 1) pausing 50 ms a step outside its spans. Its DP peer, rank 1, waits for
+    it in the all-gathers FSDP issues inside rank 1's forward: rank 1's spans read 1.4x rank 3's,
+    and rank 1 was named for its compute. It caused its peer less wait than it suffered, and is not."""
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+    from megascope.analysis import _sql
+    from megascope.analysis.base import prepare
+
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-pipeline-fsdp-pause", tmp_path / "run"))
+    config = straggler_module.StragglerConfig()
+    candidates, _ = straggler_module._candidates(run, config)
+    assert candidates.set_index("rank").at[1, "t_blame"] < straggler_module.DP_MIN_T_BLAME
+    prepare(run.con)
+    dp = _sql.query_df(run.con, "stragglers", "dp_compute", bar=config.min_named_slowdown).set_index("rank")
+    assert dp["ratio"].idxmax() == 1 and dp.at[1, "ratio"] >= straggler_module.DP_COMPUTE_BAR
+    assert dp.at[1, "slow_frac"] >= straggler_module.DP_SLOW_FRAC
+    assert 1 not in set(analysis.stragglers(run)["rank"].astype(int))
+
+
+def test_a_slow_rank_of_a_pipeline_with_sharded_stages_is_named_for_its_compute(tmp_path: Path) -> None:
+    """tests/data/cpu-pipeline-fsdp-slow: the same job, rank 1 (stage 1) doing 2x the matrix work
+    of its stage: named for its compute, its spans 1.3x its DP peer's and more."""
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-pipeline-fsdp-slow", tmp_path / "run"))
+    found = analysis.stragglers(run)
+    assert list(found["rank"]) == [1]
+    assert found.iloc[0]["cause"] == "compute" and found.iloc[0]["slowdown"] > 1.25
+
+
 def test_ranks_with_tp_partners_are_not_measured_against_dp_peers(tmp_path: Path) -> None:
     """On a tensor-parallel mesh the TP measure decides (a slow rank's partners' spans hold its
     waits, so its DP peers' spans differ from its own for reasons of the TP group): the DP measure
