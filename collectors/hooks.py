@@ -30,7 +30,8 @@ span, and a ``completed`` marker once the operation is done. Four doors cover wh
 
 - **Point-to-point**: ``batch_isend_irecv`` (what pipeline schedules issue), the batches of
   ``torch.distributed.pipelining``'s schedules (``_batch_p2p``, which issues a batch of sends or
-  of receives alone op by op) and the blocking ``send``/``recv``, as send/recv spans with their
+  of receives alone op by op), Megatron-core's ``_p2p_ops`` (its schedules' sends and receives
+  with ``overlap_p2p_comm``) and the blocking ``send``/``recv``, as send/recv spans with their
   peer's global rank. ``isend``/``irecv`` called on their own are not wrapped: ``P2POp`` checks its ``op`` against
   those very functions, and a job holding the original would then be refused; time such calls with
   ``col.dist``.
@@ -126,6 +127,13 @@ _FUNCOL_FUNCS: dict[str, tuple[CollectiveOp, int]] = {
 }
 
 
+# Megatron-core's module of pipeline sends and receives, and the requests its _p2p_ops returns:
+# (key: tensor_<key> is the tensor, <key> the request; the keyword of the peer's global rank; a send).
+_MEGATRON_P2P = "megatron.core.pipeline_parallel.p2p_communication"
+_MEGATRON_P2P_OPS = (("send_next", "next_pipeline_rank", True), ("recv_prev", "prev_pipeline_rank", False),
+                     ("send_prev", "prev_pipeline_rank", True), ("recv_next", "next_pipeline_rank", False))
+
+
 def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str, default: Any = None) -> Any:
     if name in kwargs:
         return kwargs[name]
@@ -218,6 +226,7 @@ class Interception:
         self._ddp_register: Callable[..., Any] = lambda *args: None
         self._megatron = False  # Megatron-core's data-parallel wrappers looked for
         self._pipelining = False  # torch.distributed.pipelining's schedules looked for
+        self._megatron_p2p = False  # Megatron-core's pipeline sends and receives looked for
 
     # ------------------------------------------------------------------ install
     def install(self) -> Interception:
@@ -262,6 +271,9 @@ class Interception:
         if not self._megatron and "megatron.core" in sys.modules:
             self._megatron = True
             self._install_megatron()
+        if not self._megatron_p2p and _MEGATRON_P2P in sys.modules:
+            self._megatron_p2p = True
+            self._install_megatron_p2p()
         if not self._pipelining and "torch.distributed.pipelining.schedules" in sys.modules:
             self._pipelining = True
             self._install_pipelining()
@@ -298,7 +310,7 @@ class Interception:
                     self._patch(module, name, wrapped[id(value)])
 
     def uninstall(self) -> None:
-        self._megatron = self._pipelining = False
+        self._megatron = self._pipelining = self._megatron_p2p = False
         for owner, name, original in reversed(self._saved):
             setattr(owner, name, original)
         self._saved.clear()
@@ -671,6 +683,58 @@ class Interception:
 
         functools.update_wrapper(forward, original_forward)
         self._patch(base, "forward", forward)
+
+    def _install_megatron_p2p(self) -> None:
+        """Megatron-core's pipeline schedules send and receive through ``batch_isend_irecv`` by
+        default (recorded), and with ``overlap_p2p_comm`` (``batch_p2p_comm=False``) through
+        ``_p2p_ops``, which calls ``isend``/``irecv`` one by one (not wrapped, see the module's
+        notes): ``_p2p_ops`` is wrapped, each tensor it sends or receives a span ended when its
+        request completes."""
+        module = sys.modules.get(_MEGATRON_P2P)
+        original = getattr(module, "_p2p_ops", None)
+        if module is None or not callable(original):
+            return
+        col_ref = self._col
+        interception = self
+
+        def _p2p_ops(**kwargs: Any) -> Any:
+            col = col_ref()
+            if col is None or not col._active or getattr(_TLS, "busy", False):
+                return original(**kwargs)
+            handles: dict[str, Any] = {}
+            try:
+                group = col.group_id(kwargs.get("group"))
+                for key, peer_key, is_send in _MEGATRON_P2P_OPS:
+                    tensor = kwargs.get("tensor_" + key)
+                    if tensor is not None:
+                        handles[key] = col.comm_begin(
+                            op=CollectiveOp.SEND if is_send else CollectiveOp.RECV, group=group,
+                            bytes=_nbytes(tensor), kind=SpanKind.SEND if is_send else SpanKind.RECV,
+                            peer=kwargs.get(peer_key))
+            except Exception:
+                col._internal_error("intercepted Megatron point-to-point call")
+                for h in handles.values():
+                    h.abandon()
+                handles = {}
+            _TLS.busy = True
+            try:
+                reqs = original(**kwargs)
+            except BaseException:
+                for h in handles.values():
+                    h.abandon()
+                raise
+            finally:
+                _TLS.busy = False
+            for key, handle in handles.items():
+                work = reqs.get(key) if isinstance(reqs, dict) else None
+                if work is not None:
+                    interception._end_on_completion(work, handle)
+                else:  # an older Megatron's list of requests: in no fixed order, so ended now
+                    handle.end()
+            return reqs
+
+        functools.update_wrapper(_p2p_ops, original)
+        self._patch(module, "_p2p_ops", _p2p_ops)
 
     def _time_wrapped(self, model: Any) -> None:
         if "_megascope_timed" in model.__dict__:  # once a model, as _time_ddp

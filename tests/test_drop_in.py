@@ -535,6 +535,25 @@ def test_a_pipelining_job_with_sharded_stages_records_every_send_and_receive(tmp
 
 
 @pytest.mark.dist
+def test_megatron_s_one_by_one_pipeline_sends_and_receives_are_recorded(tmp_path: Path) -> None:
+    """tests/jobs/megatron_p2p_job.py: two stages exchanging activations and gradients through a
+    stand-in of Megatron-core's ``_p2p_ops`` (what its schedules call with ``overlap_p2p_comm``:
+    ``isend``/``irecv`` one by one, the requests returned by name). Every micro-batch gets its send
+    and its receive on each rank, with the peer, each ended when its request completed."""
+    proc = torchrun(2, JOBS / "megatron_p2p_job.py", str(tmp_path / "run"), "--steps", "4", "--micro-batches", "3",
+                    cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = open_run(tmp_path / "run")
+    rows = run.con.execute("SELECT rank, step, kind, peer, count(*), min(dur_ns) FROM spans "
+                           "WHERE kind IN ('send', 'recv') GROUP BY ALL").fetchall()
+    assert sorted(r[:5] for r in rows) == sorted((rank, step, kind, 1 - rank, 3) for rank in (0, 1)
+                                                 for step in range(4) for kind in ("send", "recv"))
+    assert all(r[5] > 0 for r in rows)
+    done = run.con.execute("SELECT count(*) FROM markers WHERE state = 'completed' AND op IN ('send', 'recv')").fetchone()
+    assert done == (48,)
+
+
+@pytest.mark.dist
 def test_ddp_job_straggler_is_named_from_its_own_all_reduce(tmp_path: Path) -> None:
     """DDP's reducer issues the gradient all-reduce in C++; the job registers no hook and wraps no call."""
     run_dir = tmp_path / "run"
