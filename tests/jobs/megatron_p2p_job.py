@@ -2,8 +2,8 @@
 ``overlap_p2p_comm`` (``batch_p2p_comm=False``): ``_p2p_ops`` in
 ``megatron.core.pipeline_parallel.p2p_communication`` issues ``isend``/``irecv`` one by one and
 returns its requests by name, and the caller looks ``_p2p_ops`` up in that module at each call.
-Megatron-core itself needs CUDA; this stand-in of its module (megatron-core 0.16's ``_p2p_ops``,
-shortened) runs on gloo. Megascope's three lines are marked.
+Megatron-core's models need CUDA; this stand-in of its module (megatron-core 0.16's ``_p2p_ops``,
+shortened) runs on gloo, and so does Megatron's own ``_p2p_ops`` (``--real``, megatron-core installed). Megascope's three lines are marked.
 
     torchrun --standalone --nproc-per-node 2 tests/jobs/megatron_p2p_job.py RUN --steps 4 --micro-batches 3
 """
@@ -37,18 +37,22 @@ def communicate(**kwargs):
         req.wait()
 
 
-p2p = types.ModuleType("megatron.core.pipeline_parallel.p2p_communication")
-p2p._p2p_ops = _p2p_ops
-for name in ("megatron", "megatron.core", "megatron.core.pipeline_parallel"):
-    sys.modules.setdefault(name, types.ModuleType(name))
-sys.modules[p2p.__name__] = p2p
-sys.modules[__name__ + ".p2p"] = p2p
-
 parser = argparse.ArgumentParser()
 parser.add_argument("run_dir")
 parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--micro-batches", type=int, default=3)
+parser.add_argument("--real", action="store_true", help="Megatron-core's own module (pip install megatron-core)")
 args = parser.parse_args()
+
+if args.real:
+    import megatron.core.pipeline_parallel.p2p_communication as p2p
+else:
+    p2p = types.ModuleType("megatron.core.pipeline_parallel.p2p_communication")
+    p2p._p2p_ops = _p2p_ops
+    for name in ("megatron", "megatron.core", "megatron.core.pipeline_parallel"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    sys.modules[p2p.__name__] = p2p
+sys.modules[__name__ + ".p2p"] = p2p
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
