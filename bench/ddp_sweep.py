@@ -44,6 +44,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 JOB = r'''
 import copy, os, sys, time
@@ -207,6 +208,36 @@ def score(case: dict, report: dict) -> dict:
             "hit": hit, "others": others, "slowdown": None if first is None else first.get("slowdown")}
 
 
+def report_and_log(i: int, case: dict, run_dir: Path, where: str, load: float, wall: float, log: Any) -> dict:
+    """`megascope report` of job ``i``'s run, scored; its row written to ``log`` and a line printed."""
+    report = json.loads(megascope("report", "--json", "-q", str(run_dir)))
+    row = {**case, **score(case, report), "load": round(load, 2), "wall_s": round(wall, 1)}
+    log.write(json.dumps(row) + "\n")
+    log.flush()
+    print(f"{i:3d} {case['fault']:7s} {case['amount']:>5} {where} planted {case['planted']:2d}: "
+          f"first {row['first']} ({row['cause']}, {row['slowdown']}) others {row['others']} "
+          f"load {load:.1f} {wall:.0f} s", flush=True)
+    return row
+
+
+def print_table(results: list[dict]) -> None:
+    """The sweep's table: by fault and amount, the runs, those whose first named rank is the
+    planted one and the causes they were given, those that named another rank, the load."""
+    print("| fault | runs | planted rank named first | cause | another rank named | load (min-max) |")
+    print("|---|---|---|---|---|---|")
+    for key in sorted({(r["fault"], r["amount"]) for r in results}, key=lambda k: (k[0], k[1])):
+        rows = [r for r in results if (r["fault"], r["amount"]) == key]
+        causes: dict[str, int] = {}
+        for r in rows:
+            if r["hit"]:
+                causes[str(r["cause"])] = causes.get(str(r["cause"]), 0) + 1
+        label = "healthy" if key[0] == "healthy" else f"{key[0]} {key[1]:g}"
+        hits = "-" if key[0] == "healthy" else f"{sum(r['hit'] for r in rows)}/{len(rows)}"
+        loads = [r["load"] for r in rows]
+        print(f"| {label} | {len(rows)} | {hits} | {', '.join(f'{k} {v}' for k, v in sorted(causes.items())) or '-'} "
+              f"| {sum(bool(r['others']) for r in rows)} | {min(loads):.1f}-{max(loads):.1f} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-o", "--out", type=Path, required=True, help="work directory (traces and runs)")
@@ -247,30 +278,11 @@ def main() -> int:
         wall = run_job(case, where, args.active, args.timeout_s, record, args.wrap)
         if record == "profiler":
             megascope("ingest", "kineto", str(where / "traces"), "-o", str(where / "run"))
-        report = json.loads(megascope("report", "--json", "-q", str(where / "run")))
-        row = {**case, **score(case, report), "load": round(load, 2), "wall_s": round(wall, 1)}
-        results.append(row)
-        log.write(json.dumps(row) + "\n")
-        log.flush()
-        print(f"{i:3d} {case['fault']:7s} {case['amount']:>5} world {case['world']} planted {case['planted']:2d}: "
-              f"first {row['first']} ({row['cause']}, {row['slowdown']}) others {row['others']} "
-              f"load {load:.1f} {wall:.0f} s", flush=True)
+        results.append(report_and_log(i, case, where / "run", f"world {case['world']}", load, wall, log))
         if not args.keep:
             shutil.rmtree(where, ignore_errors=True)
     print()
-    print("| fault | runs | planted rank named first | cause | another rank named | load (min-max) |")
-    print("|---|---|---|---|---|---|")
-    for key in sorted({(r["fault"], r["amount"]) for r in results}, key=lambda k: (k[0], k[1])):
-        rows = [r for r in results if (r["fault"], r["amount"]) == key]
-        causes: dict[str, int] = {}
-        for r in rows:
-            if r["hit"]:
-                causes[str(r["cause"])] = causes.get(str(r["cause"]), 0) + 1
-        label = "healthy" if key[0] == "healthy" else f"{key[0]} {key[1]:g}"
-        hits = "-" if key[0] == "healthy" else f"{sum(r['hit'] for r in rows)}/{len(rows)}"
-        loads = [r["load"] for r in rows]
-        print(f"| {label} | {len(rows)} | {hits} | {', '.join(f'{k} {v}' for k, v in sorted(causes.items())) or '-'} "
-              f"| {sum(bool(r['others']) for r in rows)} | {min(loads):.1f}-{max(loads):.1f} |")
+    print_table(results)
     return 0
 
 

@@ -19,7 +19,6 @@ bench/ddp_sweep.py's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import shutil
@@ -29,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ddp_sweep import _numbers, megascope, score  # noqa: E402
+from ddp_sweep import _numbers, print_table, report_and_log  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -99,30 +98,11 @@ def main() -> int:
         shutil.rmtree(run_dir, ignore_errors=True)
         load = os.getloadavg()[0]
         wall = run_job(case, run_dir, args.steps, args.timeout_s)
-        report = json.loads(megascope("report", "--json", "-q", str(run_dir)))
-        row = {**case, **score(case, report), "load": round(load, 2), "wall_s": round(wall, 1)}
-        results.append(row)
-        log.write(json.dumps(row) + "\n")
-        log.flush()
-        print(f"{i:3d} {case['fault']:7s} {case['amount']:>5} pp{case['pp']} x dp{case['dp']} planted "
-              f"{case['planted']:2d}: first {row['first']} ({row['cause']}, {row['slowdown']}) others {row['others']} "
-              f"load {load:.1f} {wall:.0f} s", flush=True)
+        results.append(report_and_log(i, case, run_dir, f"pp{case['pp']} x dp{case['dp']}", load, wall, log))
         if not args.keep:
             shutil.rmtree(run_dir, ignore_errors=True)
     print()
-    print("| fault | runs | planted rank named first | cause | another rank named | load (min-max) |")
-    print("|---|---|---|---|---|---|")
-    for key in sorted({(r["fault"], r["amount"]) for r in results}):
-        rows = [r for r in results if (r["fault"], r["amount"]) == key]
-        causes: dict[str, int] = {}
-        for r in rows:
-            if r["hit"]:
-                causes[str(r["cause"])] = causes.get(str(r["cause"]), 0) + 1
-        label = "healthy" if key[0] == "healthy" else f"{key[0]} {key[1]:g}"
-        hits = "-" if key[0] == "healthy" else f"{sum(r['hit'] for r in rows)}/{len(rows)}"
-        loads = [r["load"] for r in rows]
-        print(f"| {label} | {len(rows)} | {hits} | {', '.join(f'{k} {v}' for k, v in sorted(causes.items())) or '-'} "
-              f"| {sum(bool(r['others']) for r in rows)} | {min(loads):.1f}-{max(loads):.1f} |")
+    print_table(results)
     return 0
 
 

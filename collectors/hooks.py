@@ -640,25 +640,32 @@ class Interception:
             from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         except ImportError:
             return
-        original_forward = FSDP.forward
+        self._time_inner_at_first_forward(FSDP, "_fsdp_wrapped_module", "FSDP model spans")
 
-        first = _eager(self._time_fsdp1)
+    def _time_inner_at_first_forward(self, cls: Any, inner: str, what: str) -> None:
+        """``cls.forward`` wrapped: at each instance's first forward, the module it wraps (its
+        attribute ``inner``) gets the hooks of the timer shared by every module FSDP shards, once an
+        instance. The check before the call is an attribute, as DDP's, so that a forward
+        ``torch.compile`` traced calls nothing of ours once it is set."""
+        original_forward = cls.forward
+
+        def at_first(model: Any) -> None:
+            if "_megascope_timed" in model.__dict__:  # once a model, as _time_ddp
+                return
+            model.__dict__["_megascope_timed"] = True
+            module = getattr(model, inner, None)
+            if module is not None:
+                self._attach_model_timer(module, shared=True, what=what)
+
+        first = _eager(at_first)
 
         def forward(model: Any, *inputs: Any, **kwargs: Any) -> Any:
-            if getattr(model, "_megascope_timed", False) is not True:  # as DDP's
+            if getattr(model, "_megascope_timed", False) is not True:
                 first(model)
             return original_forward(model, *inputs, **kwargs)
 
         functools.update_wrapper(forward, original_forward)
-        self._patch(FSDP, "forward", forward)
-
-    def _time_fsdp1(self, model: Any) -> None:
-        if "_megascope_timed" in model.__dict__:  # once a model, as _time_ddp
-            return
-        model.__dict__["_megascope_timed"] = True
-        inner = getattr(model, "_fsdp_wrapped_module", None)
-        if inner is not None:
-            self._time_fsdp(inner)
+        self._patch(cls, "forward", forward)
 
     # ------------------------------------------------------------------ Megatron-core
     def _install_megatron(self) -> None:
@@ -673,16 +680,7 @@ class Interception:
             base = importlib.import_module("megatron.core.distributed.data_parallel_base")._BaseDataParallel
         except Exception:  # another Megatron layout: no model spans, the rest as before
             return
-        original_forward = base.forward
-        first = _eager(self._time_wrapped)
-
-        def forward(model: Any, *inputs: Any, **kwargs: Any) -> Any:
-            if getattr(model, "_megascope_timed", False) is not True:  # as DDP's
-                first(model)
-            return original_forward(model, *inputs, **kwargs)
-
-        functools.update_wrapper(forward, original_forward)
-        self._patch(base, "forward", forward)
+        self._time_inner_at_first_forward(base, "module", "Megatron model spans")
 
     def _install_megatron_p2p(self) -> None:
         """Megatron-core's pipeline schedules send and receive through ``batch_isend_irecv`` by
@@ -735,14 +733,6 @@ class Interception:
 
         functools.update_wrapper(_p2p_ops, original)
         self._patch(module, "_p2p_ops", _p2p_ops)
-
-    def _time_wrapped(self, model: Any) -> None:
-        if "_megascope_timed" in model.__dict__:  # once a model, as _time_ddp
-            return
-        model.__dict__["_megascope_timed"] = True
-        inner = getattr(model, "module", None)
-        if inner is not None:
-            self._attach_model_timer(inner, shared=True, what="Megatron model spans")
 
     def _time_fsdp(self, module: Any) -> None:
         self._attach_model_timer(module, shared=True, what="FSDP model spans")

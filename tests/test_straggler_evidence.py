@@ -448,6 +448,26 @@ def test_detect_sweep_plan_covers_the_fault_space() -> None:
     assert set(kinds[:26]) == {"straggler", "skew", "healthy"}  # and the rest shuffled together
 
 
+def test_pipeline_sweep_plans_every_fault_on_meshes_with_peers_and_refuses_ones_without() -> None:
+    """bench/pipeline_sweep.py: each fault and amount ``each`` times and the healthy runs, on the
+    meshes asked for, the planted rank inside the world; a mesh without DP peers is refused."""
+    import argparse
+
+    spec = importlib.util.spec_from_file_location("pipeline_sweep", Path(__file__).parents[1] / "bench" / "pipeline_sweep.py")
+    assert spec and spec.loader
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    cases = sweep.plan(3, [(2, 2), (3, 2)], [1.5, 2.0], [40.0], 4, 2)
+    assert len(cases) == 2 * 2 + 2 + 4
+    assert sorted((c["fault"], c["amount"]) for c in cases).count(("slow", 1.5)) == 2
+    for c in cases:
+        assert (c["pp"], c["dp"]) in {(2, 2), (3, 2)} and c["world"] == c["pp"] * c["dp"]
+        assert (c["planted"] == -1) == (c["fault"] == "healthy") and c["planted"] < c["world"]
+    assert sweep.mesh("3x2") == (3, 2)
+    with pytest.raises(argparse.ArgumentTypeError):
+        sweep.mesh("2x1")
+
+
 def test_the_other_tools_are_scored_like_megascope_on_the_same_runs() -> None:
     sweep = _sweep_module()
     slow = {"kind": "straggler", "rank": 2, "inject": "straggler:rank=2,factor=1.15,mode=time"}
