@@ -427,7 +427,7 @@ class Interception:
 
     def _install_pipelining(self) -> None:
         """``torch.distributed.pipelining``'s schedules send and receive through ``_batch_p2p``, which
-        (since torch 2.12) issues a batch of sends alone or of receives alone op by op, through
+        (in torch 2.13) issues a batch of sends alone or of receives alone op by op, through
         ``isend``/``irecv`` (not wrapped, see the module's notes), and a mixed batch through
         ``batch_isend_irecv``. It is wrapped as ``batch_isend_irecv`` is, so that every op gets its
         span once: without it a later stage's wait for its first activations, and a stage's last
