@@ -8,7 +8,7 @@ Run it under ``torchrun --standalone --nproc-per-node N tests/jobs/pipeline_job.
 times the matrix work, forward and backward: its first block runs its first layer again
 4 x (FACTOR - 1) times, rounded), ``--pause RANK,MS`` (that rank sleeps MS milliseconds each
 step before the schedule runs: its host, outside the model). ``--no-shard`` leaves the stages
-unsharded (each data-parallel replica then only all-reduces nothing: a pipeline alone).
+unsharded: the replicas then share no gradients (pipelines side by side, no DP collectives).
 """
 
 import argparse
