@@ -4,8 +4,8 @@
 # straggler on tp2 x pp2 named by report, a planted hang on tp2 x dp2 named by localize, and the
 # job's step time with megascope off and on (MEGASCOPE_DISABLE=1), interleaved, AB_PAIRS pairs.
 # On 2 GPUs the same on tp2 alone. On 1 GPU: the model spans Megatron's DDP gets (a forward and a
-# backward per micro-batch, check "spans") and the timing pairs on one rank. Needs the megatron-core wheel (cp312) in .wheels/ (gpu_setup.sh
-# installs it). Logs under $OUT; summary.txt has one line per check, ab.txt the timing table.
+# backward per micro-batch, check "spans") and the timing pairs on one rank. Needs the
+# megatron-core wheel (cp312) in .wheels/ (gpu_setup.sh installs it). Logs under $OUT; summary.txt has one line per check, ab.txt the timing table.
 #
 #   OUT=/tmp/o bash bench/gpu_megatron.sh
 #   CHECKS="straggler" AB_PAIRS=0 OUT=/tmp/o bash bench/gpu_megatron.sh
