@@ -187,7 +187,8 @@ def _global_peer(peer: Any, group: Any, group_peer: Any) -> int | None:
 
 
 class _Together:
-    """The handles of one batch of point-to-point calls that a single work completes."""
+    """The handles of one batch of point-to-point calls that a single work completes (or that one
+    failing call abandons)."""
 
     __slots__ = ("_handles",)
 
@@ -403,15 +404,7 @@ class Interception:
                 for h in handles:
                     h.abandon()
                 handles = []
-            _TLS.busy = True
-            try:
-                works = original(p2p_op_list, *args, **kwargs)
-            except BaseException:
-                for h in handles:
-                    h.abandon()
-                raise
-            finally:
-                _TLS.busy = False
+            works = _call_recorded(original, (p2p_op_list, *args), kwargs, _Together(handles))
             if handles:
                 if works is not None and len(works) == len(handles):
                     for work, handle in zip(works, handles, strict=True):
@@ -714,15 +707,7 @@ class Interception:
                 for h in handles.values():
                     h.abandon()
                 handles = {}
-            _TLS.busy = True
-            try:
-                reqs = original(**kwargs)
-            except BaseException:
-                for h in handles.values():
-                    h.abandon()
-                raise
-            finally:
-                _TLS.busy = False
+            reqs = _call_recorded(original, (), kwargs, _Together(list(handles.values())))
             for key, handle in handles.items():
                 work = reqs.get(key) if isinstance(reqs, dict) else None
                 if work is not None:
