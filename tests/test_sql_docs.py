@@ -127,6 +127,8 @@ def executed(synth: Synth, tmp_path_factory: pytest.TempPathFactory,
     # Read only for a rank whose cause the spans' share leaves in doubt.
     _sql.execute(run.con, "stragglers", "outside", ranks=[4, 5],
                  spans=_sql.Raw(run.rank_source("spans", [4, 5]))).fetchall()
+    # Read only for a rank named by its spans against its DP peers (a mesh without TP partners).
+    _sql.execute(run.con, "stragglers", "step_compute", ranks=[4, 5]).fetchall()
     return seen
 
 

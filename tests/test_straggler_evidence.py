@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -767,6 +768,29 @@ def test_a_slow_rank_of_a_pipeline_with_sharded_stages_is_named_for_its_compute(
     found = analysis.stragglers(run)
     assert list(found["rank"]) == [1]
     assert found.iloc[0]["cause"] == "compute" and found.iloc[0]["slowdown"] > 1.25
+
+
+@pytest.mark.parametrize(("fixture", "paused_peer"), [("cpu-pipeline-fsdp-pause", True),
+                                                      ("cpu-pipeline-fsdp-slow", False)])
+def test_a_rank_whose_spans_stretch_by_its_peer_s_pause_is_not_named_without_the_blame_check(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fixture: str, paused_peer: bool) -> None:
+    """The wait given and taken does not always come out against the waiting rank (one run in 14
+    of a 60 ms pause named the peer): its peer's extra time outside its spans, and its own extra
+    wait for that peer, each as long as half the stretch of its spans, keep it unnamed on their
+    own. The slow rank waited less than its peer, so it is still named."""
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+    from megascope.analysis import _sql
+    from megascope.analysis.base import prepare
+
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / fixture, tmp_path / "run"))
+    prepare(run.con)
+    dp = _sql.query_df(run.con, "stragglers", "dp_compute", bar=1.10)
+    assert dp.set_index("rank")["ratio"].idxmax() == 1
+    assert straggler_module._waits_for_paused_peer(run, 1, dp) is paused_peer
+    assert straggler_module._waits_for_paused_peer(run, 3, dp) is False  # its span excess is negative
+    monkeypatch.setattr(straggler_module, "DP_MIN_T_BLAME", -math.inf)  # the blame check off
+    named = set(analysis.stragglers(run)["rank"].astype(int))
+    assert named == (set() if paused_peer else {1})
 
 
 def test_ranks_with_tp_partners_are_not_measured_against_dp_peers(tmp_path: Path) -> None:

@@ -384,6 +384,16 @@ def _tp_stretched(run: Run, frame: pd.DataFrame, config: StragglerConfig,
 DP_COMPUTE_BAR = 1.25
 DP_SLOW_FRAC = 0.7
 DP_MIN_T_BLAME = 0.0
+# A rank whose spans stretch because it waits inside them for a peer that paused outside its own
+# (FSDP gathers layers inside the forward) has that peer's pause for its excess. Over 12 real
+# dp2 x pp2 CPU runs of a 60 ms pause on a sharded stage that read the paused rank's DP peer's
+# spans 1.25x and more, their excess was 22-39 ms a step; the paused rank spent 0.89x-1.29x of it
+# more time outside its spans than that peer, and that peer waited 0.84x-1.62x of it more in their
+# collectives. Both at least this share of the excess: not named for its spans. Either alone is not
+# enough: a DDP peer waits for a slow rank outside its spans too (0.24x-0.83x of the slow rank's
+# excess in two kept CPU runs), but in their collectives the slow rank waited no less than its peers
+# (-1.43x to -0.09x).
+DP_PAUSE_SHARE = 0.5
 
 
 def _dp_stretched(run: Run, pool: pd.DataFrame, sizes: dict[str, int], config: StragglerConfig,
@@ -407,6 +417,10 @@ def _dp_stretched(run: Run, pool: pd.DataFrame, sizes: dict[str, int], config: S
     if "t_blame" in pool:
         waiting = pool.loc[pool["t_blame"].astype(float) < DP_MIN_T_BLAME, "rank"].astype(int)
         clear = clear[~clear["rank"].astype(int).isin(waiting)]
+    # The same, where the wait given and taken came out even (one run in 14 of that pause): the
+    # peer's pause outside its spans matches the stretch of this rank's (DP_PAUSE_SHARE).
+    if not clear.empty:
+        clear = clear[[not _waits_for_paused_peer(run, int(r), dp) for r in clear["rank"]]]
     # Not the wake of a worse rank: its combined evidence at least ``shadow`` times the strongest
     # of the ranks that are stragglers themselves (flagged, named, or stretched here): a
     # replica-mate of a slow rank had spans 1.22x its DP peer's, on a real pp4 x dp2 CPU run, with
@@ -431,6 +445,46 @@ def _dp_stretched(run: Run, pool: pd.DataFrame, sizes: dict[str, int], config: S
     out["steps_slow_frac"] = [frac[int(r)] for r in out["rank"]]
     out["dp_compute_ratio"] = out["median_slowdown"]
     return _launch_bound(run, out)
+
+
+def _waits_for_paused_peer(run: Run, rank: int, dp: pd.DataFrame) -> bool:
+    """Whether one of ``rank``'s data-parallel peers (``dp``: the ``dp_compute`` rows; its peers
+    are the ranks at its stage and TP coordinate, at most PAUSE_PEERS, those whose spans read
+    shortest first) both spent more time outside its spans than ``rank`` did and made ``rank`` wait
+    for it in their collectives more than it waited for ``rank``, each by at least DP_PAUSE_SHARE
+    of ``rank``'s span excess over its peers (medians over the steps)."""
+    places = _sql.query_df(run.con, "base", "places").set_index("rank")
+    if rank not in places.index:
+        return False
+    here = places.loc[rank]
+    same = places[(places["stage"] == here["stage"]) & (places["tp"].isna() if pd.isna(here["tp"])
+                                                        else places["tp"] == here["tp"])]
+    ratio = dp.set_index("rank")["ratio"].astype(float)
+    peers = [int(r) for r in ratio[ratio.index.isin(same.index) & (ratio.index != rank)]
+             .sort_values().index[:PAUSE_PEERS]]
+    if not peers:
+        return False
+    read = [rank, *peers]
+    steps = _sql.query_df(run.con, "stragglers", "step_compute", ranks=read)
+    outside = _sql.query_df(run.con, "stragglers", "outside", ranks=read,
+                            spans=_sql.Raw(run.rank_source("spans", read)))
+    spans = steps.pivot_table(index="step", columns="rank", values="compute")
+    waits = steps.pivot_table(index="step", columns="rank", values="coll_wait")
+    out = outside.pivot_table(index="step", columns="rank", values="outside")
+    peers = [p for p in peers if p in spans.columns and p in out.columns]
+    if rank not in spans.columns or rank not in out.columns or not peers:
+        return False
+    excess = (spans[rank] - spans[peers].median(axis=1)).dropna()
+    if excess.empty or not float(excess.median()) > 0:
+        return False
+    bar = DP_PAUSE_SHARE * float(excess.median())
+    for peer in peers:
+        paused = (out[peer] - out[rank]).dropna()
+        waited = (waits[rank] - waits[peer]).dropna()
+        if (not paused.empty and not waited.empty and float(paused.median()) >= bar
+                and float(waited.median()) >= bar):
+            return True
+    return False
 
 
 def p_value(z: float, ranks: int) -> float:

@@ -375,6 +375,20 @@ SELECT rank, count(*) AS samples, median(ratio) AS ratio,
        avg(CASE WHEN ratio >= {{bar}} THEN 1.0 ELSE 0.0 END) AS slow_frac
 FROM x GROUP BY rank ORDER BY rank;
 
+-- @statement step_compute
+-- The forward and backward spans of the ranks in {{ranks}}, per step after the run's first (as
+-- dp_compute reads them), and their wait in collectives.
+-- @column rank       the rank
+-- @column step       the step
+-- @column compute    forward_ns + backward_ns
+-- @column coll_wait  wait_ns less its pipeline receives: the wait for others in collectives
+SELECT rank, step, (forward_ns + backward_ns)::DOUBLE AS compute,
+       greatest(wait_ns - p2p_wait_ns, 0)::DOUBLE AS coll_wait
+FROM ms_cache.rank_step
+WHERE list_contains({{ranks}}, rank) AND step > (SELECT min(step) FROM ms_cache.rank_step)
+  AND forward_ns + backward_ns > 0
+ORDER BY rank, step;
+
 -- @statement tp_members
 -- The TP groups and their members, from the groups table.
 -- @column grp      the group id
