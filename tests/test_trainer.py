@@ -357,13 +357,17 @@ class _StuckRank:
         self.joined.append(timeout)
 
 
-def test_the_launcher_leaves_a_rank_that_outlives_sigkill_behind_instead_of_hanging(caplog: pytest.LogCaptureFixture) -> None:
+def test_the_launcher_leaves_a_rank_that_outlives_sigkill_behind_instead_of_hanging(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """After SIGTERM and SIGKILL, a rank still alive is given up on: every join has a timeout, and it
     leaves multiprocessing's children, which the interpreter would otherwise join forever at exit."""
     import multiprocessing.process as mp_process
     import time
 
+    from megascope.trainer import launch
     from megascope.trainer.launch import _stop
+
+    monkeypatch.setattr(launch, "TERM_GRACE_S", 1.0)  # its CPU cannot be read: the whole grace
 
     stuck = _StuckRank()
     mp_process._children.add(stuck)  # type: ignore[attr-defined]
@@ -379,6 +383,42 @@ def test_the_launcher_leaves_a_rank_that_outlives_sigkill_behind_instead_of_hang
         assert "still alive after SIGKILL" in caplog.text
     finally:
         mp_process._children.discard(stuck)  # type: ignore[attr-defined]
+
+
+def test_sigterm_s_grace_ends_for_a_rank_that_cannot_act_on_it_not_for_one_that_works() -> None:
+    """A rank that ignores SIGTERM and uses no CPU (frozen, its handler unable to run) is given up
+    on after the idle window; one that keeps a core busy (flushing) gets the whole grace."""
+    import subprocess
+    import sys
+    import time
+
+    from megascope.trainer.launch import _await_term
+
+    class Rank:
+        def __init__(self, body: str) -> None:
+            code = f"import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint(flush=True)\n{body}\n"
+            self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+            self.pid = self.proc.pid
+
+        def is_alive(self) -> bool:
+            return self.proc.poll() is None
+
+    frozen, busy = Rank("time.sleep(60)"), Rank("while True:\n    pass")
+    try:
+        for rank in (frozen, busy):
+            assert rank.proc.stdout is not None and rank.proc.stdout.readline() == b"\n"  # SIGTERM ignored now
+        t0 = time.monotonic()
+        _await_term([frozen], grace_s=8.0, idle_s=1.0)
+        idle_wait = time.monotonic() - t0
+        t0 = time.monotonic()
+        _await_term([frozen, busy], grace_s=3.0, idle_s=1.0)
+        busy_wait = time.monotonic() - t0
+    finally:
+        for rank in (frozen, busy):
+            rank.proc.kill()
+            rank.proc.communicate()
+    assert 1.0 <= idle_wait < 4.0, idle_wait
+    assert busy_wait >= 3.0, busy_wait
 
 
 def test_a_failed_rank_stops_the_others_and_names_its_exit(tmp_path: Path) -> None:

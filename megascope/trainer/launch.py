@@ -129,9 +129,60 @@ class _Stall:
         return idle if idle > max(self.limit_s, 4 * self.longest_gap_s) else None
 
 
+# SIGTERM's grace: a rank's collector flushes what it holds on SIGTERM (a few seconds at most),
+# then exits. A rank that used under TERM_IDLE_CPU of a core over TERM_IDLE_S since the signal is
+# not acting on it and is not waited for past that: its handler cannot run (a rank frozen holding
+# the interpreter lock, or stuck in a driver call with its signals blocked). Such a CPU rank used
+# 2-3% of a core there (its other threads waking to ask for the lock); a flushing one runs a core.
+TERM_GRACE_S = 10.0
+TERM_IDLE_S = 2.0
+TERM_IDLE_CPU = 0.1
+_TERM_POLL_S = 0.1
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU seconds of process ``pid`` (Linux ``/proc``); None elsewhere or once it
+    is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = int(fields[11]) + int(fields[12])  # utime and stime: the stat file's fields 14 and 15
+        return ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def _await_term(processes: list[Any], grace_s: float | None = None, idle_s: float | None = None) -> None:
+    """Wait until every rank in ``processes`` has exited, for at most ``grace_s`` (TERM_GRACE_S), or
+    until each one still alive has used under TERM_IDLE_CPU of a core over the last ``idle_s``
+    (TERM_IDLE_S; where its CPU can be read)."""
+    grace_s = TERM_GRACE_S if grace_s is None else grace_s
+    idle_s = TERM_IDLE_S if idle_s is None else idle_s
+    start = time.monotonic()
+    first: dict[int, tuple[float, float]] = {}  # pid: (time, CPU seconds) of the window's start
+    while True:
+        now = time.monotonic()
+        alive = [p for p in processes if p.is_alive()]
+        if not alive or now - start >= grace_s:
+            return
+        idle = 0
+        for p in alive:
+            cpu = _cpu_seconds(p.pid)
+            if cpu is None:
+                continue
+            since, cpu0 = first.setdefault(p.pid, (now, cpu))
+            if now - since >= idle_s:
+                if cpu - cpu0 < TERM_IDLE_CPU * (now - since):
+                    idle += 1
+                first[p.pid] = (now, cpu) if cpu - cpu0 >= TERM_IDLE_CPU * (now - since) else (since, cpu0)
+        if idle == len(alive):
+            return
+        time.sleep(min(_TERM_POLL_S, max(0.0, grace_s - (now - start))))
+
+
 def _stop(processes: list[Any]) -> list[Any]:
-    """SIGTERM every live rank, then SIGKILL those still alive after a few seconds; returns those
-    that outlived SIGKILL too, and no longer waits for them, nor lets the interpreter's exit do so.
+    """SIGTERM every live rank, then SIGKILL those still alive after a few seconds (see
+    TERM_GRACE_S); returns those that outlived SIGKILL too, and no longer waits for them, nor lets
+    the interpreter's exit do so.
 
     A rank whose GPU work is stuck (a hung NCCL kernel) can take minutes to die after SIGKILL
     while the driver tears its context down; the job has already failed, and a launcher that waits
@@ -140,9 +191,7 @@ def _stop(processes: list[Any]) -> list[Any]:
     for p in processes:
         if p.is_alive():
             p.terminate()
-    deadline = time.monotonic() + 10.0
-    for p in processes:
-        p.join(max(0.0, deadline - time.monotonic()))
+    _await_term(processes)
     for p in processes:
         if p.is_alive():
             p.kill()
