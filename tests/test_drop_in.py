@@ -877,6 +877,7 @@ def test_a_hung_ddp_job_on_nccl_is_localized_from_the_markers(tmp_path: Path, mo
     assert result["waiting"] == [1]
 
 
+@pytest.mark.dist
 def test_point_to_point_calls_are_seen_and_a_pipeline_hang_is_localized(tmp_path: Path) -> None:
     """batch_isend_irecv (pipeline schedules) and blocking send/recv, intercepted under torchrun:
     send and recv spans with their peers, and a stage that stops is named by localize."""
