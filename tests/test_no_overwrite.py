@@ -6,6 +6,8 @@ Each refusal is one ``Error:`` line, a non-zero exit and a directory left byte f
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,6 +35,21 @@ def test_train_refuses_a_non_empty_directory(tmp_path: Path) -> None:
     proc = megascope("train", "--nproc", "2", "--steps", "2", "-o", out)
     assert_one_line_error(proc, mentions="not empty")
     assert (out / "todo.txt").read_text() == "keep me\n" and len(list(out.iterdir())) == 1
+
+
+def test_train_refuses_before_it_imports_torch(tmp_path: Path) -> None:
+    """The arguments and the output directory are checked first: a refusal costs no torch import
+    (seconds, the most of such a command's time)."""
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "todo.txt").write_text("keep me\n")
+    code = ("import atexit, runpy, sys\n"
+            "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules))\n"
+            f"sys.argv = ['megascope', 'train', '--nproc', '2', '--steps', '2', '-o', {str(out)!r}]\n"
+            "runpy.run_module('megascope', run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert_one_line_error(proc, mentions="not empty")
+    assert proc.stdout.strip().splitlines()[-1] == "torch imported: False", proc.stdout
 
 
 def test_train_under_torchrun_refuses_an_existing_run_before_starting(existing_run: Path) -> None:

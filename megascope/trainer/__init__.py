@@ -16,7 +16,21 @@ Example::
     train(cfg, nproc=8).losses
 """
 
+from typing import TYPE_CHECKING, Any
+
 from megascope.trainer.config import ModelConfig, TrainConfig, TrainingError
-from megascope.trainer.launch import TrainResult, train
+
+if TYPE_CHECKING:
+    from megascope.trainer.launch import TrainResult, train
 
 __all__ = ["ModelConfig", "TrainConfig", "TrainResult", "TrainingError", "train"]
+
+
+def __getattr__(name: str) -> Any:
+    """``train`` and ``TrainResult`` import torch: only when asked for, so that ``megascope train``
+    checks its arguments and output directory (``trainer.config``) without it."""
+    if name in ("TrainResult", "train"):
+        from megascope.trainer import launch
+
+        return getattr(launch, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
