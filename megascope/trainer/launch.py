@@ -170,10 +170,12 @@ def _await_term(processes: list[Any], grace_s: float | None = None, idle_s: floa
             if cpu is None:
                 continue
             since, cpu0 = first.setdefault(p.pid, (now, cpu))
-            if now - since >= idle_s:
-                if cpu - cpu0 < TERM_IDLE_CPU * (now - since):
-                    idle += 1
-                first[p.pid] = (now, cpu) if cpu - cpu0 >= TERM_IDLE_CPU * (now - since) else (since, cpu0)
+            if now - since < idle_s:
+                continue
+            if cpu - cpu0 < TERM_IDLE_CPU * (now - since):
+                idle += 1
+            else:
+                first[p.pid] = (now, cpu)  # it is working: a new window from here
         if idle == len(alive):
             return
         time.sleep(min(_TERM_POLL_S, max(0.0, grace_s - (now - start))))
