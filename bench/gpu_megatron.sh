@@ -2,7 +2,8 @@
 # megascope inside a Megatron-core job on NCCL (tests/jobs/megatron_job.py: Megatron's GPTModel,
 # parallel_state, pipeline schedule and DDP; megascope's four added statements). On 4 GPUs: a planted
 # straggler on tp2 x pp2 named by report, a planted hang on tp2 x dp2 named by localize, and the
-# job's step time with megascope off and on (MEGASCOPE_DISABLE=1), interleaved, AB_PAIRS pairs.
+# job's step time with megascope off and on (MEGASCOPE_DISABLE=1), interleaved, AB_PAIRS rounds (and
+# the AB_EXTRA variants in each round, below).
 # On 2 GPUs the same on tp2 alone. On 1 GPU: the model spans Megatron's DDP gets (a forward and a
 # backward per micro-batch, check "spans") and the timing pairs on one rank. Needs the
 # megatron-core wheel (cp312) in .wheels/ (gpu_setup.sh installs it). Logs under $OUT; summary.txt has one line per check, ab.txt the timing table.
@@ -59,11 +60,17 @@ if [ "$NGPU" -ge 2 ]; then
   check straggler "${STRAGGLER_MESH[@]}" --steps 30 --straggler "$SLOW,1.5"
   check hang --tp 2 --steps 30 --hang "$HUNG,9" --timeout 30
 fi
+# AB_EXTRA: more variants run in every round beside off and on, as NAME:VAR=VALUE[,VAR=VALUE]
+# (e.g. "spans0:MEGASCOPE_MODEL_SPANS=0 host:MEGASCOPE_CLOCK=host"); the order rotates by round.
+variants=("1:MEGASCOPE_DISABLE=1" "0:MEGASCOPE_DISABLE=0")
+for extra in ${AB_EXTRA:-}; do variants+=("$extra"); done
 for i in $(seq "${AB_PAIRS:-2}"); do
-  order="0 1"; [ $((i % 2)) = 0 ] && order="1 0"
-  for off in $order; do
-    MEGASCOPE_DISABLE=$off timeout 240 "${TR[@]}" tests/jobs/megatron_job.py "$OUT/ab-$i-$off" "${AB_MESH[@]}" \
-      --steps 44 >"$OUT/ab-$i-$off.txt" 2>&1
+  n=${#variants[@]}
+  for k in $(seq 0 $((n - 1))); do
+    v=${variants[$(((k + i - 1) % n))]}
+    name=${v%%:*}; envs=${v#*:}
+    env ${envs//,/ } timeout 240 "${TR[@]}" tests/jobs/megatron_job.py "$OUT/ab-$i-$name" "${AB_MESH[@]}" \
+      --steps 44 >"$OUT/ab-$i-$name.txt" 2>&1
   done
 done
 "$PY" - "$OUT" <<'PY' | tee "$OUT/ab.txt"
@@ -94,4 +101,19 @@ if pooled["off"]:
           f"{statistics.fmean(b):.2f} ({statistics.median(b):.2f}, {p90(b):.2f}) | "
           f"mean {statistics.fmean(b) / statistics.fmean(a) - 1:+.2%}, median {statistics.median(b) / statistics.median(a) - 1:+.2%}, "
           f"p90 {p90(b) / p90(a) - 1:+.2%} |")
+extras = sorted({f.stem.split("-", 2)[2] for f in out.glob("ab-*-*.txt")} - {"0", "1"})
+if extras and pooled["off"]:  # the AB_EXTRA variants against off, over the rounds where both are complete
+    print("\n| variant | rounds | mean (median, p90) ms | vs off, mean (off over the same rounds) |")
+    print("|---|---|---|---|")
+    for name in ["0", *extras]:
+        xs, base = [], []
+        for f in sorted(out.glob(f"ab-*-{name}.txt")):
+            i = f.stem.split("-")[1]
+            got, off = steps(f), steps(out / f"ab-{i}-1.txt")
+            if got and off:
+                xs += got; base += off
+        if xs:
+            label = "on" if name == "0" else name
+            print(f"| {label} | {len(xs) // 40} | {statistics.fmean(xs):.2f} ({statistics.median(xs):.2f}, {p90(xs):.2f}) | "
+                  f"{statistics.fmean(xs) / statistics.fmean(base) - 1:+.2%} |")
 PY
