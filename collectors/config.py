@@ -14,7 +14,7 @@ script wrote, so an operator can switch the collector off or move its output wit
 ``MEGASCOPE_HEARTBEAT_S=5``           ``heartbeat_interval_s`` (0 turns it off)
 ``MEGASCOPE_WAIT_SPANS=0``            ``wait_spans=False``
 ``MEGASCOPE_CLOCK=host``              ``clock`` (``device``, ``side-stream`` or ``host``)
-``MEGASCOPE_EVENT_CALLS=torch``       ``event_calls`` (``driver``, the default, or ``torch``)
+``MEGASCOPE_EVENT_CALLS=driver``      ``event_calls`` (``torch`` or ``driver``)
 ``MEGASCOPE_WRITER_DUTY=0.25``        ``writer_duty`` (1 turns the writer's pacing off)
 ``MEGASCOPE_ALIGN_PASSES=0``          ``align_passes=False``
 ``MEGASCOPE_GC_SPAN_MS=1``            ``gc_span_min_ms`` (a negative value turns GC spans off)
@@ -123,11 +123,13 @@ class CollectorConfig:
     # torch.cuda.Event's calls, which hold the interpreter lock while the driver runs them.
     # "driver": the CUDA driver's cuEventQuery and cuEventElapsedTime through ctypes, which let go
     # of the lock for the call, so a writer never holds it inside a driver call that waits (torch
-    # where the driver library cannot be loaded). The default: in whole runs of a Megatron-core job
-    # on 1x H200 the job cost +1.95% with "torch" and -0.05% with "driver" (3 rounds, the same
-    # rounds); on 2x H200 tp2, +3.31% and +1.91%, within each other's spread
-    # (docs/benchmarks-log.md).
-    event_calls: str = "driver"
+    # where the driver library cannot be loaded). On 2x H200 tp2 whole runs the two were within
+    # each other's noise, the training thread switching ~5x as often with "driver"
+    # (docs/benchmarks-log.md, "tp2 x dp2 with the DP calls sampled, and the writer's event calls
+    # without the interpreter lock"); in whole runs of a Megatron-core job on 1x H200, +1.95% with
+    # "torch" and -0.05% with "driver" (3 rounds, the same rounds). "torch" stays the default until
+    # the GPU tests have run with "driver" as the default.
+    event_calls: str = "torch"
     # The writer thread's largest share of the interpreter lock while it works in the background:
     # it works in half-millisecond slices and sleeps between them (1: never sleeps). The training
     # thread launches the device's work from Python; a writer holding the lock for tens of
