@@ -385,6 +385,7 @@ def test_the_launcher_leaves_a_rank_that_outlives_sigkill_behind_instead_of_hang
         mp_process._children.discard(stuck)  # type: ignore[attr-defined]
 
 
+@pytest.mark.timing
 def test_sigterm_s_grace_ends_for_a_rank_that_cannot_act_on_it_not_for_one_that_works() -> None:
     """A rank that ignores SIGTERM and uses no CPU (frozen, its handler unable to run) is given up
     on after the idle window; one that keeps a core busy (flushing) gets the whole grace."""
