@@ -673,6 +673,23 @@ def test_the_replay_covers_more_steps_the_fewer_calls_a_step_holds() -> None:
     assert count(233_000) == 1 and count(10**7) == 1  # never past the event budget
 
 
+def test_the_dp_peer_of_a_paused_rank_is_not_named_for_its_communication(tmp_path: Path) -> None:
+    """tests/data/cpu-pp3-dp2-pause: the bundled trainer on CPU (gloo, pp3 x dp2, 6 layers, 16
+    steps), rank 0 pausing 90 ms a step before its data-parallel sync. Its DP peer, rank 1, waits for
+    it there; the transfer time of rank 1's overlapping calls holds part of that wait (3.2x its
+    peers' in over half the steps), and rank 1 was named `communication` beside rank 0. Its
+    combined evidence says it waited for its peers far more than they waited for it."""
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-pp3-dp2-pause", tmp_path / "run"))
+    config = straggler_module.StragglerConfig()
+    candidates, _ = straggler_module._candidates(run, config)
+    victim = candidates.set_index("rank").loc[1]
+    assert victim["steps_comm_slow_frac"] >= config.min_frac and victim["steps_slow_frac"] < config.min_frac
+    assert victim["z"] < straggler_module.COMM_MIN_Z
+    found = analysis.stragglers(run)
+    assert [(int(r), c) for r, c in zip(found["rank"], found["cause"], strict=True)] == [(0, "host")]
+
+
 def test_a_slow_rank_of_a_pipeline_replica_is_named_by_its_spans_against_its_dp_peer(tmp_path: Path) -> None:
     """tests/data/cpu-pp4-dp2-slow: the bundled trainer on CPU (gloo, pp4 x dp2, 16 steps), rank 3
     (stage 1, replica 1) planted 1.3x slow. Its replica-mates wait for it at their receives and, on

@@ -396,6 +396,15 @@ DP_MIN_T_BLAME = 0.0
 DP_PAUSE_SHARE = 0.5
 
 
+# A rank named for its communication (its transfers slow, its own time not) is not one whose
+# combined evidence is below this: a rank that waited for its peers far more than they waited for
+# it is their victim, and the transfer time of its overlapping calls holds that wait. On two real
+# CPU runs of the trainer (pp3 x dp2 and pp4 x dp2) with a 90 ms host pause on rank 0, its DP peer
+# read transfers 3.2x and 5.7x its peers' at z -3.6 and -3.5 and was named `communication` beside
+# the paused rank; no other rank of those runs read below -1.7.
+COMM_MIN_Z = -2.0
+
+
 def _dp_stretched(run: Run, pool: pd.DataFrame, sizes: dict[str, int], config: StragglerConfig,
                   named: set[int]) -> pd.DataFrame:
     """Rows of ``pool`` (every rank's candidate row) for the ranks not in ``named`` whose compute
@@ -549,7 +558,7 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
         out_own = pd.concat([out_own, stretched]) if not out_own.empty else stretched
         own_slow = own_slow | c["rank"].isin(stretched["rank"])
     out_comm = c[~own_slow & (c["steps_comm_slow_frac"] >= config.min_frac)
-                 & (c["steps_slow_frac"] < config.min_frac)].copy()
+                 & (c["steps_slow_frac"] < config.min_frac) & ~(c["z"].astype(float) < COMM_MIN_Z)].copy()
     if not out_comm.empty:
         out_comm["cause"] = "communication"
         out_comm["phase"] = "comm"
