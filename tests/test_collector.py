@@ -153,8 +153,10 @@ def test_spans_steps_and_metrics_land_in_the_run(tmp_path: Path) -> None:
                                         (1, "lr"), (2, "lr")]
     assert metrics[4][2] == pytest.approx(0.1) and all(m[2] > 0 for m in metrics)
     # The collector's own footprint per step: two stamps for every span of the step, its own included.
+    # A garbage collection of 1 ms or more (likely on a loaded machine) adds a span timed by the
+    # interpreter's callback, without stamps.
     stamps = r.con.sql("SELECT step, value FROM metrics WHERE name = 'collector_stamps' ORDER BY step").fetchall()
-    per_step = [2 * sum(1 for s in spans if s["step"] == step) for step in range(3)]
+    per_step = [2 * sum(1 for s in spans if s["step"] == step and not s["name"].startswith("gc.")) for step in range(3)]
     assert stamps == [(step, float(n)) for step, n in enumerate(per_step)] and per_step[0] > 2
     ranks = r.con.sql("SELECT rank, coords['pp'], coords['dp'], coords['tp'], device, pid FROM ranks").fetchall()
     assert ranks[0][:5] == (0, 0, 0, 0, "cpu") and ranks[0][5] > 0
