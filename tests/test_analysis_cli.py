@@ -112,3 +112,16 @@ def test_bad_run_dir_is_one_line(tmp_path: Path, args: list[str], cli: Callable[
 def test_heatmap_rejects_other_suffixes(hung_run: Path, tmp_path: Path, cli: Callable[..., Result]) -> None:
     result = cli("heatmap", str(hung_run), "-o", str(tmp_path / "heat.svg"))
     assert result.exit_code == 1 and ".html or .png" in result.output
+
+
+def test_report_text_names_a_slow_link_with_its_groups(tmp_path: Path, cli: Callable[..., Result]) -> None:
+    """A real gloo run with rank 1's link rate-limited (tests/data/cpu-tp2-dp2-slow-link): the text
+    report names rank 1 `communication` and says which of its groups transfer slowly."""
+    run = shutil.copytree(Path(__file__).parent / "data" / "cpu-tp2-dp2-slow-link", tmp_path / "run")
+    result = cli("report", str(run))
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    first = lines[lines.index(next(line for line in lines if line.startswith("STRAGGLERS"))) + 2].split()
+    assert first[0] == "1" and "communication" in first
+    assert any(line.strip().startswith("rank 1: every group it is in transfers slowly") and "tp:0" in line
+               and "dp:1" in line and "slow link" in line for line in lines)

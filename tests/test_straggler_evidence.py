@@ -192,7 +192,8 @@ def test_report_json_carries_confidence_and_evidence(tmp_path: Path) -> None:
     assert first["rank"] == 6
     assert set(first["evidence"]) == {"z", "own_time_t", "wait_caused_t", "last_arrival_z", "compute_span_share",
                                       "compute_span_t", "pause_share", "device_idle_frac", "cpu_slowdown",
-                                      "tp_compute_ratio", "dp_compute_ratio"}
+                                      "tp_compute_ratio", "dp_compute_ratio", "slow_groups"}
+    assert first["evidence"]["slow_groups"] is None  # named for its own time, not for its groups' transfers
     pause = first["evidence"]["pause_share"]
     assert pause is None or np.isnan(pause)  # a clear share of its excess is in its spans: not checked
     assert first["evidence"]["last_arrival_z"] > 0 and first["evidence"]["wait_caused_t"] > 0
@@ -820,3 +821,69 @@ def test_ranks_with_tp_partners_are_not_measured_against_dp_peers(tmp_path: Path
     run = open_run(shutil.copytree(Path(__file__).parent / "data" / "gpu-tp-pair", tmp_path / "run"))
     prepare(run.con)
     assert _sql.query_df(run.con, "stragglers", "dp_compute", bar=1.10).empty
+
+
+def test_a_slow_link_under_one_rank_is_named_for_its_communication_and_its_partners_are_not(tmp_path: Path) -> None:
+    """tests/data/cpu-tp2-dp2-slow-link: the bundled trainer on CPU (gloo, tp2 x dp2, 12 steps), each
+    rank in a network namespace of its own, rank 1's link rate-limited to 60 Mbit/s both ways
+    (bench/slow_link.py). Rank 1's TP group and its DP group each transfer ~4x as long as the
+    other group of their kind; its TP partner (rank 0) and DP peer (rank 3) share one slow group
+    each. tests/data/cpu-tp2-dp2-healthy-links: the same mesh, no limit."""
+    from megascope.analysis import _sql
+
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-tp2-dp2-slow-link", tmp_path / "run"))
+    found = analysis.stragglers(run)
+    assert [(int(r), c) for r, c in zip(found["rank"], found["cause"], strict=True)] == [(1, "communication")]
+    row = found.iloc[0]
+    assert [g.split()[0] for g in row["slow_groups"]] == ["tp:0", "dp:1"]
+    assert 3.0 < float(row["slowdown"]) < 5.0 and float(row["steps_slow_frac"]) >= 0.9
+    groups = _sql.query_df(run.con, "stragglers", "slow_groups", bar=straggler_module.LINK_BAR).set_index("grp")
+    assert set(groups.index) == {"tp:0", "tp:1", "dp:0", "dp:1"}  # world: one group, never compared
+    assert groups.loc["tp:0", "ratio"] > 3 > 0.5 > groups.loc["tp:1", "ratio"]  # two groups: each against the other
+    assert sorted(groups.loc["dp:1", "members"]) == [1, 3]
+    report = analysis.report(run, with_whatif=False)
+    assert report["stragglers"][0]["evidence"]["slow_groups"] == list(row["slow_groups"])
+
+    healthy = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-tp2-dp2-healthy-links", tmp_path / "ok"))
+    assert analysis.stragglers(healthy).empty
+    ratios = _sql.query_df(healthy.con, "stragglers", "slow_groups", bar=straggler_module.LINK_BAR)["ratio"]
+    assert len(ratios) == 4 and ratios.max() < straggler_module.LINK_BAR
+
+
+def test_a_rank_in_one_slow_group_only_is_not_named_for_a_link(tmp_path: Path) -> None:
+    """The link rule needs every group of the rank compared, of two kinds or more, to be slow: with
+    the limited rank's DP group alone slow (its TP group's transfers set back to the other TP
+    group's), no rank is named for a link."""
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-tp2-dp2-slow-link", tmp_path / "run"))
+    analysis.stragglers(run)  # builds the base tables
+    # The other TP group's transfers become rank 1's group's, call for call: TP groups read alike.
+    run.con.execute("""
+        UPDATE ms_cache.inst SET xfer_ns = o.xfer_ns
+        FROM (SELECT seq, xfer_ns FROM ms_cache.inst WHERE grp = 'tp:1') o
+        WHERE ms_cache.inst.grp = 'tp:0' AND ms_cache.inst.seq = o.seq""")
+    links, mates = straggler_module._slow_links(run, straggler_module._candidates(run, straggler_module.StragglerConfig())[0],
+                                                straggler_module.StragglerConfig())
+    assert links.empty and not mates
+
+
+def test_a_rank_whose_spans_hold_slow_tp_transfers_is_not_named_for_its_compute(tmp_path: Path) -> None:
+    """On the slow-link run (tests/data/cpu-tp2-dp2-slow-link) rank 1's spans are long because its TP
+    calls inside them transfer slowly: its own time reads as a compute straggler's, but its compute
+    outside the TP calls is its partner's. That row goes; a GPU rank planted slow on a TP pair
+    (tests/data/gpu-tp-pair: 1.20x its partner's outside the TP calls) keeps its name."""
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+    config = straggler_module.StragglerConfig()
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-tp2-dp2-slow-link", tmp_path / "link"))
+    candidates, sizes = straggler_module._candidates(run, config)
+    flagged = straggler_module._causes(run, candidates[candidates["straggler"].fillna(False).astype(bool)], sizes,
+                                       config, candidates)
+    assert [(int(r), c) for r, c in zip(flagged["rank"], flagged["cause"], strict=True)] == [(1, "compute")]
+    assert straggler_module._tp_explained(run, flagged, config).empty
+
+    slow = open_run(shutil.copytree(Path(__file__).parent / "data" / "gpu-tp-pair", tmp_path / "pair"))
+    named = analysis.stragglers(slow)
+    assert named.iloc[0]["cause"] == "compute"
+    kept = straggler_module._tp_explained(slow, named, config)
+    assert list(kept["rank"]) == list(named["rank"])

@@ -19,12 +19,13 @@ from megascope.analysis.whatif import gain_words
 from megascope.topology import format_coords
 
 COLUMNS = ("rank", "host", "coords", "cause", "phase", "slowdown", "steps_slow_frac", "last_arrival_frac",
-           "late_at", "tp_compute_ratio", "dp_compute_ratio", "cpu_slowdown")
+           "late_at", "tp_compute_ratio", "dp_compute_ratio", "slow_groups", "cpu_slowdown")
 NAMES = {"steps_slow_frac": "steps slow", "slowdown": "slowdown vs peers (the measure that named it)",
          "last_arrival_frac": "collectives it arrives last at", "late_at": "last at (group)",
          "phase": "where (largest excess)", "cpu_slowdown": "its CPU vs the median rank's (host probe)",
          "tp_compute_ratio": "compute outside TP calls vs its TP partners'",
-         "dp_compute_ratio": "forward and backward vs its DP peers' (same stage)"}
+         "dp_compute_ratio": "forward and backward vs its DP peers' (same stage)",
+         "slow_groups": "its groups' transfers vs their kind's other groups (a slow link)"}
 
 
 def shown_frame(frame: Any) -> Any:
@@ -38,6 +39,8 @@ def shown_frame(frame: Any) -> Any:
     for column in ("slowdown", "cpu_slowdown", "tp_compute_ratio", "dp_compute_ratio"):
         if column in out:
             out[column] = [f"x{float(v):.2f}" if v == v and v is not None else "" for v in out[column]]
+    if "slow_groups" in out:
+        out["slow_groups"] = [", ".join(v) if isinstance(v, list) else "" for v in out["slow_groups"]]
     return out
 
 

@@ -130,6 +130,7 @@ def _straggler_list(frame: pd.DataFrame, axes: tuple[str, ...]) -> list[dict[str
                 "device_idle_frac": row.get("device_idle_frac"),
                 "cpu_slowdown": row.get("cpu_slowdown"), "tp_compute_ratio": row.get("tp_compute_ratio"),
                 "dp_compute_ratio": row.get("dp_compute_ratio"),
+                "slow_groups": list(row["slow_groups"]) if isinstance(row.get("slow_groups"), list) else None,
             },
         })
     return out

@@ -41,7 +41,7 @@ COLUMNS = [
     "rank", "host", "coords", "pp", "dp", "tp", "phase", "cause", "slowdown", "steps_slow_frac", "steps",
     "excess_ns", "base_own_ns", "last_arrival_frac", "late_at", "impact",
     "z", "p_value", "confidence", "t_own", "t_blame", "last_z", "spans_share", "t_spans", "pause_share",
-    "device_idle_frac", "cpu_slowdown", "tp_compute_ratio", "dp_compute_ratio",
+    "device_idle_frac", "cpu_slowdown", "tp_compute_ratio", "dp_compute_ratio", "slow_groups",
 ]
 # A rank's host probe (megascope.schema.HOST_PROBE_METRIC) is compared with the median rank's only
 # where at least this many ranks wrote at least HOST_PROBE_MIN probes each.
@@ -296,6 +296,39 @@ def _tp_clear(row: Any, config: StragglerConfig) -> bool:
             and int(row.samples) >= config.min_steps and noise_ok)
 
 
+def _tp_explained(run: Run, frame: pd.DataFrame, config: StragglerConfig) -> pd.DataFrame:
+    """``frame`` without the rows named for their compute whose compute outside their
+    tensor-parallel calls is under ``config.min_named_slowdown`` times their TP partners' (where
+    the collector timed those calls inside the rank's forward and backward spans).
+
+    A TP call inside a forward span carries its transfer into the span: where one rank's link is
+    slow, every member of its TP group has longer spans than the ranks of the other groups, and one
+    of them may be named for its compute, the limited rank or a partner (real gloo runs,
+    bench/slow_link.py: 0.90x, 0.94x and 0.97x its partners' outside the TP calls). Over the 40
+    ranks named for their compute on TP meshes in the kept runs (planted slow ranks, CPU and GPU),
+    that measure read 1.20x to over 1.4x."""
+    compute = frame["cause"] == "compute"
+    if not compute.any():
+        return frame
+    members = _sql.query_df(run.con, "stragglers", "tp_members")
+    if members.empty:
+        return frame
+    named = {int(r) for r in frame.loc[compute, "rank"]}
+    read = sorted({int(r) for listed in members["members"] for r in listed if named.intersection(int(x) for x in listed)})
+    if not read:
+        return frame
+    tp = _sql.query_df(run.con, "stragglers", "tp_exclusive", ranks=read, spans=_sql.Raw(run.rank_source("spans", read)),
+                       bar=float(config.min_named_slowdown))
+    by_rank = {int(row.rank): row for row in tp.itertuples()}
+    keep = pd.Series(True, index=frame.index)
+    for idx in frame.index[compute]:
+        row = by_rank.get(int(frame.at[idx, "rank"]))
+        if (row is not None and not pd.isna(row.ratio) and int(row.samples) >= config.min_steps
+                and float(row.ratio) < config.min_named_slowdown):
+            keep[idx] = False
+    return frame[keep]
+
+
 def _tp_stretched(run: Run, frame: pd.DataFrame, config: StragglerConfig,
                   pool: pd.DataFrame | None = None, sizes: dict[str, int] | None = None) -> pd.DataFrame:
     """Cause ``compute`` (phase ``compute``) for the rows read as ``host`` whose compute outside
@@ -403,6 +436,54 @@ DP_PAUSE_SHARE = 0.5
 # read transfers 3.2x and 5.7x its peers' at z -3.6 and -3.5 and was named `communication` beside
 # the paused rank; no other rank of those runs read below -1.7.
 COMM_MIN_Z = -2.0
+
+# A slow link or NIC under one rank slows the transfers of every group it is in, and those alone:
+# a rank whose groups of two kinds or more each transfer at least LINK_BAR times as long as the
+# other groups of their kind doing the same work (sql/stragglers.sql, statement slow_groups), in
+# ``min_frac`` of the steps, is named for its communication. Its partners share one slow group
+# each, and their own spans hold the slow transfers of the calls made inside them (a TP call
+# inside a forward), so they are not named for that. Over the 117 kept CPU runs with two kinds of
+# groups compared (TP x DP meshes, healthy and planted stragglers and pauses), no rank's groups
+# read more than 1.13x; real gloo runs with one rank's link rate-limited (bench/slow_link.py) read
+# 3.9x and 4.3x at 60 and 20 Mbit/s, 1.22x at 250 Mbit/s (the job 1.25x slower, not named).
+LINK_BAR = 1.5
+
+
+def _slow_links(run: Run, pool: pd.DataFrame, config: StragglerConfig) -> tuple[pd.DataFrame, set[int]]:
+    """Rows of ``pool`` (every rank's candidate row) for the ranks whose every group compared, of
+    two kinds or more, transfers slowly (see LINK_BAR): cause ``communication``, phase ``comm``,
+    ``slowdown`` and ``steps_slow_frac`` the least of its groups', ``slow_groups`` those groups
+    ("tp:0 4.04x"); and the other members of those groups."""
+    groups = _sql.query_df(run.con, "stragglers", "slow_groups", bar=LINK_BAR)
+    if groups.empty:
+        return pool.iloc[0:0], set()
+    slow = (groups["ratio"].astype(float) >= LINK_BAR) & (groups["slow_frac"].astype(float) >= config.min_frac)
+    if not slow.any():
+        return pool.iloc[0:0], set()
+    by_rank: dict[int, list[tuple[str, str, float, float, bool]]] = {}
+    for row, is_slow in zip(groups.itertuples(), slow, strict=True):
+        for rank in row.members if row.members is not None else []:
+            by_rank.setdefault(int(rank), []).append(
+                (str(row.grp), str(row.kind), float(row.ratio), float(row.slow_frac), bool(is_slow)))
+    rows: list[dict[str, Any]] = []
+    mates: set[int] = set()
+    pool_by_rank = {int(r): i for i, r in pool["rank"].items()}
+    for rank, own in sorted(by_rank.items()):
+        if len({kind for _, kind, *_ in own}) < 2 or not all(is_slow for *_, is_slow in own) or rank not in pool_by_rank:
+            continue
+        worst = min(ratio for _, _, ratio, _, _ in own)
+        rows.append({**pool.loc[pool_by_rank[rank]].to_dict(), "cause": "communication", "phase": "comm",
+                     "slowdown": worst, "median_slowdown": worst,
+                     "steps_slow_frac": min(frac for _, _, _, frac, _ in own),
+                     "excess_ns": np.nan, "late_at": None, "spans_share": np.nan,
+                     "slow_groups": [f"{grp} {ratio:.2f}x" for grp, _, ratio, _, _ in sorted(own, key=lambda g: -g[2])],
+                     "z": np.nan})  # the evidence is its groups' transfers, not its own time
+        for grp, *_ in own:
+            members = groups.loc[groups["grp"] == grp, "members"].iloc[0]
+            mates.update(int(m) for m in members if int(m) != rank)
+    if not rows:
+        return pool.iloc[0:0], set()
+    return pd.DataFrame(rows), mates - {int(r["rank"]) for r in rows}
 
 
 def _dp_stretched(run: Run, pool: pd.DataFrame, sizes: dict[str, int], config: StragglerConfig,
@@ -557,6 +638,8 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
     if not stretched.empty:
         out_own = pd.concat([out_own, stretched]) if not out_own.empty else stretched
         own_slow = own_slow | c["rank"].isin(stretched["rank"])
+    if not out_own.empty:
+        out_own = _tp_explained(run, out_own, config)
     out_comm = c[~own_slow & (c["steps_comm_slow_frac"] >= config.min_frac)
                  & (c["steps_slow_frac"] < config.min_frac) & ~(c["z"].astype(float) < COMM_MIN_Z)].copy()
     if not out_comm.empty:
@@ -567,7 +650,13 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
         out_comm["excess_ns"] = np.nan
         out_comm["late_at"] = None
         out_comm["spans_share"] = np.nan
-    parts = [f for f in (out_own, out_comm) if not f.empty]
+    out_link, mates = _slow_links(run, c, config)
+    if not out_link.empty:
+        # The named link's partners are stretched by it: their rows go, as does the rank's own.
+        gone_ranks = mates | set(out_link["rank"])
+        out_own = out_own[~out_own["rank"].isin(gone_ranks)]
+        out_comm = out_comm[~out_comm["rank"].isin(gone_ranks)]
+    parts = [f for f in (out_link, out_own, out_comm) if not f.empty]
     if not parts:
         return _empty(COLUMNS), _dismissed_frame(run, gone)
     out = pd.concat(parts, ignore_index=True)
@@ -582,9 +671,12 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
     out["impact"] = (out["slowdown"].astype(float) - 1.0) * out["steps_slow_frac"].astype(float)
     # Worst first: strongest evidence (a straggler named on noisy steps has few slow steps, so
     # slowdown x persistence would put its own wake ahead of it), then impact.
+    # A named link first: it slows every group it is in, and with them the whole job.
     out["_z"] = out["z"].astype(float).where(out["cause"] != "communication", -np.inf)
+    if "slow_groups" in out:
+        out.loc[out["slow_groups"].notna(), "_z"] = np.inf
     out = out.sort_values(["_z", "impact", "rank"], ascending=[False, False, True], kind="stable")
-    for column in ("device_idle_frac", "tp_compute_ratio", "dp_compute_ratio", "pause_share"):
+    for column in ("device_idle_frac", "tp_compute_ratio", "dp_compute_ratio", "pause_share", "slow_groups"):
         if column not in out:
             out[column] = np.nan
     probe = cpu_slowdown(run)

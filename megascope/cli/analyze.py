@@ -84,6 +84,10 @@ def _print_report(r: dict[str, Any]) -> None:
             if s["cause"] == "compute" and dp is not None and dp == dp:
                 click.echo(f"  rank {s['rank']}: forward and backward {dp:.2f}x its data-parallel peers' at its stage "
                            "(its replica waits for it, so its own time stands out less)")
+            groups = (s.get("evidence") or {}).get("slow_groups")
+            if groups:
+                click.echo(f"  rank {s['rank']}: every group it is in transfers slowly against the other groups of its "
+                           f"kind ({', '.join(groups)}): a slow link or NIC under this rank")
             cpu = (s.get("evidence") or {}).get("cpu_slowdown")
             if s["cause"] != "host" or cpu is None or cpu != cpu:  # NaN: no host probes
                 continue

@@ -423,3 +423,46 @@ SELECT rank, step,
        greatest(coalesce(any_value(hi), max(b)) - coalesce(any_value(lo), min(a))
                 - sum(greatest(b - greatest(a, coalesce(covered, a)), 0)), 0) AS outside
 FROM o GROUP BY rank, step ORDER BY rank, step;
+
+-- @statement slow_groups
+-- Each group's transfers against the other groups of its kind doing the same work: per step
+-- after the first, the sum of its instances' transfer time (xfer_ns: completion less the last
+-- arrival, so a late member does not count) over that of the other groups of its kind, at its
+-- pipeline stage, that issued as many calls in the step (leave-one-out: the other group of two,
+-- the mean of the other two of three, else the median of all). Stages are kept apart: their
+-- groups move different tensors (a healthy pp2 x tp2 x dp2 run's DP groups read 0.3-0.4x and
+-- 2.5-3.0x across its two stages). A slow link or NIC under one rank slows the transfers of
+-- every group it is in, and those alone. Kinds with one group at a stage (world, a
+-- data-parallel-only mesh) are never compared.
+-- @column grp        the group
+-- @column kind       its kind (tp | dp | pp | cp | ep | other)
+-- @column members    its global ranks (groups table)
+-- @column steps      steps compared
+-- @column ratio      median over those steps of its transfer time over the others'
+-- @column slow_frac  share of those steps at {{bar}} times the others' or more
+WITH m AS (
+    SELECT "group" AS grp, any_value(members) AS members FROM groups GROUP BY "group"
+), st AS (
+    -- A group's stage: its members' one stage (-1 for a group across stages).
+    SELECT m.grp, CASE WHEN min(i.stage) = max(i.stage) THEN min(i.stage) ELSE -1 END AS stage
+    FROM m, unnest(m.members) AS u(rank) JOIN ms_cache.rank_info i ON i.rank = u.rank
+    GROUP BY m.grp
+), ps AS (
+    SELECT grp, group_kind, step, sum(xfer_ns)::DOUBLE AS x, count(*) AS calls
+    FROM ms_cache.inst
+    WHERE n >= 2 AND group_kind <> 'world' AND step > (SELECT min(step) FROM ms_cache.inst)
+    GROUP BY grp, group_kind, step
+), w AS (
+    SELECT ps.grp, ps.group_kind, ps.step, ps.x,
+           count(*) OVER p AS n, sum(ps.x) OVER p AS s, median(ps.x) OVER p AS med
+    FROM ps LEFT JOIN st USING (grp) WINDOW p AS (PARTITION BY ps.group_kind, coalesce(st.stage, -1), ps.step, ps.calls)
+), r AS (
+    SELECT grp, group_kind, x / nullif(ms_cache.loo(n, s, x, med), 0) AS ratio FROM w WHERE n >= 2
+), g AS (
+    SELECT grp, any_value(group_kind) AS kind, count(*) AS steps, median(ratio) AS ratio,
+           avg(CASE WHEN ratio >= {{bar}} THEN 1.0 ELSE 0.0 END) AS slow_frac
+    FROM r WHERE ratio IS NOT NULL GROUP BY grp
+)
+SELECT g.grp, g.kind, m.members, g.steps, g.ratio, g.slow_frac
+FROM g LEFT JOIN m USING (grp)
+ORDER BY g.ratio DESC, g.grp;
