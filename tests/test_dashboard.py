@@ -597,6 +597,10 @@ def test_straggler_page_speaks_in_percent_and_relative_gains() -> None:
         {"step_time_ns": 642.4e6, "whatif_step_time_ns": 642.1e6, "speedup": 1.0005, "mfu": 0.2788,
          "whatif_mfu": 0.2788 * 1.0005, "ranks": [77]}, n_stragglers=1))
     assert "steps 0.05% shorter, throughput +0.05%" in slack and "slack" in slack
+    # A slow link named alone: nothing was replayed, and no step time is shown as if it had been.
+    link = " ".join(text(c) for c in whatif_cards(
+        {"step_time_ns": 1733e6, "whatif_step_time_ns": 1733e6, "speedup": 1.0, "ranks": []}, n_stragglers=1))
+    assert "communication causes only" in link and "not replayed" in link and "ms" not in link and "slack" not in link
 
 
 # ------------------------------------------------------------------------------------ replay, CLI

@@ -60,8 +60,14 @@ def whatif_cards(result: dict[str, Any], *, n_stragglers: int) -> list[Any]:
         return [card("stragglers", "0", "nothing to gain", kind="good")]
     step, fixed = result.get("step_time_ns"), result.get("whatif_step_time_ns")
     mfu, fixed_mfu = result.get("mfu"), result.get("whatif_mfu")
-    ranks = ", ".join(map(str, result.get("ranks") or [])) or "none (communication causes only)"
+    replayed = list(result.get("ranks") or [])
+    ranks = ", ".join(map(str, replayed)) or "none (communication causes only)"
     out = [card("stragglers", str(n_stragglers), f"fixing ranks {ranks}", kind="bad")]
+    if not replayed:
+        # The replay frees a rank's own work; it has nothing to say of a link's transfers, and its
+        # unchanged step time would read as "the slack absorbs it" beside a job a link slowed 3x.
+        out.append(card("what-if", "not replayed", "the replay models ranks' own work, not a slow link's transfers"))
+        return out
     if step and fixed:
         speedup = float(result.get("speedup") or 1)
         # A straggler off the critical path (pipeline slack absorbs it) is slow yet costs little:
