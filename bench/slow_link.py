@@ -39,6 +39,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).parent))
+# The jobs running now, and the SIGTERM handler that kills them with their process groups.
+from detect_sweep import _RUNNING, _stop_running  # noqa: E402
+
 # (tp, pp, dp): four ranks on two cores. In every one of these the limited rank shares groups with
 # ranks whose links are fast, so only it takes part in every slow call.
 MESHES = [(2, 1, 2), (1, 2, 2), (2, 2, 1), (1, 1, 4)]
@@ -176,16 +180,6 @@ def launch(r: dict[str, Any], links: Links, out: Path, *, steps: int, port: int)
         lines = (out / f"{r['name']}.rank{bad[0]}.log").read_text().strip().splitlines()
         err = f"rank {bad[0]}: " + (lines[-1] if lines else f"exit {rcs[bad[0]]}")
     return {"load": load, "wall_s": round(wall, 1), "rc": max(rcs, default=0), "err": err}
-
-
-_RUNNING: list[subprocess.Popen[str]] = []
-
-
-def _stop_running(signum: int, _frame: Any) -> None:
-    for proc in _RUNNING:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    raise SystemExit(128 + signum)
 
 
 def score(r: dict[str, Any], path: Path) -> dict[str, Any]:
