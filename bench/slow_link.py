@@ -73,7 +73,8 @@ class Links:
     def addr(self, rank: int) -> str:
         return SUBNET.format(self.net, rank + 1)
 
-    def __enter__(self) -> Links:
+    def make(self) -> None:
+        """Make the bridge, the namespaces and their links (all removed again if one step fails)."""
         try:
             _ip("ip", "link", "add", self.bridge, "type", "bridge")
             self.made.append(("link", self.bridge))
@@ -94,6 +95,10 @@ class Links:
         except Exception:
             self.__exit__()
             raise
+
+    def __enter__(self) -> Links:
+        if not self.made:
+            self.make()
         return self
 
     def limit(self, rank: int, mbit: float | None) -> None:
@@ -261,7 +266,13 @@ def main() -> int:
     if not args.score_only:
         world = max(tp * pp * dp for tp, pp, dp in args.meshes)
         tag = f"msl{os.getpid() % 100000}"
-        with Links(world, tag, net=77) as links:
+        links = Links(world, tag, net=77)
+        try:
+            links.make()
+        except RuntimeError as exc:
+            print(f"slow_link: cannot make the ranks' links (root or CAP_NET_ADMIN needed): {exc}", file=sys.stderr)
+            return 2
+        with links:
             for i, r in enumerate(runs):
                 if r["name"] in done and done[r["name"]].get("rc") == 0:
                     continue
