@@ -296,6 +296,23 @@ def _tp_clear(row: Any, config: StragglerConfig) -> bool:
             and int(row.samples) >= config.min_steps and noise_ok)
 
 
+def _tp_exclusive(run: Run, ranks: set[int], config: StragglerConfig, *, reference_groups: int = 0) -> dict[int, Any]:
+    """The ``tp_exclusive`` rows, by rank, of the members of the TP groups that hold ``ranks``
+    and of up to ``reference_groups`` other TP groups (read for the noise); empty without TP groups."""
+    members = _sql.query_df(run.con, "stragglers", "tp_members")
+    own: list[list[int]] = []
+    others: list[list[int]] = []
+    for listed in members["members"]:
+        group = [int(r) for r in listed]
+        (own if ranks.intersection(group) else others).append(group)
+    read = sorted({r for group in own + others[:reference_groups] for r in group})
+    if not read:
+        return {}
+    tp = _sql.query_df(run.con, "stragglers", "tp_exclusive", ranks=read, spans=_sql.Raw(run.rank_source("spans", read)),
+                       bar=float(config.min_named_slowdown))
+    return {int(row.rank): row for row in tp.itertuples()}
+
+
 def _tp_explained(run: Run, frame: pd.DataFrame, config: StragglerConfig) -> pd.DataFrame:
     """``frame`` without the rows named for their compute whose compute outside their
     tensor-parallel calls is under ``config.min_named_slowdown`` times their TP partners' (where
@@ -310,16 +327,9 @@ def _tp_explained(run: Run, frame: pd.DataFrame, config: StragglerConfig) -> pd.
     compute = frame["cause"] == "compute"
     if not compute.any():
         return frame
-    members = _sql.query_df(run.con, "stragglers", "tp_members")
-    if members.empty:
+    by_rank = _tp_exclusive(run, {int(r) for r in frame.loc[compute, "rank"]}, config)
+    if not by_rank:
         return frame
-    named = {int(r) for r in frame.loc[compute, "rank"]}
-    read = sorted({int(r) for listed in members["members"] for r in listed if named.intersection(int(x) for x in listed)})
-    if not read:
-        return frame
-    tp = _sql.query_df(run.con, "stragglers", "tp_exclusive", ranks=read, spans=_sql.Raw(run.rank_source("spans", read)),
-                       bar=float(config.min_named_slowdown))
-    by_rank = {int(row.rank): row for row in tp.itertuples()}
     keep = pd.Series(True, index=frame.index)
     for idx in frame.index[compute]:
         row = by_rank.get(int(frame.at[idx, "rank"]))
@@ -356,21 +366,9 @@ def _tp_stretched(run: Run, frame: pd.DataFrame, config: StragglerConfig,
     host = out["cause"] == "host"
     if not host.any():
         return out
-    members = _sql.query_df(run.con, "stragglers", "tp_members")
-    if members.empty:
+    by_rank = _tp_exclusive(run, {int(r) for r in out.loc[host, "rank"]}, config, reference_groups=TP_REFERENCE_GROUPS)
+    if not by_rank:
         return out
-    candidates = {int(r) for r in out.loc[host, "rank"]}
-    own: list[list[int]] = []
-    others: list[list[int]] = []
-    for listed in members["members"]:
-        ranks = [int(r) for r in listed]
-        (own if candidates.intersection(ranks) else others).append(ranks)
-    read = sorted({r for group in own + others[:TP_REFERENCE_GROUPS] for r in group})
-    tp = _sql.query_df(run.con, "stragglers", "tp_exclusive", ranks=read, spans=_sql.Raw(run.rank_source("spans", read)),
-                       bar=float(config.min_named_slowdown))
-    if tp.empty:
-        return out
-    by_rank = {int(row.rank): row for row in tp.itertuples()}
     pool_by_rank = {int(r): i for i, r in pool["rank"].items()} if pool is not None else {}
     listed = {int(r) for r in out["rank"]}
     swapped: dict[Any, pd.Series] = {}
@@ -462,9 +460,11 @@ def _slow_links(run: Run, pool: pd.DataFrame, config: StragglerConfig) -> tuple[
     if not slow.any():
         return pool.iloc[0:0], set()
     by_rank: dict[int, list[tuple[str, str, float, float, bool]]] = {}
+    members: dict[str, list[int]] = {}
     for row, is_slow in zip(groups.itertuples(), slow, strict=True):
-        for rank in row.members if row.members is not None else []:
-            by_rank.setdefault(int(rank), []).append(
+        members[str(row.grp)] = [int(r) for r in (row.members if row.members is not None else [])]
+        for rank in members[str(row.grp)]:
+            by_rank.setdefault(rank, []).append(
                 (str(row.grp), str(row.kind), float(row.ratio), float(row.slow_frac), bool(is_slow)))
     rows: list[dict[str, Any]] = []
     mates: set[int] = set()
@@ -480,8 +480,7 @@ def _slow_links(run: Run, pool: pd.DataFrame, config: StragglerConfig) -> tuple[
                      "slow_groups": [f"{grp} {ratio:.2f}x" for grp, _, ratio, _, _ in sorted(own, key=lambda g: -g[2])],
                      "z": np.nan})  # the evidence is its groups' transfers, not its own time
         for grp, *_ in own:
-            members = groups.loc[groups["grp"] == grp, "members"].iloc[0]
-            mates.update(int(m) for m in members if int(m) != rank)
+            mates.update(m for m in members[grp] if m != rank)
     if not rows:
         return pool.iloc[0:0], set()
     return pd.DataFrame(rows), mates - {int(r["rank"]) for r in rows}
