@@ -119,17 +119,15 @@ class CollectorConfig:
     # issued work, not when the device ran it (for telling the collector's host cost from its
     # device cost). CPU ranks always use the host clock.
     clock: str = "device"
-    # How the writer thread asks the device events whether they are done and times them. "torch":
-    # torch.cuda.Event's calls, which hold the interpreter lock while the driver runs them.
-    # "driver": the CUDA driver's cuEventQuery and cuEventElapsedTime through ctypes, which let go
-    # of the lock for the call, so a writer never holds it inside a driver call that waits (torch
-    # where the driver library cannot be loaded). On 2x H200 tp2 whole runs the two were within
-    # each other's noise, the training thread switching ~5x as often with "driver"
-    # (docs/benchmarks-log.md, "tp2 x dp2 with the DP calls sampled, and the writer's event calls
-    # without the interpreter lock"); in whole runs of a Megatron-core job on 1x H200, +1.95% with
-    # "torch" and -0.05% with "driver" (3 rounds, the same rounds). "torch" stays the default until
-    # the GPU tests have run with "driver" as the default.
-    event_calls: str = "torch"
+    # How the writer thread asks the device events whether they are done and times them. "driver":
+    # the CUDA driver's cuEventQuery and cuEventElapsedTime through ctypes, which let go of the
+    # interpreter lock for the call, so a writer never holds it inside a driver call that waits
+    # (torch's calls where the driver library cannot be loaded). "torch": torch.cuda.Event's
+    # calls, which hold the lock while the driver runs them. In whole runs, the same rounds,
+    # "driver" cost as much or less in every call: tp2 on 2x H200 -0.53% against +3.58%, a
+    # Megatron-core job on 1x H200 -0.05% against +1.95%, then +1.13% against +1.05%
+    # (docs/benchmarks-log.md, "The writer's event calls through the driver, the default").
+    event_calls: str = "driver"
     # The writer thread's largest share of the interpreter lock while it works in the background:
     # it works in half-millisecond slices and sleeps between them (1: never sleeps). The training
     # thread launches the device's work from Python; a writer holding the lock for tens of
