@@ -21,7 +21,7 @@ from conftest import Synth
 from hand_runs import MS, hand_run, host_bound_run, span
 
 from megascope import analysis, layout, schema
-from megascope.analysis.base import _clock_sample_steps, prepare, solve_offsets
+from megascope.analysis.base import clock_sample_steps, prepare, solve_offsets
 from megascope.analysis.runstate import run_state
 from megascope.errors import ConfigError
 from megascope.store import open_run
@@ -253,16 +253,16 @@ def test_exposed_communication_arithmetic(tmp_path: Path) -> None:
 def test_clock_samples_are_two_runs_of_steps_that_stay_while_the_run_grows(first: int) -> None:
     for n in (12, 100, 1000, 12288):
         steps = list(range(first, first + n))
-        got = _clock_sample_steps(steps, 8)
+        got = clock_sample_steps(steps, 8)
         assert len(got) == 8 and got == sorted(set(got)) and first not in got  # no warm-up step
         runs = [b - a for a, b in zip(got, got[1:], strict=False) if b - a != 1]
         assert len(runs) <= 1, got  # consecutive steps, at most two runs of them
         # The same sample as long as the run has not doubled: the cached estimate stays valid.
         prefix = 1 << (n - 1).bit_length() - 1
-        assert _clock_sample_steps(list(range(first, first + prefix + 1)), 8) == got or prefix < 9
-    assert _clock_sample_steps(list(range(1025)), 8) == [257, 258, 259, 260, 769, 770, 771, 772]
-    assert _clock_sample_steps(list(range(2000)), 8) == _clock_sample_steps(list(range(1025)), 8)
-    assert _clock_sample_steps(list(range(5)), 8) == [0, 1, 2, 3, 4]
+        assert clock_sample_steps(list(range(first, first + prefix + 1)), 8) == got or prefix < 9
+    assert clock_sample_steps(list(range(1025)), 8) == [257, 258, 259, 260, 769, 770, 771, 772]
+    assert clock_sample_steps(list(range(2000)), 8) == clock_sample_steps(list(range(1025)), 8)
+    assert clock_sample_steps(list(range(5)), 8) == [0, 1, 2, 3, 4]
 
 
 def test_exposed_communication_is_the_same_whatever_order_the_spans_are_read_in(tmp_path: Path) -> None:

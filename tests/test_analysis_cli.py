@@ -125,3 +125,14 @@ def test_report_text_names_a_slow_link_with_its_groups(tmp_path: Path, cli: Call
     assert first[0] == "1" and "communication" in first
     assert any(line.strip().startswith("rank 1: every group it is in transfers slowly") and "tp:0" in line
                and "dp:1" in line and "slow link" in line for line in lines)
+
+
+def test_report_text_names_both_ends_of_a_slow_pipeline_link(tmp_path: Path, cli: Callable[..., Result]) -> None:
+    """pp2 x dp2 with rank 2's link rate-limited (tests/data/cpu-pp2-dp2-slow-link): nothing tells the
+    ends of the slow link 0<>2 apart, and the text report says so for each."""
+    run = shutil.copytree(Path(__file__).parent / "data" / "cpu-pp2-dp2-slow-link", tmp_path / "run")
+    result = cli("report", str(run))
+    assert result.exit_code == 0, result.output
+    said = [line.strip() for line in result.stdout.splitlines() if "its pipeline link transfers slowly both ways" in line]
+    assert [line.split(":")[0] for line in said] == ["rank 0", "rank 2"]
+    assert all("p2p:0<>2" in line and "other end" in line and "either end" not in line for line in said)

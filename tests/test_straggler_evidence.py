@@ -868,6 +868,65 @@ def test_a_rank_in_one_slow_group_only_is_not_named_for_a_link(tmp_path: Path) -
     assert links.empty and not mates
 
 
+def test_a_slow_pipeline_link_names_the_rank_both_its_links_share(tmp_path: Path) -> None:
+    """tests/data/cpu-pp3-dp2-slow-link: the bundled trainer on CPU (gloo, pp3 x dp2, 12 steps, 6
+    layers), rank 2 (stage 1) on a link rate-limited to 40 Mbit/s both ways (bench/slow_link.py).
+    Its DP group has no peer group at its stage, so only its pipeline links tell: the links to the
+    stage before it (rank 0) and after it (rank 4) transfer many times as long as the other
+    replica's, both ways, and rank 2 alone is on both. Its neighbours are not named."""
+    from megascope.analysis import _sql
+
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-pp3-dp2-slow-link", tmp_path / "run"))
+    found = analysis.stragglers(run)
+    assert [(int(r), c) for r, c in zip(found["rank"], found["cause"], strict=True)] == [(2, "communication")]
+    assert sorted(g.split()[0] for g in found.iloc[0]["slow_groups"]) == ["p2p:0<>2", "p2p:2<>4"]
+    assert float(found.iloc[0]["slowdown"]) > 5
+    edges = _sql.query_df(run.con, "stragglers", "slow_edges", bar=straggler_module.LINK_BAR,
+                          steps=list(range(12))).set_index("grp")
+    # Every link of the run is compared with the other replica's between the same stages, both ways.
+    assert set(edges.index) == {"p2p:0>2", "p2p:2>0", "p2p:2>4", "p2p:4>2", "p2p:1>3", "p2p:3>1", "p2p:3>5", "p2p:5>3"}
+    assert edges.loc[["p2p:0>2", "p2p:2>0", "p2p:2>4", "p2p:4>2"], "ratio"].min() > 5
+    assert edges.loc[["p2p:1>3", "p2p:3>1", "p2p:3>5", "p2p:5>3"], "ratio"].max() < 0.5
+    assert sorted(edges.loc["p2p:4>2", "members"]) == [2, 4]
+    report = analysis.report(run, with_whatif=False)
+    assert [s["rank"] for s in report["stragglers"]] == [2]
+
+
+def test_a_slow_pipeline_link_nothing_else_locates_names_both_its_ends(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/data/cpu-pp2-dp2-slow-link: pp2 x dp2, rank 2 (stage 1) on a 60 Mbit/s link. Each rank
+    has one pipeline link and a DP group with no peer group at its stage: the slow link 0<>2 is
+    told, its end is not. Both ends are named, "either end", and not rank 0 alone for its host
+    (as before pipeline links were compared: its own time doubled beside the link it sends on).
+    A link slow one way only is noise, not a link: with the direction 2>0 read as the other
+    replica's, nothing is named for a link."""
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-pp2-dp2-slow-link", tmp_path / "run"))
+    found = analysis.stragglers(run)
+    assert [(int(r), c) for r, c in zip(found["rank"], found["cause"], strict=True)] == [
+        (0, "communication"), (2, "communication")]
+    for groups in found["slow_groups"]:
+        assert len(groups) == 1 and groups[0].startswith("p2p:0<>2 ") and groups[0].endswith("x (either end)")
+    pairs = straggler_module._slow_pairs(run, 4).set_index("grp")  # the links slow both ways
+    assert list(pairs.index) == ["p2p:0<>2"] and pairs.loc["p2p:0<>2", "ratio"] > 5
+
+    query = straggler_module._sql.query_df
+
+    def one_way(con: Any, module: str, name: str, **params: Any) -> pd.DataFrame:
+        got = query(con, module, name, **params)
+        if name == "slow_edges":
+            got.loc[got["grp"] == "p2p:2>0", "ratio"] = 1.0
+        return got
+
+    monkeypatch.setattr(straggler_module._sql, "query_df", one_way)
+    monkeypatch.setattr(straggler_module.persist, "memo_get", lambda con, name: None)  # not the kept pairs
+    config = straggler_module.StragglerConfig()
+    assert straggler_module._slow_pairs(run, 4).empty
+    links, mates = straggler_module._slow_links(run, straggler_module._candidates(run, config)[0], config)
+    assert links.empty and not mates
+
+
 def test_a_rank_whose_spans_hold_slow_tp_transfers_is_not_named_for_its_compute(tmp_path: Path) -> None:
     """On the slow-link run (tests/data/cpu-tp2-dp2-slow-link) rank 1's spans are long because its TP
     calls inside them transfer slowly: its own time reads as a compute straggler's, but its compute

@@ -55,7 +55,7 @@ def sample_steps(steps: list[int], count: int) -> list[int]:
     return sorted({pool[int(i * stride)] for i in range(count)})
 
 
-def _clock_sample_steps(steps: list[int], count: int) -> list[int]:
+def clock_sample_steps(steps: list[int], count: int) -> list[int]:
     """Steps for clock-offset estimation: two runs of ``count // 2`` consecutive steps, at a
     quarter and at three quarters of the longest power-of-two prefix of the run (after the
     warm-up step, at least ``count`` steps), so that
@@ -158,7 +158,7 @@ def _clock_hosts(con: duckdb.DuckDBPyConnection) -> list[str]:
 
 def _estimate_offsets(con: duckdb.DuckDBPyConnection, steps: list[int]) -> pd.DataFrame:
     ranks = _clock_ranks(con)
-    _sql.execute(con, "base", "clock_samples", steps=_clock_sample_steps(steps, CLOCK_SAMPLE_STEPS) or [-1],
+    _sql.execute(con, "base", "clock_samples", steps=clock_sample_steps(steps, CLOCK_SAMPLE_STEPS) or [-1],
                  ranks=_sql.Raw(", ".join(map(str, ranks)) or "NULL"))
     hosts = _clock_hosts(con)
     pairs = _sql.query_df(con, "base", "clock_pairs")
@@ -193,7 +193,7 @@ def estimate_clock_offsets(con: duckdb.DuckDBPyConnection,
             return _sql.query_df(con, "base", "offsets")
         _sql.execute(con, "base", "rank_info")
         ranks = _clock_ranks(con)
-        sql = _sql.render("base", "clock_samples", steps=_clock_sample_steps(_steps(con), CLOCK_SAMPLE_STEPS) or [-1],
+        sql = _sql.render("base", "clock_samples", steps=clock_sample_steps(_steps(con), CLOCK_SAMPLE_STEPS) or [-1],
                           ranks=_sql.Raw(", ".join(map(str, ranks)) or "NULL"))
         if spans_of is not None:
             assert sql.count("FROM spans s ") == 1

@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from megascope.analysis import _sql, persist
-from megascope.analysis.base import has_step_spans, peer_kinds_sql, prepare
+from megascope.analysis.base import clock_sample_steps, has_step_spans, peer_kinds_sql, prepare
 from megascope.analysis.pipeline import HOST_BOUND_MIN_CALLS, host_lead
 from megascope.errors import ConfigError
 from megascope.schema import COLLECTOR_CALLS_METRIC, HOST_PROBE_METRIC, RunSource
@@ -445,42 +445,100 @@ COMM_MIN_Z = -2.0
 # read more than 1.12x (one group alone up to 1.92x: the DP group of a planted 1.6x compute
 # straggler); real gloo runs with one rank's link rate-limited (bench/slow_link.py) read 3.9x and
 # 4.5x at 60 and 20 Mbit/s, 1.25x at 250 Mbit/s (the job 1.25x slower, not named).
+# Pipeline links count as well, each pair of ranks compared with the other pairs between the same
+# two stages (statement slow_edges), both ways: a slow link slows both directions, noise one.
+# Over the 114 kept CPU runs with pipeline links compared, one direction alone read up to 2.43x
+# (pp4 x dp2, a 1.7x compute straggler), both directions at most 1.37x; the rate-limited runs
+# 3.4x to 29x both ways. A rank whose two links (to the stages before and after it), or whose
+# link and groups, are slow is named alone; a slow link between two ranks that nothing else tells
+# apart names both ends.
 LINK_BAR = 1.5
+# Steps the pipeline links are compared over: every step of a short run, else two runs of
+# consecutive steps (the clock sample's steps), which share their row groups in a compacted run.
+# 16 up to 1,024 ranks, fewer beyond (4 from 4,096 ranks), so that about as many transfers are
+# read at any size: 0.3 s at 1,024 ranks x 1,000 steps (pp8, 16 transfers a rank-step) against
+# 1.1 s for 64 steps spread over the run; 0.6 s at 12,288 ranks (4 steps; 1.4 s for 16).
+LINK_SAMPLE_STEPS = 16
+
+
+def _slow_pairs(run: Run, ranks: int) -> pd.DataFrame:
+    """The pipeline links slow both ways (each direction's median at LINK_BAR or more;
+    sql/stragglers.sql, statement slow_edges, over a sample of the steps, see LINK_SAMPLE_STEPS;
+    ``ranks``: the run's), one row per pair of ranks, in slow_groups' columns: ``grp``
+    "p2p:S<>R", ``kind`` "p2p", the lesser of its two directions' ``ratio`` and ``slow_frac``.
+    Kept beside the run's analysis (a second report reads them back)."""
+    columns = ["grp", "kind", "members", "steps", "ratio", "slow_frac"]
+    kept = persist.memo_get(run.con, "slow_pairs")
+    if isinstance(kept, list):
+        return pd.DataFrame(kept, columns=columns)
+    count = max(4, min(LINK_SAMPLE_STEPS, LINK_SAMPLE_STEPS * 1024 // max(ranks, 1)))
+    steps = clock_sample_steps([int(s) for (s,) in _sql.execute(run.con, "pipeline", "sample_steps").fetchall()],
+                               count)
+    edges = _sql.query_df(run.con, "stragglers", "slow_edges", bar=LINK_BAR, steps=steps or [-1])
+    pairs: dict[tuple[int, int], list[tuple[float, float, int]]] = {}
+    for row in edges.itertuples():
+        src, dst = (int(r) for r in row.members)
+        pairs.setdefault((min(src, dst), max(src, dst)), []).append(
+            (float(row.ratio), float(row.slow_frac), int(row.steps)))
+    rows = [[f"p2p:{a}<>{b}", "p2p", [a, b], min(n for *_, n in both), min(r for r, *_ in both),
+             min(f for _, f, _ in both)]
+            for (a, b), both in sorted(pairs.items()) if len(both) == 2 and min(r for r, *_ in both) >= LINK_BAR]
+    persist.memo_put(run.con, "slow_pairs", rows)
+    return pd.DataFrame(rows, columns=columns)
 
 
 def _slow_links(run: Run, pool: pd.DataFrame, config: StragglerConfig) -> tuple[pd.DataFrame, set[int]]:
-    """Rows of ``pool`` (every rank's candidate row) for the ranks whose every group compared, of
-    two kinds or more, transfers slowly (see LINK_BAR): cause ``communication``, phase ``comm``,
-    ``slowdown`` and ``steps_slow_frac`` the least of its groups', ``slow_groups`` those groups
-    ("tp:0 4.04x"); and the other members of those groups."""
-    groups = _sql.query_df(run.con, "stragglers", "slow_groups", bar=LINK_BAR)
-    if groups.empty:
+    """Rows of ``pool`` (every rank's candidate row) for the ranks a slow link is under (see
+    LINK_BAR): cause ``communication``, phase ``comm``, ``slowdown`` and ``steps_slow_frac`` the
+    least of its slow groups' and links', ``slow_groups`` those ("tp:0 4.04x", "p2p:2<>4
+    9.10x"); and the other members of those groups and links. A rank is named alone when its
+    slow groups and links have it alone in common and every group it is in that was compared is
+    slow; the two ends of a slow pipeline link that no rank explains are both named ("either
+    end"): the link is told, its end is not."""
+    found = [f for f in (_sql.query_df(run.con, "stragglers", "slow_groups", bar=LINK_BAR), _slow_pairs(run, len(pool)))
+             if not f.empty]
+    if not found:
         return pool.iloc[0:0], set()
-    slow = (groups["ratio"].astype(float) >= LINK_BAR) & (groups["slow_frac"].astype(float) >= config.min_frac)
+    units = pd.concat(found, ignore_index=True)
+    slow = (units["ratio"].astype(float) >= LINK_BAR) & (units["slow_frac"].astype(float) >= config.min_frac)
     if not slow.any():
         return pool.iloc[0:0], set()
     by_rank: dict[int, list[tuple[str, str, float, float, bool]]] = {}
-    members: dict[str, list[int]] = {}
-    for row, is_slow in zip(groups.itertuples(), slow, strict=True):
-        members[str(row.grp)] = [int(r) for r in (row.members if row.members is not None else [])]
+    members: dict[str, set[int]] = {}
+    for row, is_slow in zip(units.itertuples(), slow, strict=True):
+        members[str(row.grp)] = {int(r) for r in (row.members if row.members is not None else [])}
         for rank in members[str(row.grp)]:
             by_rank.setdefault(rank, []).append(
                 (str(row.grp), str(row.kind), float(row.ratio), float(row.slow_frac), bool(is_slow)))
+    pool_by_rank = {int(r): i for i, r in pool["rank"].items()}
+
+    def row_of(rank: int, own: list[tuple[str, str, float, float, bool]], note: str = "") -> dict[str, Any]:
+        worst = min(ratio for _, _, ratio, _, _ in own)
+        return {**pool.loc[pool_by_rank[rank]].to_dict(), "cause": "communication", "phase": "comm",
+                "slowdown": worst, "median_slowdown": worst, "steps_slow_frac": min(frac for _, _, _, frac, _ in own),
+                "excess_ns": np.nan, "late_at": None, "spans_share": np.nan,
+                "slow_groups": [f"{grp} {ratio:.2f}x{note}" for grp, _, ratio, _, _ in sorted(own, key=lambda g: -g[2])],
+                "z": np.nan}  # the evidence is its groups' transfers, not its own time
+
     rows: list[dict[str, Any]] = []
     mates: set[int] = set()
-    pool_by_rank = {int(r): i for i, r in pool["rank"].items()}
     for rank, own in sorted(by_rank.items()):
-        if len({kind for _, kind, *_ in own}) < 2 or not all(is_slow for *_, is_slow in own) or rank not in pool_by_rank:
+        hit = [u for u in own if u[4]]
+        if not hit or rank not in pool_by_rank or not all(u[4] for u in own if u[1] != "p2p"):
             continue
-        worst = min(ratio for _, _, ratio, _, _ in own)
-        rows.append({**pool.loc[pool_by_rank[rank]].to_dict(), "cause": "communication", "phase": "comm",
-                     "slowdown": worst, "median_slowdown": worst,
-                     "steps_slow_frac": min(frac for _, _, _, frac, _ in own),
-                     "excess_ns": np.nan, "late_at": None, "spans_share": np.nan,
-                     "slow_groups": [f"{grp} {ratio:.2f}x" for grp, _, ratio, _, _ in sorted(own, key=lambda g: -g[2])],
-                     "z": np.nan})  # the evidence is its groups' transfers, not its own time
-        for grp, *_ in own:
-            mates.update(m for m in members[grp] if m != rank)
+        if set.intersection(*(members[grp] for grp, *_ in hit)) != {rank}:
+            continue
+        rows.append(row_of(rank, hit))
+        for grp, *_ in hit:
+            mates.update(members[grp] - {rank})
+    told = {int(r["rank"]) for r in rows} | mates
+    either: dict[int, list[tuple[str, str, float, float, bool]]] = {}
+    for unit in sorted({u for own in by_rank.values() for u in own}):
+        ends = members[unit[0]]
+        if unit[1] == "p2p" and unit[4] and not ends & told and ends <= set(pool_by_rank):
+            for rank in ends:
+                either.setdefault(rank, []).append(unit)
+    rows.extend(row_of(rank, links, " (either end)") for rank, links in sorted(either.items()))
     if not rows:
         return pool.iloc[0:0], set()
     return pd.DataFrame(rows), mates - {int(r["rank"]) for r in rows}

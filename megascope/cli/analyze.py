@@ -85,9 +85,14 @@ def _print_report(r: dict[str, Any]) -> None:
                 click.echo(f"  rank {s['rank']}: forward and backward {dp:.2f}x its data-parallel peers' at its stage "
                            "(its replica waits for it, so its own time stands out less)")
             groups = (s.get("evidence") or {}).get("slow_groups")
-            if groups:
+            either = [g.removesuffix(" (either end)") for g in groups or [] if g.endswith(" (either end)")]
+            if either:
+                click.echo(f"  rank {s['rank']}: its pipeline link transfers slowly both ways against the other links "
+                           f"between the same stages ({', '.join(either)}): a slow link or NIC under this rank or "
+                           "under the link's other end, which nothing else tells apart")
+            elif groups:
                 click.echo(f"  rank {s['rank']}: every group it is in transfers slowly against the other groups of its "
-                           f"kind ({', '.join(groups)}): a slow link or NIC under this rank")
+                           f"kind, and it alone is in all of them ({', '.join(groups)}): a slow link or NIC under this rank")
             cpu = (s.get("evidence") or {}).get("cpu_slowdown")
             if s["cause"] != "host" or cpu is None or cpu != cpu:  # NaN: no host probes
                 continue

@@ -466,3 +466,48 @@ WITH m AS (
 SELECT g.grp, g.kind, m.members, g.steps, g.ratio, g.slow_frac
 FROM g LEFT JOIN m USING (grp)
 ORDER BY g.ratio DESC, g.grp;
+
+-- @statement slow_edges
+-- Each pipeline link's transfers against the other links between the same two stages, over the
+-- sampled steps {{steps}} after the first: per step, the sum of the link's point-to-point
+-- transfers (a receive's completion less the later of its send's start and its own, on the
+-- reference clock, so a late sender or receiver does not count) over that of the other links from
+-- the same stage to the same stage that carried as many transfers in the step (leave-one-out, as in
+-- slow_groups). A link is one direction between two ranks, 'p2p:S>R'. A slow link or NIC under one
+-- rank slows both directions of each link it is on; a straggler posts late and slows none.
+-- @column grp        the link, 'p2p:S>R'
+-- @column kind       'p2p'
+-- @column members    [S, R]
+-- @column steps      steps compared
+-- @column ratio      median over those steps of its transfer time over the others'
+-- @column slow_frac  share of those steps at {{bar}} times the others' or more
+WITH p AS (
+    SELECT s.step, s."group" AS g, s.seq, s.kind = 'send' AS sent,
+           CASE WHEN s.kind = 'send' THEN s.rank ELSE s.peer END AS src,
+           CASE WHEN s.kind = 'send' THEN s.peer ELSE s.rank END AS dst,
+           s.start_ns + coalesce(k.offset_ns, 0) AS a, s.dur_ns
+    FROM spans s LEFT JOIN ms_cache.rank_clock k USING (rank)
+    WHERE s.kind IN ('send', 'recv') AND s.peer IS NOT NULL AND s.seq IS NOT NULL
+      AND list_contains({{steps}}, s.step)
+), x AS (
+    -- A send and its receive: one aggregation, no join (the later start is the pair's max).
+    SELECT min(step) AS step, src, dst, greatest(max(a + dur_ns) FILTER (WHERE NOT sent) - max(a), 0) AS xfer
+    FROM p GROUP BY g, seq, src, dst
+    HAVING count(*) FILTER (WHERE sent) = 1 AND count(*) FILTER (WHERE NOT sent) = 1
+), l AS (
+    SELECT x.src, x.dst, x.step, sum(x.xfer)::DOUBLE AS x, count(*) AS calls,
+           any_value(i.stage) AS s_stage, any_value(j.stage) AS d_stage
+    FROM x JOIN ms_cache.rank_clock i ON i.rank = x.src JOIN ms_cache.rank_clock j ON j.rank = x.dst
+    WHERE x.step > (SELECT min(step) FROM ms_cache.rank_step)
+    GROUP BY x.src, x.dst, x.step
+), w AS (
+    SELECT src, dst, step, x, count(*) OVER p AS n, sum(x) OVER p AS s, median(x) OVER p AS med
+    FROM l WINDOW p AS (PARTITION BY s_stage, d_stage, step, calls)
+), r AS (
+    SELECT src, dst, x / nullif(ms_cache.loo(n, s, x, med), 0) AS ratio FROM w WHERE n >= 2
+)
+SELECT 'p2p:' || src || '>' || dst AS grp, 'p2p' AS kind, [src, dst] AS members, count(*) AS steps,
+       median(ratio) AS ratio, avg(CASE WHEN ratio >= {{bar}} THEN 1.0 ELSE 0.0 END) AS slow_frac
+FROM r WHERE ratio IS NOT NULL
+GROUP BY src, dst
+ORDER BY ratio DESC, grp;
