@@ -10,7 +10,9 @@ through ``env://`` on rank 0's address; every other port is gloo's own, inside t
 
 Scored as ``bench/detect_sweep.py`` scores its runs:
 
-* slow link: the limited rank is named first, and with cause ``communication``;
+* slow link: the limited rank is named first, and with cause ``communication``; or, where the
+  report names both ends of a slow pipeline link ("either end"), the limited rank one of them
+  (the link told, its end not: a column of its own);
 * healthy: nothing named.
 
 Besides who is named, the table gives the job's step time (the limit's cost) and, per fault run,
@@ -157,6 +159,8 @@ def launch(r: dict[str, Any], links: Links, out: Path, *, steps: int, port: int)
                "train", "--tp", str(tp), "--pp", str(pp), "--dp", str(dp), "--steps", str(steps),
                "--seed", str(abs(hash(r["name"])) % 1000), "--heads", str(heads), "--global-batch", str(batch),
                "--collective-timeout", "60", "--device", "cpu", "-o", str(run_dir)]
+        if 4 % pp:  # the default model's 4 layers split over 1, 2 or 4 stages; 3 stages get 6 layers
+            cmd[-2:-2] = ["--layers", str(2 * pp)]
         log = open(out / f"{r['name']}.rank{rank}.log", "w")  # noqa: SIM115 - closed below
         logs.append(log)
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
@@ -208,6 +212,13 @@ def score(r: dict[str, Any], path: Path) -> dict[str, Any]:
         out["first_right"] = bool(first and first[0] == r["rank"]) and not out["hung"]
         out["cause_right"] = bool(out["first_right"] and first and first[1] == "communication")
         out["false"] = [n for n, _ in named if n != r["rank"]]
+        # Both ends of a slow pipeline link named first, the limited rank one of them.
+        ends = [s["rank"] for s in res["stragglers"]
+                if any(g.endswith("(either end)") for g in (s.get("evidence") or {}).get("slow_groups") or [])]
+        out["pair_right"] = bool(ends and named[0][0] in ends and r["rank"] in ends) and not out["hung"]
+        out["false"] = [n for n in out["false"] if not (out["pair_right"] and n in ends)]
+        if named and named[0][0] in ends:  # a link told, not its end: not the rank named alone
+            out["first_right"] = out["cause_right"] = False
     else:
         out["first_right"] = out["cause_right"] = not named and not out["hung"]
         out["false"] = [n for n, _ in named]
@@ -215,9 +226,9 @@ def score(r: dict[str, Any], path: Path) -> dict[str, Any]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| mesh | fault | runs | limited rank named first | with cause `communication` | other ranks named | "
-             "step ms (median) | limited rank's transfers / median rank's |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| mesh | fault | runs | limited rank named first | with cause `communication` | "
+             "its link named, both ends | other ranks named | step ms (median) | limited rank's transfers / median rank's |",
+             "|---|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for row in rows:
         fault = "healthy" if row["kind"] == "healthy" else f"{row['mbit']:g} Mbit/s"
@@ -226,11 +237,13 @@ def table(rows: list[dict[str, Any]]) -> str:
         scored = [g for g in group if "first_right" in g]
         steps = sorted(g["step_ms"] for g in scored if g.get("step_ms"))
         ratios = [f"{g['xfer_ratio']:.2f}" for g in scored if g.get("xfer_ratio") is not None]
-        others = sorted({f"{n}:{c}" for g in scored for n, c in g["named"] if n != g["rank"]})
+        others = sorted({f"{n}:{c}" for g in scored for n, c in g["named"] if n in g["false"]})
         first = sum(g["first_right"] for g in scored)
         cause = sum(g["cause_right"] for g in scored)
+        pair = sum(bool(g.get("pair_right")) for g in scored)
         lines.append(f"| {mesh} | {fault} | {len(scored)} | {first if fault != 'healthy' else '-'} | "
-                     f"{cause if fault != 'healthy' else '-'} | {', '.join(others) or 'none'} | "
+                     f"{cause if fault != 'healthy' else '-'} | {pair if fault != 'healthy' else '-'} | "
+                     f"{', '.join(others) or 'none'} | "
                      f"{steps[len(steps) // 2] if steps else '-'} | {', '.join(ratios) or '-'} |")
     return "\n".join(lines)
 
