@@ -123,7 +123,7 @@ def test_report_text_names_a_slow_link_with_its_groups(tmp_path: Path, cli: Call
     lines = result.stdout.splitlines()
     first = lines[lines.index(next(line for line in lines if line.startswith("STRAGGLERS"))) + 2].split()
     assert first[0] == "1" and "communication" in first
-    assert any(line.strip().startswith("rank 1: every group it is in transfers slowly") and "tp:0" in line
+    assert any(line.strip().startswith("rank 1: its groups and pipeline links tp:0") and "transfer slowly" in line
                and "dp:1" in line and "slow link" in line for line in lines)
 
 

@@ -91,8 +91,8 @@ def _print_report(r: dict[str, Any]) -> None:
                            f"between the same stages ({', '.join(either)}): a slow link or NIC under this rank or "
                            "under the link's other end, which nothing else tells apart")
             elif groups:
-                click.echo(f"  rank {s['rank']}: every group it is in transfers slowly against the other groups of its "
-                           f"kind, and it alone is in all of them ({', '.join(groups)}): a slow link or NIC under this rank")
+                click.echo(f"  rank {s['rank']}: its groups and pipeline links {', '.join(groups)} transfer slowly against "
+                           "the others of their kind, and it alone is in all of them: a slow link or NIC under this rank")
             cpu = (s.get("evidence") or {}).get("cpu_slowdown")
             if s["cause"] != "host" or cpu is None or cpu != cpu:  # NaN: no host probes
                 continue
