@@ -533,11 +533,11 @@ def _slow_links(run: Run, pool: pd.DataFrame, config: StragglerConfig) -> tuple[
             mates.update(members[grp] - {rank})
     told = {int(r["rank"]) for r in rows} | mates
     either: dict[int, list[tuple[str, str, float, float, bool]]] = {}
-    for unit in sorted({u for own in by_rank.values() for u in own}):
-        ends = members[unit[0]]
-        if unit[1] == "p2p" and unit[4] and not ends & told and ends <= set(pool_by_rank):
+    for row in units[slow & (units["kind"] == "p2p")].itertuples():
+        ends = members[str(row.grp)]
+        if not ends & told and ends <= pool_by_rank.keys():
             for rank in ends:
-                either.setdefault(rank, []).append(unit)
+                either.setdefault(rank, []).append((str(row.grp), "p2p", float(row.ratio), float(row.slow_frac), True))
     rows.extend(row_of(rank, links, " (either end)") for rank, links in sorted(either.items()))
     if not rows:
         return pool.iloc[0:0], set()
