@@ -7,6 +7,9 @@
 # On 2 GPUs the same on tp2 alone. On 1 GPU: the model spans Megatron's DDP gets (a forward and a
 # backward per micro-batch, check "spans") and the timing pairs on one rank. Needs the
 # megatron-core wheel (cp312) in .wheels/ (gpu_setup.sh installs it). Logs under $OUT; summary.txt has one line per check, ab.txt the timing table.
+# The checks' faults: SLOW_RANK and FACTOR (the slow GPU, default the mesh's and 1.5), HUNG_RANK and
+# HANG_STEP (default the mesh's and 9); "healthy" runs the straggler check's mesh with no fault;
+# JOB_ARGS: more arguments of the checks' jobs (e.g. "--hidden 2048 --seq 1024": a larger model).
 #
 #   OUT=/tmp/o bash bench/gpu_megatron.sh
 #   CHECKS="straggler" AB_PAIRS=0 OUT=/tmp/o bash bench/gpu_megatron.sh
@@ -20,7 +23,7 @@ TR=("$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU")
 if [ "$NGPU" -ge 4 ]; then STRAGGLER_MESH=(--tp 2 --pp 2); AB_MESH=(--tp 2); SLOW=2; HUNG=3
 elif [ "$NGPU" -ge 2 ]; then STRAGGLER_MESH=(--tp 2); AB_MESH=(--tp 2); SLOW=1; HUNG=1
 else AB_MESH=(--tp 1); fi
-if [ "$NGPU" -ge 2 ]; then CHECKS=${CHECKS:-straggler hang}; else CHECKS=${CHECKS:-spans}; fi
+if [ "$NGPU" -ge 2 ]; then CHECKS=${CHECKS:-straggler healthy hang}; else CHECKS=${CHECKS:-spans}; fi
 if [[ " $CHECKS " == *" spans "* ]]; then  # Megatron's DDP model: forward and backward spans per micro-batch
   timeout 240 "${TR[@]}" tests/jobs/megatron_job.py "$OUT/spans" "${AB_MESH[@]}" --steps 12 >"$OUT/spans.txt" 2>&1
   echo "exit $? (spans)" >>"$OUT/spans.txt"
@@ -38,8 +41,9 @@ fi
 check() {  # name job-args... : run the job, then report and localize, one summary line
   local name=$1; shift
   [[ " $CHECKS " == *" $name "* ]] || return 0
-  timeout 240 "${TR[@]}" tests/jobs/megatron_job.py "$OUT/$name" "$@" >"$OUT/$name.txt" 2>&1
+  timeout 240 "${TR[@]}" tests/jobs/megatron_job.py "$OUT/$name" "$@" ${JOB_ARGS:-} >"$OUT/$name.txt" 2>&1
   echo "exit $? ($name)" >>"$OUT/$name.txt"
+  pkill -9 -f "megatron_job.py $OUT/$name" 2>/dev/null  # ranks a cut-short launcher left behind
   "$PY" -m megascope report --json "$OUT/$name" >"$OUT/$name-report.json" 2>>"$OUT/$name.txt"
   "$PY" -m megascope localize "$OUT/$name" >"$OUT/$name-localize.txt" 2>&1
   "$PY" - "$OUT/$name" "$name" <<'PY' | tee -a "$OUT/summary.txt"
@@ -56,9 +60,11 @@ print(f"{sys.argv[2]}: mesh {rep['run']['mesh']}; calls {dict(ops)}; "
       f"hung {hang.get('hung')} suspects {[s['rank'] for s in hang.get('suspects', [])][:3]}")
 PY
 }
+SLOW=${SLOW_RANK:-${SLOW:-0}}; HUNG=${HUNG_RANK:-${HUNG:-0}}
 if [ "$NGPU" -ge 2 ]; then
-  check straggler "${STRAGGLER_MESH[@]}" --steps 30 --straggler "$SLOW,1.5"
-  check hang --tp 2 --steps 30 --hang "$HUNG,9" --timeout 30
+  check straggler "${STRAGGLER_MESH[@]}" --steps 30 --straggler "$SLOW,${FACTOR:-1.5}"
+  check healthy "${STRAGGLER_MESH[@]}" --steps 30
+  check hang --tp 2 --steps 30 --hang "$HUNG,${HANG_STEP:-9}" --timeout 30
 fi
 # AB_EXTRA: more variants run in every round beside off and on, as NAME:VAR=VALUE[,VAR=VALUE]
 # (e.g. "spans0:MEGASCOPE_MODEL_SPANS=0 host:MEGASCOPE_CLOCK=host"); the order rotates by round.

@@ -946,3 +946,37 @@ def test_a_rank_whose_spans_hold_slow_tp_transfers_is_not_named_for_its_compute(
     assert named.iloc[0]["cause"] == "compute"
     kept = straggler_module._tp_explained(slow, named, config)
     assert list(kept["rank"]) == list(named["rank"])
+
+
+def test_a_megatron_job_on_nccl_names_its_slow_gpu_for_its_compute(tmp_path: Path, cli: Any) -> None:
+    """tests/data/gpu-megatron-tp2-slow and -healthy: tests/jobs/megatron_job.py (Megatron-core's
+    GPTModel, hidden 2048, sequence 1024, 8 layers) on tp2, 2x H200, NCCL, 30 steps. In the slow run
+    rank 0's stream sleeps inside its model's forward and backward from step 5 on, 0.25 times the
+    step (a 1.25x slow GPU). Megatron's schedule marks no micro-batches: the model spans and the TP
+    calls carry none, and the TP measure compares whole steps. The TP partner's spans hold the
+    wait, so without that measure rank 0 reads ``host``. The healthy run (the same job, no fault):
+    the pair within 0.1% of each other, nothing named."""
+    from megascope.analysis import _sql
+
+    data = Path(__file__).parent / "data"
+    slow = open_run(shutil.copytree(data / "gpu-megatron-tp2-slow", tmp_path / "slow"))
+    marked = slow.con.execute("""SELECT count(*), count(microbatch) FROM spans
+        WHERE kind IN ('forward', 'backward') AND step IS NOT NULL""").fetchone()
+    assert marked[0] == 2 * 30 * 8 and marked[1] == 0        # a forward and a backward per micro-batch, unmarked
+    tp = _sql.query_df(slow.con, "stragglers", "tp_exclusive", ranks=[0, 1], spans="spans", bar=1.1).set_index("rank")
+    assert list(tp["samples"]) == [30, 30]                    # one sample a step
+    assert 1.2 < tp.at[0, "ratio"] < 1.4 and tp.at[0, "slow_frac"] > 0.75
+    assert tp.at[1, "ratio"] < 0.85 and tp.at[1, "slow_frac"] == 0.0
+    found = analysis.stragglers(slow)
+    assert list(found["rank"]) == [0]
+    assert found.iloc[0]["cause"] == "compute" and 1.2 < found.iloc[0]["slowdown"] < 1.35
+    report = analysis.report(slow)
+    # the healthy run's steps took 531 ms; fixed, this one's modeled at 520-570 ms
+    assert 520e6 < report["whatif"]["whatif_step_time_ns"] < 570e6
+    text = cli("report", str(tmp_path / "slow"))
+    assert text.exit_code == 0 and "rank 0: compute outside its TP calls 1.3" in text.output
+
+    healthy = open_run(shutil.copytree(data / "gpu-megatron-tp2-healthy", tmp_path / "healthy"))
+    tp = _sql.query_df(healthy.con, "stragglers", "tp_exclusive", ranks=[0, 1], spans="spans", bar=1.1)
+    assert tp["imbalance"].max() < 1.01
+    assert analysis.stragglers(healthy).empty and analysis.report(healthy)["stragglers"] == []

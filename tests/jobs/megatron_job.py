@@ -8,7 +8,8 @@ it lays the job out by and sees every collective through them. (Sequence paralle
 Transformer Engine or Apex layer norms, so it is off here.)
 
 Faults for the checks: ``--straggler RANK,FACTOR`` (that rank's GPU is FACTOR times slower: its
-stream sleeps FACTOR-1 times the step's measured time), ``--hang RANK,STEP`` (that rank sleeps
+stream sleeps FACTOR-1 times the step's measured time inside the model's own work, a third in the
+forward passes and two thirds in the backward, as a slow GPU stretches its kernels), ``--hang RANK,STEP`` (that rank sleeps
 before STEP: its peers wait in a collective until NCCL's timeout). Rank 0 prints each step's wall
 time (``step N ms``, the step ends at a device synchronization); ``MEGASCOPE_DISABLE=1`` runs the
 same job without megascope.
@@ -52,7 +53,8 @@ args = parser.parse_args()
 local_rank = int(os.environ["LOCAL_RANK"])
 torch.cuda.set_device(local_rank)
 dist.init_process_group("nccl", timeout=timedelta(seconds=args.timeout))
-ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp)
+ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                            distributed_timeout_minutes=args.timeout / 60)  # its groups time out too
 col = Collector.from_env(args.run_dir, groups={"tp": ps.get_tensor_model_parallel_group(),  # megascope
                          "pp": ps.get_pipeline_model_parallel_group(), "dp": ps.get_data_parallel_group()})
 model_parallel_cuda_manual_seed(1234)
@@ -100,13 +102,24 @@ def forward_step(data, model):
 
 data = batches()
 warm: list[float] = []
+
+
+def slow_gpu(layer, inputs, output):  # the first layer of the stage, each micro-batch: forward and backward sleep
+    if len(warm) == 3:
+        cycles = int((factor - 1) * sorted(warm)[1] * 1e9 * cycles_per_ns / (3 * args.micro_batches))
+        torch.cuda._sleep(cycles)
+        hidden = output[0] if isinstance(output, tuple) else output
+        if hidden.requires_grad:
+            hidden.register_hook(lambda grad: torch.cuda._sleep(2 * cycles))
+
+
+if rank == slow_rank:
+    model.module.decoder.layers[0].register_forward_hook(slow_gpu)
 last = time.perf_counter()
 for step in range(args.steps):
     with col.step(step):                                                                  # megascope
         if rank == hang_rank and step == hang_step:
             time.sleep(3600)
-        if rank == slow_rank and len(warm) == 3:  # a slow GPU: its stream sleeps, whatever the work
-            torch.cuda._sleep(int((factor - 1) * sorted(warm)[1] * 1e9 * cycles_per_ns))
         opt.zero_grad()
         model.zero_grad_buffer()
         losses = forward_backward(forward_step_func=forward_step, data_iterator=data, model=model,

@@ -303,10 +303,11 @@ GROUP BY rank ORDER BY rank;
 -- the longer ones. Per (rank, step,
 -- micro-batch) in which its TP calls were timed: the top-level forward and backward spans less the
 -- TP calls' durations, both read on the rank's own clock (no cross-rank alignment), compared with
--- the other members' mean in the same step and micro-batch.
+-- the other members' mean in the same step and micro-batch. A job whose spans carry no
+-- micro-batch (Megatron's schedule marks none) is compared step by step.
 -- @column rank             the rank
 -- @column grp              its TP group
--- @column samples          (step, micro-batch)s compared
+-- @column samples          (step, micro-batch)s compared, or steps
 -- @column ratio            median of its compute outside TP calls over its partners' mean
 -- @column slow_frac        share of the samples at {{bar}} times its partners' or more
 -- @column imbalance        its group's median (largest / smallest member) over the samples
@@ -318,7 +319,7 @@ s AS (
            sum(dur_ns) FILTER (WHERE kind = 'collective' AND "group" IN (SELECT grp FROM tpg)) AS tp,
            any_value("group") FILTER (WHERE kind = 'collective' AND "group" IN (SELECT grp FROM tpg)) AS grp
     FROM {{spans}}
-    WHERE list_contains({{ranks}}, rank) AND step IS NOT NULL AND microbatch IS NOT NULL
+    WHERE list_contains({{ranks}}, rank) AND step IS NOT NULL
       AND kind IN ('forward', 'backward', 'collective')
     GROUP BY rank, step, microbatch
 ), x AS (
