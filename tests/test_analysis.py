@@ -181,6 +181,39 @@ def test_whatif_gains_only_with_a_straggler(runs: dict[str, Path]) -> None:
     assert analysis.whatif(healthy)["speedup"] == pytest.approx(1.0)
 
 
+def test_whatif_is_held_to_the_hosts_pace_where_the_devices_wait_for_them(tmp_path: Path, cli: Any) -> None:
+    """tests/data/gpu-megatron-tp2-host-bound: tests/jobs/megatron_job.py (its default small model)
+    on tp2, 2x H200, NCCL: rank 1's GPU 1.5x slow from step 5. The job is host-bound: it ran at
+    176-187 ms a step before the fault began and 203 ms after. The replay of device spans frees
+    rank 1 to its partner's compute, which its partner ran while its host was far ahead, and says
+    120 ms; but rank 0's device waited for its host at a fifth of its calls, and that host took
+    183 ms to issue a step. The what-if is held there. The device-bound runs of the same job
+    (tests/data/gpu-megatron-tp2-slow) are not held."""
+    from megascope.analysis.whatif import host_floor, host_held
+
+    data = Path(__file__).parent / "data"
+    run = open_run(shutil.copytree(data / "gpu-megatron-tp2-host-bound", tmp_path / "bound"))
+    result = analysis.whatif(run)
+    assert result["ranks"] == [1]
+    assert 115e6 < result["replay_step_time_ns"] < 125e6 and 200e6 < result["step_time_ns"] < 206e6
+    floor = result["host_floor"]
+    assert floor["ranks"] == [0] and floor["rank"] == 0 and 180e6 < floor["issue_ns"] < 186e6
+    assert result["whatif_step_time_ns"] == floor["issue_ns"] and host_held(result)
+    assert result["speedup"] == pytest.approx(result["step_time_ns"] / floor["issue_ns"])
+    issue = analysis.pipeline.host_issue(run, steps=result["steps_modeled"], ranks=[0, 1]).set_index("rank")
+    assert issue.at[0, "issue_ns"] == floor["issue_ns"] and issue.at[0, "steps"] == len(result["steps_modeled"])
+    assert host_floor(run, result["steps_modeled"], [0, 1]) is None      # no other rank left to hold it
+    text = cli("report", str(tmp_path / "bound"))
+    assert text.exit_code == 0
+    assert "what-if fixed: step 203.1 ms -> 183.2 ms" in text.output and "held to the hosts' pace: rank 0's" in text.output
+    assert json.loads(cli("report", "--json", str(tmp_path / "bound")).output)["whatif"]["host_floor"]["rank"] == 0
+
+    device = open_run(shutil.copytree(data / "gpu-megatron-tp2-slow", tmp_path / "device"))
+    result = analysis.whatif(device)
+    assert result["host_floor"] is None and not host_held(result)
+    assert result["whatif_step_time_ns"] == result["replay_step_time_ns"]
+
+
 def test_skew_instances_and_bubbles(runs: dict[str, Path]) -> None:
     run = open_run(runs["skew"])
     dp = analysis.skew(run, group_kind="dp")

@@ -596,7 +596,12 @@ def test_straggler_page_speaks_in_percent_and_relative_gains() -> None:
     slack = " ".join(text(c) for c in whatif_cards(
         {"step_time_ns": 642.4e6, "whatif_step_time_ns": 642.1e6, "speedup": 1.0005, "mfu": 0.2788,
          "whatif_mfu": 0.2788 * 1.0005, "ranks": [77]}, n_stragglers=1))
-    assert "steps 0.05% shorter, throughput +0.05%" in slack and "slack" in slack
+    assert "steps 0.05% shorter, throughput +0.05%" in slack and "slack" in slack and "hosts' pace" not in slack
+    # Held to the hosts' pace (a host-bound job): the card says what holds it.
+    held = " ".join(text(c) for c in whatif_cards(
+        {"step_time_ns": 203.1e6, "whatif_step_time_ns": 183.2e6, "replay_step_time_ns": 119.9e6, "speedup": 203.1 / 183.2,
+         "host_floor": {"ranks": [0], "rank": 0, "issue_ns": 183.2e6}, "ranks": [1]}, n_stragglers=1))
+    assert "203.1 -> 183.2 ms" in held and "held to the hosts' pace: rank 0's host takes 183.2 ms to issue a step" in held
     # A slow link named alone: nothing was replayed, and no step time is shown as if it had been.
     link = " ".join(text(c) for c in whatif_cards(
         {"step_time_ns": 1733e6, "whatif_step_time_ns": 1733e6, "speedup": 1.0, "ranks": []}, n_stragglers=1))

@@ -100,6 +100,7 @@ def executed(synth: Synth, tmp_path_factory: pytest.TempPathFactory,
     analysis.bubbles(run)
     analysis.exposed_comm(run)
     analysis.host_lead(run)
+    analysis.pipeline.host_issue(run, steps=[2, 3], ranks=[0, 1])  # the what-if asks it of host-bound jobs only
     analysis.mfu(run)
     analysis.skew(run, limit=10)
     analysis.skew_drift(run)  # without the report's median step: it reads its own

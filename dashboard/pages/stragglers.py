@@ -15,7 +15,7 @@ from megascope.dashboard.components import card, contained, notice, table
 from megascope.dashboard.runs import RunRegistry, ServedRun
 from megascope.dashboard.shell import served_from
 
-from megascope.analysis.whatif import gain_words
+from megascope.analysis.whatif import gain_words, host_held
 from megascope.topology import format_coords
 
 COLUMNS = ("rank", "host", "coords", "cause", "phase", "slowdown", "steps_slow_frac", "last_arrival_frac",
@@ -73,9 +73,11 @@ def whatif_cards(result: dict[str, Any], *, n_stragglers: int) -> list[Any]:
         # A straggler off the critical path (pipeline slack absorbs it) is slow yet costs little:
         # say so rather than print a bare x1.000 beside a rank that arrives last everywhere.
         why = (" (the step's slack absorbs most of it)" if speedup < 1.005 else "")
+        held = (f" (held to the hosts' pace: rank {result['host_floor']['rank']}'s host takes "
+                f"{result['host_floor']['issue_ns'] / 1e6:.1f} ms to issue a step)" if host_held(result) else "")
         out.append(card("step time", f"{step / 1e6:.1f} -> {fixed / 1e6:.1f} ms",
                         f"{gain_words(speedup)} if they ran at their peers' median{why}"
-                        + (" (at least: some calls untimed)" if result.get("lower_bound") else "")))
+                        + (" (at least: some calls untimed)" if result.get("lower_bound") else "") + held))
     if mfu is not None and fixed_mfu is not None and mfu > 0:
         # Relative gain first: on a machine far from its peak, a 25% faster step is a fraction of
         # a point of MFU, and "+0.0 pts" would hide it.

@@ -11,6 +11,7 @@ Example::
     exposed_comm(run)         # group_kind, name, exposed_frac, ...
     host_lead(run)            # rank, lead_p10_ns, starved_frac
     host_lead_summary(run)    # the same for the report, host-bound ranks named
+    host_issue(run, steps=[4, 5], ranks=[0, 1])   # rank, steps, issue_ns: a host's time to issue a step
 """
 
 from __future__ import annotations
@@ -87,6 +88,13 @@ def host_lead(run: Run, *, steps: list[int] | None = None,
 # its calls, over at least this many calls.
 HOST_BOUND_FRAC = 0.05
 HOST_BOUND_MIN_CALLS = 20
+
+
+def host_issue(run: Run, *, steps: list[int], ranks: list[int]) -> pd.DataFrame:
+    """Per rank of ``ranks``: steps, issue_ns: the median time its host took to issue a step's
+    communication calls over ``steps`` (``sql/pipeline.sql``)."""
+    step_list, rank_list = _sample(run.con, steps, ranks)
+    return _sql.query_df(run.con, "pipeline", "host_issue", steps=step_list, ranks=_sql.Raw(rank_list))
 
 
 def host_lead_summary(run: Run) -> dict[str, Any]:

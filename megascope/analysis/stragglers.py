@@ -837,7 +837,7 @@ def _host_saving(run: Run, rank: int) -> float | None:
     step replayed (:func:`megascope.analysis.whatif.whatif`); None where it modeled nothing."""
     from megascope.analysis.whatif import whatif  # whatif reads stragglers: imported here
 
-    result = whatif(run, ranks=[rank])
+    result = whatif(run, ranks=[rank], hosts=False)  # the replay's own savings, step by step
     savings = result.get("step_savings") or []
     if not result.get("modeled_baseline_ns") or not savings:
         return None

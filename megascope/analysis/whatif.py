@@ -17,6 +17,12 @@ step time without stragglers. The answer is the measured step time scaled by
 collectives and pipeline sends, this is not ``step - excess``: a straggler in a stage whose
 slack absorbs it saves nothing, one on the critical path saves all.
 
+The replay knows device time alone. Where the other ranks' devices waited for their hosts (a
+host-bound job), a fixed step cannot be shorter than the time those hosts take to issue one
+(``pipeline.host_issue``), and the answer is held to it: on a host-bound Megatron-core tp2 job of
+2x H200 whose rank ran 1.5x slow, the replay alone said 203 -> 120 ms, while the job ran at
+176-187 ms a step before the fault began and its partner's host took 184 ms to issue a step.
+
 Example::
 
     from megascope.analysis import whatif
@@ -35,8 +41,10 @@ import pandas as pd
 
 from megascope.analysis import _sql, persist
 from megascope.analysis.base import prepare, sample_steps
+from megascope.analysis.pipeline import HOST_BOUND_FRAC, HOST_BOUND_MIN_CALLS, host_issue, host_lead
 from megascope.analysis.stragglers import replay_lower_bound, stragglers
 from megascope.analysis.timeline import mfu
+from megascope.schema import RunSource
 from megascope.store import Run
 
 log = logging.getLogger(__name__)
@@ -218,15 +226,48 @@ def replay_step(frame: pd.DataFrame, fixed_ranks: set[int]) -> tuple[float, floa
     return base, fixed
 
 
+def host_held(result: dict[str, Any]) -> bool:
+    """Whether a :func:`whatif` result was held to the hosts' pace (longer than its replay)."""
+    floor, replayed = result.get("host_floor"), result.get("replay_step_time_ns")
+    return bool(floor) and replayed is not None and float(result["whatif_step_time_ns"]) > float(replayed)
+
+
+def host_floor(run: Run, steps: list[int], fixed: list[int]) -> dict[str, Any] | None:
+    """The least time a step can take once ``fixed`` run at their peers' pace, set by the hosts of
+    the other ranks whose devices waited for them: ``{ranks, rank, issue_ns}`` (the host-bound ranks
+    among those :func:`host_lead` samples, and the one whose host issued a step fastest, in
+    ``issue_ns``, the median over ``steps``); None where no other rank is host-bound (or the run is
+    synthetic: its issue and start stamps are one)."""
+    if run.meta.source == RunSource.SYNTH or not steps:
+        return None
+    lead = host_lead(run, steps=steps)
+    if lead.empty:
+        return None
+    bound = lead[(lead["starved_frac"] >= HOST_BOUND_FRAC) & (lead["calls"] >= HOST_BOUND_MIN_CALLS)
+                 & ~lead["rank"].isin(fixed)]
+    if bound.empty:
+        return None
+    issue = host_issue(run, steps=steps, ranks=[int(r) for r in bound["rank"]]).dropna(subset=["issue_ns"])
+    if issue.empty:
+        return None
+    fastest = issue.loc[issue["issue_ns"].idxmin()]
+    return {"ranks": sorted(int(r) for r in bound["rank"]), "rank": int(fastest["rank"]),
+            "issue_ns": float(fastest["issue_ns"])}
+
+
 def whatif(run: Run, *, ranks: list[int] | None = None, steps: list[int] | None = None,
-           per_step: pd.DataFrame | None = None) -> dict[str, Any]:
+           per_step: pd.DataFrame | None = None, hosts: bool = True) -> dict[str, Any]:
     """Step time and MFU if ``ranks`` (default: the detected stragglers) ran at their peers' median.
 
     Returns {ranks, steps_modeled, step_time_ns (measured median), modeled_baseline_ns,
-    modeled_fixed_ns, whatif_step_time_ns, speedup, step_savings, mfu, whatif_mfu, lower_bound}. ``lower_bound``:
+    modeled_fixed_ns, whatif_step_time_ns, speedup, step_savings, mfu, whatif_mfu, lower_bound,
+    replay_step_time_ns, host_floor}. ``lower_bound``:
     some communication calls were not timed (the collector timed a group's calls in some
     micro-batches only), so the replay cannot free the waits behind them and the speedup is a
-    lower bound. ``per_step``: :func:`megascope.analysis.timeline.mfu` of the run, where the caller
+    lower bound. ``replay_step_time_ns``: the replay's answer; ``whatif_step_time_ns`` is held to
+    ``host_floor["issue_ns"]`` where that is longer (:func:`host_floor`; None where no other rank is
+    host-bound), and never above the measured step; ``hosts=False`` leaves the hosts out (the
+    replay's answer, ``host_floor`` None). ``per_step``: :func:`megascope.analysis.timeline.mfu` of the run, where the caller
     has it.
     """
     con = run.con
@@ -259,13 +300,21 @@ def whatif(run: Run, *, ranks: list[int] | None = None, steps: list[int] | None 
     # Calls the collector left untimed (CollectorConfig.comm_sample_kinds) are no sync points of
     # the replay: the waits behind them count as the waiting ranks' own work, and the fix saves less.
     lower_bound = replay_lower_bound(run)
+    replayed = measured / speedup if speedup > 0 else measured
+    fixed_step = replayed
+    floor = host_floor(run, [int(s) for s in steps], [int(r) for r in ranks]) if ranks and hosts else None
+    if floor is not None and floor["issue_ns"] > replayed:
+        fixed_step = min(floor["issue_ns"], measured)
+        speedup = measured / fixed_step if fixed_step > 0 else 1.0
     return {
         "ranks": ranks,
         "steps_modeled": [int(s) for s in steps],
         "step_time_ns": measured,
         "modeled_baseline_ns": base_total / len(steps) if steps else None,
         "modeled_fixed_ns": fixed_total / len(steps) if steps else None,
-        "whatif_step_time_ns": measured / speedup if speedup > 0 else measured,
+        "whatif_step_time_ns": fixed_step,
+        "replay_step_time_ns": replayed,
+        "host_floor": floor,
         "speedup": speedup,
         # Per step of steps_modeled: the share of its modeled time the fix saves (negative: it lengthens).
         "step_savings": [1.0 - f / b if b > 0 else 0.0 for b, f in pairs],

@@ -118,7 +118,7 @@ def _print_report(r: dict[str, Any]) -> None:
         click.echo(f"  ({LOWER_BOUND_NOTE})")
     w = r.get("whatif")
     if w:
-        from megascope.analysis.whatif import gain_words
+        from megascope.analysis.whatif import gain_words, host_held
 
         gain = gain_words(float(w["speedup"] or 1.0))
         mfu_line = "" if w.get("whatif_mfu") is None else f", MFU {100 * w['mfu']:.1f}% -> {100 * w['whatif_mfu']:.1f}%"
@@ -126,6 +126,11 @@ def _print_report(r: dict[str, Any]) -> None:
                    f"({'at least: ' if w.get('lower_bound') else ''}{gain}{mfu_line})")
         if w.get("lower_bound"):
             click.echo("    (some communication calls were not timed, and the waits behind them count as work)")
+        if host_held(w):
+            floor = w["host_floor"]
+            click.echo(f"    (held to the hosts' pace: rank {floor['rank']}'s device waits for its host, which takes "
+                       f"{_ms(floor['issue_ns'])} to issue a step; a replay of device time alone: "
+                       f"{_ms(w['replay_step_time_ns'])})")
     click.echo("")
     hang = r["hang"]
     if hang["hung"]:

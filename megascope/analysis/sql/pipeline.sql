@@ -171,6 +171,21 @@ WHERE s.rank IN ({{ranks}}) AND m.rank IN ({{ranks}}) AND list_contains({{steps}
   AND r.rank IN ({{ranks}}) AND s.kind IN ('collective', 'send', 'recv') AND r.device LIKE 'cuda%'
 GROUP BY s.rank ORDER BY s.rank;
 
+-- @statement host_issue
+-- Per rank in {{ranks}}, over steps {{steps}}: how long its host took to issue a step's
+-- communication calls, from the first call's enqueued marker to the last one's (the host's clock).
+-- Where the device waits for its host (a host-bound job), a step cannot take less than that: a
+-- replay of device spans, which sees no host, is held to it (whatif).
+-- @column rank
+-- @column steps     steps with two calls or more
+-- @column issue_ns  median over those steps of the last enqueued call minus the first
+SELECT rank, count(*) AS steps, median(issue_ns) AS issue_ns
+FROM (SELECT rank, step, max(time_ns) - min(time_ns) AS issue_ns
+      FROM markers
+      WHERE rank IN ({{ranks}}) AND list_contains({{steps}}, step) AND state = 'enqueued'
+      GROUP BY rank, step HAVING count(*) >= 2)
+GROUP BY rank ORDER BY rank;
+
 -- @statement sample_steps
 -- The steps of the base tables, in order (exposed and host_lead sample a few of them).
 -- @column step  a step
