@@ -893,6 +893,31 @@ def test_a_slow_pipeline_link_names_the_rank_both_its_links_share(tmp_path: Path
     assert [s["rank"] for s in report["stragglers"]] == [2]
 
 
+def test_a_compute_straggler_s_slow_groups_name_no_link_in_its_place(tmp_path: Path) -> None:
+    """tests/data/cpu-tp2-dp2-slow-on-loaded-cores: the bundled trainer on CPU (gloo, tp2 x dp2,
+    6 steps, 4 ranks on 2 cores beside a test suite), rank 1 planted 3x slow in its compute. On
+    shared cores a collective progresses on its members' CPUs: rank 1's DP group transferred 2.88x
+    as long as the other, and rank 3, its DP peer, in that group and in a TP group read 1.76x, was
+    their only common member. It was named for a slow link, and rank 1, a member of its slow group,
+    dropped as its link's mate. A group holding a rank named for its compute is no evidence of a
+    link under another member: rank 1 is named, for its compute, and no link. (A rank named for its
+    compute may still be named for its own link: tests/data/cpu-pp3-dp2-slow-link.)"""
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-tp2-dp2-slow-on-loaded-cores", tmp_path / "run"))
+    found = analysis.stragglers(run)
+    assert list(found["rank"]) == [1] and found.iloc[0]["cause"] == "compute" and found.iloc[0]["slowdown"] > 2.5
+    assert found["slow_groups"].isna().all()
+    pool = straggler_module._candidates(run, straggler_module.StragglerConfig())[0]
+    groups = straggler_module._sql.query_df(run.con, "stragglers", "slow_groups", bar=straggler_module.LINK_BAR)
+    slow = groups[groups["ratio"] >= straggler_module.LINK_BAR].set_index("grp")
+    assert {"dp:1", "tp:1"} <= set(slow.index) and 1 in set(slow.loc["dp:1", "members"])
+    # Without the rank named for its compute, its groups name its DP peer for a link, and it goes.
+    links, mates = straggler_module._slow_links(run, pool, straggler_module.StragglerConfig())
+    assert list(links["rank"]) == [3] and 1 in mates
+    links, mates = straggler_module._slow_links(run, pool, straggler_module.StragglerConfig(), {1})
+    assert links.empty and not mates
+
+
 def test_a_slow_pipeline_link_nothing_else_locates_names_both_its_ends(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """tests/data/cpu-pp2-dp2-slow-link: pp2 x dp2, rank 2 (stage 1) on a 60 Mbit/s link. Each rank

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -453,6 +454,13 @@ COMM_MIN_Z = -2.0
 # link and groups, are slow is named alone; a slow link between two ranks that nothing else tells
 # apart names both ends.
 LINK_BAR = 1.5
+# A group or link that holds a rank named for its compute is no evidence of a slow link under
+# another of its members: on shared CPU cores a collective progresses on its members' CPUs, and a
+# rank slow in its compute slows its groups' transfers too. A 3x compute straggler of a tp2 x dp2
+# CPU run (4 ranks on 2 loaded cores) read its DP group 2.88x; its DP peer, in that group and a TP
+# group read 1.76x, was the two groups' only common member and was named for a slow link in its
+# place, the straggler dropped as its mate. The rank itself may still be named for its link (a
+# pipeline stage whose spans hold its slow receives reads as slow in its compute).
 # Steps the pipeline links are compared over: every step of a short run, else two runs of
 # consecutive steps (the clock sample's steps), which share their row groups in a compacted run.
 # 16 up to 1,024 ranks, fewer beyond (4 from 4,096 ranks), so that about as many transfers are
@@ -487,14 +495,16 @@ def _slow_pairs(run: Run, ranks: int) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=columns)
 
 
-def _slow_links(run: Run, pool: pd.DataFrame, config: StragglerConfig) -> tuple[pd.DataFrame, set[int]]:
+def _slow_links(run: Run, pool: pd.DataFrame, config: StragglerConfig,
+                computing: AbstractSet[int] = frozenset()) -> tuple[pd.DataFrame, set[int]]:
     """Rows of ``pool`` (every rank's candidate row) for the ranks a slow link is under (see
     LINK_BAR): cause ``communication``, phase ``comm``, ``slowdown`` and ``steps_slow_frac`` the
     least of its slow groups' and links', ``slow_groups`` those ("tp:0 4.04x", "p2p:2<>4
     9.10x"); and the other members of those groups and links. A rank is named alone when its
     slow groups and links have it alone in common and every group it is in that was compared is
     slow; the two ends of a slow pipeline link that no rank explains are both named ("either
-    end"): the link is told, its end is not."""
+    end"): the link is told, its end is not. A group or link holding a rank of ``computing``
+    (named for its compute) is no evidence of a link under another of its members."""
     found = [f for f in (_sql.query_df(run.con, "stragglers", "slow_groups", bar=LINK_BAR), _slow_pairs(run, len(pool)))
              if not f.empty]
     if not found:
@@ -523,6 +533,7 @@ def _slow_links(run: Run, pool: pd.DataFrame, config: StragglerConfig) -> tuple[
     rows: list[dict[str, Any]] = []
     mates: set[int] = set()
     for rank, own in sorted(by_rank.items()):
+        own = [u for u in own if not (computing & members[u[0]]) - {rank}]  # another rank's compute
         hit = [u for u in own if u[4]]
         if not hit or rank not in pool_by_rank or not all(u[4] for u in own if u[1] != "p2p"):
             continue
@@ -708,7 +719,9 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
         out_comm["excess_ns"] = np.nan
         out_comm["late_at"] = None
         out_comm["spans_share"] = np.nan
-    out_link, mates = _slow_links(run, c, config)
+    computing = ({int(r) for r, cause in zip(out_own["rank"], out_own["cause"], strict=True) if cause == "compute"}
+                 if "cause" in out_own else set())
+    out_link, mates = _slow_links(run, c, config, computing)
     if not out_link.empty:
         # The named link's partners are stretched by it: their rows go, as does the rank's own.
         gone_ranks = mates | set(out_link["rank"])
