@@ -21,7 +21,7 @@ The replay knows device time alone. Where the other ranks' devices waited for th
 host-bound job), a fixed step cannot be shorter than the time those hosts take to issue one
 (``pipeline.host_issue``), and the answer is held to it: on a host-bound Megatron-core tp2 job of
 2x H200 whose rank ran 1.5x slow, the replay alone said 203 -> 120 ms, while the job ran at
-176-187 ms a step before the fault began and its partner's host took 184 ms to issue a step.
+176-187 ms a step before the fault began and its partner's host took 183 ms to issue a step.
 
 Example::
 
@@ -267,8 +267,8 @@ def whatif(run: Run, *, ranks: list[int] | None = None, steps: list[int] | None 
     lower bound. ``replay_step_time_ns``: the replay's answer; ``whatif_step_time_ns`` is held to
     ``host_floor["issue_ns"]`` where that is longer (:func:`host_floor`; None where no other rank is
     host-bound), and never above the measured step; ``hosts=False`` leaves the hosts out (the
-    replay's answer, ``host_floor`` None). ``per_step``: :func:`megascope.analysis.timeline.mfu` of the run, where the caller
-    has it.
+    replay's answer, ``host_floor`` None). ``per_step``: :func:`megascope.analysis.timeline.mfu`
+    of the run, where the caller has it.
     """
     con = run.con
     prepare(con)

@@ -9,8 +9,9 @@ Transformer Engine or Apex layer norms, so it is off here.)
 
 Faults for the checks: ``--straggler RANK,FACTOR`` (that rank's GPU is FACTOR times slower: its
 stream sleeps FACTOR-1 times the step's measured time inside the model's own work, a third in the
-forward passes and two thirds in the backward, as a slow GPU stretches its kernels), ``--hang RANK,STEP`` (that rank sleeps
-before STEP: its peers wait in a collective until NCCL's timeout). Rank 0 prints each step's wall
+forward passes and two thirds in the backward, as a slow GPU stretches its kernels),
+``--hang RANK,STEP`` (that rank sleeps before STEP: its peers wait in a collective until NCCL's
+timeout). Rank 0 prints each step's wall
 time (``step N ms``, the step ends at a device synchronization); ``MEGASCOPE_DISABLE=1`` runs the
 same job without megascope.
 """
