@@ -918,6 +918,25 @@ def test_a_compute_straggler_s_slow_groups_name_no_link_in_its_place(tmp_path: P
     assert links.empty and not mates
 
 
+def test_a_compute_straggler_whose_groups_read_slow_is_not_named_for_a_link(tmp_path: Path) -> None:
+    """tests/data/cpu-tp2-dp2-slow-on-loaded-cores-self: another run of the same test, the same
+    fault. Rank 1's own time read 4.22x its peers' and its two groups 2.98x (DP) and 1.54x (TP):
+    it alone is in both, and it was named for a slow link under it, `communication` 1.54x, with
+    nothing named for its compute. A slow link stretches a rank's own time less than its transfers
+    (the pipeline stage on a 40 Mbit/s link of tests/data/cpu-pp3-dp2-slow-link: 1.6x own time,
+    links 25.8x and 27.7x); a rank slow in its compute stretches its groups less than itself."""
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-tp2-dp2-slow-on-loaded-cores-self",
+                                   tmp_path / "run"))
+    found = analysis.stragglers(run)
+    assert list(found["rank"]) == [1] and found.iloc[0]["cause"] == "compute" and found.iloc[0]["slowdown"] > 4
+    pool = straggler_module._candidates(run, straggler_module.StragglerConfig())[0]
+    links, _ = straggler_module._slow_links(run, pool, straggler_module.StragglerConfig())
+    assert list(links["rank"]) == [1] and min(float(g.split()[1][:-1]) for g in links.iloc[0]["slow_groups"]) < 2
+    links, mates = straggler_module._slow_links(run, pool, straggler_module.StragglerConfig(), {1})
+    assert links.empty and not mates
+
+
 def test_a_slow_pipeline_link_nothing_else_locates_names_both_its_ends(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """tests/data/cpu-pp2-dp2-slow-link: pp2 x dp2, rank 2 (stage 1) on a 60 Mbit/s link. Each rank

@@ -459,8 +459,13 @@ LINK_BAR = 1.5
 # rank slow in its compute slows its groups' transfers too. A 3x compute straggler of a tp2 x dp2
 # CPU run (4 ranks on 2 loaded cores) read its DP group 2.88x; its DP peer, in that group and a TP
 # group read 1.76x, was the two groups' only common member and was named for a slow link in its
-# place, the straggler dropped as its mate. The rank itself may still be named for its link (a
-# pipeline stage whose spans hold its slow receives reads as slow in its compute).
+# place, the straggler dropped as its mate. The rank itself is named for its link where its
+# slowest-reading link or group is still at least as slow as its own time: a slow link stretches
+# a rank's own time less than its transfers (a pipeline stage whose spans hold its slow receives
+# reads slow in its compute: 1.11x-1.6x own time against links of 1.77x-27.7x over the kept
+# slow-link runs), a rank slow in its compute its groups less than itself (the same 3x straggler
+# in another run of that test: 4.22x own time, its groups 2.98x and 1.54x, named for a link with
+# nothing else named).
 # Steps the pipeline links are compared over: every step of a short run, else two runs of
 # consecutive steps (the clock sample's steps), which share their row groups in a compacted run.
 # 16 up to 1,024 ranks, fewer beyond (4 from 4,096 ranks), so that about as many transfers are
@@ -504,7 +509,9 @@ def _slow_links(run: Run, pool: pd.DataFrame, config: StragglerConfig,
     slow groups and links have it alone in common and every group it is in that was compared is
     slow; the two ends of a slow pipeline link that no rank explains are both named ("either
     end"): the link is told, its end is not. A group or link holding a rank of ``computing``
-    (named for its compute) is no evidence of a link under another of its members."""
+    (named for its compute) is no evidence of a link under another of its members, and such a
+    rank is named for its own link only where none of its slow groups and links reads less than
+    its own time (``median_slowdown``)."""
     found = [f for f in (_sql.query_df(run.con, "stragglers", "slow_groups", bar=LINK_BAR), _slow_pairs(run, len(pool)))
              if not f.empty]
     if not found:
@@ -539,6 +546,8 @@ def _slow_links(run: Run, pool: pd.DataFrame, config: StragglerConfig,
             continue
         if set.intersection(*(members[grp] for grp, *_ in hit)) != {rank}:
             continue
+        if rank in computing and min(u[2] for u in hit) < float(pool.at[pool_by_rank[rank], "median_slowdown"]):
+            continue  # its own compute slower than its links: they hold its slowness, not it theirs
         rows.append(row_of(rank, hit))
         for grp, *_ in hit:
             mates.update(members[grp] - {rank})
