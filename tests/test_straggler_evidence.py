@@ -937,6 +937,25 @@ def test_a_compute_straggler_whose_groups_read_slow_is_not_named_for_a_link(tmp_
     assert links.empty and not mates
 
 
+def test_a_link_slower_than_its_end_s_own_time_names_both_ends_and_one_slower_does_not(tmp_path: Path) -> None:
+    """tests/data/cpu-pp2-dp2-slow-link (rank 2 on a 60 Mbit/s link, its link to rank 0 read over
+    5x both ways): were rank 2 named for its compute, the link still names both its ends, being
+    slower than rank 2's own time. Were rank 2's own time slower than the link, the link would hold
+    its slowness: no end is named for it."""
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-pp2-dp2-slow-link", tmp_path / "run"))
+    config = straggler_module.StragglerConfig()
+    pool = straggler_module._candidates(run, config)[0]
+    ratio = float(straggler_module._slow_pairs(run, 4).set_index("grp").loc["p2p:0<>2", "ratio"])
+    idx = pool.index[pool["rank"] == 2][0]
+    assert float(pool.at[idx, "median_slowdown"]) < ratio
+    links, _ = straggler_module._slow_links(run, pool, config, {2})
+    assert sorted(links["rank"]) == [0, 2]
+    pool.at[idx, "median_slowdown"] = ratio * 1.2
+    links, mates = straggler_module._slow_links(run, pool, config, {2})
+    assert links.empty and not mates
+
+
 def test_a_slow_pipeline_link_nothing_else_locates_names_both_its_ends(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """tests/data/cpu-pp2-dp2-slow-link: pp2 x dp2, rank 2 (stage 1) on a 60 Mbit/s link. Each rank

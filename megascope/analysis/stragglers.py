@@ -510,8 +510,8 @@ def _slow_links(run: Run, pool: pd.DataFrame, config: StragglerConfig,
     slow; the two ends of a slow pipeline link that no rank explains are both named ("either
     end"): the link is told, its end is not. A group or link holding a rank of ``computing``
     (named for its compute) is no evidence of a link under another of its members, and such a
-    rank is named for its own link only where none of its slow groups and links reads less than
-    its own time (``median_slowdown``)."""
+    rank is named for its own link (or as an end of one) only where none of its slow groups and
+    links reads less than its own time (``median_slowdown``)."""
     found = [f for f in (_sql.query_df(run.con, "stragglers", "slow_groups", bar=LINK_BAR), _slow_pairs(run, len(pool)))
              if not f.empty]
     if not found:
@@ -537,6 +537,11 @@ def _slow_links(run: Run, pool: pd.DataFrame, config: StragglerConfig,
                 "slow_groups": [f"{grp} {ratio:.2f}x{note}" for grp, _, ratio, _, _ in sorted(own, key=lambda g: -g[2])],
                 "z": np.nan}  # the evidence is its groups' transfers, not its own time
 
+    def slower_than(rank: int, ratio: float) -> bool:
+        """A rank named for its compute whose own time reads slower than ``ratio``: its links and
+        groups hold its slowness, not it theirs."""
+        return rank in computing and ratio < float(pool.at[pool_by_rank[rank], "median_slowdown"])
+
     rows: list[dict[str, Any]] = []
     mates: set[int] = set()
     for rank, own in sorted(by_rank.items()):
@@ -546,8 +551,8 @@ def _slow_links(run: Run, pool: pd.DataFrame, config: StragglerConfig,
             continue
         if set.intersection(*(members[grp] for grp, *_ in hit)) != {rank}:
             continue
-        if rank in computing and min(u[2] for u in hit) < float(pool.at[pool_by_rank[rank], "median_slowdown"]):
-            continue  # its own compute slower than its links: they hold its slowness, not it theirs
+        if slower_than(rank, min(u[2] for u in hit)):
+            continue
         rows.append(row_of(rank, hit))
         for grp, *_ in hit:
             mates.update(members[grp] - {rank})
@@ -555,7 +560,7 @@ def _slow_links(run: Run, pool: pd.DataFrame, config: StragglerConfig,
     either: dict[int, list[tuple[str, str, float, float, bool]]] = {}
     for row in units[slow & (units["kind"] == "p2p")].itertuples():
         ends = members[str(row.grp)]
-        if not ends & told and ends <= pool_by_rank.keys():
+        if not ends & told and ends <= pool_by_rank.keys() and not any(slower_than(e, float(row.ratio)) for e in ends):
             for rank in ends:
                 either.setdefault(rank, []).append((str(row.grp), "p2p", float(row.ratio), float(row.slow_frac), True))
     rows.extend(row_of(rank, links, " (either end)") for rank, links in sorted(either.items()))
