@@ -7,8 +7,9 @@ writes a ``markers`` part, plus a ``rank_alive`` heartbeat row that says the tra
 still there. It shares no interpreter lock, no CUDA context and no thread with the training
 process, so the markers of every call a rank entered are on disk within one interval whatever
 the rank is doing, and a final pass runs when the rank goes away: its stdin is a pipe from the
-rank, which reads end-of-file as soon as the rank exits, aborts or is killed. The last
-``rank_alive`` row (value 0) then records when that happened.
+rank, which reads end-of-file as soon as the rank exits, aborts or is killed (or, where a
+process the rank forked still holds that pipe, the agent sees its parent change within one
+interval). The last ``rank_alive`` row (value 0) then records when that happened.
 
 Every part carries the run id (``RUN_ID``, ``run.json``'s; :mod:`megascope.collectors.runid`). A
 rank that learns it only after starting its agent (a rank other than 0 reading rank 0's
@@ -118,7 +119,11 @@ class Agent:
         except OSError:
             self.write_errors += 1
 
-    def run(self, control: int, interval_s: float) -> None:
+    def run(self, control: int, interval_s: float, parent: int | None = None) -> None:
+        """Pass after pass until the rank is gone: end-of-file on ``control``, a SIGTERM, or, where
+        ``parent`` (the rank that started this process) is given, this process having another
+        parent. End-of-file needs every copy of the pipe's write end closed, and a process the
+        rank forked (a data loader's worker) holds one until it ends too."""
         messages = Control()
         gone = False
         next_alive = 0.0
@@ -132,6 +137,7 @@ class Agent:
                     messages.feed(data)
             except _Stop:
                 gone = True
+            gone = gone or (parent is not None and os.getppid() != parent)
             self.run_id = messages.run_id or self.run_id
             self.drain()
             if messages.flushes > asked:
@@ -154,7 +160,9 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     reader = RingReader(ring, rank=int(rank))
     os.unlink(ring)  # the rank and this process hold it mapped; nothing else needs its name
-    Agent(reader, Path(run_dir), rank=int(rank), host=host, pid=int(pid), run_id=run_id).run(0, float(interval))
+    # PID is the rank's, which started this process (AgentLink.start).
+    Agent(reader, Path(run_dir), rank=int(rank), host=host, pid=int(pid), run_id=run_id).run(
+        0, float(interval), parent=int(pid))
     reader.close()
     return 0
 

@@ -3,6 +3,7 @@ stall stacks, the NCCL flight-recorder settings, and what `localize` makes of th
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -298,3 +299,91 @@ def test_the_fault_grammar_refuses_non_finite_numbers_and_knows_freeze() -> None
     faults = parse_injects(["freeze:rank=3,step=2", "hang:rank=1,step=4"])
     assert faults.hang_step(3) == 2 and faults.hang_step(3, ("hang",)) is None
     assert faults.hang_step(1, ("freeze",)) is None and faults.hang_step(1) == 4
+
+
+RANK_WITH_A_DATA_WORKER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from megascope.collectors import Collector, CollectorConfig
+    from megascope.trainer.data import Prefetcher, SyntheticLanguage
+    col = Collector(CollectorConfig(run_dir=Path(sys.argv[1]), flush_interval_s=0.2), rank=0, world_size=2)
+    # Forked after the agent started: the worker holds a copy of every file the rank had open,
+    # the write end of the agent's pipe too. Batches of 2 MB fill the worker's pipe at once.
+    data = Prefetcher(SyntheticLanguage(vocab=64, seq_len=4095, seed=0), steps=range(40), global_batch=64,
+                      rows=slice(0, 64), process=True)
+    data.__enter__()
+    data.next()
+    print(data._worker.pid, col._agent.proc.pid, flush=True)
+    time.sleep(3600)
+""")
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"  # a zombie has exited
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_killed_rank_s_data_worker_and_agent_end_though_the_worker_holds_the_agent_s_pipe(tmp_path: Path) -> None:
+    # On a GPU rank the trainer's batches come from a forked worker. When a hung rank was killed,
+    # the worker stayed (its exit waited to flush a batch nobody would read) and kept the agent's
+    # stdin open, so the agent never made its last pass and ran on, holding the job's output open.
+    run = tmp_path / "run"
+    with subprocess.Popen([sys.executable, "-c", RANK_WITH_A_DATA_WORKER, str(run)], stdout=subprocess.PIPE,
+                          text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            worker, agent = (int(x) for x in proc.stdout.readline().split())
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    try:
+        wait_until(lambda: _gone(worker), timeout=20, interval=0.1, message="the data worker ending after its rank")
+        wait_until(lambda: _gone(agent), timeout=20, interval=0.1, message="the agent ending after its rank")
+    finally:
+        for pid in (worker, agent):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    alive = [r for p in run.glob("heartbeats/host=*/part-*.parquet") for r in pq.read_table(p).to_pylist()
+             if r["metric"] == "rank_alive"]
+    assert sorted(alive, key=lambda r: r["time_ns"])[-1]["value"] == 0.0
+
+
+RANK_WITH_A_LINGERING_FORK = textwrap.dedent("""
+    import os, sys, time
+    from pathlib import Path
+    from megascope.collectors import Collector, CollectorConfig
+    col = Collector(CollectorConfig(run_dir=Path(sys.argv[1]), flush_interval_s=0.2), rank=0, world_size=2)
+    child = os.fork()
+    if child == 0:  # a user's loader worker that outlives its rank a while, the agent's pipe open
+        time.sleep(3600)
+        os._exit(0)
+    print(child, col._agent.proc.pid, flush=True)
+    time.sleep(3600)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_the_agent_ends_with_its_rank_while_a_process_the_rank_forked_holds_its_pipe(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    with subprocess.Popen([sys.executable, "-c", RANK_WITH_A_LINGERING_FORK, str(run)], stdout=subprocess.PIPE,
+                          text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            child, agent = (int(x) for x in proc.stdout.readline().split())
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    try:
+        wait_until(lambda: _gone(agent), timeout=20, interval=0.1, message="the agent ending after its rank")
+        assert not _gone(child)  # the pipe's write end was still open all along
+    finally:
+        for pid in (child, agent):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    alive = [r for p in run.glob("heartbeats/host=*/part-*.parquet") for r in pq.read_table(p).to_pylist()
+             if r["metric"] == "rank_alive"]
+    assert sorted(alive, key=lambda r: r["time_ns"])[-1]["value"] == 0.0

@@ -29,6 +29,7 @@ import os
 import queue
 import signal
 import threading
+import time
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
@@ -208,6 +209,11 @@ def _produce(source: Source, steps: list[int], global_batch: int, rows: slice, r
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
+    # Once the rank is gone nobody reads ``results``: a put, or the exit that waits to flush a
+    # batch into the full pipe, would block forever. This process holds a copy of every file the
+    # rank had open (the write end of its marker agent's pipe too, whose end-of-file starts the
+    # agent's last pass): it must not outlive the rank by more than a moment.
+    threading.Thread(target=_end_with, args=(parent,), name="megascope-data-parent", daemon=True).start()
     try:
         for step in steps:
             batch = source.batch(step, global_batch)[rows].contiguous().numpy()
@@ -217,6 +223,13 @@ def _produce(source: Source, steps: list[int], global_batch: int, rows: slice, r
                     break
                 except queue.Full:
                     if os.getppid() != parent:
-                        return
+                        os._exit(0)
     except BaseException as exc:  # noqa: BLE001 - handed to the rank, which raises it
         results.put(RuntimeError(f"data worker: {type(exc).__name__}: {exc}"))
+
+
+def _end_with(parent: int, every_s: float = 0.25) -> None:
+    """End this worker process, skipping every exit handler, as soon as its rank is gone."""
+    while os.getppid() == parent:
+        time.sleep(every_s)
+    os._exit(0)
