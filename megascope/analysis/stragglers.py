@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,7 @@ import pandas as pd
 
 from megascope.analysis import _sql, persist
 from megascope.analysis.base import clock_sample_steps, has_step_spans, peer_kinds_sql, prepare
-from megascope.analysis.pipeline import HOST_BOUND_MIN_CALLS, host_lead
+from megascope.analysis.pipeline import HOST_BOUND_FRAC, HOST_BOUND_MIN_CALLS, host_lead
 from megascope.errors import ConfigError
 from megascope.schema import COLLECTOR_CALLS_METRIC, HOST_PROBE_METRIC, RunSource
 from megascope.store import Run
@@ -75,7 +76,7 @@ class StragglerConfig:
     against 31.8, z 8.7 against 11.1, on a real 8-rank CPU run).
     ``min_host_saving``: a rank named for its host is named only where a replay of its steps at
     its peers' pace saves at least this share of the step (0 turns the check off; see
-    :func:`_host_savings`).
+    :func:`_replay_savings`).
     """
 
     min_slowdown: float = 1.05
@@ -140,6 +141,14 @@ def _pos(frame: pd.DataFrame, column: str) -> pd.Series:
 COMPUTE_SHARE = 0.1
 # A compute straggler whose device waited for its host at this share of its calls reads ``host``.
 LAUNCH_BOUND_FRAC = 0.5
+# So does one whose device waited for its host at HOST_BOUND_FRAC of its calls or more, this many
+# times as often as its peers' at its stage did (their median, plus one call in a hundred): a GPU
+# slow in its own work keeps its device busy and its host ahead. A host that paused a step's launches
+# leaves the device idle at the calls after the pause (2x H200, dp2, a device-bound model: a 60 ms
+# pause 11% of the rank's calls, 80 ms 7%, its peer's none; planted slow GPUs x1.2-x1.45 none,
+# 7 runs), where its spans, timed on the device, hold the idle time. On a host-bound job every
+# device waits (a Megatron-core tp2 job with a slow GPU: 32% of its calls, its partner's 19%).
+STARVED_OVER_PEERS = 3.0
 COMPUTE_T = 3.0
 CLEAR_SHARE = 0.25
 CLEAR_T = 2.0
@@ -698,7 +707,8 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
     first_pass = set(out_own["rank"])  # a rank whose TP partner took its row does not come back below
     if not out_own.empty:
         out_own = _causes(run, out_own, sizes, config, c)
-        saving = _host_savings(run, out_own, config)
+        replayed = [int(r) for r in out_own["rank"]]
+        saving = _replay_savings(run, out_own, config, sizes)
         costless = saving < config.min_host_saving
         gone.append(out_own[costless].assign(saving=saving[costless]))
         if costless.any():
@@ -713,7 +723,7 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
             if not shaded.empty:
                 shaded = _causes(run, shaded, sizes, config, c)
                 shaded = shaded[~shaded["rank"].isin(out_own["rank"])]
-                saving = _host_savings(run, shaded, config)
+                saving = _replay_savings(run, shaded, config, sizes, fixed=replayed)
                 costless = saving < config.min_host_saving
                 out_own = pd.concat([out_own, shaded[~costless]])
                 gone.append(shaded[costless].assign(saving=saving[costless]))
@@ -812,7 +822,7 @@ def told(run: Run) -> bool:
 def dismissed(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
     """The ranks :func:`stragglers` would name for their host but does not, because a replay of their
     steps without their delay saves under ``config.min_host_saving`` of the step (see
-    :func:`_host_savings`): rank, host, coords, slowdown, last_arrival_frac, device_idle_frac,
+    :func:`_replay_savings`): rank, host, coords, slowdown, last_arrival_frac, device_idle_frac,
     saving (the share of the step the replay saves), saving_lower_bound (the replay saw only some of
     a group's calls, so the saving may be more: :func:`replay_lower_bound`), z; strongest evidence
     first."""
@@ -859,23 +869,36 @@ LOWER_BOUND_NOTE = ("At least: the collector timed some calls in one micro-batch
 HOST_REPLAYS = 8
 
 
-def _host_saving(run: Run, rank: int) -> float | None:
+def _host_saving(run: Run, rank: int, others: Sequence[int] = ()) -> float | None:
     """The share of its step a replay saves with ``rank`` at its peers' median pace, in the median
-    step replayed (:func:`megascope.analysis.whatif.whatif`); None where it modeled nothing."""
+    step replayed (:func:`megascope.analysis.whatif.whatif`); None where it modeled nothing.
+
+    With ``others`` (the other candidates), what ``rank`` adds to their fix: the replay with all of
+    them at their peers' pace less the replay with ``others`` alone, step by step. Fixed alone, a
+    slow rank saves nothing while a slower one still holds every step."""
     from megascope.analysis.whatif import whatif  # whatif reads stragglers: imported here
 
-    result = whatif(run, ranks=[rank], hosts=False)  # the replay's own savings, step by step
+    others = sorted({int(r) for r in others} - {rank})
+    result = whatif(run, ranks=[rank, *others], hosts=False)  # the replay's own savings, step by step
     savings = result.get("step_savings") or []
     if not result.get("modeled_baseline_ns") or not savings:
         return None
+    if others:
+        rest = whatif(run, ranks=others, hosts=False).get("step_savings") or []
+        if len(rest) != len(savings):
+            return None
+        savings = [a - b for a, b in zip(savings, rest, strict=True)]
     # The median step's, not the total's: a few steps the replay models badly (a rank's own time
     # replaced by its peers' median can lengthen a step by 8-11% on a loaded CPU) do not decide.
     return float(np.median(savings))
 
 
-def _host_savings(run: Run, frame: pd.DataFrame, config: StragglerConfig) -> pd.Series:
+def _replay_savings(run: Run, frame: pd.DataFrame, config: StragglerConfig, sizes: dict[str, int],
+                    fixed: Sequence[int] = ()) -> pd.Series:
     """Per row, the share of the step a replay without its delay saves, for rows named for their
-    host (cause ``host``); NaN for the others. Under ``config.min_host_saving``: not named.
+    host (cause ``host``) and, on a data-parallel mesh (no TP, no pipeline), for device-timed rows
+    named for their compute; NaN for the others. Under ``config.min_host_saving``: not named. The
+    replay takes the other rows' ranks and ``fixed`` (earlier candidates) as fixed already.
 
     A rank named for its host is late with compute spans as long as its peers': the evidence is
     its arrival order and its own time (step time less its waits). A rank late at every call by a
@@ -898,14 +921,25 @@ def _host_savings(run: Run, frame: pd.DataFrame, config: StragglerConfig) -> pd.
     stragglers are not replayed: the replay undervalues a rank whose own spans hold its peers'
     waits (pipeline stages, tensor parallelism), and so it does a host straggler on a mesh whose
     TP calls the collector timed in one micro-batch a step (a 1.15x straggler read as ``host`` on
-    2x2x1, 4x H200, replayed at 0.46%)."""
+    2x2x1, 4x H200, replayed at 0.46%).
+
+    On a mesh of data parallelism alone, no rank's spans hold a TP partner's or a pipeline
+    neighbour's work, but a sharded model's gathers sit inside the forward on a stream of their own:
+    a host pause the host's lead absorbed (step time unchanged) still delays a gather, and the peer
+    that waits for it inside its forward reads as a compute straggler, its device busy and on time.
+    2x H200, dp2, a device-bound model: such a peer (1.33x, z 10, step time that of healthy runs)
+    replayed at 0.02%, while each of five planted slow GPUs (x1.2-x1.5) replayed at 3.1-6.0%.
+    Ranks timed by the host clock keep their name: there a pause is never absorbed."""
     host = frame["cause"] == "host"
+    if sizes.get("tp", 1) <= 1 and sizes.get("pp", 1) <= 1 and "device_idle_frac" in frame:
+        host = host | ((frame["cause"] == "compute") & frame["device_idle_frac"].notna())
     out = pd.Series(np.nan, index=frame.index)
     if not host.any() or config.min_host_saving <= 0 or run.meta.source == RunSource.SYNTH:
         return out
     order = frame[host].sort_values("z", ascending=False).index[:HOST_REPLAYS]
+    candidates = {int(r) for r in frame["rank"]} | {int(r) for r in fixed}
     for idx in order:
-        saving = _host_saving(run, int(frame.at[idx, "rank"]))
+        saving = _host_saving(run, int(frame.at[idx, "rank"]), sorted(candidates))
         out.at[idx] = np.nan if saving is None else saving
     return out
 
@@ -950,13 +984,28 @@ def _launch_bound(run: Run, out: pd.DataFrame) -> pd.DataFrame:
     if not timed.any() or run.meta.source == RunSource.SYNTH:
         return out
     steps = [int(s) for (s,) in _sql.execute(run.con, "pipeline", "sample_steps").fetchall()]
-    lead = host_lead(run, steps=steps, ranks=sorted({int(r) for r in out.loc[timed, "rank"]}))
+    # Not the run's first step where there are others: every device waits for its host there
+    # (allocations, the communicator's connections; 2x H200 dp2: 22-46% of a rank's calls in
+    # step 0, none in the 15 after it).
+    steps = steps[1:] if len(steps) >= 4 else steps
+    candidates = sorted({int(r) for r in out.loc[timed, "rank"]})
+    places = _sql.query_df(run.con, "base", "places")
+    stage = dict(zip(places["rank"].astype(int), places["stage"].astype(int), strict=True))
+    peers = {r: [p for p in sorted(stage) if p != r and stage[p] == stage.get(r)][:PAUSE_PEERS] for r in candidates}
+    lead = host_lead(run, steps=steps, ranks=sorted(set(candidates).union(*peers.values())))
     if lead.empty:
         return out
     lead = lead[lead["calls"] >= HOST_BOUND_MIN_CALLS]
     idle = dict(zip(lead["rank"].astype(int), lead["starved_frac"].astype(float), strict=True))
     out["device_idle_frac"] = [idle.get(int(r), np.nan) for r in out["rank"]]
-    bound = compute & (out["device_idle_frac"] >= LAUNCH_BOUND_FRAC)
+
+    def peers_idle(rank: int) -> float:
+        seen = [idle[p] for p in peers.get(rank, []) if p in idle]
+        return float(np.median(seen)) if seen else np.nan
+
+    alone = out["device_idle_frac"] >= STARVED_OVER_PEERS * (out["rank"].map(lambda r: peers_idle(int(r))) + 0.01)
+    bound = compute & ((out["device_idle_frac"] >= LAUNCH_BOUND_FRAC)
+                       | ((out["device_idle_frac"] >= HOST_BOUND_FRAC) & alone))
     out.loc[bound, "cause"] = "host"
     out.loc[bound, "phase"] = "host"
     return out

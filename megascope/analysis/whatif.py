@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 # Steps replayed: as many as hold WHATIF_SMALL_BUDGET events, at least WHATIF_SAMPLE_STEPS and at
 # most WHATIF_MAX_STEPS, never more than WHATIF_EVENT_BUDGET events (the replay is Python, ~15 µs
 # an event): all 16 steps of an 8-rank run, 5 at 1,024 ranks, 1 at 12,288. Three steps alone were
-# too few to dismiss a rank on (stragglers._host_savings): a 100 ms pause before the gradient sync
+# too few to dismiss a rank on (stragglers._replay_savings): a 100 ms pause before the gradient sync
 # of a dp8 CPU run saved 1-10% in 10 of its 15 steps after the warm-up and nothing in 4, and the
 # three steps sampled were three of those 4.
 WHATIF_SAMPLE_STEPS = 3
