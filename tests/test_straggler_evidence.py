@@ -111,6 +111,7 @@ def test_a_rank_late_by_a_steady_offset_at_overlapping_calls_is_not_named(tmp_pa
     assert list(gone["rank"]) == [2] and 0 <= gone.iloc[0]["saving"] < 0.007
     result = analysis.report(run, with_whatif=False)
     assert result["stragglers"] == [] and [d["rank"] for d in result["stragglers_dismissed"]] == [2]
+    assert result["stragglers_dismissed"][0]["cause"] == "host"
     text = cli("report", str(tmp_path / "offset"))
     assert text.exit_code == 0 and "STRAGGLERS none" in text.output and "not named: rank 2" in text.output
     paused = open_run(overlapped_run(tmp_path / "paused", seed=3, paused=2, pause_ms=5.0))
@@ -1050,7 +1051,7 @@ def test_a_megatron_job_on_nccl_names_its_slow_gpu_for_its_compute(tmp_path: Pat
     assert analysis.stragglers(healthy).empty and analysis.report(healthy)["stragglers"] == []
 
 
-def test_a_gpu_host_pause_reads_host_and_one_its_lead_absorbed_names_nobody(tmp_path: Path) -> None:
+def test_a_gpu_host_pause_reads_host_and_one_its_lead_absorbed_names_nobody(tmp_path: Path, cli: Any) -> None:
     """tests/data/gpu-dp2-pause and -absorbed: the bundled trainer on dp2 (ZeRO: its gathers inside
     the forward), 2x H200, NCCL, a device-bound model (12 layers, hidden 2048, sequence 2048), 16
     steps; the host runs ~60 ms ahead of its device. In the first, rank 1's host pauses 60 ms a
@@ -1074,4 +1075,8 @@ def test_a_gpu_host_pause_reads_host_and_one_its_lead_absorbed_names_nobody(tmp_
     found, gone = straggler_module.detect(absorbed)
     assert found.empty
     assert list(gone["rank"]) == [1] and gone.iloc[0]["saving"] < StragglerConfig().min_host_saving
-    assert analysis.report(absorbed)["stragglers"] == []
+    result = analysis.report(absorbed)
+    assert result["stragglers"] == []
+    assert [(d["rank"], d["cause"]) for d in result["stragglers_dismissed"]] == [(1, "compute")]
+    text = cli("report", str(tmp_path / "absorbed"))
+    assert text.exit_code == 0 and "not named: rank 1" in text.output and "in its compute spans" in text.output

@@ -90,18 +90,19 @@ def whatif_cards(result: dict[str, Any], *, n_stragglers: int) -> list[Any]:
 
 
 def dismissed_notes(served: ServedRun, limit: int = 5) -> list[Any]:
-    """One line per rank flagged for its host but not named (its delay, replayed away, saves
-    under 0.7% of the step), so that a reader who sees it last at every call knows why it is not
-    in the table."""
+    """One line per rank flagged for its host (or, on a data-parallel mesh timed on GPUs, its
+    compute) but not named (its delay, replayed away, saves under 0.7% of the step), so that a
+    reader who sees it last at every call knows why it is not in the table."""
     frame = data.stragglers_dismissed(served)
     out = []
     for row in frame.head(limit).to_dict("records"):
         last = row.get("last_arrival_frac")
         saving = row.get("saving")
+        spans = "in its compute spans" if row.get("cause") == "compute" else "spans as long as its peers'"
         out.append(html.P(
             f"Not named: rank {int(row['rank'])} ({format_coords(row.get('coords'))}) arrived last at "
             f"{'-' if last is None or last != last else f'{100 * float(last):.0f}%'} of its calls "
-            f"(own time x{float(row['slowdown']):.2f}, spans as long as its peers'), but a replay of its steps at "
+            f"(own time x{float(row['slowdown']):.2f}, {spans}), but a replay of its steps at "
             f"its peers' pace saves {'at least ' if row.get('saving_lower_bound') else ''}"
             f"{'-' if saving is None or saving != saving else f'{100 * float(saving):.1f}%'} "
             "of the step.", className="hint dismissed"))

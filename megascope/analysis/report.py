@@ -220,12 +220,13 @@ def _report(run: Run, say: Callable[[str], None], config: StragglerConfig | None
         # Why the list is empty: "hung" (slow ranks are hang suspects or victims), "no_peers" (no
         # pipeline stage has two ranks, so no rank has a peer to be compared with).
         "stragglers_withheld": withheld,
-        # Ranks flagged for their host whose delay, replayed away, saves under 0.7% of the step:
-        # not named (stragglers.dismissed). saving_lower_bound: the replay saw only some of a
-        # group's calls (the collector timed them in some micro-batches), so it may save more.
+        # Ranks flagged for their host (or, on a data-parallel mesh timed on GPUs, their compute)
+        # whose delay, replayed away, saves under 0.7% of the step: not named (stragglers.dismissed).
+        # saving_lower_bound: the replay saw only some of a group's calls (the collector timed them
+        # in some micro-batches), so it may save more.
         "stragglers_dismissed": [
             {"rank": int(d["rank"]), "host": d["host"], "coords": coords_of(d["coords"], axes),
-             "slowdown": d["slowdown"], "last_arrival_frac": d["last_arrival_frac"],
+             "cause": d["cause"], "slowdown": d["slowdown"], "last_arrival_frac": d["last_arrival_frac"],
              "device_idle_frac": d["device_idle_frac"], "saving": d["saving"],
              "saving_lower_bound": bool(d["saving_lower_bound"])}
             for d in dismissed_frame.head(20).to_dict("records")],

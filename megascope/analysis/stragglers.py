@@ -822,15 +822,15 @@ def told(run: Run) -> bool:
 def dismissed(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
     """The ranks :func:`stragglers` would name for their host but does not, because a replay of their
     steps without their delay saves under ``config.min_host_saving`` of the step (see
-    :func:`_replay_savings`): rank, host, coords, slowdown, last_arrival_frac, device_idle_frac,
+    :func:`_replay_savings`): rank, host, coords, cause (``host``, or ``compute`` on a data-parallel mesh), slowdown, last_arrival_frac, device_idle_frac,
     saving (the share of the step the replay saves), saving_lower_bound (the replay saw only some of
     a group's calls, so the saving may be more: :func:`replay_lower_bound`), z; strongest evidence
     first."""
     return detect(run, config)[1]
 
 
-DISMISSED_COLUMNS = ["rank", "host", "coords", "slowdown", "last_arrival_frac", "device_idle_frac", "saving",
-                     "saving_lower_bound", "z"]
+DISMISSED_COLUMNS = ["rank", "host", "coords", "cause", "slowdown", "last_arrival_frac", "device_idle_frac",
+                     "saving", "saving_lower_bound", "z"]
 
 
 def _empty(columns: list[str]) -> pd.DataFrame:
@@ -860,7 +860,8 @@ def replay_lower_bound(run: Run) -> bool:
 # What the report and the dashboard say under ranks dismissed on a lower-bound replay.
 LOWER_BOUND_NOTE = ("At least: the collector timed some calls in one micro-batch a step, and the replay cannot free "
                     "the waits behind the others; a rank not named may still cost the job more. To settle it, time "
-                    "every call for a few steps: the bundled trainer's --tp-comm-spans all, or torch.profiler and "
+                    "every call for a few steps: the bundled trainer's --tp-comm-spans all and --dp-comm-spans all, "
+                    "or torch.profiler and "
                     "'megascope ingest kineto', which sees every kernel.")
 
 

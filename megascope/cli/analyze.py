@@ -109,8 +109,9 @@ def _print_report(r: dict[str, Any]) -> None:
         last = "-" if d.get("last_arrival_frac") is None else f"{100 * d['last_arrival_frac']:.0f}%"
         saving = "-" if d.get("saving") is None else f"{100 * d['saving']:.1f}%"
         at_least = "at least " if d.get("saving_lower_bound") else ""
+        what = "in its compute spans" if d.get("cause") == "compute" else "no longer spans"
         click.echo(f"  not named: rank {d['rank']} {_coords(d['coords'])} arrived last at {last} of its calls "
-                   f"({d['slowdown']:.2f}x own time, no longer spans), but a replay of its steps at its peers' pace "
+                   f"({d['slowdown']:.2f}x own time, {what}), but a replay of its steps at its peers' pace "
                    f"saves {at_least}{saving} of the step")
     if any(d.get("saving_lower_bound") for d in (r.get("stragglers_dismissed") or [])[:5]):
         from megascope.analysis.stragglers import LOWER_BOUND_NOTE
