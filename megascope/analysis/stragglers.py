@@ -33,7 +33,7 @@ import numpy as np
 import pandas as pd
 
 from megascope.analysis import _sql, persist
-from megascope.analysis.base import clock_sample_steps, has_step_spans, peer_kinds_sql, prepare
+from megascope.analysis.base import clock_sample_steps, has_step_spans, peer_kinds_sql, prepare, sample_steps
 from megascope.analysis.pipeline import HOST_BOUND_FRAC, HOST_BOUND_MIN_CALLS, host_lead
 from megascope.errors import ConfigError
 from megascope.schema import COLLECTOR_CALLS_METRIC, HOST_PROBE_METRIC, RunSource
@@ -149,6 +149,9 @@ LAUNCH_BOUND_FRAC = 0.5
 # 7 runs), where its spans, timed on the device, hold the idle time. On a host-bound job every
 # device waits (a Megatron-core tp2 job with a slow GPU: 32% of its calls, its partner's 19%).
 STARVED_OVER_PEERS = 3.0
+# Those shares come from at most this many steps and this many peers of each candidate.
+LEAD_STEPS = 128
+LEAD_PEERS = 4
 COMPUTE_T = 3.0
 CLEAR_SHARE = 0.25
 CLEAR_T = 2.0
@@ -989,10 +992,12 @@ def _launch_bound(run: Run, out: pd.DataFrame) -> pd.DataFrame:
     # (allocations, the communicator's connections; 2x H200 dp2: 22-46% of a rank's calls in
     # step 0, none in the 15 after it).
     steps = steps[1:] if len(steps) >= 4 else steps
+    # A long run's share from steps spread over it: the read grows with the ranks times the steps.
+    steps = sample_steps(steps, LEAD_STEPS)
     candidates = sorted({int(r) for r in out.loc[timed, "rank"]})
     places = _sql.query_df(run.con, "base", "places")
     stage = dict(zip(places["rank"].astype(int), places["stage"].astype(int), strict=True))
-    peers = {r: [p for p in sorted(stage) if p != r and stage[p] == stage.get(r)][:PAUSE_PEERS] for r in candidates}
+    peers = {r: [p for p in sorted(stage) if p != r and stage[p] == stage.get(r)][:LEAD_PEERS] for r in candidates}
     lead = host_lead(run, steps=steps, ranks=sorted(set(candidates).union(*peers.values())))
     if lead.empty:
         return out
