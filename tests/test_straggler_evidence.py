@@ -1080,3 +1080,15 @@ def test_a_gpu_host_pause_reads_host_and_one_its_lead_absorbed_names_nobody(tmp_
     assert [(d["rank"], d["cause"]) for d in result["stragglers_dismissed"]] == [(1, "compute")]
     text = cli("report", str(tmp_path / "absorbed"))
     assert text.exit_code == 0 and "not named: rank 1" in text.output and "in its compute spans" in text.output
+
+
+def test_a_rank_flagged_for_its_compute_is_dismissed_under_a_lower_replay_bar() -> None:
+    # A host rank goes under 0.7% of the step; a compute rank (replayed on a data-parallel mesh timed
+    # on GPUs) under 0.3%, never above the configured host bar; a rank not replayed (NaN) stays.
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+    frame = pd.DataFrame({"cause": ["host", "compute", "compute", "host", "compute"]})
+    saving = pd.Series([0.005, 0.005, 0.002, float("nan"), float("nan")])
+    got = straggler_module._costless(frame, saving, StragglerConfig())
+    assert list(got) == [True, False, True, False, False]
+    strict = straggler_module._costless(frame, saving, StragglerConfig(min_host_saving=0.001))
+    assert list(strict) == [False, False, False, False, False]
