@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -326,30 +327,41 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@contextlib.contextmanager
+def _killed_rank(script: str, run: Path) -> Iterator[tuple[int, int]]:
+    """Run ``script`` as a rank writing ``run``; once it has printed two pids (a process it forked,
+    its agent), SIGKILL it and hand them over; SIGKILL them afterwards, whatever the test found."""
+    with subprocess.Popen([sys.executable, "-c", script, str(run)], stdout=subprocess.PIPE, text=True) as proc:
+        try:
+            assert proc.stdout is not None
+            child, agent = (int(x) for x in proc.stdout.readline().split())
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+    try:
+        yield child, agent
+    finally:
+        for pid in (child, agent):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _last_alive(run: Path) -> float:
+    alive = [r for p in run.glob("heartbeats/host=*/part-*.parquet") for r in pq.read_table(p).to_pylist()
+             if r["metric"] == "rank_alive"]
+    return float(sorted(alive, key=lambda r: r["time_ns"])[-1]["value"])
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_killed_rank_s_data_worker_and_agent_end_though_the_worker_holds_the_agent_s_pipe(tmp_path: Path) -> None:
     # On a GPU rank the trainer's batches come from a forked worker. When a hung rank was killed,
     # the worker stayed (its exit waited to flush a batch nobody would read) and kept the agent's
     # stdin open, so the agent never made its last pass and ran on, holding the job's output open.
     run = tmp_path / "run"
-    with subprocess.Popen([sys.executable, "-c", RANK_WITH_A_DATA_WORKER, str(run)], stdout=subprocess.PIPE,
-                          text=True) as proc:
-        try:
-            assert proc.stdout is not None
-            worker, agent = (int(x) for x in proc.stdout.readline().split())
-        finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-    try:
+    with _killed_rank(RANK_WITH_A_DATA_WORKER, run) as (worker, agent):
         wait_until(lambda: _gone(worker), timeout=20, interval=0.1, message="the data worker ending after its rank")
         wait_until(lambda: _gone(agent), timeout=20, interval=0.1, message="the agent ending after its rank")
-    finally:
-        for pid in (worker, agent):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    alive = [r for p in run.glob("heartbeats/host=*/part-*.parquet") for r in pq.read_table(p).to_pylist()
-             if r["metric"] == "rank_alive"]
-    assert sorted(alive, key=lambda r: r["time_ns"])[-1]["value"] == 0.0
+    assert _last_alive(run) == 0.0
 
 
 RANK_WITH_A_LINGERING_FORK = textwrap.dedent("""
@@ -369,21 +381,7 @@ RANK_WITH_A_LINGERING_FORK = textwrap.dedent("""
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_the_agent_ends_with_its_rank_while_a_process_the_rank_forked_holds_its_pipe(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    with subprocess.Popen([sys.executable, "-c", RANK_WITH_A_LINGERING_FORK, str(run)], stdout=subprocess.PIPE,
-                          text=True) as proc:
-        try:
-            assert proc.stdout is not None
-            child, agent = (int(x) for x in proc.stdout.readline().split())
-        finally:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-    try:
+    with _killed_rank(RANK_WITH_A_LINGERING_FORK, run) as (child, agent):
         wait_until(lambda: _gone(agent), timeout=20, interval=0.1, message="the agent ending after its rank")
         assert not _gone(child)  # the pipe's write end was still open all along
-    finally:
-        for pid in (child, agent):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-    alive = [r for p in run.glob("heartbeats/host=*/part-*.parquet") for r in pq.read_table(p).to_pylist()
-             if r["metric"] == "rank_alive"]
-    assert sorted(alive, key=lambda r: r["time_ns"])[-1]["value"] == 0.0
+    assert _last_alive(run) == 0.0
