@@ -221,7 +221,8 @@ def _report(run: Run, say: Callable[[str], None], config: StragglerConfig | None
         # pipeline stage has two ranks, so no rank has a peer to be compared with).
         "stragglers_withheld": withheld,
         # Ranks flagged for their host (or, on a data-parallel mesh timed on GPUs, their compute)
-        # whose delay, replayed away, saves under 0.7% of the step: not named (stragglers.dismissed).
+        # whose delay, replayed away, saves under 0.7% of the step (0.3% for compute): not named
+        # (stragglers.dismissed).
         # saving_lower_bound: the replay saw only some of a group's calls (the collector timed them
         # in some micro-batches), so it may save more.
         "stragglers_dismissed": [

@@ -75,7 +75,8 @@ class StragglerConfig:
     arrival at the DP collectives) but little own time (a 1.6x straggler's partner: t_own 3.5
     against 31.8, z 8.7 against 11.1, on a real 8-rank CPU run).
     ``min_host_saving``: a rank named for its host is named only where a replay of its steps at
-    its peers' pace saves at least this share of the step (0 turns the check off; see
+    its peers' pace saves at least this share of the step, a rank replayed for its compute at
+    least this or :data:`COMPUTE_SAVING_BAR`, the lower (0 turns the check off; see
     :func:`_replay_savings`).
     """
 
@@ -145,8 +146,9 @@ LAUNCH_BOUND_FRAC = 0.5
 # times as often as its peers' at its stage did (their median, plus one call in a hundred): a GPU
 # slow in its own work keeps its device busy and its host ahead. A host that paused a step's launches
 # leaves the device idle at the calls after the pause (2x H200, dp2, a device-bound model: a 60 ms
-# pause 11% of the rank's calls, 80 ms 7%, its peer's none; planted slow GPUs x1.2-x1.45 none,
-# 7 runs), where its spans, timed on the device, hold the idle time. On a host-bound job every
+# pause, 15-37% of the rank's calls in four of the 15 steps after the first, its peer's in none;
+# planted slow GPUs x1.2-x1.45 in none, 7 runs), where its spans, timed on the device, hold the
+# idle time. On a host-bound job every
 # device waits (a Megatron-core tp2 job with a slow GPU: 32% of its calls, its partner's 19%).
 STARVED_OVER_PEERS = 3.0
 # Those shares come from at most this many steps and this many peers of each candidate.
@@ -823,12 +825,13 @@ def told(run: Run) -> bool:
 
 
 def dismissed(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
-    """The ranks :func:`stragglers` would name for their host but does not, because a replay of their
-    steps without their delay saves under ``config.min_host_saving`` of the step (see
-    :func:`_replay_savings`): rank, host, coords, cause (``host``, or ``compute`` on a data-parallel mesh), slowdown, last_arrival_frac, device_idle_frac,
-    saving (the share of the step the replay saves), saving_lower_bound (the replay saw only some of
-    a group's calls, so the saving may be more: :func:`replay_lower_bound`), z; strongest evidence
-    first."""
+    """The ranks :func:`stragglers` would name for their host (or, on a data-parallel mesh timed on
+    GPUs, their compute) but does not, because a replay of their steps without their delay saves
+    under ``config.min_host_saving`` of the step (:data:`COMPUTE_SAVING_BAR` for compute; see
+    :func:`_replay_savings`): rank, host, coords, cause, slowdown, last_arrival_frac,
+    device_idle_frac, saving (the share of the step the replay saves), saving_lower_bound (the
+    replay saw only some of a group's calls, so the saving may be more: :func:`replay_lower_bound`),
+    z; strongest evidence first."""
     return detect(run, config)[1]
 
 
@@ -948,8 +951,9 @@ def _replay_savings(run: Run, frame: pd.DataFrame, config: StragglerConfig, size
     a host pause the host's lead absorbed (step time unchanged) still delays a gather, and the peer
     that waits for it inside its forward reads as a compute straggler, its device busy and on time.
     2x H200, dp2, a device-bound model: such a peer (1.33x, z 10, step time that of healthy runs)
-    replayed at 0.02%, while each of five planted slow GPUs (x1.2-x1.5) replayed at 3.1-6.0%.
-    Ranks timed by the host clock keep their name: there a pause is never absorbed."""
+    replayed at 0.02%, while each of six planted slow GPUs (x1.2-x1.5) replayed at 3.1-6.0%; its
+    bar is :data:`COMPUTE_SAVING_BAR`. Ranks timed by the host clock keep their name: there a pause
+    is never absorbed."""
     host = frame["cause"] == "host"
     if sizes.get("tp", 1) <= 1 and sizes.get("pp", 1) <= 1 and "device_idle_frac" in frame:
         host = host | ((frame["cause"] == "compute") & frame["device_idle_frac"].notna())
