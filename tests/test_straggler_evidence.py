@@ -1070,6 +1070,9 @@ def test_a_gpu_host_pause_reads_host_and_one_its_lead_absorbed_names_nobody(tmp_
     assert list(found["rank"]) == [1] and found.iloc[0]["cause"] == "host"
     lead = host_lead(paused, steps=list(range(1, 16)), ranks=[0, 1]).set_index("rank")
     assert lead.at[1, "starved_frac"] >= 0.05 and lead.at[0, "starved_frac"] < 0.01
+    assert found.iloc[0]["device_idle_frac"] == pytest.approx(lead.at[1, "starved_frac"])
+    text = cli("report", str(tmp_path / "paused")).output
+    assert f"rank 1: its GPU sat idle, waiting for its host, at {100 * lead.at[1, 'starved_frac']:.0f}%" in text
 
     absorbed = open_run(shutil.copytree(data / "gpu-dp2-pause-absorbed", tmp_path / "absorbed"))
     found, gone = straggler_module.detect(absorbed)

@@ -93,6 +93,12 @@ def _print_report(r: dict[str, Any]) -> None:
             elif groups:
                 click.echo(f"  rank {s['rank']}: its groups and pipeline links {', '.join(groups)} transfer slowly against "
                            "the others of their kind, and it alone is in all of them: a slow link or NIC under this rank")
+            from megascope.analysis.pipeline import HOST_BOUND_FRAC
+
+            idle = (s.get("evidence") or {}).get("device_idle_frac")
+            if s["cause"] == "host" and idle is not None and idle == idle and idle >= HOST_BOUND_FRAC:
+                click.echo(f"  rank {s['rank']}: its GPU sat idle, waiting for its host, at {100 * idle:.0f}% of its "
+                           "communication calls: its host set the pace, not its GPU")
             cpu = (s.get("evidence") or {}).get("cpu_slowdown")
             if s["cause"] != "host" or cpu is None or cpu != cpu:  # NaN: no host probes
                 continue
