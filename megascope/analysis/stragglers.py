@@ -148,8 +148,8 @@ LAUNCH_BOUND_FRAC = 0.5
 # leaves the device idle at the calls after the pause (2x H200, dp2, a device-bound model: a 60 ms
 # pause, 15-37% of the rank's calls in four of the 15 steps after the first, its peer's in none;
 # planted slow GPUs x1.2-x1.45 in none, 7 runs), where its spans, timed on the device, hold the
-# idle time. On a host-bound job every
-# device waits (a Megatron-core tp2 job with a slow GPU: 32% of its calls, its partner's 19%).
+# idle time. On a host-bound job every device waits (a Megatron-core tp2 job with a slow GPU: 32%
+# of its calls, its partner's 19%).
 STARVED_OVER_PEERS = 3.0
 # Those shares come from at most this many steps and this many peers of each candidate.
 LEAD_STEPS = 128
