@@ -589,6 +589,10 @@ def test_straggler_page_speaks_in_percent_and_relative_gains() -> None:
     assert frame.iloc[0].tolist() == [5, "x5.62", "63%", "96%", "x1.91", ""]
     assert frame.iloc[1]["cpu_slowdown"] == ""  # no host probes
     assert frame.iloc[1]["tp_compute_ratio"] == "x1.20"  # named for its compute outside the TP calls
+    # How often a host straggler's GPU sat idle waiting for it: shown for `host` at 5% or more only.
+    idle = shown_frame(pd.DataFrame({"rank": [1, 2, 3, 4], "cause": ["host", "host", "compute", "host"],
+                                     "device_idle_frac": [0.0741, 0.02, 0.3, float("nan")]}))
+    assert idle["device_idle_frac"].tolist() == ["7%", "", "", ""]
     gross = " ".join(text(c) for c in whatif_cards(
         {"step_time_ns": 569e6, "whatif_step_time_ns": 455e6, "speedup": 569 / 455, "mfu": 0.0016,
          "whatif_mfu": 0.0016 * 569 / 455, "ranks": [5]}, n_stragglers=1))
