@@ -147,8 +147,8 @@ def test_a_dismissed_rank_no_longer_shades_a_real_straggler(tmp_path: Path) -> N
     run = open_run(noisy_run(tmp_path / "run", seed=7, slow=5, factor=1.5, paused=2, pause_ms=30.0, steps=24,
                              on_gpus=True))
     assert list(analysis.stragglers(run)["rank"]) == [2]
-    assert straggler_module._host_saving(run, 2) < 0.15 < straggler_module._host_saving(run, 5, [2])
-    assert straggler_module._host_saving(run, 5) < 0.01
+    assert straggler_module._replay_saving(run, 2) < 0.15 < straggler_module._replay_saving(run, 5, [2])
+    assert straggler_module._replay_saving(run, 5) < 0.01
     strict = StragglerConfig(min_host_saving=0.15)
     found = analysis.stragglers(run, strict)
     assert list(found["rank"]) == [5] and found.iloc[0]["cause"] == "compute"
@@ -663,7 +663,7 @@ def test_a_pause_before_the_gradient_sync_is_named_however_the_replayed_steps_fa
     assert replayed["steps_modeled"] == list(range(1, 16))  # every step but the warm-up
     savings = replayed["step_savings"]
     assert len(savings) == 15 and sum(s > 0.01 for s in savings) >= 10
-    assert straggler_module._host_saving(run, 6) == pytest.approx(float(np.median(savings)))
+    assert straggler_module._replay_saving(run, 6) == pytest.approx(float(np.median(savings)))
     assert np.median(savings) > 2 * straggler_module.StragglerConfig().min_host_saving
     found = analysis.stragglers(run)
     assert list(found["rank"]) == [6]

@@ -235,10 +235,21 @@ def _attribute(c: pd.DataFrame, sizes: dict[str, int]) -> pd.DataFrame:
                          "spans_share": share})
 
 
+def _stages(run: Run) -> dict[int, int]:
+    """Rank -> its pipeline stage."""
+    places = _sql.query_df(run.con, "base", "places")
+    return dict(zip(places["rank"].astype(int), places["stage"].astype(int), strict=True))
+
+
+def _stage_peers(stage: dict[int, int], rank: int, limit: int) -> list[int]:
+    """At most ``limit`` other ranks at ``rank``'s stage, lowest first."""
+    return [r for r in sorted(stage) if r != rank and stage[r] == stage.get(rank)][:limit]
+
+
 def _outside_excess(run: Run, rank: int, stage: dict[int, int]) -> float | None:
     """The median over the steps of ``rank``'s time outside its spans less the median of at most
     PAUSE_PEERS peers' at its stage, in ns; None without peers or common steps."""
-    peers = [r for r in sorted(stage) if r != rank and stage[r] == stage.get(rank)][:PAUSE_PEERS]
+    peers = _stage_peers(stage, rank, PAUSE_PEERS)
     if not peers:
         return None
     read = [rank, *peers]
@@ -265,8 +276,7 @@ def _outside_spans(run: Run, frame: pd.DataFrame, sizes: dict[str, int]) -> pd.D
               & (excl > 0))
     if not (weak | stretched | inside).any():
         return out
-    places = _sql.query_df(run.con, "base", "places")
-    stage = dict(zip(places["rank"].astype(int), places["stage"].astype(int), strict=True))
+    stage = _stages(run)
     for idx in out.index[weak | stretched | inside]:
         own = float(out.at[idx, "median_ex_own_ns"])
         pause = _outside_excess(run, int(out.at[idx, "rank"]), stage) if own > 0 else None
@@ -876,7 +886,7 @@ LOWER_BOUND_NOTE = ("At least: the collector timed some calls in one micro-batch
 HOST_REPLAYS = 8
 
 
-def _host_saving(run: Run, rank: int, others: Sequence[int] = ()) -> float | None:
+def _replay_saving(run: Run, rank: int, others: Sequence[int] = ()) -> float | None:
     """The share of its step a replay saves with ``rank`` at its peers' median pace, in the median
     step replayed (:func:`megascope.analysis.whatif.whatif`); None where it modeled nothing.
 
@@ -954,16 +964,16 @@ def _replay_savings(run: Run, frame: pd.DataFrame, config: StragglerConfig, size
     replayed at 0.02%, while each of six planted slow GPUs (x1.2-x1.5) replayed at 3.1-6.0%; its
     bar is :data:`COMPUTE_SAVING_BAR`. Ranks timed by the host clock keep their name: there a pause
     is never absorbed."""
-    host = frame["cause"] == "host"
+    replayed = frame["cause"] == "host"
     if sizes.get("tp", 1) <= 1 and sizes.get("pp", 1) <= 1 and "device_idle_frac" in frame:
-        host = host | ((frame["cause"] == "compute") & frame["device_idle_frac"].notna())
+        replayed |= (frame["cause"] == "compute") & frame["device_idle_frac"].notna()
     out = pd.Series(np.nan, index=frame.index)
-    if not host.any() or config.min_host_saving <= 0 or run.meta.source == RunSource.SYNTH:
+    if not replayed.any() or config.min_host_saving <= 0 or run.meta.source == RunSource.SYNTH:
         return out
-    order = frame[host].sort_values("z", ascending=False).index[:HOST_REPLAYS]
+    order = frame[replayed].sort_values("z", ascending=False).index[:HOST_REPLAYS]
     candidates = {int(r) for r in frame["rank"]} | {int(r) for r in fixed}
     for idx in order:
-        saving = _host_saving(run, int(frame.at[idx, "rank"]), sorted(candidates))
+        saving = _replay_saving(run, int(frame.at[idx, "rank"]), sorted(candidates))
         out.at[idx] = np.nan if saving is None else saving
     return out
 
@@ -1015,9 +1025,9 @@ def _launch_bound(run: Run, out: pd.DataFrame) -> pd.DataFrame:
     # A long run's share from steps spread over it: the read grows with the ranks times the steps.
     steps = sample_steps(steps, LEAD_STEPS)
     candidates = sorted({int(r) for r in out.loc[timed, "rank"]})
-    places = _sql.query_df(run.con, "base", "places")
-    stage = dict(zip(places["rank"].astype(int), places["stage"].astype(int), strict=True))
-    peers = {r: [p for p in sorted(stage) if p != r and stage[p] == stage.get(r)][:LEAD_PEERS] for r in candidates}
+    stage = _stages(run)
+    # Peers' shares only for the compute rows: only they may read ``host`` by them.
+    peers = {int(r): _stage_peers(stage, int(r), LEAD_PEERS) for r in out.loc[compute, "rank"]}
     lead = host_lead(run, steps=steps, ranks=sorted(set(candidates).union(*peers.values())))
     if lead.empty:
         return out

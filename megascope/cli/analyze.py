@@ -67,6 +67,8 @@ def _print_report(r: dict[str, Any]) -> None:
     click.echo("")
     slow = r["stragglers"]
     if slow:
+        from megascope.analysis.pipeline import HOST_BOUND_FRAC
+
         click.echo(f"STRAGGLERS ({len(slow)})")
         click.echo(f"  {'rank':>6} {'host':<16} {'coords':<18} {'cause':<14} {'phase':<10} {'slowdown':>8} {'steps':>6} {'last-in':>7}")
         for s in slow[:20]:
@@ -93,8 +95,6 @@ def _print_report(r: dict[str, Any]) -> None:
             elif groups:
                 click.echo(f"  rank {s['rank']}: its groups and pipeline links {', '.join(groups)} transfer slowly against "
                            "the others of their kind, and it alone is in all of them: a slow link or NIC under this rank")
-            from megascope.analysis.pipeline import HOST_BOUND_FRAC
-
             idle = (s.get("evidence") or {}).get("device_idle_frac")
             if s["cause"] == "host" and idle is not None and idle == idle and idle >= HOST_BOUND_FRAC:
                 click.echo(f"  rank {s['rank']}: its GPU sat idle, waiting for its host, at {100 * idle:.0f}% of its "
