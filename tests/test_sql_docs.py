@@ -11,6 +11,7 @@ run and its documented names compared with its result, so a new statement cannot
 from __future__ import annotations
 
 import fnmatch
+import importlib
 import re
 from collections.abc import Iterator
 from importlib import resources
@@ -130,6 +131,8 @@ def executed(synth: Synth, tmp_path_factory: pytest.TempPathFactory,
                  spans=_sql.Raw(run.rank_source("spans", [4, 5]))).fetchall()
     # Read only for a rank named by its spans against its DP peers (a mesh without TP partners).
     _sql.execute(run.con, "stragglers", "step_compute", ranks=[4, 5]).fetchall()
+    # Read only for a rank replayed on a real run (synth runs are not replayed).
+    importlib.import_module("megascope.analysis.stragglers").sample_period(run, 5, [2, 3])
     return seen
 
 

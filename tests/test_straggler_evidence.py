@@ -1085,6 +1085,47 @@ def test_a_gpu_host_pause_reads_host_and_one_its_lead_absorbed_names_nobody(tmp_
     assert text.exit_code == 0 and "not named: rank 1" in text.output and "in its compute spans" in text.output
 
 
+def test_a_pause_behind_one_timed_bucket_in_four_is_replayed_at_every_place_of_the_rotation(tmp_path: Path) -> None:
+    """tests/data/gpu-dp2-pause-sampled: the same trainer and machine as gpu-dp2-pause, rank 0's
+    host pausing 100 ms a step: 229 ms a step against 184 ms healthy. The collector timed the DP
+    calls one bucket in four, a different one each step, so a step's replay frees rank 1's wait
+    only where the bucket behind the pause was timed: one step in four. The median step's saving
+    alone (0.7%) left the rank unnamed; each place of the rotation's median, averaged, names it."""
+    from megascope.analysis.whatif import whatif
+
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "gpu-dp2-pause-sampled", tmp_path / "run"))
+    steps = list(range(1, 16))
+    assert straggler_module.sample_period(run, 0, steps) == 4
+    replay = whatif(run, ranks=[0], hosts=False)
+    savings = np.array(replay["step_savings"])
+    assert replay["steps_modeled"] == steps
+    by_place = [float(np.median(savings[np.array(steps) % 4 == k])) for k in range(4)]
+    assert max(by_place) > 0.1 and float(np.median(savings)) < StragglerConfig().min_host_saving
+    assert straggler_module._replay_saving(run, 0) == pytest.approx(float(np.mean(by_place)))
+    found = analysis.stragglers(run)
+    assert list(found["rank"]) == [0] and found.iloc[0]["cause"] == "host"
+
+
+def test_a_gpu_host_pause_whose_device_never_ran_dry_reads_host(tmp_path: Path) -> None:
+    """tests/data/gpu-dp2-pause-hidden: rank 1's host pauses 65 ms a step (193 ms a step against
+    184 ms healthy); its device waited for its host at under 2% of its calls, so the device-idle
+    check cannot tell. Its compute spans are no longer than its peer's; only its compute less the
+    waits inside it stands out, and that is its peer's waiting inside the forward for the gathers
+    it issued late. It read ``compute`` on that alone; now ``host``."""
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "gpu-dp2-pause-hidden", tmp_path / "run"))
+    found = analysis.stragglers(run)
+    assert list(found["rank"]) == [1]
+    row = found.iloc[0]
+    assert row["cause"] == "host" and row["device_idle_frac"] < 0.05
+    candidates, sizes = straggler_module._candidates(run, StragglerConfig())
+    spans_read = straggler_module._outside_spans(
+        run, pd.concat([candidates, straggler_module._attribute(candidates, sizes)], axis=1), sizes)
+    one = spans_read[spans_read["rank"] == 1].iloc[0]
+    assert one["cause"] == "compute" and one["excl_only"] == 1.0 and one["t_spans"] < 2.0
+
+
 def test_a_rank_flagged_for_its_compute_is_dismissed_under_a_lower_replay_bar() -> None:
     # A host rank goes under 0.7% of the step; a compute rank (replayed on a data-parallel mesh timed
     # on GPUs) under 0.3%, never above the configured host bar; a rank not replayed (NaN) stays.

@@ -87,3 +87,25 @@ SELECT sum(coll_count + 1) / nullif(count(DISTINCT step), 0) AS events FROM ms_c
 -- Metrics of calls the collector timed in some micro-batches only ({{calls_prefix}}<group>).
 -- @column metrics  their number (0: every call was timed)
 SELECT count(*) AS metrics FROM metrics WHERE starts_with(name, '{{calls_prefix}}');
+
+-- @statement sample_periods
+-- For rank {{rank}} in steps {{steps}}: each group whose calls the collector timed in part
+-- (metrics {{calls_prefix}}<group> and {{step_calls_prefix}}<group>: the calls it issued in the
+-- step), how many calls it issued for each one timed. The collector picks the timed ones by the
+-- step's number (one micro-batch in N, one bucket in N), so the sample repeats every N steps.
+-- @column grp     the group
+-- @column period  calls issued over calls timed, the median over the steps read
+WITH m AS (
+    SELECT step, max(value) AS calls,
+           CASE WHEN starts_with(name, '{{step_calls_prefix}}') THEN substr(name, {{step_calls_prefix_len}} + 1)
+                ELSE substr(name, {{calls_prefix_len}} + 1) END AS grp
+    FROM metrics
+    WHERE rank = {{rank}} AND list_contains({{steps}}, step)
+      AND (starts_with(name, '{{calls_prefix}}') OR starts_with(name, '{{step_calls_prefix}}'))
+    GROUP BY ALL
+), t AS (
+    SELECT step, "group" AS grp, count(*) AS timed
+    FROM spans WHERE rank = {{rank}} AND list_contains({{steps}}, step) AND kind = 'collective'
+    GROUP BY ALL
+)
+SELECT grp, median(m.calls / t.timed) AS period FROM m JOIN t USING (step, grp) GROUP BY grp ORDER BY grp;
