@@ -5,7 +5,9 @@ Each rank of the bundled trainer runs in a network namespace of its own, joined 
 veth pair and a bridge, so gloo's traffic between any two ranks leaves one namespace and enters
 another (on one machine without this, it never leaves the loopback). In a fault run one rank's
 link is rate-limited both ways with a token bucket (``tc ... tbf``): a NIC that negotiated a lower
-speed, or a congested port, for that rank alone. Healthy runs limit nothing. The ranks rendezvous
+speed, or a congested port, for that rank alone; with ``--direction out`` (or ``in``) only what the
+rank sends (or receives) is limited: a NIC whose transmit side alone is slow, a one-way congested
+uplink. Healthy runs limit nothing. The ranks rendezvous
 through ``env://`` on rank 0's address; every other port is gloo's own, inside the namespaces.
 
 Scored as ``bench/detect_sweep.py`` scores its runs:
@@ -24,6 +26,7 @@ makes are named ``msl<pid>*`` and removed when it ends, a run that fails include
     python bench/slow_link.py -o /tmp/sl --seed 5                     # run and score (~15 min)
     python bench/slow_link.py -o /tmp/sl --score-only                 # score runs already there
     python bench/slow_link.py -o /tmp/sl --meshes 2x1x2 --rates 20,80 --healthy 1
+    python bench/slow_link.py -o /tmp/sl --direction out             # what the rank sends, only
 """
 
 from __future__ import annotations
@@ -103,15 +106,17 @@ class Links:
             self.make()
         return self
 
-    def limit(self, rank: int, mbit: float | None) -> None:
-        """Rate-limit ``rank``'s link both ways (None: no limit on any link)."""
+    def limit(self, rank: int, mbit: float | None, direction: str = "both") -> None:
+        """Rate-limit ``rank``'s link (None: no limit on any link): ``both`` ways, ``out`` (what it
+        sends: its own end's queue) or ``in`` (what it receives: the bridge end's queue)."""
         for r in range(self.ranks):
             for dev, ns in ((f"{self.tag}v{r}", None), ("eth0", self.ns(r))):
                 cmd = ["tc", "qdisc", "del", "dev", dev, "root"]
                 subprocess.run((["ip", "netns", "exec", ns] if ns else []) + cmd, capture_output=True)
         if mbit is None:
             return
-        for dev, ns in ((f"{self.tag}v{rank}", None), ("eth0", self.ns(rank))):
+        ends = {"in": [(f"{self.tag}v{rank}", None)], "out": [("eth0", self.ns(rank))]}
+        for dev, ns in ends.get(direction, ends["in"] + ends["out"]):
             _ip("tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{mbit:g}mbit", "burst", "64kb",
                 "latency", "500ms", ns=ns)
 
@@ -122,7 +127,8 @@ class Links:
         self.made.clear()
 
 
-def plan(meshes: list[tuple[int, int, int]], rates: list[float], healthy: int, seed: int) -> list[dict[str, Any]]:
+def plan(meshes: list[tuple[int, int, int]], rates: list[float], healthy: int, seed: int,
+         direction: str = "both") -> list[dict[str, Any]]:
     rng = random.Random(seed)
     runs: list[dict[str, Any]] = []
     for tp, pp, dp in meshes:
@@ -130,8 +136,9 @@ def plan(meshes: list[tuple[int, int, int]], rates: list[float], healthy: int, s
         mesh = f"{tp}x{pp}x{dp}"
         for mbit in rates:
             rank = rng.randrange(world)
-            runs.append({"name": f"{mesh}-link{mbit:g}-r{rank}", "mesh": [tp, pp, dp], "kind": "slow_link",
-                         "rank": rank, "mbit": mbit})
+            way = "" if direction == "both" else f"-{direction}"
+            runs.append({"name": f"{mesh}-link{mbit:g}{way}-r{rank}", "mesh": [tp, pp, dp], "kind": "slow_link",
+                         "rank": rank, "mbit": mbit, "direction": direction})
         for i in range(healthy):
             runs.append({"name": f"{mesh}-healthy{i}", "mesh": [tp, pp, dp], "kind": "healthy", "rank": None,
                          "mbit": None})
@@ -142,7 +149,7 @@ def plan(meshes: list[tuple[int, int, int]], rates: list[float], healthy: int, s
 def launch(r: dict[str, Any], links: Links, out: Path, *, steps: int, port: int) -> dict[str, Any]:
     tp, pp, dp = r["mesh"]
     world = tp * pp * dp
-    links.limit(r["rank"], r["mbit"])
+    links.limit(r["rank"], r["mbit"], r.get("direction", "both"))
     run_dir = out / r["name"]
     procs: list[subprocess.Popen[str]] = []
     logs = []
@@ -231,7 +238,8 @@ def table(rows: list[dict[str, Any]]) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for row in rows:
-        fault = "healthy" if row["kind"] == "healthy" else f"{row['mbit']:g} Mbit/s"
+        way = "" if row.get("direction", "both") == "both" else f" ({row['direction']} only)"
+        fault = "healthy" if row["kind"] == "healthy" else f"{row['mbit']:g} Mbit/s{way}"
         groups.setdefault(("x".join(map(str, row["mesh"])), fault), []).append(row)
     for (mesh, fault), group in sorted(groups.items()):
         scored = [g for g in group if "first_right" in g]
@@ -265,11 +273,13 @@ def main() -> int:
     parser.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=RATES_MBIT,
                         help="Mbit/s of the limited link, one fault run per rate and mesh.")
     parser.add_argument("--healthy", type=int, default=HEALTHY_PER_MESH, help="Healthy runs per mesh.")
+    parser.add_argument("--direction", choices=["both", "out", "in"], default="both",
+                        help="Which way the limited link is slow: both, what the rank sends, or what it receives.")
     parser.add_argument("--score-only", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _stop_running)
-    runs = plan(args.meshes, args.rates, args.healthy, args.seed)
+    runs = plan(args.meshes, args.rates, args.healthy, args.seed, args.direction)
     results = args.out / "sweep.jsonl"
     done = {}
     if results.exists():
