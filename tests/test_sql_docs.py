@@ -131,6 +131,12 @@ def executed(synth: Synth, tmp_path_factory: pytest.TempPathFactory,
                  spans=_sql.Raw(run.rank_source("spans", [4, 5]))).fetchall()
     # Read only for a rank named by its spans against its DP peers (a mesh without TP partners).
     _sql.execute(run.con, "stragglers", "step_compute", ranks=[4, 5]).fetchall()
+    # Read only for a rank named for its compute on a real run, to tell data arriving late.
+    _sql.execute(run.con, "stragglers", "group_members").fetchall()
+    _sql.execute(run.con, "stragglers", "late_completion", ranks=[4, 5], steps=[2, 3],
+                 spans=_sql.Raw(run.rank_source("spans", [4, 5]))).fetchall()
+    _sql.execute(run.con, "stragglers", "compute_outside_calls", ranks=[4, 5], steps=[2, 3],
+                 spans=_sql.Raw(run.rank_source("spans", [4, 5]))).fetchall()
     # Read only for a rank replayed on a real run (synth runs are not replayed).
     importlib.import_module("megascope.analysis.stragglers").sample_period(run, 5, [2, 3])
     return seen

@@ -943,6 +943,33 @@ def test_a_compute_straggler_whose_groups_read_slow_is_not_named_for_a_link(tmp_
     assert links.empty and not mates
 
 
+def test_a_link_slow_one_way_names_both_ends_not_the_receiver_for_its_compute(tmp_path: Path, cli: Any) -> None:
+    """tests/data/cpu-pp2-dp2-one-way-link: pp2 x dp2 on gloo, each rank in a network namespace of
+    its own, what rank 0 sends limited to 90 Mbit/s (what it receives not). Rank 1, its DP peer,
+    gets the gathered parameters late and its forward waits for them: it read 2.2x in its own time
+    and was named ``compute``, rank 0 not at all. Its calls complete later than rank 0's, summed per
+    step more than its excess own time, and its compute outside its calls is its peer's: both ends
+    of the group are named for their communication."""
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-pp2-dp2-one-way-link", tmp_path / "run"))
+    found = analysis.stragglers(run)
+    assert sorted(int(r) for r in found["rank"]) == [0, 1] and set(found["cause"]) == {"communication"}
+    for groups in found["slow_groups"]:
+        assert len(groups) == 1 and groups[0].startswith("dp:0 0>1 ") and groups[0].endswith("(late, either end)")
+    steps = list(range(1, 16))
+    lag = straggler_module._sql.query_df(run.con, "stragglers", "late_completion", ranks=[0, 1], steps=steps,
+                                         spans=straggler_module._sql.Raw(run.rank_source("spans", [0, 1])))
+    late = lag.groupby("rank")["lag_ns"].sum()
+    assert late[1] > 100e6 and late[0] < 0.05 * late[1]
+    compute = straggler_module._sql.query_df(run.con, "stragglers", "compute_outside_calls", ranks=[0, 1], steps=steps,
+                                             spans=straggler_module._sql.Raw(run.rank_source("spans", [0, 1])))
+    table = compute.pivot_table(index="step", columns="rank", values="compute")
+    assert float((table[1] / table[0]).median()) < 1.1
+    text = cli("report", str(tmp_path / "run"))
+    assert text.exit_code == 0 and text.output.count("data arriving slowly") == 2
+    assert text.output.count("communication  comm") == 2 and "STRAGGLERS (2)" in text.output
+
+
 def test_a_link_slower_than_its_end_s_own_time_names_both_ends_and_one_slower_does_not(tmp_path: Path) -> None:
     """tests/data/cpu-pp2-dp2-slow-link (rank 2 on a 60 Mbit/s link, its link to rank 0 read over
     5x both ways): were rank 2 named for its compute, the link still names both its ends, being

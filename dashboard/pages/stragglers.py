@@ -25,7 +25,8 @@ NAMES = {"steps_slow_frac": "steps slow", "slowdown": "slowdown vs peers (the me
          "phase": "where (largest excess)", "cpu_slowdown": "its CPU vs the median rank's (host probe)",
          "tp_compute_ratio": "compute outside TP calls vs its TP partners'",
          "dp_compute_ratio": "forward and backward vs its DP peers' (same stage)",
-         "slow_groups": "its groups' and pipeline links' transfers vs the others of their kind (a slow link)",
+         "slow_groups": "its slow groups and pipeline links: transfers vs the others of their kind, or calls "
+                       "completing late on the rank data flows into (a slow link)",
          "device_idle_frac": "its GPU idle, waiting for its host (share of its calls)"}
 
 

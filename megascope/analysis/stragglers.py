@@ -595,6 +595,85 @@ def _slow_links(run: Run, pool: pd.DataFrame, config: StragglerConfig,
     return pd.DataFrame(rows), mates - {int(r["rank"]) for r in rows}
 
 
+# A rank named for its compute whose collective calls complete later than their other members'
+# (sql/stragglers.sql, statement late_completion) by at least LATE_SHARE of its excess own time,
+# summed per step, and whose forward and backward less the calls inside them are under
+# ``min_named_slowdown`` times its stage peers' (statement compute_outside_calls), is slow in the
+# data arriving into it, not in its compute: a call completes on every member at about the same
+# time once the last one arrived, and a member whose data comes late completes late at every call.
+# Real gloo runs with one rank's sending side alone rate-limited (bench/slow_link.py --direction
+# out, 2026-11-30): on pp2 x dp2, pp3 x dp2 and dp4 the rank receiving from it was named
+# `compute` first (1.34-2.95 times its excess own time in late completions), the limited rank
+# first in none. Planted compute stragglers on CPU read 0.01-0.33 but for a sharded pipeline
+# stage's (1.01), whose compute outside its calls read 1.57x its peer's (x1.15-x1.2 stragglers:
+# 1.24-1.47x). On a device clock the measure does not hold (slow GPUs on dp2 complete their
+# asynchronous calls 2.0-2.8 times their excess late): host clocks only.
+LATE_SHARE = 0.5
+
+
+def _late_inbound(run: Run, frame: pd.DataFrame, pool: pd.DataFrame,
+                  config: StragglerConfig) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``frame`` (named rows) without the rows named for their compute whose excess is data
+    arriving late (see LATE_SHARE), and those rows again, cause ``communication``: in a group of
+    two, both ends of the slow direction (the sender's row from ``pool``, every rank's candidate
+    row), ``slow_groups`` "dp:0 3>1 312 ms a step late (late, either end)": the sender's link or
+    the receiver's; in a larger group the receiving rank alone, "... late (late, into it)"."""
+    none = frame.iloc[0:0]
+    idle = frame["device_idle_frac"] if "device_idle_frac" in frame else pd.Series(np.nan, index=frame.index)
+    pick = (frame["cause"] == "compute") & idle.isna() & (frame["median_ex_own_ns"].astype(float) > 0)
+    if not pick.any() or run.meta.source == RunSource.SYNTH:
+        return frame, none
+    stage = _stages(run)
+    ranks = sorted(int(r) for r in frame.loc[pick, "rank"])
+    members = {str(g): [int(r) for r in m] for g, m in _sql.execute(run.con, "stragglers", "group_members").fetchall()}
+    read = sorted(set(ranks).union(*(m for m in members.values() if set(m) & set(ranks))))
+    steps = clock_sample_steps([int(x) for (x,) in _sql.execute(run.con, "pipeline", "sample_steps").fetchall()],
+                               LINK_SAMPLE_STEPS)
+    if not steps:
+        return frame, none
+    lag = _sql.query_df(run.con, "stragglers", "late_completion", ranks=ranks, steps=steps,
+                        spans=_sql.Raw(run.rank_source("spans", read)))
+    rows: list[dict[str, Any]] = []
+    moved: set[int] = set()
+    pool_by_rank = {int(r): i for i, r in pool["rank"].items()}
+    comm = {"cause": "communication", "phase": "comm", "excess_ns": np.nan, "late_at": None, "spans_share": np.nan,
+            "z": np.nan}
+    for idx in frame.index[pick]:
+        rank = int(frame.at[idx, "rank"])
+        own = lag[lag["rank"] == rank]
+        late = float(own["lag_ns"].sum())
+        if late < LATE_SHARE * float(frame.at[idx, "median_ex_own_ns"]):
+            continue
+        peers = _stage_peers(stage, rank, PAUSE_PEERS)
+        compute = _sql.query_df(run.con, "stragglers", "compute_outside_calls", ranks=[rank, *peers], steps=steps,
+                                spans=_sql.Raw(run.rank_source("spans", [rank, *peers])))
+        table = compute.pivot_table(index="step", columns="rank", values="compute")
+        if rank not in table.columns or len(table.columns) < 2:
+            continue
+        ratio = float((table[rank] / table.drop(columns=[rank]).median(axis=1)).median())
+        if not ratio < config.min_named_slowdown:
+            continue
+        moved.add(rank)
+        base = {**frame.loc[idx].to_dict(), **comm}
+        base["slowdown"] = base["median_slowdown"]  # the receiving rank's own time over its peers'
+        for grp, ns in sorted(zip(own["grp"], own["lag_ns"].astype(float), strict=True), key=lambda g: -g[1]):
+            if ns < LATE_SHARE * late:
+                continue
+            others = [r for r in members.get(str(grp), []) if r != rank]
+            if len(others) == 1 and others[0] in pool_by_rank:
+                note = f"{grp} {others[0]}>{rank} {ns / 1e6:.0f} ms a step late (late, either end)"
+                rows.append({**base, "slow_groups": [note]})
+                sender = pool.loc[pool_by_rank[others[0]]].to_dict()
+                rows.append({**sender, **comm, "slowdown": base["slowdown"], "median_slowdown": base["median_slowdown"],
+                             "steps_slow_frac": base["steps_slow_frac"], "slow_groups": [note]})
+            else:
+                rows.append({**base, "slow_groups": [f"{grp} {ns / 1e6:.0f} ms a step late (late, into it)"]})
+    if not rows:
+        return frame, none
+    out = pd.DataFrame(rows).drop_duplicates(subset="rank")
+    return frame[~frame["rank"].isin(moved)], out
+
+
 def _dp_stretched(run: Run, pool: pd.DataFrame, sizes: dict[str, int], config: StragglerConfig,
                   named: set[int]) -> pd.DataFrame:
     """Rows of ``pool`` (every rank's candidate row) for the ranks not in ``named`` whose compute
@@ -760,6 +839,9 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
         out_comm["excess_ns"] = np.nan
         out_comm["late_at"] = None
         out_comm["spans_share"] = np.nan
+    out_late = out_own.iloc[0:0]
+    if not out_own.empty:
+        out_own, out_late = _late_inbound(run, out_own, c, config)
     computing = ({int(r) for r, cause in zip(out_own["rank"], out_own["cause"], strict=True) if cause == "compute"}
                  if "cause" in out_own else set())
     out_link, mates = _slow_links(run, c, config, computing)
@@ -768,7 +850,9 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
         gone_ranks = mates | set(out_link["rank"])
         out_own = out_own[~out_own["rank"].isin(gone_ranks)]
         out_comm = out_comm[~out_comm["rank"].isin(gone_ranks)]
-    parts = [f for f in (out_link, out_own, out_comm) if not f.empty]
+        out_late = out_late[~out_late["rank"].isin(out_link["rank"])]
+    out_comm = out_comm[~out_comm["rank"].isin(out_late["rank"])]
+    parts = [f for f in (out_link, out_late, out_own, out_comm) if not f.empty]
     if not parts:
         return _empty(COLUMNS), _dismissed_frame(run, gone)
     out = pd.concat(parts, ignore_index=True)

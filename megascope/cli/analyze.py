@@ -87,8 +87,17 @@ def _print_report(r: dict[str, Any]) -> None:
                 click.echo(f"  rank {s['rank']}: forward and backward {dp:.2f}x its data-parallel peers' at its stage "
                            "(its replica waits for it, so its own time stands out less)")
             groups = (s.get("evidence") or {}).get("slow_groups")
-            either = [g.removesuffix(" (either end)") for g in groups or [] if g.endswith(" (either end)")]
-            if either:
+            late = [g for g in groups or [] if "(late, " in g]
+            either = [g.removesuffix(" (either end)") for g in groups or [] if g.endswith(" (either end)")
+                      and "(late, " not in g]
+            if late:
+                ends = "; ".join(g.removesuffix(" (late, either end)").removesuffix(" (late, into it)") for g in late)
+                where = ("a slow link or NIC under one of the two ends, which nothing else tells apart"
+                         if late[0].endswith("(late, either end)") else
+                         "a slow link or NIC under it, or under the rank that sends to it")
+                click.echo(f"  rank {s['rank']}: calls completing later on the receiving rank than on the others "
+                           f"({ends}), its compute outside them as its peers': data arriving slowly: {where}")
+            elif either:
                 click.echo(f"  rank {s['rank']}: its pipeline link transfers slowly both ways against the other links "
                            f"between the same stages ({', '.join(either)}): a slow link or NIC under this rank or "
                            "under the link's other end, which nothing else tells apart")

@@ -390,6 +390,12 @@ WHERE list_contains({{ranks}}, rank) AND step > (SELECT min(step) FROM ms_cache.
   AND forward_ns + backward_ns > 0
 ORDER BY rank, step;
 
+-- @statement group_members
+-- Every collective group and its members, from the groups table.
+-- @column grp      the group id
+-- @column members  its global ranks
+SELECT "group" AS grp, any_value(members) AS members FROM groups GROUP BY "group" ORDER BY "group";
+
 -- @statement tp_members
 -- The TP groups and their members, from the groups table.
 -- @column grp      the group id
@@ -512,3 +518,55 @@ SELECT 'p2p:' || src || '>' || dst AS grp, 'p2p' AS kind, [src, dst] AS members,
 FROM r WHERE ratio IS NOT NULL
 GROUP BY src, dst
 ORDER BY ratio DESC, grp;
+
+-- @statement late_completion
+-- For each rank of {{ranks}} and each collective group it is in: how much later than the group's
+-- earliest member it completed its calls, summed per step over the group's calls with two members
+-- or more, the median over steps {{steps}}; read from {{spans}} (the files of the groups' members),
+-- on the reference clock. A call completes on every member at about the same time once the last
+-- one arrived; a member whose data arrives late (a slow link into it, or out of its partner)
+-- completes later than the others at every call.
+-- @column rank, grp  the rank and the group
+-- @column lag_ns     its summed completion lag per step, the median over the steps read
+-- @column steps      steps read
+WITH c AS (
+    SELECT s.rank, s.step, s."group" AS grp, s.seq, s.start_ns + s.dur_ns + coalesce(k.offset_ns, 0) AS e
+    FROM {{spans}} s LEFT JOIN ms_cache.rank_clock k USING (rank)
+    WHERE s.kind = 'collective' AND s."group" IS NOT NULL AND s.seq IS NOT NULL AND list_contains({{steps}}, s.step)
+), l AS (
+    SELECT rank, step, grp, e - min(e) OVER (PARTITION BY grp, seq) AS lag, count(*) OVER (PARTITION BY grp, seq) AS n
+    FROM c
+), per AS (
+    SELECT rank, grp, step, sum(lag) AS lag FROM l WHERE n >= 2 AND list_contains({{ranks}}, rank) GROUP BY ALL
+)
+SELECT rank, grp, median(lag) AS lag_ns, count(*) AS steps FROM per GROUP BY rank, grp ORDER BY rank, grp;
+
+-- @statement compute_outside_calls
+-- The top-level forward and backward spans of the ranks in {{ranks}} less the collective calls
+-- and the waits for asynchronous ones (`<name>:wait` spans) made inside them (the part of each
+-- within a span), per step of {{steps}}, read from
+-- {{spans}} (those ranks' files only) on each rank's own clock. A call inside a span holds the
+-- data arriving into the rank: a slow link into it stretches its spans, not its compute.
+-- @column rank     the rank
+-- @column step     the step
+-- @column compute  its forward and backward spans less the calls inside them, at least 0
+WITH sp AS (
+    SELECT rank, step, kind, name, start_ns AS s, start_ns + dur_ns AS e
+    FROM {{spans}}
+    WHERE list_contains({{ranks}}, rank)
+      AND (list_contains({{steps}}, step) AND kind IN ('forward', 'backward') AND name IN ('forward', 'backward')
+           -- a call of the step before may be waited for in this one's forward
+           OR (list_contains({{steps}}, step) OR list_contains({{steps}}, step + 1))
+              AND (kind = 'collective' OR kind = 'other' AND ends_with(name, ':wait')))
+), fb AS (
+    SELECT rank, step, s, e FROM sp WHERE kind IN ('forward', 'backward')
+), inside AS (
+    SELECT f.rank, f.step, sum(least(c.e, f.e) - greatest(c.s, f.s)) AS calls
+    FROM fb f JOIN sp c ON c.kind NOT IN ('forward', 'backward') AND c.rank = f.rank AND c.s < f.e AND c.e > f.s
+    GROUP BY ALL
+), per AS (
+    SELECT rank, step, sum(e - s) AS spans FROM fb GROUP BY ALL
+)
+SELECT p.rank, p.step, greatest(p.spans - coalesce(i.calls, 0), 0)::DOUBLE AS compute
+FROM per p LEFT JOIN inside i USING (rank, step)
+ORDER BY p.rank, p.step;
