@@ -958,6 +958,7 @@ def test_a_link_slow_one_way_names_both_ends_not_the_receiver_for_its_compute(tm
         assert len(groups) == 1 and groups[0].startswith("dp:0 0>1 ") and groups[0].endswith("(late, either end)")
     steps = list(range(1, 16))
     lag = straggler_module._sql.query_df(run.con, "stragglers", "late_completion", ranks=[0, 1], steps=steps,
+                                         max_members=straggler_module.LATE_GROUP_MAX,
                                          spans=straggler_module._sql.Raw(run.rank_source("spans", [0, 1])))
     late = lag.groupby("rank")["lag_ns"].sum()
     assert late[1] > 100e6 and late[0] < 0.05 * late[1]

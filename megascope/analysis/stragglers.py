@@ -609,6 +609,9 @@ def _slow_links(run: Run, pool: pd.DataFrame, config: StragglerConfig,
 # 1.24-1.47x). On a device clock the measure does not hold (slow GPUs on dp2 complete their
 # asynchronous calls 2.0-2.8 times their excess late): host clocks only.
 LATE_SHARE = 0.5
+# Groups read for late completions: at most this many members (every member's spans are read), and
+# not the world's. Steps: as many as the pipeline links read (LINK_SAMPLE_STEPS, fewer past 1,024 ranks).
+LATE_GROUP_MAX = 64
 
 
 def _late_inbound(run: Run, frame: pd.DataFrame, pool: pd.DataFrame,
@@ -625,13 +628,15 @@ def _late_inbound(run: Run, frame: pd.DataFrame, pool: pd.DataFrame,
         return frame, none
     stage = _stages(run)
     ranks = sorted(int(r) for r in frame.loc[pick, "rank"])
-    members = {str(g): [int(r) for r in m] for g, m in _sql.execute(run.con, "stragglers", "group_members").fetchall()}
+    members = {str(g): [int(r) for r in m] for g, m in _sql.execute(
+        run.con, "stragglers", "group_members", max_members=LATE_GROUP_MAX).fetchall()}
     read = sorted(set(ranks).union(*(m for m in members.values() if set(m) & set(ranks))))
+    count = max(4, min(LINK_SAMPLE_STEPS, LINK_SAMPLE_STEPS * 1024 // max(len(pool), 1)))
     steps = clock_sample_steps([int(x) for (x,) in _sql.execute(run.con, "pipeline", "sample_steps").fetchall()],
-                               LINK_SAMPLE_STEPS)
+                               count)
     if not steps:
         return frame, none
-    lag = _sql.query_df(run.con, "stragglers", "late_completion", ranks=ranks, steps=steps,
+    lag = _sql.query_df(run.con, "stragglers", "late_completion", ranks=ranks, steps=steps, max_members=LATE_GROUP_MAX,
                         spans=_sql.Raw(run.rank_source("spans", read)))
     rows: list[dict[str, Any]] = []
     moved: set[int] = set()

@@ -391,10 +391,13 @@ WHERE list_contains({{ranks}}, rank) AND step > (SELECT min(step) FROM ms_cache.
 ORDER BY rank, step;
 
 -- @statement group_members
--- Every collective group and its members, from the groups table.
+-- The collective groups of {{max_members}} members or fewer but the world's, and their members,
+-- from the groups table.
 -- @column grp      the group id
 -- @column members  its global ranks
-SELECT "group" AS grp, any_value(members) AS members FROM groups GROUP BY "group" ORDER BY "group";
+SELECT "group" AS grp, any_value(members) AS members FROM groups
+WHERE kind <> 'world' AND len(members) <= {{max_members}}
+GROUP BY "group" ORDER BY "group";
 
 -- @statement tp_members
 -- The TP groups and their members, from the groups table.
@@ -520,10 +523,10 @@ GROUP BY src, dst
 ORDER BY ratio DESC, grp;
 
 -- @statement late_completion
--- For each rank of {{ranks}} and each collective group it is in: how much later than the group's
--- earliest member it completed its calls, summed per step over the group's calls with two members
--- or more, the median over steps {{steps}}; read from {{spans}} (the files of the groups' members),
--- on the reference clock. A call completes on every member at about the same time once the last
+-- For each rank of {{ranks}} and each collective group it is in (the world's and groups of more
+-- than {{max_members}} left out): how much later than the group's earliest member it completed
+-- its calls, summed per step over the group's calls with two members or more, the median over
+-- steps {{steps}}; read from {{spans}} (the files of the groups' members), on the reference clock. A call completes on every member at about the same time once the last
 -- one arrived; a member whose data arrives late (a slow link into it, or out of its partner)
 -- completes later than the others at every call.
 -- @column rank, grp  the rank and the group
@@ -532,7 +535,8 @@ ORDER BY ratio DESC, grp;
 WITH c AS (
     SELECT s.rank, s.step, s."group" AS grp, s.seq, s.start_ns + s.dur_ns + coalesce(k.offset_ns, 0) AS e
     FROM {{spans}} s LEFT JOIN ms_cache.rank_clock k USING (rank)
-    WHERE s.kind = 'collective' AND s."group" IS NOT NULL AND s.seq IS NOT NULL AND list_contains({{steps}}, s.step)
+    WHERE s.kind = 'collective' AND s.seq IS NOT NULL AND list_contains({{steps}}, s.step)
+      AND s."group" IN (SELECT "group" FROM groups WHERE kind <> 'world' AND len(members) <= {{max_members}})
 ), l AS (
     SELECT rank, step, grp, e - min(e) OVER (PARTITION BY grp, seq) AS lag, count(*) OVER (PARTITION BY grp, seq) AS n
     FROM c
