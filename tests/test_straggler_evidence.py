@@ -971,6 +971,31 @@ def test_a_link_slow_one_way_names_both_ends_not_the_receiver_for_its_compute(tm
     assert text.output.count("communication  comm") == 2 and "STRAGGLERS (2)" in text.output
 
 
+def test_a_link_slow_into_a_rank_only_names_it(tmp_path: Path, cli: Any) -> None:
+    """tests/data/cpu-pp4-dp2-one-way-in: pp4 x dp2 on gloo, each rank in a network namespace of
+    its own, what rank 3 (stage 1) receives limited to 40 Mbit/s, what it sends not. Its two links
+    read 13x and 22x into it and under 1.5x out of it: slow both ways neither, so nothing was
+    named, the job 2x slower than healthy. Every direction into it is slow one way: it alone is
+    named. On a GPU run the one-way rule is off (a slow GPU's pipeline read 5.35x one way)."""
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-pp4-dp2-one-way-in", tmp_path / "run"))
+    found = analysis.stragglers(run)
+    assert list(found["rank"]) == [3] and found.iloc[0]["cause"] == "communication"
+    assert sorted(g.split()[0] for g in found.iloc[0]["slow_groups"]) == ["p2p:1>3", "p2p:5>3"]
+    assert all(g.endswith("(into it)") for g in found.iloc[0]["slow_groups"])
+    edges = {(a, b): r for a, b, _, r, _ in straggler_module._slow_edges(run, 8)}
+    assert min(edges[(1, 3)], edges[(5, 3)]) >= straggler_module.ONE_WAY_BAR
+    assert max(edges[(3, 1)], edges[(3, 5)]) < straggler_module.LINK_BAR
+    assert straggler_module._slow_pairs(run, 8).empty
+    text = cli("report", str(tmp_path / "run"))
+    assert text.exit_code == 0 and "slow one way only" in text.output and "what this rank receives" in text.output
+
+    gpu = open_run(shutil.copytree(Path(__file__).parent / "data" / "gpu-tp-partner", tmp_path / "gpu"))
+    pool = straggler_module._candidates(gpu, StragglerConfig())[0]
+    assert max(r for *_, r, _ in straggler_module._slow_edges(gpu, len(pool))) >= straggler_module.ONE_WAY_BAR
+    assert straggler_module._one_way_links(gpu, pool, StragglerConfig(), set()).empty
+
+
 def test_a_link_slower_than_its_end_s_own_time_names_both_ends_and_one_slower_does_not(tmp_path: Path) -> None:
     """tests/data/cpu-pp2-dp2-slow-link (rank 2 on a 60 Mbit/s link, its link to rank 0 read over
     5x both ways): were rank 2 named for its compute, the link still names both its ends, being
@@ -996,8 +1021,8 @@ def test_a_slow_pipeline_link_nothing_else_locates_names_both_its_ends(tmp_path:
     has one pipeline link and a DP group with no peer group at its stage: the slow link 0<>2 is
     told, its end is not. Both ends are named, "either end", and not rank 0 alone for its host
     (as before pipeline links were compared: its own time doubled beside the link it sends on).
-    A link slow one way only is noise, not a link: with the direction 2>0 read as the other
-    replica's, nothing is named for a link."""
+    With the direction 2>0 read as the other replica's, the link is slow one way only: no pair,
+    nothing named for a slow link both ways, and the one-way rule names both its ends."""
     straggler_module = importlib.import_module("megascope.analysis.stragglers")
     run = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-pp2-dp2-slow-link", tmp_path / "run"))
     found = analysis.stragglers(run)
@@ -1020,8 +1045,12 @@ def test_a_slow_pipeline_link_nothing_else_locates_names_both_its_ends(tmp_path:
     monkeypatch.setattr(straggler_module.persist, "memo_get", lambda con, name: None)  # not the kept pairs
     config = straggler_module.StragglerConfig()
     assert straggler_module._slow_pairs(run, 4).empty
-    links, mates = straggler_module._slow_links(run, straggler_module._candidates(run, config)[0], config)
+    pool = straggler_module._candidates(run, config)[0]
+    links, mates = straggler_module._slow_links(run, pool, config)
     assert links.empty and not mates
+    one_way = straggler_module._one_way_links(run, pool, config, set())
+    assert sorted(one_way["rank"]) == [0, 2]
+    assert all(g == [f"p2p:0>2 {g[0].split()[1]} (one way, either end)"] for g in one_way["slow_groups"])
 
 
 def test_a_rank_whose_spans_hold_slow_tp_transfers_is_not_named_for_its_compute(tmp_path: Path) -> None:

@@ -500,30 +500,94 @@ LINK_BAR = 1.5
 LINK_SAMPLE_STEPS = 16
 
 
+def _link_steps(run: Run, ranks: int) -> list[int]:
+    """The steps the pipeline links (and late completions) are read over, see LINK_SAMPLE_STEPS;
+    ``ranks``: the run's."""
+    count = max(4, min(LINK_SAMPLE_STEPS, LINK_SAMPLE_STEPS * 1024 // max(ranks, 1)))
+    return clock_sample_steps([int(s) for (s,) in _sql.execute(run.con, "pipeline", "sample_steps").fetchall()], count)
+
+
+def _slow_edges(run: Run, ranks: int) -> list[tuple[int, int, int, float, float]]:
+    """Each pipeline direction (sender, receiver) as sql/stragglers.sql's statement slow_edges reads
+    it over :func:`_link_steps`: (sender, receiver, steps, ratio, slow_frac). Kept beside the run's
+    analysis (a second report reads them back)."""
+    kept = persist.memo_get(run.con, "slow_edges")
+    if isinstance(kept, list):
+        return [(int(a), int(b), int(n), float(r), float(f)) for a, b, n, r, f in kept]
+    edges = _sql.query_df(run.con, "stragglers", "slow_edges", bar=LINK_BAR, steps=_link_steps(run, ranks) or [-1])
+    rows = [(int(row.members[0]), int(row.members[1]), int(row.steps), float(row.ratio), float(row.slow_frac))
+            for row in edges.itertuples() if pd.notna(row.ratio)]
+    persist.memo_put(run.con, "slow_edges", [list(r) for r in rows])
+    return rows
+
+
 def _slow_pairs(run: Run, ranks: int) -> pd.DataFrame:
     """The pipeline links slow both ways (each direction's median at LINK_BAR or more;
-    sql/stragglers.sql, statement slow_edges, over a sample of the steps, see LINK_SAMPLE_STEPS;
-    ``ranks``: the run's), one row per pair of ranks, in slow_groups' columns: ``grp``
-    "p2p:S<>R", ``kind`` "p2p", the lesser of its two directions' ``ratio`` and ``slow_frac``.
-    Kept beside the run's analysis (a second report reads them back)."""
+    :func:`_slow_edges`; ``ranks``: the run's), one row per pair of ranks, in slow_groups'
+    columns: ``grp`` "p2p:S<>R", ``kind`` "p2p", the lesser of its two directions' ``ratio`` and
+    ``slow_frac``."""
     columns = ["grp", "kind", "members", "steps", "ratio", "slow_frac"]
-    kept = persist.memo_get(run.con, "slow_pairs")
-    if isinstance(kept, list):
-        return pd.DataFrame(kept, columns=columns)
-    count = max(4, min(LINK_SAMPLE_STEPS, LINK_SAMPLE_STEPS * 1024 // max(ranks, 1)))
-    steps = clock_sample_steps([int(s) for (s,) in _sql.execute(run.con, "pipeline", "sample_steps").fetchall()],
-                               count)
-    edges = _sql.query_df(run.con, "stragglers", "slow_edges", bar=LINK_BAR, steps=steps or [-1])
     pairs: dict[tuple[int, int], list[tuple[float, float, int]]] = {}
-    for row in edges.itertuples():
-        src, dst = (int(r) for r in row.members)
-        pairs.setdefault((min(src, dst), max(src, dst)), []).append(
-            (float(row.ratio), float(row.slow_frac), int(row.steps)))
+    for src, dst, steps, ratio, frac in _slow_edges(run, ranks):
+        pairs.setdefault((min(src, dst), max(src, dst)), []).append((ratio, frac, steps))
     rows = [[f"p2p:{a}<>{b}", "p2p", [a, b], min(n for *_, n in both), min(r for r, *_ in both),
              min(f for _, f, _ in both)]
             for (a, b), both in sorted(pairs.items()) if len(both) == 2 and min(r for r, *_ in both) >= LINK_BAR]
-    persist.memo_put(run.con, "slow_pairs", rows)
     return pd.DataFrame(rows, columns=columns)
+
+
+# A pipeline link slow one way (a NIC whose transmit or receive side alone is slow): each
+# direction is compared as slow_edges reads it, and noise reads one direction alone up to 2.43x
+# (the kept CPU runs; a 1.7x compute straggler's link on pp4 x dp2). A direction at ONE_WAY_BAR or
+# more, in ``min_frac`` of the steps, is a slow link one way: a rank every one of whose directions
+# in (or out), two or more, is such, is named alone ("into it", "out of it"); a slow direction
+# nothing else tells names both its ends ("either end"). Real gloo runs with one rank's receiving
+# side limited (bench/slow_link.py --direction in, pp4 x dp2, 2026-11-30): 40 Mbit/s, both links
+# into a middle stage's rank 13x and 22x; 120 Mbit/s, a first stage's one link in 3.8x; nothing
+# named before. Not on GPU runs (a GPU named in run.json): there a pipeline's transfers,
+# timed on the device, read one way up to 5.35x in a run with no slow link (tests/data/gpu-tp-partner,
+# a slow GPU on tp2 x pp2).
+ONE_WAY_BAR = 3.0
+
+
+def _one_way_links(run: Run, pool: pd.DataFrame, config: StragglerConfig, told: AbstractSet[int]) -> pd.DataFrame:
+    """Rows of ``pool`` (every rank's candidate row) for slow links one way (see ONE_WAY_BAR),
+    cause ``communication``, leaving out directions with an end in ``told`` (ranks named already)
+    and links slow both ways (:func:`_slow_pairs` names those)."""
+    if (run.meta.device_name or "cpu").lower() != "cpu":
+        return pool.iloc[0:0]
+    edges = _slow_edges(run, len(pool))
+    ratio = {(a, b): r for a, b, _, r, _ in edges}
+    slow = [(a, b, r, f) for a, b, _, r, f in edges
+            if r >= ONE_WAY_BAR and f >= config.min_frac and ratio.get((b, a), 0.0) < LINK_BAR
+            and not {a, b} & set(told)]
+    if not slow:
+        return pool.iloc[0:0]
+    pool_by_rank = {int(r): i for i, r in pool["rank"].items()}
+    rows: dict[int, dict[str, Any]] = {}
+
+    def name(rank: int, notes: list[str], worst: float, frac: float) -> None:
+        if rank in pool_by_rank and rank not in rows:
+            rows[rank] = {**pool.loc[pool_by_rank[rank]].to_dict(), "cause": "communication", "phase": "comm",
+                          "slowdown": worst, "median_slowdown": worst, "steps_slow_frac": frac, "excess_ns": np.nan,
+                          "late_at": None, "spans_share": np.nan, "slow_groups": notes, "z": np.nan}
+
+    explained: set[tuple[int, int]] = set()
+    for end, side in ((1, "into it"), (0, "out of it")):
+        by_rank: dict[int, list[tuple[int, int, float, float]]] = {}
+        for a, b, r, f in slow:
+            by_rank.setdefault((a, b)[end], []).append((a, b, r, f))
+        for rank, mine in sorted(by_rank.items()):
+            every = [e for e in edges if (e[0], e[1])[end] == rank]
+            if len(every) >= 2 and len(mine) == len(every):
+                name(rank, [f"p2p:{a}>{b} {r:.2f}x ({side})" for a, b, r, _ in mine],
+                     min(r for *_, r, _ in mine), min(f for *_, f in mine))
+                explained.update((a, b) for a, b, _, _ in mine)
+    for a, b, r, f in slow:
+        if (a, b) not in explained and not {a, b} & rows.keys():
+            for rank in (a, b):
+                name(rank, [f"p2p:{a}>{b} {r:.2f}x (one way, either end)"], r, f)
+    return pd.DataFrame(list(rows.values())) if rows else pool.iloc[0:0]
 
 
 def _slow_links(run: Run, pool: pd.DataFrame, config: StragglerConfig,
@@ -631,9 +695,7 @@ def _late_inbound(run: Run, frame: pd.DataFrame, pool: pd.DataFrame,
     members = {str(g): [int(r) for r in m] for g, m in _sql.execute(
         run.con, "stragglers", "group_members", max_members=LATE_GROUP_MAX).fetchall()}
     read = sorted(set(ranks).union(*(m for m in members.values() if set(m) & set(ranks))))
-    count = max(4, min(LINK_SAMPLE_STEPS, LINK_SAMPLE_STEPS * 1024 // max(len(pool), 1)))
-    steps = clock_sample_steps([int(x) for (x,) in _sql.execute(run.con, "pipeline", "sample_steps").fetchall()],
-                               count)
+    steps = _link_steps(run, len(pool))
     if not steps:
         return frame, none
     lag = _sql.query_df(run.con, "stragglers", "late_completion", ranks=ranks, steps=steps, max_members=LATE_GROUP_MAX,
@@ -857,7 +919,10 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
         out_comm = out_comm[~out_comm["rank"].isin(gone_ranks)]
         out_late = out_late[~out_late["rank"].isin(out_link["rank"])]
     out_comm = out_comm[~out_comm["rank"].isin(out_late["rank"])]
-    parts = [f for f in (out_link, out_late, out_own, out_comm) if not f.empty]
+    told = {int(r) for f in (out_link, out_late, out_own) for r in f["rank"]} | mates
+    out_oneway = _one_way_links(run, c, config, told)
+    out_comm = out_comm[~out_comm["rank"].isin(out_oneway["rank"])]
+    parts = [f for f in (out_link, out_late, out_oneway, out_own, out_comm) if not f.empty]
     if not parts:
         return _empty(COLUMNS), _dismissed_frame(run, gone)
     out = pd.concat(parts, ignore_index=True)

@@ -90,7 +90,14 @@ def _print_report(r: dict[str, Any]) -> None:
             late = [g for g in groups or [] if "(late, " in g]
             either = [g.removesuffix(" (either end)") for g in groups or [] if g.endswith(" (either end)")
                       and "(late, " not in g]
-            if late:
+            one_way = [g for g in groups or [] if g.endswith(("(into it)", "(out of it)", "(one way, either end)"))]
+            if one_way:
+                side = ("what this rank receives" if one_way[0].endswith("(into it)") else
+                        "what this rank sends" if one_way[0].endswith("(out of it)") else
+                        "one side of this rank's link or of the other end's, which nothing else tells apart")
+                click.echo(f"  rank {s['rank']}: pipeline transfers slow one way only against the other links "
+                           f"between the same stages ({', '.join(one_way)}): a slow link or NIC, {side}")
+            elif late:
                 ends = "; ".join(g.removesuffix(" (late, either end)").removesuffix(" (late, into it)") for g in late)
                 where = ("a slow link or NIC under one of the two ends, which nothing else tells apart"
                          if late[0].endswith("(late, either end)") else
