@@ -500,6 +500,15 @@ LINK_BAR = 1.5
 LINK_SAMPLE_STEPS = 16
 
 
+def _link_row(row: dict[str, Any], slowdown: float, frac: float, notes: list[str]) -> dict[str, Any]:
+    """A candidate ``row`` named for a slow link: cause ``communication``, phase ``comm``, its
+    ``slowdown`` and ``steps_slow_frac`` those of the link's measure, ``slow_groups`` ``notes``; no
+    own-time evidence (the evidence is the link's transfers)."""
+    return {**row, "cause": "communication", "phase": "comm", "slowdown": slowdown, "median_slowdown": slowdown,
+            "steps_slow_frac": frac, "excess_ns": np.nan, "late_at": None, "spans_share": np.nan,
+            "slow_groups": notes, "z": np.nan}
+
+
 def _link_steps(run: Run, ranks: int) -> list[int]:
     """The steps the pipeline links (and late completions) are read over, see LINK_SAMPLE_STEPS;
     ``ranks``: the run's."""
@@ -568,9 +577,7 @@ def _one_way_links(run: Run, pool: pd.DataFrame, config: StragglerConfig, told: 
 
     def name(rank: int, notes: list[str], worst: float, frac: float) -> None:
         if rank in pool_by_rank and rank not in rows:
-            rows[rank] = {**pool.loc[pool_by_rank[rank]].to_dict(), "cause": "communication", "phase": "comm",
-                          "slowdown": worst, "median_slowdown": worst, "steps_slow_frac": frac, "excess_ns": np.nan,
-                          "late_at": None, "spans_share": np.nan, "slow_groups": notes, "z": np.nan}
+            rows[rank] = _link_row(pool.loc[pool_by_rank[rank]].to_dict(), worst, frac, notes)
 
     explained: set[tuple[int, int]] = set()
     for end, side in ((1, "into it"), (0, "out of it")):
@@ -620,12 +627,9 @@ def _slow_links(run: Run, pool: pd.DataFrame, config: StragglerConfig,
     pool_by_rank = {int(r): i for i, r in pool["rank"].items()}
 
     def row_of(rank: int, own: list[tuple[str, str, float, float, bool]], note: str = "") -> dict[str, Any]:
-        worst = min(ratio for _, _, ratio, _, _ in own)
-        return {**pool.loc[pool_by_rank[rank]].to_dict(), "cause": "communication", "phase": "comm",
-                "slowdown": worst, "median_slowdown": worst, "steps_slow_frac": min(frac for _, _, _, frac, _ in own),
-                "excess_ns": np.nan, "late_at": None, "spans_share": np.nan,
-                "slow_groups": [f"{grp} {ratio:.2f}x{note}" for grp, _, ratio, _, _ in sorted(own, key=lambda g: -g[2])],
-                "z": np.nan}  # the evidence is its groups' transfers, not its own time
+        return _link_row(pool.loc[pool_by_rank[rank]].to_dict(), min(ratio for _, _, ratio, _, _ in own),
+                         min(frac for _, _, _, frac, _ in own),
+                         [f"{grp} {ratio:.2f}x{note}" for grp, _, ratio, _, _ in sorted(own, key=lambda g: -g[2])])
 
     def slower_than(rank: int, ratio: float) -> bool:
         """A rank named for its compute whose own time reads slower than ``ratio``: its links and
@@ -703,8 +707,6 @@ def _late_inbound(run: Run, frame: pd.DataFrame, pool: pd.DataFrame,
     rows: list[dict[str, Any]] = []
     moved: set[int] = set()
     pool_by_rank = {int(r): i for i, r in pool["rank"].items()}
-    comm = {"cause": "communication", "phase": "comm", "excess_ns": np.nan, "late_at": None, "spans_share": np.nan,
-            "z": np.nan}
     for idx in frame.index[pick]:
         rank = int(frame.at[idx, "rank"])
         own = lag[lag["rank"] == rank]
@@ -721,20 +723,19 @@ def _late_inbound(run: Run, frame: pd.DataFrame, pool: pd.DataFrame,
         if not ratio < config.min_named_slowdown:
             continue
         moved.add(rank)
-        base = {**frame.loc[idx].to_dict(), **comm}
-        base["slowdown"] = base["median_slowdown"]  # the receiving rank's own time over its peers'
+        row = frame.loc[idx].to_dict()
+        # Both ends read the receiving rank's own time over its peers'.
+        slowdown, frac = float(row["median_slowdown"]), float(row["steps_slow_frac"])
         for grp, ns in sorted(zip(own["grp"], own["lag_ns"].astype(float), strict=True), key=lambda g: -g[1]):
             if ns < LATE_SHARE * late:
                 continue
             others = [r for r in members.get(str(grp), []) if r != rank]
             if len(others) == 1 and others[0] in pool_by_rank:
-                note = f"{grp} {others[0]}>{rank} {ns / 1e6:.0f} ms a step late (late, either end)"
-                rows.append({**base, "slow_groups": [note]})
-                sender = pool.loc[pool_by_rank[others[0]]].to_dict()
-                rows.append({**sender, **comm, "slowdown": base["slowdown"], "median_slowdown": base["median_slowdown"],
-                             "steps_slow_frac": base["steps_slow_frac"], "slow_groups": [note]})
+                note = [f"{grp} {others[0]}>{rank} {ns / 1e6:.0f} ms a step late (late, either end)"]
+                rows.append(_link_row(row, slowdown, frac, note))
+                rows.append(_link_row(pool.loc[pool_by_rank[others[0]]].to_dict(), slowdown, frac, note))
             else:
-                rows.append({**base, "slow_groups": [f"{grp} {ns / 1e6:.0f} ms a step late (late, into it)"]})
+                rows.append(_link_row(row, slowdown, frac, [f"{grp} {ns / 1e6:.0f} ms a step late (late, into it)"]))
     if not rows:
         return frame, none
     out = pd.DataFrame(rows).drop_duplicates(subset="rank")
