@@ -749,6 +749,21 @@ def test_a_mild_slow_rank_of_a_pipeline_replica_is_not_shaded_by_its_own_wake(tm
     assert list(found["rank"]) == [0] and found.iloc[0]["cause"] == "compute"
 
 
+def test_a_slow_stage_is_named_before_the_later_stage_of_its_replica_that_carries_its_wake(tmp_path: Path) -> None:
+    """tests/data/cpu-pp4-dp2-wake: the same mesh, rank 0 (stage 0, replica 0) planted 1.25x slow,
+    8 ranks on two cores. Rank 4, stage 2 of the same replica, reaches its DP calls late behind it
+    and, its compute sharing the cores with rank 0's, reads slow too: its combined evidence (the
+    waits it causes its DP peer, its late arrivals) is the run's strongest. Its own spans stretch
+    far less than rank 0's; rank 0 is named first."""
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-pp4-dp2-wake", tmp_path / "run"))
+    found = analysis.stragglers(run).set_index("rank", drop=False)
+    assert set(found["rank"]) == {0, 4} and set(found["cause"]) == {"compute"}
+    assert int(found.at[0, "dp"]) == int(found.at[4, "dp"]) and int(found.at[0, "pp"]) < int(found.at[4, "pp"])
+    assert found.at[4, "z"] > found.at[0, "z"]  # by the combined evidence rank 4 would come first
+    assert found.at[0, "t_spans"] > 2 * found.at[4, "t_spans"]
+    assert list(found["rank"]) == [0, 4]
+
+
 def test_a_healthy_pipeline_and_data_parallel_run_names_no_rank_by_its_spans(tmp_path: Path) -> None:
     """tests/data/cpu-pp4-dp2-healthy: the same mesh with nothing planted. The largest span ratio
     against a DP peer (1.15x, rank 6) stays under the bar, and no rank is named."""

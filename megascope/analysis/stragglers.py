@@ -942,13 +942,31 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
     out["_z"] = out["z"].astype(float).where(out["cause"] != "communication", -np.inf)
     if "slow_groups" in out:
         out.loc[out["slow_groups"].notna(), "_z"] = np.inf
-    out = out.sort_values(["_z", "impact", "rank"], ascending=[False, False, True], kind="stable")
+    out = _replica_order(out.sort_values(["_z", "impact", "rank"], ascending=[False, False, True], kind="stable"))
     for column in ("device_idle_frac", "tp_compute_ratio", "dp_compute_ratio", "pause_share", "slow_groups"):
         if column not in out:
             out[column] = np.nan
     probe = cpu_slowdown(run)
     out["cpu_slowdown"] = [probe.get(int(r), np.nan) for r in out["rank"]]
     return out[COLUMNS].reset_index(drop=True), _dismissed_frame(run, gone)
+
+
+def _replica_order(out: pd.DataFrame) -> pd.DataFrame:
+    """``out`` (sorted worst first) with the ranks named for their compute in one pipeline replica
+    (one DP index, other stages) reordered among the places they hold: the one whose own spans
+    stretch most (``t_spans``) first. A slow stage holds back the later stages of its replica,
+    which then reach their DP calls late and are waited for by their DP peers: their ``z`` carries
+    the slow stage's wake, their spans do not."""
+    pick = out[(out["cause"] == "compute") & out["pp"].notna() & out["dp"].notna()]
+    order = list(out.index)
+    for _, group in pick.groupby("dp"):
+        if len(group) < 2 or group["pp"].nunique() < 2:
+            continue
+        places = sorted(order.index(i) for i in group.index)
+        ranked = group.sort_values("t_spans", ascending=False, na_position="last", kind="stable").index
+        for place, i in zip(places, ranked, strict=True):
+            order[place] = i
+    return out.loc[order]
 
 
 def _causes(run: Run, flagged: pd.DataFrame, sizes: dict[str, int], config: StragglerConfig,
