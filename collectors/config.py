@@ -14,7 +14,7 @@ script wrote, so an operator can switch the collector off or move its output wit
 ``MEGASCOPE_HEARTBEAT_S=5``           ``heartbeat_interval_s`` (0 turns it off)
 ``MEGASCOPE_WAIT_SPANS=0``            ``wait_spans=False``
 ``MEGASCOPE_CLOCK=host``              ``clock`` (``device``, ``side-stream`` or ``host``)
-``MEGASCOPE_EVENT_CALLS=driver``      ``event_calls`` (``torch`` or ``driver``)
+``MEGASCOPE_EVENT_CALLS=driver``      ``event_calls`` (``driver``, ``driver-held`` or ``torch``)
 ``MEGASCOPE_WRITER_DUTY=0.25``        ``writer_duty`` (1 turns the writer's pacing off)
 ``MEGASCOPE_ALIGN_PASSES=0``          ``align_passes=False``
 ``MEGASCOPE_GC_SPAN_MS=1``            ``gc_span_min_ms`` (a negative value turns GC spans off)
@@ -47,7 +47,7 @@ from typing import Any
 from megascope.errors import ConfigError
 
 CLOCKS = ("device", "side-stream", "host")
-EVENT_CALLS = ("driver", "torch")
+EVENT_CALLS = ("driver", "driver-held", "torch")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 

@@ -191,11 +191,13 @@ class DriverEventCalls:
         self._bound = threading.local()
 
     @classmethod
-    def load(cls, torch: Any, index: int) -> DriverEventCalls | None:
+    def load(cls, torch: Any, index: int, *, hold: bool = False) -> DriverEventCalls | None:
         """The calls for device ``index`` of this process, or None (logged) where the driver library
-        or one of its functions is missing."""
+        or one of its functions is missing. ``hold``: the calls keep the interpreter lock (a
+        ``ctypes.PyDLL`` handle): a writer asking hundreds of events a pass then does not hand the
+        lock to the training thread and wait to get it back at every call."""
         try:
-            calls = cls(ctypes.CDLL("libcuda.so.1"), 0)
+            calls = cls((ctypes.PyDLL if hold else ctypes.CDLL)("libcuda.so.1"), 0)
             context = ctypes.c_void_p()
             with torch.cuda.device(index):  # the device's primary context, current for the moment
                 rc = calls._get_current(ctypes.byref(context))
@@ -273,7 +275,9 @@ class CudaTimer(_Anchors):
         self._index = self.device.index
         # ready, wall_ns and mark_done (the writer's calls) through the driver, without the
         # interpreter lock; None: through torch.
-        self._cu = DriverEventCalls.load(torch, self._index) if event_calls == "driver" else None
+        self._cu = (DriverEventCalls.load(torch, self._index, hold=event_calls == "driver-held")
+                    if event_calls in ("driver", "driver-held") else None)
+        self._calls = event_calls if self._cu is not None else "torch"
         self._interval_ns = int(anchor_interval_s * 1e9)
         self._max_events = max_events
         # The pool: a token is a key of it. Keys come from a counter, whose next() no two threads
@@ -354,8 +358,8 @@ class CudaTimer(_Anchors):
 
     @property
     def event_calls(self) -> str:
-        """``driver`` or ``torch``: how ready, wall_ns and mark_done reach the device."""
-        return "torch" if self._cu is None else "driver"
+        """``driver``, ``driver-held`` or ``torch``: how ready, wall_ns and mark_done reach the device."""
+        return self._calls
 
     def ready(self, token: int) -> bool:
         if self._cu is not None:

@@ -981,7 +981,7 @@ def _fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     from megascope.collectors import timing
 
     # torch's calls on the stand-in events, also on a machine with a real driver library
-    monkeypatch.setattr(timing.DriverEventCalls, "load", classmethod(lambda cls, torch, index: None))
+    monkeypatch.setattr(timing.DriverEventCalls, "load", classmethod(lambda cls, torch, index, hold=False: None))
 
 
 @pytest.mark.parametrize("side_stream", [False, True])
@@ -1098,7 +1098,7 @@ def test_cuda_timer_asks_the_driver_without_torch_and_binds_a_bare_thread_once(m
     _fake_cuda(monkeypatch)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     calls = timing.DriverEventCalls(driver, context=0xC0)
-    monkeypatch.setattr(timing.DriverEventCalls, "load", classmethod(lambda cls, torch, index: calls))
+    monkeypatch.setattr(timing.DriverEventCalls, "load", classmethod(lambda cls, torch, index, hold=False: calls))
     driver.current[threading.get_ident()] = 0xAA  # the training thread's own context
     timer = timing.CudaTimer("cuda", anchor_interval_s=3600.0, event_calls="driver")
     assert timer.event_calls == "driver"
@@ -1136,6 +1136,35 @@ def test_cuda_timer_asks_the_driver_without_torch_and_binds_a_bare_thread_once(m
     assert token is not None and plain.ready(token)
 
 
+def test_driver_held_event_calls_open_the_driver_through_a_handle_that_keeps_the_interpreter_lock(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``event_calls="driver-held"``: the same driver calls through ``ctypes.PyDLL`` (ctypes keeps
+    the interpreter lock for the call), ``driver`` through ``ctypes.CDLL`` (it lets go of it)."""
+    import contextlib
+    import ctypes
+
+    from megascope.collectors import timing
+
+    opened: list[str] = []
+
+    def opener(kind: str) -> Any:
+        def open_library(name: str) -> _FakeDriver:
+            assert name == "libcuda.so.1"
+            opened.append(kind)
+            driver = _FakeDriver()
+            driver.current[threading.get_ident()] = 0xAB
+            return driver
+        return open_library
+
+    monkeypatch.setattr(ctypes, "CDLL", opener("CDLL"))
+    monkeypatch.setattr(ctypes, "PyDLL", opener("PyDLL"))
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    held = timing.DriverEventCalls.load(torch, 0, hold=True)
+    released = timing.DriverEventCalls.load(torch, 0)
+    assert held is not None and released is not None and opened == ["PyDLL", "CDLL"]
+    assert held._context == released._context == 0xAB
+
+
 def test_event_calls_fall_back_to_torch_where_the_driver_cannot_load(monkeypatch: pytest.MonkeyPatch) -> None:
     """No driver library (a machine without one, a stripped container): torch's calls, logged."""
     import ctypes
@@ -1146,12 +1175,16 @@ def test_event_calls_fall_back_to_torch_where_the_driver_cannot_load(monkeypatch
         raise OSError(f"{name}: cannot open shared object file")
 
     monkeypatch.setattr(ctypes, "CDLL", missing)
+    monkeypatch.setattr(ctypes, "PyDLL", missing)
     assert timing.DriverEventCalls.load(torch, 0) is None
+    assert timing.DriverEventCalls.load(torch, 0, hold=True) is None
     _fake_cuda(monkeypatch)
     assert timing.CudaTimer("cuda", event_calls="driver").event_calls == "torch"
+    assert timing.CudaTimer("cuda", event_calls="driver-held").event_calls == "torch"
     with pytest.raises(ConfigError, match="event_calls"):
         CollectorConfig(run_dir=Path("r"), event_calls="cuda")
     assert CollectorConfig(run_dir=Path("r")).with_env({"MEGASCOPE_EVENT_CALLS": " Driver"}).event_calls == "driver"
+    assert CollectorConfig(run_dir=Path("r")).with_env({"MEGASCOPE_EVENT_CALLS": "driver-held"}).event_calls == "driver-held"
 
 
 def test_pending_spans_hold_nothing_the_garbage_collector_tracks(tmp_path: Path) -> None:

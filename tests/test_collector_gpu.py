@@ -222,16 +222,17 @@ def test_nccl_flight_recorder_entries_become_markers_in_the_job(tmp_path: Path, 
 
 
 @needs_cuda
-def test_driver_event_calls_agree_with_torchs_from_any_thread() -> None:
+@pytest.mark.parametrize("calls", ["driver", "driver-held"])
+def test_driver_event_calls_agree_with_torchs_from_any_thread(calls: str) -> None:
     """The writer's calls through the driver give torch's answers on the same events: done or not,
     and the time from the anchor to each, also from a thread that never used CUDA (given the
-    device's context at its first call)."""
+    device's context at its first call); whether or not the calls keep the interpreter lock."""
     import threading
 
     from megascope.collectors import timing
 
-    timer = timing.CudaTimer(torch.device("cuda"), anchor_interval_s=3600.0, event_calls="driver")
-    assert timer.event_calls == "driver"
+    timer = timing.CudaTimer(torch.device("cuda"), anchor_interval_s=3600.0, event_calls=calls)
+    assert timer.event_calls == calls
     x = torch.randn(2048, 2048, device="cuda")
     torch.cuda.synchronize()
     ref = timer.anchor_ref
