@@ -273,11 +273,6 @@ class CudaTimer(_Anchors):
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._index = self.device.index
-        # ready, wall_ns and mark_done (the writer's calls) through the driver, without the
-        # interpreter lock; None: through torch.
-        self._cu = (DriverEventCalls.load(torch, self._index, hold=event_calls == "driver-held")
-                    if event_calls in ("driver", "driver-held") else None)
-        self._calls = event_calls if self._cu is not None else "torch"
         self._interval_ns = int(anchor_interval_s * 1e9)
         self._max_events = max_events
         # The pool: a token is a key of it. Keys come from a counter, whose next() no two threads
@@ -292,6 +287,12 @@ class CudaTimer(_Anchors):
         first = self._take_anchor(require_idle=False)
         assert first is not None  # require_idle=False always returns an anchor
         self._init_anchors(first)
+        # ready, wall_ns and mark_done (the writer's calls) through the driver, without the
+        # interpreter lock; None: through torch. After the first anchor: recording it made the
+        # device's context, which a collector made before the job's first CUDA call finds missing.
+        self._cu = (DriverEventCalls.load(torch, self._index, hold=event_calls == "driver-held")
+                    if event_calls in ("driver", "driver-held") else None)
+        self._calls = event_calls if self._cu is not None else "torch"
         self.stamps = 0  # timing events recorded so far (the collector reports them per step)
 
     def _new_event(self) -> int | None:

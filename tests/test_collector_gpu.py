@@ -257,6 +257,20 @@ def test_driver_event_calls_agree_with_torchs_from_any_thread(calls: str) -> Non
     assert via_torch[0] < via_torch[1] < via_torch[2]
 
 
+@needs_cuda
+@pytest.mark.parametrize("calls", ["driver", "driver-held"])
+def test_driver_event_calls_hold_in_a_process_whose_first_cuda_call_is_the_collectors(calls: str) -> None:
+    """A collector made before the job touches CUDA (``Collector.from_env`` before
+    ``init_process_group``) still gets the driver's calls: the device's context exists once its
+    first anchor is recorded."""
+    code = ("import torch\nfrom megascope.collectors import timing\n"
+            "assert not torch.cuda.is_initialized()\n"
+            f"print(timing.CudaTimer(torch.device('cuda', 0), event_calls={calls!r}).event_calls)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == calls
+
+
 _CPU_JOB = """
 import sys, torch
 from megascope.collectors import Collector, CollectorConfig
