@@ -593,6 +593,9 @@ def test_straggler_page_speaks_in_percent_and_relative_gains() -> None:
     idle = shown_frame(pd.DataFrame({"rank": [1, 2, 3, 4], "cause": ["host", "host", "compute", "host"],
                                      "device_idle_frac": [0.0741, 0.02, 0.3, float("nan")]}))
     assert idle["device_idle_frac"].tolist() == ["7%", "", "", ""]
+    # A later stage of a slow rank's pipeline replica, listed after it: the rank it is behind.
+    behind = shown_frame(pd.DataFrame({"rank": [0, 4], "behind": [float("nan"), 0.0]}))
+    assert behind["behind"].tolist() == ["", "rank 0"]
     gross = " ".join(text(c) for c in whatif_cards(
         {"step_time_ns": 569e6, "whatif_step_time_ns": 455e6, "speedup": 569 / 455, "mfu": 0.0016,
          "whatif_mfu": 0.0016 * 569 / 455, "ranks": [5]}, n_stragglers=1))

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import math
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import pytest
+from click.testing import Result
 from conftest import Synth
 from hand_runs import MS, hand_run, overlapped_run, span
 
@@ -198,8 +201,9 @@ def test_report_json_carries_confidence_and_evidence(tmp_path: Path) -> None:
     assert first["rank"] == 6
     assert set(first["evidence"]) == {"z", "own_time_t", "wait_caused_t", "last_arrival_z", "compute_span_share",
                                       "compute_span_t", "pause_share", "device_idle_frac", "cpu_slowdown",
-                                      "tp_compute_ratio", "dp_compute_ratio", "slow_groups"}
+                                      "tp_compute_ratio", "dp_compute_ratio", "slow_groups", "behind_rank"}
     assert first["evidence"]["slow_groups"] is None  # named for its own time, not for its groups' transfers
+    assert first["evidence"]["behind_rank"] is None  # no other stage of its replica named before it
     pause = first["evidence"]["pause_share"]
     assert pause is None or np.isnan(pause)  # a clear share of its excess is in its spans: not checked
     assert first["evidence"]["last_arrival_z"] > 0 and first["evidence"]["wait_caused_t"] > 0
@@ -749,7 +753,8 @@ def test_a_mild_slow_rank_of_a_pipeline_replica_is_not_shaded_by_its_own_wake(tm
     assert list(found["rank"]) == [0] and found.iloc[0]["cause"] == "compute"
 
 
-def test_a_slow_stage_is_named_before_the_later_stage_of_its_replica_that_carries_its_wake(tmp_path: Path) -> None:
+def test_a_slow_stage_is_named_before_the_later_stage_of_its_replica_that_carries_its_wake(
+        tmp_path: Path, cli: Callable[..., Result]) -> None:
     """tests/data/cpu-pp4-dp2-wake: the same mesh, rank 0 (stage 0, replica 0) planted 1.25x slow,
     8 ranks on two cores. Rank 4, stage 2 of the same replica, reaches its DP calls late behind it
     and, its compute sharing the cores with rank 0's, reads slow too: its combined evidence (the
@@ -762,6 +767,13 @@ def test_a_slow_stage_is_named_before_the_later_stage_of_its_replica_that_carrie
     assert found.at[4, "z"] > found.at[0, "z"]  # by the combined evidence rank 4 would come first
     assert found.at[0, "t_spans"] > 2 * found.at[4, "t_spans"]
     assert list(found["rank"]) == [0, 4]
+    assert found.at[4, "behind"] == 0 and found["behind"].isna().sum() == 1  # rank 0 is behind no rank
+    result = cli("report", str(run.path), "--json")
+    assert result.exit_code == 0, result.output
+    slow = json.loads(result.output)["stragglers"]
+    assert [(s["rank"], s["evidence"]["behind_rank"]) for s in slow] == [(0, None), (4, 0)]
+    text = cli("report", str(run.path)).output
+    assert "rank 4: a later stage of rank 0's pipeline replica" in text
 
 
 def test_a_healthy_pipeline_and_data_parallel_run_names_no_rank_by_its_spans(tmp_path: Path) -> None:

@@ -19,12 +19,14 @@ from megascope.analysis.whatif import gain_words, host_held
 from megascope.topology import format_coords
 
 COLUMNS = ("rank", "host", "coords", "cause", "phase", "slowdown", "steps_slow_frac", "last_arrival_frac",
-           "late_at", "tp_compute_ratio", "dp_compute_ratio", "slow_groups", "device_idle_frac", "cpu_slowdown")
+           "late_at", "tp_compute_ratio", "dp_compute_ratio", "behind", "slow_groups", "device_idle_frac",
+           "cpu_slowdown")
 NAMES = {"steps_slow_frac": "steps slow", "slowdown": "slowdown vs peers (the measure that named it)",
          "last_arrival_frac": "collectives it arrives last at", "late_at": "last at (group)",
          "phase": "where (largest excess)", "cpu_slowdown": "its CPU vs the median rank's (host probe)",
          "tp_compute_ratio": "compute outside TP calls vs its TP partners'",
          "dp_compute_ratio": "forward and backward vs its DP peers' (same stage)",
+         "behind": "a later stage of the pipeline replica of (its calls late behind that rank's)",
          "slow_groups": "its slow groups and pipeline links: transfers vs the others of their kind, or calls "
                        "completing late on the rank data flows into (a slow link)",
          "device_idle_frac": "its GPU idle, waiting for its host (share of its calls)"}
@@ -43,6 +45,8 @@ def shown_frame(frame: Any) -> Any:
             out[column] = [f"x{float(v):.2f}" if v == v and v is not None else "" for v in out[column]]
     if "slow_groups" in out:
         out["slow_groups"] = [", ".join(v) if isinstance(v, list) else "" for v in out["slow_groups"]]
+    if "behind" in out:
+        out["behind"] = [f"rank {int(v)}" if v is not None and v == v else "" for v in out["behind"]]
     if "device_idle_frac" in out:
         # The evidence of a `host` cause on a GPU (the report prints it the same way); under
         # HOST_BOUND_FRAC, or for another cause, it tells nothing.

@@ -43,7 +43,7 @@ COLUMNS = [
     "rank", "host", "coords", "pp", "dp", "tp", "phase", "cause", "slowdown", "steps_slow_frac", "steps",
     "excess_ns", "base_own_ns", "last_arrival_frac", "late_at", "impact",
     "z", "p_value", "confidence", "t_own", "t_blame", "last_z", "spans_share", "t_spans", "pause_share",
-    "device_idle_frac", "cpu_slowdown", "tp_compute_ratio", "dp_compute_ratio", "slow_groups",
+    "device_idle_frac", "cpu_slowdown", "tp_compute_ratio", "dp_compute_ratio", "slow_groups", "behind",
 ]
 # A rank's host probe (megascope.schema.HOST_PROBE_METRIC) is compared with the median rank's only
 # where at least this many ranks wrote at least HOST_PROBE_MIN probes each.
@@ -943,7 +943,7 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
     if "slow_groups" in out:
         out.loc[out["slow_groups"].notna(), "_z"] = np.inf
     out = _replica_order(out.sort_values(["_z", "impact", "rank"], ascending=[False, False, True], kind="stable"))
-    for column in ("device_idle_frac", "tp_compute_ratio", "dp_compute_ratio", "pause_share", "slow_groups"):
+    for column in ("device_idle_frac", "tp_compute_ratio", "dp_compute_ratio", "pause_share", "slow_groups", "behind"):
         if column not in out:
             out[column] = np.nan
     probe = cpu_slowdown(run)
@@ -956,7 +956,9 @@ def _replica_order(out: pd.DataFrame) -> pd.DataFrame:
     (one DP index, other stages) reordered among the places they hold: the one whose own spans
     stretch most (``t_spans``) first. A slow stage holds back the later stages of its replica,
     which then reach their DP calls late and are waited for by their DP peers: their ``z`` carries
-    the slow stage's wake, their spans do not."""
+    the slow stage's wake, their spans do not. ``behind``: for a later stage of such a replica
+    named after that rank, that rank (NaN for the others)."""
+    out = out.assign(behind=np.nan)
     pick = out[(out["cause"] == "compute") & out["pp"].notna() & out["dp"].notna()]
     order = list(out.index)
     for _, group in pick.groupby("dp"):
@@ -966,6 +968,9 @@ def _replica_order(out: pd.DataFrame) -> pd.DataFrame:
         ranked = group.sort_values("t_spans", ascending=False, na_position="last", kind="stable").index
         for place, i in zip(places, ranked, strict=True):
             order[place] = i
+        first = ranked[0]
+        later = [i for i in ranked[1:] if float(out.at[i, "pp"]) > float(out.at[first, "pp"])]
+        out.loc[later, "behind"] = float(out.at[first, "rank"])
     return out.loc[order]
 
 

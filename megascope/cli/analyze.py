@@ -111,6 +111,11 @@ def _print_report(r: dict[str, Any]) -> None:
             elif groups:
                 click.echo(f"  rank {s['rank']}: its groups and pipeline links {', '.join(groups)} transfer slowly against "
                            "the others of their kind, and it alone is in all of them: a slow link or NIC under this rank")
+            behind = (s.get("evidence") or {}).get("behind_rank")
+            if behind is not None:
+                click.echo(f"  rank {s['rank']}: a later stage of rank {behind}'s pipeline replica, whose compute "
+                           "spans stretch more: it reaches its calls late behind rank "
+                           f"{behind}, and some of its slowness may be rank {behind}'s")
             idle = (s.get("evidence") or {}).get("device_idle_frac")
             if s["cause"] == "host" and idle is not None and idle == idle and idle >= HOST_BOUND_FRAC:
                 click.echo(f"  rank {s['rank']}: its GPU sat idle, waiting for its host, at {100 * idle:.0f}% of its "
