@@ -776,6 +776,27 @@ def test_a_slow_stage_is_named_before_the_later_stage_of_its_replica_that_carrie
     assert "rank 4: a later stage of rank 0's pipeline replica" in text
 
 
+def test_a_mild_slow_gpu_of_a_tp_pair_is_named_by_its_compute_outside_the_tp_calls(tmp_path: Path) -> None:
+    """tests/data/gpu-tp2-mild: the bundled trainer on 2x H200 (NCCL, tp2), rank 1's GPU planted
+    1.1x slow; the job ran 8.3% slower than its healthy runs. The collector times the TP calls of
+    one micro-batch a step, and rank 0 waits for rank 1 in the others, inside its forward: rank 1's
+    own time reads only 1.05x rank 0's, under the 1.10 a compute straggler needs. Its compute
+    outside the TP calls reads 1.14x in every step, and names it."""
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "gpu-tp2-mild", tmp_path / "run"))
+    config = straggler_module.StragglerConfig()
+    candidates, _ = straggler_module._candidates(run, config)
+    own = candidates.set_index("rank")
+    assert bool(own.at[1, "straggler"]) and own.at[1, "median_slowdown"] < config.min_named_slowdown
+    tp = straggler_module._tp_exclusive(run, {0, 1}, config, reference_groups=straggler_module.TP_REFERENCE_GROUPS)
+    assert tp[1].ratio >= 1.12 and tp[1].slow_frac == 1.0 and tp[0].ratio < 1.0
+    found = analysis.stragglers(run)
+    assert list(found["rank"]) == [1]
+    row = found.iloc[0]
+    assert row["cause"] == "compute" and row["slowdown"] == pytest.approx(tp[1].ratio)
+    assert row["tp_compute_ratio"] == pytest.approx(tp[1].ratio) and row["steps_slow_frac"] == 1.0
+
+
 def test_a_healthy_pipeline_and_data_parallel_run_names_no_rank_by_its_spans(tmp_path: Path) -> None:
     """tests/data/cpu-pp4-dp2-healthy: the same mesh with nothing planted. The largest span ratio
     against a DP peer (1.15x, rank 6) stays under the bar, and no rank is named."""
