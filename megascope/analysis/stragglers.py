@@ -958,7 +958,7 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
     if "slow_groups" in out:
         out.loc[out["slow_groups"].notna(), "_z"] = np.inf
     out = _replica_order(out.sort_values(["_z", "impact", "rank"], ascending=[False, False, True], kind="stable"))
-    for column in ("device_idle_frac", "tp_compute_ratio", "dp_compute_ratio", "pause_share", "slow_groups", "behind"):
+    for column in ("device_idle_frac", "tp_compute_ratio", "dp_compute_ratio", "pause_share", "slow_groups"):
         if column not in out:
             out[column] = np.nan
     probe = cpu_slowdown(run)
