@@ -411,7 +411,7 @@ def _tp_stretched(run: Run, frame: pd.DataFrame, config: StragglerConfig,
             out.at[idx, "tp_compute_ratio"] = float(row.ratio)
             out.at[idx, "median_slowdown"] = float(row.ratio)
             out.at[idx, "steps_slow_frac"] = float(row.slow_frac)
-    pool_by_rank = {int(r): i for i, r in pool["rank"].items()} if pool is not None else {}
+    pool_by_rank = _index_by_rank(pool) if pool is not None else {}
     listed = {int(r) for r in out["rank"]}
     swapped: dict[Any, pd.Series] = {}
     for idx in out.index[host]:
@@ -515,6 +515,11 @@ LINK_BAR = 1.5
 LINK_SAMPLE_STEPS = 16
 
 
+def _index_by_rank(frame: pd.DataFrame) -> dict[int, Any]:
+    """Rank -> the index label of its row in ``frame`` (one row per rank, as the candidates)."""
+    return {int(r): i for i, r in frame["rank"].items()}
+
+
 def _link_row(row: dict[str, Any], slowdown: float, frac: float, notes: list[str]) -> dict[str, Any]:
     """A candidate ``row`` named for a slow link: cause ``communication``, phase ``comm``, its
     ``slowdown`` and ``steps_slow_frac`` those of the link's measure, ``slow_groups`` ``notes``; no
@@ -587,7 +592,7 @@ def _one_way_links(run: Run, pool: pd.DataFrame, config: StragglerConfig, told: 
             and not {a, b} & set(told)]
     if not slow:
         return pool.iloc[0:0]
-    pool_by_rank = {int(r): i for i, r in pool["rank"].items()}
+    pool_by_rank = _index_by_rank(pool)
     rows: dict[int, dict[str, Any]] = {}
 
     def name(rank: int, notes: list[str], worst: float, frac: float) -> None:
@@ -639,7 +644,7 @@ def _slow_links(run: Run, pool: pd.DataFrame, config: StragglerConfig,
         for rank in members[str(row.grp)]:
             by_rank.setdefault(rank, []).append(
                 (str(row.grp), str(row.kind), float(row.ratio), float(row.slow_frac), bool(is_slow)))
-    pool_by_rank = {int(r): i for i, r in pool["rank"].items()}
+    pool_by_rank = _index_by_rank(pool)
 
     def row_of(rank: int, own: list[tuple[str, str, float, float, bool]], note: str = "") -> dict[str, Any]:
         return _link_row(pool.loc[pool_by_rank[rank]].to_dict(), min(ratio for _, _, ratio, _, _ in own),
@@ -721,7 +726,7 @@ def _late_inbound(run: Run, frame: pd.DataFrame, pool: pd.DataFrame,
                         spans=_sql.Raw(run.rank_source("spans", read)))
     rows: list[dict[str, Any]] = []
     moved: set[int] = set()
-    pool_by_rank = {int(r): i for i, r in pool["rank"].items()}
+    pool_by_rank = _index_by_rank(pool)
     for idx in frame.index[pick]:
         rank = int(frame.at[idx, "rank"])
         own = lag[lag["rank"] == rank]
