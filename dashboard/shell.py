@@ -91,16 +91,32 @@ def run_state_or_none(served: ServedRun) -> dict[str, Any] | None:
         return None
 
 
+def _followed_step(served: ServedRun) -> int | None:
+    """The highest step some rank ended, as the step sums' follower read it (None: nothing followed)."""
+    followed = served.live_steps()
+    if followed is None or followed.empty:
+        return None
+    return int(followed["step"].max())
+
+
 def status_line(served: ServedRun) -> list[Any]:
-    """The header: run id, size, mesh, last step, the run state and the age of the newest data."""
+    """The header: run id, size, mesh, last step (and the analyses' last, where the follower read
+    further), the run state and the age of the newest data."""
     if served.run is None:
         return [f"{served.id}: {served.error or 'waiting for data'}"]
     meta = served.run.meta
     mesh = " x ".join(f"{a}{meta.mesh_sizes[a]}" for a in meta.mesh_axes if a in meta.mesh_sizes)
     parts = [served.id, f"{meta.world_size} ranks", mesh]
     state = run_state_or_none(served)
-    if state is not None and state.get("last_step") is not None:
-        parts.append(f"last step {state['last_step']}")
+    analysed = state.get("last_step") if state is not None else None
+    followed = _followed_step(served)
+    if followed is not None and (analysed is None or followed > analysed):
+        # On a big live run the full refresh comes minutes apart: the pages' analyses (stragglers,
+        # topology, the main heat-map) are older than the steps the overview shows; say how much.
+        behind = f"analyses through step {analysed}" if analysed is not None else "no analysis yet"
+        parts.append(f"last step {followed} ({behind})")
+    elif analysed is not None:
+        parts.append(f"last step {analysed}")
     if state is not None:
         parts.append(f"data written {age_text(state.get('last_data_age_s'))} ago")
     if served.refresh_error is not None:

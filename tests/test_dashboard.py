@@ -239,8 +239,12 @@ def test_the_follower_shows_new_steps_before_the_full_refresh(tmp_path: Path) ->
     last = next(f for f in RunsCollector(registry).collect() if f.name == "megascope_last_step")
     assert [sample.value for sample in last.samples] == [1.0]  # /metrics has the followed step too
     assert served.follow() is False and served.live_generation == 3  # nothing new
+    # The header says the pages' analyses are a step behind the overview.
+    assert "last step 1 (analyses through step 0)" in str(status_line(served))
     assert served.poll() is True
     assert dash_data.per_step(served)["step"].tolist() == dash_data.live_per_step(served)["step"].tolist() == [0, 1]
+    header = str(status_line(served))
+    assert "last step 1" in header and "analyses through" not in header
 
 
 def test_the_heat_map_maps_the_followed_steps_while_the_analyses_are_behind(tmp_path: Path) -> None:
