@@ -783,6 +783,10 @@ class Collector:
             "pass_every_steps": w.every_steps,
             "internal_errors": self._internal_errors + w.internal_errors,
             "anchors_taken": self._timer.anchors_taken,
+            # CUDA anchors whose record call came back late (kept only as a first anchor), and the
+            # latest return seen: what an anchor's wall time could have been off by, twice over.
+            "anchors_loose": getattr(self._timer, "anchors_loose", 0),
+            "anchor_bracket_max_ns": getattr(self._timer, "anchor_bracket_max_ns", 0),
             "gc_spans": self._gc_watch.recorded if self._gc_watch is not None else 0,
             "untimed_calls": self._untimed_calls,
             "marker_agent": self._agent is not None,

@@ -54,6 +54,11 @@ log = logging.getLogger(__name__)
 # Anchors a pending span may still refer to. A timer takes at most one a second, so a span may
 # wait over an hour for its device events before its anchor is gone (it is then dropped, counted).
 ANCHOR_SLOTS = 4096
+# A CUDA anchor's record call must return within this of the wall read before it (its wall time
+# is then good to half of it); tries per refresh (on the training thread) and for the first anchor.
+ANCHOR_BRACKET_NS = 200_000
+ANCHOR_REFRESH_TRIES = 3
+ANCHOR_FIRST_TRIES = 50
 
 
 class Anchor:
@@ -284,7 +289,9 @@ class CudaTimer(_Anchors):
         # nothing measurable where a timing event costs it microseconds.
         self._marks: dict[int, Any] = {}
         self._free_marks: deque[int] = deque()
-        first = self._take_anchor(require_idle=False)
+        self.anchors_loose = 0  # anchor records that came back late (tried again, or kept as an inexact first)
+        self.anchor_bracket_max_ns = 0  # the slowest anchor record call
+        first = self._take_anchor(require_idle=False, tries=ANCHOR_FIRST_TRIES)
         assert first is not None  # require_idle=False always returns an anchor
         self._init_anchors(first)
         # ready, wall_ns and mark_done (the writer's calls) through the driver, without the
@@ -306,21 +313,45 @@ class CudaTimer(_Anchors):
         self._events[key] = self._torch.cuda.Event(enable_timing=True)
         return key
 
-    def _take_anchor(self, *, require_idle: bool) -> Anchor | None:
+    def _take_anchor(self, *, require_idle: bool, tries: int = ANCHOR_REFRESH_TRIES) -> Anchor | None:
+        """An event recorded on the current stream, paired with the host's wall clock of the record.
+
+        The record call lets go of the interpreter lock, and getting it back can take the other
+        threads' switch interval (5 ms) or longer: the call returns late, and a wall time taken
+        after it would be late by as much, for every span timed through the anchor (a rank's
+        whole run reading milliseconds behind its peers). So the call is bracketed by two wall
+        reads and kept only when they are at most :data:`ANCHOR_BRACKET_NS` apart, trying up to
+        ``tries`` times; a refresh that finds no tight bracket keeps the current anchor (None),
+        the first anchor takes the tightest one found and, where it was not tight, counts as
+        inexact, so that the next idle moment replaces it."""
         stream = self._torch.cuda.current_stream(self.device)
         idle = bool(stream.query())
         if require_idle and not idle:
             return None
-        # Anchor events are not pooled: the timer keeps its last ANCHOR_SLOTS anchors alive.
-        event = self._torch.cuda.Event(enable_timing=True)
-        w0 = time.time_ns()
-        event.record(stream)
-        w1 = time.time_ns()
-        return Anchor((w0 + w1) // 2, event, idle)
+        best: tuple[int, Any, int] | None = None  # bracket width, event, midpoint
+        for _ in range(max(tries, 1)):
+            # Anchor events are not pooled: the timer keeps its last ANCHOR_SLOTS anchors alive.
+            event = self._torch.cuda.Event(enable_timing=True)
+            w0 = time.time_ns()
+            event.record(stream)
+            w1 = time.time_ns()
+            self.anchor_bracket_max_ns = max(self.anchor_bracket_max_ns, w1 - w0)
+            if best is None or w1 - w0 < best[0]:
+                best = (w1 - w0, event, (w0 + w1) // 2)
+            if w1 - w0 <= ANCHOR_BRACKET_NS:
+                break
+            self.anchors_loose += 1
+        assert best is not None
+        width, event, wall = best
+        if width > ANCHOR_BRACKET_NS and require_idle:
+            return None
+        return Anchor(wall, event, idle and width <= ANCHOR_BRACKET_NS)
 
     def maybe_refresh(self) -> None:
-        """Take a new anchor if the current one is old and the current stream is idle right now."""
-        if time.time_ns() - self.anchor.wall_ns < self._interval_ns:
+        """Take a new anchor if the current one is old (or inexact) and the current stream is
+        idle right now."""
+        # An inexact anchor (the first, taken while the stream was busy) is replaced sooner.
+        if time.time_ns() - self.anchor.wall_ns < (self._interval_ns if self.anchor.exact else self._interval_ns // 10):
             return
         anchor = self._take_anchor(require_idle=True)
         if anchor is not None:

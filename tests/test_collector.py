@@ -1012,6 +1012,52 @@ def test_cuda_timer_tokens_are_pool_indices_and_anchors_are_kept_by_number(monke
     assert abs(timer.wall_ns(t1, timer.anchor_ref) - end) < 1_000_000  # any kept anchor gives the same time
 
 
+def test_a_cuda_anchor_whose_record_call_comes_back_late_is_not_trusted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The record call lets go of the interpreter lock; getting it back can take milliseconds. An
+    anchor timed around such a call would put every span of the rank milliseconds late (seen on
+    2x H200: one rank of a TP pair 1.2-4 ms behind its partner for a whole run). The timer keeps
+    only records that came back at once: the first anchor tries again, a refresh keeps the old."""
+    from megascope.collectors import timing
+
+    late = {"calls": 0}
+
+    class Event(_FakeCudaEvent):
+        def record(self, stream: Any = None) -> None:
+            super().record(stream)  # the device has it now
+            if late["calls"] > 0:  # the call returns 4 ms later, as behind another thread
+                late["calls"] -= 1
+                time.sleep(0.004)
+
+    _fake_cuda(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    late["calls"] = 3
+    timer = timing.CudaTimer("cuda", anchor_interval_s=0.0)
+    assert timer.anchors_loose == 3 and timer.anchor.exact and timer.anchor_bracket_max_ns >= 4_000_000
+    before = time.time_ns()
+    token = timer.stamp()
+    after = time.time_ns()
+    assert token is not None
+    stamped = timer.wall_ns(token, timer.anchor_ref)
+    assert before - 200_000 <= stamped <= after + 200_000, (stamped - before, after - stamped)
+    # A refresh whose records all come back late keeps the anchor it had.
+    ref = timer.anchor_ref
+    late["calls"] = timing.ANCHOR_REFRESH_TRIES
+    timer.maybe_refresh()
+    assert timer.anchor_ref == ref and timer.anchors_loose == 3 + timing.ANCHOR_REFRESH_TRIES
+    timer.maybe_refresh()  # back at once: taken
+    assert timer.anchor_ref == ref + 1
+    # With nothing but late records, the first anchor takes the tightest and counts as inexact:
+    # the next idle moment replaces it, before the anchor interval is up.
+    late["calls"] = timing.ANCHOR_FIRST_TRIES
+    loose = timing.CudaTimer("cuda", anchor_interval_s=3600.0)
+    assert not loose.anchor.exact and loose.anchors_loose == timing.ANCHOR_FIRST_TRIES
+    first = loose.anchor_ref
+    time.sleep(0.001)
+    monkeypatch.setattr(loose, "_interval_ns", 5_000_000)  # 0.5 ms for an inexact anchor
+    loose.maybe_refresh()
+    assert loose.anchor_ref == first + 1 and loose.anchor.exact
+
+
 def test_cuda_timer_marks_are_timing_free_pooled_and_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """A mark (the completion of an untimed call) is a timing-free event from its own pool: it
     takes no stamp, is reused once released, and the pool is bounded like the stamps'."""
