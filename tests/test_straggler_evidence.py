@@ -588,16 +588,40 @@ def test_on_a_real_tp_pair_the_slow_gpu_is_named_for_its_compute_outside_the_tp_
     assert replay["modeled_baseline_ns"] < 1.2 * replay["step_time_ns"]
 
 
-def test_on_a_real_tp_pair_the_slow_gpu_takes_the_name_its_partner_was_flagged_under(tmp_path: Path) -> None:
+def _without_clock_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The analysis as it read runs before it checked each device-timed rank's clock against its
+    TP group's (no rank put back), to exercise what follows a partner that reads last."""
+    base_module = importlib.import_module("megascope.analysis.base")
+    monkeypatch.setattr(base_module, "_rank_skew", lambda con, sample: con.execute(
+        "CREATE OR REPLACE TABLE ms_cache.rank_skew (rank INTEGER, skew_ns BIGINT, samples BIGINT)"))
+
+
+def _named_with_clocks_put_back(tmp_path: Path, name: str) -> tuple[Any, pd.DataFrame]:
+    """The run's ranks put back on their TP groups' clocks: the rank skews and what is named."""
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / name, tmp_path / "checked"))
+    found = analysis.stragglers(run)
+    return run.con.execute("SELECT rank, skew_ns FROM ms_cache.rank_skew").fetchall(), found
+
+
+def test_on_a_real_tp_pair_the_slow_gpu_takes_the_name_its_partner_was_flagged_under(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """tests/data/gpu-tp-partner: the same model on 4x H100 (pp2 x tp2, 16 steps), rank 0's GPU
-    planted 1.15x slow. Here its TP partner, rank 1, is the rank flagged (last at 92% of its calls,
+    planted 1.15x slow. Rank 1's clock reads 0.6 ms late against its partner's (a collector before
+    its CUDA anchors were checked): put back, rank 0 is flagged and named for its compute.
+
+    Read without that check, its TP partner, rank 1, is the rank flagged (last at 92% of its calls,
     no longer spans: ``host``), and a replay would dismiss it. Rank 0's compute outside its TP calls
     is 1.2x rank 1's in nearly every timed micro-batch, the other pair within 1%: rank 0 takes the
     name, for its compute, with the flagged row's evidence."""
     from megascope.analysis import _sql
 
     straggler_module = importlib.import_module("megascope.analysis.stragglers")
+    skew, checked = _named_with_clocks_put_back(tmp_path, "gpu-tp-partner")
+    assert [r for r, _ in skew] == [1] and 500_000 < skew[0][1] < 750_000
+    assert list(checked["rank"]) == [0] and checked.iloc[0]["cause"] == "compute"
+    assert 1.1 < checked.iloc[0]["slowdown"] < 1.3
 
+    _without_clock_check(monkeypatch)
     run = open_run(shutil.copytree(Path(__file__).parent / "data" / "gpu-tp-partner", tmp_path / "run"))
     tp = _sql.query_df(run.con, "stragglers", "tp_exclusive", ranks=[0, 1, 2, 3], spans="spans",
                        bar=1.1).set_index("rank")
@@ -621,9 +645,13 @@ def test_on_a_real_tp_pair_the_slow_gpu_takes_the_name_its_partner_was_flagged_u
     assert analysis.stragglers_dismissed(run).empty
 
 
-def test_on_a_tensor_parallel_only_mesh_the_pair_itself_names_the_slow_gpu(tmp_path: Path) -> None:
+def test_on_a_tensor_parallel_only_mesh_the_pair_itself_names_the_slow_gpu(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """tests/data/gpu-tp-only: the detection sweep's model on 2x H200 (tp2 alone, 16 steps, NCCL),
-    rank 0's GPU planted 1.3x slow. Rank 1, its partner, is flagged (last at 95% of its calls, its
+    rank 0's GPU planted 1.3x slow. Rank 1's clock reads 4.0 ms late against rank 0's (a collector
+    before its CUDA anchors were checked): put back, rank 0 is flagged and named for its compute.
+
+    Read without that check, rank 1, its partner, is flagged (last at 95% of its calls, its
     own time holding its waits for rank 0) and a replay at its peers' pace saves nothing. Rank 0's
     compute outside its TP calls is 1.4x rank 1's in every timed micro-batch. With a single TP
     group there is no other pair to measure the noise by: the pair's own measure decides, and rank
@@ -631,7 +659,12 @@ def test_on_a_tensor_parallel_only_mesh_the_pair_itself_names_the_slow_gpu(tmp_p
     from megascope.analysis import _sql
 
     straggler_module = importlib.import_module("megascope.analysis.stragglers")
+    skew, checked = _named_with_clocks_put_back(tmp_path, "gpu-tp-only")
+    assert [r for r, _ in skew] == [1] and 3_900_000 < skew[0][1] < 4_100_000
+    assert list(checked["rank"]) == [0] and checked.iloc[0]["cause"] == "compute"
+    assert 1.25 < checked.iloc[0]["slowdown"] < 1.45
 
+    _without_clock_check(monkeypatch)
     run = open_run(shutil.copytree(Path(__file__).parent / "data" / "gpu-tp-only", tmp_path / "run"))
     tp = _sql.query_df(run.con, "stragglers", "tp_exclusive", ranks=[0, 1], spans="spans", bar=1.1).set_index("rank")
     assert 1.3 < tp.at[0, "ratio"] < 1.5 and tp.at[0, "slow_frac"] == 1.0
@@ -795,6 +828,32 @@ def test_a_mild_slow_gpu_of_a_tp_pair_is_named_by_its_compute_outside_the_tp_cal
     row = found.iloc[0]
     assert row["cause"] == "compute" and row["slowdown"] == pytest.approx(tp[1].ratio)
     assert row["tp_compute_ratio"] == pytest.approx(tp[1].ratio) and row["steps_slow_frac"] == 1.0
+
+
+@pytest.mark.parametrize(("name", "late", "named"), [
+    ("gpu-tp2-late-clock-slow", 4_049_000, [0]),
+    ("gpu-tp2-late-clock-healthy", 3_917_000, []),
+])
+def test_a_rank_whose_clock_reads_late_is_put_back_on_its_tp_partners(tmp_path: Path, name: str, late: int,
+                                                                      named: list[int]) -> None:
+    """tests/data/gpu-tp2-late-clock-*: the bundled trainer on 2x H200 (NCCL, tp2), recorded before
+    the collector checked its CUDA anchors: rank 0's clock reads ~4 ms late for the whole run, so
+    rank 1 seemed to wait through every TP call. In the slow run (rank 0's GPU 1.15x) the report
+    read rank 0 29.4x slow in 25% of the steps. The pair's TP calls end together, so rank 0's lead
+    at their ends is its clock's error: its times are put back by it, and the run reads as it ran."""
+    from megascope.analysis.base import prepare
+
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / name, tmp_path / "run"))
+    prepare(run.con, persist_cache=False)
+    skew = run.con.execute("SELECT rank, skew_ns, samples FROM ms_cache.rank_skew").fetchall()
+    assert [(r, n) for r, _, n in skew] == [(0, 8)] and abs(skew[0][1] - late) < 50_000
+    offsets = dict(run.con.execute("SELECT rank, offset_ns FROM ms_cache.rank_clock").fetchall())
+    assert offsets == {0: -skew[0][1], 1: 0}
+    found = analysis.stragglers(run)
+    assert list(found["rank"]) == named
+    if named:
+        row = found.iloc[0]
+        assert row["cause"] == "compute" and 1.1 < row["slowdown"] < 1.3 and row["steps_slow_frac"] > 0.8
 
 
 def test_a_healthy_pipeline_and_data_parallel_run_names_no_rank_by_its_spans(tmp_path: Path) -> None:
@@ -1019,12 +1078,13 @@ def test_a_link_slow_one_way_names_both_ends_not_the_receiver_for_its_compute(tm
     assert text.output.count("communication  comm") == 2 and "STRAGGLERS (2)" in text.output
 
 
-def test_a_link_slow_into_a_rank_only_names_it(tmp_path: Path, cli: Any) -> None:
+def test_a_link_slow_into_a_rank_only_names_it(tmp_path: Path, cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """tests/data/cpu-pp4-dp2-one-way-in: pp4 x dp2 on gloo, each rank in a network namespace of
     its own, what rank 3 (stage 1) receives limited to 40 Mbit/s, what it sends not. Its two links
     read 13x and 22x into it and under 1.5x out of it: slow both ways neither, so nothing was
     named, the job 2x slower than healthy. Every direction into it is slow one way: it alone is
-    named. On a GPU run the one-way rule is off (a slow GPU's pipeline read 5.35x one way)."""
+    named. On a GPU run the one-way rule is off (a slow GPU's pipeline read 5.35x one way, read
+    with a rank's clock 0.6 ms late, as the analysis did before it put such clocks back)."""
     straggler_module = importlib.import_module("megascope.analysis.stragglers")
     run = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-pp4-dp2-one-way-in", tmp_path / "run"))
     found = analysis.stragglers(run)
@@ -1038,6 +1098,7 @@ def test_a_link_slow_into_a_rank_only_names_it(tmp_path: Path, cli: Any) -> None
     text = cli("report", str(tmp_path / "run"))
     assert text.exit_code == 0 and "slow one way only" in text.output and "what this rank receives" in text.output
 
+    _without_clock_check(monkeypatch)
     gpu = open_run(shutil.copytree(Path(__file__).parent / "data" / "gpu-tp-partner", tmp_path / "gpu"))
     pool = straggler_module._candidates(gpu, StragglerConfig())[0]
     assert max(r for *_, r, _ in straggler_module._slow_edges(gpu, len(pool))) >= straggler_module.ONE_WAY_BAR

@@ -156,9 +156,30 @@ def _clock_hosts(con: duckdb.DuckDBPyConnection) -> list[str]:
     return [str(h) for (h,) in _sql.execute(con, "base", "clock_hosts").fetchall()]
 
 
+def _rank_skew(con: duckdb.DuckDBPyConnection, sample: list[int]) -> None:
+    """``ms_cache.rank_skew`` over the clock sample's steps: from the writers' sums where every
+    spans file has them, else from the spans' TP calls (``sql/base.sql``, rank_skew)."""
+    _, lvl = _sums_source(con)
+    ends = {
+        "sums_lvl": 'SELECT rank, "group" AS grp, step, last_end_ns FROM step_sums',
+        "both_lvl": 'SELECT rank, "group" AS grp, step, last_end_ns FROM step_sums UNION ALL '
+                    'SELECT rank, "group", step, start_ns + dur_ns FROM spans_unsummed WHERE kind = \'collective\'',
+        "spans_lvl": 'SELECT rank, "group" AS grp, step, start_ns + dur_ns AS last_end_ns FROM spans '
+                     'WHERE kind = \'collective\'',
+    }[lvl]
+    try:
+        _sql.execute(con, "base", "rank_skew", steps=sample or [-1], ends=_sql.Raw(f"({ends})"))
+    except duckdb.Error as exc:  # a run without device names or groups: no rank is put back
+        log.info("rank clocks not checked against their TP groups (%s)", exc)
+        con.execute(f"CREATE OR REPLACE TABLE {_sql.CACHE_SCHEMA}.rank_skew "
+                    "(rank INTEGER, skew_ns BIGINT, samples BIGINT)")
+
+
 def _estimate_offsets(con: duckdb.DuckDBPyConnection, steps: list[int]) -> pd.DataFrame:
     ranks = _clock_ranks(con)
-    _sql.execute(con, "base", "clock_samples", steps=clock_sample_steps(steps, CLOCK_SAMPLE_STEPS) or [-1],
+    sample = clock_sample_steps(steps, CLOCK_SAMPLE_STEPS)
+    _rank_skew(con, sample)
+    _sql.execute(con, "base", "clock_samples", steps=sample or [-1],
                  ranks=_sql.Raw(", ".join(map(str, ranks)) or "NULL"))
     hosts = _clock_hosts(con)
     pairs = _sql.query_df(con, "base", "clock_pairs")
@@ -192,8 +213,11 @@ def estimate_clock_offsets(con: duckdb.DuckDBPyConnection,
         if _sql.cache_is_fresh(con, "base"):
             return _sql.query_df(con, "base", "offsets")
         _sql.execute(con, "base", "rank_info")
+        _sql.execute(con, "base", "group_kind")
         ranks = _clock_ranks(con)
-        sql = _sql.render("base", "clock_samples", steps=clock_sample_steps(_steps(con), CLOCK_SAMPLE_STEPS) or [-1],
+        sample = clock_sample_steps(_steps(con), CLOCK_SAMPLE_STEPS)
+        _rank_skew(con, sample)
+        sql = _sql.render("base", "clock_samples", steps=sample or [-1],
                           ranks=_sql.Raw(", ".join(map(str, ranks)) or "NULL"))
         if spans_of is not None:
             assert sql.count("FROM spans s ") == 1

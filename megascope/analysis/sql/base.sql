@@ -98,6 +98,36 @@ SELECT host FROM ms_cache.rank_info GROUP BY host ORDER BY min(rank);
 -- The samples are read once, by clock_pairs.
 DROP TABLE IF EXISTS ms_cache.clock_samples;
 
+-- @statement rank_skew
+-- Device-timed ranks whose own clock reads late against their TP group's: each maps its CUDA
+-- events to the host's clock through anchors of its own, and an anchor off by milliseconds puts
+-- the rank's whole run off by as much. The members of a TP group end their step's last TP call
+-- together, so per (group, step) in the sampled steps {{steps}} each member's last TP completion
+-- minus the group's earliest is its clock's lead; a member late by at least 0.2 ms in the median,
+-- steadily (deviation at most 50 us or 5% of it), over at least 3 steps, is put back by it.
+-- ({{ends}}: rank, grp, step, last_end_ns of its calls, from the writers' sums or the spans.)
+-- @column rank      a device-timed rank (ranks.device on CUDA)
+-- @column skew_ns   how late its clock reads: subtract it from its times
+-- @column samples   group-steps behind it
+CREATE OR REPLACE TABLE ms_cache.rank_skew AS
+WITH e AS (
+    SELECT e.rank, e.grp, e.step, max(e.last_end_ns) AS end_ns
+    FROM {{ends}} e JOIN ms_cache.group_kind k ON k."group" = e.grp
+    WHERE k.kind = 'tp' AND list_contains({{steps}}, e.step)
+      AND e.rank IN (SELECT rank FROM ranks WHERE device LIKE 'cuda%')
+    GROUP BY e.rank, e.grp, e.step
+), d AS (
+    SELECT rank, end_ns - min(end_ns) OVER (PARTITION BY grp, step) AS d,
+           count(*) OVER (PARTITION BY grp, step) AS n
+    FROM e
+), m AS (
+    SELECT rank, median(d) AS skew, count(*) AS samples FROM d WHERE n >= 2 GROUP BY rank
+)
+SELECT m.rank, round(m.skew)::BIGINT AS skew_ns, m.samples::BIGINT AS samples
+FROM m JOIN d USING (rank) WHERE d.n >= 2
+GROUP BY m.rank, m.skew, m.samples
+HAVING m.skew >= 200000 AND m.samples >= 3 AND median(abs(d.d - m.skew)) <= greatest(50000, m.skew / 20);
+
 -- @statement clock_samples
 -- Completion times of communication in the sampled steps {{steps}} on the sampled ranks
 -- ({{ranks}}: whole collectives and pipeline pairs of one TP index), for clock-offset estimation.
@@ -112,8 +142,8 @@ CREATE OR REPLACE TABLE ms_cache.clock_samples AS
 SELECT CASE WHEN s.kind = 'collective' THEN s."group"
             WHEN s.kind = 'send' THEN 'p2p:' || s.rank || '>' || s.peer
             ELSE 'p2p:' || s.peer || '>' || s.rank END AS grp,
-       s.seq, s.rank, i.host, s.start_ns + s.dur_ns AS end_ns
-FROM spans s JOIN ms_cache.rank_info i USING (rank)
+       s.seq, s.rank, i.host, s.start_ns + s.dur_ns - coalesce(k.skew_ns, 0) AS end_ns
+FROM spans s JOIN ms_cache.rank_info i USING (rank) LEFT JOIN ms_cache.rank_skew k USING (rank)
 WHERE s.rank IN ({{ranks}})
   AND s.kind IN ('collective', 'send', 'recv') AND s.seq IS NOT NULL
   AND (s.kind = 'collective' AND s."group" IS NOT NULL OR s.kind <> 'collective' AND s.peer IS NOT NULL)
@@ -158,13 +188,15 @@ FROM {{frame}};
 SELECT host, offset_ns, error_ns, samples FROM ms_cache.clock_offsets ORDER BY host;
 
 -- @statement rank_clock
--- Each rank's clock offset (that of its host): add offset_ns to its times.
+-- Each rank's clock offset (that of its host, less its own clock's lead where rank_skew found
+-- one): add offset_ns to its times.
 -- @column rank, host     the rank and its host
 -- @column stage          as in rank_info
--- @column offset_ns      its host's clock offset (0 when unknown)
+-- @column offset_ns      its host's clock offset (0 when unknown), less the rank's skew
 CREATE OR REPLACE TABLE ms_cache.rank_clock AS
-SELECT i.rank, i.host, i.stage, coalesce(o.offset_ns, 0)::BIGINT AS offset_ns
-FROM ms_cache.rank_info i LEFT JOIN ms_cache.clock_offsets o USING (host);
+SELECT i.rank, i.host, i.stage, (coalesce(o.offset_ns, 0) - coalesce(k.skew_ns, 0))::BIGINT AS offset_ns
+FROM ms_cache.rank_info i LEFT JOIN ms_cache.clock_offsets o USING (host)
+LEFT JOIN ms_cache.rank_skew k USING (rank);
 
 -- @statement inst
 -- One row per collective instance, arrivals on the reference clock ({{where}}: true, or the
