@@ -171,8 +171,11 @@ def _rank_skew(con: duckdb.DuckDBPyConnection, sample: list[int]) -> None:
         _sql.execute(con, "base", "rank_skew", steps=sample or [-1], ends=_sql.Raw(f"({ends})"))
     except duckdb.Error as exc:  # a run without device names or groups: no rank is put back
         log.info("rank clocks not checked against their TP groups (%s)", exc)
-        con.execute(f"CREATE OR REPLACE TABLE {_sql.CACHE_SCHEMA}.rank_skew "
-                    "(rank INTEGER, skew_ns BIGINT, samples BIGINT)")
+        _no_rank_skew(con)
+
+
+def _no_rank_skew(con: duckdb.DuckDBPyConnection) -> None:
+    con.execute(f"CREATE OR REPLACE TABLE {_sql.CACHE_SCHEMA}.rank_skew (rank INTEGER, skew_ns BIGINT, samples BIGINT)")
 
 
 def _estimate_offsets(con: duckdb.DuckDBPyConnection, steps: list[int]) -> pd.DataFrame:
@@ -201,7 +204,8 @@ def estimate_clock_offsets(con: duckdb.DuckDBPyConnection,
     estimates them, without building the other base tables (an export needs only the offsets).
 
     Read from the base tables where they are current; otherwise estimated from the sampled
-    ranks' communication alone (``rank_info`` and ``clock_samples``), the host pairs taken in a
+    ranks' communication alone (``rank_info`` and ``clock_samples``; no rank's own clock lead is
+    put back, which needs its TP group's sums: a device-timed rank's late clock stays in an export), the host pairs taken in a
     fixed order so that the same spans give the same offsets however the run is stored. The base
     tables are not marked built: the next :func:`prepare` builds them as before. ``spans_of``
     (e.g. ``Run.rank_source`` for spans) gives a SQL source of the sampled ranks' spans, read in
@@ -213,11 +217,11 @@ def estimate_clock_offsets(con: duckdb.DuckDBPyConnection,
         if _sql.cache_is_fresh(con, "base"):
             return _sql.query_df(con, "base", "offsets")
         _sql.execute(con, "base", "rank_info")
-        _sql.execute(con, "base", "group_kind")
         ranks = _clock_ranks(con)
-        sample = clock_sample_steps(_steps(con), CLOCK_SAMPLE_STEPS)
-        _rank_skew(con, sample)
-        sql = _sql.render("base", "clock_samples", steps=sample or [-1],
+        # The ranks' own clock leads (rank_skew) need every TP member's sums, more than the
+        # sampled ranks' files: an export reads the hosts' offsets without them.
+        _no_rank_skew(con)
+        sql = _sql.render("base", "clock_samples", steps=clock_sample_steps(_steps(con), CLOCK_SAMPLE_STEPS) or [-1],
                           ranks=_sql.Raw(", ".join(map(str, ranks)) or "NULL"))
         if spans_of is not None:
             assert sql.count("FROM spans s ") == 1
