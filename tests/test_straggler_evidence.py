@@ -835,7 +835,7 @@ def test_a_mild_slow_gpu_of_a_tp_pair_is_named_by_its_compute_outside_the_tp_cal
     ("gpu-tp2-late-clock-healthy", 3_917_000, []),
 ])
 def test_a_rank_whose_clock_reads_late_is_put_back_on_its_tp_partners(tmp_path: Path, name: str, late: int,
-                                                                      named: list[int]) -> None:
+                                                                      named: list[int], cli: Any) -> None:
     """tests/data/gpu-tp2-late-clock-*: the bundled trainer on 2x H200 (NCCL, tp2), recorded before
     the collector checked its CUDA anchors: rank 0's clock reads ~4 ms late for the whole run, so
     rank 1 seemed to wait through every TP call. In the slow run (rank 0's GPU 1.15x) the report
@@ -854,6 +854,12 @@ def test_a_rank_whose_clock_reads_late_is_put_back_on_its_tp_partners(tmp_path: 
     if named:
         row = found.iloc[0]
         assert row["cause"] == "compute" and 1.1 < row["slowdown"] < 1.3 and row["steps_slow_frac"] > 0.8
+    # The report says so, in its clock section.
+    result = cli("report", "--json", "--no-whatif", str(run.path))
+    assert result.exit_code == 0, result.output
+    assert [(r["rank"], r["skew_ns"]) for r in json.loads(result.output)["clock"]["ranks_put_back"]] == [(0, skew[0][1])]
+    text = cli("report", "--no-whatif", str(run.path)).output
+    assert f"CLOCKS rank 0's clock read {skew[0][1] / 1e6:.1f} ms late against its TP group's" in text
 
 
 def test_a_healthy_pipeline_and_data_parallel_run_names_no_rank_by_its_spans(tmp_path: Path) -> None:

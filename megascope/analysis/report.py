@@ -197,6 +197,7 @@ def _report(run: Run, say: Callable[[str], None], config: StragglerConfig | None
         exposed = exposed_comm(run)
         lead = host_lead_summary(run)
         offsets = clock_offsets(run)
+        leads = _sql.query_df(run.con, "base", "rank_leads")
         if replay is not None and not replay.done():
             say("finishing the replay")
         whatif_result = replay.result() if replay is not None else None
@@ -247,6 +248,8 @@ def _report(run: Run, say: Callable[[str], None], config: StragglerConfig | None
             "max_abs_offset_ns": int(offsets["offset_ns"].abs().max()) if not offsets.empty else 0,
             "max_error_ns": int(offsets["error_ns"].max()) if offsets["error_ns"].notna().any() else None,
             "offsets": offsets.head(64).to_dict("records"),
+            # Device-timed ranks whose clock read late against their TP group's, put back by it.
+            "ranks_put_back": leads.head(64).to_dict("records"),
         },
         "bubbles": bubble_frame.to_dict("records"),
         "exposed_comm": exposed.to_dict("records"),

@@ -253,6 +253,9 @@ def _print_report(r: dict[str, Any]) -> None:
         err = clock.get("max_error_ns")
         click.echo(f"CLOCKS {clock['hosts']} hosts, offsets up to {_ms(clock['max_abs_offset_ns'])}"
                    + ("" if err is None else f" (+- {_ms(err)})") + ", corrected before comparing ranks")
+    for lead in clock.get("ranks_put_back") or []:
+        click.echo(f"CLOCKS rank {lead['rank']}'s clock read {_ms(lead['skew_ns'])} late against its TP group's "
+                   "(their TP calls end together): its times are put back by it")
 
 
 @click.command()

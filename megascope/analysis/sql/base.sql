@@ -187,6 +187,15 @@ FROM {{frame}};
 -- @column host, offset_ns, error_ns, samples  as in clock_offsets
 SELECT host, offset_ns, error_ns, samples FROM ms_cache.clock_offsets ORDER BY host;
 
+-- @statement rank_leads
+-- The ranks rank_skew put back on their TP group's clock, as rank_clock keeps them.
+-- @column rank     the rank
+-- @column host     its host
+-- @column skew_ns  how late its clock read against its TP group's
+SELECT c.rank, c.host, coalesce(o.offset_ns, 0) - c.offset_ns AS skew_ns
+FROM ms_cache.rank_clock c LEFT JOIN ms_cache.clock_offsets o USING (host)
+WHERE c.offset_ns <> coalesce(o.offset_ns, 0) ORDER BY c.rank;
+
 -- @statement rank_clock
 -- Each rank's clock offset (that of its host, less its own clock's lead where rank_skew found
 -- one): add offset_ns to its times.
