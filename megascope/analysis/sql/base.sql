@@ -192,18 +192,20 @@ SELECT host, offset_ns, error_ns, samples FROM ms_cache.clock_offsets ORDER BY h
 -- @column rank     the rank
 -- @column host     its host
 -- @column skew_ns  how late its clock read against its TP group's
-SELECT c.rank, c.host, coalesce(o.offset_ns, 0) - c.offset_ns AS skew_ns
-FROM ms_cache.rank_clock c LEFT JOIN ms_cache.clock_offsets o USING (host)
-WHERE c.offset_ns <> coalesce(o.offset_ns, 0) ORDER BY c.rank;
+SELECT rank, host, host_offset_ns - offset_ns AS skew_ns
+FROM ms_cache.rank_clock WHERE offset_ns <> host_offset_ns ORDER BY rank;
 
 -- @statement rank_clock
--- Each rank's clock offset (that of its host, less its own clock's lead where rank_skew found
--- one): add offset_ns to its times.
--- @column rank, host     the rank and its host
--- @column stage          as in rank_info
--- @column offset_ns      its host's clock offset (0 when unknown), less the rank's skew
+-- Each rank's clock offsets: add offset_ns to its spans' times (its host's offset, less its own
+-- clock's lead where rank_skew found one), host_offset_ns to what its host's clock stamped
+-- (markers, heartbeats).
+-- @column rank, host       the rank and its host
+-- @column stage            as in rank_info
+-- @column offset_ns        its host's clock offset (0 when unknown), less the rank's skew
+-- @column host_offset_ns   its host's clock offset (0 when unknown)
 CREATE OR REPLACE TABLE ms_cache.rank_clock AS
-SELECT i.rank, i.host, i.stage, (coalesce(o.offset_ns, 0) - coalesce(k.skew_ns, 0))::BIGINT AS offset_ns
+SELECT i.rank, i.host, i.stage, (coalesce(o.offset_ns, 0) - coalesce(k.skew_ns, 0))::BIGINT AS offset_ns,
+       coalesce(o.offset_ns, 0)::BIGINT AS host_offset_ns
 FROM ms_cache.rank_info i LEFT JOIN ms_cache.clock_offsets o USING (host)
 LEFT JOIN ms_cache.rank_skew k USING (rank);
 

@@ -47,8 +47,8 @@ WITH raw AS (
     GROUP BY ALL
 ), per AS (
     SELECT coalesce(r.cgroup, 'p2p:' || r.snd || '>' || r.rcv) AS grp, r.rank, r.last_enq, r.last_done,
-           r.last_enq_raw + coalesce(k.offset_ns, 0) AS last_enq_ns,
-           r.last_marker_raw + coalesce(k.offset_ns, 0) AS last_marker_ns, r.first_enq
+           r.last_enq_raw + coalesce(k.host_offset_ns, 0) AS last_enq_ns,
+           r.last_marker_raw + coalesce(k.host_offset_ns, 0) AS last_marker_ns, r.first_enq
     FROM raw r LEFT JOIN ms_cache.rank_clock k USING (rank)
 ), members AS (
     -- Declared members (groups table) that may have written nothing at all in the group.
@@ -74,7 +74,7 @@ WITH raw AS (
 ), impossible AS (
     -- Members whose completions past the frontier were set aside: when they entered the first
     -- call past it (one lookup per such member; none in a healthy or ordinary hung run).
-    SELECT j.grp, j.rank, min(m.time_ns) + coalesce(any_value(k.offset_ns), 0) AS since_ns
+    SELECT j.grp, j.rank, min(m.time_ns) + coalesce(any_value(k.host_offset_ns), 0) AS since_ns
     FROM judged j
     JOIN markers m ON m.rank = j.rank AND m.seq = j.done_eff + 1 AND m.state = 'enqueued'
          AND CASE WHEN m.op IN ('send', 'recv') AND m.peer IS NOT NULL
@@ -113,8 +113,8 @@ WITH hb AS (
     SELECT k.rank, k.host,
            (SELECT max(last_marker_ns) FROM ms_cache.member_state s WHERE s.rank = k.rank) AS marker_ns,
            (SELECT max(r.start_ns + r.extent_ns) FROM ms_cache.rank_step r WHERE r.rank = k.rank) AS span_ns,
-           (SELECT max(hb.t) FROM hb WHERE hb.rank = k.rank) + k.offset_ns AS rank_hb_ns,
-           (SELECT max(hb.t) FROM hb WHERE hb.rank IS NULL AND hb.host = k.host) + k.offset_ns AS host_hb_ns
+           (SELECT max(hb.t) FROM hb WHERE hb.rank = k.rank) + k.host_offset_ns AS rank_hb_ns,
+           (SELECT max(hb.t) FROM hb WHERE hb.rank IS NULL AND hb.host = k.host) + k.host_offset_ns AS host_hb_ns
     FROM ms_cache.rank_clock k
 )
 SELECT rank, host, marker_ns, span_ns, rank_hb_ns, host_hb_ns,
@@ -128,7 +128,7 @@ FROM by_rank ORDER BY rank;
 -- @column rank            rank
 -- @column alive_until_ns  the agent's last row for it
 -- @column ended           the agent saw the process end (value 0)
-SELECT h.rank, max(h.time_ns) + coalesce(any_value(k.offset_ns), 0) AS alive_until_ns,
+SELECT h.rank, max(h.time_ns) + coalesce(any_value(k.host_offset_ns), 0) AS alive_until_ns,
        bool_or(h.value = 0) AS ended
 FROM heartbeats h LEFT JOIN ms_cache.rank_clock k ON k.rank = h.rank
 WHERE h.metric = 'rank_alive' AND h.rank IS NOT NULL

@@ -9,7 +9,7 @@
 -- (each rank's newest) only.
 -- @column last_ns  its time (NULL without one)
 SELECT max(t) AS last_ns
-FROM (SELECT m.rank, m.time_ns + coalesce(k.offset_ns, 0) AS t, m.state
+FROM (SELECT m.rank, m.time_ns + coalesce(k.host_offset_ns, 0) AS t, m.state
       FROM read_parquet([{{files}}], union_by_name=true) m LEFT JOIN ms_cache.rank_clock k USING (rank))
 LEFT JOIN {{cut}} USING (rank)
 WHERE state = 'completed' AND (c.cut_ns IS NULL OR t <= c.cut_ns);
