@@ -205,8 +205,9 @@ def estimate_clock_offsets(con: duckdb.DuckDBPyConnection,
 
     Read from the base tables where they are current; otherwise estimated from the sampled
     ranks' communication alone (``rank_info`` and ``clock_samples``; no rank's own clock lead is
-    put back, which needs its TP group's sums: a device-timed rank's late clock stays in an export), the host pairs taken in a
-    fixed order so that the same spans give the same offsets however the run is stored. The base
+    put back, which needs its TP group's sums: a device-timed rank's late clock stays in an
+    export), the host pairs taken in a fixed order so that the same spans give the same offsets
+    however the run is stored. The base
     tables are not marked built: the next :func:`prepare` builds them as before. ``spans_of``
     (e.g. ``Run.rank_source`` for spans) gives a SQL source of the sampled ranks' spans, read in
     place of the whole ``spans`` view: on a run of many part files, only those ranks' files.
