@@ -323,7 +323,7 @@ class CudaTimer(_Anchors):
         reads and kept only when they are at most :data:`ANCHOR_BRACKET_NS` apart, trying up to
         ``tries`` times; a refresh that finds no tight bracket keeps the current anchor (None),
         the first anchor takes the tightest one found and, where it was not tight, counts as
-        inexact, so that the next idle moment replaces it."""
+        inexact, until the next refresh at an idle moment replaces it."""
         stream = self._torch.cuda.current_stream(self.device)
         idle = bool(stream.query())
         if require_idle and not idle:
@@ -348,10 +348,10 @@ class CudaTimer(_Anchors):
         return Anchor(wall, event, idle and width <= ANCHOR_BRACKET_NS)
 
     def maybe_refresh(self) -> None:
-        """Take a new anchor if the current one is old (or inexact) and the current stream is
-        idle right now."""
-        # An inexact anchor (the first, taken while the stream was busy) is replaced sooner.
-        if time.time_ns() - self.anchor.wall_ns < (self._interval_ns if self.anchor.exact else self._interval_ns // 10):
+        """Take a new anchor if the current one is old and the current stream is idle right now.
+        (Not sooner for an inexact one: each look asks the stream, which lets go of the
+        interpreter lock on the training thread.)"""
+        if time.time_ns() - self.anchor.wall_ns < self._interval_ns:
             return
         anchor = self._take_anchor(require_idle=True)
         if anchor is not None:
