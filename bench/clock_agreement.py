@@ -18,6 +18,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import duckdb
+
+from megascope.errors import RunDirError
 from megascope.store import open_run
 
 
@@ -47,7 +50,11 @@ def main() -> None:
     for run in args.runs:
         if not run.is_dir():
             continue
-        worst, leads = agreement(run)
+        try:
+            worst, leads = agreement(run)
+        except (RunDirError, duckdb.Error) as exc:  # a run that wrote nothing readable (a hang, a crash)
+            print(f"| {run.name} | unreadable: {str(exc).splitlines()[0]} | |")
+            continue
         shown = ", ".join(f"{r}: {v:.3f}" for r, v in leads if v is not None)
         print(f"| {run.name} | {'-' if worst is None else f'{worst:.3f}'} | {shown} |")
 

@@ -2,8 +2,9 @@
 # The detection sweep on GPUs (bench/detect_sweep.py --gpu): planted slow GPUs (mode=time), host
 # pauses, hangs and healthy runs of the bundled trainer on NCCL, in the sweep's seeded order, as
 # many as BUDGET_S seconds allow; each run reported and scored on the machine. Back under $OUT:
-# table.txt (the sweep's table), sweep.jsonl (one line per run) and runs.tar.gz (every run
-# directory and its log, for rescoring elsewhere with --score-only).
+# table.txt (the sweep's table), sweep.jsonl (one line per run), clock.txt (the runs' clock
+# agreement) and runs.tar.gz (every run directory and its log, for rescoring elsewhere with
+# --score-only).
 #
 # With NO_SCORE=1 the machine only runs (no report after each run: more runs fit the budget); score
 # them afterwards from runs.tar.gz: `python bench/detect_sweep.py -o DIR --gpu --gpus N --seed S
@@ -46,4 +47,7 @@ timeout "$STOP_S" $PY bench/detect_sweep.py -o "$WORK" --gpu --gpus "$GPUS" --se
 echo "sweep exit $?" >>"$OUT/sweep-progress.txt"
 cp "$WORK/sweep.jsonl" "$OUT/" 2>/dev/null
 tar -czf "$OUT/runs.tar.gz" -C "$WORK" . 2>/dev/null
+# Do the ranks' clocks agree (bench/clock_agreement.py)? A rank whose calls never start less than
+# milliseconds after its host enqueued them reads late, and so does every analysis of it.
+$PY bench/clock_agreement.py "$WORK"/*/ >"$OUT/clock.txt" 2>&1
 cat "$OUT/table.txt"
