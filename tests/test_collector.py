@@ -1032,7 +1032,8 @@ def test_a_cuda_anchor_whose_record_call_comes_back_late_is_not_trusted(monkeypa
     monkeypatch.setattr(torch.cuda, "Event", Event)
     late["calls"] = 3
     timer = timing.CudaTimer("cuda", anchor_interval_s=0.0)
-    assert timer.anchors_loose == 3 and timer.anchor.exact and timer.anchor_bracket_max_ns >= 4_000_000
+    # (At least: on a loaded machine a call may also come back late by itself.)
+    assert timer.anchors_loose >= 3 and timer.anchor.exact and timer.anchor_bracket_max_ns >= 4_000_000
     before = time.time_ns()
     token = timer.stamp()
     after = time.time_ns()
@@ -1040,17 +1041,17 @@ def test_a_cuda_anchor_whose_record_call_comes_back_late_is_not_trusted(monkeypa
     stamped = timer.wall_ns(token, timer.anchor_ref)
     assert before - 200_000 <= stamped <= after + 200_000, (stamped - before, after - stamped)
     # A refresh whose records all come back late keeps the anchor it had.
-    ref = timer.anchor_ref
+    ref, loose_before = timer.anchor_ref, timer.anchors_loose
     late["calls"] = timing.ANCHOR_REFRESH_TRIES
     timer.maybe_refresh()
-    assert timer.anchor_ref == ref and timer.anchors_loose == 3 + timing.ANCHOR_REFRESH_TRIES
+    assert timer.anchor_ref == ref and timer.anchors_loose >= loose_before + timing.ANCHOR_REFRESH_TRIES
     timer.maybe_refresh()  # back at once: taken
     assert timer.anchor_ref == ref + 1
     # With nothing but late records, the first anchor takes the tightest and counts as inexact,
     # until a refresh at an idle moment replaces it.
     late["calls"] = timing.ANCHOR_FIRST_TRIES
     loose = timing.CudaTimer("cuda", anchor_interval_s=0.0)
-    assert not loose.anchor.exact and loose.anchors_loose == timing.ANCHOR_FIRST_TRIES
+    assert not loose.anchor.exact and loose.anchors_loose >= timing.ANCHOR_FIRST_TRIES
     first = loose.anchor_ref
     loose.maybe_refresh()
     assert loose.anchor_ref == first + 1 and loose.anchor.exact
