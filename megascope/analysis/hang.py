@@ -86,7 +86,7 @@ def hang_tables(con: duckdb.DuckDBPyConnection) -> tuple[pd.DataFrame, pd.DataFr
 Record = dict[str, Any]
 
 
-def _int_or_none(value: Any) -> int | None:
+def int_or_none(value: Any) -> int | None:
     return None if value is None or pd.isna(value) else int(value)
 
 
@@ -153,11 +153,11 @@ def _suspect(rank: int, grp: str, state: Record | None, place: Record | None, ax
         "host": str(place["host"]) if place is not None else "unknown",
         "coords": coords_of(place.get("coords"), axes) if place is not None else {},
         "group": grp,
-        "last_completed_seq": _int_or_none(state["last_done"]) if state else None,
-        "missing_seq": _int_or_none(state["missing_seq"]) if state and kind != "waiting" else None,
+        "last_completed_seq": int_or_none(state["last_done"]) if state else None,
+        "missing_seq": int_or_none(state["missing_seq"]) if state and kind != "waiting" else None,
         "state": kind,
         "waited_on_by": waited_on_by,
-        "last_seen_ns": _int_or_none(last_seen),
+        "last_seen_ns": int_or_none(last_seen),
     }
 
 

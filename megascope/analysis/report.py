@@ -27,7 +27,7 @@ import pandas as pd
 
 from megascope.analysis import _sql, persist
 from megascope.analysis.base import prepare
-from megascope.analysis.hang import localize
+from megascope.analysis.hang import int_or_none, localize
 from megascope.analysis.pipeline import bubbles, exposed_comm, host_lead_summary
 from megascope.analysis.runstate import run_state
 from megascope.analysis.skew import skew_by_collective, skew_drift
@@ -114,10 +114,6 @@ def gc_pauses(con: duckdb.DuckDBPyConnection, *, top: int = 8) -> dict[str, Any]
     }
 
 
-def _rank_or_none(value: Any) -> int | None:
-    return None if value is None or value != value else int(value)
-
-
 def _straggler_list(frame: pd.DataFrame, axes: tuple[str, ...]) -> list[dict[str, Any]]:
     out = []
     for _, row in frame.iterrows():
@@ -135,7 +131,7 @@ def _straggler_list(frame: pd.DataFrame, axes: tuple[str, ...]) -> list[dict[str
                 "cpu_slowdown": row.get("cpu_slowdown"), "tp_compute_ratio": row.get("tp_compute_ratio"),
                 "dp_compute_ratio": row.get("dp_compute_ratio"),
                 "slow_groups": list(row["slow_groups"]) if isinstance(row.get("slow_groups"), list) else None,
-                "behind_rank": _rank_or_none(row.get("behind")),
+                "behind_rank": int_or_none(row.get("behind")),
             },
         })
     return out
