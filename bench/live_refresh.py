@@ -20,6 +20,7 @@ machine's time, and the files read per refresh do not grow with the run's length
 
     python bench/live_refresh.py --ranks 1024 --ticks 12 --work WORK --paths current,live
     python bench/live_refresh.py --ranks 12288 --ticks 4 --work WORK --paths live,twins
+    python bench/live_refresh.py --ranks 1024 --ticks 12 --work WORK --paths current --phases --history 40 --compact-every 3
 """
 
 from __future__ import annotations
@@ -102,6 +103,9 @@ def main() -> None:
                         help="every TICKS ticks, before the refresh, a compaction pass per node (untimed: the "
                              "nodes' own CPUs run it), as MEGASCOPE_COMPACT_EVERY_S does; 0: none")
     parser.add_argument("--node-ranks", type=int, default=8, help="ranks per node for --compact-every")
+    parser.add_argument("--history", type=int, default=0, metavar="STEPS",
+                        help="steps the job has run before the first tick (a dashboard opened on a job that "
+                             "has been going a while): written as one part per rank and compacted, untimed")
     args = parser.parse_args()
     paths = set(args.paths.split(","))
     run = args.work / f"live-{args.ranks}"
@@ -113,6 +117,13 @@ def main() -> None:
     job = LiveSynth(run, cfg, threads=args.write_threads)
     print(f"# {args.ranks} ranks (tp={args.tp} pp={args.pp}), run.json/ranks/groups in {time.perf_counter() - t0:.1f} s; "
           f"load {_load()}", flush=True)
+    if args.history:
+        from megascope.compact import compact
+
+        t0 = time.perf_counter()
+        job.write_step(args.history)
+        compact(run, everything=True, grace_s=0)
+        print(f"# history: {args.history} steps written and compacted in {time.perf_counter() - t0:.1f} s", flush=True)
 
     served = registry = None
     tails = {name: StepSumsTail(run, source="twins" if name == "twins" else "auto")

@@ -178,23 +178,65 @@ def test_a_growing_run_extends_the_cache(tmp_path: Path, synth: Synth, monkeypat
     def execute(con: Any, module: str, name: str, **params: Any) -> Any:
         if name == "inst":
             scanned.append(str(params["where"]))
+        if name in ("clock_samples", "nested_kinds"):
+            scanned.append(name)
         return real_execute(con, module, name, **params)
 
     monkeypatch.setattr(base._sql, "execute", execute)
     for sums in (True, False):
         _grow(path, 16, sums=sums)
         grown = _report(path)
+    # The clock sample (steps 5-8 and 13-16 of 0-21) and the nested calls' probe (steps 1-16)
+    # hold no new row: neither is read again.
     assert built == [] and scanned == ["s.step >= 20", "s.step >= 21"]
     monkeypatch.undo()
     assert grown["run"]["steps"] == 22 and grown["stragglers"][0]["rank"] == 9
     assert same_answer(grown, _uncached(path, tmp_path))
-    # A refreshed run (the dashboard's live view) extends the same way.
+    # A refreshed run (the dashboard's live view) extends the same way, from the tables it holds:
+    # the cache's files are not read back.
     live = open_run(path)
     prepare(live.con)
     _grow(path, 16)
     live.refresh()
+    loaded: list[str] = []
+    real_load = persist.load
+    monkeypatch.setattr(persist, "load", lambda *a, **k: loaded.append(k.get("prefix", "")) or real_load(*a, **k))
     prepare(live.con)
+    assert loaded == []
     assert live.con.execute("SELECT max(step) FROM ms_cache.rank_step").fetchone() == (22,)
+    monkeypatch.undo()
+    fresh = open_run(path)
+    prepare(fresh.con)
+    for table in BASE_TABLES:
+        mine = live.con.execute(f"SELECT * FROM ms_cache.{table} ORDER BY ALL").fetchall()
+        assert mine == fresh.con.execute(f"SELECT * FROM ms_cache.{table} ORDER BY ALL").fetchall(), table
+
+
+def test_new_rows_of_a_sampled_step_estimate_the_clocks_again(tmp_path: Path, synth: Synth,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A new part holding rows of a step the clock estimate sampled (a rank's late part) makes the
+    extension estimate the clocks again; its answer is still the one built from scratch."""
+    path = synth(tmp_path / "late", "straggler:rank=9,factor=1.3", ranks=16, steps=20, tp=2, pp=2, seed=11,
+                 gpus_per_host=4)
+    _report(path)
+    from megascope.analysis import base
+    estimated: list[str] = []
+    real_estimate = base._estimate_offsets
+    monkeypatch.setattr(base, "_estimate_offsets", lambda con, steps: estimated.append("x") or real_estimate(con, steps))
+    _grow(path, 16, sums=True)
+    _report(path)
+    assert estimated == []
+    # Rank 3's compute spans of step 6 (a sampled step), written again 1 ms later as a new part.
+    parts = sorted(layout.table_path(path, "spans", rank=3).glob("*.parquet"))
+    rows = [r for r in pa.concat_tables([pq.read_table(p) for p in parts]).to_pylist()
+            if r["step"] == 6 and r["kind"] == "compute"]
+    for r in rows:
+        r.update(start_ns=r["start_ns"] + MS, rank=3)
+    layout.write_spans_part(path, pa.Table.from_pylist(rows, schema=schema.SPANS), rank=3)
+    late = _report(path)
+    assert estimated == ["x"]
+    monkeypatch.undo()
+    assert same_answer(late, _uncached(path, tmp_path))
 
 
 def test_new_markers_leave_the_cache_as_it_is(run: Path) -> None:

@@ -116,8 +116,10 @@ def executed(synth: Synth, tmp_path_factory: pytest.TempPathFactory,
     # The steps of a run whose lowest ranks recorded none; extending the base tables of a run that
     # grew (the cached tables loaded as old_*, here copies of the current ones).
     _sql.execute(run.con, "base", "all_steps").fetchall()
-    for table in ("rank_clock", "inst", "rank_step"):
+    for table in ("clock_offsets", "rank_clock", "inst", "rank_step"):
         run.con.execute(f"CREATE OR REPLACE TABLE ms_cache.old_{table} AS SELECT * FROM ms_cache.{table}")
+    _sql.execute(run.con, "base", "keep_clock_offsets")
+    _sql.execute(run.con, "base", "keep_rank_clock")
     _sql.execute(run.con, "base", "moved_clocks").fetchall()
     _sql.execute(run.con, "base", "calls_across_edge", first=3).fetchall()
     _sql.execute(run.con, "base", "extend_inst", first=3)

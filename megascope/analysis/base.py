@@ -288,17 +288,21 @@ def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None, persis
             except (OSError, ValueError, duckdb.Error) as exc:
                 log.info("analysis cache: no key for %s (%s)", root, exc)
         meta = persist.read_meta(root) if root is not None and now is not None else None
+        # Whether this process's base tables are the cache's (then an extension starts from them);
+        # from here on they are being replaced, and stand for no cache until done.
+        held = root is not None and meta is not None and persist.holds(con, root, meta)
+        persist.forget(con)
         if root is not None and meta is not None and now is not None:
             if meta.get("key") == now.digest:
                 say("reading the analysis cache")
-                if persist.load(con, root, meta, BASE_TABLES):
+                if held or persist.load(con, root, meta, BASE_TABLES):
                     persist.remember(con, root, now.digest)
                     _sql.mark_built(con, "base")
                     log.info("base tables read from %s", persist.cache_dir(root))
                     return
             elif (new := persist.appended(con, root, meta, now)) is not None:
                 say("extending the analysis cache")
-                params = _extend(con, root, meta, new, say)
+                params = _extend(con, root, meta, new, say, held=held)
                 if params is not None:
                     _keep(con, root, now, params, save_later, say)
                     _sql.mark_built(con, "base")
@@ -352,7 +356,7 @@ def _first_new_step(con: duckdb.DuckDBPyConnection, new: dict[str, list[str]]) -
 
 
 def _extend(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], new: dict[str, list[str]],
-            say: Callable[[str], None]) -> dict[str, Any] | None:
+            say: Callable[[str], None], *, held: bool = False) -> dict[str, Any] | None:
     """Extend the cached base tables by the steps the ``new`` parts hold. Returns the build's
     parameters, or None where the result could differ from a build from scratch (the clock
     estimate moved, the peers or nesting of collectives changed, a call spans the new steps' edge,
@@ -362,14 +366,31 @@ def _extend(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], ne
     except duckdb.Error as exc:
         log.info("analysis cache: new parts unreadable (%s)", exc)
         return None
-    if first is None or not persist.load(con, root, meta, BASE_TABLES, prefix="old_"):
+    if first is None or not _old_tables(con, root, meta, held=held):
         return None
     try:
-        steps = _ranks_and_clock(con, say)
-        moved = _sql.first(_sql.execute(con, "base", "moved_clocks"))
-        params = _params(con, steps)
-        if (moved and moved[0]) or params != meta.get("params"):
-            log.info("analysis cache: clock estimate or parameters changed; rebuilding")
+        old = meta.get("params") or {}
+        say("reading ranks")
+        _sql.execute(con, "base", "rank_info")
+        _sql.execute(con, "base", "group_kind")
+        steps = _steps(con)
+        sample = clock_sample_steps(steps, CLOCK_SAMPLE_STEPS)
+        if sample and old.get("clock_sample") == sample and first > max(sample):
+            # Every row the estimate reads (the sampled steps' calls, the ranks, the groups) is in
+            # the files the cache was built from, as they were: it would come out the same.
+            _sql.execute(con, "base", "keep_clock_offsets")
+            _sql.execute(con, "base", "keep_rank_clock")
+        else:
+            say("estimating clock offsets")
+            _estimate_offsets(con, steps)
+            _sql.execute(con, "base", "rank_clock")
+            moved = _sql.first(_sql.execute(con, "base", "moved_clocks"))
+            if moved and moved[0]:
+                log.info("analysis cache: clock estimate changed; rebuilding")
+                return None
+        params = _params(con, steps, old=old, first=first)
+        if _compared(params) != _compared(old):
+            log.info("analysis cache: parameters changed; rebuilding")
             return None
         say(f"matching collectives of steps {first} on")
         _sql.execute(con, "base", "inst", where=_sql.Raw(f"s.step >= {int(first)}"))
@@ -391,17 +412,52 @@ def _extend(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], ne
         persist.drop(con, BASE_TABLES, prefix="old_")
 
 
-def _params(con: duckdb.DuckDBPyConnection, steps: list[int]) -> dict[str, Any]:
+def _params(con: duckdb.DuckDBPyConnection, steps: list[int], *, old: dict[str, Any] | None = None,
+            first: int | None = None) -> dict[str, Any]:
     """What rank_step is built with beside the spans: the group kinds whose collectives run inside
     compute spans (probed on one rank, in the first :data:`NESTED_PROBE_STEPS` of the run's
     ``steps`` after the warm-up: the same answer while the run grows), and the group kinds whose
-    members are peers."""
+    members are peers; with them the steps the build sampled (``clock_sample``, ``nested_steps``),
+    which an extension compares (:func:`_compared` leaves them out).
+
+    ``old``: the parameters of the cached build an extension from step ``first`` on starts from;
+    its probe is kept where the probed steps are the same and all before ``first``."""
     shape = _sql.first(_sql.execute(con, "base", "rank_shape"))
     probe = int(shape[0]) if shape and shape[0] is not None else 0
     window = steps[1:NESTED_PROBE_STEPS + 1] if len(steps) > NESTED_PROBE_STEPS else steps
-    nested = [str(k) for (k,) in _sql.execute(con, "base", "nested_kinds", rank=probe,
-                                              steps=window or [-1]).fetchall()]
-    return {"nested_kinds": sorted(k for k in nested if k.isalnum()), "peer_kinds": _peer_kinds(shape)}
+    if (old is not None and first is not None and window and old.get("nested_steps") == [probe, *window]
+            and first > max(window) and isinstance(old.get("nested_kinds"), list)):
+        nested = [str(k) for k in old["nested_kinds"]]
+    else:
+        nested = [str(k) for (k,) in _sql.execute(con, "base", "nested_kinds", rank=probe,
+                                                  steps=window or [-1]).fetchall()]
+    return {"nested_kinds": sorted(k for k in nested if k.isalnum()), "peer_kinds": _peer_kinds(shape),
+            "clock_sample": clock_sample_steps(steps, CLOCK_SAMPLE_STEPS), "nested_steps": [probe, *window]}
+
+
+# Parameters that record what a build sampled rather than what it was built with.
+_SAMPLED = ("clock_sample", "nested_steps")
+
+
+def _compared(params: dict[str, Any]) -> dict[str, Any]:
+    """What must be the same for an extension to equal a build from scratch."""
+    return {k: v for k, v in params.items() if k not in _SAMPLED}
+
+
+def _old_tables(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], *, held: bool) -> bool:
+    """``ms_cache.old_<table>`` for each base table, as the cache ``meta`` describes them: copied
+    from this process's own base tables where they are that cache's (``held``: a dashboard
+    refreshing its run), else read from its files."""
+    if held:
+        try:
+            for table in BASE_TABLES:
+                con.execute(f"CREATE OR REPLACE TABLE {_sql.CACHE_SCHEMA}.old_{table} AS "
+                            f"SELECT * FROM {_sql.CACHE_SCHEMA}.{table}")
+            return True
+        except duckdb.Error as exc:
+            log.info("analysis cache: base tables in memory unusable (%s)", exc)
+            persist.drop(con, BASE_TABLES, prefix="old_")
+    return persist.load(con, root, meta, BASE_TABLES, prefix="old_")
 
 
 def _peer_kinds(shape: Any) -> list[str]:

@@ -373,6 +373,18 @@ def remember(con: duckdb.DuckDBPyConnection, root: Path | None, digest: str | No
                 [str(root) if root is not None else None, digest])
 
 
+def forget(con: duckdb.DuckDBPyConnection) -> None:
+    """Note that the base tables in ``ms_cache`` stand for no cache (they are being rebuilt)."""
+    remember(con, None, None)
+
+
+def holds(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any]) -> bool:
+    """Whether the base tables in ``ms_cache`` are those of the cache ``meta`` of run ``root``:
+    built, extended or read for its key in this process, and not touched since."""
+    source = _source(con)
+    return source is not None and source == (Path(root), meta.get("key"))
+
+
 def _source(con: duckdb.DuckDBPyConnection) -> tuple[Path, str] | None:
     try:
         row = _sql.first(con.execute(f"SELECT root, key FROM {_sql.CACHE_SCHEMA}.{_KEPT}"))

@@ -491,6 +491,16 @@ SELECT count(*) AS rank_steps FROM ms_cache.rank_step WHERE step_ns IS NOT NULL;
 -- ms_cache.old_*, the new ones built from the first new step on, and the two joined where nothing
 -- crosses that edge.
 
+-- @statement keep_clock_offsets
+-- The cached hosts' clock offsets, kept where the new parts hold none of the sampled steps.
+-- @column host, offset_ns, error_ns, samples  as in clock_offsets
+CREATE OR REPLACE TABLE ms_cache.clock_offsets AS SELECT * FROM ms_cache.old_clock_offsets;
+
+-- @statement keep_rank_clock
+-- The cached ranks' clock offsets, kept with keep_clock_offsets.
+-- @column rank, host, stage, offset_ns, host_offset_ns  as in rank_clock
+CREATE OR REPLACE TABLE ms_cache.rank_clock AS SELECT * FROM ms_cache.old_rank_clock;
+
 -- @statement moved_clocks
 -- Ranks whose clock offset differs between the cached and the new estimate.
 -- @column ranks  ranks whose offset moved (0: the cached tables may be kept)

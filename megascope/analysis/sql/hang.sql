@@ -166,6 +166,6 @@ FROM ms_cache.rank_step;
 SELECT median(step_ns) AS step_ns FROM ms_cache.rank_step WHERE step_ns IS NOT NULL;
 
 -- @statement has_markers
--- Whether the run has markers at all.
+-- Whether the run has markers at all (the first row found answers: no footer after it is read).
 -- @column any_markers  true where it has
-SELECT count(*) > 0 AS any_markers FROM markers;
+SELECT count(*) > 0 AS any_markers FROM (SELECT 1 FROM markers LIMIT 1);
