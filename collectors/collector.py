@@ -466,7 +466,7 @@ class Collector:
         config = self.config
         return make_timer(self.device, anchor_interval_s=config.anchor_interval_s,
                           max_events=2 * config.max_buffered_rows + 64, clock=config.clock,
-                          event_calls=config.event_calls)
+                          event_calls=config.event_calls, record_calls=config.record_calls)
 
     def _host_clock(self) -> None:
         """Stamp on the host clock from now on (no event was recorded yet, so nothing pending
@@ -787,6 +787,10 @@ class Collector:
             # latest return seen: what an anchor's wall time could have been off by, twice over.
             "anchors_loose": getattr(self._timer, "anchors_loose", 0),
             "anchor_bracket_max_ns": getattr(self._timer, "anchor_bracket_max_ns", 0),
+            # How the training thread records CUDA events, and the records the driver refused
+            # (made through torch instead).
+            "record_calls": getattr(self._timer, "record_calls", "host"),
+            "record_fallbacks": getattr(self._timer, "record_fallbacks", 0),
             "gc_spans": self._gc_watch.recorded if self._gc_watch is not None else 0,
             "untimed_calls": self._untimed_calls,
             "marker_agent": self._agent is not None,

@@ -15,6 +15,7 @@ script wrote, so an operator can switch the collector off or move its output wit
 ``MEGASCOPE_WAIT_SPANS=0``            ``wait_spans=False``
 ``MEGASCOPE_CLOCK=host``              ``clock`` (``device``, ``side-stream`` or ``host``)
 ``MEGASCOPE_EVENT_CALLS=driver``      ``event_calls`` (``driver``, ``driver-held`` or ``torch``)
+``MEGASCOPE_RECORD_CALLS=driver``     ``record_calls`` (``driver`` or ``torch``)
 ``MEGASCOPE_WRITER_DUTY=0.25``        ``writer_duty`` (1 turns the writer's pacing off)
 ``MEGASCOPE_ALIGN_PASSES=0``          ``align_passes=False``
 ``MEGASCOPE_GC_SPAN_MS=1``            ``gc_span_min_ms`` (a negative value turns GC spans off)
@@ -48,6 +49,7 @@ from megascope.errors import ConfigError
 
 CLOCKS = ("device", "side-stream", "host")
 EVENT_CALLS = ("driver", "driver-held", "torch")
+RECORD_CALLS = ("driver", "torch")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -128,6 +130,12 @@ class CollectorConfig:
     # Megatron-core job on 1x H200 -0.05% against +1.95%, then +1.13% against +1.05%
     # (docs/benchmarks-log.md, "The writer's event calls through the driver, the default").
     event_calls: str = "driver"
+    # How the training thread records its spans' CUDA events. "driver": the driver's cuEventRecord
+    # through ctypes, keeping the interpreter lock for the call. "torch": torch.cuda.Event.record,
+    # which lets go of it, so that a writer waiting for the lock takes it at every record and the
+    # training thread waits to get it back (torch's, where the driver library cannot be loaded, and
+    # for any record the driver refuses).
+    record_calls: str = "driver"
     # The writer thread's largest share of the interpreter lock while it works in the background:
     # it works in half-millisecond slices and sleeps between them (1: never sleeps). The training
     # thread launches the device's work from Python; a writer holding the lock for tens of
@@ -222,6 +230,8 @@ class CollectorConfig:
             raise ConfigError(f"clock must be one of {', '.join(CLOCKS)}, got {self.clock!r}")
         if self.event_calls not in EVENT_CALLS:
             raise ConfigError(f"event_calls must be one of {', '.join(EVENT_CALLS)}, got {self.event_calls!r}")
+        if self.record_calls not in RECORD_CALLS:
+            raise ConfigError(f"record_calls must be one of {', '.join(RECORD_CALLS)}, got {self.record_calls!r}")
         if self.gc_span_min_ms is not None and self.gc_span_min_ms < 0:
             raise ConfigError(f"gc_span_min_ms must be >= 0 or None, got {self.gc_span_min_ms}")
         kinds = self.comm_sample_kinds
@@ -280,6 +290,8 @@ class CollectorConfig:
             changes["clock"] = env["MEGASCOPE_CLOCK"].strip().lower()
         if "MEGASCOPE_EVENT_CALLS" in env:
             changes["event_calls"] = env["MEGASCOPE_EVENT_CALLS"].strip().lower()
+        if "MEGASCOPE_RECORD_CALLS" in env:
+            changes["record_calls"] = env["MEGASCOPE_RECORD_CALLS"].strip().lower()
         if "MEGASCOPE_WRITER_DUTY" in env:
             changes["writer_duty"] = _env_number("MEGASCOPE_WRITER_DUTY", env["MEGASCOPE_WRITER_DUTY"], float)
         if "MEGASCOPE_ALIGN_PASSES" in env:

@@ -16,7 +16,10 @@ untimed. Both timers have the same methods, so every code path above them runs t
   work's kernels. ``ready`` asks whether the event is done and ``wall_ns`` is the time from the
   anchor's event to it: neither waits for the device. Both go through ``torch.cuda.Event``, which
   holds the interpreter lock for the call, or (``event_calls="driver"``) straight to the CUDA driver
-  (:class:`DriverEventCalls`), which lets go of it. An anchor is an event
+  (:class:`DriverEventCalls`), which lets go of it. The training thread's records go the other
+  way (``record_calls="driver"``, :class:`DriverRecord`): torch's record lets go of the lock for
+  the call, and a writer waiting for it takes it there, at every span; the driver's
+  ``cuEventRecord`` called holding the lock gives no such turn. An anchor is an event
   recorded while the stream is idle (checked with ``Stream.query()``, a natural sync point such as
   the host having just read the loss), paired with the host wall clock of that moment. A new one is
   taken at most every ``anchor_interval_s`` and only when the stream is idle, so anchors never cost
@@ -242,6 +245,37 @@ class DriverEventCalls:
         return ms.value
 
 
+class DriverRecord:
+    """``cuEventRecord`` through a ``ctypes.PyDLL`` handle: the call keeps the interpreter lock.
+
+    torch's ``Event.record`` lets go of the lock while the driver records. On the training thread
+    that hands the lock to any thread waiting for it (the writer in a pass), and the training
+    thread then waits for it back, at every record: hundreds of turns a step on a job that times
+    its tensor-parallel calls. A record is a few microseconds of driver time; holding the lock
+    through it costs the other threads that much, once. The call goes to the stream's context, so
+    a record on the default stream (handle 0) needs the event's device current on the calling
+    thread, as torch has it on a job's own threads; where it is not (any error), the caller
+    records through torch instead."""
+
+    def __init__(self, lib: Any) -> None:
+        self._record = lib.cuEventRecord
+        self._record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self._record.restype = ctypes.c_int
+
+    @classmethod
+    def load(cls) -> DriverRecord | None:
+        """The call, or None (logged) where the driver library or the function is missing."""
+        try:
+            return cls(ctypes.PyDLL("libcuda.so.1"))
+        except (OSError, AttributeError) as exc:
+            log.info("CUDA events recorded through torch: the driver library is not usable (%s)", exc)
+            return None
+
+    def __call__(self, event: int, stream: int) -> bool:
+        """Record event handle ``event`` on stream handle ``stream``; False where the driver refused."""
+        return self._record(event, stream) == _CUDA_SUCCESS
+
+
 class CudaTimer(_Anchors):
     """Timestamps from pooled CUDA events on the stream doing the work; nothing synchronizes.
 
@@ -253,7 +287,7 @@ class CudaTimer(_Anchors):
     is_device = True
 
     def __init__(self, device: Any, *, anchor_interval_s: float = 1.0, max_events: int = 200_000,
-                 side_stream: bool = False, event_calls: str = "torch") -> None:
+                 side_stream: bool = False, event_calls: str = "torch", record_calls: str = "torch") -> None:
         import torch
 
         self._torch = torch
@@ -266,7 +300,7 @@ class CudaTimer(_Anchors):
         # the current stream's raw handle keys a cache of Stream objects, and the event is recorded
         # (and queried, and timed) through the C methods. Both are private torch APIs; without them,
         # the public calls.
-        self._raw_current = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        self._raw_current: Any = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         self._streams: dict[int, Any] = {}
         base = getattr(torch._C, "_CudaEventBase", None)
         self._record: Any = getattr(base, "record", None) or torch.cuda.Event.record
@@ -283,11 +317,14 @@ class CudaTimer(_Anchors):
         # The pool: a token is a key of it. Keys come from a counter, whose next() no two threads
         # can share (a backward hook may stamp from autograd's thread).
         self._events: dict[int, Any] = {}
+        # Each pooled event's raw handle, for records through the driver (record_calls="driver").
+        self._handles: dict[int, int] = {}
         self._keys = itertools.count()
         self._free: deque[int] = deque()
         # Timing-free events (``mark``): they tell that work is done, not when, and cost the device
         # nothing measurable where a timing event costs it microseconds.
         self._marks: dict[int, Any] = {}
+        self._mark_handles: dict[int, int] = {}
         self._free_marks: deque[int] = deque()
         self.anchors_loose = 0  # anchor records that came back late (tried again, or kept as an inexact first)
         self.anchor_bracket_max_ns = 0  # the slowest anchor record call
@@ -300,6 +337,11 @@ class CudaTimer(_Anchors):
         self._cu = (DriverEventCalls.load(torch, self._index, hold=event_calls == "driver-held")
                     if event_calls in ("driver", "driver-held") else None)
         self._calls = event_calls if self._cu is not None else "torch"
+        # The training thread's records through the driver, keeping the interpreter lock; None:
+        # through torch. Not with a side stream (its marker and wait go through torch anyway).
+        self._rec = (DriverRecord.load() if record_calls == "driver" and not side_stream
+                     and self._raw_current is not None else None)
+        self.record_fallbacks = 0  # records the driver refused, made through torch instead
         self.stamps = 0  # timing events recorded so far (the collector reports them per step)
 
     def _new_event(self) -> int | None:
@@ -310,8 +352,16 @@ class CudaTimer(_Anchors):
         if len(self._events) >= self._max_events:
             return None
         key = next(self._keys)
-        self._events[key] = self._torch.cuda.Event(enable_timing=True)
+        self._events[key] = event = self._torch.cuda.Event(enable_timing=True)
+        if self._rec is not None:
+            self._handles[key] = self._created(event)
         return key
+
+    def _created(self, event: Any) -> int:
+        """The raw handle of ``event``, made now: torch makes an event's CUDA object at its first
+        record, so it is recorded once, through torch, on the current stream."""
+        self._record(event, self._current_stream())
+        return int(event.cuda_event)
 
     def _take_anchor(self, *, require_idle: bool, tries: int = ANCHOR_REFRESH_TRIES) -> Anchor | None:
         """An event recorded on the current stream, paired with the host's wall clock of the record.
@@ -357,10 +407,22 @@ class CudaTimer(_Anchors):
         if anchor is not None:
             self._install(anchor)
 
+    @property
+    def record_calls(self) -> str:
+        """``driver`` or ``torch``: how the training thread's records reach the device."""
+        return "driver" if self._rec is not None else "torch"
+
     def stamp(self, stream: Any = None) -> int | None:
         token = self._new_event()
         if token is None:
             return None
+        rec = self._rec
+        if rec is not None:
+            raw = self._raw_current(self._index) if stream is None else stream.cuda_stream
+            if rec(self._handles[token], raw):
+                self.stamps += 1
+                return token
+            self.record_fallbacks += 1
         if stream is None:
             stream = self._current_stream()
         if self._side is not None:
@@ -418,7 +480,15 @@ class CudaTimer(_Anchors):
             if len(self._marks) >= self._max_events:
                 return None
             key = next(self._keys)
-            self._marks[key] = self._torch.cuda.Event(enable_timing=False)
+            self._marks[key] = event = self._torch.cuda.Event(enable_timing=False)
+            if self._rec is not None:
+                self._mark_handles[key] = self._created(event)
+        rec = self._rec
+        if rec is not None:
+            raw = self._raw_current(self._index) if stream is None else stream.cuda_stream
+            if rec(self._mark_handles[key], raw):
+                return key
+            self.record_fallbacks += 1
         self._record(self._marks[key], self._current_stream() if stream is None else stream)
         return key
 
@@ -465,9 +535,9 @@ def resolve_device(device: Any) -> Any:
 
 
 def make_timer(device: Any, *, anchor_interval_s: float, max_events: int, clock: str = "device",
-               event_calls: str = "torch") -> Timer:
+               event_calls: str = "torch", record_calls: str = "torch") -> Timer:
     """The timer for ``device`` (a torch.device): events on CUDA unless ``clock`` is ``host``."""
     if getattr(device, "type", "cpu") == "cuda" and clock != "host":
         return CudaTimer(device, anchor_interval_s=anchor_interval_s, max_events=max_events,
-                         side_stream=clock == "side-stream", event_calls=event_calls)
+                         side_stream=clock == "side-stream", event_calls=event_calls, record_calls=record_calls)
     return HostTimer(anchor_interval_s=anchor_interval_s)

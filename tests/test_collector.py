@@ -982,6 +982,7 @@ def _fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 
     # torch's calls on the stand-in events, also on a machine with a real driver library
     monkeypatch.setattr(timing.DriverEventCalls, "load", classmethod(lambda cls, torch, index, hold=False: None))
+    monkeypatch.setattr(timing.DriverRecord, "load", classmethod(lambda cls: None))
 
 
 @pytest.mark.parametrize("side_stream", [False, True])
@@ -1230,6 +1231,84 @@ def test_event_calls_fall_back_to_torch_where_the_driver_cannot_load(monkeypatch
         CollectorConfig(run_dir=Path("r"), event_calls="cuda")
     assert CollectorConfig(run_dir=Path("r")).with_env({"MEGASCOPE_EVENT_CALLS": " Driver"}).event_calls == "driver"
     assert CollectorConfig(run_dir=Path("r")).with_env({"MEGASCOPE_EVENT_CALLS": "driver-held"}).event_calls == "driver-held"
+
+
+def test_the_training_threads_records_go_to_the_driver_keeping_the_interpreter_lock(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``record_calls="driver"`` (the default): a stamp or a mark records its pooled event through
+    ``cuEventRecord`` on the current stream's raw handle, opened through ``ctypes.PyDLL`` (the
+    call keeps the interpreter lock); torch records an event once, when the pool makes it (torch
+    makes its CUDA object then). A record the driver refuses is made through torch, and counted."""
+    import ctypes
+
+    from megascope.collectors import timing
+
+    real_load = timing.DriverRecord.__dict__["load"]
+    _fake_cuda(monkeypatch)
+    by_handle: dict[int, _FakeCudaEvent] = {}
+    torch_records: list[int] = []
+    driver_records: list[tuple[int, int]] = []
+
+    class Event(_FakeCudaEvent):
+        def record(self, stream: Any = None) -> None:
+            torch_records.append(id(self))
+            super().record(stream)
+
+        @property
+        def cuda_event(self) -> int:
+            by_handle[id(self)] = self
+            return id(self)
+
+    class Driver:
+        refuse = False
+
+        def __init__(self) -> None:
+            def record(handle: int, stream: int) -> int:
+                if self.refuse:
+                    return 201  # CUDA_ERROR_INVALID_CONTEXT
+                driver_records.append((handle, stream))
+                by_handle[handle].t = time.perf_counter_ns()
+                return 0
+
+            self.cuEventRecord = record  # a function, as ctypes gives: it takes argtypes
+
+    driver = Driver()
+    opened: list[str] = []
+    monkeypatch.setattr(ctypes, "PyDLL", lambda name: opened.append(name) or driver)
+    monkeypatch.setattr(timing.DriverRecord, "load", real_load)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 0, raising=False)  # the default stream
+    timer = timing.CudaTimer("cuda", anchor_interval_s=3600.0, record_calls="driver")
+    assert timer.record_calls == "driver" and opened == ["libcuda.so.1"]
+    anchors = len(torch_records)  # the anchor is recorded through torch (its record is timed)
+    ref = timer.anchor_ref
+    t0 = timer.stamp()
+    time.sleep(0.002)
+    t1 = timer.stamp()
+    mark = timer.mark()
+    assert t0 is not None and t1 is not None and mark is not None
+    # Three events made (two timing, one timing-free): torch recorded each once, the driver each stamp.
+    assert len(torch_records) == anchors + 3
+    assert [stream for _, stream in driver_records] == [0, 0, 0]
+    assert timer.ready(t1) and timer.mark_done(mark)
+    assert 2_000_000 <= timer.wall_ns(t1, ref) - timer.wall_ns(t0, ref) < 1_000_000_000
+    timer.release(t0)
+    timer.release_mark(mark)
+    assert timer.stamp() == t0 and timer.mark() == mark
+    assert len(torch_records) == anchors + 3 and len(driver_records) == 5 and timer.record_fallbacks == 0
+    driver.refuse = True
+    t2 = timer.stamp()
+    assert t2 is not None and timer.ready(t2) and timer.record_fallbacks == 1
+    assert len(torch_records) == anchors + 5  # made (through torch), then recorded through torch
+
+    # "torch", or no driver library: torch's records only.
+    assert timing.CudaTimer("cuda", record_calls="torch").record_calls == "torch"
+    monkeypatch.setattr(ctypes, "PyDLL", lambda name: (_ for _ in ()).throw(OSError(f"{name}: not found")))
+    assert timing.CudaTimer("cuda", record_calls="driver").record_calls == "torch"
+    assert CollectorConfig(run_dir=Path("r")).record_calls == "driver"
+    assert CollectorConfig(run_dir=Path("r")).with_env({"MEGASCOPE_RECORD_CALLS": " Torch"}).record_calls == "torch"
+    with pytest.raises(ConfigError, match="record_calls"):
+        CollectorConfig(run_dir=Path("r"), record_calls="cuda")
 
 
 def test_pending_spans_hold_nothing_the_garbage_collector_tracks(tmp_path: Path) -> None:

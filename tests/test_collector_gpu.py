@@ -258,6 +258,48 @@ def test_driver_event_calls_agree_with_torchs_from_any_thread(calls: str) -> Non
 
 
 @needs_cuda
+def test_records_through_the_driver_time_the_work_as_torchs_records_do() -> None:
+    """``record_calls="driver"``: stamps and marks recorded by ``cuEventRecord`` on the current
+    stream (the default stream, a stream of the job's own, a thread other than the one that made
+    the timer) time the same work as torch's records around it; the driver refuses none."""
+    import contextlib
+    import threading
+
+    from megascope.collectors import timing
+
+    timer = timing.CudaTimer(torch.device("cuda"), anchor_interval_s=3600.0, record_calls="driver")
+    assert timer.record_calls == "driver"
+    x = torch.randn(2048, 2048, device="cuda")
+    torch.cuda.synchronize()
+    ref = timer.anchor_ref
+    measured: list[tuple[float, float]] = []
+
+    def timed(stream: torch.cuda.Stream | None) -> None:
+        nonlocal x
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record()
+            t0 = timer.stamp()
+            for _ in range(20):
+                x = x @ x / 2048
+            t1 = timer.stamp()
+            after.record()
+            mark = timer.mark()
+        torch.cuda.synchronize()
+        assert t0 is not None and t1 is not None and mark is not None and timer.mark_done(mark)
+        measured.append(((timer.wall_ns(t1, ref) - timer.wall_ns(t0, ref)) / 1e6, before.elapsed_time(after)))
+
+    timed(None)
+    timed(torch.cuda.Stream())
+    thread = threading.Thread(target=lambda: (torch.cuda.set_device(x.device), timed(None)))
+    thread.start()
+    thread.join()
+    assert len(measured) == 3 and timer.record_fallbacks == 0
+    for ours, torchs in measured:
+        assert 0 < ours <= torchs and ours > 0.8 * torchs
+
+
+@needs_cuda
 @pytest.mark.parametrize("calls", ["driver", "driver-held"])
 def test_driver_event_calls_hold_in_a_process_whose_first_cuda_call_is_the_collectors(calls: str) -> None:
     """A collector made before the job touches CUDA (``Collector.from_env`` before
