@@ -20,7 +20,8 @@ machine's time, and the files read per refresh do not grow with the run's length
 
     python bench/live_refresh.py --ranks 1024 --ticks 12 --work WORK --paths current,live
     python bench/live_refresh.py --ranks 12288 --ticks 4 --work WORK --paths live,twins
-    python bench/live_refresh.py --ranks 1024 --ticks 12 --work WORK --paths current --phases --history 40 --compact-every 3
+    python bench/live_refresh.py --ranks 1024 --ticks 12 --work WORK --paths current --phases --history 40 \
+        --compact-every 3 --grace-s 60
 """
 
 from __future__ import annotations
@@ -73,15 +74,16 @@ def _prepare_phases(served: Any) -> dict[str, float]:
     return phases
 
 
-def _compact_nodes(run: Path, ranks: int, per_node: int) -> tuple[float, int]:
+def _compact_nodes(run: Path, ranks: int, per_node: int, grace_s: float) -> tuple[float, int]:
     """One scoped pass per node, as each node's own process runs it: parts of any age, each rank's
-    newest two kept; heartbeats are left out (the synth job writes none). Seconds, parts merged."""
+    newest two kept, the merged ones removed ``grace_s`` after the commit; heartbeats are left out
+    (the synth job writes none). Seconds, parts merged."""
     from megascope.compact import Scope, compact
 
     t0, merged = time.perf_counter(), 0
     for lo in range(0, ranks, per_node):
         scope = Scope(ranks=(lo, min(lo + per_node, ranks) - 1))
-        merged += compact(run, min_age_s=0, keep_newest=2, grace_s=0, scope=scope).parts_merged
+        merged += compact(run, min_age_s=0, keep_newest=2, grace_s=grace_s, scope=scope).parts_merged
     return round(time.perf_counter() - t0, 2), merged
 
 
@@ -103,6 +105,9 @@ def main() -> None:
                         help="every TICKS ticks, before the refresh, a compaction pass per node (untimed: the "
                              "nodes' own CPUs run it), as MEGASCOPE_COMPACT_EVERY_S does; 0: none")
     parser.add_argument("--node-ranks", type=int, default=8, help="ranks per node for --compact-every")
+    parser.add_argument("--grace-s", type=float, default=0.0,
+                        help="seconds (of this machine's clock) a pass leaves the parts it merged for readers, as "
+                             "node passes do (60); 0: removed at once")
     parser.add_argument("--history", type=int, default=0, metavar="STEPS",
                         help="steps the job has run before the first tick (a dashboard opened on a job that "
                              "has been going a while): written as one part per rank and compacted, untimed")
@@ -135,7 +140,7 @@ def main() -> None:
         row: dict[str, Any] = {"tick": tick, "ranks": args.ranks, "steps_per_part": args.steps_per_part,
                                "written": written, "write_s": round(write_s, 2)}
         if args.compact_every and (tick + 1) % args.compact_every == 0:
-            row["compact_s"], row["compacted_parts"] = _compact_nodes(run, args.ranks, args.node_ranks)
+            row["compact_s"], row["compacted_parts"] = _compact_nodes(run, args.ranks, args.node_ranks, args.grace_s)
         row.update({"files": _files(run), "load_before": _load()})
         if "current" in paths:
             from megascope.dashboard import data

@@ -132,9 +132,9 @@ def test_cache_never_read_as_a_table(run: Path) -> None:
 def _grow(path: Path, ranks: int, *, sums: bool = False) -> None:
     """One more step for every rank: the spans of the last step written again 1 s later, as a new part
     (with its step_sums twin, as the collector writes them, where ``sums``; without, as an older writer)."""
+    store = open_run(path)  # the rows wherever they are: parts or compacted files
     for rank in range(ranks):
-        parts = sorted(layout.table_path(path, "spans", rank=rank).glob("*.parquet"))
-        rows = pa.concat_tables([pq.read_table(p) for p in parts]).to_pylist()
+        rows = store.con.sql(f"SELECT * FROM spans WHERE rank = {rank}").to_arrow_table().to_pylist()
         last = max(r["step"] for r in rows)
         rows = [r for r in rows if r["step"] == last]
         for r in rows:
@@ -210,6 +210,44 @@ def test_a_growing_run_extends_the_cache(tmp_path: Path, synth: Synth, monkeypat
     for table in BASE_TABLES:
         mine = live.con.execute(f"SELECT * FROM ms_cache.{table} ORDER BY ALL").fetchall()
         assert mine == fresh.con.execute(f"SELECT * FROM ms_cache.{table} ORDER BY ALL").fetchall(), table
+
+
+def test_parts_merged_by_a_compaction_extend_the_cache(tmp_path: Path, synth: Synth,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compaction pass of a live run (parts of any age, none of the ranks and groups files; the
+    merged parts left for readers a while, their manifest naming them) that merged only parts the
+    cache was built from moves rows, it adds none: the next report extends the cache by the new
+    steps alone. A pass that merged a part the cache never saw (its rows
+    partly new) makes it build again. Both answer as from scratch."""
+    from megascope.analysis import base
+    from megascope.compact import compact
+
+    path = synth(tmp_path / "merged", "straggler:rank=9,factor=1.3", ranks=16, steps=20, tp=2, pp=2, seed=13,
+                 gpus_per_host=4)
+    _report(path)
+    built: list[int] = []
+    real_build = base._build
+    monkeypatch.setattr(base, "_build", lambda con, say: built.append(1) or real_build(con, say))
+    assert compact(path, min_age_s=0, keep_newest=0, grace_s=3600).parts_merged > 0
+    _grow(path, 16, sums=True)
+    grown = _report(path)
+    assert built == []
+    assert same_answer(grown, _uncached(path, tmp_path))
+    built.clear()  # the copy's build
+    # Another pass merges the new parts with the compacted files: the cache saw them all.
+    assert compact(path, min_age_s=0, keep_newest=0, grace_s=3600).parts_merged > 0
+    _grow(path, 16, sums=True)
+    again = _report(path)
+    assert built == [] and again["run"]["steps"] == 22
+    assert same_answer(again, _uncached(path, tmp_path))
+    built.clear()
+    # A part merged before any report read it.
+    _grow(path, 16, sums=True)
+    assert compact(path, min_age_s=0, keep_newest=0, grace_s=3600).parts_merged > 0
+    late = _report(path)
+    assert built == [1] and late["run"]["steps"] == 23
+    monkeypatch.undo()
+    assert same_answer(late, _uncached(path, tmp_path))
 
 
 def test_new_rows_of_a_sampled_step_estimate_the_clocks_again(tmp_path: Path, synth: Synth,

@@ -9,11 +9,14 @@ the base tables and :func:`save` after; everything else reads ``ms_cache`` as be
 
 The key is a digest of what the base tables are built from, as the store reads it: every file the
 views ``spans``, ``step_sums``, ``metrics``, ``ranks`` and ``groups`` name or glob (path relative to the run,
-size, modification time), those views' definitions (paths made relative), ``run.json``, and the
-code that builds the tables (``sql/base.sql``, ``base.py`` and :data:`CACHE_VERSION`). New markers or
+size, modification time), the definitions of ``ranks`` and ``groups`` (paths made relative),
+``run.json``, and the code that builds the tables and the views (``sql/base.sql``, ``base.py``,
+the store's module and :data:`CACHE_VERSION`). New markers or
 heartbeats leave it as it is. A new part, a
 part rewritten or removed (compaction), a moved-but-intact run (``cp -a``, ``rsync -a``) keep or
-change the key as they should.
+change the key as they should. The growing tables' views (spans, step_sums, metrics) enter by
+their files alone: a compaction pass reshapes them (compacted files beside the parts) and keeps
+every row, so a cache whose parts were merged since is extended, not rebuilt (:func:`appended`).
 
 Never a wrong answer, never a failed report:
 
@@ -59,6 +62,7 @@ from typing import Any
 
 import duckdb
 
+from megascope import layout
 from megascope.analysis import _sql
 
 log = logging.getLogger(__name__)
@@ -97,9 +101,11 @@ def run_dir(con: duckdb.DuckDBPyConnection) -> Path | None:
 
 
 def _code_digest() -> str:
-    """The code that builds the base tables: its SQL and the Python around it (clock estimation)."""
+    """The code that builds the base tables: its SQL and the Python around it (clock estimation),
+    and the store's, which makes the views they read (how a file's rows read)."""
     package = resources.files("megascope.analysis")
-    text = package.joinpath("sql", "base.sql").read_text() + package.joinpath("base.py").read_text()
+    text = (package.joinpath("sql", "base.sql").read_text() + package.joinpath("base.py").read_text()
+            + resources.files("megascope").joinpath("store.py").read_text())
     return hashlib.sha256(f"{CACHE_VERSION}\n{text}".encode()).hexdigest()
 
 
@@ -168,9 +174,10 @@ def key(con: duckdb.DuckDBPyConnection, root: Path) -> Key:
             return "'<files>'" if name in GROWING_VIEWS else "'" + os.path.relpath(found[-1], root_abs) + "'"
 
         text = _LITERAL.sub(relative, sql)
-        if name in GROWING_VIEWS:
-            text = re.sub(r"\[(?:'<files>'(?:, )?)+\]", "[<files>]", text)
-        base.update(f"view {name}\n{text}\n".encode())
+        # A growing table's view changes its shape as the run is stored otherwise (a glob of parts,
+        # a list of them while merged ones wait for removal, compacted files beside them) with the
+        # same rows: it is told by its files, compared one by one, and the store's code above.
+        base.update(f"view {name}\n{'<files>' if name in GROWING_VIEWS else text}\n".encode())
         for lit in found:
             for f in (glob.glob(lit) if glob.has_magic(lit) else [lit]):
                 if name in GROWING_VIEWS:
@@ -271,7 +278,9 @@ def appended(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any],
              now: Key) -> dict[str, list[str]] | None:
     """The growing tables' files that are new since the cache ``meta`` describes was built, by
     table (absolute paths), when that is all that changed: the same code, ``run.json``, ranks and
-    groups, and every file it was built from still there as it was. None otherwise."""
+    groups, and every file it was built from still there as it was, or merged by a committed
+    compaction into files holding only such rows (:func:`_merged`: those are not new). None
+    otherwise."""
     if meta.get("base_key") != now.base or meta.get("key") == now.digest:
         return None
     try:
@@ -281,13 +290,67 @@ def appended(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any],
     except (OSError, ValueError, KeyError, TypeError, duckdb.Error) as exc:
         log.info("analysis cache %s: no file list (%s)", cache_dir(root), exc)
         return None
-    if any(now.files.get(path) != tuple(entry) for path, entry in old.items()):
+    if any(path in now.files and now.files[path] != tuple(entry) for path, entry in old.items()):
+        return None
+    gone = {path for path in old if path not in now.files}
+    moved = _merged(root, set(old), gone, now) if gone else set()
+    if moved is None:
         return None
     new: dict[str, list[str]] = {}
     for path, (table, _, _) in now.files.items():
-        if path not in old:
+        if path not in old and path not in moved:
             new.setdefault(table, []).append(str(Path(os.path.abspath(root)) / path))
     return new
+
+
+# The growing tables a compaction pass merges (step_sums follow their spans files).
+_MERGED_TABLES = ("spans", "metrics")
+
+
+def _merged(root: Path, old: set[str], gone: set[str], now: Key) -> set[str] | None:
+    """The files of ``now`` that hold only rows the cache was built from, where every file of
+    ``old`` that is ``gone`` was merged by a committed compaction into them (with their step sums);
+    None where one was not, or a compaction merged a file the cache never saw into one of them (its
+    rows are partly new: the tables are built again).
+
+    A pass keeps each row (docs/run-directory.md, "Compaction"): the rows are where they were, in
+    other files; a dashboard refreshing every few seconds sees each part well before a pass merges
+    it."""
+    explained: set[str] = set()
+    moved: set[str] = set()
+    for table in _MERGED_TABLES:
+        manifests, _ = layout.read_manifests(root, table)
+        # A pass that merges a compacted file again names, beside it, the parts the earlier pass
+        # replaced and left for readers: their rows are in that file, which the cache holds.
+        held = {rel for m in manifests if m.files and all(f.path in old for f in m.files)
+                for rel in m.replaces}
+        for manifest in layout.active_manifests(manifests):
+            merged = [rel for rel in manifest.replaces if rel.endswith(".parquet")]
+            if not any(rel in old for rel in merged):
+                continue  # merged nothing the cache holds: its files are new, or were counted before
+            if any((rel not in old and rel not in held) or rel in now.files for rel in merged):
+                return None
+            for rel in merged:
+                explained.add(rel)
+                if table == "spans":
+                    explained.add(_twin(root, rel))
+            for f in manifest.files:
+                if f.path not in now.files:
+                    return None
+                moved.add(f.path)
+                if table == "spans":
+                    moved.add(_twin(root, f.path))
+    return moved if gone <= explained else None
+
+
+def _twin(root: Path, rel: str) -> str:
+    """The step sums twin of the spans file ``rel`` (both relative to the run); ``rel`` itself
+    where it is a twin already (a spans manifest names the twins it replaces too)."""
+    root_abs = os.path.abspath(root)
+    try:
+        return os.path.relpath(layout.sums_twin(os.path.join(root_abs, rel)), root_abs)
+    except ValueError:
+        return rel
 
 
 def drop(con: duckdb.DuckDBPyConnection, tables: list[str], *, prefix: str = "") -> None:
