@@ -452,6 +452,38 @@ def _sums_select(run: Run, summed: list[Path], present: set[Path]) -> str:
     return " UNION ALL ".join(f"SELECT * FROM read_parquet({src}, hive_partitioning=false)" for src in sources)
 
 
+def subset_views(con: duckdb.DuckDBPyConnection, schema: str, root: Path, spans: list[Path],
+                 metrics: list[Path], summed: set[Path]) -> None:
+    """Views ``spans``, ``step_sums``, ``spans_unsummed`` and ``metrics`` in ``schema``, read as the
+    store's views of the run at ``root`` read them, over these spans and metrics files of it only
+    (parts and compacted files alike), each spans file's twin read where it is in ``summed`` (the
+    twins the store's ``step_sums`` reads): what an analysis that needs some steps only reads,
+    under ``SET search_path`` (the analysis' cache extending itself by the files that may hold its
+    new steps)."""
+    compacted_dir = (Path(root) / layout.COMPACTED_DIR).resolve()
+
+    def body(table: str, files: list[Path]) -> str:
+        merged = [f for f in files if Path(f).resolve().is_relative_to(compacted_dir)]
+        parts = [f for f in files if f not in set(merged)]
+        selects = []
+        if parts:
+            selects.append(_select(con, table, _list_sql(parts), _read_options(table, uniform=False)))
+        if merged:
+            selects.append(_select(con, table, _list_sql(merged), _COMPACTED_OPTIONS))
+        return " UNION ALL ".join(selects) or _empty_select(table)
+
+    twins = {f: layout.sums_twin(f) for f in spans}
+    read = [twins[f] for f in spans if twins[f] in summed]
+    unsummed = [f for f in spans if twins[f] not in summed]
+    con.execute(f"CREATE SCHEMA IF NOT EXISTS {schema}")
+    con.execute(f"CREATE OR REPLACE VIEW {schema}.spans AS {body('spans', spans)}")
+    con.execute(f"CREATE OR REPLACE VIEW {schema}.{UNSUMMED_VIEW} AS {body('spans', unsummed)}")
+    sums = (f"SELECT * FROM read_parquet({_list_sql(read)}, hive_partitioning=false)" if read
+            else _empty_select(SUMS_VIEW))
+    con.execute(f"CREATE OR REPLACE VIEW {schema}.{SUMS_VIEW} AS {sums}")
+    con.execute(f"CREATE OR REPLACE VIEW {schema}.metrics AS {body('metrics', metrics)}")
+
+
 @dataclass
 class _Compaction:
     """What the committed compaction manifests of one table say: files to read, parts to skip."""

@@ -129,11 +129,11 @@ def test_cache_never_read_as_a_table(run: Path) -> None:
     assert persist.CACHE_DIR.startswith("_") and layout.is_run_dir(run)
 
 
-def _grow(path: Path, ranks: int, *, sums: bool = False) -> None:
+def _grow(path: Path, ranks: int, *, sums: bool = False, start: int = 0) -> None:
     """One more step for every rank: the spans of the last step written again 1 s later, as a new part
     (with its step_sums twin, as the collector writes them, where ``sums``; without, as an older writer)."""
     store = open_run(path)  # the rows wherever they are: parts or compacted files
-    for rank in range(ranks):
+    for rank in range(start, ranks):
         rows = store.con.sql(f"SELECT * FROM spans WHERE rank = {rank}").to_arrow_table().to_pylist()
         last = max(r["step"] for r in rows)
         rows = [r for r in rows if r["step"] == last]
@@ -210,6 +210,38 @@ def test_a_growing_run_extends_the_cache(tmp_path: Path, synth: Synth, monkeypat
     for table in BASE_TABLES:
         mine = live.con.execute(f"SELECT * FROM ms_cache.{table} ORDER BY ALL").fetchall()
         assert mine == fresh.con.execute(f"SELECT * FROM ms_cache.{table} ORDER BY ALL").fetchall(), table
+
+
+def test_an_extension_reads_the_older_files_that_hold_its_steps(tmp_path: Path, synth: Synth,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks ahead of the others: their parts of the new steps were read by the last report, the
+    others' come after it. The extension reads the files that may hold steps from the first new
+    one on (by the step ranges kept with the cache), those older parts among them, and answers as
+    a build from scratch."""
+    from megascope.analysis import base
+
+    path = synth(tmp_path / "ahead", "straggler:rank=9,factor=1.3", ranks=16, steps=20, tp=2, pp=2, seed=17,
+                 gpus_per_host=4)
+    _report(path)
+    _grow(path, 16, sums=True)
+    _report(path)  # step 20 everywhere; the cache now knows each file's steps
+    _grow(path, 8, sums=True)  # ranks 0-7 reach step 21
+    _report(path)
+    read: list[int] = []
+    real = base.store.subset_views
+
+    def subset(con: Any, schema: str, root: Path, spans: list[Path], metrics: list[Path], summed: set[Path]) -> None:
+        read.append(len(spans))
+        real(con, schema, root, spans, metrics, summed)
+
+    monkeypatch.setattr(base.store, "subset_views", subset)
+    _grow(path, 16, sums=True, start=8)  # the others reach step 21
+    behind = _report(path)
+    # The new parts of ranks 8-15 and the step-21 parts of ranks 0-7, not the others.
+    assert read == [16]
+    monkeypatch.undo()
+    assert behind["run"]["steps"] == 22
+    assert same_answer(behind, _uncached(path, tmp_path))
 
 
 def test_parts_merged_by_a_compaction_extend_the_cache(tmp_path: Path, synth: Synth,

@@ -22,8 +22,10 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,7 @@ import duckdb
 import numpy as np
 import pandas as pd
 
+from megascope import store
 from megascope.analysis import _sql, persist
 from megascope.schema import COLLECTOR_CALLS_METRIC, COLLECTOR_STEP_CALLS_METRIC
 
@@ -300,11 +303,12 @@ def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None, persis
                     _sql.mark_built(con, "base")
                     log.info("base tables read from %s", persist.cache_dir(root))
                     return
-            elif (new := persist.appended(con, root, meta, now)) is not None:
+            elif (growth := persist.appended(con, root, meta, now)) is not None:
                 say("extending the analysis cache")
-                params = _extend(con, root, meta, new, say, held=held)
-                if params is not None:
-                    _keep(con, root, now, params, save_later, say)
+                extended = _extend(con, root, meta, now, growth, say, held=held)
+                if extended is not None:
+                    params, ranges = extended
+                    _keep(con, root, now, params, save_later, say, ranges)
                     _sql.mark_built(con, "base")
                     return
         params = _build(con, say)
@@ -316,15 +320,17 @@ def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None, persis
 
 
 def _keep(con: duckdb.DuckDBPyConnection, root: Path, now: persist.Key, params: dict[str, Any], later: bool,
-          say: Callable[[str], None]) -> None:
-    """Write the base tables to the run's cache (now, or on the cache's writer thread)."""
+          say: Callable[[str], None], ranges: dict[str, tuple[int, int]] | None = None) -> None:
+    """Write the base tables to the run's cache (now, or on the cache's writer thread), with the
+    step ranges of the files known (an extension's: the next reads only the files that may hold
+    its new steps)."""
     if later:
         say("keeping the base tables beside the run (while the analysis goes on)")
-        persist.save_later(con, root, now, BASE_TABLES, params)
+        persist.save_later(con, root, now, BASE_TABLES, params, ranges)
         persist.remember(con, root, now.digest)
         return
     say("keeping the base tables beside the run")
-    saved = persist.save(con, root, now, BASE_TABLES, params)
+    saved = persist.save(con, root, now, BASE_TABLES, params, ranges)
     persist.remember(con, root if saved else None, now.digest)
 
 
@@ -355,14 +361,57 @@ def _first_new_step(con: duckdb.DuckDBPyConnection, new: dict[str, list[str]]) -
     return min(lows) if lows else None
 
 
-def _extend(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], new: dict[str, list[str]],
-            say: Callable[[str], None], *, held: bool = False) -> dict[str, Any] | None:
-    """Extend the cached base tables by the steps the ``new`` parts hold. Returns the build's
-    parameters, or None where the result could differ from a build from scratch (the clock
-    estimate moved, the peers or nesting of collectives changed, a call spans the new steps' edge,
-    the cache is unusable): then the caller builds."""
+def _step_ranges(con: duckdb.DuckDBPyConnection, files: list[str]) -> dict[str, tuple[int, int]]:
+    """The lowest and highest step of each of ``files`` (absolute paths) whose footers tell them:
+    every row group with statistics of its non-null steps (rows without a step belong to no step).
+    A file left out may hold any step."""
+    if not files:
+        return {}
+    rows = con.execute(
+        "SELECT file_name, min(TRY_CAST(stats_min_value AS BIGINT)), max(TRY_CAST(stats_max_value AS BIGINT)), "
+        "bool_and(stats_min_value IS NOT NULL AND stats_max_value IS NOT NULL "
+        "OR stats_null_count IS NOT NULL AND stats_null_count = row_group_num_rows) "
+        "FROM parquet_metadata(?) WHERE path_in_schema = 'step' GROUP BY file_name", [files]).fetchall()
+    return {str(name): (int(low), int(high)) for name, low, high, told in rows
+            if told and low is not None and high is not None}
+
+
+# Where an extension's views over the files that may hold its new steps live (store.subset_views).
+_SUBSET_SCHEMA = "ms_extend"
+
+
+def _extension_files(con: duckdb.DuckDBPyConnection, root: Path, now: persist.Key, growth: persist.Growth,
+                     first: int) -> tuple[list[Path], list[Path], set[Path], dict[str, tuple[int, int]]]:
+    """The spans and metrics files that may hold a step from ``first`` on (the new ones, and those
+    the cache was built from whose highest step is ``first`` or later, or not known), the step
+    sums twins the store reads, and the step range of every file known now (kept with the cache)."""
+    root_abs = Path(os.path.abspath(root))
+    ranges = dict(growth.ranges)
+    unknown = [str(root_abs / rel) for rel, (table, _, _) in now.files.items()
+               if table in ("spans", "metrics") and rel not in ranges]
+    for name, found in _step_ranges(con, unknown).items():
+        ranges[os.path.relpath(name, root_abs)] = found
+    spans: list[Path] = []
+    metrics: list[Path] = []
+    summed: set[Path] = set()
+    for rel, (table, _, _) in now.files.items():
+        if table == "step_sums":
+            summed.add(root_abs / rel)
+        elif table in ("spans", "metrics") and (rel not in ranges or ranges[rel][1] >= first):
+            (spans if table == "spans" else metrics).append(root_abs / rel)
+    return spans, metrics, summed, ranges
+
+
+def _extend(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], now: persist.Key,
+            growth: persist.Growth, say: Callable[[str], None], *,
+            held: bool = False) -> tuple[dict[str, Any], dict[str, tuple[int, int]]] | None:
+    """Extend the cached base tables by the steps the new parts (``growth``) hold, reading only the
+    files that may hold those steps. Returns the build's parameters and the files' step ranges, or
+    None where the result could differ from a build from scratch (the clock estimate moved, the
+    peers or nesting of collectives changed, a call spans the new steps' edge, the cache is
+    unusable): then the caller builds."""
     try:
-        first = _first_new_step(con, new)
+        first = _first_new_step(con, growth.new)
     except duckdb.Error as exc:
         log.info("analysis cache: new parts unreadable (%s)", exc)
         return None
@@ -392,6 +441,11 @@ def _extend(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], ne
         if _compared(params) != _compared(old):
             log.info("analysis cache: parameters changed; rebuilding")
             return None
+        say(f"finding the files of steps {first} on")
+        spans, metrics, summed, ranges = _extension_files(con, root, now, growth, first)
+        store.subset_views(con, _SUBSET_SCHEMA, root, spans, metrics, summed)
+        # The statements below read spans, step_sums, spans_unsummed and metrics: these files'.
+        con.execute(f"SET search_path = '{_SUBSET_SCHEMA},main'")
         say(f"matching collectives of steps {first} on")
         _sql.execute(con, "base", "inst", where=_sql.Raw(f"s.step >= {int(first)}"))
         overlap = _sql.first(_sql.execute(con, "base", "calls_across_edge", first=int(first)))
@@ -403,12 +457,16 @@ def _extend(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], ne
         _rank_step(con, params, where=f"s.step >= {int(first)}", metrics_where=f"step >= {int(first)}")
         _sql.execute(con, "base", "extend_rank_step", first=int(first))
         _sql.execute(con, "base", "add_unknown_ranks")
-        log.info("base tables extended from step %d", first)
-        return params
-    except duckdb.Error as exc:
+        log.info("base tables extended from step %d (%d spans and %d metrics files read of %d)", first,
+                 len(spans), len(metrics), len(now.files))
+        return params, ranges
+    except (duckdb.Error, OSError) as exc:
         log.info("analysis cache: extension failed (%s); rebuilding", exc)
         return None
     finally:
+        with contextlib.suppress(duckdb.Error):
+            con.execute("RESET search_path")
+            con.execute(f"DROP SCHEMA IF EXISTS {_SUBSET_SCHEMA} CASCADE")
         persist.drop(con, BASE_TABLES, prefix="old_")
 
 

@@ -274,8 +274,18 @@ def load(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], table
     return True
 
 
+@dataclass(frozen=True)
+class Growth:
+    """What :func:`appended` found: the new files by table (absolute paths), and the step range
+    (lowest, highest) of each file the cache was built from, by path relative to the run, where
+    its file list kept one."""
+
+    new: dict[str, list[str]]
+    ranges: dict[str, tuple[int, int]]
+
+
 def appended(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any],
-             now: Key) -> dict[str, list[str]] | None:
+             now: Key) -> Growth | None:
     """The growing tables' files that are new since the cache ``meta`` describes was built, by
     table (absolute paths), when that is all that changed: the same code, ``run.json``, ranks and
     groups, and every file it was built from still there as it was, or merged by a committed
@@ -285,8 +295,10 @@ def appended(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any],
         return None
     try:
         manifest = _checked(cache_dir(root), meta["files"])
-        old = {str(path): (str(table), int(size), int(mtime)) for path, table, size, mtime in con.execute(
-            f'SELECT path, "table", bytes, mtime_ns FROM read_parquet({_quote(manifest)})').fetchall()}
+        listed = con.execute(f'SELECT path, "table", bytes, mtime_ns, step_lo, step_hi '
+                             f'FROM read_parquet({_quote(manifest)})').fetchall()
+        old = {str(path): (str(table), int(size), int(mtime)) for path, table, size, mtime, _, _ in listed}
+        ranges = {str(path): (int(lo), int(hi)) for path, _, _, _, lo, hi in listed if lo is not None and hi is not None}
     except (OSError, ValueError, KeyError, TypeError, duckdb.Error) as exc:
         log.info("analysis cache %s: no file list (%s)", cache_dir(root), exc)
         return None
@@ -300,7 +312,7 @@ def appended(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any],
     for path, (table, _, _) in now.files.items():
         if path not in old and path not in moved:
             new.setdefault(table, []).append(str(Path(os.path.abspath(root)) / path))
-    return new
+    return Growth(new, {path: r for path, r in ranges.items() if path in now.files})
 
 
 # The growing tables a compaction pass merges (step_sums follow their spans files).
@@ -360,11 +372,12 @@ def drop(con: duckdb.DuckDBPyConnection, tables: list[str], *, prefix: str = "")
 
 
 def save(con: duckdb.DuckDBPyConnection, root: Path, now: Key, tables: list[str],
-         params: dict[str, Any] | None = None) -> bool:
+         params: dict[str, Any] | None = None, ranges: dict[str, tuple[int, int]] | None = None) -> bool:
     """Write ``ms_cache.<table>`` for each of ``tables`` under ``RUN/_cache`` for key ``now``, with
-    the build's ``params`` (compared by a later extension). Returns whether it did; any failure (a
-    read-only run, a full disk) leaves the run as it was, but for temporary files it could not
-    remove."""
+    the build's ``params`` (compared by a later extension) and, in its file list, the step range of
+    each file where ``ranges`` (path relative to the run -> lowest, highest step) has it. Returns
+    whether it did; any failure (a read-only run, a full disk) leaves the run as it was, but for
+    temporary files it could not remove."""
     where = cache_dir(root)
     tag = uuid.uuid4().hex[:12]
     suffix = now.digest[:16]
@@ -382,12 +395,14 @@ def save(con: duckdb.DuckDBPyConnection, root: Path, now: Key, tables: list[str]
         tmp = where / f".tmp-{tag}-files.parquet"
         staged[tmp] = where / f"files-{suffix}.parquet"
         paths = sorted(now.files)
+        known = ranges or {}
         # Written by DuckDB, not pyarrow: a report then never loads pyarrow's Parquet module.
         con.execute('COPY (SELECT unnest(?::VARCHAR[]) AS path, unnest(?::VARCHAR[]) AS "table", '
-                    f"unnest(?::BIGINT[]) AS bytes, unnest(?::BIGINT[]) AS mtime_ns) TO {_quote(tmp)} "
-                    "(FORMAT parquet, COMPRESSION zstd)",
+                    "unnest(?::BIGINT[]) AS bytes, unnest(?::BIGINT[]) AS mtime_ns, unnest(?::BIGINT[]) AS step_lo, "
+                    f"unnest(?::BIGINT[]) AS step_hi) TO {_quote(tmp)} (FORMAT parquet, COMPRESSION zstd)",
                     [paths, [now.files[p][0] for p in paths], [now.files[p][1] for p in paths],
-                     [now.files[p][2] for p in paths]])
+                     [now.files[p][2] for p in paths], [known[p][0] if p in known else None for p in paths],
+                     [known[p][1] if p in known else None for p in paths]])
         files_entry: dict[str, Any] = {"file": staged[tmp].name, "bytes": tmp.stat().st_size, "sha256": _sha256(tmp)}
         for tmp, final in list(staged.items()):
             os.replace(tmp, final)
@@ -501,12 +516,12 @@ def _after_save(con: duckdb.DuckDBPyConnection, source: tuple[Path, str],
 
 
 def save_later(con: duckdb.DuckDBPyConnection, root: Path, now: Key, tables: list[str],
-               params: dict[str, Any] | None = None) -> None:
+               params: dict[str, Any] | None = None, ranges: dict[str, tuple[int, int]] | None = None) -> None:
     """:func:`save`, on the cache's writer thread: the caller goes on at once. Whatever the tables
     become meanwhile, the files hold them as they were (the analysis does not change a base table
     once built). :func:`wait_saves` waits for it."""
     with _pending_lock:
-        _queue(con, (str(root), now.digest), lambda cursor: save(cursor, root, now, tables, params))
+        _queue(con, (str(root), now.digest), lambda cursor: save(cursor, root, now, tables, params, ranges))
 
 
 def wait_saves() -> None:
