@@ -334,46 +334,50 @@ def _keep(con: duckdb.DuckDBPyConnection, root: Path, now: persist.Key, params: 
     persist.remember(con, root if saved else None, now.digest)
 
 
-def _first_new_step(con: duckdb.DuckDBPyConnection, new: dict[str, list[str]]) -> int | None:
-    """The lowest step in the new parts, from their footers' statistics; None where that cannot
-    be told (no statistics, or spans without a step: those belong to no step the cache could keep)."""
-    files = [f for fs in new.values() for f in fs]
+def _footers(con: duckdb.DuckDBPyConnection, files: list[str]) -> list[tuple[Any, ...]]:
+    """Per file of ``files`` (absolute paths) that has a step column, from its footer: name, lowest
+    and highest step in the statistics, whether a row group has no statistics of its steps, and
+    the rows without a step (None where not told)."""
     if not files:
-        return None
-    spans = set(new.get("spans", []))
+        return []
     # Inline with a bound parameter: the part files' paths are a list of strings, which the SQL
     # modules' placeholders do not take (no path reaches SQL text).
-    rows = con.execute(
-        "SELECT file_name, min(TRY_CAST(stats_min_value AS BIGINT)), bool_or(stats_min_value IS NULL), "
-        "sum(stats_null_count) FROM parquet_metadata(?) WHERE path_in_schema = 'step' GROUP BY file_name",
-        [files]).fetchall()
-    if len(rows) != len(files):
-        return None
-    lows = []
-    for name, low, unknown, nulls in rows:
-        if name in spans and (nulls is None or nulls > 0):
-            return None
-        if low is None or unknown:
-            if name in spans:
-                return None
-            continue  # a metrics part of step-less rows only
-        lows.append(int(low))
-    return min(lows) if lows else None
-
-
-def _step_ranges(con: duckdb.DuckDBPyConnection, files: list[str]) -> dict[str, tuple[int, int]]:
-    """The lowest and highest step of each of ``files`` (absolute paths) whose footers tell them:
-    every row group with statistics of its non-null steps (rows without a step belong to no step).
-    A file left out may hold any step."""
-    if not files:
-        return {}
-    rows = con.execute(
+    return con.execute(
         "SELECT file_name, min(TRY_CAST(stats_min_value AS BIGINT)), max(TRY_CAST(stats_max_value AS BIGINT)), "
+        "bool_or(stats_min_value IS NULL), sum(stats_null_count), "
         "bool_and(stats_min_value IS NOT NULL AND stats_max_value IS NOT NULL "
         "OR stats_null_count IS NOT NULL AND stats_null_count = row_group_num_rows) "
         "FROM parquet_metadata(?) WHERE path_in_schema = 'step' GROUP BY file_name", [files]).fetchall()
-    return {str(name): (int(low), int(high)) for name, low, high, told in rows
+
+
+def _step_ranges(rows: list[tuple[Any, ...]]) -> dict[str, tuple[int, int]]:
+    """The lowest and highest step of each file of :func:`_footers` whose footer tells them: every
+    row group with statistics of its non-null steps (rows without a step belong to no step). A
+    file left out may hold any step."""
+    return {str(name): (int(low), int(high)) for name, low, high, _, _, told in rows
             if told and low is not None and high is not None}
+
+
+def _first_new_step(con: duckdb.DuckDBPyConnection,
+                    new: dict[str, list[str]]) -> tuple[int | None, dict[str, tuple[int, int]]]:
+    """The lowest step in the new parts, from their footers' statistics (None where that cannot
+    be told: no statistics, or spans without a step, which belong to no step the cache could
+    keep), and the step range of each new part whose footer tells it."""
+    files = [f for fs in new.values() for f in fs]
+    rows = _footers(con, files)
+    if not files or len(rows) != len(files):
+        return None, {}
+    spans = set(new.get("spans", []))
+    lows = []
+    for name, low, _, unknown, nulls, _ in rows:
+        if name in spans and (nulls is None or nulls > 0):
+            return None, {}
+        if low is None or unknown:
+            if name in spans:
+                return None, {}
+            continue  # a metrics part of step-less rows only
+        lows.append(int(low))
+    return (min(lows) if lows else None), _step_ranges(rows)
 
 
 # Where an extension's views over the files that may hold its new steps live (store.subset_views).
@@ -381,15 +385,19 @@ _SUBSET_SCHEMA = "ms_extend"
 
 
 def _extension_files(con: duckdb.DuckDBPyConnection, root: Path, now: persist.Key, growth: persist.Growth,
-                     first: int) -> tuple[list[Path], list[Path], set[Path], dict[str, tuple[int, int]]]:
+                     first: int, new_ranges: dict[str, tuple[int, int]],
+                     ) -> tuple[list[Path], list[Path], set[Path], dict[str, tuple[int, int]]]:
     """The spans and metrics files that may hold a step from ``first`` on (the new ones, and those
     the cache was built from whose highest step is ``first`` or later, or not known), the step
-    sums twins the store reads, and the step range of every file known now (kept with the cache)."""
+    sums twins the store reads, and the step range of every file known now (kept with the cache).
+    ``new_ranges``: the new parts' (absolute paths), read with ``first``."""
     root_abs = Path(os.path.abspath(root))
     ranges = dict(growth.ranges)
+    for name, found in new_ranges.items():
+        ranges[os.path.relpath(name, root_abs)] = found
     unknown = [str(root_abs / rel) for rel, (table, _, _) in now.files.items()
                if table in ("spans", "metrics") and rel not in ranges]
-    for name, found in _step_ranges(con, unknown).items():
+    for name, found in _step_ranges(_footers(con, unknown)).items():
         ranges[os.path.relpath(name, root_abs)] = found
     spans: list[Path] = []
     metrics: list[Path] = []
@@ -411,7 +419,7 @@ def _extend(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], no
     peers or nesting of collectives changed, a call spans the new steps' edge, the cache is
     unusable): then the caller builds."""
     try:
-        first = _first_new_step(con, growth.new)
+        first, new_ranges = _first_new_step(con, growth.new)
     except duckdb.Error as exc:
         log.info("analysis cache: new parts unreadable (%s)", exc)
         return None
@@ -442,7 +450,7 @@ def _extend(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], no
             log.info("analysis cache: parameters changed; rebuilding")
             return None
         say(f"finding the files of steps {first} on")
-        spans, metrics, summed, ranges = _extension_files(con, root, now, growth, first)
+        spans, metrics, summed, ranges = _extension_files(con, root, now, growth, first, new_ranges)
         store.subset_views(con, _SUBSET_SCHEMA, root, spans, metrics, summed)
         # The statements below read spans, step_sums, spans_unsummed and metrics: these files'.
         con.execute(f"SET search_path = '{_SUBSET_SCHEMA},main'")
