@@ -468,7 +468,7 @@ def _extend(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], no
         log.info("base tables extended from step %d (%d spans and %d metrics files read of %d)", first,
                  len(spans), len(metrics), len(now.files))
         return params, ranges
-    except (duckdb.Error, OSError) as exc:
+    except (duckdb.Error, OSError, ValueError) as exc:
         log.info("analysis cache: extension failed (%s); rebuilding", exc)
         return None
     finally:
