@@ -460,11 +460,11 @@ def subset_views(con: duckdb.DuckDBPyConnection, schema: str, root: Path, spans:
     twins the store's ``step_sums`` reads): what an analysis that needs some steps only reads,
     under ``SET search_path`` (the analysis' cache extending itself by the files that may hold its
     new steps)."""
-    compacted_dir = (Path(root) / layout.COMPACTED_DIR).resolve()
+    compacted_dir = os.path.join(os.path.abspath(root), layout.COMPACTED_DIR, "")
 
     def body(table: str, files: list[Path]) -> str:
-        merged = [f for f in files if Path(f).resolve().is_relative_to(compacted_dir)]
-        parts = [f for f in files if f not in set(merged)]
+        merged = [f for f in files if os.path.abspath(f).startswith(compacted_dir)]
+        parts = [f for f in files if not os.path.abspath(f).startswith(compacted_dir)]
         selects = []
         if parts:
             selects.append(_select(con, table, _list_sql(parts), _read_options(table, uniform=False)))

@@ -212,13 +212,16 @@ def test_a_growing_run_extends_the_cache(tmp_path: Path, synth: Synth, monkeypat
         assert mine == fresh.con.execute(f"SELECT * FROM ms_cache.{table} ORDER BY ALL").fetchall(), table
 
 
+@pytest.mark.parametrize("compacted", [False, True])
 def test_an_extension_reads_the_older_files_that_hold_its_steps(tmp_path: Path, synth: Synth,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 compacted: bool) -> None:
     """Ranks ahead of the others: their parts of the new steps were read by the last report, the
     others' come after it. The extension reads the files that may hold steps from the first new
-    one on (by the step ranges kept with the cache), those older parts among them, and answers as
-    a build from scratch."""
+    one on (by the step ranges kept with the cache), those older parts among them (or, merged by a
+    compaction pass since, the compacted file holding them), and answers as a build from scratch."""
     from megascope.analysis import base
+    from megascope.compact import compact
 
     path = synth(tmp_path / "ahead", "straggler:rank=9,factor=1.3", ranks=16, steps=20, tp=2, pp=2, seed=17,
                  gpus_per_host=4)
@@ -235,10 +238,13 @@ def test_an_extension_reads_the_older_files_that_hold_its_steps(tmp_path: Path, 
         real(con, schema, root, spans, metrics, summed)
 
     monkeypatch.setattr(base.store, "subset_views", subset)
+    if compacted:
+        assert compact(path, min_age_s=0, keep_newest=0, grace_s=3600).parts_merged > 0
     _grow(path, 16, sums=True, start=8)  # the others reach step 21
     behind = _report(path)
-    # The new parts of ranks 8-15 and the step-21 parts of ranks 0-7, not the others.
-    assert read == [16]
+    # The new parts of ranks 8-15 and the step-21 parts of ranks 0-7 (or the one compacted file
+    # holding every merged part), not the others.
+    assert read == ([9] if compacted else [16])
     monkeypatch.undo()
     assert behind["run"]["steps"] == 22
     assert same_answer(behind, _uncached(path, tmp_path))
