@@ -58,7 +58,7 @@ def test_second_report_reads_the_cache_and_answers_the_same(run: Path, tmp_path:
     # The second report builds nothing: the SQL that scans the spans is never run.
     built: list[str] = []
     from megascope.analysis import base
-    monkeypatch.setattr(base, "_build", lambda con, say: built.append("built"))
+    monkeypatch.setattr(base, "_build", lambda con, say, *a: built.append("built"))
     second = _report(run)
     assert built == []
     assert same_answer(second, first)
@@ -171,7 +171,7 @@ def test_a_growing_run_extends_the_cache(tmp_path: Path, synth: Synth, monkeypat
     from megascope.analysis import base
     built: list[int] = []
     real_build = base._build
-    monkeypatch.setattr(base, "_build", lambda con, say: built.append(1) or real_build(con, say))
+    monkeypatch.setattr(base, "_build", lambda con, say, *a: built.append(1) or real_build(con, say, *a))
     scanned: list[str] = []
     real_execute = base._sql.execute
 
@@ -265,7 +265,7 @@ def test_parts_merged_by_a_compaction_extend_the_cache(tmp_path: Path, synth: Sy
     _report(path)
     built: list[int] = []
     real_build = base._build
-    monkeypatch.setattr(base, "_build", lambda con, say: built.append(1) or real_build(con, say))
+    monkeypatch.setattr(base, "_build", lambda con, say, *a: built.append(1) or real_build(con, say, *a))
     assert compact(path, min_age_s=0, keep_newest=0, grace_s=3600).parts_merged > 0
     _grow(path, 16, sums=True)
     grown = _report(path)
@@ -286,6 +286,37 @@ def test_parts_merged_by_a_compaction_extend_the_cache(tmp_path: Path, synth: Sy
     assert built == [1] and late["run"]["steps"] == 23
     monkeypatch.undo()
     assert same_answer(late, _uncached(path, tmp_path))
+
+
+def test_a_young_run_whose_clocks_moved_is_built_on_the_extensions_estimate(
+        run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run of a few steps grows: every step is in the clock sample, the extension estimates the
+    clocks again and, where they moved (made so here: a synth run's clocks agree to the
+    nanosecond), the tables are built on that estimate, not a second one, as from scratch."""
+    from megascope.analysis import base
+
+    _report(run)
+    estimated: list[int] = []
+    built: list[int] = []
+    real_estimate, real_build = base._estimate_offsets, base._build
+    monkeypatch.setattr(base, "_estimate_offsets", lambda con, steps: estimated.append(1) or real_estimate(con, steps))
+    monkeypatch.setattr(base, "_build", lambda con, say, *a: built.append(1) or real_build(con, say, *a))
+    moved: list[str] = []
+    real_execute = base._sql.execute
+
+    def execute(con: Any, module: str, name: str, **params: Any) -> Any:
+        if name == "moved_clocks":
+            moved.append(name)
+            return con.execute("SELECT 3 AS ranks")
+        return real_execute(con, module, name, **params)
+
+    monkeypatch.setattr(base._sql, "execute", execute)
+    _grow(run, 16, sums=True)
+    grown = _report(run)
+    # Six steps to seven: the sample is every step, so the extension estimated the clocks.
+    assert moved == ["moved_clocks"] and built == [1] and estimated == [1]
+    monkeypatch.undo()
+    assert same_answer(grown, _uncached(run, tmp_path))
 
 
 def test_new_rows_of_a_sampled_step_estimate_the_clocks_again(tmp_path: Path, synth: Synth,

@@ -295,6 +295,7 @@ def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None, persis
         # from here on they are being replaced, and stand for no cache until done.
         held = root is not None and meta is not None and persist.holds(con, root, meta)
         persist.forget(con)
+        clocked: list[int] | None = None  # the run's steps, where an extension left the ranks and clocks current
         if root is not None and meta is not None and now is not None:
             if meta.get("key") == now.digest:
                 say("reading the analysis cache")
@@ -306,12 +307,13 @@ def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None, persis
             elif (growth := persist.appended(con, root, meta, now)) is not None:
                 say("extending the analysis cache")
                 extended = _extend(con, root, meta, now, growth, say, held=held)
-                if extended is not None:
+                if isinstance(extended, tuple):
                     params, ranges = extended
                     _keep(con, root, now, params, save_later, say, ranges)
                     _sql.mark_built(con, "base")
                     return
-        params = _build(con, say)
+                clocked = extended
+        params = _build(con, say, clocked)
         if root is not None and now is not None:
             _keep(con, root, now, params, save_later, say)
         else:
@@ -412,12 +414,13 @@ def _extension_files(con: duckdb.DuckDBPyConnection, root: Path, now: persist.Ke
 
 def _extend(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], now: persist.Key,
             growth: persist.Growth, say: Callable[[str], None], *,
-            held: bool = False) -> tuple[dict[str, Any], dict[str, tuple[int, int]]] | None:
+            held: bool = False) -> tuple[dict[str, Any], dict[str, tuple[int, int]]] | list[int] | None:
     """Extend the cached base tables by the steps the new parts (``growth``) hold, reading only the
-    files that may hold those steps. Returns the build's parameters and the files' step ranges, or
-    None where the result could differ from a build from scratch (the clock estimate moved, the
-    peers or nesting of collectives changed, a call spans the new steps' edge, the cache is
-    unusable): then the caller builds."""
+    files that may hold those steps. Returns the build's parameters and the files' step ranges;
+    where the result could differ from a build from scratch (the clock estimate moved, the peers
+    or nesting of collectives changed, a call spans the new steps' edge, the cache is unusable)
+    the caller builds, and is given the run's steps where the ranks and clocks were estimated
+    afresh and hold for the build (a young run's clock sample grows with it), else None."""
     try:
         first, new_ranges = _first_new_step(con, growth.new)
     except duckdb.Error as exc:
@@ -444,7 +447,7 @@ def _extend(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], no
             moved = _sql.first(_sql.execute(con, "base", "moved_clocks"))
             if moved and moved[0]:
                 log.info("analysis cache: clock estimate changed; rebuilding")
-                return None
+                return steps
         params = _params(con, steps, old=old, first=first)
         if _compared(params) != _compared(old):
             log.info("analysis cache: parameters changed; rebuilding")
@@ -645,9 +648,12 @@ def _ranks_and_clock(con: duckdb.DuckDBPyConnection, say: Callable[[str], None])
     return steps
 
 
-def _build(con: duckdb.DuckDBPyConnection, say: Callable[[str], None]) -> dict[str, Any]:
-    """Build the base tables from the parts (under the build lock); returns their parameters."""
-    steps = _ranks_and_clock(con, say)
+def _build(con: duckdb.DuckDBPyConnection, say: Callable[[str], None], steps: list[int] | None = None) -> dict[str, Any]:
+    """Build the base tables from the parts (under the build lock); returns their parameters.
+    ``steps``: the run's steps, where ``rank_info``, ``group_kind``, ``clock_offsets`` and
+    ``rank_clock`` are current already (not estimated again)."""
+    if steps is None:
+        steps = _ranks_and_clock(con, say)
     say("matching collectives")
     _sql.execute(con, "base", "inst", where=_sql.Raw("true"))
     say("splitting step time per rank")
