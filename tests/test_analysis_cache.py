@@ -47,6 +47,16 @@ def _key(path: Path) -> dict[str, Any]:
     return json.loads((persist.cache_dir(path) / persist.KEY_FILE).read_text())
 
 
+def _count_builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that gets an item at every build of the base tables from the parts."""
+    from megascope.analysis import base
+
+    built: list[int] = []
+    real_build = base._build
+    monkeypatch.setattr(base, "_build", lambda con, say, *a: built.append(1) or real_build(con, say, *a))
+    return built
+
+
 def test_second_report_reads_the_cache_and_answers_the_same(run: Path, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     first = _report(run)
@@ -169,9 +179,7 @@ def test_a_growing_run_extends_the_cache(tmp_path: Path, synth: Synth, monkeypat
                  gpus_per_host=4)
     _report(path)
     from megascope.analysis import base
-    built: list[int] = []
-    real_build = base._build
-    monkeypatch.setattr(base, "_build", lambda con, say, *a: built.append(1) or real_build(con, say, *a))
+    built = _count_builds(monkeypatch)
     scanned: list[str] = []
     real_execute = base._sql.execute
 
@@ -257,15 +265,12 @@ def test_parts_merged_by_a_compaction_extend_the_cache(tmp_path: Path, synth: Sy
     cache was built from moves rows, it adds none: the next report extends the cache by the new
     steps alone. A pass that merged a part the cache never saw (its rows
     partly new) makes it build again. Both answer as from scratch."""
-    from megascope.analysis import base
     from megascope.compact import compact
 
     path = synth(tmp_path / "merged", "straggler:rank=9,factor=1.3", ranks=16, steps=20, tp=2, pp=2, seed=13,
                  gpus_per_host=4)
     _report(path)
-    built: list[int] = []
-    real_build = base._build
-    monkeypatch.setattr(base, "_build", lambda con, say, *a: built.append(1) or real_build(con, say, *a))
+    built = _count_builds(monkeypatch)
     assert compact(path, min_age_s=0, keep_newest=0, grace_s=3600).parts_merged > 0
     _grow(path, 16, sums=True)
     grown = _report(path)
@@ -297,10 +302,9 @@ def test_a_young_run_whose_clocks_moved_is_built_on_the_extensions_estimate(
 
     _report(run)
     estimated: list[int] = []
-    built: list[int] = []
-    real_estimate, real_build = base._estimate_offsets, base._build
+    real_estimate = base._estimate_offsets
     monkeypatch.setattr(base, "_estimate_offsets", lambda con, steps: estimated.append(1) or real_estimate(con, steps))
-    monkeypatch.setattr(base, "_build", lambda con, say, *a: built.append(1) or real_build(con, say, *a))
+    built = _count_builds(monkeypatch)
     moved: list[str] = []
     real_execute = base._sql.execute
 

@@ -1121,6 +1121,16 @@ class _FakeDriver:
         return id(event)
 
 
+def _stamps_and_mark(timer: Any) -> tuple[int, int, int]:
+    """Two stamps 2 ms apart, then a mark."""
+    t0 = timer.stamp()
+    time.sleep(0.002)
+    t1 = timer.stamp()
+    mark = timer.mark()
+    assert t0 is not None and t1 is not None and mark is not None
+    return t0, t1, mark
+
+
 def test_cuda_timer_asks_the_driver_without_torch_and_binds_a_bare_thread_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """With event_calls "driver" the writer's calls (ready, wall_ns, mark_done) go to the driver
     library's cuEventQuery and cuEventElapsedTime on the events' handles, with the same answers as
@@ -1149,11 +1159,7 @@ def test_cuda_timer_asks_the_driver_without_torch_and_binds_a_bare_thread_once(m
     timer = timing.CudaTimer("cuda", anchor_interval_s=3600.0, event_calls="driver")
     assert timer.event_calls == "driver"
     ref = timer.anchor_ref
-    t0 = timer.stamp()
-    time.sleep(0.002)
-    t1 = timer.stamp()
-    mark = timer.mark()
-    assert t0 is not None and t1 is not None and mark is not None
+    t0, t1, mark = _stamps_and_mark(timer)
     assert timer.ready(t1) and timer.mark_done(mark)
     assert 2_000_000 <= timer.wall_ns(t1, ref) - timer.wall_ns(t0, ref) < 1_000_000_000
     assert driver.set_calls == []  # this thread had a context: kept
@@ -1282,11 +1288,7 @@ def test_the_training_threads_records_go_to_the_driver_keeping_the_interpreter_l
     assert timer.record_calls == "driver" and opened == ["libcuda.so.1"]
     anchors = len(torch_records)  # the anchor is recorded through torch (its record is timed)
     ref = timer.anchor_ref
-    t0 = timer.stamp()
-    time.sleep(0.002)
-    t1 = timer.stamp()
-    mark = timer.mark()
-    assert t0 is not None and t1 is not None and mark is not None
+    t0, t1, mark = _stamps_and_mark(timer)
     # Three events made (two timing, one timing-free): torch recorded each once, the driver each stamp.
     assert len(torch_records) == anchors + 3
     assert [stream for _, stream in driver_records] == [0, 0, 0]
