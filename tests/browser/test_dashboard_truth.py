@@ -243,3 +243,46 @@ def test_live_trainer_run_raises_no_hang_and_ends_finished(tmp_path: Path, drive
         log.close()
         registry_of(app).stop()
     assert job.returncode == 0
+
+
+def test_a_run_growing_through_compaction_passes_shows_what_a_report_from_scratch_says(tmp_path: Path,
+                                                                                         driver: Any) -> None:
+    """A live job with a slow rank grows by steps while each node's pass merges its parts (left for
+    readers, as node passes leave them): the watcher extends the analysis' tables through each
+    pass, and the page shows the new last step and the straggler a report of a copy without any
+    cache names."""
+    import shutil
+
+    from megascope import analysis
+    from megascope.compact import Scope, compact
+    from megascope.store import open_run
+    from megascope.synth import LiveSynth
+
+    job = LiveSynth(tmp_path / "growing", SynthConfig(ranks=32, steps=10**6, tp=2, pp=2, seed=37,
+                                                      faults=parse_injects(["straggler:rank=13,factor=1.3"])))
+    job.write_step(16)
+    app = create_app([job.out], poll_interval_s=0.5)
+    with serving(app) as base:
+        driver.get(f"{base}/run/{job.out.name}/stragglers")
+        # " ·" after the step: the analyses have read it too (else "(analyses through step M)").
+        wait_for_text(driver, f"#{ids.STATUS}", "last step 15 ·")
+        for last in (19, 23):
+            for _ in range(3):
+                job.write_step(1)
+            wait_for_text(driver, f"#{ids.STATUS}", f"last step {last - 1} ·")
+            for low in range(0, 32, 8):  # a pass per node of 8 ranks, over parts the page has read
+                compact(job.out, min_age_s=0, keep_newest=1, grace_s=600, scope=Scope(ranks=(low, low + 7)))
+            job.write_step(1)
+            wait_for_text(driver, f"#{ids.STATUS}", f"last step {last} ·")
+            driver.get(f"{base}/run/{job.out.name}/stragglers")
+            table = wait_for_text(driver, f"#{ids.STRAGGLER_TABLE}", "13")
+            shown = [row.text.split()[0] for row in table.find_elements(By.CSS_SELECTOR, "tbody tr, tr")
+                     if row.text and row.text.split()[0].isdigit()]
+            copy = tmp_path / f"copy-{last}"
+            shutil.copytree(job.out, copy, ignore=shutil.ignore_patterns("_cache"))
+            fresh = analysis.report(open_run(copy))
+            assert fresh["run"]["steps"] == last + 1
+            assert shown == [str(s["rank"]) for s in fresh["stragglers"]] == ["13"]
+        assert console_errors(driver) == []
+        driver.get("about:blank")  # no page polling a server about to stop
+    job.close()
