@@ -177,25 +177,27 @@ def test_a_growing_run_extends_the_cache(tmp_path: Path, synth: Synth, monkeypat
     """New steps are read, the others kept: no full build, the same answer as one from scratch."""
     path = synth(tmp_path / "long", "straggler:rank=9,factor=1.3", ranks=16, steps=20, tp=2, pp=2, seed=7,
                  gpus_per_host=4)
-    _report(path)
     from megascope.analysis import base
-    built = _count_builds(monkeypatch)
     scanned: list[str] = []
     real_execute = base._sql.execute
 
     def execute(con: Any, module: str, name: str, **params: Any) -> Any:
         if name == "inst":
             scanned.append(str(params["where"]))
-        if name in ("clock_samples", "nested_kinds"):
+        if name in ("clock_samples", "nested_kinds", "slow_edges"):
             scanned.append(name)
         return real_execute(con, module, name, **params)
 
     monkeypatch.setattr(base._sql, "execute", execute)
+    _report(path)
+    assert "slow_edges" in scanned and "clock_samples" in scanned
+    scanned.clear()
+    built = _count_builds(monkeypatch)
     for sums in (True, False):
         _grow(path, 16, sums=sums)
         grown = _report(path)
-    # The clock sample (steps 5-8 and 13-16 of 0-21) and the nested calls' probe (steps 1-16)
-    # hold no new row: neither is read again.
+    # The clock sample (steps 5-8 and 13-16 of 0-21), the nested calls' probe (steps 1-16) and the
+    # pipeline links' sample hold no new row: none is read again.
     assert built == [] and scanned == ["s.step >= 20", "s.step >= 21"]
     monkeypatch.undo()
     assert grown["run"]["steps"] == 22 and grown["stragglers"][0]["rank"] == 9

@@ -308,8 +308,9 @@ def prepare(con: duckdb.DuckDBPyConnection, *, progress: Progress = None, persis
                 say("extending the analysis cache")
                 extended = _extend(con, root, meta, now, growth, say, held=held)
                 if isinstance(extended, tuple):
-                    params, ranges = extended
+                    params, ranges, first = extended
                     _keep(con, root, now, params, save_later, say, ranges)
+                    persist.carry_memos(con, meta, first)
                     _sql.mark_built(con, "base")
                     return
                 clocked = extended
@@ -414,9 +415,10 @@ def _extension_files(con: duckdb.DuckDBPyConnection, root: Path, now: persist.Ke
 
 def _extend(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], now: persist.Key,
             growth: persist.Growth, say: Callable[[str], None], *,
-            held: bool = False) -> tuple[dict[str, Any], dict[str, tuple[int, int]]] | list[int] | None:
+            held: bool = False) -> tuple[dict[str, Any], dict[str, tuple[int, int]], int] | list[int] | None:
     """Extend the cached base tables by the steps the new parts (``growth``) hold, reading only the
-    files that may hold those steps. Returns the build's parameters and the files' step ranges;
+    files that may hold those steps. Returns the build's parameters, the files' step ranges and
+    the first step it read;
     where the result could differ from a build from scratch (the clock estimate moved, the peers
     or nesting of collectives changed, a call spans the new steps' edge, the cache is unusable)
     the caller builds, and is given the run's steps where the ranks and clocks were estimated
@@ -470,7 +472,7 @@ def _extend(con: duckdb.DuckDBPyConnection, root: Path, meta: dict[str, Any], no
         _sql.execute(con, "base", "add_unknown_ranks")
         log.info("base tables extended from step %d (%d spans and %d metrics files read of %d)", first,
                  len(spans), len(metrics), len(now.files))
-        return params, ranges
+        return params, ranges, int(first)
     except (duckdb.Error, OSError, ValueError) as exc:
         log.info("analysis cache: extension failed (%s); rebuilding", exc)
         return None

@@ -623,19 +623,34 @@ def memo_get(con: duckdb.DuckDBPyConnection, name: str) -> Any:
     return memo.get(name) if isinstance(memo, dict) else None
 
 
-def memo_put(con: duckdb.DuckDBPyConnection, name: str, value: Any) -> bool:
+def memo_put(con: duckdb.DuckDBPyConnection, name: str, value: Any, *, before: int | None = None) -> bool:
     """Keep ``value`` (plain JSON) in ``key.json`` under the current key: a result derived from the
     base tables alone that costs more than reading it back (the what-if replay). While the key's
-    tables are still being written, it is kept after them."""
+    tables are still being written, it is kept after them. ``before``: the value was read from
+    steps before this one only, so an extension from this step or a later one keeps it
+    (:func:`carry_memos`)."""
     source = _source(con)
     if source is None:
         return False
-    if _after_save(con, source, lambda _cursor: _write_memo(source, name, value)):
+    if _after_save(con, source, lambda _cursor: _write_memo(source, name, value, before)):
         return True
-    return _write_memo(source, name, value)
+    return _write_memo(source, name, value, before)
 
 
-def _write_memo(source: tuple[Path, str], name: str, value: Any) -> bool:
+def carry_memos(con: duckdb.DuckDBPyConnection, old: dict[str, Any], first: int) -> None:
+    """Keep under the current key the memos of the cache ``old`` (the one an extension from step
+    ``first`` started from) that were read from steps before ``first`` only: the extension left
+    those steps' rows as they were."""
+    memos, bounds = old.get("memo"), old.get("memo_before")
+    if not isinstance(memos, dict) or not isinstance(bounds, dict):
+        return
+    for name, value in memos.items():
+        bound = bounds.get(name)
+        if isinstance(bound, int) and bound <= first:
+            memo_put(con, name, value, before=bound)
+
+
+def _write_memo(source: tuple[Path, str], name: str, value: Any, before: int | None = None) -> bool:
     root, digest = source
     key_tmp = cache_dir(root) / f".tmp-{uuid.uuid4().hex[:12]}-{KEY_FILE}"
     try:
@@ -643,6 +658,8 @@ def _write_memo(source: tuple[Path, str], name: str, value: Any) -> bool:
         if meta is None or meta.get("key") != digest:
             return False
         meta.setdefault("memo", {})[name] = value
+        if before is not None:
+            meta.setdefault("memo_before", {})[name] = int(before)
         key_tmp.write_text(json.dumps(meta, indent=1))
         os.replace(key_tmp, cache_dir(root) / KEY_FILE)
     except (OSError, TypeError, ValueError) as exc:

@@ -539,14 +539,17 @@ def _link_steps(run: Run, ranks: int) -> list[int]:
 def _slow_edges(run: Run, ranks: int) -> list[tuple[int, int, int, float, float]]:
     """Each pipeline direction (sender, receiver) as sql/stragglers.sql's statement slow_edges reads
     it over :func:`_link_steps`: (sender, receiver, steps, ratio, slow_frac). Kept beside the run's
-    analysis (a second report reads them back)."""
+    analysis (a second report reads them back), and through an extension of the analysis' tables
+    that leaves the sampled steps as they were (a live run's next refresh)."""
+    steps = _link_steps(run, ranks)
     kept = persist.memo_get(run.con, "slow_edges")
-    if isinstance(kept, list):
-        return [(int(a), int(b), int(n), float(r), float(f)) for a, b, n, r, f in kept]
-    edges = _sql.query_df(run.con, "stragglers", "slow_edges", bar=LINK_BAR, steps=_link_steps(run, ranks) or [-1])
+    if isinstance(kept, dict) and kept.get("steps") == steps and isinstance(kept.get("rows"), list):
+        return [(int(a), int(b), int(n), float(r), float(f)) for a, b, n, r, f in kept["rows"]]
+    edges = _sql.query_df(run.con, "stragglers", "slow_edges", bar=LINK_BAR, steps=steps or [-1])
     rows = [(int(row.members[0]), int(row.members[1]), int(row.steps), float(row.ratio), float(row.slow_frac))
             for row in edges.itertuples() if pd.notna(row.ratio)]
-    persist.memo_put(run.con, "slow_edges", [list(r) for r in rows])
+    persist.memo_put(run.con, "slow_edges", {"steps": steps, "rows": [list(r) for r in rows]},
+                     before=max(steps) + 1 if steps else None)
     return rows
 
 
