@@ -39,9 +39,10 @@ import logging
 import math
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar, cast
 
 import duckdb
 import pyarrow as pa
@@ -58,6 +59,8 @@ from megascope.schema import (
 from megascope.topology import Mesh
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 # Partition columns DuckDB reads from directory names; typed so they agree with the file columns.
 _HIVE_TYPES = {"spans": "rank", "markers": "rank", "metrics": "rank"}
@@ -87,6 +90,8 @@ class Run:
     # rewritten (a new one is written beside it), so a refresh reads only the new parts' metadata.
     _stamped: dict[str, set[str]] = field(default_factory=dict, repr=False)
     _twins: dict[Path, Path] = field(default_factory=dict, repr=False)  # spans file -> its twin's path
+    # Per question, each file's answer (see per_file).
+    _per_file: dict[str, dict[Path, object]] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -156,6 +161,26 @@ class Run:
             selects.append(f"SELECT * FROM ({_select(self.con, table, _list_sql(compacted), _COMPACTED_OPTIONS)}) "
                            f"WHERE rank IN ({rank_list})")
         return "(" + (" UNION ALL ".join(selects) or _empty_select(table)) + ")"
+
+    def per_file(self, question: str, files: list[Path], ask: Callable[[list[Path]], dict[Path, _T]]) -> dict[Path, _T]:
+        """The answer to ``question`` for each of ``files`` (a table's parts or compacted files),
+        asking ``ask`` only about the files it was not asked about before.
+
+        A part or a compacted file is never rewritten (a new one with a new name is written
+        instead), so an answer read from it holds for its life; on a live run a refresh asks about
+        its new files only. ``ask`` returns an answer per file it can tell; a file it leaves out is
+        asked about again next time (and is missing from the result). Answers of files no longer
+        in ``files`` are forgotten (compaction removed them). Not for ``ranks`` or ``groups``,
+        whose files are rewritten in place. ``ask``'s errors reach the caller.
+        """
+        with self._lock:
+            known = self._per_file.get(question, {})
+            missing = [f for f in files if f not in known]
+        found = ask(missing) if missing else {}
+        with self._lock:
+            known = {**self._per_file.get(question, {}), **found}
+            self._per_file[question] = answers = {f: known[f] for f in files if f in known}
+        return cast(dict[Path, _T], answers)
 
     def refresh(self) -> list[str]:
         """Re-scan the directory for new parts (a live run) and rebuild the views.

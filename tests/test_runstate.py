@@ -111,3 +111,64 @@ def test_timestamps_from_the_future_fall_back_on_file_times(runs: dict[str, Path
     state = decide(facts, now_ns=facts["last_data_ns"] + S, stall_after_s=5.0)
     assert state["last_progress_ns"] is None and state["idle_s"] == pytest.approx(1.0)
     assert state["state"] == "running"
+
+
+def test_a_growing_run_reads_each_marker_file_once_and_answers_as_a_fresh_open(
+        runs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether markers go past the last step, and the newest completion: a refreshed run asks
+    only its new marker files, and answers what a run opened afresh answers."""
+    import shutil
+
+    import pyarrow as pa
+
+    from megascope import schema
+    from megascope.analysis import hang, runstate
+
+    path = tmp_path / "grow"
+    shutil.copytree(runs["healthy"], path)
+    asked: dict[str, list[int]] = {"steps": [], "completions": []}
+    step_highs, last_completed = hang._step_highs, runstate._last_completed
+    monkeypatch.setattr(hang, "_step_highs", lambda con, files: asked["steps"].append(len(files)) or step_highs(con, files))
+    monkeypatch.setattr(runstate, "_last_completed",
+                        lambda con, files: asked["completions"].append(len(files)) or last_completed(con, files))
+    run = open_run(path)
+    before, facts = analysis.localize(run), run_facts(run)
+    assert not before["waiting"]
+    marker_files = len(run.files["markers"])
+    assert asked["steps"] == [marker_files] and len(asked["completions"]) == 1
+    # Rank 3 goes on to a call of step 8 (past every step span) and completes it, a second later.
+    group, seq, last_ns, step = run.con.execute(
+        "SELECT \"group\", max(seq), max(time_ns), max(step) FROM markers WHERE rank = 3 AND peer IS NULL "
+        "GROUP BY 1 ORDER BY 1 LIMIT 1").fetchone()
+    rows = [{"rank": 3, "group": group, "seq": seq + 1, "op": "all_reduce", "state": state, "time_ns": last_ns + k * S,
+             "step": step + 1, "bytes": None, "peer": None} for k, state in ((1, "enqueued"), (2, "completed"))]
+    layout.write_part(path, "markers", pa.Table.from_pylist(rows, schema=schema.MARKERS), rank=3,
+                      run_id=run.meta.run_id)
+    run.refresh()
+    asked = {"steps": [], "completions": []}
+    grown, grown_facts = analysis.localize(run), run_facts(run)
+    assert asked["steps"] == [1] and asked["completions"] == [1]
+    fresh = open_run(path)
+    again, again_facts = analysis.localize(fresh), run_facts(fresh)
+    # The new markers count: the run is no longer finished (its markers are read for calls in
+    # flight) and its newest completion is rank 3's.
+    assert grown["waiting"] and grown["waiting"] == again["waiting"]
+    assert grown["stuck_groups"] == again["stuck_groups"]
+    assert grown_facts["last_progress_ns"] == again_facts["last_progress_ns"] > facts["last_progress_ns"]
+    assert grown_facts == again_facts
+
+
+def test_marker_files_whose_footers_do_not_tell_their_steps_are_read_row_by_row(
+        runs: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    from megascope.analysis import hang
+
+    run = open_run(runs["healthy"])
+    con = run.cursor()
+    analysis.localize(run)  # the base tables
+    last = int(con.execute("SELECT max(step) FROM ms_cache.rank_step").fetchone()[0])
+    told = [hang._markers_beyond(con, run, step) for step in (last - 1, last)]
+    monkeypatch.setattr(hang, "_step_highs", lambda con, files: {})
+    fresh = open_run(runs["healthy"])
+    fresh_con = fresh.cursor()
+    analysis.localize(fresh)
+    assert [hang._markers_beyond(fresh_con, fresh, step) for step in (last - 1, last)] == told == [True, False]

@@ -18,10 +18,12 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
 from collections import defaultdict, deque
+from pathlib import Path
 from typing import Any
 
 import duckdb
@@ -58,7 +60,36 @@ def _silent(activity: pd.DataFrame, median_step_ns: float) -> pd.Series:
     return seen.isna() | (seen < seen.max() - threshold)
 
 
-def _finished(con: duckdb.DuckDBPyConnection) -> bool:
+def _step_highs(con: duckdb.DuckDBPyConnection, files: list[Path]) -> dict[Path, int | None]:
+    """Per file, the highest step of its rows from its footer's statistics (None: it has no row
+    of a step); a file whose footer does not tell (a row group without statistics) is left out."""
+    rows = con.execute(
+        "SELECT file_name, max(TRY_CAST(stats_max_value AS BIGINT)), "
+        "bool_and(stats_max_value IS NOT NULL OR stats_null_count IS NOT NULL AND stats_null_count = row_group_num_rows) "
+        "FROM parquet_metadata(?) WHERE path_in_schema = 'step' GROUP BY file_name", [[str(f) for f in files]]).fetchall()
+    return {Path(name): (None if high is None else int(high)) for name, high, told in rows if told}
+
+
+def _markers_beyond(con: duckdb.DuckDBPyConnection, run: Run | None, step: int) -> bool:
+    """Whether any marker is of a step after ``step``. With the run, from each marker file's
+    highest step (its footer, read once in the file's life: a live run's refresh reads its new
+    files' only); a file whose footer does not tell, or none, sends the question to the rows."""
+    if run is not None:
+        files = run.files.get("markers", [])
+        try:
+            highs = run.per_file("markers_step_high", files, functools.partial(_step_highs, con))
+        except duckdb.Error as exc:  # a file removed under us: the rows tell
+            log.info("hang: marker footers unreadable (%s)", exc)
+        else:
+            if any(high is not None and high > step for high in highs.values()):
+                return True
+            if len(highs) == len(files):
+                return False
+    beyond = _sql.first(_sql.execute(con, "hang", "markers_beyond", step=step))
+    return bool(beyond and beyond[0])
+
+
+def _finished(con: duckdb.DuckDBPyConnection, run: Run | None = None) -> bool:
     """Whether every rank wrote a step span for the run's last step (then nothing can be stuck).
     The last step is the highest any rank reached in its spans or its markers: markers leave the
     process on their own (the marker agent) and may be all there is of the step a job died in."""
@@ -66,17 +97,17 @@ def _finished(con: duckdb.DuckDBPyConnection) -> bool:
     if not last or last[0] is None:
         return False
     # A marker of a later step means the job went on past the last step spans show.
-    beyond = _sql.first(_sql.execute(con, "hang", "markers_beyond", step=int(last[0])))
-    if beyond and beyond[0]:
+    if _markers_beyond(con, run, int(last[0])):
         return False
     row = _sql.first(_sql.execute(con, "hang", "finished_ranks", step=int(last[0])))
     return bool(row and row[0] and row[0] == row[1])
 
 
-def hang_tables(con: duckdb.DuckDBPyConnection) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(member_state, activity) frames, built after :func:`prepare`."""
+def hang_tables(con: duckdb.DuckDBPyConnection, run: Run | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(member_state, activity) frames, built after :func:`prepare`; ``run``: the run ``con``
+    reads, whose per-file memo spares reading every marker file's footer again."""
     prepare(con)
-    _sql.execute(con, "hang", "member_state", scan=not _finished(con))
+    _sql.execute(con, "hang", "member_state", scan=not _finished(con, run))
     members = _sql.query_df(con, "hang", "waiting_members")
     activity = _sql.query_df(con, "hang", "activity")
     activity["silent"] = _silent(activity, _median_step_ns(con))
@@ -213,7 +244,7 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
     dumps in the run directory (``megascope.analysis.witness``).
     """
     con = run.cursor()
-    member_frame, activity = hang_tables(con)
+    member_frame, activity = hang_tables(con, run)
     members: list[Record] = [{str(k): v for k, v in m.items()} for m in member_frame.to_dict("records")]
     alive = _sql.query_df(con, "hang", "process_alive")
     row = _sql.first(_sql.execute(con, "hang", "has_markers"))

@@ -39,6 +39,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -134,12 +135,34 @@ def _cut_values(cut: Mapping[int, int]) -> _sql.Raw:
     return _sql.Raw("(VALUES " + ", ".join(f"({int(r)}, {int(t)})" for r, t in cut.items()) + ") c(rank, cut_ns)")
 
 
+def _last_completed(con: duckdb.DuckDBPyConnection, files: list[Path]) -> dict[Path, list[tuple[int, int]]]:
+    """Per marker file, each rank's newest completed-call marker in it (host clock): a list of
+    (rank, time_ns), empty where it has none."""
+    found: dict[Path, list[tuple[int, int]]] = {f: [] for f in files}
+    by_name = {str(f): f for f in files}
+    rows = con.execute("SELECT filename, rank, max(time_ns) FROM read_parquet(?, filename = true, union_by_name = true) "
+                       "WHERE state = 'completed' GROUP BY ALL", [list(by_name)]).fetchall()
+    for name, rank, time_ns in rows:
+        found[by_name[name]].append((int(rank), int(time_ns)))
+    return found
+
+
 def _last_completion_ns(con: duckdb.DuckDBPyConnection, run: Run, cut: Mapping[int, int]) -> int | None:
     """Newest completed-call marker of any rank (reference clock), from each rank's newest parts;
-    a rank in ``cut`` counts only up to its cut-off."""
+    a rank in ``cut`` counts only up to its cut-off. Without cut-offs each part's newest
+    completions are read once in its life (a live run's refresh reads its new parts' only)."""
     parts = _newest_parts(run, "markers", NEWEST_PARTS)
     if not parts:
         return None
+    if not cut:
+        try:
+            newest = run.per_file("markers_last_completed", parts, functools.partial(_last_completed, con))
+            offsets = dict(con.execute("SELECT rank, host_offset_ns FROM ms_cache.rank_clock").fetchall())
+        except duckdb.Error as exc:  # a part replaced under us: the spans still tell
+            log.info("run state: newest markers unreadable: %s", exc)
+            return None
+        times = [t + (offsets.get(rank) or 0) for found in newest.values() for rank, t in found]
+        return max(times) if times else None
     files = ", ".join("'" + str(p).replace("'", "''") + "'" for p in parts)
     try:
         row = _sql.first(_sql.execute(con, "runstate", "last_completion", files=_sql.Raw(files), cut=_cut_values(cut)))
