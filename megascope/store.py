@@ -90,8 +90,10 @@ class Run:
     # rewritten (a new one is written beside it), so a refresh reads only the new parts' metadata.
     _stamped: dict[str, set[str]] = field(default_factory=dict, repr=False)
     _twins: dict[Path, Path] = field(default_factory=dict, repr=False)  # spans file -> its twin's path
-    # Per question, each file's answer (see per_file).
+    # Per question, each file's answer (see per_file), under a lock of its own: the views are
+    # built under _lock and ask it too.
     _per_file: dict[str, dict[Path, object]] = field(default_factory=dict, repr=False)
+    _per_file_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -173,11 +175,11 @@ class Run:
         in ``files`` are forgotten (compaction removed them). Not for ``ranks`` or ``groups``,
         whose files are rewritten in place. ``ask``'s errors reach the caller.
         """
-        with self._lock:
+        with self._per_file_lock:
             known = self._per_file.get(question, {})
             missing = [f for f in files if f not in known]
         found = ask(missing) if missing else {}
-        with self._lock:
+        with self._per_file_lock:
             known = {**self._per_file.get(question, {}), **found}
             self._per_file[question] = answers = {f: known[f] for f in files if f in known}
         return cast(dict[Path, _T], answers)
@@ -524,14 +526,19 @@ def _compaction(run: Run, table: str) -> _Compaction:
     ranks: dict[Path, tuple[tuple[int, int], ...]] = {}
     ignored: set[str] = set()
     superseded: set[str] | None = None  # manifests replaced since they were read (read on demand)
-    for m in layout.active_manifests(manifests):
+    active = layout.active_manifests(manifests)
+    # A compacted file is never rewritten: one found good is read again only where it is gone.
+    named = [run.path / f.path for m in active if m.run_id in (None, run.meta.run_id) for f in m.files]
+    good = run.per_file(f"compacted_good:{table}", named,
+                        lambda paths: {p: True for p in paths if _check_part(p, table, run.meta.run_id) is None})
+    for m in active:
         if m.run_id is not None and m.run_id != run.meta.run_id:
             problems.append(f"{m.path}: a compaction manifest of another run ({m.run_id!r}, not "
                             f"{run.meta.run_id!r}); ignored")
             continue
         for f in m.files:
             path = run.path / f.path
-            problem = _check_part(path, table, run.meta.run_id)
+            problem = None if path in good and os.path.lexists(path) else _check_part(path, table, run.meta.run_id)
             if problem is not None:
                 if not os.path.lexists(path):
                     # A later pass may have merged this manifest's files again and removed them

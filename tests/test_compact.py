@@ -901,3 +901,26 @@ def test_a_file_that_stays_unreadable_still_fails_the_refresh(run: Path, monkeyp
     with pytest.raises(duckdb.IOException, match="something else"):
         opened.refresh()
     assert calls == [1]
+
+
+def test_a_refresh_checks_only_the_compacted_files_it_has_not_seen(run: Path, expected: tuple[object, ...],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compacted file is never rewritten: found good once, it is not read again at each refresh."""
+    from megascope import store
+
+    checked: list[Path] = []
+    check_part = store._check_part
+    monkeypatch.setattr(store, "_check_part", lambda path, *a, **k: checked.append(path) or check_part(path, *a, **k))
+    compact(run, min_age_s=60, keep_newest=2)
+    reader = open_run(run)
+    first = set(checked)
+    assert first and all(layout.COMPACTED_DIR in p.parts for p in first)
+    checked.clear()
+    reader.refresh()
+    assert checked == []
+    compact(run, everything=True, grace_s=0)  # merges the first pass's files again and removes them
+    reader.refresh()
+    assert checked and not set(checked) & first
+    assert set(checked) == {f for files in reader.compacted.values() for f in files}
+    (row,) = reader.con.execute(_FINGERPRINT).fetchall()
+    assert tuple(round(v, 6) if isinstance(v, float) else v for v in row) == expected
