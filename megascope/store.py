@@ -90,6 +90,8 @@ class Run:
     # rewritten (a new one is written beside it), so a refresh reads only the new parts' metadata.
     _stamped: dict[str, set[str]] = field(default_factory=dict, repr=False)
     _twins: dict[Path, Path] = field(default_factory=dict, repr=False)  # spans file -> its twin's path
+    # Per table, whether its parts all have the schema's columns (stamped with this run's id).
+    _uniform: dict[str, bool] = field(default_factory=dict, repr=False)
     # Per question, each file's answer (see per_file), under a lock of its own: the views are
     # built under _lock and ask it too.
     _per_file: dict[str, dict[Path, object]] = field(default_factory=dict, repr=False)
@@ -417,7 +419,10 @@ def _create_views_once(run: Run) -> None:
     names = [*TABLES, SUMS_VIEW, UNSUMMED_VIEW]
     digest = hashlib.sha1("\n".join(str(f) for t in names for f in run.files[t]).encode()).hexdigest()
     counts = ", ".join(f"{len(run.files[t])} AS {t}" for t in names)
-    run.con.execute(f"CREATE OR REPLACE VIEW store_parts AS SELECT '{digest}' AS digest, {counts}")
+    # Whether a table's parts all have the schema's columns: a view over some of them (subset_views)
+    # then reads them without union_by_name, which reads every file's footer at each query.
+    uniform = ", ".join(f"{str(run._uniform.get(t, False)).lower()} AS {t}_uniform" for t in _SUBSET_TABLES)
+    run.con.execute(f"CREATE OR REPLACE VIEW store_parts AS SELECT '{digest}' AS digest, {counts}, {uniform}")
 
 
 # The spans files' sums (layout.sums_twin) the analysis reads in place of their spans, and the
@@ -479,6 +484,20 @@ def _sums_select(run: Run, summed: list[Path], present: set[Path]) -> str:
     return " UNION ALL ".join(f"SELECT * FROM read_parquet({src}, hive_partitioning=false)" for src in sources)
 
 
+# The tables subset_views reads parts of.
+_SUBSET_TABLES = ("spans", "metrics")
+
+
+def _parts_uniform(con: duckdb.DuckDBPyConnection) -> dict[str, bool]:
+    """Per table of :data:`_SUBSET_TABLES`, whether the store's view found its parts all of the
+    schema's columns (then any of them read alike without union_by_name); False where not told."""
+    try:
+        row = con.execute(f"SELECT {', '.join(f'{t}_uniform' for t in _SUBSET_TABLES)} FROM store_parts").fetchone()
+    except duckdb.Error:
+        return {}
+    return {t: bool(v) for t, v in zip(_SUBSET_TABLES, row or (), strict=False)}
+
+
 def subset_views(con: duckdb.DuckDBPyConnection, schema: str, root: Path, spans: list[Path],
                  metrics: list[Path], summed: set[Path]) -> None:
     """Views ``spans``, ``step_sums``, ``spans_unsummed`` and ``metrics`` in ``schema``, read as the
@@ -488,13 +507,14 @@ def subset_views(con: duckdb.DuckDBPyConnection, schema: str, root: Path, spans:
     under ``SET search_path`` (the analysis' cache extending itself by the files that may hold its
     new steps)."""
     compacted_dir = os.path.join(os.path.abspath(root), layout.COMPACTED_DIR, "")
+    uniform = _parts_uniform(con)
 
     def body(table: str, files: list[Path]) -> str:
         merged = [f for f in files if os.path.abspath(f).startswith(compacted_dir)]
         parts = [f for f in files if not os.path.abspath(f).startswith(compacted_dir)]
         selects = []
         if parts:
-            selects.append(_select(con, table, _list_sql(parts), _read_options(table, uniform=False)))
+            selects.append(_select(con, table, _list_sql(parts), _read_options(table, uniform=uniform.get(table, False))))
         if merged:
             selects.append(_select(con, table, _list_sql(merged), _COMPACTED_OPTIONS))
         return " UNION ALL ".join(selects) or _empty_select(table)
@@ -641,6 +661,7 @@ def _coords_select(described: set[str], duck_type: str) -> str:
 def _create_table_view(run: Run, table: str, parts: _Parts, compacted: list[Path] | None = None) -> None:
     compacted = compacted or []
     files = parts.files
+    run._uniform[table] = parts.uniform
     run.files[table] = files + compacted
     selects = []
     if files:

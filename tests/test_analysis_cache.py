@@ -463,3 +463,45 @@ def test_hand_built_answers_hold_from_the_cache(tmp_path: Path) -> None:
     prepare(second.con)
     assert second.con.execute(
         "SELECT rank, sum(wait_ns) FROM ms_cache.rank_step GROUP BY rank ORDER BY rank").fetchall() == waits
+
+
+def test_an_extension_reads_parts_of_the_schemas_columns_without_reading_each_footer(
+        tmp_path: Path, synth: Synth, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The views over the files of an extension's steps read parts the store found all of the
+    schema's columns without union_by_name (which reads every file's footer at each statement),
+    and by name where an older writer's part has fewer; both answer as a build from scratch."""
+    from megascope.analysis import base
+
+    path = synth(tmp_path / "uniform", "straggler:rank=5,factor=1.3", ranks=8, steps=14, tp=2, pp=2, seed=23,
+                 gpus_per_host=4)
+    _report(path)
+    views: list[str] = []
+    real = base.store.subset_views
+
+    def subset(con: Any, schema: str, root: Path, spans: list[Path], metrics: list[Path], summed: set[Path]) -> None:
+        real(con, schema, root, spans, metrics, summed)
+        (sql,) = con.execute("SELECT sql FROM duckdb_views() WHERE schema_name = ? AND view_name = 'spans'",
+                             [schema]).fetchone()
+        views.append(sql)
+
+    monkeypatch.setattr(base.store, "subset_views", subset)
+    _grow(path, 8, sums=True)
+    grown = _report(path)
+    assert len(views) == 1 and "union_by_name" not in views[0]
+    assert same_answer(grown, _uncached(path, tmp_path))
+    # An older writer: a part of the next step without the nullable columns it did not know, and
+    # no run id in its footer.
+    store = open_run(path)
+    rows = store.con.sql("SELECT * EXCLUDE (microbatch, chunk) FROM spans WHERE rank = 0 AND step = "
+                         "(SELECT max(step) FROM spans)").to_arrow_table().to_pylist()
+    store.con.close()
+    for r in rows:
+        r.update(step=r["step"] + 1, start_ns=r["start_ns"] + 1_000 * MS, seq=None if r["seq"] is None else r["seq"] + 10_000)
+    older = pa.Table.from_pylist(rows, schema=pa.schema([f for f in schema.SPANS if f.name not in ("microbatch", "chunk")]))
+    pq.write_table(older, path / "spans" / layout.rank_dir_name(0) / layout.part_name())
+    _grow(path, 8, sums=True, start=1)
+    again = _report(path)
+    assert len(views) == 2 and "union_by_name" in views[1]
+    assert again["run"]["steps"] == grown["run"]["steps"] + 1
+    monkeypatch.undo()
+    assert same_answer(again, _uncached(path, tmp_path))
