@@ -337,7 +337,7 @@ def _keep(con: duckdb.DuckDBPyConnection, root: Path, now: persist.Key, params: 
     persist.remember(con, root if saved else None, now.digest)
 
 
-def _footers(con: duckdb.DuckDBPyConnection, files: list[str]) -> list[tuple[Any, ...]]:
+def footer_steps(con: duckdb.DuckDBPyConnection, files: list[str]) -> list[tuple[Any, ...]]:
     """Per file of ``files`` (absolute paths) that has a step column, from its footer: name, lowest
     and highest step in the statistics, whether a row group has no statistics of its steps, and
     the rows without a step (None where not told)."""
@@ -354,9 +354,9 @@ def _footers(con: duckdb.DuckDBPyConnection, files: list[str]) -> list[tuple[Any
 
 
 def _step_ranges(rows: list[tuple[Any, ...]]) -> dict[str, tuple[int, int]]:
-    """The lowest and highest step of each file of :func:`_footers` whose footer tells them: every
-    row group with statistics of its non-null steps (rows without a step belong to no step). A
-    file left out may hold any step."""
+    """The lowest and highest step of each file of :func:`footer_steps` whose footer tells them:
+    every row group with statistics of its non-null steps (rows without a step belong to no
+    step). A file left out may hold any step."""
     return {str(name): (int(low), int(high)) for name, low, high, _, _, told in rows
             if told and low is not None and high is not None}
 
@@ -367,7 +367,7 @@ def _first_new_step(con: duckdb.DuckDBPyConnection,
     be told: no statistics, or spans without a step, which belong to no step the cache could
     keep), and the step range of each new part whose footer tells it."""
     files = [f for fs in new.values() for f in fs]
-    rows = _footers(con, files)
+    rows = footer_steps(con, files)
     if not files or len(rows) != len(files):
         return None, {}
     spans = set(new.get("spans", []))
@@ -400,7 +400,7 @@ def _extension_files(con: duckdb.DuckDBPyConnection, root: Path, now: persist.Ke
         ranges[os.path.relpath(name, root_abs)] = found
     unknown = [str(root_abs / rel) for rel, (table, _, _) in now.files.items()
                if table in ("spans", "metrics") and rel not in ranges]
-    for name, found in _step_ranges(_footers(con, unknown)).items():
+    for name, found in _step_ranges(footer_steps(con, unknown)).items():
         ranges[os.path.relpath(name, root_abs)] = found
     spans: list[Path] = []
     metrics: list[Path] = []

@@ -30,7 +30,7 @@ import duckdb
 import pandas as pd
 
 from megascope.analysis import _sql
-from megascope.analysis.base import prepare
+from megascope.analysis.base import footer_steps, prepare
 from megascope.analysis.runstate import run_state, thresholds
 from megascope.analysis.stragglers import stragglers
 from megascope.analysis.witness import flight_recorder_hang, read_stacks
@@ -63,11 +63,8 @@ def _silent(activity: pd.DataFrame, median_step_ns: float) -> pd.Series:
 def _step_highs(con: duckdb.DuckDBPyConnection, files: list[Path]) -> dict[Path, int | None]:
     """Per file, the highest step of its rows from its footer's statistics (None: it has no row
     of a step); a file whose footer does not tell (a row group without statistics) is left out."""
-    rows = con.execute(
-        "SELECT file_name, max(TRY_CAST(stats_max_value AS BIGINT)), "
-        "bool_and(stats_max_value IS NOT NULL OR stats_null_count IS NOT NULL AND stats_null_count = row_group_num_rows) "
-        "FROM parquet_metadata(?) WHERE path_in_schema = 'step' GROUP BY file_name", [[str(f) for f in files]]).fetchall()
-    return {Path(name): (None if high is None else int(high)) for name, high, told in rows if told}
+    return {Path(name): (None if high is None else int(high))
+            for name, _, high, _, _, told in footer_steps(con, [str(f) for f in files]) if told}
 
 
 def _markers_beyond(con: duckdb.DuckDBPyConnection, run: Run | None, step: int) -> bool:
