@@ -275,9 +275,13 @@ def test_a_run_growing_through_compaction_passes_shows_what_a_report_from_scratc
             job.write_step(1)
             wait_for_text(driver, f"#{ids.STATUS}", f"last step {last} ·")
             driver.get(f"{base}/run/{job.out.name}/stragglers")
-            table = wait_for_text(driver, f"#{ids.STRAGGLER_TABLE}", "13")
-            shown = [row.text.split()[0] for row in table.find_elements(By.CSS_SELECTOR, "tbody tr, tr")
-                     if row.text and row.text.split()[0].isdigit()]
+            wait_for_text(driver, f"#{ids.STRAGGLER_TABLE}", "13")
+            # The rows' first cells read in one script: the watcher may render the table anew
+            # between finding a row and reading it.
+            shown = driver.execute_script(
+                "return Array.from(document.querySelectorAll(arguments[0] + ' tr'))"
+                ".map(r => r.innerText.trim().split(/\\s+/)[0]).filter(t => /^\\d+$/.test(t));",
+                f"#{ids.STRAGGLER_TABLE}")
             copy = tmp_path / f"copy-{last}"
             shutil.copytree(job.out, copy, ignore=shutil.ignore_patterns("_cache"))
             fresh = analysis.report(open_run(copy))
