@@ -26,11 +26,23 @@ A job gets one of:
   its ops take no longer, it starts them late);
 - ``healthy``: nothing planted; no rank should be named.
 
+With ``--device cuda`` each rank runs on the GPU of its rank over NCCL, the model made
+device-bound (four 4096 x 4096 layers, batch 16384, TF32) and the loss read back at every step
+end (``loss.item()``, as a loop that logs its loss does, so that the host is never more than a step
+ahead of its device). There the faults are those of a slow device and a paused host:
+
+- ``slow F``: the planted rank's stream sleeps (``torch.cuda._sleep``) inside its model's forward
+  and backward, (F - 1) times the step's device time measured over its first three steps, a third
+  of it in the forward, two thirds in the backward: a GPU F times slower, whatever the work;
+- ``pause MS``: the host sleeps MS ms between the forward and the backward it launches; what the
+  device had queued runs meanwhile, so the job loses about MS less the forward's device time.
+
 Jobs run one at a time; the table counts, by fault, the runs whose first named straggler is the
 planted rank, the cause it was given, and the runs where another rank was named.
 
     python bench/ddp_sweep.py -o DIR [--record profiler|collector --modules --wrap ddp|fsdp1|fsdp2
-                                      --seed 5 --worlds 2,3,4,5,6 --factors 1.15,1.3,1.6 --pause-ms 20,50,100]
+                                      --device cpu|cuda --seed 5 --worlds 2,3,4,5,6
+                                      --factors 1.15,1.3,1.6 --pause-ms 20,50,100]
 """
 
 from __future__ import annotations
@@ -56,26 +68,36 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-init, out, fault, amount, planted, active, record, wrap = sys.argv[1:9]
+init, out, fault, amount, planted, active, record, wrap, kind = sys.argv[1:10]
 amount, planted, active = float(amount), int(planted), int(active)
+cuda = kind == "cuda"
 torch.set_num_threads(1)
 torch.manual_seed(0)
+device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+if cuda:
+    torch.cuda.set_device(device)
+    torch.backends.cuda.matmul.allow_tf32 = True
 if record != "profiler":
     from megascope.collectors import Collector, instrument_module
     col = Collector.from_env(out)
-dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init}", rank=rank, world_size=world,
                         timeout=timedelta(seconds=120))
-layers = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 256))
-twin = copy.deepcopy(layers)
+if cuda:
+    width, batch = 4096, 16384
+    layers = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(width, width), nn.GELU())],
+                           nn.Linear(width, width)).to(device)
+else:
+    width, batch = 256, 64
+    layers = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 256))
+twin = None if cuda else copy.deepcopy(layers)
 if wrap == "fsdp1":
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-    model = FullyShardedDataParallel(layers, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
-                                     device_id=torch.device("cpu"))
+    model = FullyShardedDataParallel(layers, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), device_id=device)
 elif wrap == "fsdp2":
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device.type, (world,))
     for layer in layers:
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
@@ -83,10 +105,26 @@ elif wrap == "fsdp2":
 else:
     model = DistributedDataParallel(layers)
 opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-x, y = torch.randn(64, 256), torch.randn(64, 256)
+x, y = torch.randn(batch, width, device=device), torch.randn(batch, width, device=device)
 mine = rank == planted
 rows = max(1, round((amount - 1) * x.shape[0])) if fault == "slow" else 0
-inside = mine and fault == "slow" and record != "profiler"
+inside = mine and fault == "slow" and record != "profiler" and not cuda
+sleep = {"cycles": 0}  # cuda: the slow GPU's third of its extra time, in clock cycles (set after step 2)
+warm = []
+
+
+def slow_gpu(module, args, output):
+    """A slow GPU: its stream sleeps a third of its extra time in the forward, two thirds in the backward."""
+    if sleep["cycles"]:
+        torch.cuda._sleep(sleep["cycles"])
+        if output.requires_grad:
+            output.register_hook(lambda grad: torch.cuda._sleep(2 * sleep["cycles"]))
+
+
+if cuda and mine and fault == "slow":
+    from megascope.trainer.faults import sleep_cycles_per_ns
+    cycles_per_ns = sleep_cycles_per_ns(device)
+    layers[3].register_forward_hook(slow_gpu)
 
 
 class Slow(torch.autograd.Function):
@@ -112,7 +150,7 @@ if inside:
 
 def step():
     loss = (model(x) - y).pow(2).mean()
-    if mine and fault == "slow" and not inside:
+    if mine and fault == "slow" and not inside and not cuda:
         (twin(x[:rows]) - y[:rows]).pow(2).mean().backward()
         twin.zero_grad(set_to_none=True)
     elif mine and fault == "pause":
@@ -120,6 +158,8 @@ def step():
     loss.backward()
     opt.step()
     opt.zero_grad()
+    if cuda:
+        loss.item()
 
 
 if record == "profiler":
@@ -133,8 +173,18 @@ else:
     if record == "collector+modules":
         instrument_module(layers, ["*"], collector=col)
     for i in range(active + 2):
+        timing = cuda and mine and fault == "slow" and i < 3
+        if timing:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
         with col.step(i):
             step()
+        if timing:
+            end.record()
+            end.synchronize()
+            warm.append(begin.elapsed_time(end) * 1e6)
+            if len(warm) == 3:
+                sleep["cycles"] = int((amount - 1) * sorted(warm)[1] * cycles_per_ns / 3)
     col.close()
 dist.barrier()
 dist.destroy_process_group()
@@ -164,7 +214,8 @@ def plan(seed: int, worlds: list[int], factors: list[float], pauses: list[float]
     return cases
 
 
-def run_job(case: dict, where: Path, active: int, timeout_s: float, record: str, wrap: str) -> float:
+def run_job(case: dict, where: Path, active: int, timeout_s: float, record: str, wrap: str,
+            kind: str = "cpu") -> float:
     """One job, every rank its own process, writing ``where/traces`` (profiler) or ``where/run``
     (collector); returns its wall time."""
     traces = where / ("traces" if record == "profiler" else "run")
@@ -173,10 +224,12 @@ def run_job(case: dict, where: Path, active: int, timeout_s: float, record: str,
     t0 = time.perf_counter()
     procs = []
     for rank in range(case["world"]):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(case["world"]), OMP_NUM_THREADS="1")
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(case["world"]),
+                   OMP_NUM_THREADS="1")
         procs.append(subprocess.Popen(
             [sys.executable, "-c", JOB, str(init), str(traces), case["fault"], str(case["amount"]),
-             str(case["planted"]), str(active), record, wrap], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+             str(case["planted"]), str(active), record, wrap, kind], env=env, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE))
     errors = []
     for p in procs:
         try:
@@ -211,12 +264,14 @@ def score(case: dict, report: dict) -> dict:
 def report_and_log(i: int, case: dict, run_dir: Path, where: str, load: float, wall: float, log: Any) -> dict:
     """`megascope report` of job ``i``'s run, scored; its row written to ``log`` and a line printed."""
     report = json.loads(megascope("report", "--json", "-q", str(run_dir)))
-    row = {**case, **score(case, report), "load": round(load, 2), "wall_s": round(wall, 1)}
+    step_ns = (report.get("run") or {}).get("step_time_ns")
+    row = {**case, **score(case, report), "load": round(load, 2), "wall_s": round(wall, 1),
+           "step_ms": None if step_ns is None else round(step_ns / 1e6, 2)}
     log.write(json.dumps(row) + "\n")
     log.flush()
     print(f"{i:3d} {case['fault']:7s} {case['amount']:>5} {where} planted {case['planted']:2d}: "
           f"first {row['first']} ({row['cause']}, {row['slowdown']}) others {row['others']} "
-          f"load {load:.1f} {wall:.0f} s", flush=True)
+          f"step {row['step_ms']} ms load {load:.1f} {wall:.0f} s", flush=True)
     return row
 
 
@@ -257,7 +312,14 @@ def main() -> int:
     parser.add_argument("--wrap", choices=("ddp", "fsdp1", "fsdp2"), default="ddp",
                         help="the model's data parallelism: DDP, FullyShardedDataParallel or fully_shard, layer by "
                              "layer, then the whole model")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="start no job after this many seconds of sweep (the table counts the jobs run)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: each rank on the GPU of its rank, NCCL, a device-bound model (needs "
+                             "--record collector and as many GPUs as the largest world)")
     args = parser.parse_args()
+    if args.device == "cuda" and args.record != "collector":
+        parser.error("--device cuda needs --record collector")
     if args.modules and args.record != "collector":
         parser.error("--modules needs --record collector")
     record = "collector+modules" if args.modules else args.record
@@ -271,11 +333,15 @@ def main() -> int:
     cases = plan(args.seed, args.worlds, args.factors, args.pause_ms, args.healthy, args.each)
     results = []
     log = (args.out / "results.jsonl").open("a")
+    started = time.monotonic()
     for i, case in enumerate(cases):
+        if args.budget_s is not None and time.monotonic() - started > args.budget_s:
+            print(f"budget of {args.budget_s:g} s spent: {len(cases) - i} of {len(cases)} jobs not run", flush=True)
+            break
         where = args.out / f"job{i:03d}"
         shutil.rmtree(where, ignore_errors=True)
         load = os.getloadavg()[0]
-        wall = run_job(case, where, args.active, args.timeout_s, record, args.wrap)
+        wall = run_job(case, where, args.active, args.timeout_s, record, args.wrap, args.device)
         if record == "profiler":
             megascope("ingest", "kineto", str(where / "traces"), "-o", str(where / "run"))
         results.append(report_and_log(i, case, where / "run", f"world {case['world']}", load, wall, log))
