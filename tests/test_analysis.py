@@ -169,6 +169,50 @@ def test_whatif_follows_asynchronous_calls_to_their_waits(tmp_path: Path) -> Non
     assert exposed["speedup"] == pytest.approx(62 / 40, rel=0.03)
 
 
+def _ddp_run(path: Path, *, slow_ms: float, op: str = "all_reduce") -> Path:
+    """Two ranks as a DistributedDataParallel job lays them out, six steps: a 10 ms forward, a 30
+    ms backward (rank 1's forward ``slow_ms`` longer, its backward twice that), four gradient
+    buckets issued at the quarters of each rank's backward (the last just before it ends), no
+    wait span (DDP's reducer waits for them in C++), each done 0.5 ms after its last member
+    arrives; the optimizer's 2 ms after the last bucket. Healthy, a step is 42.49 ms."""
+    spans = []
+    t0 = 0
+    for step in range(6):
+        fwd = [10 * MS, int((10 + slow_ms) * MS)]
+        bwd = [30 * MS, int((30 + 2 * slow_ms) * MS)]
+        arrive = [[t0 + fwd[r] + bwd[r] * (k + 1) // 4 - 10_000 for r in range(2)] for k in range(4)]
+        done = [max(a) + MS // 2 for a in arrive]
+        end = done[-1] + 2 * MS
+        for r in range(2):
+            spans.append(span(r, step, "step", t0, end - t0))
+            spans.append(span(r, step, "forward", t0, fwd[r]))
+            spans.append(span(r, step, "backward", t0 + fwd[r], bwd[r]))
+            for k in range(4):
+                row = span(r, step, "collective", arrive[k][r], done[k] - arrive[k][r], group="dp:0", seq=4 * step + k)
+                spans.append({**row, "name": op, "op": op})
+        t0 = end
+    return hand_run(path, spans, [], world=2, hosts=("h0", "h1"), devices=("cuda:0", "cuda:0"), source="collector")
+
+
+def test_whatif_holds_ddp_gradient_buckets_to_the_backward_s_end(tmp_path: Path) -> None:
+    """DDP's gradient all-reduces, issued inside the backward and waited for by its reducer as the
+    backward ends, with no wait span: the fast rank's backward goes on while its buckets wait for
+    the slow rank's. Fixing rank 1 gives the healthy step (42.49 ms, not less: the fast rank's
+    compute between its buckets is its own, not a wait); taken as blocking calls, the fix came out
+    far below it. A reduce-scatter (FSDP's gradient reduction) is read the same way."""
+    healthy_ms = 42.49
+    for op in ("all_reduce", "reduce_scatter"):
+        slow = analysis.whatif(open_run(_ddp_run(tmp_path / op, slow_ms=3, op=op)), ranks=[1])
+        assert slow["step_time_ns"] == pytest.approx(51.49 * MS, rel=0.001)
+        assert slow["modeled_baseline_ns"] == pytest.approx(slow["step_time_ns"], rel=0.02)
+        assert slow["whatif_step_time_ns"] == pytest.approx(healthy_ms * MS, rel=0.02)
+    # A parameter all-gather is needed by the next layer at once: still a blocking call, its wait
+    # part of the step the fix frees.
+    gather = analysis.whatif(open_run(_ddp_run(tmp_path / "gather", slow_ms=3, op="all_gather")), ranks=[1])
+    assert gather["modeled_baseline_ns"] == pytest.approx(gather["step_time_ns"], rel=0.02)
+    assert gather["whatif_step_time_ns"] < 0.9 * healthy_ms * MS
+
+
 def test_whatif_gains_only_with_a_straggler(runs: dict[str, Path]) -> None:
     slow = open_run(runs["straggler"])
     fixed = analysis.whatif(slow)

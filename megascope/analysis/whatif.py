@@ -180,9 +180,10 @@ def _steps_frame(con: duckdb.DuckDBPyConnection, steps: list[int]) -> pd.DataFra
 def _segments(frame: pd.DataFrame) -> tuple[np.ndarray, pd.Series]:
     """Own time before each op and after the last one, per rank.
 
-    After a send the rank went on at once, so the next segment starts at the send's arrival.
+    After a send the rank went on at once, so the next segment starts at the send's arrival; after
+    a wait for a call that had already completed, at the wait's start.
     """
-    resume = frame["end_ns"].where(~frame["posted"], frame["arrival_ns"])
+    resume = frame["end_ns"].clip(lower=frame["arrival_ns"]).where(~frame["posted"], frame["arrival_ns"])
     prev_end = resume.groupby(frame["rank"]).shift(1)
     start = prev_end.fillna(frame["step_start_ns"])
     own = (frame["arrival_ns"] - start).clip(lower=0).to_numpy(dtype=float)
