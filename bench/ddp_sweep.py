@@ -265,21 +265,38 @@ def report_and_log(i: int, case: dict, run_dir: Path, where: str, load: float, w
     """`megascope report` of job ``i``'s run, scored; its row written to ``log`` and a line printed."""
     report = json.loads(megascope("report", "--json", "-q", str(run_dir)))
     step_ns = (report.get("run") or {}).get("step_time_ns")
+    fixed_ns = (report.get("whatif") or {}).get("whatif_step_time_ns")
     row = {**case, **score(case, report), "load": round(load, 2), "wall_s": round(wall, 1),
-           "step_ms": None if step_ns is None else round(step_ns / 1e6, 2)}
+           "step_ms": None if step_ns is None else round(step_ns / 1e6, 2),
+           "whatif_ms": None if fixed_ns is None else round(fixed_ns / 1e6, 2)}
     log.write(json.dumps(row) + "\n")
     log.flush()
     print(f"{i:3d} {case['fault']:7s} {case['amount']:>5} {where} planted {case['planted']:2d}: "
           f"first {row['first']} ({row['cause']}, {row['slowdown']}) others {row['others']} "
-          f"step {row['step_ms']} ms load {load:.1f} {wall:.0f} s", flush=True)
+          f"step {row['step_ms']} ms (what-if {row['whatif_ms']}) load {load:.1f} {wall:.0f} s", flush=True)
     return row
+
+
+def _median(values: list[float]) -> float | None:
+    values = sorted(values)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
 
 
 def print_table(results: list[dict]) -> None:
     """The sweep's table: by fault and amount, the runs, those whose first named rank is the
-    planted one and the causes they were given, those that named another rank, the load."""
-    print("| fault | runs | planted rank named first | cause | another rank named | load (min-max) |")
-    print("|---|---|---|---|---|---|")
+    planted one and the causes they were given, those that named another rank, the load; and
+    what a fault cost against what the report's what-if said fixing it would give: the runs' step
+    and what-if step (medians) against the healthy runs' step of the same world size."""
+    healthy: dict[int, list[float]] = {}
+    for r in results:
+        if r["fault"] == "healthy" and r.get("step_ms"):
+            healthy.setdefault(r["world"], []).append(r["step_ms"])
+    print("| fault | runs | planted rank named first | cause | another rank named | load (min-max) "
+          "| step, ms | what-if step, ms | healthy step, ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for key in sorted({(r["fault"], r["amount"]) for r in results}, key=lambda k: (k[0], k[1])):
         rows = [r for r in results if (r["fault"], r["amount"]) == key]
         causes: dict[str, int] = {}
@@ -289,8 +306,16 @@ def print_table(results: list[dict]) -> None:
         label = "healthy" if key[0] == "healthy" else f"{key[0]} {key[1]:g}"
         hits = "-" if key[0] == "healthy" else f"{sum(r['hit'] for r in rows)}/{len(rows)}"
         loads = [r["load"] for r in rows]
+
+        def ms(value: float | None) -> str:
+            return "-" if value is None else f"{value:.1f}"
+
+        steps = _median([r["step_ms"] for r in rows if r.get("step_ms")])
+        fixed = _median([r["whatif_ms"] for r in rows if r.get("whatif_ms")])
+        base = _median([h for r in rows for h in healthy.get(r["world"], [])])
         print(f"| {label} | {len(rows)} | {hits} | {', '.join(f'{k} {v}' for k, v in sorted(causes.items())) or '-'} "
-              f"| {sum(bool(r['others']) for r in rows)} | {min(loads):.1f}-{max(loads):.1f} |")
+              f"| {sum(bool(r['others']) for r in rows)} | {min(loads):.1f}-{max(loads):.1f} "
+              f"| {ms(steps)} | {ms(fixed)} | {ms(base)} |")
 
 
 def main() -> int:
