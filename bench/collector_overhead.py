@@ -268,6 +268,7 @@ def bench_gpu_spans(n: int, repeats: int) -> dict[str, dict[str, float]]:
         if variant != clock:  # the timer as it was before its private-API hot path: the baseline
             timer: Any = col._timer
             timer._raw_current = None
+            timer._rec = None  # the records through the driver need the raw stream handle
             timer._record, timer._query = torch.cuda.Event.record, torch.cuda.Event.query
             timer._elapsed = torch.cuda.Event.elapsed_time
 
