@@ -239,8 +239,13 @@ class CommHandle:
             self._anchor = self._token = None
             return
         try:
-            self._anchor = col._timer.anchor_ref
-            self._token = col._timer.stamp(stream)
+            timer = col._timer
+            self._anchor = timer.anchor_ref
+            self._token = timer.stamp(stream)
+            if timer.last_raw != timer.default_raw and stream is None:
+                # Issued on a stream of its own (FSDP's all-gathers and reduce-scatters): it starts
+                # when that stream is free, not when the device is, and the label says so.
+                self.label = timer.side_label()
         except Exception:
             col._internal_error("comm start")
             self._anchor = self._token = None

@@ -113,6 +113,9 @@ class HostTimer(_Anchors):
     """Timestamps from ``time.perf_counter_ns()``, mapped to wall clock through anchors."""
 
     is_device = False
+    # No device streams (CudaTimer: the stream the last stamp was taken on, and the default one).
+    last_raw: int | None = None
+    default_raw: int | None = None
 
     def __init__(self, *, anchor_interval_s: float = 1.0) -> None:
         self._interval_ns = int(anchor_interval_s * 1e9)
@@ -312,6 +315,12 @@ class CudaTimer(_Anchors):
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._index = self.device.index
+        # The raw handle of the stream the last stamp was recorded on, against the device's default
+        # stream: a communication call issued on a stream of its own (FSDP's all-gather and
+        # reduce-scatter streams) is labelled with it (side_label).
+        self.default_raw: int = torch.cuda.default_stream(self.device).cuda_stream
+        self.last_raw: int | None = self.default_raw
+        self._labels: dict[int, str] = {}
         self._interval_ns = int(anchor_interval_s * 1e9)
         self._max_events = max_events
         # The pool: a token is a key of it. Keys come from a counter, whose next() no two threads
@@ -419,12 +428,14 @@ class CudaTimer(_Anchors):
         rec = self._rec
         if rec is not None:
             raw = self._raw_current(self._index) if stream is None else stream.cuda_stream
+            self.last_raw = raw
             if rec(self._handles[token], raw):
                 self.stamps += 1
                 return token
             self.record_fallbacks += 1
         if stream is None:
             stream = self._current_stream()
+        self.last_raw = stream.cuda_stream
         if self._side is not None:
             side = self._side.get(stream.cuda_stream)
             if side is None:
@@ -435,6 +446,20 @@ class CudaTimer(_Anchors):
         self._record(self._events[token], stream)
         self.stamps += 1
         return token
+
+    def side_label(self) -> str:
+        """``cuda:<stream id>`` of the stream the last stamp was recorded on (the caller's current
+        stream then), worked out once per stream."""
+        raw = self.last_raw
+        label = self._labels.get(raw) if raw is not None else None
+        if label is None:
+            stream = self._streams.get(raw) if raw is not None else None
+            if stream is None:
+                stream = self._torch.cuda.current_stream(self.device)
+            label = f"cuda:{stream.stream_id}"
+            if raw is not None:
+                self._labels[raw] = label
+        return label
 
     def _current_stream(self) -> Any:
         if self._raw_current is None:

@@ -42,18 +42,20 @@ def hand_run(path: Path, spans: list[dict[str, object]], markers: list[dict[str,
 
 
 def host_bound_run(path: Path, *, devices: tuple[str | None, ...] | None = ("cuda:0", "cuda:1", "cpu"),
-                   source: str = "collector") -> Path:
+                   source: str = "collector", side_stream: bool = False) -> Path:
     """Three ranks, 40 all-reduces in one 1 s step. The host issues call i at 20i ms; the device
     reaches it 10 ms later on rank 0 (queued work ahead of it) and on rank 1 too, except every
     fourth call, reached 0.1 ms after issue (the device had run dry); rank 2 is timed by the host
-    clock ("cpu")."""
+    clock ("cpu"). ``side_stream``: rank 1's every fourth call was issued on a stream of its own
+    (``cuda:13``, as FSDP issues its all-gathers), which reached it at once."""
     spans, markers = [], []
     for r in range(3):
         spans.append(span(r, 0, "step", 0, 1000 * MS))
         for i in range(40):
             issue = (20 * i) * MS
             lead = 100_000 if (r == 1 and i % 4 == 0) else 10 * MS
-            spans.append(span(r, 0, "collective", issue + lead, MS, group="dp:0", seq=i))
+            row = span(r, 0, "collective", issue + lead, MS, group="dp:0", seq=i)
+            spans.append({**row, "stream": "cuda:13"} if side_stream and lead < MS else row)
             markers.append({"rank": r, "group": "dp:0", "seq": i, "op": "all_reduce", "state": "enqueued",
                             "time_ns": issue, "step": 0, "bytes": None, "peer": None})
     return hand_run(path, spans, markers, devices=devices, source=source)

@@ -381,6 +381,17 @@ def test_host_lead_names_the_rank_whose_device_waited_for_its_host(tmp_path: Pat
     assert analysis.report(synth, with_whatif=False)["host_lead"]["ranks"] == []
 
 
+def test_host_lead_leaves_out_calls_on_a_stream_of_their_own(tmp_path: Path) -> None:
+    """A call issued on a stream that runs nothing else (FSDP's all-gather and reduce-scatter
+    streams, the collector labels its span `cuda:<id>`) starts at once however busy the device
+    is: rank 1's quarter of such calls says nothing of its host, and rank 1 is not host-bound."""
+    run = open_run(host_bound_run(tmp_path / "run", side_stream=True))
+    got = analysis.host_lead(run, steps=[0]).set_index("rank")
+    assert got.loc[0, ["calls", "starved_frac"]].tolist() == [40, 0.0]
+    assert got.loc[1, ["calls", "starved_frac"]].tolist() == [30, 0.0]
+    assert analysis.report(run, with_whatif=False)["host_lead"]["host_bound"] == []
+
+
 def test_pipeline_neighbour_of_a_straggler_is_not_named(tmp_path: Path) -> None:
     """Two stages of two TP ranks, 8 steps of 100 ms. Rank 3 computes 60 ms where its TP peer
     computes 30: the straggler. Rank 1 receives from it, so its receive waits 50 ms where rank 0's

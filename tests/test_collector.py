@@ -974,6 +974,7 @@ def _fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     stream = Stream()
     monkeypatch.setattr(torch.cuda, "Event", _FakeCudaEvent)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: stream)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: Stream())
     monkeypatch.setattr(torch._C, "_CudaEventBase", None, raising=False)

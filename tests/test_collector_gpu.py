@@ -156,6 +156,29 @@ def test_nccl_collectives_record_arrival_on_the_stream(tmp_path: Path, nccl_worl
 
 
 @needs_cuda
+@pytest.mark.parametrize("record_calls", ["driver", "torch"])
+def test_a_call_issued_on_a_stream_of_its_own_is_labelled_with_it(tmp_path: Path, nccl_world: None,
+                                                                   record_calls: str) -> None:
+    """FSDP issues its all-gathers and reduce-scatters on streams of their own: such a call starts
+    when that stream is free, not when the device is, and its span says `cuda:<id>` (the analysis
+    leaves it out of the host's lead); a call on the default stream says `comm`."""
+    run = tmp_path / "run"
+    col = _collector(run)
+    col._timer._rec = col._timer._rec if record_calls == "driver" else None
+    t = torch.ones(1 << 16, device="cuda")
+    side = torch.cuda.Stream()
+    for step in range(2):
+        with col.step(step):
+            col.dist.all_reduce(t)
+            with torch.cuda.stream(side):
+                col.dist.all_reduce(t)
+            torch.cuda.current_stream().wait_stream(side)
+    col.close()
+    rows = open_run(run).con.sql("SELECT seq, stream FROM spans WHERE kind = 'collective' ORDER BY seq").fetchall()
+    assert rows == [(s, "comm" if s % 2 == 0 else f"cuda:{side.stream_id}") for s in range(4)]
+
+
+@needs_cuda
 def test_nccl_calls_left_untimed_keep_their_markers_and_cost_no_timing_event(tmp_path: Path,
                                                                             nccl_world: None) -> None:
     run = tmp_path / "run"
