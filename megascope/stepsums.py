@@ -44,6 +44,9 @@ _BY_KIND = {
 }
 # Top-level compute: spans named after their kind; module spans ("layers.3") nest inside them.
 _TOP_NAMES = (SpanKind.FORWARD.value, SpanKind.BACKWARD.value)
+# Gradient reductions: the collectives a data-parallel job's backward issues and waits for at its end.
+_REDUCE_OPS = ("all_reduce", "reduce_scatter")
+_WAIT_SUFFIX = ":wait"
 
 
 def step_sums(spans: pa.Table) -> pa.Table:
@@ -69,6 +72,8 @@ def step_sums(spans: pa.Table) -> pa.Table:
     # Arrivals are summed relative to a base (the batch's first start), so that the sums fit in
     # 64 bits; made relative to each row's own first start below.
     base = pc.min(start)
+    end = pc.add(start, dur)
+    top_backward = pc.and_(is_kind[SpanKind.BACKWARD], pc.equal(name, SpanKind.BACKWARD.value))
     columns = {
         "rank": spans.column("rank"),
         "step": spans.column("step"),
@@ -76,16 +81,21 @@ def step_sums(spans: pa.Table) -> pa.Table:
         "step_dur": only(is_kind[SpanKind.STEP], dur),
         "step_start": only(is_kind[SpanKind.STEP], start),
         "start": start,
-        "end": pc.add(start, dur),
+        "end": end,
         "top": only(pc.and_(pc.or_(is_kind[SpanKind.FORWARD], is_kind[SpanKind.BACKWARD]),
                             pc.is_in(name, value_set=pa.array(_TOP_NAMES))), dur),
         "gc": only(pc.and_(is_kind[SpanKind.HOST], pc.starts_with(name, "gc.")), dur),
         "arrival": only(coll, pc.subtract(start, base)),
+        "reduce": only(pc.and_(coll, pc.is_in(spans.column("op"), value_set=pa.array(_REDUCE_OPS))), start),
+        "wait": only(pc.and_(is_kind[SpanKind.OTHER], pc.ends_with(name, _WAIT_SUFFIX)), start),
+        "bwd_start": only(top_backward, start),
+        "bwd_end": only(top_backward, end),
     }
     for column, k in _BY_KIND.items():
         columns[column] = only(is_kind[k], dur)
     aggregations = [("step_dur", "max"), ("step_start", "min"), ("start", "min"), ("end", "max"),
-                    ("top", "sum"), ("gc", "sum"), ("arrival", "sum"), ("arrival", "count"), ("start", "count")]
+                    ("top", "sum"), ("gc", "sum"), ("arrival", "sum"), ("arrival", "count"), ("start", "count"),
+                    ("reduce", "count"), ("wait", "count"), ("bwd_start", "min"), ("bwd_end", "max")]
     aggregations += [(column, "sum") for column in _BY_KIND]
     grouped = pa.table(columns).group_by(_KEYS, use_threads=False).aggregate(aggregations)
     first = grouped.column("start_min")
@@ -107,5 +117,9 @@ def step_sums(spans: pa.Table) -> pa.Table:
         "arrival_rel_ns": arrival_rel,
         "coll_spans": coll_spans,
         "spans": grouped.column("start_count"),
+        "reduce_spans": grouped.column("reduce_count"),
+        "wait_spans": grouped.column("wait_count"),
+        "backward_start_ns": grouped.column("bwd_start_min"),
+        "backward_end_ns": grouped.column("bwd_end_max"),
     }
     return pa.table(out).select(STEP_SUMS.names).cast(STEP_SUMS)

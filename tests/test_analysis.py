@@ -213,6 +213,24 @@ def test_whatif_holds_ddp_gradient_buckets_to_the_backward_s_end(tmp_path: Path)
     assert gather["whatif_step_time_ns"] < 0.9 * healthy_ms * MS
 
 
+def test_own_time_keeps_the_compute_a_backward_did_while_its_buckets_waited(tmp_path: Path) -> None:
+    """_ddp_run: rank 0's buckets wait 27 ms a step for rank 1's while its backward goes on; only
+    the 9.49 ms after its backward's end held it. Its own time is the step less those (42 ms),
+    and rank 1's own time is 1.225x it, its compute's ratio (49 ms against 40), not 2.1x (the step
+    less all 27 ms). An all-gather (the next layer waits for it) keeps all its wait."""
+    def own(path: Path) -> dict[int, float]:
+        run = open_run(path)
+        prepare(run.con)
+        rows = run.con.execute("SELECT rank, median(own_ns) FROM ms_cache.rank_step WHERE step > 0 GROUP BY rank").fetchall()
+        return {int(r): float(v) / MS for r, v in rows}
+
+    hidden = own(_ddp_run(tmp_path / "ddp", slow_ms=3))
+    assert hidden[0] == pytest.approx(42.0, abs=0.05) and hidden[1] == pytest.approx(51.49, abs=0.05)
+    assert hidden[1] / hidden[0] == pytest.approx(49 / 40, rel=0.01)
+    gather = own(_ddp_run(tmp_path / "gather", slow_ms=3, op="all_gather"))
+    assert gather[0] == pytest.approx(51.49 - 27, abs=0.05)
+
+
 def test_whatif_gains_only_with_a_straggler(runs: dict[str, Path]) -> None:
     slow = open_run(runs["straggler"])
     fixed = analysis.whatif(slow)

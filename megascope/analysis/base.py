@@ -626,10 +626,34 @@ def _split_filter(con: duckdb.DuckDBPyConnection) -> str:
     return "(" + " OR ".join(f"s.rank BETWEEN {low} AND {high}" for low, high in merged) + ")"
 
 
+# The step_sums columns that tell a group of gradient reductions whose waits the backward hid
+# (sql/base.sql, rank_step), as sums_lvl reads them from one row and from rows combined.
+_HIDDEN_ONE = ("s.reduce_spans, s.wait_spans, s.backward_start_ns AS bwd_start_raw, "
+               "s.backward_end_ns AS bwd_end_raw")
+_HIDDEN_COMBINED = ("sum(s.reduce_spans)::BIGINT AS reduce_spans, sum(s.wait_spans)::BIGINT AS wait_spans, "
+                    "min(s.backward_start_ns) AS bwd_start_raw, max(s.backward_end_ns) AS bwd_end_raw")
+_HIDDEN_NONE = ("NULL::BIGINT AS reduce_spans, NULL::BIGINT AS wait_spans, NULL::BIGINT AS bwd_start_raw, "
+                "NULL::BIGINT AS bwd_end_raw")
+
+
+def _sums_hidden(con: duckdb.DuckDBPyConnection) -> tuple[str, str]:
+    """sums_lvl's columns of the hidden reductions: read where the twins have them, nulls where
+    they come from a writer that had none (its groups then keep the extent as their bound)."""
+    try:
+        names = {d[0] for d in con.execute("SELECT * FROM step_sums LIMIT 0").description or ()}
+    except duckdb.Error:
+        names = set()
+    if "reduce_spans" in names:
+        return _HIDDEN_ONE, _HIDDEN_COMBINED
+    return _HIDDEN_NONE, _HIDDEN_NONE
+
+
 def _rank_step_from(con: duckdb.DuckDBPyConnection, params: dict[str, Any], spans: str, lvl: str, where: str,
                     metrics_where: str) -> None:
     split = _split_filter(con) if lvl != "spans_lvl" else "true"
+    one, combined = _sums_hidden(con) if lvl != "spans_lvl" else (_HIDDEN_NONE, _HIDDEN_NONE)
     _sql.execute(con, "base", "rank_step", spans=spans, lvl=lvl, split_where=_sql.Raw(split),
+                 sums_hidden=_sql.Raw(one), sums_hidden_combined=_sql.Raw(combined),
                  calls_prefix=_sql.Raw(COLLECTOR_CALLS_METRIC),
                  calls_prefix_len=len(COLLECTOR_CALLS_METRIC),
                  step_calls_prefix=_sql.Raw(COLLECTOR_STEP_CALLS_METRIC),

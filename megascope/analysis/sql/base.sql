@@ -261,7 +261,8 @@ FROM g LEFT JOIN ms_cache.group_kind k ON k."group" = g.grp;
 -- @column coll_ns, recv_ns, send_ns  of which collectives, pipeline receives, pipeline sends
 -- @column wait_ns        time it waited for others (at most the step): in each collective, the last member's arrival
 --                        minus its own (summed per group through the instances, no join back
---                        to the spans; at most the extent of that group's spans in the step;
+--                        to the spans; at most the extent of that group's spans in the step,
+--                        or, for gradient reductions the backward hid, their part after its end;
 --                        the whole duration where it missed instances), plus recv_ns
 --                        (blocked on the previous/next stage)
 -- @column xfer_ns        coll_ns minus its collective wait: the transfers themselves
@@ -303,7 +304,12 @@ WITH spans_lvl AS (
            sum(s.dur_ns) FILTER (WHERE s.kind = 'send') AS send_ns,
            -- Raw arrivals summed: with the instances' last arrivals this gives the wait (below).
            sum(s.start_ns) FILTER (WHERE s.kind = 'collective') AS arrival_sum,
-           count(*) FILTER (WHERE s.kind = 'collective') AS coll_spans
+           count(*) FILTER (WHERE s.kind = 'collective') AS coll_spans,
+           -- What tells a group of gradient reductions whose waits the backward hid (waited, below).
+           count(*) FILTER (WHERE s.kind = 'collective' AND s.op IN ('all_reduce', 'reduce_scatter')) AS reduce_spans,
+           count(*) FILTER (WHERE s.kind = 'other' AND ends_with(s.name, ':wait')) AS wait_spans,
+           min(s.start_ns) FILTER (WHERE s.kind = 'backward' AND s.name = 'backward') AS bwd_start_raw,
+           max(s.start_ns + s.dur_ns) FILTER (WHERE s.kind = 'backward' AND s.name = 'backward') AS bwd_end_raw
     FROM {{spans}} s
     WHERE s.step IS NOT NULL AND {{where}}
     GROUP BY s.rank, s.step, grp
@@ -322,7 +328,9 @@ WITH spans_lvl AS (
     -- The same from the sums the writers kept beside their spans files (view step_sums), one row
     -- or more per (rank, step, group): sums and counts add up, extremes combine. Arrivals are
     -- kept relative to the row's first start (their raw sum needs more than 64 bits). Typed as
-    -- spans_lvl's sums (HUGEINT), so that the table is the same either way.
+    -- spans_lvl's sums (HUGEINT), so that the table is the same either way. {{sums_hidden}} and
+    -- {{sums_hidden_combined}}: the columns of the hidden reductions (base._sums_hidden), nulls
+    -- where the twins come from a writer that had none.
     SELECT s.rank, s.step, s."group" AS grp, s.step_ns, s.step_start_ns AS step_start_raw,
            s.first_start_ns AS first_raw, s.last_end_ns AS last_raw,
            s.forward_ns::HUGEINT AS forward_ns, s.backward_ns::HUGEINT AS backward_ns,
@@ -330,7 +338,8 @@ WITH spans_lvl AS (
            s.top_compute_ns::HUGEINT AS top_compute_ns, s.data_ns::HUGEINT AS data_ns, s.host_ns::HUGEINT AS host_ns,
            s.gc_ns::HUGEINT AS gc_ns, s.other_ns::HUGEINT AS other_ns, s.coll_ns::HUGEINT AS coll_ns,
            s.recv_ns::HUGEINT AS recv_ns, s.send_ns::HUGEINT AS send_ns,
-           s.arrival_rel_ns::HUGEINT + s.coll_spans::HUGEINT * s.first_start_ns AS arrival_sum, s.coll_spans
+           s.arrival_rel_ns::HUGEINT + s.coll_spans::HUGEINT * s.first_start_ns AS arrival_sum, s.coll_spans,
+           {{sums_hidden}}
     FROM sums s ANTI JOIN sums_split d
       ON s.rank = d.rank AND s.step = d.step AND s."group" IS NOT DISTINCT FROM d."group"
     UNION ALL
@@ -341,7 +350,8 @@ WITH spans_lvl AS (
            sum(s.host_ns) AS host_ns, sum(s.gc_ns) AS gc_ns, sum(s.other_ns) AS other_ns, sum(s.coll_ns) AS coll_ns,
            sum(s.recv_ns) AS recv_ns, sum(s.send_ns) AS send_ns,
            sum(s.arrival_rel_ns::HUGEINT + s.coll_spans::HUGEINT * s.first_start_ns) AS arrival_sum,
-           sum(s.coll_spans)::BIGINT AS coll_spans
+           sum(s.coll_spans)::BIGINT AS coll_spans,
+           {{sums_hidden_combined}}
     FROM sums s SEMI JOIN sums_split d
       ON s.rank = d.rank AND s.step = d.step AND s."group" IS NOT DISTINCT FROM d."group"
     GROUP BY s.rank, s.step, s."group"
@@ -353,7 +363,9 @@ WITH spans_lvl AS (
            sum(compute_ns) AS compute_ns, sum(top_compute_ns) AS top_compute_ns, sum(data_ns) AS data_ns,
            sum(host_ns) AS host_ns, sum(gc_ns) AS gc_ns, sum(other_ns) AS other_ns, sum(coll_ns) AS coll_ns,
            sum(recv_ns) AS recv_ns, sum(send_ns) AS send_ns, sum(arrival_sum) AS arrival_sum,
-           sum(coll_spans)::BIGINT AS coll_spans
+           sum(coll_spans)::BIGINT AS coll_spans,
+           sum(reduce_spans)::BIGINT AS reduce_spans, sum(wait_spans)::BIGINT AS wait_spans,
+           min(bwd_start_raw) AS bwd_start_raw, max(bwd_end_raw) AS bwd_end_raw
     FROM (SELECT * FROM spans_lvl UNION ALL BY NAME SELECT * FROM sums_lvl)
     GROUP BY rank, step, grp
 ), lvl AS (
@@ -393,9 +405,21 @@ WITH spans_lvl AS (
 ), lvl_b AS (
     -- Where the scale applies to the wait: before its bound (step-level calls timed one in N),
     -- or after it (whole micro-batches left untimed).
+    -- The bound of a group's wait is the extent of its calls, except for a group of gradient
+    -- reductions that begins inside the rank's backward, in a rank-step with no wait span (no
+    -- Python wait marks them: DistributedDataParallel's buckets, which its reducer waits for in
+    -- C++ as the backward ends): the rank's backward went on while they waited, and only their
+    -- part after its end held the rank. Bounded by the extent, a fast rank's waits for a slow
+    -- one's buckets came off its own time, and a GPU 1.15x slow read 1.57x its peer.
     SELECT *, CASE WHEN calls_sampled THEN scale ELSE 1.0 END AS wait_scale,
-           CASE WHEN calls_sampled THEN 1.0 ELSE scale END AS bound_scale
-    FROM lvl_s
+           CASE WHEN calls_sampled THEN 1.0 ELSE scale END AS bound_scale,
+           CASE WHEN grp IS NOT NULL AND coll_spans > 0 AND reduce_spans = coll_spans AND rs_wait_spans = 0
+                     AND first_raw > rs_bwd_start AND first_raw < rs_bwd_end
+                THEN greatest(last_raw - rs_bwd_end, 0)
+                ELSE last_raw - first_raw END AS wait_bound
+    FROM (SELECT *, sum(wait_spans) OVER rs AS rs_wait_spans, min(bwd_start_raw) OVER rs AS rs_bwd_start,
+                 max(bwd_end_raw) OVER rs AS rs_bwd_end
+          FROM lvl_s WINDOW rs AS (PARTITION BY rank, step))
 ), waited AS (
     SELECT l.* REPLACE ((l.coll_ns * l.scale)::BIGINT AS coll_ns),
            coalesce(k.offset_ns, 0) AS offset_ns, coalesce(k.stage, 0) AS stage, p.group_kind, p.instances,
@@ -411,7 +435,7 @@ WITH spans_lvl AS (
            (CASE WHEN l.grp IS NULL THEN 0
                  WHEN p.all_instances = l.coll_spans
                  THEN least((p.last_arrival_sum - l.arrival_sum - l.coll_spans * coalesce(k.offset_ns, 0)) * l.wait_scale,
-                            l.last_raw - l.first_raw) * l.bound_scale
+                            l.wait_bound) * l.bound_scale
                  ELSE l.coll_ns * l.scale END)::BIGINT AS coll_wait
     FROM lvl_b l
     LEFT JOIN ms_cache.rank_clock k USING (rank)
