@@ -405,21 +405,12 @@ WITH spans_lvl AS (
 ), lvl_b AS (
     -- Where the scale applies to the wait: before its bound (step-level calls timed one in N),
     -- or after it (whole micro-batches left untimed).
-    -- The bound of a group's wait is the extent of its calls, except for a group of gradient
-    -- reductions that begins inside the rank's backward, in a rank-step with no wait span (no
-    -- Python wait marks them: DistributedDataParallel's buckets, which its reducer waits for in
-    -- C++ as the backward ends): the rank's backward went on while they waited, and only their
-    -- part after its end held the rank. Bounded by the extent, a fast rank's waits for a slow
-    -- one's buckets came off its own time, and a GPU 1.15x slow read 1.57x its peer.
+    -- A group of gradient reductions only (all-reduce, reduce-scatter) is a candidate for the
+    -- hidden waits of j (below).
     SELECT *, CASE WHEN calls_sampled THEN scale ELSE 1.0 END AS wait_scale,
            CASE WHEN calls_sampled THEN 1.0 ELSE scale END AS bound_scale,
-           CASE WHEN grp IS NOT NULL AND coll_spans > 0 AND reduce_spans = coll_spans AND rs_wait_spans = 0
-                     AND first_raw > rs_bwd_start AND first_raw < rs_bwd_end
-                THEN greatest(last_raw - rs_bwd_end, 0)
-                ELSE last_raw - first_raw END AS wait_bound
-    FROM (SELECT *, sum(wait_spans) OVER rs AS rs_wait_spans, min(bwd_start_raw) OVER rs AS rs_bwd_start,
-                 max(bwd_end_raw) OVER rs AS rs_bwd_end
-          FROM lvl_s WINDOW rs AS (PARTITION BY rank, step))
+           coalesce(grp IS NOT NULL AND coll_spans > 0 AND reduce_spans = coll_spans, false) AS reductions
+    FROM lvl_s
 ), waited AS (
     SELECT l.* REPLACE ((l.coll_ns * l.scale)::BIGINT AS coll_ns),
            coalesce(k.offset_ns, 0) AS offset_ns, coalesce(k.stage, 0) AS stage, p.group_kind, p.instances,
@@ -435,7 +426,7 @@ WITH spans_lvl AS (
            (CASE WHEN l.grp IS NULL THEN 0
                  WHEN p.all_instances = l.coll_spans
                  THEN least((p.last_arrival_sum - l.arrival_sum - l.coll_spans * coalesce(k.offset_ns, 0)) * l.wait_scale,
-                            l.wait_bound) * l.bound_scale
+                            l.last_raw - l.first_raw) * l.bound_scale
                  ELSE l.coll_ns * l.scale END)::BIGINT AS coll_wait
     FROM lvl_b l
     LEFT JOIN ms_cache.rank_clock k USING (rank)
@@ -447,9 +438,14 @@ WITH spans_lvl AS (
            sum(forward_ns) AS forward_ns, sum(backward_ns) AS backward_ns, sum(optimizer_ns) AS optimizer_ns,
            sum(compute_ns) AS compute_ns, sum(data_ns) AS data_ns, sum(host_ns) AS host_ns, sum(gc_ns) AS gc_ns,
            sum(other_ns) AS other_ns, sum(top_compute_ns) AS top_compute_ns,
-           coalesce(sum(coll_wait) FILTER (WHERE list_contains({{nested_kinds}}, group_kind)), 0) AS nested_wait,
+           coalesce(sum(coll_wait) FILTER (WHERE list_contains({{nested_kinds}}, group_kind) AND NOT reductions), 0)
+               AS nested_other, sum(coll_wait) FILTER (WHERE list_contains({{nested_kinds}}, group_kind) AND reductions)
+               AS nested_red,
            coalesce(sum(coll_ns), 0) AS coll_ns, coalesce(sum(recv_ns), 0) AS recv_ns,
-           coalesce(sum(send_ns), 0) AS send_ns, coalesce(sum(coll_wait), 0) AS coll_wait,
+           coalesce(sum(send_ns), 0) AS send_ns, coalesce(sum(coll_wait) FILTER (WHERE NOT reductions), 0) AS wait_other,
+           sum(coll_wait) FILTER (WHERE reductions) AS wait_red,
+           min(first_raw) FILTER (WHERE reductions) AS red_first, max(last_raw) FILTER (WHERE reductions) AS red_last,
+           sum(wait_spans) AS wait_spans, min(bwd_start_raw) AS bwd_start_raw, max(bwd_end_raw) AS bwd_end_raw,
            -- Chance of being last, counted where members are each other's peers (same stage).
            coalesce(sum(last_expected) FILTER (WHERE list_contains({{peer_kinds}}, CASE WHEN group_kind IN ('tp', 'dp', 'pp') THEN group_kind ELSE 'other' END)), 0) AS last_expected,
            coalesce(sum(last_var) FILTER (WHERE list_contains({{peer_kinds}}, CASE WHEN group_kind IN ('tp', 'dp', 'pp') THEN group_kind ELSE 'other' END)), 0) AS last_var,
@@ -458,6 +454,22 @@ WITH spans_lvl AS (
            coalesce(sum(instances) FILTER (WHERE group_kind = 'pp'), 0) AS coll_pp,
            coalesce(sum(instances) FILTER (WHERE group_kind NOT IN ('tp', 'dp', 'pp')), 0) AS coll_other
     FROM waited GROUP BY rank, step
+), hidden AS (
+    -- Gradient reductions that begin inside the rank's backward, in a rank-step with no wait span
+    -- (no Python wait marks them: DistributedDataParallel's buckets, which its reducer waits for
+    -- in C++ as the backward ends): the rank's backward went on while they waited, and only their
+    -- part after its end held the rank, their wait bounded by it. Bounded by their extent alone,
+    -- a fast rank's waits for a slow one's buckets came off its own time, and on 2x H200 DDP jobs
+    -- a GPU 1.15x slow read 1.57x its peer.
+    SELECT *, CASE WHEN wait_spans = 0 AND red_first > bwd_start_raw AND red_first < bwd_end_raw
+                   THEN greatest(red_last - bwd_end_raw, 0) END AS hidden_bound
+    FROM j
+), jw AS (
+    SELECT * EXCLUDE (nested_other, nested_red, wait_other, wait_red, red_first, red_last, wait_spans,
+                      bwd_start_raw, bwd_end_raw, hidden_bound),
+           nested_other + coalesce(least(nested_red, hidden_bound), nested_red, 0) AS nested_wait,
+           wait_other + coalesce(least(wait_red, hidden_bound), wait_red, 0) AS coll_wait
+    FROM hidden
 )
 SELECT j.rank, j.step, j.stage, j.step_ns,
        coalesce(j.step_start_raw, j.first_raw) + j.offset_ns AS start_ns,
@@ -487,7 +499,7 @@ SELECT j.rank, j.step, j.stage, j.step_ns,
        coalesce(l.last_tp + l.last_dp + l.last_pp + l.last_other, 0) AS last_count,
        coalesce(l.last_tp, 0) AS last_tp, coalesce(l.last_dp, 0) AS last_dp,
        coalesce(l.last_pp, 0) AS last_pp, coalesce(l.last_other, 0) AS last_other
-FROM j LEFT JOIN lasts l ON l.rank = j.rank AND l.step = j.step;
+FROM jw j LEFT JOIN lasts l ON l.rank = j.rank AND l.step = j.step;
 
 -- @statement nested_kinds
 -- Group kinds whose collectives start inside the rank's compute spans, probed on one rank's
