@@ -406,13 +406,14 @@ WITH spans_lvl AS (
     -- Where the scale applies to the wait: before its bound (step-level calls timed one in N),
     -- or after it (whole micro-batches left untimed).
     -- A group of gradient reductions only (all-reduce, reduce-scatter) is a candidate for the
-    -- hidden waits of j (below).
+    -- hidden waits of j (below), where it is a data-parallel group (waited).
     SELECT *, CASE WHEN calls_sampled THEN scale ELSE 1.0 END AS wait_scale,
            CASE WHEN calls_sampled THEN 1.0 ELSE scale END AS bound_scale,
            coalesce(grp IS NOT NULL AND coll_spans > 0 AND reduce_spans = coll_spans, false) AS reductions
     FROM lvl_s
 ), waited AS (
-    SELECT l.* REPLACE ((l.coll_ns * l.scale)::BIGINT AS coll_ns),
+    SELECT l.* REPLACE ((l.coll_ns * l.scale)::BIGINT AS coll_ns,
+                        l.reductions AND coalesce(p.group_kind = 'dp', false) AS reductions),
            coalesce(k.offset_ns, 0) AS offset_ns, coalesce(k.stage, 0) AS stage, p.group_kind, p.instances,
            CASE WHEN p.all_instances = l.coll_spans THEN p.last_expected END AS last_expected,
            CASE WHEN p.all_instances = l.coll_spans THEN p.last_var END AS last_var,
