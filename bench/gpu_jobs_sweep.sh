@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Detection on users' own jobs on GPUs: DDP and FSDP2 (fully_shard) training scripts on NCCL, one
+# Detection on users' own jobs on GPUs: DDP, FSDP1 and FSDP2 training scripts on NCCL (WRAPS), one
 # fault planted per job (a slow GPU, a paused host, or nothing), recorded with megascope's
 # collector as docs/collector.md shows, then `megascope report`: is the planted rank named first,
 # with the right cause, and nothing named in healthy jobs? (bench/ddp_sweep.py --device cuda; the
