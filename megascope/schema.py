@@ -361,6 +361,13 @@ STEP_SUMS = pa.schema(
         pa.field("wait_spans", pa.int64()),
         pa.field("backward_start_ns", pa.int64()),
         pa.field("backward_end_ns", pa.int64()),
+        # Of the gradient reductions: those issued on a stream of their own (stream "cuda:<id>", as
+        # FSDP issues its reduce-scatters), their arrivals' sum relative to first_start_ns, their
+        # first start and last end: the reductions of a group that also holds other calls.
+        pa.field("reduce_side_spans", pa.int64()),
+        pa.field("reduce_arrival_rel_ns", pa.int64()),
+        pa.field("reduce_first_ns", pa.int64()),
+        pa.field("reduce_last_ns", pa.int64()),
     ]
 )
 """Partial per-(rank, step, collective group) sums of one spans file, written beside it by every

@@ -47,6 +47,8 @@ _TOP_NAMES = (SpanKind.FORWARD.value, SpanKind.BACKWARD.value)
 # Gradient reductions: the collectives a data-parallel job's backward issues and waits for at its end.
 _REDUCE_OPS = ("all_reduce", "reduce_scatter")
 _WAIT_SUFFIX = ":wait"
+# The stream label of a call issued on a stream other than the device's default (the collector's).
+_SIDE_PREFIX = "cuda:"
 
 
 def step_sums(spans: pa.Table) -> pa.Table:
@@ -74,6 +76,7 @@ def step_sums(spans: pa.Table) -> pa.Table:
     base = pc.min(start)
     end = pc.add(start, dur)
     top_backward = pc.and_(is_kind[SpanKind.BACKWARD], pc.equal(name, SpanKind.BACKWARD.value))
+    reduce = pc.fill_null(pc.and_(coll, pc.is_in(spans.column("op"), value_set=pa.array(_REDUCE_OPS))), False)
     columns = {
         "rank": spans.column("rank"),
         "step": spans.column("step"),
@@ -86,7 +89,10 @@ def step_sums(spans: pa.Table) -> pa.Table:
                             pc.is_in(name, value_set=pa.array(_TOP_NAMES))), dur),
         "gc": only(pc.and_(is_kind[SpanKind.HOST], pc.starts_with(name, "gc.")), dur),
         "arrival": only(coll, pc.subtract(start, base)),
-        "reduce": only(pc.and_(coll, pc.is_in(spans.column("op"), value_set=pa.array(_REDUCE_OPS))), start),
+        "reduce": only(reduce, start),
+        "reduce_side": only(pc.and_(reduce, pc.starts_with(spans.column("stream"), _SIDE_PREFIX)), start),
+        "reduce_arrival": only(reduce, pc.subtract(start, base)),
+        "reduce_end": only(reduce, end),
         "wait": only(pc.and_(is_kind[SpanKind.OTHER], pc.ends_with(name, _WAIT_SUFFIX)), start),
         "bwd_start": only(top_backward, start),
         "bwd_end": only(top_backward, end),
@@ -95,7 +101,8 @@ def step_sums(spans: pa.Table) -> pa.Table:
         columns[column] = only(is_kind[k], dur)
     aggregations = [("step_dur", "max"), ("step_start", "min"), ("start", "min"), ("end", "max"),
                     ("top", "sum"), ("gc", "sum"), ("arrival", "sum"), ("arrival", "count"), ("start", "count"),
-                    ("reduce", "count"), ("wait", "count"), ("bwd_start", "min"), ("bwd_end", "max")]
+                    ("reduce", "count"), ("wait", "count"), ("bwd_start", "min"), ("bwd_end", "max"),
+                    ("reduce_side", "count"), ("reduce_arrival", "sum"), ("reduce", "min"), ("reduce_end", "max")]
     aggregations += [(column, "sum") for column in _BY_KIND]
     grouped = pa.table(columns).group_by(_KEYS, use_threads=False).aggregate(aggregations)
     first = grouped.column("start_min")
@@ -121,5 +128,11 @@ def step_sums(spans: pa.Table) -> pa.Table:
         "wait_spans": grouped.column("wait_count"),
         "backward_start_ns": grouped.column("bwd_start_min"),
         "backward_end_ns": grouped.column("bwd_end_max"),
+        "reduce_side_spans": grouped.column("reduce_side_count"),
+        # Relative to the row's first start, as arrival_rel_ns.
+        "reduce_arrival_rel_ns": pc.subtract(grouped.column("reduce_arrival_sum"),
+                                             pc.multiply(grouped.column("reduce_count"), pc.subtract(first, base))),
+        "reduce_first_ns": grouped.column("reduce_min"),
+        "reduce_last_ns": grouped.column("reduce_end_max"),
     }
     return pa.table(out).select(STEP_SUMS.names).cast(STEP_SUMS)

@@ -169,12 +169,16 @@ def test_whatif_follows_asynchronous_calls_to_their_waits(tmp_path: Path) -> Non
     assert exposed["speedup"] == pytest.approx(62 / 40, rel=0.03)
 
 
-def _ddp_run(path: Path, *, slow_ms: float, op: str = "all_reduce") -> Path:
+def _ddp_run(path: Path, *, slow_ms: float, op: str = "all_reduce", gathers: int = 0,
+             stream: str = "compute") -> Path:
     """Two ranks as a DistributedDataParallel job lays them out, six steps: a 10 ms forward, a 30
     ms backward (rank 1's forward ``slow_ms`` longer, its backward twice that), four gradient
     buckets issued at the quarters of each rank's backward (the last just before it ends), no
     wait span (DDP's reducer waits for them in C++), each done 0.5 ms after its last member
-    arrives; the optimizer's 2 ms after the last bucket. Healthy, a step is 42.49 ms."""
+    arrives; the optimizer's 2 ms after the last bucket. Healthy, a step is 42.49 ms.
+    ``gathers``: as FSDP does, the group also gathers parameters, that many 0.2 ms all-gathers at
+    the forward's start, on stream ``cuda:37`` (both ranks arrive together: no wait); ``stream``
+    is the reductions' stream label."""
     spans = []
     t0 = 0
     for step in range(6):
@@ -183,13 +187,18 @@ def _ddp_run(path: Path, *, slow_ms: float, op: str = "all_reduce") -> Path:
         arrive = [[t0 + fwd[r] + bwd[r] * (k + 1) // 4 - 10_000 for r in range(2)] for k in range(4)]
         done = [max(a) + MS // 2 for a in arrive]
         end = done[-1] + 2 * MS
+        calls = gathers + 4
         for r in range(2):
             spans.append(span(r, step, "step", t0, end - t0))
             spans.append(span(r, step, "forward", t0, fwd[r]))
             spans.append(span(r, step, "backward", t0 + fwd[r], bwd[r]))
+            for g in range(gathers):
+                row = span(r, step, "collective", t0 + (g + 1) * MS // 2, MS // 5, group="dp:0", seq=calls * step + g)
+                spans.append({**row, "name": "all_gather", "op": "all_gather", "stream": "cuda:37"})
             for k in range(4):
-                row = span(r, step, "collective", arrive[k][r], done[k] - arrive[k][r], group="dp:0", seq=4 * step + k)
-                spans.append({**row, "name": op, "op": op})
+                row = span(r, step, "collective", arrive[k][r], done[k] - arrive[k][r], group="dp:0",
+                           seq=calls * step + gathers + k)
+                spans.append({**row, "name": op, "op": op, "stream": stream})
         t0 = end
     return hand_run(path, spans, [], world=2, hosts=("h0", "h1"), devices=("cuda:0", "cuda:0"), source="collector")
 
@@ -229,6 +238,13 @@ def test_own_time_keeps_the_compute_a_backward_did_while_its_buckets_waited(tmp_
     assert hidden[1] / hidden[0] == pytest.approx(49 / 40, rel=0.01)
     gather = own(_ddp_run(tmp_path / "gather", slow_ms=3, op="all_gather"))
     assert gather[0] == pytest.approx(51.49 - 27, abs=0.05)
+    # FSDP on GPU: the group also gathers parameters, and its reduce-scatters go on a stream of
+    # their own: they are read as DDP's buckets. On the default stream (a CPU job's calls, which
+    # block), the group's wait stays all of it.
+    fsdp = own(_ddp_run(tmp_path / "fsdp", slow_ms=3, op="reduce_scatter", gathers=2, stream="cuda:69"))
+    assert fsdp[0] == pytest.approx(42.0, abs=0.05) and fsdp[1] / fsdp[0] == pytest.approx(49 / 40, rel=0.01)
+    blocking = own(_ddp_run(tmp_path / "blocking", slow_ms=3, op="reduce_scatter", gathers=2))
+    assert blocking[0] == pytest.approx(51.49 - 27, abs=0.05)
 
 
 def test_whatif_gains_only_with_a_straggler(runs: dict[str, Path]) -> None:

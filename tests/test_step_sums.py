@@ -35,14 +35,20 @@ SELECT rank, step, CASE WHEN kind = 'collective' THEN "group" END AS grp,
        count(*) FILTER (WHERE kind = 'collective' AND op IN ('all_reduce', 'reduce_scatter')),
        count(*) FILTER (WHERE kind = 'other' AND ends_with(name, ':wait')),
        min(start_ns) FILTER (WHERE kind = 'backward' AND name = 'backward'),
-       max(start_ns + dur_ns) FILTER (WHERE kind = 'backward' AND name = 'backward')
+       max(start_ns + dur_ns) FILTER (WHERE kind = 'backward' AND name = 'backward'),
+       count(*) FILTER (WHERE kind = 'collective' AND op IN ('all_reduce', 'reduce_scatter') AND starts_with(stream, 'cuda:')),
+       sum(start_ns) FILTER (WHERE kind = 'collective' AND op IN ('all_reduce', 'reduce_scatter')),
+       min(start_ns) FILTER (WHERE kind = 'collective' AND op IN ('all_reduce', 'reduce_scatter')),
+       max(start_ns + dur_ns) FILTER (WHERE kind = 'collective' AND op IN ('all_reduce', 'reduce_scatter'))
 FROM spans_t WHERE step IS NOT NULL GROUP BY ALL
 """
 _FROM_SUMS = """
 SELECT rank, step, "group" AS grp, max(step_ns), min(step_start_ns), min(first_start_ns), max(last_end_ns),
        sum(forward_ns), sum(backward_ns), sum(top_compute_ns), sum(host_ns), sum(gc_ns), sum(coll_ns), sum(recv_ns),
        sum(arrival_rel_ns::HUGEINT + coll_spans::HUGEINT * first_start_ns), sum(coll_spans)::BIGINT,
-       sum(reduce_spans)::BIGINT, sum(wait_spans)::BIGINT, min(backward_start_ns), max(backward_end_ns)
+       sum(reduce_spans)::BIGINT, sum(wait_spans)::BIGINT, min(backward_start_ns), max(backward_end_ns),
+       sum(reduce_side_spans)::BIGINT, sum(reduce_arrival_rel_ns::HUGEINT + reduce_spans::HUGEINT * first_start_ns),
+       min(reduce_first_ns), max(reduce_last_ns)
 FROM sums_t GROUP BY ALL
 """
 
@@ -55,7 +61,8 @@ def _spans(rng: random.Random, n: int) -> pa.Table:
         kind = rng.choice(kinds)
         name = rng.choice([kind, "layers.1", "gc.gen2", "x", "dp.all_reduce:wait"])
         rows.append({"rank": rng.randrange(3), "step": rng.choice([0, 1, 2, None]), "name": name, "kind": kind,
-                     "stream": "host", "start_ns": 1_790_000_000_000_000_000 + rng.randrange(10**9),
+                     "stream": rng.choice(["host", "comm", "cuda:7"]),
+                     "start_ns": 1_790_000_000_000_000_000 + rng.randrange(10**9),
                      "dur_ns": rng.randrange(10**6),
                      "group": rng.choice(["tp:0", "dp:1", None]) if kind in ("collective", "send") else None,
                      "op": rng.choice(["all_reduce", "reduce_scatter", "all_gather", None])

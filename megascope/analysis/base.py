@@ -629,11 +629,17 @@ def _split_filter(con: duckdb.DuckDBPyConnection) -> str:
 # The step_sums columns that tell a group of gradient reductions whose waits the backward hid
 # (sql/base.sql, rank_step), as sums_lvl reads them from one row and from rows combined.
 _HIDDEN_ONE = ("s.reduce_spans, s.wait_spans, s.backward_start_ns AS bwd_start_raw, "
-               "s.backward_end_ns AS bwd_end_raw")
+               "s.backward_end_ns AS bwd_end_raw, s.reduce_side_spans, "
+               "s.reduce_arrival_rel_ns::HUGEINT + s.reduce_spans::HUGEINT * s.first_start_ns AS red_arrival_sum, "
+               "s.reduce_first_ns AS red_first_raw, s.reduce_last_ns AS red_last_raw")
 _HIDDEN_COMBINED = ("sum(s.reduce_spans)::BIGINT AS reduce_spans, sum(s.wait_spans)::BIGINT AS wait_spans, "
-                    "min(s.backward_start_ns) AS bwd_start_raw, max(s.backward_end_ns) AS bwd_end_raw")
+                    "min(s.backward_start_ns) AS bwd_start_raw, max(s.backward_end_ns) AS bwd_end_raw, "
+                    "sum(s.reduce_side_spans)::BIGINT AS reduce_side_spans, "
+                    "sum(s.reduce_arrival_rel_ns::HUGEINT + s.reduce_spans::HUGEINT * s.first_start_ns) AS red_arrival_sum, "
+                    "min(s.reduce_first_ns) AS red_first_raw, max(s.reduce_last_ns) AS red_last_raw")
 _HIDDEN_NONE = ("NULL::BIGINT AS reduce_spans, NULL::BIGINT AS wait_spans, NULL::BIGINT AS bwd_start_raw, "
-                "NULL::BIGINT AS bwd_end_raw")
+                "NULL::BIGINT AS bwd_end_raw, NULL::BIGINT AS reduce_side_spans, NULL::HUGEINT AS red_arrival_sum, "
+                "NULL::BIGINT AS red_first_raw, NULL::BIGINT AS red_last_raw")
 
 
 def _sums_hidden(con: duckdb.DuckDBPyConnection) -> tuple[str, str]:
@@ -643,7 +649,7 @@ def _sums_hidden(con: duckdb.DuckDBPyConnection) -> tuple[str, str]:
         names = {d[0] for d in con.execute("SELECT * FROM step_sums LIMIT 0").description or ()}
     except duckdb.Error:
         names = set()
-    if "reduce_spans" in names:
+    if "reduce_last_ns" in names:
         return _HIDDEN_ONE, _HIDDEN_COMBINED
     return _HIDDEN_NONE, _HIDDEN_NONE
 

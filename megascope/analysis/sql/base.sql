@@ -309,7 +309,12 @@ WITH spans_lvl AS (
            count(*) FILTER (WHERE s.kind = 'collective' AND s.op IN ('all_reduce', 'reduce_scatter')) AS reduce_spans,
            count(*) FILTER (WHERE s.kind = 'other' AND ends_with(s.name, ':wait')) AS wait_spans,
            min(s.start_ns) FILTER (WHERE s.kind = 'backward' AND s.name = 'backward') AS bwd_start_raw,
-           max(s.start_ns + s.dur_ns) FILTER (WHERE s.kind = 'backward' AND s.name = 'backward') AS bwd_end_raw
+           max(s.start_ns + s.dur_ns) FILTER (WHERE s.kind = 'backward' AND s.name = 'backward') AS bwd_end_raw,
+           count(*) FILTER (WHERE s.kind = 'collective' AND s.op IN ('all_reduce', 'reduce_scatter')
+                            AND starts_with(s.stream, 'cuda:')) AS reduce_side_spans,
+           sum(s.start_ns) FILTER (WHERE s.kind = 'collective' AND s.op IN ('all_reduce', 'reduce_scatter')) AS red_arrival_sum,
+           min(s.start_ns) FILTER (WHERE s.kind = 'collective' AND s.op IN ('all_reduce', 'reduce_scatter')) AS red_first_raw,
+           max(s.start_ns + s.dur_ns) FILTER (WHERE s.kind = 'collective' AND s.op IN ('all_reduce', 'reduce_scatter')) AS red_last_raw
     FROM {{spans}} s
     WHERE s.step IS NOT NULL AND {{where}}
     GROUP BY s.rank, s.step, grp
@@ -365,7 +370,9 @@ WITH spans_lvl AS (
            sum(recv_ns) AS recv_ns, sum(send_ns) AS send_ns, sum(arrival_sum) AS arrival_sum,
            sum(coll_spans)::BIGINT AS coll_spans,
            sum(reduce_spans)::BIGINT AS reduce_spans, sum(wait_spans)::BIGINT AS wait_spans,
-           min(bwd_start_raw) AS bwd_start_raw, max(bwd_end_raw) AS bwd_end_raw
+           min(bwd_start_raw) AS bwd_start_raw, max(bwd_end_raw) AS bwd_end_raw,
+           sum(reduce_side_spans)::BIGINT AS reduce_side_spans, sum(red_arrival_sum) AS red_arrival_sum,
+           min(red_first_raw) AS red_first_raw, max(red_last_raw) AS red_last_raw
     FROM (SELECT * FROM spans_lvl UNION ALL BY NAME SELECT * FROM sums_lvl)
     GROUP BY rank, step, grp
 ), lvl AS (
@@ -374,6 +381,8 @@ WITH spans_lvl AS (
 ), per_group AS (
     SELECT grp, step, any_value(group_kind) AS group_kind, count(*) FILTER (WHERE n >= 2) AS instances,
            count(*) AS all_instances, sum(last_arrival_ns) AS last_arrival_sum,
+           count(*) FILTER (WHERE op IN ('all_reduce', 'reduce_scatter')) AS red_instances,
+           sum(last_arrival_ns) FILTER (WHERE op IN ('all_reduce', 'reduce_scatter')) AS red_last_arrival_sum,
            sum(1.0 / n) FILTER (WHERE n >= 2) AS last_expected, sum((1.0 / n) * (1 - 1.0 / n)) FILTER (WHERE n >= 2) AS last_var
     FROM ms_cache.inst GROUP BY grp, step
 ), lasts AS (
@@ -405,15 +414,19 @@ WITH spans_lvl AS (
 ), lvl_b AS (
     -- Where the scale applies to the wait: before its bound (step-level calls timed one in N),
     -- or after it (whole micro-batches left untimed).
-    -- A group of gradient reductions only (all-reduce, reduce-scatter) is a candidate for the
-    -- hidden waits of j (below), where it is a data-parallel group (waited).
+    -- A group's gradient reductions (all-reduce, reduce-scatter) are candidates for the hidden
+    -- waits of j (below) where they are all its calls (DDP's buckets) or were all issued on a
+    -- stream of their own (FSDP's reduce-scatters beside its all-gathers, on GPU), in a
+    -- data-parallel group whose every instance the rank took part in (waited).
     SELECT *, CASE WHEN calls_sampled THEN scale ELSE 1.0 END AS wait_scale,
            CASE WHEN calls_sampled THEN 1.0 ELSE scale END AS bound_scale,
-           coalesce(grp IS NOT NULL AND coll_spans > 0 AND reduce_spans = coll_spans, false) AS reductions
+           coalesce(grp IS NOT NULL AND reduce_spans > 0
+                    AND (reduce_spans = coll_spans OR reduce_side_spans = reduce_spans), false) AS reductions
     FROM lvl_s
 ), waited AS (
     SELECT l.* REPLACE ((l.coll_ns * l.scale)::BIGINT AS coll_ns,
-                        l.reductions AND coalesce(p.group_kind = 'dp', false) AS reductions),
+                        l.reductions AND coalesce(p.group_kind = 'dp' AND p.all_instances = l.coll_spans
+                                                  AND p.red_instances = l.reduce_spans, false) AS reductions),
            coalesce(k.offset_ns, 0) AS offset_ns, coalesce(k.stage, 0) AS stage, p.group_kind, p.instances,
            CASE WHEN p.all_instances = l.coll_spans THEN p.last_expected END AS last_expected,
            CASE WHEN p.all_instances = l.coll_spans THEN p.last_var END AS last_var,
@@ -428,7 +441,15 @@ WITH spans_lvl AS (
                  WHEN p.all_instances = l.coll_spans
                  THEN least((p.last_arrival_sum - l.arrival_sum - l.coll_spans * coalesce(k.offset_ns, 0)) * l.wait_scale,
                             l.last_raw - l.first_raw) * l.bound_scale
-                 ELSE l.coll_ns * l.scale END)::BIGINT AS coll_wait
+                 ELSE l.coll_ns * l.scale END)::BIGINT AS coll_wait,
+           -- Of a group's wait, its reductions' part (bounded in j) and the rest's (by the extent).
+           CASE WHEN l.reductions
+                THEN ((p.red_last_arrival_sum - l.red_arrival_sum - l.reduce_spans * coalesce(k.offset_ns, 0))
+                      * l.wait_scale * l.bound_scale)::BIGINT END AS red_wait,
+           CASE WHEN l.reductions
+                THEN (least((p.last_arrival_sum - l.arrival_sum - (p.red_last_arrival_sum - l.red_arrival_sum)
+                             - (l.coll_spans - l.reduce_spans) * coalesce(k.offset_ns, 0)) * l.wait_scale,
+                            l.last_raw - l.first_raw) * l.bound_scale)::BIGINT END AS rest_wait
     FROM lvl_b l
     LEFT JOIN ms_cache.rank_clock k USING (rank)
     LEFT JOIN per_group p ON p.grp = l.grp AND p.step = l.step
@@ -440,12 +461,15 @@ WITH spans_lvl AS (
            sum(compute_ns) AS compute_ns, sum(data_ns) AS data_ns, sum(host_ns) AS host_ns, sum(gc_ns) AS gc_ns,
            sum(other_ns) AS other_ns, sum(top_compute_ns) AS top_compute_ns,
            coalesce(sum(coll_wait) FILTER (WHERE list_contains({{nested_kinds}}, group_kind) AND NOT reductions), 0)
-               AS nested_other, sum(coll_wait) FILTER (WHERE list_contains({{nested_kinds}}, group_kind) AND reductions)
-               AS nested_red,
+               AS nested_other,
+           sum(coll_wait) FILTER (WHERE list_contains({{nested_kinds}}, group_kind) AND reductions) AS nested_old,
+           sum(rest_wait) FILTER (WHERE list_contains({{nested_kinds}}, group_kind) AND reductions) AS nested_rest,
+           sum(red_wait) FILTER (WHERE list_contains({{nested_kinds}}, group_kind) AND reductions) AS nested_red,
            coalesce(sum(coll_ns), 0) AS coll_ns, coalesce(sum(recv_ns), 0) AS recv_ns,
            coalesce(sum(send_ns), 0) AS send_ns, coalesce(sum(coll_wait) FILTER (WHERE NOT reductions), 0) AS wait_other,
-           sum(coll_wait) FILTER (WHERE reductions) AS wait_red,
-           min(first_raw) FILTER (WHERE reductions) AS red_first, max(last_raw) FILTER (WHERE reductions) AS red_last,
+           sum(coll_wait) FILTER (WHERE reductions) AS wait_old, sum(rest_wait) FILTER (WHERE reductions) AS wait_rest,
+           sum(red_wait) FILTER (WHERE reductions) AS wait_red,
+           min(red_first_raw) FILTER (WHERE reductions) AS red_first, max(red_last_raw) FILTER (WHERE reductions) AS red_last,
            sum(wait_spans) AS wait_spans, min(bwd_start_raw) AS bwd_start_raw, max(bwd_end_raw) AS bwd_end_raw,
            -- Chance of being last, counted where members are each other's peers (same stage).
            coalesce(sum(last_expected) FILTER (WHERE list_contains({{peer_kinds}}, CASE WHEN group_kind IN ('tp', 'dp', 'pp') THEN group_kind ELSE 'other' END)), 0) AS last_expected,
@@ -466,10 +490,15 @@ WITH spans_lvl AS (
                    THEN greatest(red_last - bwd_end_raw, 0) END AS hidden_bound
     FROM j
 ), jw AS (
-    SELECT * EXCLUDE (nested_other, nested_red, wait_other, wait_red, red_first, red_last, wait_spans,
-                      bwd_start_raw, bwd_end_raw, hidden_bound),
-           nested_other + coalesce(least(nested_red, hidden_bound), nested_red, 0) AS nested_wait,
-           wait_other + coalesce(least(wait_red, hidden_bound), wait_red, 0) AS coll_wait
+    -- Where the reductions' waits were not hidden, the group's wait as it was always read.
+    SELECT * EXCLUDE (nested_other, nested_old, nested_rest, nested_red, wait_other, wait_old, wait_rest,
+                      wait_red, red_first, red_last, wait_spans, bwd_start_raw, bwd_end_raw, hidden_bound),
+           nested_other + CASE WHEN hidden_bound IS NOT NULL
+                               THEN coalesce(nested_rest, 0) + coalesce(least(nested_red, hidden_bound), 0)
+                               ELSE coalesce(nested_old, 0) END AS nested_wait,
+           wait_other + CASE WHEN hidden_bound IS NOT NULL
+                             THEN coalesce(wait_rest, 0) + coalesce(least(wait_red, hidden_bound), 0)
+                             ELSE coalesce(wait_old, 0) END AS coll_wait
     FROM hidden
 )
 SELECT j.rank, j.step, j.stage, j.step_ns,
