@@ -64,9 +64,6 @@ class _Noop:
 
 NOOP = _Noop()
 
-# Name suffix of the span that times the wait on an asynchronous communication call.
-WAIT_SUFFIX = ":wait"
-
 
 class SpanContext:
     """One timed span: ``with col.span(...):`` or ``@col.span(...)``. Closed even on exceptions."""

@@ -51,6 +51,8 @@ import time
 from collections import deque
 from typing import Any
 
+from megascope.schema import DEVICE_STREAM_PREFIX
+
 log = logging.getLogger(__name__)
 
 
@@ -456,7 +458,7 @@ class CudaTimer(_Anchors):
             stream = self._streams.get(raw) if raw is not None else None
             if stream is None:
                 stream = self._torch.cuda.current_stream(self.device)
-            label = f"cuda:{stream.stream_id}"
+            label = f"{DEVICE_STREAM_PREFIX}{stream.stream_id}"
             if raw is not None:
                 self._labels[raw] = label
         return label

@@ -51,11 +51,10 @@ from typing import Any
 
 import pyarrow as pa
 from megascope.collectors.buffers import RowBuffer, rows_to_table_dropping
-from megascope.collectors.contexts import WAIT_SUFFIX
 from megascope.collectors.timing import Timer
 
 from megascope import layout, schema
-from megascope.schema import MarkerState, RunMeta, SpanKind
+from megascope.schema import WAIT_SUFFIX, MarkerState, RunMeta, SpanKind
 from megascope.steplog import StepLog
 from megascope.stepsums import step_sums
 

@@ -91,6 +91,13 @@ class Stream(enum.StrEnum):
     COPY = "copy"  # memcpy / memset
 
 
+# A device stream beyond those above: "cuda:<stream id>" (the collector labels a communication call
+# issued on a stream other than the device's default so).
+DEVICE_STREAM_PREFIX = "cuda:"
+# Name suffix of the span (kind "other") that times the wait on an asynchronous communication call.
+WAIT_SUFFIX = ":wait"
+
+
 class GroupKind(enum.StrEnum):
     """The role of a process group in the mesh."""
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from megascope.schema import STEP_SUMS, SpanKind
+from megascope.schema import DEVICE_STREAM_PREFIX, STEP_SUMS, WAIT_SUFFIX, CollectiveOp, SpanKind
 
 _KEYS = ["rank", "step", "group"]
 # Output column -> the span kind whose durations it sums.
@@ -45,10 +45,7 @@ _BY_KIND = {
 # Top-level compute: spans named after their kind; module spans ("layers.3") nest inside them.
 _TOP_NAMES = (SpanKind.FORWARD.value, SpanKind.BACKWARD.value)
 # Gradient reductions: the collectives a data-parallel job's backward issues and waits for at its end.
-_REDUCE_OPS = ("all_reduce", "reduce_scatter")
-_WAIT_SUFFIX = ":wait"
-# The stream label of a call issued on a stream other than the device's default (the collector's).
-_SIDE_PREFIX = "cuda:"
+_REDUCE_OPS = (CollectiveOp.ALL_REDUCE.value, CollectiveOp.REDUCE_SCATTER.value)
 
 
 def step_sums(spans: pa.Table) -> pa.Table:
@@ -90,10 +87,10 @@ def step_sums(spans: pa.Table) -> pa.Table:
         "gc": only(pc.and_(is_kind[SpanKind.HOST], pc.starts_with(name, "gc.")), dur),
         "arrival": only(coll, pc.subtract(start, base)),
         "reduce": only(reduce, start),
-        "reduce_side": only(pc.and_(reduce, pc.starts_with(spans.column("stream"), _SIDE_PREFIX)), start),
+        "reduce_side": only(pc.and_(reduce, pc.starts_with(spans.column("stream"), DEVICE_STREAM_PREFIX)), start),
         "reduce_arrival": only(reduce, pc.subtract(start, base)),
         "reduce_end": only(reduce, end),
-        "wait": only(pc.and_(is_kind[SpanKind.OTHER], pc.ends_with(name, _WAIT_SUFFIX)), start),
+        "wait": only(pc.and_(is_kind[SpanKind.OTHER], pc.ends_with(name, WAIT_SUFFIX)), start),
         "bwd_start": only(top_backward, start),
         "bwd_end": only(top_backward, end),
     }
