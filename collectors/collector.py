@@ -65,6 +65,9 @@ from megascope.topology import Group
 
 log = logging.getLogger(__name__)
 
+# Calls held for their waits (Collector.hold) at most: past it, nothing waits for them, and they
+# are written as they are (a job that never ends a step).
+MAX_HELD = 256
 _COMM_KINDS = frozenset({SpanKind.COLLECTIVE.value, SpanKind.SEND.value, SpanKind.RECV.value})
 _HOST_KINDS = frozenset({SpanKind.HOST.value, SpanKind.DATA.value})
 # Kinds whose spans say the job times its own forward and backward (see ``_times_compute``).
@@ -128,6 +131,9 @@ class Collector:
         self._groups_by_pg: dict[Any, Group] = {}
         self._groups_by_name: dict[str, Group] = {}  # torch group_name -> Group (flight recorder)
         self._internal_errors = 0
+        # Calls held until their caller's stream waits for them (CommHandle.hold): written then,
+        # or at the step's end (or close) where nothing waited.
+        self._held: list[Any] = []
         self._untimed_calls = 0  # communication calls left untimed by comm_sample_kinds
         self._warned: set[str] = set()
         self._dist: Any = None
@@ -480,16 +486,18 @@ class Collector:
 
     def _close_span(self, token: Any, anchor: Any, stream: Any, step: int | None, name: str, kind: str, label: str,
                     microbatch: int | None, chunk: int | None, group: str | None, seq: int | None,
-                    op: str | None, nbytes: int | None, peer: int | None, wait: Any = None) -> None:
+                    op: str | None, nbytes: int | None, peer: int | None, wait: Any = None,
+                    end: Any = None) -> None:
         """Stamp the end and queue the span for the writer. ``wait``: the stamp where the caller
         began waiting for this communication call; the writer then also writes its wait span,
-        which ends at the same stamp."""
+        which ends at the same stamp. ``end``: the end, stamped already (a held call's:
+        :meth:`CommHandle.hold`)."""
         timer = self._timer
-        try:
-            end = timer.stamp(stream)
-        except Exception:
-            self._internal_error("span end")
-            end = None
+        if end is None:
+            try:
+                end = timer.stamp(stream)
+            except Exception:
+                self._internal_error("span end")
         if token is None or end is None:  # timer exhausted or failed: drop, keep the pool whole
             timer.release(token)
             timer.release(end)
@@ -502,6 +510,22 @@ class Collector:
             timer.release(token)
             timer.release(end)
             timer.release(wait)
+
+    def hold(self, handle: Any) -> bool:
+        """Keep ``handle`` (a communication call) until its caller's stream waits for it:
+        :meth:`CommHandle.hold`. False where it was not held (end it now)."""
+        if len(self._held) >= MAX_HELD:  # nothing waits for them: write them as they are
+            self.release_held()
+        if not handle.hold():
+            return False
+        self._held.append(handle)
+        return True
+
+    def release_held(self) -> None:
+        """Write the held calls no wait came for (at a step's end, and at close)."""
+        held, self._held = self._held, []
+        for handle in held:
+            handle.end()
 
     def _close_untimed(self, stream: Any, step: int | None, group: str, seq: int, op: str, nbytes: int | None,
                        peer: int | None) -> None:
@@ -742,6 +766,7 @@ class Collector:
             pass
         if self._gc_watch is not None and self._gc_watch in gc.callbacks:
             gc.callbacks.remove(self._gc_watch)
+        self.release_held()
         if self._heartbeat is not None:
             self._heartbeat.stop()
         self._writer.close(timeout_s=self.config.close_timeout_s)

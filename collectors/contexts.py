@@ -26,6 +26,7 @@ from megascope.schema import (
     COLLECTOR_CALLS_METRIC,
     COLLECTOR_STAMPS_METRIC,
     COLLECTOR_STEP_CALLS_METRIC,
+    DEVICE_STREAM_PREFIX,
     HOST_PROBE_LOOPS,
     HOST_PROBE_METRIC,
     MarkerState,
@@ -54,6 +55,9 @@ class _Noop:
 
     def waiting(self) -> None:
         pass
+
+    def hold(self) -> bool:
+        return False
 
     def end(self) -> None:
         pass
@@ -166,6 +170,8 @@ class StepContext(SpanContext):
                 if col._prev_step_calls.get(group, 0) >= col._sample_calls_floor:  # they were sampled
                     col._sink.metrics.put((col.rank, self.step, COLLECTOR_STEP_CALLS_METRIC + group, float(calls),
                                            now))
+        if col._held:
+            col.release_held()
         every = col.config.host_probe_every
         if every and self.step % every == 0:
             col._sink.metrics.put((col.rank, self.step, HOST_PROBE_METRIC, float(probe_host()), now))
@@ -207,8 +213,8 @@ class CommHandle:
     config.comm_sample_kinds) writes its markers and no span.
     """
 
-    __slots__ = ("_col", "_token", "_anchor", "_done", "_wait", "_timed", "stream", "step", "name", "kind", "label",
-                 "group", "seq", "op", "bytes", "peer", "microbatch", "chunk")
+    __slots__ = ("_col", "_token", "_anchor", "_done", "_wait", "_end", "_timed", "stream", "step", "name", "kind",
+                 "label", "group", "seq", "op", "bytes", "peer", "microbatch", "chunk")
 
     def __init__(self, col: Collector, name: str, kind: str, label: str, group: str, seq: int, op: str,
                  nbytes: int | None, peer: int | None, stream: Any, timed: bool = True) -> None:
@@ -229,6 +235,7 @@ class CommHandle:
         self.chunk = col._chunk
         self._done = False
         self._wait: Any = None
+        self._end: Any = None
         self._timed = timed
         # MARKER_ROW (megascope.collectors.buffers)
         col._sink.markers.put((col.rank, group, seq, op, _ENQUEUED, time.time_ns(), step, nbytes, peer))
@@ -261,6 +268,22 @@ class CommHandle:
         except Exception:
             self._col._internal_error("comm wait")
 
+    def hold(self) -> bool:
+        """A blocking call issued on a stream of its own (FSDP2's parameter all-gathers): stamp its
+        end now, on that stream, and write its span at ``end()``, once the caller's stream has
+        come to wait for it (``waiting()`` first), so that it gets a wait span like an
+        asynchronous call's. False (nothing done) for a call on the caller's stream, where it
+        blocks as issued, and where wait spans are off: end it now."""
+        if (self._done or self._end is not None or not self._timed or self._token is None
+                or not self.label.startswith(DEVICE_STREAM_PREFIX) or not self._col.config.wait_spans):
+            return False
+        try:
+            self._end = self._col._timer.stamp(self.stream)
+        except Exception:
+            self._col._internal_error("comm hold")
+            return False
+        return self._end is not None
+
     def end(self) -> None:
         """The operation has completed (on GPU: call it after ``work.wait()``)."""
         if self._done:
@@ -273,7 +296,7 @@ class CommHandle:
         # span ends where the operation does: it shares the end stamp (one device event fewer).
         self._col._close_span(self._token, self._anchor, self.stream, self.step, self.name, self.kind, self.label,
                               self.microbatch, self.chunk, self.group, self.seq, self.op, self.bytes, self.peer,
-                              self._wait)
+                              self._wait, self._end)
 
     def abandon(self) -> None:
         """The operation failed: give the timer token back, write no completion."""
@@ -281,6 +304,7 @@ class CommHandle:
             self._done = True
             self._col._timer.release(self._token)
             self._col._timer.release(self._wait)
+            self._col._timer.release(self._end)
 
     def __enter__(self) -> CommHandle:
         return self

@@ -360,8 +360,8 @@ STEP_SUMS = pa.schema(
         pa.field("arrival_rel_ns", pa.int64()),
         pa.field("coll_spans", pa.int64(), nullable=False),  # collective spans
         pa.field("spans", pa.int64(), nullable=False),  # all spans
-        # Gradient reductions (collectives of op all_reduce or reduce_scatter), "<name>:wait" spans,
-        # and the first start and last end of the top-level backward spans: what tells a
+        # Gradient reductions (collectives of op all_reduce or reduce_scatter), their "<name>:wait"
+        # spans, and the first start and last end of the top-level backward spans: what tells a
         # data-parallel group whose waits the backward hid (sql/base.sql, rank_step). Absent from the
         # twins of older writers.
         pa.field("reduce_spans", pa.int64()),

@@ -122,6 +122,16 @@ def test_a_span_times_the_device_work_inside_it(tmp_path: Path, clock: str) -> N
     assert dur_ns == pytest.approx(ref_ns, rel=0.05)
 
 
+def _sleep_cycles(ms: float) -> int:
+    """Cycles of ``torch.cuda._sleep`` that keep the device busy about ``ms`` milliseconds."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return int(10_000_000 * ms / start.elapsed_time(end))
+
+
 @pytest.fixture
 def nccl_world(tmp_path: Path) -> Iterator[None]:
     """A one-rank NCCL process group for the test's duration."""
@@ -177,6 +187,61 @@ def test_a_call_issued_on_a_stream_of_its_own_is_labelled_with_it(tmp_path: Path
     col.close()
     rows = open_run(run).con.sql("SELECT seq, stream FROM spans WHERE kind = 'collective' ORDER BY seq").fetchall()
     assert rows == [(s, "comm" if s % 2 == 0 else f"cuda:{side.stream_id}") for s in range(4)]
+
+
+@needs_cuda
+def test_a_call_on_a_stream_of_its_own_gets_a_wait_span_where_the_compute_stream_waits(
+        tmp_path: Path, nccl_world: None) -> None:
+    """FSDP2's shape: an all-gather issued on a stream of its own, the compute stream made to wait
+    for it later. Its span is written once, labelled with its stream, and its wait span runs
+    from where the compute stream came to wait to the call's completion: long where the gather's
+    stream was still busy (20 ms of sleep queued before it), short where compute was."""
+    import torch.distributed as dist
+    from megascope.collectors.hooks import Interception
+
+    run = tmp_path / "run"
+    col = _collector(run)
+    interception = Interception(col).install()
+    side = torch.cuda.Stream()
+    out, inp = torch.zeros(1 << 16, device="cuda"), torch.ones(1 << 16, device="cuda")
+    cycles = _sleep_cycles(20)
+
+    class Group:
+        def __init__(self, busy: str) -> None:
+            self.busy = busy
+
+        def unshard(self) -> None:
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                if self.busy == "gather":
+                    torch.cuda._sleep(cycles)
+                dist.all_gather_into_tensor(out, inp)
+
+        def wait_for_unshard(self) -> None:
+            torch.cuda.current_stream().wait_stream(side)
+
+    interception.hold_until_waited(Group, "unshard", "wait_for_unshard")
+    try:
+        for step in range(3):
+            with col.step(step):
+                for busy in ("gather", "compute"):
+                    group = Group(busy)
+                    group.unshard()
+                    if busy == "compute":
+                        torch.cuda._sleep(cycles)
+                    group.wait_for_unshard()
+        torch.cuda.synchronize()
+    finally:
+        interception.uninstall()
+    col.close()
+    con = open_run(run).con
+    calls = con.sql("SELECT seq, stream FROM spans WHERE kind = 'collective' ORDER BY seq").fetchall()
+    assert calls == [(s, f"cuda:{side.stream_id}") for s in range(6)]
+    waits = con.sql("SELECT seq, op, dur_ns FROM spans WHERE name = 'all_gather_into_tensor:wait' "
+                    "ORDER BY seq").fetchall()
+    assert [(s, op) for s, op, _ in waits] == [(s, "all_gather") for s in range(6)]
+    assert all(d > 15_000_000 for s, _, d in waits if s % 2 == 0)   # the gather's stream was busy
+    assert all(d < 5_000_000 for s, _, d in waits if s % 2 == 1)    # compute was
 
 
 @needs_cuda

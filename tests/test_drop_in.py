@@ -905,3 +905,55 @@ def test_point_to_point_calls_are_seen_and_a_pipeline_hang_is_localized(tmp_path
     facts = {k: result.get(k) for k in ("hung", "ended", "waited_s", "note", "waiting", "stuck_groups", "silent")}
     assert result["hung"] is True and result["suspects"][0]["rank"] == 0, (
         f"{facts} suspects={[s['rank'] for s in result['suspects']]} job: {proc.stderr[-1500:]}")
+
+
+def test_calls_on_a_stream_of_their_own_get_a_wait_span_where_their_group_waits(one_rank: Path) -> None:
+    """FSDP2 gathers a layer's parameters on a stream of its own and makes the compute stream wait
+    for them later, in ``FSDPParamGroup.wait_for_unshard``: each such all-gather is written once,
+    with a ``<name>:wait`` span from that wait (same seq and op); one nothing waited for is written
+    at the step's end, without a wait; a call on the caller's own stream (every call on CPU)
+    gets no wait span. The parameter group's methods are wrapped while the collector is on."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    originals = (FSDPParamGroup.unshard, FSDPParamGroup.wait_for_unshard)
+    col = Collector.from_env(one_rank, flush_interval_s=0.2, device=torch.device("cpu"), marker_agent=False)
+    assert (FSDPParamGroup.unshard, FSDPParamGroup.wait_for_unshard) != originals
+    timer = col._timer
+    own_stream: list[bool] = []
+
+    class Group:  # the shape of FSDPParamGroup: issue on a stream of its own, wait later
+        def unshard(self) -> None:
+            if own_stream:  # what a CUDA timer reports for a call under torch.cuda.stream(side)
+                timer.last_raw, timer.default_raw, timer.side_label = 1, 0, lambda: "cuda:7"
+            try:
+                dist.all_gather_into_tensor(torch.zeros(4), torch.ones(4))
+            finally:
+                for name in ("last_raw", "default_raw", "side_label"):
+                    timer.__dict__.pop(name, None)
+
+        def wait_for_unshard(self) -> None:
+            pass
+
+    col._interception.hold_until_waited(Group, "unshard", "wait_for_unshard")
+    layers = [Group(), Group()]
+    with col.step(0):  # on the caller's stream: as before
+        layers[0].unshard()
+        layers[0].wait_for_unshard()
+    own_stream.append(True)
+    with col.step(1):
+        layers[0].unshard()
+        layers[1].unshard()           # prefetched
+        layers[0].wait_for_unshard()
+        layers[1].wait_for_unshard()
+        layers[0].unshard()           # never waited for in this step
+    col.close()
+    assert (FSDPParamGroup.unshard, FSDPParamGroup.wait_for_unshard) == originals
+    run = open_run(one_rank)
+    calls = run.con.execute("SELECT step, seq, stream FROM spans WHERE kind = 'collective' ORDER BY seq").fetchall()
+    assert calls == [(0, 0, "comm"), (1, 1, "cuda:7"), (1, 2, "cuda:7"), (1, 3, "cuda:7")]
+    waits = run.con.execute("SELECT step, seq, op, dur_ns FROM spans WHERE kind = 'other' "
+                            "AND name = 'all_gather_into_tensor:wait' ORDER BY seq").fetchall()
+    # The host clock: each call had ended before its wait began, so the waits last nothing.
+    assert waits == [(1, 1, "all_gather", 0), (1, 2, "all_gather", 0)]
+    states = run.con.execute("SELECT state, count(*) FROM markers GROUP BY 1 ORDER BY 1").fetchall()
+    assert states == [("completed", 4), ("enqueued", 4)]

@@ -307,7 +307,9 @@ WITH spans_lvl AS (
            count(*) FILTER (WHERE s.kind = 'collective') AS coll_spans,
            -- What tells a group of gradient reductions whose waits the backward hid (waited, below).
            count(*) FILTER (WHERE s.kind = 'collective' AND s.op IN ('all_reduce', 'reduce_scatter')) AS reduce_spans,
-           count(*) FILTER (WHERE s.kind = 'other' AND ends_with(s.name, ':wait')) AS wait_spans,
+           -- Waits for gradient reductions alone (FSDP2's all-gathers have waits of their own on GPU).
+           count(*) FILTER (WHERE s.kind = 'other' AND ends_with(s.name, ':wait')
+                            AND s.op IN ('all_reduce', 'reduce_scatter')) AS wait_spans,
            min(s.start_ns) FILTER (WHERE s.kind = 'backward' AND s.name = 'backward') AS bwd_start_raw,
            max(s.start_ns + s.dur_ns) FILTER (WHERE s.kind = 'backward' AND s.name = 'backward') AS bwd_end_raw,
            count(*) FILTER (WHERE s.kind = 'collective' AND s.op IN ('all_reduce', 'reduce_scatter')
