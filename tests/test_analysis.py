@@ -247,6 +247,62 @@ def test_own_time_keeps_the_compute_a_backward_did_while_its_buckets_waited(tmp_
     assert blocking[0] == pytest.approx(51.49 - 27, abs=0.05)
 
 
+def _fsdp2_run(path: Path, *, pause_ms: float, waits: bool) -> Path:
+    """Two ranks as FSDP2 lays them out on GPU, six steps: three 3 ms layers of forward, each
+    after its parameters' all-gather (0.5 ms once both ranks arrive, on stream ``cuda:37``), the
+    next gather issued as a layer starts (prefetched); the backward's gather prefetched as the
+    last layer starts, a 0.5 ms loss, then 6 ms of backward and 0.5 ms of optimizer. Rank 1's host
+    pauses ``pause_ms`` after its forward, so it issues the backward's gather that much later.
+    ``waits``: each gather has the wait span the collector writes where the compute stream waits
+    for it. Healthy, a step is 16.6 ms."""
+    spans: list[dict[str, object]] = []
+    t0, layer, xfer = 0, 3 * MS, MS // 2
+    for step in range(6):
+        issue = [t0 + MS // 10] * 2
+        need = [t0 + MS // 10] * 2  # where each rank's compute stream needs the next gather
+        for k in range(4):  # gathers 0-2: the forward's layers; 3: the backward's
+            done = max(issue) + xfer
+            for r in range(2):
+                row = span(r, step, "collective", issue[r], done - issue[r], group="dp:0", seq=4 * step + k)
+                spans.append({**row, "name": "all_gather", "op": "all_gather", "stream": "cuda:37"})
+                if waits:
+                    wait = span(r, step, "other", need[r], max(done - need[r], 0), seq=4 * step + k,
+                                name="all_gather:wait")
+                    spans.append({**wait, "op": "all_gather"})
+            starts = [max(done, n) for n in need]
+            if k < 2:
+                issue, need = starts, [s + layer for s in starts]
+            elif k == 2:
+                issue = [starts[0], starts[1] + layer + int(pause_ms * MS)]
+                need = [s + layer + MS // 2 for s in starts]
+                need[1] += int(pause_ms * MS)
+                forward_end = [s + layer for s in starts]
+        backward = starts
+        end = max(backward) + 6 * MS + MS // 2
+        for r in range(2):
+            spans.append(span(r, step, "step", t0, end - t0))
+            spans.append(span(r, step, "forward", t0, forward_end[r] - t0))
+            spans.append(span(r, step, "backward", backward[r], 6 * MS))
+        t0 = end
+    return hand_run(path, spans, [], world=2, hosts=("h0", "h1"), devices=("cuda:0", "cuda:0"), source="collector")
+
+
+def test_whatif_of_fsdp2_s_prefetched_gathers_keeps_the_compute_they_overlapped(tmp_path: Path) -> None:
+    """_fsdp2_run: FSDP2's gathers run ahead of the compute on a stream of their own. With the wait
+    spans the collector writes where the compute stream waits for them, fixing the paused rank
+    gives the healthy step (16.6 ms); without them, the gap from one gather to the next was read
+    as the rank's work and the compute they overlapped was lost (13.6 ms)."""
+    healthy = 16.6 * MS
+    assert analysis.mfu(open_run(_fsdp2_run(tmp_path / "healthy", pause_ms=0, waits=True)))[
+        "step_time_ns"].median() == pytest.approx(healthy, rel=0.001)
+    paused = analysis.whatif(open_run(_fsdp2_run(tmp_path / "waits", pause_ms=20, waits=True)), ranks=[1])
+    assert paused["step_time_ns"] == pytest.approx(36.6 * MS, rel=0.001)
+    assert paused["modeled_baseline_ns"] == pytest.approx(paused["step_time_ns"], rel=0.02)
+    assert paused["whatif_step_time_ns"] == pytest.approx(healthy, rel=0.02)
+    bare = analysis.whatif(open_run(_fsdp2_run(tmp_path / "bare", pause_ms=20, waits=False)), ranks=[1])
+    assert bare["whatif_step_time_ns"] < 0.85 * healthy
+
+
 def test_whatif_gains_only_with_a_straggler(runs: dict[str, Path]) -> None:
     slow = open_run(runs["straggler"])
     fixed = analysis.whatif(slow)

@@ -18,7 +18,9 @@
 -- FSDP's reduce-scatters on their own stream, which no Python wait marks. Taken as blocking, a
 -- rank that waited for a late peer's buckets while its own backward went on read as a rank that
 -- computed little, and on 2x H200 DDP jobs the fixed step came out 20-40% under the healthy runs'
--- step. FSDP's parameter all-gathers stay blocking: the next layer's compute waits for them.
+-- step. FSDP's parameter all-gathers block where issued (the next layer's compute waits for
+-- them) unless they have wait spans: FSDP2's on GPU, issued a layer ahead on a stream of their
+-- own, are waited for where the compute stream needs them (the collector's hold_until_waited).
 -- @column step, rank, kind, seq  the span (kind: collective | send | recv | wait)
 -- @column arrival_ns, end_ns    its start and completion, reference clock (a wait row: the wait's
 --                               start and the call's end)
@@ -86,14 +88,15 @@ FROM i WHERE waited_here;
 
 -- @statement events_in_order
 -- The events of ms_cache.{{table}} in replay order: per step and rank by arrival, a send before a
--- receive that arrives at the same time.
+-- receive that arrives at the same time, a wait after the call it waits for where it begins as
+-- that call is issued (a wait taken first would wait for its own rank's arrival).
 -- @column step, rank, arrival_ns, end_ns, step_start_ns, step_end_ns, stage, inst, xfer_ns  as in events
 -- @column posted  the rank goes on at once (a send, or a call waited for later): all the replay
 --                 needs of its kind, as a flag (a column of strings, one per event, took ~8 MB of
 --                 a 256-rank report)
 -- @column waiter  a wait row: holds its rank until the instance completes, and is no arrival
 SELECT * EXCLUDE (seq, kind, is_async), kind = 'send' OR is_async AS posted, kind = 'wait' AS waiter
-FROM ms_cache.{{table}} ORDER BY step, rank, arrival_ns, kind <> 'send', seq;
+FROM ms_cache.{{table}} ORDER BY step, rank, arrival_ns, kind = 'wait', kind <> 'send', seq;
 
 -- @statement drop_events
 -- ms_cache.{{table}} once events_in_order has read it: the replay works on that frame, and the
