@@ -200,12 +200,13 @@ def test_a_call_on_a_stream_of_its_own_gets_a_wait_span_where_the_compute_stream
     import torch.distributed as dist
     from megascope.collectors.hooks import Interception
 
+    side = torch.cuda.Stream()
+    out, inp = torch.zeros(1 << 16, device="cuda"), torch.ones(1 << 16, device="cuda")
+    dist.all_gather_into_tensor(out, inp)  # the communicator made: the first call's host time
+    cycles = _sleep_cycles(30)
     run = tmp_path / "run"
     col = _collector(run)
     interception = Interception(col).install()
-    side = torch.cuda.Stream()
-    out, inp = torch.zeros(1 << 16, device="cuda"), torch.ones(1 << 16, device="cuda")
-    cycles = _sleep_cycles(30)
 
     class Group:
         def __init__(self, busy: str) -> None:
