@@ -1308,3 +1308,35 @@ def test_a_rank_flagged_for_its_compute_is_dismissed_under_a_lower_replay_bar() 
     assert list(got) == [True, False, True, False, False]
     strict = straggler_module._costless(frame, saving, StragglerConfig(min_host_saving=0.001))
     assert list(strict) == [False, False, False, False, False]
+
+
+def test_a_slow_fsdp2_rank_is_named_by_its_compute_outside_its_calls(tmp_path: Path) -> None:
+    """tests/data/cpu-fsdp2-slow: an FSDP2 job on CPU (gloo, 3 ranks, 14 steps), rank 1 doing 1.5x
+    its peers' compute. FSDP's spans hold its gathers and reductions, most of a gloo step: rank 1
+    waits less inside them, its spans read no longer than its peers' and its own time 1.08x, its
+    evidence under the bar. Its forward and backward less the calls inside them stand out.
+    tests/data/cpu-fsdp2-healthy (4 ranks): a rank with evidence of the same order (z 3.0), its
+    compute outside its calls no slower than its peers': nothing named."""
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+    from megascope.analysis import _sql
+    from megascope.analysis.base import prepare
+
+    config = straggler_module.StragglerConfig()
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-fsdp2-slow", tmp_path / "slow"))
+    c, _ = straggler_module._candidates(run, config)
+    c = c.set_index("rank")
+    assert not c["flag"].fillna(False).astype(bool).any()  # the evidence alone misses it
+    assert c["z"].idxmax() == 1 and c.at[1, "z"] >= straggler_module.OUTSIDE_CALLS_MIN_Z
+    prepare(run.con)
+    dp = _sql.query_df(run.con, "stragglers", "dp_compute", bar=config.min_named_slowdown).set_index("rank")
+    assert dp.at[1, "ratio"] < straggler_module.DP_COMPUTE_BAR  # the spans do not stretch
+    found = analysis.stragglers(run)
+    assert list(found["rank"]) == [1]
+    row = found.iloc[0]
+    assert row["cause"] == "compute" and row["slowdown"] >= straggler_module.OUTSIDE_CALLS_BAR
+    assert row["dp_compute_ratio"] == row["slowdown"] and row["steps_slow_frac"] >= straggler_module.DP_SLOW_FRAC
+
+    healthy = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-fsdp2-healthy", tmp_path / "healthy"))
+    c, _ = straggler_module._candidates(healthy, config)
+    assert c["z"].astype(float).max() >= straggler_module.OUTSIDE_CALLS_MIN_Z
+    assert analysis.stragglers(healthy).empty

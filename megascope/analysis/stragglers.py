@@ -468,6 +468,22 @@ DP_MIN_T_BLAME = 0.0
 # (-1.43x to -0.09x).
 DP_PAUSE_SHARE = 0.5
 
+# Compute outside the calls (sql/stragglers.sql, statement compute_outside_calls): where nothing
+# else is named nor dismissed (a replay that found a rank's fix saves nothing stands), on host-timed ranks of a mesh without tensor parallelism, a rank whose combined
+# evidence is at least OUTSIDE_CALLS_MIN_Z, and whose forward and backward less the calls inside
+# them are at least OUTSIDE_CALLS_BAR times its stage peers' (median over the steps read) and at
+# least ``min_named_slowdown`` times in DP_SLOW_FRAC of them, is named for its compute. FSDP's
+# spans hold its gathers and reductions, which on gloo are most of its step: a rank computing
+# 1.25-1.6x its peers' waits less inside its spans, and its spans (dp_compute) read 1.00x, its own
+# time 1.04-1.08x, its combined evidence 2.8-4.5. On 62 kept real 2-5 rank CPU runs of DDP and
+# FSDP2 jobs under the collector (20 healthy, 20 paused, 22 slow; the bars were read off them), the
+# planted ranks that nothing named read 1.20-1.51x in 71-100% of the steps at z 2.8-4.5, and no
+# rank that was not planted, at z 2.5 or more, over 1.15x in more than 64% of the steps (a healthy
+# 2-rank job's: 1.25x, in 9 steps of 14).
+OUTSIDE_CALLS_MIN_Z = 2.5
+OUTSIDE_CALLS_BAR = 1.15
+OUTSIDE_CALLS_RANKS = 4  # the candidates read, strongest evidence first
+
 
 # A rank named for its communication (its transfers slow, its own time not) is not one whose
 # combined evidence is below this: a rank that waited for its peers far more than they waited for
@@ -816,6 +832,52 @@ def _dp_stretched(run: Run, pool: pd.DataFrame, sizes: dict[str, int], config: S
     return _launch_bound(run, out)
 
 
+def _outside_calls_stretched(run: Run, pool: pd.DataFrame, sizes: dict[str, int],
+                             config: StragglerConfig) -> pd.DataFrame:
+    """Rows of ``pool`` (every rank's candidate row) for the ranks whose compute outside their calls
+    stretches against their stage peers' (see OUTSIDE_CALLS_BAR), where nothing else was named:
+    cause ``compute``, the ratio as ``median_slowdown`` and ``dp_compute_ratio``, the share of the
+    steps read at ``min_named_slowdown`` or more as ``steps_slow_frac``."""
+    none = pool.iloc[0:0]
+    if run.meta.source == RunSource.SYNTH or sizes["tp"] > 1 or "z" not in pool:
+        return none
+    timed = {int(r) for (r,) in run.con.execute("SELECT rank FROM ranks WHERE device LIKE 'cuda%'").fetchall()}
+    z = pool["z"].astype(float)
+    pick = pool[(z >= OUTSIDE_CALLS_MIN_Z) & ~pool["rank"].astype(int).isin(timed)]
+    pick = pick.sort_values("z", ascending=False).head(OUTSIDE_CALLS_RANKS)
+    if pick.empty:
+        return none
+    stage = _stages(run)
+    steps = _link_steps(run, len(pool))
+    ratios: dict[int, tuple[float, float]] = {}
+    for rank in pick["rank"].astype(int):
+        peers = [p for p in _stage_peers(stage, rank, PAUSE_PEERS) if p not in timed]
+        if not peers or not steps:
+            continue
+        read = [rank, *peers]
+        compute = _sql.query_df(run.con, "stragglers", "compute_outside_calls", ranks=read, steps=steps,
+                                spans=_sql.Raw(run.rank_source("spans", read)))
+        table = compute.pivot_table(index="step", columns="rank", values="compute")
+        if rank not in table.columns or len(table.columns) < 2:
+            continue
+        ratio = (table[rank] / table.drop(columns=[rank]).median(axis=1)).replace([np.inf, -np.inf], np.nan).dropna()
+        if len(ratio) < config.min_steps:
+            continue
+        mid, frac = float(ratio.median()), float((ratio >= config.min_named_slowdown).mean())
+        if mid >= OUTSIDE_CALLS_BAR and frac >= DP_SLOW_FRAC:
+            ratios[rank] = (mid, frac)
+    rows = pick[pick["rank"].astype(int).isin(ratios)]
+    if rows.empty:
+        return none
+    out = pd.concat([rows, _attribute(rows, sizes)], axis=1)
+    out["cause"] = "compute"
+    out["phase"] = "compute"
+    out["median_slowdown"] = [ratios[int(r)][0] for r in out["rank"]]
+    out["steps_slow_frac"] = [ratios[int(r)][1] for r in out["rank"]]
+    out["dp_compute_ratio"] = out["median_slowdown"]
+    return out
+
+
 def _waits_for_paused_peer(run: Run, rank: int, dp: pd.DataFrame) -> bool:
     """Whether one of ``rank``'s data-parallel peers (``dp``: the ``dp_compute`` rows; its peers
     are the ranks at its stage and TP coordinate, at most PAUSE_PEERS, those whose spans read
@@ -877,7 +939,8 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
     (its host probe over the median rank's: how much slower the CPU under its training thread ran
     a fixed loop; NaN where the run has no probes, see :func:`cpu_slowdown`), tp_compute_ratio and
     dp_compute_ratio (its compute against its TP partners' or its data-parallel peers', for the
-    ranks those measures named; see :func:`_tp_stretched` and :func:`_dp_stretched`).
+    ranks those measures named; see :func:`_tp_stretched`, :func:`_dp_stretched` and
+    :func:`_outside_calls_stretched`).
     """
     return detect(run, config)[0]
 
@@ -918,6 +981,9 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
     if not stretched.empty:
         out_own = pd.concat([out_own, stretched]) if not out_own.empty else stretched
         own_slow = own_slow | c["rank"].isin(stretched["rank"])
+    if out_own.empty and not any(not g.empty for g in gone):  # none named, none dismissed
+        out_own = _outside_calls_stretched(run, c, sizes, config)
+        own_slow = own_slow | c["rank"].isin(out_own["rank"])
     if not out_own.empty:
         out_own = _tp_explained(run, out_own, config)
     out_comm = c[~own_slow & (c["steps_comm_slow_frac"] >= config.min_frac)
