@@ -38,6 +38,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -158,6 +159,8 @@ class Collector:
             run_id=self._run_id.get, align_steps=config.align_passes,
         )
         self._gc_watch: _GcWatch | None = None  # before any thread that reads stats starts
+        # config.switch_interval_us: (the job's interval, the collector's), put back at close.
+        self._switch: tuple[float, float] | None = None
         self._agent: AgentLink | None = None
         self._stacks: StackWatch | None = None
         self._node_compaction: Any = None  # megascope.collectors.node_compact.NodeCompaction
@@ -195,6 +198,9 @@ class Collector:
         if config.gc_span_min_ms is not None:
             self._gc_watch = _GcWatch(self, int(config.gc_span_min_ms * 1e6))
             gc.callbacks.append(self._gc_watch)
+        if config.switch_interval_us:
+            self._switch = (sys.getswitchinterval(), config.switch_interval_us / 1e6)
+            sys.setswitchinterval(self._switch[1])
         if config.node_compact_every_s is not None:
             self._start_node_compaction(config.node_compact_every_s)
         self._install_exit_hooks()
@@ -766,6 +772,8 @@ class Collector:
             pass
         if self._gc_watch is not None and self._gc_watch in gc.callbacks:
             gc.callbacks.remove(self._gc_watch)
+        if self._switch is not None and sys.getswitchinterval() == self._switch[1]:  # unless changed since
+            sys.setswitchinterval(self._switch[0])
         self.release_held()
         if self._heartbeat is not None:
             self._heartbeat.stop()

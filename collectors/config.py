@@ -18,6 +18,7 @@ script wrote, so an operator can switch the collector off or move its output wit
 ``MEGASCOPE_RECORD_CALLS=driver``     ``record_calls`` (``driver`` or ``torch``)
 ``MEGASCOPE_WRITER_DUTY=0.25``        ``writer_duty`` (1 turns the writer's pacing off)
 ``MEGASCOPE_ALIGN_PASSES=0``          ``align_passes=False``
+``MEGASCOPE_SWITCH_INTERVAL_US=500``  ``switch_interval_us`` (0: left as the job set it)
 ``MEGASCOPE_GC_SPAN_MS=1``            ``gc_span_min_ms`` (a negative value turns GC spans off)
 ``MEGASCOPE_COMM_SAMPLE=tp``          ``comm_sample_kinds`` (comma-separated; ``none`` times every call)
 ``MEGASCOPE_COMM_SAMPLE_CALLS=4``     ``comm_sample_calls`` (0: every step-level call of those kinds)
@@ -146,6 +147,15 @@ class CollectorConfig:
     # slows its rank, and a synchronous job goes at the pace of its slowest rank, so passes at
     # scattered moments slow nearly every step of a large job. Without steps, every interval.
     align_passes: bool = True
+    # The interpreter's switch interval while the collector is open (sys.setswitchinterval), in
+    # microseconds: how long a thread holding the interpreter lock keeps it once another thread
+    # asks for it (Python's default: 5,000). The writer thread shares the lock with the training
+    # thread, which waits for it up to that long each time. None: left as the job set it. On
+    # 2x H200, tp2 whole runs of the bundled trainer (two interleaved rounds, one machine): 500
+    # made the training thread wait half as often (116-132 voluntary switches a step against
+    # 185-252) and read -1.46% / +0.78% (mean / p90) against the unrecorded runs, the default
+    # -0.55% / +3.86% (docs/benchmarks-log.md); too few rounds to make it the default.
+    switch_interval_us: int | None = None
     # A host span ("gc.gen0/1/2", kind host) for every garbage collection of the interpreter that
     # takes at least this many milliseconds (None: none). A full collection stops every thread
     # of the rank for tens of milliseconds, long enough to make one rank a straggler.
@@ -251,6 +261,8 @@ class CollectorConfig:
             raise ConfigError(f"node_compact_every_s must be >= 1 or None, got {self.node_compact_every_s}")
         if self.node_compact_min_age_s is not None and self.node_compact_min_age_s < 0:
             raise ConfigError(f"node_compact_min_age_s must be >= 0 or None, got {self.node_compact_min_age_s}")
+        if self.switch_interval_us is not None and not self.switch_interval_us > 0:
+            raise ConfigError(f"switch_interval_us must be > 0 or None, got {self.switch_interval_us}")
         if self.heartbeat_interval_s is not None and not self.heartbeat_interval_s > 0:
             raise ConfigError(f"heartbeat_interval_s must be > 0 or None, got {self.heartbeat_interval_s}")
 
@@ -296,6 +308,9 @@ class CollectorConfig:
             changes["writer_duty"] = _env_number("MEGASCOPE_WRITER_DUTY", env["MEGASCOPE_WRITER_DUTY"], float)
         if "MEGASCOPE_ALIGN_PASSES" in env:
             changes["align_passes"] = env_bool("MEGASCOPE_ALIGN_PASSES", env["MEGASCOPE_ALIGN_PASSES"])
+        if "MEGASCOPE_SWITCH_INTERVAL_US" in env:
+            us = _env_number("MEGASCOPE_SWITCH_INTERVAL_US", env["MEGASCOPE_SWITCH_INTERVAL_US"], int)
+            changes["switch_interval_us"] = us if us > 0 else None
         if "MEGASCOPE_GC_SPAN_MS" in env:
             ms = _env_number("MEGASCOPE_GC_SPAN_MS", env["MEGASCOPE_GC_SPAN_MS"], float)
             changes["gc_span_min_ms"] = ms if ms >= 0 else None

@@ -1439,3 +1439,32 @@ def test_cli_every_stops_once_the_process_it_watches_has_ended(tmp_path: Path) -
     lone = subprocess.run([sys.executable, "-m", "megascope", "compact", str(run), "--while-pid", "1"],
                           capture_output=True, text=True, timeout=60)
     assert lone.returncode == 2 and "--while-pid goes with --every" in lone.stderr
+
+
+def test_the_switch_interval_is_the_collector_s_while_it_is_open_and_the_job_s_after(tmp_path: Path) -> None:
+    """switch_interval_us (MEGASCOPE_SWITCH_INTERVAL_US): the interpreter's switch interval while
+    the collector is open, the job's put back at close (unless the job changed it meanwhile)."""
+    import sys
+
+    cfg = CollectorConfig(run_dir=tmp_path / "a")
+    assert cfg.with_env({"MEGASCOPE_SWITCH_INTERVAL_US": "500"}).switch_interval_us == 500
+    assert cfg.with_env({"MEGASCOPE_SWITCH_INTERVAL_US": "0"}).switch_interval_us is None
+    with pytest.raises(ConfigError, match="MEGASCOPE_SWITCH_INTERVAL_US"):
+        cfg.with_env({"MEGASCOPE_SWITCH_INTERVAL_US": "fast"})
+    with pytest.raises(ConfigError, match="switch_interval_us must be > 0"):
+        CollectorConfig(run_dir=tmp_path, switch_interval_us=-5)
+    job = sys.getswitchinterval()
+    try:
+        col = _collector(tmp_path / "b", switch_interval_us=500)
+        assert sys.getswitchinterval() == pytest.approx(500e-6)
+        col.close()
+        assert sys.getswitchinterval() == job
+        col = _collector(tmp_path / "c", switch_interval_us=500)
+        sys.setswitchinterval(0.002)  # the job's own change after the collector's is kept
+        col.close()
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+        col = _collector(tmp_path / "d")
+        assert sys.getswitchinterval() == pytest.approx(0.002)
+        col.close()
+    finally:
+        sys.setswitchinterval(job)
