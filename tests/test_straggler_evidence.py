@@ -201,7 +201,8 @@ def test_report_json_carries_confidence_and_evidence(tmp_path: Path) -> None:
     assert first["rank"] == 6
     assert set(first["evidence"]) == {"z", "own_time_t", "wait_caused_t", "last_arrival_z", "compute_span_share",
                                       "compute_span_t", "pause_share", "device_idle_frac", "cpu_slowdown",
-                                      "tp_compute_ratio", "dp_compute_ratio", "slow_groups", "behind_rank"}
+                                      "tp_compute_ratio", "dp_compute_ratio", "outside_calls_ratio", "slow_groups",
+                                      "behind_rank"}
     assert first["evidence"]["slow_groups"] is None  # named for its own time, not for its groups' transfers
     assert first["evidence"]["behind_rank"] is None  # no other stage of its replica named before it
     pause = first["evidence"]["pause_share"]
@@ -1310,7 +1311,8 @@ def test_a_rank_flagged_for_its_compute_is_dismissed_under_a_lower_replay_bar() 
     assert list(strict) == [False, False, False, False, False]
 
 
-def test_a_slow_fsdp2_rank_is_named_by_its_compute_outside_its_calls(tmp_path: Path) -> None:
+def test_a_slow_fsdp2_rank_is_named_by_its_compute_outside_its_calls(tmp_path: Path,
+                                                                      cli: Callable[..., Result]) -> None:
     """tests/data/cpu-fsdp2-slow: an FSDP2 job on CPU (gloo, 3 ranks, 14 steps), rank 1 doing 1.5x
     its peers' compute. FSDP's spans hold its gathers and reductions, most of a gloo step: rank 1
     waits less inside them, its spans read no longer than its peers' and its own time 1.08x, its
@@ -1334,7 +1336,10 @@ def test_a_slow_fsdp2_rank_is_named_by_its_compute_outside_its_calls(tmp_path: P
     assert list(found["rank"]) == [1]
     row = found.iloc[0]
     assert row["cause"] == "compute" and row["slowdown"] >= straggler_module.OUTSIDE_CALLS_BAR
-    assert row["dp_compute_ratio"] == row["slowdown"] and row["steps_slow_frac"] >= straggler_module.DP_SLOW_FRAC
+    assert row["outside_calls_ratio"] == row["slowdown"] and row["steps_slow_frac"] >= straggler_module.DP_SLOW_FRAC
+    assert np.isnan(row["dp_compute_ratio"])
+    text = cli("report", str(tmp_path / "slow")).output
+    assert f"rank 1: forward and backward less the calls inside them {row['slowdown']:.2f}x its peers'" in text
 
     healthy = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-fsdp2-healthy", tmp_path / "healthy"))
     c, _ = straggler_module._candidates(healthy, config)

@@ -19,13 +19,15 @@ from megascope.analysis.whatif import gain_words, host_held
 from megascope.topology import format_coords
 
 COLUMNS = ("rank", "host", "coords", "cause", "phase", "slowdown", "steps_slow_frac", "last_arrival_frac",
-           "late_at", "tp_compute_ratio", "dp_compute_ratio", "behind", "slow_groups", "device_idle_frac",
+           "late_at", "tp_compute_ratio", "dp_compute_ratio", "outside_calls_ratio", "behind", "slow_groups",
+           "device_idle_frac",
            "cpu_slowdown")
 NAMES = {"steps_slow_frac": "steps slow", "slowdown": "slowdown vs peers (the measure that named it)",
          "last_arrival_frac": "collectives it arrives last at", "late_at": "last at (group)",
          "phase": "where (largest excess)", "cpu_slowdown": "its CPU vs the median rank's (host probe)",
          "tp_compute_ratio": "compute outside TP calls vs its TP partners'",
          "dp_compute_ratio": "forward and backward vs its DP peers' (same stage)",
+         "outside_calls_ratio": "forward and backward less the calls inside them vs its peers' (same stage)",
          "behind": "a later stage of the pipeline replica of (its calls late behind that rank's)",
          "slow_groups": "its slow groups and pipeline links: transfers vs the others of their kind, or calls "
                        "completing late on the rank data flows into (a slow link)",
@@ -40,7 +42,7 @@ def shown_frame(frame: Any) -> Any:
     for column in ("steps_slow_frac", "last_arrival_frac"):
         if column in out:
             out[column] = [f"{100 * float(v):.0f}%" if v == v and v is not None else "" for v in out[column]]
-    for column in ("slowdown", "cpu_slowdown", "tp_compute_ratio", "dp_compute_ratio"):
+    for column in ("slowdown", "cpu_slowdown", "tp_compute_ratio", "dp_compute_ratio", "outside_calls_ratio"):
         if column in out:
             out[column] = [f"x{float(v):.2f}" if v == v and v is not None else "" for v in out[column]]
     if "slow_groups" in out:

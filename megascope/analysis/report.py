@@ -129,7 +129,7 @@ def _straggler_list(frame: pd.DataFrame, axes: tuple[str, ...]) -> list[dict[str
                 "compute_span_t": row.get("t_spans"), "pause_share": row.get("pause_share"),
                 "device_idle_frac": row.get("device_idle_frac"),
                 "cpu_slowdown": row.get("cpu_slowdown"), "tp_compute_ratio": row.get("tp_compute_ratio"),
-                "dp_compute_ratio": row.get("dp_compute_ratio"),
+                "dp_compute_ratio": row.get("dp_compute_ratio"), "outside_calls_ratio": row.get("outside_calls_ratio"),
                 "slow_groups": list(row["slow_groups"]) if isinstance(row.get("slow_groups"), list) else None,
                 "behind_rank": int_or_none(row.get("behind")),
             },

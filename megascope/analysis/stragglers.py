@@ -43,7 +43,7 @@ COLUMNS = [
     "rank", "host", "coords", "pp", "dp", "tp", "phase", "cause", "slowdown", "steps_slow_frac", "steps",
     "excess_ns", "base_own_ns", "last_arrival_frac", "late_at", "impact",
     "z", "p_value", "confidence", "t_own", "t_blame", "last_z", "spans_share", "t_spans", "pause_share",
-    "device_idle_frac", "cpu_slowdown", "tp_compute_ratio", "dp_compute_ratio", "slow_groups", "behind",
+    "device_idle_frac", "cpu_slowdown", "tp_compute_ratio", "dp_compute_ratio", "outside_calls_ratio", "slow_groups", "behind",
 ]
 # A rank's host probe (megascope.schema.HOST_PROBE_METRIC) is compared with the median rank's only
 # where at least this many ranks wrote at least HOST_PROBE_MIN probes each.
@@ -469,10 +469,11 @@ DP_MIN_T_BLAME = 0.0
 DP_PAUSE_SHARE = 0.5
 
 # Compute outside the calls (sql/stragglers.sql, statement compute_outside_calls): where nothing
-# else is named nor dismissed (a replay that found a rank's fix saves nothing stands), on host-timed ranks of a mesh without tensor parallelism, a rank whose combined
-# evidence is at least OUTSIDE_CALLS_MIN_Z, and whose forward and backward less the calls inside
-# them are at least OUTSIDE_CALLS_BAR times its stage peers' (median over the steps read) and at
-# least ``min_named_slowdown`` times in DP_SLOW_FRAC of them, is named for its compute. FSDP's
+# else is named nor dismissed (a replay that found a rank's fix saves nothing stands), on
+# host-timed ranks of a mesh without tensor parallelism, a rank whose combined evidence is at
+# least OUTSIDE_CALLS_MIN_Z, and whose forward and backward less the calls inside them are at least
+# OUTSIDE_CALLS_BAR times its stage peers' (median over the steps read) and at least
+# ``min_named_slowdown`` times in DP_SLOW_FRAC of them, is named for its compute. FSDP's
 # spans hold its gathers and reductions, which on gloo are most of its step: a rank computing
 # 1.25-1.6x its peers' waits less inside its spans, and its spans (dp_compute) read 1.00x, its own
 # time 1.04-1.08x, its combined evidence 2.8-4.5. On 62 kept real 2-5 rank CPU runs of DDP and
@@ -836,8 +837,8 @@ def _outside_calls_stretched(run: Run, pool: pd.DataFrame, sizes: dict[str, int]
                              config: StragglerConfig) -> pd.DataFrame:
     """Rows of ``pool`` (every rank's candidate row) for the ranks whose compute outside their calls
     stretches against their stage peers' (see OUTSIDE_CALLS_BAR), where nothing else was named:
-    cause ``compute``, the ratio as ``median_slowdown`` and ``dp_compute_ratio``, the share of the
-    steps read at ``min_named_slowdown`` or more as ``steps_slow_frac``."""
+    cause ``compute``, the ratio as ``median_slowdown`` and ``outside_calls_ratio``, the share of
+    the steps read at ``min_named_slowdown`` or more as ``steps_slow_frac``."""
     none = pool.iloc[0:0]
     if run.meta.source == RunSource.SYNTH or sizes["tp"] > 1 or "z" not in pool:
         return none
@@ -874,7 +875,7 @@ def _outside_calls_stretched(run: Run, pool: pd.DataFrame, sizes: dict[str, int]
     out["phase"] = "compute"
     out["median_slowdown"] = [ratios[int(r)][0] for r in out["rank"]]
     out["steps_slow_frac"] = [ratios[int(r)][1] for r in out["rank"]]
-    out["dp_compute_ratio"] = out["median_slowdown"]
+    out["outside_calls_ratio"] = out["median_slowdown"]
     return out
 
 
@@ -939,8 +940,9 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
     (its host probe over the median rank's: how much slower the CPU under its training thread ran
     a fixed loop; NaN where the run has no probes, see :func:`cpu_slowdown`), tp_compute_ratio and
     dp_compute_ratio (its compute against its TP partners' or its data-parallel peers', for the
-    ranks those measures named; see :func:`_tp_stretched`, :func:`_dp_stretched` and
-    :func:`_outside_calls_stretched`).
+    ranks those measures named; see :func:`_tp_stretched` and :func:`_dp_stretched`), and
+    outside_calls_ratio (its forward and backward less the calls inside them against its stage
+    peers', for the ranks that measure named; see :func:`_outside_calls_stretched`).
     """
     return detect(run, config)[0]
 
@@ -1032,7 +1034,8 @@ def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFram
     if "slow_groups" in out:
         out.loc[out["slow_groups"].notna(), "_z"] = np.inf
     out = _replica_order(out.sort_values(["_z", "impact", "rank"], ascending=[False, False, True], kind="stable"))
-    for column in ("device_idle_frac", "tp_compute_ratio", "dp_compute_ratio", "pause_share", "slow_groups"):
+    for column in ("device_idle_frac", "tp_compute_ratio", "dp_compute_ratio", "outside_calls_ratio", "pause_share",
+                   "slow_groups"):
         if column not in out:
             out[column] = np.nan
     probe = cpu_slowdown(run)

@@ -86,6 +86,11 @@ def _print_report(r: dict[str, Any]) -> None:
             if s["cause"] == "compute" and dp is not None and dp == dp:
                 click.echo(f"  rank {s['rank']}: forward and backward {dp:.2f}x its data-parallel peers' at its stage "
                            "(its replica waits for it, so its own time stands out less)")
+            outside = (s.get("evidence") or {}).get("outside_calls_ratio")
+            if s["cause"] == "compute" and outside is not None and outside == outside:
+                click.echo(f"  rank {s['rank']}: forward and backward less the calls inside them {outside:.2f}x its "
+                           "peers' at its stage (its spans hold its collectives, in which it waits less than they do: "
+                           "its spans read no longer than theirs)")
             groups = (s.get("evidence") or {}).get("slow_groups")
             late = [g for g in groups or [] if "(late, " in g]
             either = [g.removesuffix(" (either end)") for g in groups or [] if g.endswith(" (either end)")
