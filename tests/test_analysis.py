@@ -247,6 +247,34 @@ def test_own_time_keeps_the_compute_a_backward_did_while_its_buckets_waited(tmp_
     assert blocking[0] == pytest.approx(51.49 - 27, abs=0.05)
 
 
+def test_own_time_of_a_rank_killed_mid_backward_reads_its_step(tmp_path: Path) -> None:
+    """A DDP job whose rank 1 died in its last step's backward, after the first of eight gradient
+    buckets: rank 0's eight buckets have no partner for seven of them. The group's reductions are
+    not read as hidden waits there (their instances are incomplete), and nothing in rank 1's row
+    is computed from sums over instances it missed: that difference, seven arrival times of about
+    1.8e18 ns, overflowed a 64-bit integer and the whole report failed."""
+    spans = []
+    t0, buckets = 1_790_000_000_000_000_000, 8
+    for step in range(3):
+        for r in range(2):
+            last = step == 2 and r == 1
+            spans.append(span(r, step, "forward", t0, 10 * MS))
+            spans.append(span(r, step, "backward", t0 + 10 * MS, 30 * MS))
+            for k in range(1 if last else buckets):
+                row = span(r, step, "collective", t0 + 10 * MS + (k + 1) * 3 * MS, MS, group="dp:0",
+                           seq=buckets * step + k)
+                spans.append({**row, "name": "all_reduce", "op": "all_reduce"})
+            if not last:
+                spans.append(span(r, step, "step", t0, 42 * MS))
+        t0 += 42 * MS
+    run = open_run(hand_run(tmp_path / "run", spans, [], world=2, hosts=("h0", "h1"), devices=("cuda:0", "cuda:0"),
+                            source="collector"))
+    prepare(run.con)
+    rows = dict(run.con.execute("SELECT rank, own_ns FROM ms_cache.rank_step WHERE step = 2").fetchall())
+    assert set(rows) == {0, 1} and 0 <= rows[1] <= 42 * MS and 0 <= rows[0] <= 42 * MS
+    assert analysis.report(run, with_whatif=False)["run"]["world_size"] == 2
+
+
 def _fsdp2_run(path: Path, *, pause_ms: float, waits: bool) -> Path:
     """Two ranks as FSDP2 lays them out on GPU, six steps: three 3 ms layers of forward, each
     after its parameters' all-gather (0.5 ms once both ranks arrive, on stream ``cuda:37``), the

@@ -444,11 +444,17 @@ WITH spans_lvl AS (
                  THEN least((p.last_arrival_sum - l.arrival_sum - l.coll_spans * coalesce(k.offset_ns, 0)) * l.wait_scale,
                             l.last_raw - l.first_raw) * l.bound_scale
                  ELSE l.coll_ns * l.scale END)::BIGINT AS coll_wait,
-           -- Of a group's wait, its reductions' part (bounded in j) and the rest's (by the extent).
-           CASE WHEN l.reductions
+           -- Of a group's wait, its reductions' part (bounded in j) and the rest's (by the extent),
+           -- where the reductions are read as such (the condition of "reductions" above): only
+           -- there do the rank's sums and the instances' cover the same calls. Elsewhere (a rank
+           -- that died mid-backward, its partner's buckets without it) their difference counts
+           -- whole arrival times, and overflowed.
+           CASE WHEN l.reductions AND coalesce(p.group_kind = 'dp' AND p.all_instances = l.coll_spans
+                                               AND p.red_instances = l.reduce_spans, false)
                 THEN ((p.red_last_arrival_sum - l.red_arrival_sum - l.reduce_spans * coalesce(k.offset_ns, 0))
                       * l.wait_scale * l.bound_scale)::BIGINT END AS red_wait,
-           CASE WHEN l.reductions
+           CASE WHEN l.reductions AND coalesce(p.group_kind = 'dp' AND p.all_instances = l.coll_spans
+                                               AND p.red_instances = l.reduce_spans, false)
                 THEN (least((p.last_arrival_sum - l.arrival_sum - (p.red_last_arrival_sum - l.red_arrival_sum)
                              - (l.coll_spans - l.reduce_spans) * coalesce(k.offset_ns, 0)) * l.wait_scale,
                             l.last_raw - l.first_raw) * l.bound_scale)::BIGINT END AS rest_wait
