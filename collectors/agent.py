@@ -48,8 +48,18 @@ class _Stop(Exception):
     """SIGTERM: make the last pass now."""
 
 
+# A SIGTERM sets _STOPPING, and cuts short only the wait for the rank's messages (_WAITING): one
+# raised while a pass wrote its part went past the loop, and the agent ended without its last pass
+# (no final markers, no rank_alive 0): a launcher's SIGTERM landing in a pass's few milliseconds.
+_STOPPING = False
+_WAITING = False
+
+
 def _stop(signum: int, frame: object) -> None:
-    raise _Stop
+    global _STOPPING
+    _STOPPING = True
+    if _WAITING:
+        raise _Stop
 
 
 class Control:
@@ -124,20 +134,27 @@ class Agent:
         ``parent`` (the rank that started this process) is given, this process having another
         parent. End-of-file needs every copy of the pipe's write end closed, and a process the
         rank forked (a data loader's worker) holds one until it ends too."""
+        global _WAITING
         messages = Control()
         gone = False
         next_alive = 0.0
         while not gone:
             asked = messages.flushes
             try:
+                _WAITING = True
+                if _STOPPING:
+                    raise _Stop
                 ready, _, _ = select.select([control], [], [], interval_s)
+                _WAITING = False
                 if ready:
                     data = os.read(control, 4096)
                     gone = not data
                     messages.feed(data)
             except _Stop:
                 gone = True
-            gone = gone or (parent is not None and os.getppid() != parent)
+            finally:
+                _WAITING = False
+            gone = gone or _STOPPING or (parent is not None and os.getppid() != parent)
             self.run_id = messages.run_id or self.run_id
             self.drain()
             if messages.flushes > asked:

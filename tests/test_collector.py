@@ -1468,3 +1468,47 @@ def test_the_switch_interval_is_the_collector_s_while_it_is_open_and_the_job_s_a
         col.close()
     finally:
         sys.setswitchinterval(job)
+
+
+def test_a_sigterm_during_a_marker_agent_s_pass_still_gets_its_last_pass(tmp_path: Path) -> None:
+    """A SIGTERM (a launcher stopping the job) that lands while the marker agent writes a pass
+    ends the agent after that pass with its last one (the final markers, rank_alive 0), not at
+    once without it: raised there, it went past the agent's loop."""
+    import os
+    import signal
+
+    import pyarrow as pa
+    from megascope.collectors import agent
+
+    class Ring:  # nothing to write; its second read is where the SIGTERM lands
+        lost = 0
+        reads = 0
+
+        def read_table(self) -> pa.Table:
+            self.reads += 1
+            if self.reads == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return pa.table({})
+
+        def commit(self) -> None:
+            pass
+
+        def ack_flush(self, flushes: int) -> None:
+            pass
+
+    previous = signal.signal(signal.SIGTERM, agent._stop)
+    read_end, write_end = os.pipe()
+    ring = Ring()
+    try:
+        agent.Agent(ring, tmp_path, rank=3, host="h0", pid=os.getpid()).run(read_end, 0.05)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        agent._STOPPING = False
+        os.close(read_end)
+        os.close(write_end)
+    assert ring.reads == 4  # the pass the signal landed in, one more, and the last
+    rows = sorted((r for part in tmp_path.glob("heartbeats/host=*/part-*.parquet")
+                   for r in pq.read_table(part, columns=["rank", "metric", "value", "time_ns"]).to_pylist()),
+                  key=lambda r: r["time_ns"])
+    alive = [r["value"] for r in rows if r["metric"] == "rank_alive" and r["rank"] == 3]
+    assert alive[-1] == 0.0 and alive.count(0.0) == 1
