@@ -57,8 +57,9 @@ _WAITING = False
 
 def _stop(signum: int, frame: object) -> None:
     global _STOPPING
+    first = not _STOPPING
     _STOPPING = True
-    if _WAITING:
+    if _WAITING and first:  # a second SIGTERM never raises: it may land in the handler of the first
         raise _Stop
 
 
