@@ -135,6 +135,7 @@ def executed(synth: Synth, tmp_path_factory: pytest.TempPathFactory,
     _sql.execute(run.con, "stragglers", "step_compute", ranks=[4, 5]).fetchall()
     # Read only for a rank named for its compute on a real run, to tell data arriving late.
     _sql.execute(run.con, "stragglers", "group_members", max_members=64).fetchall()
+    _sql.execute(run.con, "stragglers", "device_timed").fetchall()
     _sql.execute(run.con, "stragglers", "late_completion", ranks=[4, 5], steps=[2, 3], max_members=64,
                  spans=_sql.Raw(run.rank_source("spans", [4, 5]))).fetchall()
     _sql.execute(run.con, "stragglers", "compute_outside_calls", ranks=[4, 5], steps=[2, 3],

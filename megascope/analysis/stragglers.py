@@ -842,7 +842,7 @@ def _outside_calls_stretched(run: Run, pool: pd.DataFrame, sizes: dict[str, int]
     none = pool.iloc[0:0]
     if run.meta.source == RunSource.SYNTH or sizes["tp"] > 1 or "z" not in pool:
         return none
-    timed = {int(r) for (r,) in run.con.execute("SELECT rank FROM ranks WHERE device LIKE 'cuda%'").fetchall()}
+    timed = {int(r) for (r,) in _sql.execute(run.con, "stragglers", "device_timed").fetchall()}
     z = pool["z"].astype(float)
     pick = pool[(z >= OUTSIDE_CALLS_MIN_Z) & ~pool["rank"].astype(int).isin(timed)]
     pick = pick.sort_values("z", ascending=False).head(OUTSIDE_CALLS_RANKS)
@@ -850,18 +850,20 @@ def _outside_calls_stretched(run: Run, pool: pd.DataFrame, sizes: dict[str, int]
         return none
     stage = _stages(run)
     steps = _link_steps(run, len(pool))
+    peers = {int(r): [p for p in _stage_peers(stage, int(r), PAUSE_PEERS) if p not in timed] for r in pick["rank"]}
+    read = sorted(set(peers).union(*peers.values()))
+    if not steps or len(read) < 2:
+        return none
+    # One read of the candidates' and their peers' spans (they share their stage's peers).
+    table = _sql.query_df(run.con, "stragglers", "compute_outside_calls", ranks=read, steps=steps,
+                          spans=_sql.Raw(run.rank_source("spans", read))
+                          ).pivot_table(index="step", columns="rank", values="compute")
     ratios: dict[int, tuple[float, float]] = {}
-    for rank in pick["rank"].astype(int):
-        peers = [p for p in _stage_peers(stage, rank, PAUSE_PEERS) if p not in timed]
-        if not peers or not steps:
+    for rank, mine in peers.items():
+        others = [p for p in mine if p in table.columns]
+        if rank not in table.columns or not others:
             continue
-        read = [rank, *peers]
-        compute = _sql.query_df(run.con, "stragglers", "compute_outside_calls", ranks=read, steps=steps,
-                                spans=_sql.Raw(run.rank_source("spans", read)))
-        table = compute.pivot_table(index="step", columns="rank", values="compute")
-        if rank not in table.columns or len(table.columns) < 2:
-            continue
-        ratio = (table[rank] / table.drop(columns=[rank]).median(axis=1)).replace([np.inf, -np.inf], np.nan).dropna()
+        ratio = (table[rank] / table[others].median(axis=1)).replace([np.inf, -np.inf], np.nan).dropna()
         if len(ratio) < config.min_steps:
             continue
         mid, frac = float(ratio.median()), float((ratio >= config.min_named_slowdown).mean())

@@ -545,6 +545,11 @@ WITH c AS (
 )
 SELECT rank, grp, median(lag) AS lag_ns, count(*) AS steps FROM per GROUP BY rank, grp ORDER BY rank, grp;
 
+-- @statement device_timed
+-- The ranks timed on a device clock (ranks.device on CUDA), whose spans are the device's.
+-- @column rank  the rank
+SELECT rank FROM ranks WHERE device LIKE 'cuda%' ORDER BY rank;
+
 -- @statement compute_outside_calls
 -- The top-level forward and backward spans of the ranks in {{ranks}} less the collective calls
 -- and the waits for asynchronous ones (`<name>:wait` spans) made inside them (the part of each
