@@ -72,6 +72,9 @@ log = logging.getLogger(__name__)
 _TLS = threading.local()
 # The attribute of an FSDP2 parameter group that holds its all-gathers until their wait.
 _HELD_ATTR = "_megascope_held"
+# FSDP2's reduce-scatters held for a wait at most: more (a model whose groups never wait for
+# them) are written as they are.
+_MAX_PENDING_REDUCTIONS = 64
 
 
 def inside() -> bool:
@@ -149,6 +152,16 @@ def _nbytes(tensor: Any) -> int | None:
         return int(tensor.numel() * tensor.element_size())
     except Exception:
         return None
+
+
+def _waits_for_reductions(group: Any) -> bool:
+    """Whether this FSDP2 parameter group's ``post_backward`` makes the compute stream wait for the
+    reduce-scatters issued before it: where it reduces (``reduce_grads``), and, where a module has
+    several groups, in the last of them."""
+    if not getattr(group, "reduce_grads", True):
+        return False
+    index, count = getattr(group, "_param_group_index", None), getattr(group, "_num_param_groups", None)
+    return not (isinstance(index, int) and isinstance(count, int) and index != count - 1)
 
 
 def _end_quietly(handle: Any) -> None:
@@ -651,6 +664,9 @@ class Interception:
         if cls is not None and callable(getattr(cls, "unshard", None)) and callable(
                 getattr(cls, "wait_for_unshard", None)):
             self.hold_until_waited(cls, "unshard", "wait_for_unshard")
+        if cls is not None and callable(getattr(cls, "post_backward", None)) and callable(
+                getattr(cls, "finalize_backward", None)):
+            self.hold_reductions(cls)
 
     def hold_until_waited(self, cls: Any, issue: str, wait: str) -> None:
         """``cls.<issue>`` issues blocking calls on a stream of their own, ``cls.<wait>`` makes the
@@ -689,6 +705,64 @@ class Interception:
         functools.update_wrapper(waited, original_wait)
         self._patch(cls, issue, issued)
         self._patch(cls, wait, waited)
+
+    def hold_reductions(self, cls: Any) -> None:
+        """FSDP2 reduce-scatters a layer's gradients on a stream of its own in ``post_backward``, and
+        makes the compute stream wait for the reduce-scatters issued before at the next layer's
+        ``post_backward`` (to reuse their memory) and for the last ones in ``finalize_backward``. On
+        GPU each such reduce-scatter gets a ``<name>:wait`` span there, as the gathers do: beside a
+        slow rank these waits stall its peers' backward, and without the span read as their own
+        work.
+
+        The reduce-scatters are held from ``post_backward`` (the calls it issues) to the next
+        ``post_backward`` that waits for them (one that reduces: not under ``no_sync``-like
+        accumulation, and the last of a module's groups where it has several) or to
+        ``finalize_backward``; other calls it issues (HSDP's all-reduce, waited elsewhere) are
+        written as they were."""
+        col_ref = self._col
+        pending: list[Any] = []  # issued, not yet waited for: shared by every group of the model
+        original_post, original_final = cls.post_backward, cls.finalize_backward
+
+        def release(held: list[Any]) -> None:
+            for handle in held:
+                handle.waiting()
+
+        def post_backward(owner: Any, *args: Any, **kwargs: Any) -> Any:
+            col = col_ref()
+            if col is None or not col._active:
+                return original_post(owner, *args, **kwargs)
+            waited: list[Any] = []
+            if pending and _waits_for_reductions(owner):
+                waited, pending[:] = pending[:], []
+                release(waited)
+            outer = getattr(_TLS, "held", None)
+            held: list[Any] = []
+            _TLS.held = held
+            try:
+                return original_post(owner, *args, **kwargs)
+            finally:
+                _TLS.held = outer
+                for handle in waited:
+                    _end_quietly(handle)
+                for handle in held:
+                    if handle.op == CollectiveOp.REDUCE_SCATTER.value and len(pending) < _MAX_PENDING_REDUCTIONS:
+                        pending.append(handle)
+                    else:
+                        _end_quietly(handle)
+
+        def finalize_backward(owner: Any, *args: Any, **kwargs: Any) -> Any:
+            waited, pending[:] = pending[:], []
+            release(waited)
+            try:
+                return original_final(owner, *args, **kwargs)
+            finally:
+                for handle in waited:
+                    _end_quietly(handle)
+
+        functools.update_wrapper(post_backward, original_post)
+        functools.update_wrapper(finalize_backward, original_final)
+        self._patch(cls, "post_backward", post_backward)
+        self._patch(cls, "finalize_backward", finalize_backward)
 
     # ------------------------------------------------------------------ FSDP1
     def _install_fsdp1(self) -> None:

@@ -248,6 +248,63 @@ def test_a_call_on_a_stream_of_its_own_gets_a_wait_span_where_the_compute_stream
 
 
 @needs_cuda
+def test_a_reduce_scatter_on_a_stream_of_its_own_gets_a_wait_span_where_the_next_group_waits(
+        tmp_path: Path, nccl_world: None) -> None:
+    """FSDP2's backward: each group reduce-scatters on a stream of its own in ``post_backward``,
+    and the next group's ``post_backward`` makes the compute stream wait for it. The wait span runs
+    from there to the call's completion: long where the reduce-scatter's stream was still busy
+    (30 ms of sleep queued before it), short where compute was."""
+    import torch.distributed as dist
+    from megascope.collectors.hooks import Interception
+
+    side = torch.cuda.Stream()
+    out, inp = torch.zeros(1 << 16, device="cuda"), torch.ones(1 << 16, device="cuda")
+    dist.reduce_scatter_tensor(out, inp)  # the communicator made: the first call's host time
+    cycles = _sleep_cycles(30)
+    run = tmp_path / "run"
+    col = _collector(run)
+    interception = Interception(col).install()
+
+    class Group:
+        def __init__(self, busy: str) -> None:
+            self.busy = busy
+
+        def post_backward(self) -> None:
+            torch.cuda.current_stream().wait_stream(side)  # the previous reduce-scatter
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                if self.busy == "scatter":
+                    torch.cuda._sleep(cycles)
+                dist.reduce_scatter_tensor(out, inp)
+            if self.busy == "compute":
+                torch.cuda._sleep(cycles)
+
+        def finalize_backward(self) -> None:
+            torch.cuda.current_stream().wait_stream(side)
+
+    interception.hold_reductions(Group)
+    try:
+        for step in range(3):
+            with col.step(step):
+                for busy in ("scatter", "compute"):
+                    Group(busy).post_backward()
+                Group("none").finalize_backward()
+        torch.cuda.synchronize()
+    finally:
+        interception.uninstall()
+    col.close()
+    con = open_run(run).con
+    calls = con.sql("SELECT seq, stream FROM spans WHERE kind = 'collective' ORDER BY seq").fetchall()
+    assert calls == [(s, f"cuda:{side.stream_id}") for s in range(6)]
+    waits = con.sql("SELECT seq, op, dur_ns FROM spans WHERE name = 'reduce_scatter_tensor:wait' "
+                    "ORDER BY seq").fetchall()
+    assert [(s, op) for s, op, _ in waits] == [(s, "reduce_scatter") for s in range(6)]
+    # The sleep's length follows the clock the device runs at: bounds far from it either way.
+    assert all(d > 10_000_000 for s, _, d in waits if s % 2 == 0), waits   # the scatter's stream was busy
+    assert all(d < 2_000_000 for s, _, d in waits if s % 2 == 1), waits    # compute was
+
+
+@needs_cuda
 def test_nccl_calls_left_untimed_keep_their_markers_and_cost_no_timing_event(tmp_path: Path,
                                                                             nccl_world: None) -> None:
     run = tmp_path / "run"

@@ -957,3 +957,81 @@ def test_calls_on_a_stream_of_their_own_get_a_wait_span_where_their_group_waits(
     assert waits == [(1, 1, "all_gather", 0), (1, 2, "all_gather", 0)]
     states = run.con.execute("SELECT state, count(*) FROM markers GROUP BY 1 ORDER BY 1").fetchall()
     assert states == [("completed", 4), ("enqueued", 4)]
+
+def test_reduce_scatters_on_a_stream_of_their_own_get_a_wait_span_where_the_next_group_waits(one_rank: Path) -> None:
+    """FSDP2 reduce-scatters a layer's gradients on a stream of its own in
+    ``FSDPParamGroup.post_backward`` and makes the compute stream wait for those issued before at
+    the next group's ``post_backward`` (not where that group accumulates without reducing) and for
+    the last in ``finalize_backward``: each gets a ``<name>:wait`` span there. Another call issued
+    there (HSDP's all-reduce, waited elsewhere) is written without one; so is every call on the
+    caller's stream (every call on CPU). The methods are wrapped while the collector is on."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    originals = (FSDPParamGroup.post_backward, FSDPParamGroup.finalize_backward)
+    col = Collector.from_env(one_rank, flush_interval_s=0.2, device=torch.device("cpu"), marker_agent=False)
+    assert (FSDPParamGroup.post_backward, FSDPParamGroup.finalize_backward) != originals
+    timer = col._timer
+    own_stream: list[bool] = []
+    order: list[str] = []
+    entered: list[int] = []  # when each call of step 1 began, on the collector's clock
+
+    def enter(what: str) -> None:
+        order.append(what)
+        if own_stream:
+            entered.append(timer.wall_ns(time.perf_counter_ns(), timer.anchor_ref))
+
+    class Group:  # the shape of FSDPParamGroup's backward
+        def __init__(self, reduce: bool = True) -> None:
+            self.reduce_grads = reduce
+
+        def post_backward(self) -> None:
+            enter("post")
+            if not self.reduce_grads:
+                return
+            if own_stream:  # what a CUDA timer reports for a call under torch.cuda.stream(side)
+                timer.last_raw, timer.default_raw, timer.side_label = 1, 0, lambda: "cuda:7"
+            try:
+                dist.reduce_scatter_tensor(torch.zeros(4), torch.ones(4))
+                dist.all_reduce(torch.ones(4))
+            finally:
+                for name in ("last_raw", "default_raw", "side_label"):
+                    timer.__dict__.pop(name, None)
+
+        def finalize_backward(self) -> None:
+            enter("final")
+
+    col._interception.hold_reductions(Group)
+    layers = [Group(), Group(), Group()]
+    with col.step(0):  # on the caller's stream: as before
+        layers[1].post_backward()
+        layers[0].post_backward()
+        layers[0].finalize_backward()
+    own_stream.append(True)
+    with col.step(1):
+        layers[2].post_backward()
+        Group(reduce=False).post_backward()  # accumulates: waits for nothing
+        layers[1].post_backward()            # waits for layer 2's
+        layers[0].post_backward()            # for layer 1's
+        layers[0].finalize_backward()        # for layer 0's
+        layers[1].finalize_backward()
+    col.close()
+    assert (FSDPParamGroup.post_backward, FSDPParamGroup.finalize_backward) == originals
+    assert order == ["post", "post", "final"] + ["post"] * 4 + ["final"] * 2
+    run = open_run(one_rank)
+    calls = run.con.execute("SELECT step, op, stream FROM spans WHERE kind = 'collective' ORDER BY seq").fetchall()
+    assert calls == [(0, "reduce_scatter", "comm"), (0, "all_reduce", "comm")] * 2 + [
+        (1, "reduce_scatter", "cuda:7"), (1, "all_reduce", "cuda:7")] * 3
+    waits = run.con.execute("SELECT step, seq, op, dur_ns FROM spans WHERE kind = 'other' "
+                            "AND name = 'reduce_scatter_tensor:wait' ORDER BY seq").fetchall()
+    scatters = run.con.execute("SELECT seq FROM spans WHERE kind = 'collective' AND step = 1 "
+                               "AND op = 'reduce_scatter' ORDER BY seq").fetchall()
+    # The host clock: each call had ended before its wait began, so the waits last nothing.
+    assert waits == [(1, seq, "reduce_scatter", 0) for (seq,) in scatters]
+    # Each wait begins in the call that waits: layer 2's in layer 1's post_backward (after the
+    # accumulating group's), layer 1's in layer 0's, layer 0's in finalize_backward.
+    starts = [t for (t,) in run.con.execute("SELECT start_ns FROM spans WHERE name = 'reduce_scatter_tensor:wait' "
+                                            "ORDER BY seq").fetchall()]
+    assert len(entered) == 6
+    assert entered[1] < starts[0] < entered[2] < starts[1] < entered[3] < starts[2] < entered[4]
+    assert run.con.execute("SELECT count(*) FROM spans WHERE name LIKE 'all_reduce%:wait'").fetchone() == (0,)
+
