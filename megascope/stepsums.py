@@ -90,9 +90,12 @@ def step_sums(spans: pa.Table) -> pa.Table:
         "reduce_side": only(pc.and_(reduce, pc.starts_with(spans.column("stream"), DEVICE_STREAM_PREFIX)), start),
         "reduce_arrival": only(reduce, pc.subtract(start, base)),
         "reduce_end": only(reduce, end),
-        # Waits for gradient reductions alone: FSDP2's all-gathers have waits of their own on GPU.
-        "wait": only(pc.fill_null(pc.and_(pc.and_(is_kind[SpanKind.OTHER], pc.ends_with(name, WAIT_SUFFIX)),
-                                          pc.is_in(spans.column("op"), value_set=pa.array(_REDUCE_OPS))), False),
+        # Waits for gradient reductions issued on the caller's stream alone: FSDP2's all-gathers
+        # and reduce-scatters, on streams of their own, have waits of their own on GPU.
+        "wait": only(pc.fill_null(pc.and_(pc.and_(pc.and_(is_kind[SpanKind.OTHER], pc.ends_with(name, WAIT_SUFFIX)),
+                                                  pc.is_in(spans.column("op"), value_set=pa.array(_REDUCE_OPS))),
+                                          pc.invert(pc.starts_with(spans.column("stream"), DEVICE_STREAM_PREFIX))),
+                                  False),
                      start),
         "bwd_start": only(top_backward, start),
         "bwd_end": only(top_backward, end),

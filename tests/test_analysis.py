@@ -170,7 +170,7 @@ def test_whatif_follows_asynchronous_calls_to_their_waits(tmp_path: Path) -> Non
 
 
 def _ddp_run(path: Path, *, slow_ms: float, op: str = "all_reduce", gathers: int = 0,
-             stream: str = "compute") -> Path:
+             stream: str = "compute", waits: bool = False) -> Path:
     """Two ranks as a DistributedDataParallel job lays them out, six steps: a 10 ms forward, a 30
     ms backward (rank 1's forward ``slow_ms`` longer, its backward twice that), four gradient
     buckets issued at the quarters of each rank's backward (the last just before it ends), no
@@ -178,7 +178,9 @@ def _ddp_run(path: Path, *, slow_ms: float, op: str = "all_reduce", gathers: int
     arrives; the optimizer's 2 ms after the last bucket. Healthy, a step is 42.49 ms.
     ``gathers``: as FSDP does, the group also gathers parameters, that many 0.2 ms all-gathers at
     the forward's start, on stream ``cuda:37`` (both ranks arrive together: no wait); ``stream``
-    is the reductions' stream label."""
+    is the reductions' stream label. ``waits``: as the collector writes FSDP2's reduce-scatters on
+    GPU, each has a wait span from where the next bucket is issued (the last: the backward's end)
+    to its end, or none where it had ended by then."""
     spans = []
     t0 = 0
     for step in range(6):
@@ -199,6 +201,10 @@ def _ddp_run(path: Path, *, slow_ms: float, op: str = "all_reduce", gathers: int
                 row = span(r, step, "collective", arrive[k][r], done[k] - arrive[k][r], group="dp:0",
                            seq=calls * step + gathers + k)
                 spans.append({**row, "name": op, "op": op, "stream": stream})
+                wait = arrive[k + 1][r] + 10_000 if k < 3 else t0 + fwd[r] + bwd[r]
+                if waits:
+                    row = span(r, step, "other", wait, max(done[k] - wait, 0), seq=calls * step + gathers + k)
+                    spans.append({**row, "name": f"{op}:wait", "op": op, "stream": stream})
         t0 = end
     return hand_run(path, spans, [], world=2, hosts=("h0", "h1"), devices=("cuda:0", "cuda:0"), source="collector")
 
@@ -245,6 +251,13 @@ def test_own_time_keeps_the_compute_a_backward_did_while_its_buckets_waited(tmp_
     assert fsdp[0] == pytest.approx(42.0, abs=0.05) and fsdp[1] / fsdp[0] == pytest.approx(49 / 40, rel=0.01)
     blocking = own(_ddp_run(tmp_path / "blocking", slow_ms=3, op="reduce_scatter", gathers=2))
     assert blocking[0] == pytest.approx(51.49 - 27, abs=0.05)
+    # FSDP2's reduce-scatters on GPU with their wait spans (where the next group and the
+    # backward's end wait for them): read as before, and the replay fixes rank 1 to the healthy step.
+    waited = _ddp_run(tmp_path / "waited", slow_ms=3, op="reduce_scatter", gathers=2, stream="cuda:69", waits=True)
+    assert own(waited) == pytest.approx(fsdp, abs=0.05)
+    fixed = analysis.whatif(open_run(waited), ranks=[1])
+    assert fixed["modeled_baseline_ns"] == pytest.approx(fixed["step_time_ns"], rel=0.02)
+    assert fixed["whatif_step_time_ns"] == pytest.approx(42.49 * MS, rel=0.02)
 
 
 def test_own_time_of_a_rank_killed_mid_backward_reads_its_step(tmp_path: Path) -> None:

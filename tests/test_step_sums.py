@@ -33,7 +33,8 @@ SELECT rank, step, CASE WHEN kind = 'collective' THEN "group" END AS grp,
        sum(dur_ns) FILTER (WHERE kind = 'collective'), sum(dur_ns) FILTER (WHERE kind = 'recv'),
        sum(start_ns) FILTER (WHERE kind = 'collective'), count(*) FILTER (WHERE kind = 'collective'),
        count(*) FILTER (WHERE kind = 'collective' AND op IN ('all_reduce', 'reduce_scatter')),
-       count(*) FILTER (WHERE kind = 'other' AND ends_with(name, ':wait') AND op IN ('all_reduce', 'reduce_scatter')),
+       count(*) FILTER (WHERE kind = 'other' AND ends_with(name, ':wait') AND op IN ('all_reduce', 'reduce_scatter')
+                        AND NOT starts_with(stream, 'cuda:')),
        min(start_ns) FILTER (WHERE kind = 'backward' AND name = 'backward'),
        max(start_ns + dur_ns) FILTER (WHERE kind = 'backward' AND name = 'backward'),
        count(*) FILTER (WHERE kind = 'collective' AND op IN ('all_reduce', 'reduce_scatter') AND starts_with(stream, 'cuda:')),
@@ -65,7 +66,8 @@ def _spans(rng: random.Random, n: int) -> pa.Table:
                      "start_ns": 1_790_000_000_000_000_000 + rng.randrange(10**9),
                      "dur_ns": rng.randrange(10**6),
                      "group": rng.choice(["tp:0", "dp:1", None]) if kind in ("collective", "send") else None,
-                     # Wait spans carry their call's op: those of gradient reductions alone are counted.
+                     # Wait spans carry their call's op and stream: those of gradient reductions issued on
+                     # the caller's stream alone are counted.
                      "op": rng.choice(["all_reduce", "reduce_scatter", "all_gather", None])
                      if kind in ("collective", "other") else None})
     return pa.Table.from_pylist(rows, schema=SPANS)

@@ -307,9 +307,12 @@ WITH spans_lvl AS (
            count(*) FILTER (WHERE s.kind = 'collective') AS coll_spans,
            -- What tells a group of gradient reductions whose waits the backward hid (waited, below).
            count(*) FILTER (WHERE s.kind = 'collective' AND s.op IN ('all_reduce', 'reduce_scatter')) AS reduce_spans,
-           -- Waits for gradient reductions alone (FSDP2's all-gathers have waits of their own on GPU).
+           -- Waits for gradient reductions issued on the caller's stream alone: FSDP2's all-gathers
+           -- have waits of their own on GPU, and so have its reduce-scatters, issued on a stream
+           -- of their own beside the backward, where the next group waits for them (hidden, below).
            count(*) FILTER (WHERE s.kind = 'other' AND ends_with(s.name, ':wait')
-                            AND s.op IN ('all_reduce', 'reduce_scatter')) AS wait_spans,
+                            AND s.op IN ('all_reduce', 'reduce_scatter')
+                            AND NOT starts_with(s.stream, 'cuda:')) AS wait_spans,
            min(s.start_ns) FILTER (WHERE s.kind = 'backward' AND s.name = 'backward') AS bwd_start_raw,
            max(s.start_ns + s.dur_ns) FILTER (WHERE s.kind = 'backward' AND s.name = 'backward') AS bwd_end_raw,
            count(*) FILTER (WHERE s.kind = 'collective' AND s.op IN ('all_reduce', 'reduce_scatter')
@@ -489,8 +492,10 @@ WITH spans_lvl AS (
     FROM waited GROUP BY rank, step
 ), hidden AS (
     -- Gradient reductions that begin inside the rank's backward, in a rank-step with no wait span
-    -- (no Python wait marks them: DistributedDataParallel's buckets, which its reducer waits for
-    -- in C++ as the backward ends): the rank's backward went on while they waited, and only their
+    -- for a reduction on the caller's stream (no Python wait marks them: DistributedDataParallel's
+    -- buckets, which its reducer waits for in C++ as the backward ends; FSDP2's reduce-scatters on
+    -- a stream of their own, whose waits the next group's post_backward and the backward's end
+    -- hold): the rank's backward went on while they waited, and only their
     -- part after its end held the rank, their wait bounded by it. Bounded by their extent alone,
     -- a fast rank's waits for a slow one's buckets came off its own time, and on 2x H200 DDP jobs
     -- a GPU 1.15x slow read 1.57x its peer.

@@ -15,7 +15,9 @@
 -- A data-parallel gradient reduction (all-reduce, reduce-scatter) issued inside the rank's
 -- top-level backward span with no wait span is asynchronous too, waited for where that span ends:
 -- DistributedDataParallel's buckets (its reducer waits for them in C++ as the backward ends) and
--- FSDP's reduce-scatters on their own stream, which no Python wait marks. Taken as blocking, a
+-- FSDP1's reduce-scatters on their own stream, which no Python wait marks (FSDP2's on GPU have
+-- wait spans where the next group's post_backward and the backward's end wait for them: the
+-- collector's hold_reductions; beside a slow rank its peers stall there). Taken as blocking, a
 -- rank that waited for a late peer's buckets while its own backward went on read as a rank that
 -- computed little, and on 2x H200 DDP jobs the fixed step came out 20-40% under the healthy runs'
 -- step. FSDP's parameter all-gathers block where issued (the next layer's compute waits for
