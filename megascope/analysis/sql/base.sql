@@ -428,13 +428,26 @@ WITH spans_lvl AS (
            coalesce(grp IS NOT NULL AND reduce_spans > 0
                     AND (reduce_spans = coll_spans OR reduce_side_spans = reduce_spans), false) AS reductions
     FROM lvl_s
-), waited AS (
-    SELECT l.* REPLACE ((l.coll_ns * l.scale)::BIGINT AS coll_ns,
-                        l.reductions AND coalesce(p.group_kind = 'dp' AND p.all_instances = l.coll_spans
+), lvl_p AS (
+    -- Each group-step with its instances (per_group) and the rank's clock. Its reductions are
+    -- read as such (the hidden waits of j) where they are candidates (lvl_b) in a data-parallel
+    -- group whose every instance, and every reduction's, the rank took part in: only there do the
+    -- rank's sums and the instances' cover the same calls. Elsewhere (a rank that died
+    -- mid-backward, its partner's buckets without it) their difference counts whole arrival
+    -- times, and overflowed.
+    SELECT l.* REPLACE (l.reductions AND coalesce(p.group_kind = 'dp' AND p.all_instances = l.coll_spans
                                                   AND p.red_instances = l.reduce_spans, false) AS reductions),
            coalesce(k.offset_ns, 0) AS offset_ns, coalesce(k.stage, 0) AS stage, p.group_kind, p.instances,
-           CASE WHEN p.all_instances = l.coll_spans THEN p.last_expected END AS last_expected,
-           CASE WHEN p.all_instances = l.coll_spans THEN p.last_var END AS last_var,
+           p.all_instances, p.last_arrival_sum, p.red_last_arrival_sum,
+           p.last_expected AS group_last_expected, p.last_var AS group_last_var
+    FROM lvl_b l
+    LEFT JOIN ms_cache.rank_clock k USING (rank)
+    LEFT JOIN per_group p ON p.grp = l.grp AND p.step = l.step
+), waited AS (
+    SELECT l.* EXCLUDE (all_instances, last_arrival_sum, red_last_arrival_sum, group_last_expected, group_last_var)
+               REPLACE ((l.coll_ns * l.scale)::BIGINT AS coll_ns),
+           CASE WHEN l.all_instances = l.coll_spans THEN l.group_last_expected END AS last_expected,
+           CASE WHEN l.all_instances = l.coll_spans THEN l.group_last_var END AS last_var,
            -- Wait in a group's collectives: the sum over its instances of (last arrival - own
            -- arrival), no join back to the spans needed. Bounded by the extent of those spans:
            -- asynchronous buckets overlap each other and must not count their wait twice.
@@ -443,27 +456,20 @@ WITH spans_lvl AS (
            -- scaled with them where whole micro-batches were left untimed, not where one
            -- step-level call in N was timed (calls_sampled: the timed ones span the whole sync).
            (CASE WHEN l.grp IS NULL THEN 0
-                 WHEN p.all_instances = l.coll_spans
-                 THEN least((p.last_arrival_sum - l.arrival_sum - l.coll_spans * coalesce(k.offset_ns, 0)) * l.wait_scale,
+                 WHEN l.all_instances = l.coll_spans
+                 THEN least((l.last_arrival_sum - l.arrival_sum - l.coll_spans * l.offset_ns) * l.wait_scale,
                             l.last_raw - l.first_raw) * l.bound_scale
                  ELSE l.coll_ns * l.scale END)::BIGINT AS coll_wait,
            -- Of a group's wait, its reductions' part (bounded in j) and the rest's (by the extent),
-           -- where the reductions are read as such (the condition of "reductions" above): only
-           -- there do the rank's sums and the instances' cover the same calls. Elsewhere (a rank
-           -- that died mid-backward, its partner's buckets without it) their difference counts
-           -- whole arrival times, and overflowed.
-           CASE WHEN l.reductions AND coalesce(p.group_kind = 'dp' AND p.all_instances = l.coll_spans
-                                               AND p.red_instances = l.reduce_spans, false)
-                THEN ((p.red_last_arrival_sum - l.red_arrival_sum - l.reduce_spans * coalesce(k.offset_ns, 0))
+           -- where the reductions are read as such (lvl_p).
+           CASE WHEN l.reductions
+                THEN ((l.red_last_arrival_sum - l.red_arrival_sum - l.reduce_spans * l.offset_ns)
                       * l.wait_scale * l.bound_scale)::BIGINT END AS red_wait,
-           CASE WHEN l.reductions AND coalesce(p.group_kind = 'dp' AND p.all_instances = l.coll_spans
-                                               AND p.red_instances = l.reduce_spans, false)
-                THEN (least((p.last_arrival_sum - l.arrival_sum - (p.red_last_arrival_sum - l.red_arrival_sum)
-                             - (l.coll_spans - l.reduce_spans) * coalesce(k.offset_ns, 0)) * l.wait_scale,
+           CASE WHEN l.reductions
+                THEN (least((l.last_arrival_sum - l.arrival_sum - (l.red_last_arrival_sum - l.red_arrival_sum)
+                             - (l.coll_spans - l.reduce_spans) * l.offset_ns) * l.wait_scale,
                             l.last_raw - l.first_raw) * l.bound_scale)::BIGINT END AS rest_wait
-    FROM lvl_b l
-    LEFT JOIN ms_cache.rank_clock k USING (rank)
-    LEFT JOIN per_group p ON p.grp = l.grp AND p.step = l.step
+    FROM lvl_p l
 ), j AS (
     SELECT rank, step, any_value(stage) AS stage, any_value(offset_ns) AS offset_ns,
            max(step_ns) AS step_ns, min(step_start_raw) AS step_start_raw,
