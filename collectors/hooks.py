@@ -164,6 +164,32 @@ def _waits_for_reductions(group: Any) -> bool:
     return not (isinstance(index, int) and isinstance(count, int) and index != count - 1)
 
 
+def _issue_holding(keep: Callable[[list[Any]], None], call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)``; the blocking calls it issues on a stream of their own are held
+    (:meth:`Collector.hold`) and handed to ``keep`` once it returns or raises."""
+    outer = getattr(_TLS, "held", None)
+    held: list[Any] = []
+    _TLS.held = held
+    try:
+        return call(*args, **kwargs)
+    finally:
+        _TLS.held = outer
+        if held:
+            keep(held)
+
+
+def _waiting_for(held: list[Any], call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``call(*args, **kwargs)``, which makes the caller's stream wait for the ``held`` calls: their
+    waits stamped before it, their spans written after."""
+    for handle in held:
+        handle.waiting()
+    try:
+        return call(*args, **kwargs)
+    finally:
+        for handle in held:
+            _end_quietly(handle)
+
+
 def _end_quietly(handle: Any) -> None:
     try:
         handle.end()
@@ -679,27 +705,14 @@ class Interception:
             col = col_ref()
             if col is None or not col._active:
                 return original_issue(owner, *args, **kwargs)
-            outer = getattr(_TLS, "held", None)
-            held: list[Any] = []
-            _TLS.held = held
-            try:
-                return original_issue(owner, *args, **kwargs)
-            finally:
-                _TLS.held = outer
-                if held:
-                    owner.__dict__.setdefault(_HELD_ATTR, []).extend(held)
+            return _issue_holding(lambda held: owner.__dict__.setdefault(_HELD_ATTR, []).extend(held),
+                                  original_issue, owner, *args, **kwargs)
 
         def waited(owner: Any, *args: Any, **kwargs: Any) -> Any:
             held = owner.__dict__.pop(_HELD_ATTR, None)
             if not held:
                 return original_wait(owner, *args, **kwargs)
-            for handle in held:
-                handle.waiting()
-            try:
-                return original_wait(owner, *args, **kwargs)
-            finally:
-                for handle in held:
-                    _end_quietly(handle)
+            return _waiting_for(held, original_wait, owner, *args, **kwargs)
 
         functools.update_wrapper(issued, original_issue)
         functools.update_wrapper(waited, original_wait)
@@ -723,9 +736,12 @@ class Interception:
         pending: list[Any] = []  # issued, not yet waited for: shared by every group of the model
         original_post, original_final = cls.post_backward, cls.finalize_backward
 
-        def release(held: list[Any]) -> None:
+        def keep(held: list[Any]) -> None:
             for handle in held:
-                handle.waiting()
+                if handle.op == CollectiveOp.REDUCE_SCATTER.value and len(pending) < _MAX_PENDING_REDUCTIONS:
+                    pending.append(handle)
+                else:
+                    _end_quietly(handle)
 
         def post_backward(owner: Any, *args: Any, **kwargs: Any) -> Any:
             col = col_ref()
@@ -734,30 +750,11 @@ class Interception:
             waited: list[Any] = []
             if pending and _waits_for_reductions(owner):
                 waited, pending[:] = pending[:], []
-                release(waited)
-            outer = getattr(_TLS, "held", None)
-            held: list[Any] = []
-            _TLS.held = held
-            try:
-                return original_post(owner, *args, **kwargs)
-            finally:
-                _TLS.held = outer
-                for handle in waited:
-                    _end_quietly(handle)
-                for handle in held:
-                    if handle.op == CollectiveOp.REDUCE_SCATTER.value and len(pending) < _MAX_PENDING_REDUCTIONS:
-                        pending.append(handle)
-                    else:
-                        _end_quietly(handle)
+            return _waiting_for(waited, _issue_holding, keep, original_post, owner, *args, **kwargs)
 
         def finalize_backward(owner: Any, *args: Any, **kwargs: Any) -> Any:
             waited, pending[:] = pending[:], []
-            release(waited)
-            try:
-                return original_final(owner, *args, **kwargs)
-            finally:
-                for handle in waited:
-                    _end_quietly(handle)
+            return _waiting_for(waited, original_final, owner, *args, **kwargs)
 
         functools.update_wrapper(post_backward, original_post)
         functools.update_wrapper(finalize_backward, original_final)

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -190,6 +191,33 @@ def test_a_call_issued_on_a_stream_of_its_own_is_labelled_with_it(tmp_path: Path
     assert rows == [(s, "comm" if s % 2 == 0 else f"cuda:{side.stream_id}") for s in range(4)]
 
 
+def _side_stream_job(run: Path, call: Any) -> tuple[Any, ...]:
+    """A stream of its own, a call's output and input (made once by ``call``: the communicator's
+    creation is the first call's host time), 30 ms of sleep in clock cycles, and a collector whose
+    interception is installed."""
+    from megascope.collectors.hooks import Interception
+
+    side = torch.cuda.Stream()
+    out, inp = torch.zeros(1 << 16, device="cuda"), torch.ones(1 << 16, device="cuda")
+    call(out, inp)
+    cycles = _sleep_cycles(30)
+    col = _collector(run)
+    return side, out, inp, cycles, col, Interception(col).install()
+
+
+def _check_wait_spans(run: Path, side: Any, name: str, op: str) -> None:
+    """Six calls on ``side``, each with its wait span: long for the even ones (their stream was
+    busy 30 ms), short for the odd ones (compute was)."""
+    con = open_run(run).con
+    calls = con.sql("SELECT seq, stream FROM spans WHERE kind = 'collective' ORDER BY seq").fetchall()
+    assert calls == [(s, f"cuda:{side.stream_id}") for s in range(6)]
+    waits = con.sql(f"SELECT seq, op, dur_ns FROM spans WHERE name = '{name}:wait' ORDER BY seq").fetchall()
+    assert [(s, o) for s, o, _ in waits] == [(s, op) for s in range(6)]
+    # The sleep's length follows the clock the device runs at: bounds far from it either way.
+    assert all(d > 10_000_000 for s, _, d in waits if s % 2 == 0), waits   # the call's stream was busy
+    assert all(d < 2_000_000 for s, _, d in waits if s % 2 == 1), waits    # compute was
+
+
 @needs_cuda
 def test_a_call_on_a_stream_of_its_own_gets_a_wait_span_where_the_compute_stream_waits(
         tmp_path: Path, nccl_world: None) -> None:
@@ -198,15 +226,8 @@ def test_a_call_on_a_stream_of_its_own_gets_a_wait_span_where_the_compute_stream
     from where the compute stream came to wait to the call's completion: long where the gather's
     stream was still busy (30 ms of sleep queued before it), short where compute was."""
     import torch.distributed as dist
-    from megascope.collectors.hooks import Interception
 
-    side = torch.cuda.Stream()
-    out, inp = torch.zeros(1 << 16, device="cuda"), torch.ones(1 << 16, device="cuda")
-    dist.all_gather_into_tensor(out, inp)  # the communicator made: the first call's host time
-    cycles = _sleep_cycles(30)
-    run = tmp_path / "run"
-    col = _collector(run)
-    interception = Interception(col).install()
+    side, out, inp, cycles, col, interception = _side_stream_job(tmp_path / "run", dist.all_gather_into_tensor)
 
     class Group:
         def __init__(self, busy: str) -> None:
@@ -236,15 +257,7 @@ def test_a_call_on_a_stream_of_its_own_gets_a_wait_span_where_the_compute_stream
     finally:
         interception.uninstall()
     col.close()
-    con = open_run(run).con
-    calls = con.sql("SELECT seq, stream FROM spans WHERE kind = 'collective' ORDER BY seq").fetchall()
-    assert calls == [(s, f"cuda:{side.stream_id}") for s in range(6)]
-    waits = con.sql("SELECT seq, op, dur_ns FROM spans WHERE name = 'all_gather_into_tensor:wait' "
-                    "ORDER BY seq").fetchall()
-    assert [(s, op) for s, op, _ in waits] == [(s, "all_gather") for s in range(6)]
-    # The sleep's length follows the clock the device runs at: bounds far from it either way.
-    assert all(d > 10_000_000 for s, _, d in waits if s % 2 == 0), waits   # the gather's stream was busy
-    assert all(d < 2_000_000 for s, _, d in waits if s % 2 == 1), waits    # compute was
+    _check_wait_spans(tmp_path / "run", side, "all_gather_into_tensor", "all_gather")
 
 
 @needs_cuda
@@ -255,15 +268,8 @@ def test_a_reduce_scatter_on_a_stream_of_its_own_gets_a_wait_span_where_the_next
     from there to the call's completion: long where the reduce-scatter's stream was still busy
     (30 ms of sleep queued before it), short where compute was."""
     import torch.distributed as dist
-    from megascope.collectors.hooks import Interception
 
-    side = torch.cuda.Stream()
-    out, inp = torch.zeros(1 << 16, device="cuda"), torch.ones(1 << 16, device="cuda")
-    dist.reduce_scatter_tensor(out, inp)  # the communicator made: the first call's host time
-    cycles = _sleep_cycles(30)
-    run = tmp_path / "run"
-    col = _collector(run)
-    interception = Interception(col).install()
+    side, out, inp, cycles, col, interception = _side_stream_job(tmp_path / "run", dist.reduce_scatter_tensor)
 
     class Group:
         def __init__(self, busy: str) -> None:
@@ -293,15 +299,7 @@ def test_a_reduce_scatter_on_a_stream_of_its_own_gets_a_wait_span_where_the_next
     finally:
         interception.uninstall()
     col.close()
-    con = open_run(run).con
-    calls = con.sql("SELECT seq, stream FROM spans WHERE kind = 'collective' ORDER BY seq").fetchall()
-    assert calls == [(s, f"cuda:{side.stream_id}") for s in range(6)]
-    waits = con.sql("SELECT seq, op, dur_ns FROM spans WHERE name = 'reduce_scatter_tensor:wait' "
-                    "ORDER BY seq").fetchall()
-    assert [(s, op) for s, op, _ in waits] == [(s, "reduce_scatter") for s in range(6)]
-    # The sleep's length follows the clock the device runs at: bounds far from it either way.
-    assert all(d > 10_000_000 for s, _, d in waits if s % 2 == 0), waits   # the scatter's stream was busy
-    assert all(d < 2_000_000 for s, _, d in waits if s % 2 == 1), waits    # compute was
+    _check_wait_spans(tmp_path / "run", side, "reduce_scatter_tensor", "reduce_scatter")
 
 
 @needs_cuda
