@@ -958,6 +958,22 @@ def test_calls_on_a_stream_of_their_own_get_a_wait_span_where_their_group_waits(
     states = run.con.execute("SELECT state, count(*) FROM markers GROUP BY 1 ORDER BY 1").fetchall()
     assert states == [("completed", 4), ("enqueued", 4)]
 
+def test_which_fsdp2_groups_wait_for_the_reduce_scatters_before_them() -> None:
+    """A group that reduces waits for the reduce-scatters issued before it; one that accumulates
+    without reducing does not; of a module's several groups only the last waits (torch 2.13), and
+    a group without those attributes (torch 2.11) always does."""
+    from types import SimpleNamespace
+
+    from megascope.collectors.hooks import _waits_for_reductions
+
+    assert _waits_for_reductions(SimpleNamespace(reduce_grads=True))
+    assert _waits_for_reductions(SimpleNamespace())
+    assert not _waits_for_reductions(SimpleNamespace(reduce_grads=False))
+    assert not _waits_for_reductions(SimpleNamespace(reduce_grads=True, _param_group_index=0, _num_param_groups=2))
+    assert _waits_for_reductions(SimpleNamespace(reduce_grads=True, _param_group_index=1, _num_param_groups=2))
+    assert _waits_for_reductions(SimpleNamespace(reduce_grads=True, _param_group_index=0, _num_param_groups=1))
+
+
 def test_reduce_scatters_on_a_stream_of_their_own_get_a_wait_span_where_the_next_group_waits(one_rank: Path) -> None:
     """FSDP2 reduce-scatters a layer's gradients on a stream of its own in
     ``FSDPParamGroup.post_backward`` and makes the compute stream wait for those issued before at
