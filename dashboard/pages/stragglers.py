@@ -20,8 +20,7 @@ from megascope.topology import format_coords
 
 COLUMNS = ("rank", "host", "coords", "cause", "phase", "slowdown", "steps_slow_frac", "last_arrival_frac",
            "late_at", "tp_compute_ratio", "dp_compute_ratio", "outside_calls_ratio", "behind", "slow_groups",
-           "device_idle_frac",
-           "cpu_slowdown")
+           "device_idle_frac", "cpu_slowdown")
 NAMES = {"steps_slow_frac": "steps slow", "slowdown": "slowdown vs peers (the measure that named it)",
          "last_arrival_frac": "collectives it arrives last at", "late_at": "last at (group)",
          "phase": "where (largest excess)", "cpu_slowdown": "its CPU vs the median rank's (host probe)",

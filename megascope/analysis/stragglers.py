@@ -43,7 +43,8 @@ COLUMNS = [
     "rank", "host", "coords", "pp", "dp", "tp", "phase", "cause", "slowdown", "steps_slow_frac", "steps",
     "excess_ns", "base_own_ns", "last_arrival_frac", "late_at", "impact",
     "z", "p_value", "confidence", "t_own", "t_blame", "last_z", "spans_share", "t_spans", "pause_share",
-    "device_idle_frac", "cpu_slowdown", "tp_compute_ratio", "dp_compute_ratio", "outside_calls_ratio", "slow_groups", "behind",
+    "device_idle_frac", "cpu_slowdown", "tp_compute_ratio", "dp_compute_ratio", "outside_calls_ratio",
+    "slow_groups", "behind",
 ]
 # A rank's host probe (megascope.schema.HOST_PROBE_METRIC) is compared with the median rank's only
 # where at least this many ranks wrote at least HOST_PROBE_MIN probes each.
