@@ -409,6 +409,24 @@ def test_skew_instances_and_bubbles(runs: dict[str, Path]) -> None:
 # --- hand-built runs: the answer follows from the numbers written -------------------------------
 
 
+def test_bubbles_leave_out_the_warm_up_step(tmp_path: Path) -> None:
+    """The first step (1 s, 600 ms of it waiting in receives: the warm-up) is left out of the
+    bubbles where the run has later steps (100 ms, 20 ms in receives); a run of that one step
+    keeps it."""
+    def recv(step: int, start: int, dur: int) -> dict[str, object]:
+        return {**span(0, step, "recv", start * MS, dur * MS, group="pp:0", seq=step, name="pp.recv"),
+                "op": "recv", "peer": 1}
+
+    spans = [span(0, 0, "step", 0, 1000 * MS), recv(0, 0, 600)]
+    for step in (1, 2):
+        spans += [span(0, step, "step", step * 1000 * MS, 100 * MS), recv(step, step * 1000, 20)]
+    got = analysis.bubbles(open_run(hand_run(tmp_path / "run", spans, [], world=1, hosts=("h0",))))
+    assert got[["stage", "ranks", "steps", "bubble_ns", "step_ns"]].values.tolist() == [[0, 1, 2, 20 * MS, 100 * MS]]
+    assert got["bubble_frac"].tolist() == [pytest.approx(0.2)]
+    one = analysis.bubbles(open_run(hand_run(tmp_path / "one", spans[:2], [], world=1, hosts=("h0",))))
+    assert one[["steps", "bubble_ns", "step_ns"]].values.tolist() == [[1, 600 * MS, 1000 * MS]]
+
+
 def test_collective_arithmetic(tmp_path: Path) -> None:
     # Three ranks, one step: compute 10/10/16 ms, then an all-reduce that completes at 17 ms.
     spans = []

@@ -71,8 +71,9 @@ def layout(served: ServedRun, query: dict[str, str]) -> html.Div:
 
 
 def bubbles_section(frame: pd.DataFrame) -> list[Any] | None:
-    """Bubbles per stage in ms per step and % of the step (the analysis keeps nanoseconds)."""
-    if frame.empty:
+    """Bubbles per stage in ms per step and % of the step (the analysis keeps nanoseconds); none
+    for a run of one stage, which has no pipeline (as the report leaves it out)."""
+    if len(frame) < 2:
         return None
     shown = pd.DataFrame({
         "stage": frame["stage"], "ranks": frame["ranks"], "steps": frame["steps"],
@@ -80,7 +81,7 @@ def bubbles_section(frame: pd.DataFrame) -> list[Any] | None:
         "step": [f"{float(v) / 1e6:.1f} ms" for v in frame["step_ns"]],
         "bubble share": [f"{100 * float(v):.1f}%" for v in frame["bubble_frac"]],
     })
-    return [html.H3("Pipeline bubbles per stage (whole run)"), table(shown, id="bubble-table")]
+    return [html.H3("Pipeline bubbles per stage (every step after the first, the warm-up)"), table(shown, id="bubble-table")]
 
 
 def focus_of(served: ServedRun, query: dict[str, str], ranks: list[int]) -> int | None:
