@@ -570,7 +570,7 @@ def test_a_live_run_turns_hung_after_the_collective_timeout_without_new_data(run
 
 def test_straggler_page_speaks_in_percent_and_relative_gains() -> None:
     import pandas as pd
-    from megascope.dashboard.pages.stragglers import shown_frame, whatif_cards
+    from megascope.dashboard.pages.stragglers import shown_columns, shown_frame, whatif_cards
 
     def text(component: object) -> str:
         found: list[str] = []
@@ -600,6 +600,11 @@ def test_straggler_page_speaks_in_percent_and_relative_gains() -> None:
     # A later stage of a slow rank's pipeline replica, listed after it: the rank it is behind.
     behind = shown_frame(pd.DataFrame({"rank": [0, 4], "behind": [float("nan"), 0.0]}))
     assert behind["behind"].tolist() == ["", "rank 0"]
+    # Evidence columns that no row has a value in are left out of the table; the rest stay.
+    rows = shown_frame(pd.DataFrame({"rank": [0, 4], "cause": ["compute", "host"], "slowdown": [1.2, 1.1],
+                                     "behind": [float("nan"), 0.0], "tp_compute_ratio": [float("nan")] * 2,
+                                     "slow_groups": [None, None], "device_idle_frac": [0.5, 0.01]}))
+    assert shown_columns(rows) == ["rank", "cause", "slowdown", "behind"]
     gross = " ".join(text(c) for c in whatif_cards(
         {"step_time_ns": 569e6, "whatif_step_time_ns": 455e6, "speedup": 569 / 455, "mfu": 0.0016,
          "whatif_mfu": 0.0016 * 569 / 455, "ranks": [5]}, n_stragglers=1))

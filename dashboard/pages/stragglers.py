@@ -60,6 +60,19 @@ def shown_frame(frame: Any) -> Any:
     return out
 
 
+# Shown for every row; the evidence columns after them only where some row has a value, so that a
+# run read by one measure is not shown a dozen empty columns of the others.
+ALWAYS = ("rank", "host", "coords", "cause", "phase", "slowdown", "steps_slow_frac")
+
+
+def shown_columns(shown: Any) -> list[str]:
+    """The columns of :data:`COLUMNS` the table shows for ``shown`` (a :func:`shown_frame`)."""
+    def has_value(column: str) -> bool:
+        return any(v is not None and v == v and v != "" for v in shown[column])
+
+    return [c for c in COLUMNS if c in shown and (c in ALWAYS or has_value(c))]
+
+
 def layout(served: ServedRun, query: dict[str, str]) -> html.Div:
     return html.Div(
         [
@@ -168,6 +181,7 @@ def register(app: Dash, registry: RunRegistry) -> None:
             rank = int(row["rank"])
             return routes.href(served.id, "timeline", ranks=data.peers(served, rank), steps=steps) + f"&focus={rank}"
 
-        shown = table(shown_frame(frame), id="straggler-rows", columns=COLUMNS, names=NAMES,
+        readable = shown_frame(frame)
+        shown = table(readable, id="straggler-rows", columns=shown_columns(readable), names=NAMES,
                       links={"rank": timeline_of})
         return whatif_cards(data.whatif(served), n_stragglers=len(frame)), html.Div([shown, *dismissed])
