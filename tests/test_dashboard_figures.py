@@ -97,6 +97,26 @@ def test_overview_has_a_panel_per_series_with_data() -> None:
     assert list(fig.data[1].y) == [200.0, 210.0, 220.0]
 
 
+def test_step_time_panel_fits_the_steady_state_and_names_the_steps_off_its_scale() -> None:
+    # A real job's first step (1,942 ms) beside its steady 26-31 ms steps, one of them 35 ms.
+    ms = [1942.0, 41.8] + [26.0 + (i % 5) for i in range(20)]
+    ms[10] = 35.0
+    per_step = pd.DataFrame({"step": range(22), "step_time_ns": [m * 1e6 for m in ms]})
+    fig = step_series_figure(per_step)
+    low, high = fig.layout.yaxis.range
+    assert low > 20 and 41.8 < high < 50  # the steady steps fill the panel; 35 and 41.8 ms stay on it
+    off = [t for t in fig.data if t.name == "off scale"]
+    assert len(off) == 1 and list(off[0].x) == [0] and list(off[0].customdata) == [1942.0]
+    assert fig.layout.annotations[0].text == "step time (ms) · off scale: step 0: 1,942"
+    assert list(fig.data[0].y) == ms  # the line itself keeps every value (hover, autoscale)
+    # Two steady levels (a job that slowed half-way) are both on the scale: nothing is clipped.
+    two = step_series_figure(pd.DataFrame({"step": range(20), "step_time_ns": [3e7] * 10 + [6e7] * 10}))
+    assert two.layout.yaxis.range is None and [t.name for t in two.data] == ["step time (ms)"]
+    # Many steps off the scale are counted, not listed.
+    many = step_series_figure(pd.DataFrame({"step": range(30), "step_time_ns": [3e7] * 25 + [9e8, 5e9, 9e8, 9e8, 9e8]}))
+    assert many.layout.annotations[0].text == "step time (ms) · off scale: 5 steps, up to 5,000"
+
+
 def _cells(norms: dict[tuple[int, int], float], ranks: int, steps: int) -> pd.DataFrame:
     """Heat-map cells (the columns of analysis.heatmap) of ``ranks`` x ``steps``, 1.0 unless given."""
     rows = [{"rank_bin": r, "step_bin": s, "rank": r, "step": s, "rank_lo": r, "rank_hi": r, "step_lo": s,
@@ -132,6 +152,8 @@ def test_heatmap_colours_tell_a_mild_straggler_from_a_gross_one() -> None:
     assert sum(abs(a - b) for a, b in zip(gross, extreme, strict=True)) > 60
     # The figure is tall enough for every rank row to get pixels.
     assert fig.layout.height >= 360
+    # Eight ranks and four steps: a tick at each rank and step, none between them (0.5).
+    assert fig.layout.yaxis.dtick == 1 and fig.layout.xaxis.dtick == 1
 
 
 def test_heatmap_marks_flagged_ranks_beside_the_axis_and_lists_the_worst() -> None:
@@ -146,6 +168,7 @@ def test_heatmap_marks_flagged_ranks_beside_the_axis_and_lists_the_worst() -> No
     marks = [t for t in fig.data if isinstance(t, go.Scatter) and t.name == "stragglers"]
     assert len(marks) == 1 and list(marks[0].y) == [76] and list(marks[0].text) == ["r77"]
     assert fig.layout.height >= 2 * 256
+    assert fig.layout.yaxis.dtick is None and fig.layout.xaxis.dtick == 1  # 1,024 ranks: the axis places its ticks
     worst = worst_ranks(cells)
     assert worst["rank"].tolist() == [77] and worst["worst"].iloc[0] == 1.15 and worst["slow_steps"].iloc[0] == 3
 

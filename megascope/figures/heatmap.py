@@ -36,6 +36,8 @@ _STOPS = ((0.25, "#08306b"), (0.5, "#2171b5"), (0.9, "#9ecae1"), (0.98, "#f7f7f7
 _TICKS = (0.25, 0.5, 0.8, 1.0, 1.15, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 100.0)
 # Pixels per rank row: below about one, the browser drops rows when it scales the image down.
 ROW_PX = 2.5
+# Up to this span of ranks (or steps) the axis gets a tick at each whole number.
+_WHOLE_TICKS = 16
 
 
 def colour_range(norm: pd.Series) -> tuple[float, float]:
@@ -168,11 +170,16 @@ def heatmap_figure(cells: pd.DataFrame, *, phase: str = "step", title: str | Non
                 text=[f"r{r}" for r, _ in marks], textposition="middle left", textfont={"size": 11, "color": "#990000"},
                 hovertemplate="rank %{text}: a straggler<extra></extra>", showlegend=False, name="stragglers",
             ))
+    # Ranks and steps are whole numbers: where few rows or columns would leave the axis to place
+    # ticks between them (0.5, 1.5), one tick per row or column.
+    def whole(values: Any) -> dict[str, Any]:
+        return {"dtick": 1} if len(values) and float(np.ptp(values)) <= _WHOLE_TICKS else {}
+
     fig.update_layout(
         title=title or f"{phase} time / peer median (same pipeline stage)" + (", worst per bin" if binned else ""),
-        xaxis={"title": "step", "domain": [0.06, 1.0]},
+        xaxis={"title": "step", "domain": [0.06, 1.0], **whole(steps["step_lo"].to_numpy())},
         xaxis2={"domain": [0.0, 0.05], "range": [-1.0, 0.4], "visible": False, "fixedrange": True},
-        yaxis={"title": "rank", "autorange": "reversed"},
+        yaxis={"title": "rank", "autorange": "reversed", **whole(ranks["rank_lo"].to_numpy())},
         margin={"l": 60, "r": 20, "t": 50, "b": 50},
         height=int(min(900, max(360, ROW_PX * rows + 150))), plot_bgcolor="white",
     )
