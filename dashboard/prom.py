@@ -24,6 +24,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from megascope.analysis.timeline import steady_mean
+
 log = logging.getLogger(__name__)
 
 
@@ -50,7 +52,7 @@ class RunsCollector(Collector):
         up = GaugeMetricFamily("megascope_run_up", "1 when the run directory could be read and analysed", labels=labels)
         last_step = GaugeMetricFamily("megascope_last_step", "Last step with timings", labels=labels)
         mfu = GaugeMetricFamily("megascope_mfu_ratio", "Model FLOPs utilisation of the last step (0-1)", labels=labels)
-        mfu_mean = GaugeMetricFamily("megascope_mfu_mean_ratio", "Mean MFU over all steps with timings (0-1)",
+        mfu_mean = GaugeMetricFamily("megascope_mfu_mean_ratio", "Mean MFU over the steps with timings after the first, the warm-up (0-1)",
                                      labels=labels)
         step_time = GaugeMetricFamily("megascope_step_time_seconds", "Step time of the last step", labels=labels)
         tokens = GaugeMetricFamily("megascope_tokens_per_second", "Training throughput of the last step", labels=labels)
@@ -91,8 +93,9 @@ class RunsCollector(Collector):
                                               (tokens, "tokens_per_s", 1.0)):
                     if column in per_step and last[column] == last[column]:  # not NaN
                         family.add_metric(label, float(last[column]) * scale)
-                if per_step["mfu"].notna().any():
-                    mfu_mean.add_metric(label, float(per_step["mfu"].mean()))
+                mean = steady_mean(per_step, "mfu")
+                if mean is not None:
+                    mfu_mean.add_metric(label, mean)
             stragglers.add_metric(label, len(frame))
             worst.add_metric(label, float(frame["slowdown"].max()) if len(frame) else 1.0)
             hung.add_metric(label, 1.0 if state["hung"] else 0.0)

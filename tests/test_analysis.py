@@ -132,6 +132,18 @@ def test_mfu_follows_run_json(runs: dict[str, Path]) -> None:
     assert (per_step["mfu"] > 0).all() and (per_step["mfu"] < 1).all()
 
 
+def test_mean_mfu_leaves_out_the_warm_up_step() -> None:
+    from megascope.analysis.timeline import steady_mean
+
+    # A first step 20x the others (MFU 0.02 against 0.40 and 0.50): the mean is the later steps'.
+    per_step = pd.DataFrame({"step": [7, 8, 9], "mfu": [0.02, 0.40, 0.50], "tokens_per_s": [np.nan] * 3})
+    assert steady_mean(per_step, "mfu") == pytest.approx(0.45)
+    assert steady_mean(per_step, "tokens_per_s") is None  # no value at all
+    assert steady_mean(per_step.iloc[:1], "mfu") == pytest.approx(0.02)  # one step: that step
+    # Values missing after the first step: the first one stands.
+    assert steady_mean(per_step.assign(mfu=[0.3, np.nan, np.nan]), "mfu") == pytest.approx(0.3)
+
+
 def _async_run(path: Path, *, late_ms: float, waits_ms: tuple[float, float, float]) -> Path:
     """Three ranks, four steps of 60-70 ms: each issues an asynchronous all-reduce at 10 ms (rank 2
     ``late_ms`` later), the transfer takes 2 ms after the last arrival, and each rank waits for it

@@ -18,6 +18,7 @@ from megascope.dashboard.components import card, contained, notice
 from megascope.dashboard.runs import RunRegistry, ServedRun
 from megascope.dashboard.shell import age_text, served_from
 
+from megascope.analysis.timeline import steady_mean
 from megascope.figures.overview import step_series_figure
 from megascope.topology import format_coords
 
@@ -157,14 +158,16 @@ def cards(served: ServedRun, per_step: pd.DataFrame) -> list[Any]:
     last = per_step.iloc[-1]
     mfu = per_step["mfu"].dropna()
     step_ms = per_step["step_time_ns"].dropna() / 1e6
-    tokens = per_step["tokens_per_s"].dropna() if "tokens_per_s" in per_step else pd.Series(dtype=float)
+    # Means over the steps after the first (the warm-up) where there are others.
+    mfu_mean, tokens_mean = steady_mean(per_step, "mfu"), steady_mean(per_step, "tokens_per_s")
     n_stragglers = len(data.stragglers(served))
     return [
-        card("MFU", f"{100 * mfu.mean():.1f} %" if len(mfu) else "n/a",
+        card("MFU", f"{100 * mfu_mean:.1f} %" if mfu_mean is not None else "n/a",
              f"last step {100 * mfu.iloc[-1]:.1f} %" if len(mfu) else "needs model FLOPs in run.json"),
         card("step time", f"{step_ms.median():.1f} ms" if len(step_ms) else "n/a",
              f"last {step_ms.iloc[-1]:.1f} ms" if len(step_ms) else ""),
-        card("tokens/s", f"{tokens.mean():,.0f}" if len(tokens) else "n/a", "mean over steps"),
+        card("tokens/s", f"{tokens_mean:,.0f}" if tokens_mean is not None else "n/a",
+             "mean over steps after the first"),
         card("steps", f"{int(last['step']) + 1}", f"{len(per_step)} with timings"),
         straggler_card(served, n_stragglers),
         state_card,

@@ -32,7 +32,7 @@ from megascope.analysis.pipeline import bubbles, exposed_comm, host_lead_summary
 from megascope.analysis.runstate import run_state
 from megascope.analysis.skew import skew_by_collective, skew_drift
 from megascope.analysis.stragglers import StragglerConfig, detect, told
-from megascope.analysis.timeline import mfu, mfu_drift
+from megascope.analysis.timeline import mfu, mfu_drift, steady_mean
 from megascope.analysis.whatif import whatif
 from megascope.schema import COLLECTOR_STAMPS_METRIC
 from megascope.store import Run
@@ -212,7 +212,7 @@ def _report(run: Run, say: Callable[[str], None], config: StragglerConfig | None
             "step_time_ns": median_step,
         },
         "mfu": {
-            "mean": float(per_step["mfu"].mean()) if per_step["mfu"].notna().any() else None,
+            "mean": steady_mean(per_step, "mfu"),
             "tokens_per_s": float(per_step["tokens_per_s"].mean()) if per_step["tokens_per_s"].notna().any() else None,
             "per_step": per_step[["step", "step_time_ns", "mfu", "tokens_per_s"]].to_dict("records"),
             "drift": drift,
