@@ -877,6 +877,28 @@ def test_a_hung_ddp_job_on_nccl_is_localized_from_the_markers(tmp_path: Path, mo
     assert result["waiting"] == [1]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_hung_fsdp2_or_tp_job_on_nccl_is_localized(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tp: int) -> None:
+    """FSDP2 over two GPUs (``tp`` 1: its all-gathers and reduce-scatters on streams of their own)
+    or tensor parallelism over two (``tp`` 2: DTensor's functional all-reduces): rank 1 stops
+    before its forward in step 9, rank 0 waits in its next collective until NCCL's watchdog ends
+    the job. The markers name rank 1, in the group rank 0 waits in."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC", "8000")
+    proc = torchrun(2, JOBS / "fsdp_tp_job.py", str(run_dir), "--cuda", "--tp", str(tp), "--steps", "30",
+                    "--hang", "1,9", "--timeout", "20", cwd=tmp_path)
+    assert proc.returncode != 0
+    wait_until(lambda: len(ended_ranks(run_dir)) >= 2, timeout=60, interval=0.2,
+               message="the marker agents' last passes, as the ranks went")
+    found = megascope_json("localize", str(run_dir))
+    assert found["hung"], found
+    first = found["suspects"][0]
+    assert first["rank"] == 1 and first["group"] == ("dp:0" if tp == 1 else "tp:0"), found["suspects"]
+
+
 @pytest.mark.dist
 def test_point_to_point_calls_are_seen_and_a_pipeline_hang_is_localized(tmp_path: Path) -> None:
     """batch_isend_irecv (pipeline schedules) and blocking send/recv, intercepted under torchrun:
