@@ -37,6 +37,9 @@ ahead of its device). There the faults are those of a slow device and a paused h
 - ``pause MS``: the host sleeps MS ms between the forward and the backward it launches; what the
   device had queued runs meanwhile, so the job loses about MS less the forward's device time.
 
+Under the profiler on a GPU the traces hold the kernels too (CPU and CUDA activities), after three
+unrecorded steps in which a slow GPU times its steps.
+
 Jobs run one at a time; the table counts, by fault, the runs whose first named straggler is the
 planted rank, the cause it was given, and the runs where another rank was named.
 
@@ -162,29 +165,40 @@ def step():
         loss.item()
 
 
+def timed_step(i, run):
+    """``run()`` (step ``i``); a slow GPU's first three steps timed, its sleep set from the middle one."""
+    timing = cuda and mine and fault == "slow" and i < 3
+    if timing:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+    run()
+    if timing:
+        end.record()
+        end.synchronize()
+        warm.append(begin.elapsed_time(end) * 1e6)
+        if len(warm) == 3:
+            sleep["cycles"] = int((amount - 1) * sorted(warm)[1] * cycles_per_ns / 3)
+
+
 if record == "profiler":
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True,
-                 schedule=schedule(wait=1, warmup=1, active=active),
+    # On a GPU the kernels too (CUDA activity), and three steps before the trace's window, in
+    # which a slow GPU times its steps.
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    before = 3 if cuda else 1
+    with profile(activities=activities, record_shapes=True,
+                 schedule=schedule(wait=before, warmup=1, active=active),
                  on_trace_ready=tensorboard_trace_handler(out, worker_name=f"rank{rank}", use_gzip=True)) as prof:
-        for _ in range(active + 2):
-            step()
+        for i in range(active + before + 1):
+            timed_step(i, step)
             prof.step()
 else:
     if record == "collector+modules":
         instrument_module(layers, ["*"], collector=col)
     for i in range(active + 2):
-        timing = cuda and mine and fault == "slow" and i < 3
-        if timing:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-        with col.step(i):
-            step()
-        if timing:
-            end.record()
-            end.synchronize()
-            warm.append(begin.elapsed_time(end) * 1e6)
-            if len(warm) == 3:
-                sleep["cycles"] = int((amount - 1) * sorted(warm)[1] * cycles_per_ns / 3)
+        def recorded(i=i):
+            with col.step(i):
+                step()
+        timed_step(i, recorded)
     col.close()
 dist.barrier()
 dist.destroy_process_group()
