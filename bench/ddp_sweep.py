@@ -354,11 +354,9 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=None,
                         help="start no job after this many seconds of sweep (the table counts the jobs run)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cuda: each rank on the GPU of its rank, NCCL, a device-bound model (needs "
-                             "--record collector and as many GPUs as the largest world)")
+                        help="cuda: each rank on the GPU of its rank, NCCL, a device-bound model (needs as "
+                             "many GPUs as the largest world)")
     args = parser.parse_args()
-    if args.device == "cuda" and args.record != "collector":
-        parser.error("--device cuda needs --record collector")
     if args.modules and args.record != "collector":
         parser.error("--modules needs --record collector")
     record = "collector+modules" if args.modules else args.record
