@@ -473,6 +473,48 @@ def test_report_names_the_planted_straggler(tmp_path: Path, sample: str, planted
     report = analysis.report(open_run(tmp_path / "run"))
     assert report["stragglers"] and report["stragglers"][0]["rank"] == planted
     assert report["stragglers"][0]["cause"] == "compute"
+    # Never a fix that lengthens the step: on the GPU sample the replay's model of a step (41 ms,
+    # its device a step behind its host) is far from the measured 24 ms, and its fixed step longer.
+    assert report["whatif"]["whatif_step_time_ns"] <= report["run"]["step_time_ns"]
+    assert report["whatif"]["speedup"] >= 1.0
+
+
+def test_real_gpu_ddp_traces_read_the_reducer_s_wait_and_what_a_fix_gives(tmp_path: Path) -> None:
+    """Traces torch.profiler wrote (CPU and CUDA activities) of a 2-rank DDP job on 2x H200 over
+    NCCL (``bench/ddp_sweep.py --device cuda --record profiler --seed 2731``, the MLP of four
+    4096 x 4096 layers, 10 steps):
+
+    - ``kineto-gpu-ddp-healthy`` (job 11): nothing planted, a 25.2 ms step;
+    - ``kineto-gpu-ddp-pause`` (job 6): rank 1's host sleeps 60 ms between forward and backward
+      (a 78 ms step); rank 0's first all-reduce kernel waits for it ~56 ms while its own backward
+      kernels run, its stream idles from the backward's end (~25 ms) to the last reduction's;
+    - ``kineto-gpu-ddp-slow`` (job 10): rank 1's GPU sleeps 0.1 of its step's device time in its
+      forward and backward (a 26.6 ms step, 1.05x the healthy one).
+
+    The reductions the backward hid are not the waiting rank's stall: its own time is its healthy
+    step's, the paused rank's own time and the slow GPU's read what they cost, and a fix of the
+    planted rank gives about the healthy step. Before, the waiting rank's whole wait in its NCCL
+    kernels came off its own time: the slow GPU read 1.20x, and the fixes 14.2 and 22.3 ms, under
+    the healthy step."""
+    from megascope import analysis
+    from megascope.analysis.base import prepare
+
+    reports = {}
+    for name in ("healthy", "pause", "slow"):
+        ingest_kineto(Path(__file__).parent / "data" / f"kineto-gpu-ddp-{name}", tmp_path / name)
+        reports[name] = analysis.report(open_run(tmp_path / name))
+    healthy = reports["healthy"]["run"]["step_time_ns"]
+    assert reports["healthy"]["stragglers"] == []
+    paused = open_run(tmp_path / "pause")
+    prepare(paused.con)
+    own = dict(paused.con.execute("SELECT rank, median(own_ns) FROM ms_cache.rank_step GROUP BY rank").fetchall())
+    assert own[0] == pytest.approx(healthy, rel=0.1)  # its wait for the paused rank is not its own
+    for name, cause, low, high in (("pause", "host", 2.5, 3.5), ("slow", "compute", 1.04, 1.08)):
+        found = reports[name]["stragglers"]
+        assert [(s["rank"], s["cause"]) for s in found] == [(1, cause)], found
+        assert low < found[0]["slowdown"] < high
+        fixed = reports[name]["whatif"]["whatif_step_time_ns"]
+        assert healthy * 0.97 < fixed < healthy * 1.15, (name, fixed / 1e6, healthy / 1e6)
 
 
 @pytest.mark.parametrize(("sample", "planted", "cause"), [("kineto-ddp-pause", 2, "host"), ("kineto-ddp-slow", 0, "compute")])

@@ -116,6 +116,8 @@ def executed(synth: Synth, tmp_path_factory: pytest.TempPathFactory,
     # The steps of a run whose lowest ranks recorded none; extending the base tables of a run that
     # grew (the cached tables loaded as old_*, here copies of the current ones).
     _sql.execute(run.con, "base", "all_steps").fetchall()
+    # Asked only where the run's backward is its kernels alone (a Kineto trace of GPU ranks).
+    _sql.execute(run.con, "base", "world_only").fetchall()
     for table in ("clock_offsets", "rank_clock", "inst", "rank_step"):
         run.con.execute(f"CREATE OR REPLACE TABLE ms_cache.old_{table} AS SELECT * FROM ms_cache.{table}")
     _sql.execute(run.con, "base", "keep_clock_offsets")

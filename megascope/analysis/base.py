@@ -502,8 +502,40 @@ def _params(con: duckdb.DuckDBPyConnection, steps: list[int], *, old: dict[str, 
     else:
         nested = [str(k) for (k,) in _sql.execute(con, "base", "nested_kinds", rank=probe,
                                                   steps=window or [-1]).fetchall()]
+    kernels = kernel_backward(con, probe, window)
     return {"nested_kinds": sorted(k for k in nested if k.isalnum()), "peer_kinds": _peer_kinds(shape),
+            "kernel_backward": kernels, "dp_kinds": dp_kinds(con, kernels),
             "clock_sample": clock_sample_steps(steps, CLOCK_SAMPLE_STEPS), "nested_steps": [probe, *window]}
+
+
+def kernel_backward(con: duckdb.DuckDBPyConnection, rank: int, steps: list[int]) -> bool:
+    """Whether the run's backward is its kernels alone (a Kineto trace of GPU ranks), probed on
+    ``rank``'s spans in ``steps`` (sql/base.sql, statement kernel_backward): rank_step and the
+    what-if then take the backward's window from its kernels."""
+    row = _sql.first(_sql.execute(con, "base", "kernel_backward", rank=rank, steps=steps or [-1]))
+    return bool(row and row[0])
+
+
+def kernel_traced(con: duckdb.DuckDBPyConnection) -> bool:
+    """:func:`kernel_backward` of a prepared run (after rank_step), probed on its lowest rank in
+    the first :data:`NESTED_PROBE_STEPS` steps it has."""
+    shape = _sql.first(_sql.execute(con, "base", "rank_shape"))
+    probe = int(shape[0]) if shape and shape[0] is not None else 0
+    steps = [int(s) for (s,) in con.execute(
+        f"SELECT DISTINCT step FROM {_sql.CACHE_SCHEMA}.rank_step WHERE rank = ? ORDER BY step LIMIT ?",
+        [probe, NESTED_PROBE_STEPS]).fetchall()]
+    return kernel_backward(con, probe, steps)
+
+
+def dp_kinds(con: duckdb.DuckDBPyConnection, kernels: bool) -> list[str]:
+    """The group kinds whose gradient reductions may be hidden by the backward: ``dp``, and
+    ``world`` in a Kineto trace of GPU ranks (``kernels``) whose groups are all of that kind (a
+    data-parallel job's one process group, as torch.profiler names it)."""
+    if kernels:
+        row = _sql.first(_sql.execute(con, "base", "world_only"))
+        if row and row[0]:
+            return ["dp", "world"]
+    return ["dp"]
 
 
 # Parameters that record what a build sampled rather than what it was built with.
@@ -540,10 +572,11 @@ def _peer_kinds(shape: Any) -> list[str]:
 def peer_kinds_sql(con: duckdb.DuckDBPyConnection) -> _sql.Raw:
     """:func:`_peer_kinds` of the run (after ``rank_info``), as a SQL list of group kinds, every
     kind but tp, dp and pp read as ``other``."""
-    return _kinds_sql(_peer_kinds(_sql.first(_sql.execute(con, "base", "rank_shape"))))
+    return kinds_sql(_peer_kinds(_sql.first(_sql.execute(con, "base", "rank_shape"))))
 
 
-def _kinds_sql(kinds: list[str]) -> _sql.Raw:
+def kinds_sql(kinds: list[str]) -> _sql.Raw:
+    """``kinds`` as a SQL list of strings."""
     return _sql.Raw("[" + ", ".join(f"'{k}'" for k in kinds) + "]::VARCHAR[]")
 
 
@@ -665,7 +698,9 @@ def _rank_step_from(con: duckdb.DuckDBPyConnection, params: dict[str, Any], span
                  step_calls_prefix=_sql.Raw(COLLECTOR_STEP_CALLS_METRIC),
                  step_calls_prefix_len=len(COLLECTOR_STEP_CALLS_METRIC), where=_sql.Raw(where),
                  metrics_where=_sql.Raw(metrics_where),
-                 peer_kinds=_kinds_sql(params["peer_kinds"]), nested_kinds=_kinds_sql(params["nested_kinds"]))
+                 peer_kinds=kinds_sql(params["peer_kinds"]), nested_kinds=kinds_sql(params["nested_kinds"]),
+                 kernel_backward=_sql.Raw("true" if params.get("kernel_backward") else "false"),
+                 dp_kinds=kinds_sql(params.get("dp_kinds", ["dp"])))
 
 
 def _ranks_and_clock(con: duckdb.DuckDBPyConnection, say: Callable[[str], None]) -> list[int]:

@@ -40,7 +40,7 @@ import numpy as np
 import pandas as pd
 
 from megascope.analysis import _sql, persist
-from megascope.analysis.base import prepare, sample_steps
+from megascope.analysis.base import dp_kinds, kernel_backward, kinds_sql, prepare, sample_steps
 from megascope.analysis.pipeline import HOST_BOUND_FRAC, HOST_BOUND_MIN_CALLS, host_issue, host_lead
 from megascope.analysis.stragglers import replay_lower_bound, stragglers
 from megascope.analysis.timeline import mfu
@@ -169,7 +169,10 @@ def _steps_frame(con: duckdb.DuckDBPyConnection, steps: list[int]) -> pd.DataFra
     step_list = ", ".join(str(int(s)) for s in steps) or "NULL"
     table = "whatif_" + "_".join(str(int(s)) for s in steps)[:200]
     if not persist.load_extra(con, table):
-        _sql.execute(con, "whatif", "events", table=table, steps=_sql.Raw(step_list))
+        shape = _sql.first(_sql.execute(con, "base", "rank_shape"))
+        kernels = kernel_backward(con, int(shape[0]) if shape and shape[0] is not None else 0, steps)
+        _sql.execute(con, "whatif", "events", table=table, steps=_sql.Raw(step_list),
+                     kernel_backward=_sql.Raw("true" if kernels else "false"), dp_kinds=kinds_sql(dp_kinds(con, kernels)))
         persist.save_extra(con, table)
     try:
         return _sql.query_df(con, "whatif", "events_in_order", table=table)
@@ -302,7 +305,10 @@ def whatif(run: Run, *, ranks: list[int] | None = None, steps: list[int] | None 
     # the replay: the waits behind them count as the waiting ranks' own work, and the fix saves less.
     lower_bound = replay_lower_bound(run)
     replayed = measured / speedup if speedup > 0 else measured
-    fixed_step = replayed
+    # A replay whose fix came out longer than the steps it modeled found no saving (its model of
+    # the step, not the fix, is what differs): the step stays as measured.
+    fixed_step = min(replayed, measured)
+    speedup = max(speedup, 1.0)
     floor = host_floor(run, [int(s) for s in steps], [int(r) for r in ranks]) if ranks and hosts else None
     if floor is not None and floor["issue_ns"] > replayed:
         fixed_step = min(floor["issue_ns"], measured)

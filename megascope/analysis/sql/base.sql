@@ -431,11 +431,12 @@ WITH spans_lvl AS (
 ), lvl_p AS (
     -- Each group-step with its instances (per_group) and the rank's clock. Its reductions are
     -- read as such (the hidden waits of j) where they are candidates (lvl_b) in a data-parallel
-    -- group whose every instance, and every reduction's, the rank took part in: only there do the
+    -- group ({{dp_kinds}}: `dp`, and a Kineto trace's `world` where the job has no other kind of
+    -- group) whose every instance, and every reduction's, the rank took part in: only there do the
     -- rank's sums and the instances' cover the same calls. Elsewhere (a rank that died
     -- mid-backward, its partner's buckets without it) their difference counts whole arrival
     -- times, and overflowed.
-    SELECT l.* REPLACE (l.reductions AND coalesce(p.group_kind = 'dp' AND p.all_instances = l.coll_spans
+    SELECT l.* REPLACE (l.reductions AND coalesce(list_contains({{dp_kinds}}, p.group_kind) AND p.all_instances = l.coll_spans
                                                   AND p.red_instances = l.reduce_spans, false) AS reductions),
            coalesce(k.offset_ns, 0) AS offset_ns, coalesce(k.stage, 0) AS stage, p.group_kind, p.instances,
            p.all_instances, p.last_arrival_sum, p.red_last_arrival_sum,
@@ -496,6 +497,20 @@ WITH spans_lvl AS (
            coalesce(sum(instances) FILTER (WHERE group_kind = 'pp'), 0) AS coll_pp,
            coalesce(sum(instances) FILTER (WHERE group_kind NOT IN ('tp', 'dp', 'pp')), 0) AS coll_other
     FROM waited GROUP BY rank, step
+), kbwd AS (
+    -- The backward of a Kineto trace's GPU rank is its kernels alone (no span of its own): its
+    -- window runs from its first kernel to the end of the last computing one (not a copy nor a
+    -- memset) that ended by the reductions' last end. The reducer's copies of each bucket, after
+    -- its reduction, and what ran once its wait for them let the stream go on come later: on a
+    -- 2x H200 DDP job beside a peer paused 60 ms, the backward's last kernel ended at 25 ms into
+    -- the step, the bucket copies at 67.7-77.9 ms, its last reduction at 77.9 ms.
+    -- ({{kernel_backward}}: false elsewhere, where nothing is read here.)
+    SELECT s.rank, s.step, min(s.start_ns) AS bwd_start_raw, max(s.start_ns + s.dur_ns) AS bwd_end_raw
+    FROM {{spans}} s JOIN j ON j.rank = s.rank AND j.step = s.step
+    WHERE {{kernel_backward}} AND s.kind = 'backward' AND starts_with(s.stream, 'cuda:')
+      AND NOT (starts_with(s.name, 'Memcpy') OR starts_with(s.name, 'Memset'))
+      AND j.bwd_end_raw IS NULL AND j.red_last IS NOT NULL AND s.start_ns + s.dur_ns <= j.red_last
+    GROUP BY ALL
 ), hidden AS (
     -- Gradient reductions that begin inside the rank's backward, in a rank-step with no wait span
     -- for a reduction on the caller's stream (no Python wait marks them: DistributedDataParallel's
@@ -507,7 +522,9 @@ WITH spans_lvl AS (
     -- a GPU 1.15x slow read 1.57x its peer.
     SELECT *, CASE WHEN wait_spans = 0 AND red_first > bwd_start_raw AND red_first < bwd_end_raw
                    THEN greatest(red_last - bwd_end_raw, 0) END AS hidden_bound
-    FROM j
+    FROM (SELECT j.* REPLACE (coalesce(j.bwd_start_raw, k.bwd_start_raw) AS bwd_start_raw,
+                              coalesce(j.bwd_end_raw, k.bwd_end_raw) AS bwd_end_raw)
+          FROM j LEFT JOIN kbwd k ON k.rank = j.rank AND k.step = j.step)
 ), jw AS (
     -- Where the reductions' waits were not hidden, the group's wait as it was always read.
     SELECT * EXCLUDE (nested_other, nested_old, nested_rest, nested_red, wait_other, wait_old, wait_rest,
@@ -565,6 +582,21 @@ k AS (
 )
 SELECT group_kind FROM k LEFT JOIN inside i USING (id)
 GROUP BY group_kind HAVING count(i.id) >= 0.5 * count(*);
+
+-- @statement kernel_backward
+-- Whether the run's backward is its kernels alone, probed on one rank's partition ({{rank}}) in
+-- steps {{steps}}: spans of kind backward on a device stream and no backward span of its own (a
+-- Kineto trace of GPU ranks; the collector writes one).
+-- @column kernels  true where so
+SELECT coalesce(bool_or(kind = 'backward' AND starts_with(stream, 'cuda:'))
+                AND NOT bool_or(kind = 'backward' AND name = 'backward'), false) AS kernels
+FROM spans WHERE rank = {{rank}} AND list_contains({{steps}}, step);
+
+-- @statement world_only
+-- Whether the run's collectives are in groups of no kind but `world` (a Kineto trace of a
+-- data-parallel job names its one process group so).
+-- @column world_only  true where so
+SELECT coalesce(bool_and(kind = 'world'), false) AS world_only FROM ms_cache.group_kind;
 
 -- @statement has_step_spans
 -- Whether any rank-step has a step span: the analyses take step times from step spans when there

@@ -12,8 +12,9 @@
 -- nothing in this one. Its instance completes at the earliest member's end: each member's end
 -- comes after its own wait, which may begin long after the transfer is over (the compute the call
 -- overlapped).
--- A data-parallel gradient reduction (all-reduce, reduce-scatter) issued inside the rank's
--- top-level backward span with no wait span is asynchronous too, waited for where that span ends:
+-- A data-parallel gradient reduction (all-reduce, reduce-scatter; in a group of {{dp_kinds}}) issued
+-- inside the rank's top-level backward span (or its backward's kernels' window, see backward
+-- below) with no wait span is asynchronous too, waited for where that span ends:
 -- DistributedDataParallel's buckets (its reducer waits for them in C++ as the backward ends) and
 -- FSDP1's reduce-scatters on their own stream, which no Python wait marks (FSDP2's on GPU have
 -- wait spans where the next group's post_backward and the backward's end wait for them: the
@@ -40,7 +41,9 @@ WITH src AS MATERIALIZED (
     WHERE s.step IN ({{steps}})
       AND (s.seq IS NOT NULL
            AND (s.kind IN ('collective', 'send', 'recv') OR s.kind = 'other' AND ends_with(s.name, ':wait'))
-           OR s.kind = 'backward' AND s.name = 'backward')
+           OR s.kind = 'backward' AND s.name = 'backward'
+           OR {{kernel_backward}} AND s.kind = 'backward' AND starts_with(s.stream, 'cuda:')
+              AND NOT (starts_with(s.name, 'Memcpy') OR starts_with(s.name, 'Memset')))
 ), c AS (
     SELECT s.step, s.rank, s.kind, s.name, s.op, s.peer, s.kind = 'collective' AS is_coll,
            CASE WHEN s.kind = 'collective' THEN s."group" ELSE '' END AS grp, s.seq,
@@ -56,14 +59,28 @@ WITH src AS MATERIALIZED (
     SELECT step, rank, seq, peer, name[:-6] AS op_name, min(start_ns) AS wait_ns
     FROM src WHERE kind = 'other'
     GROUP BY ALL
-), enclosed AS (
-    -- Data-parallel gradient reductions issued inside the top-level backward span of their rank,
-    -- and where that span ends.
-    SELECT c.step, c.rank, c.grp, c.seq, min(f.start_ns + f.dur_ns) AS span_end_ns
-    FROM c JOIN ms_cache.group_kind gk ON gk."group" = c.grp AND gk.kind = 'dp'
-    JOIN src f ON f.step = c.step AND f.rank = c.rank AND f.kind = 'backward'
-              AND f.start_ns < c.arrival_ns AND f.start_ns + f.dur_ns > c.arrival_ns
+), reductions AS (
+    SELECT c.* FROM c JOIN ms_cache.group_kind gk ON gk."group" = c.grp AND list_contains({{dp_kinds}}, gk.kind)
     WHERE c.is_coll AND c.op IN ('all_reduce', 'reduce_scatter')
+), backward AS (
+    -- The rank's top-level backward spans; where its backward is its kernels alone (a Kineto
+    -- trace of GPU ranks, {{kernel_backward}}), one window per step from its first kernel to the
+    -- end of the last computing one that ended by its last reduction's end (as rank_step reads
+    -- it, sql/base.sql).
+    SELECT step, rank, start_ns, start_ns + dur_ns AS end_ns FROM src
+    WHERE kind = 'backward' AND name = 'backward'
+    UNION ALL
+    SELECT f.step, f.rank, min(f.start_ns), max(f.start_ns + f.dur_ns)
+    FROM src f JOIN (SELECT step, rank, max(end_ns) AS red_last FROM reductions GROUP BY ALL) r
+         ON r.step = f.step AND r.rank = f.rank
+    WHERE {{kernel_backward}} AND f.kind = 'backward' AND f.name <> 'backward' AND f.start_ns + f.dur_ns <= r.red_last
+    GROUP BY ALL
+), enclosed AS (
+    -- Data-parallel gradient reductions issued inside the top-level backward of their rank, and
+    -- where that backward ends.
+    SELECT c.step, c.rank, c.grp, c.seq, min(f.end_ns) AS span_end_ns
+    FROM reductions c
+    JOIN backward f ON f.step = c.step AND f.rank = c.rank AND f.start_ns < c.arrival_ns AND f.end_ns > c.arrival_ns
     GROUP BY ALL
 ), o AS (
     SELECT c.* EXCLUDE (wait_ns), coalesce(c.wait_ns, e.span_end_ns) AS wait_ns,
