@@ -118,7 +118,6 @@ def executed(synth: Synth, tmp_path_factory: pytest.TempPathFactory,
     _sql.execute(run.con, "base", "all_steps").fetchall()
     # Asked only where the run's backward is its kernels alone (a Kineto trace of GPU ranks).
     _sql.execute(run.con, "base", "world_only").fetchall()
-    _sql.execute(run.con, "stragglers", "gathers").fetchall()
     for table in ("clock_offsets", "rank_clock", "inst", "rank_step"):
         run.con.execute(f"CREATE OR REPLACE TABLE ms_cache.old_{table} AS SELECT * FROM ms_cache.{table}")
     _sql.execute(run.con, "base", "keep_clock_offsets")

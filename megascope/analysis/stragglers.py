@@ -498,9 +498,7 @@ OUTSIDE_CALLS_MIN_Z = 2.5
 # 0.99-1.02x their peer, none flagged (combined evidence 2.8 or less); GPUs 1.1x slow read 1.053x
 # and 1.059x (the job 1.05x slower, evidence 11.6 and 11.9, last at 97.5% of the reductions), and
 # the shared 2-rank sample's rank with 8 extra GEMMs a forward 1.095x (evidence 9.8, last at all
-# of them). The collector's GPU runs keep 1.10: their healthy ranks read up to 1.08x, flagged. So
-# do traces of jobs that gather parameters (FSDP): their gathers' waits on a stream of their own
-# still come off the waiting rank's own time, and a healthy FSDP2 rank of those jobs read 1.096x.
+# of them). The collector's GPU runs keep 1.10: their healthy ranks read up to 1.08x, flagged.
 KERNEL_NAMED_SLOWDOWN = 1.04
 OUTSIDE_CALLS_BAR = 1.15
 OUTSIDE_CALLS_RANKS = 4  # the candidates read, strongest evidence first
@@ -972,12 +970,10 @@ def stragglers(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
 def detect(run: Run, config: StragglerConfig | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(:func:`stragglers`, :func:`dismissed`) of one pass: the report wants both. Without a
     ``config``, the defaults; on a run whose GPU ranks were traced kernel by kernel (a Kineto
-    trace) that gathers no parameters, a compute straggler is named from
-    :data:`KERNEL_NAMED_SLOWDOWN`."""
+    trace), a compute straggler is named from :data:`KERNEL_NAMED_SLOWDOWN`."""
     if config is None:
         prepare(run.con)
-        kernels = kernel_traced(run.con) and not _sql.first(_sql.execute(run.con, "stragglers", "gathers"))[0]
-        config = StragglerConfig(min_named_slowdown=KERNEL_NAMED_SLOWDOWN) if kernels else StragglerConfig()
+        config = StragglerConfig(min_named_slowdown=KERNEL_NAMED_SLOWDOWN) if kernel_traced(run.con) else StragglerConfig()
     c, sizes = _candidates(run, config)
     gone: list[pd.DataFrame] = []
     if c.empty:

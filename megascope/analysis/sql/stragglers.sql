@@ -579,9 +579,3 @@ WITH sp AS (
 SELECT p.rank, p.step, greatest(p.spans - coalesce(i.calls, 0), 0)::DOUBLE AS compute
 FROM per p LEFT JOIN inside i USING (rank, step)
 ORDER BY p.rank, p.step;
-
--- @statement gathers
--- Whether the run gathers parameters (FSDP's all-gathers), asked of a profiler trace of GPU ranks
--- (stragglers.detect): their waits on a stream of their own are read as the waiting rank's.
--- @column gathers  true where some rank's spans hold an all-gather
-SELECT EXISTS (SELECT 1 FROM spans WHERE kind = 'collective' AND op = 'all_gather') AS gathers;
