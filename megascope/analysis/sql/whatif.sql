@@ -44,15 +44,26 @@ WITH src AS MATERIALIZED (
            OR s.kind = 'backward' AND s.name = 'backward'
            OR {{kernel_backward}} AND s.kind = 'backward' AND starts_with(s.stream, 'cuda:')
               AND NOT (starts_with(s.name, 'Memcpy') OR starts_with(s.name, 'Memset')))
+), device AS (
+    -- Where the ranks were traced kernel by kernel ({{kernel_backward}}), each rank-step begins on
+    -- its device at its first kernel: a device running a step behind its host (a deep queue) does
+    -- the step's work long after the host's step began, and a chain begun at the host's would
+    -- model that lag as work (the shared 2-rank GPU sample: 41 ms steps modeled for 24 ms).
+    SELECT s.step, s.rank, min(s.start_ns) + any_value(k.offset_ns) AS start_ns
+    FROM spans s JOIN ms_cache.rank_clock k USING (rank)
+    WHERE {{kernel_backward}} AND s.step IN ({{steps}}) AND starts_with(s.stream, 'cuda:')
+    GROUP BY ALL
 ), c AS (
     SELECT s.step, s.rank, s.kind, s.name, s.op, s.peer, s.kind = 'collective' AS is_coll,
            CASE WHEN s.kind = 'collective' THEN s."group" ELSE '' END AS grp, s.seq,
            CASE WHEN s.kind = 'collective' THEN -1 WHEN s.kind = 'send' THEN s.rank ELSE s.peer END AS sender,
            CASE WHEN s.kind = 'collective' THEN -1 WHEN s.kind = 'send' THEN s.peer ELSE s.rank END AS receiver,
            s.start_ns AS arrival_ns, s.start_ns + s.dur_ns AS end_ns,
-           r.start_ns AS step_start_ns, r.start_ns + coalesce(r.step_ns, r.extent_ns) AS step_end_ns, r.stage
+           coalesce(d.start_ns, r.start_ns) AS step_start_ns,
+           coalesce(d.start_ns, r.start_ns) + coalesce(r.step_ns, r.extent_ns) AS step_end_ns, r.stage
     FROM src s
     JOIN ms_cache.rank_step r ON r.rank = s.rank AND r.step = s.step
+    LEFT JOIN device d ON d.rank = s.rank AND d.step = s.step
     WHERE s.kind IN ('collective', 'send', 'recv')
       AND (s.kind = 'collective' AND s."group" IS NOT NULL OR s.kind <> 'collective' AND s.peer IS NOT NULL)
 ), w AS (
