@@ -517,6 +517,27 @@ def test_real_gpu_ddp_traces_read_the_reducer_s_wait_and_what_a_fix_gives(tmp_pa
         assert healthy * 0.97 < fixed < healthy * 1.15, (name, fixed / 1e6, healthy / 1e6)
 
 
+def test_a_real_gpu_fsdp2_trace_s_prefetched_gathers_are_no_stall(tmp_path: Path) -> None:
+    """``kineto-gpu-fsdp2-healthy``: a healthy 2-rank FSDP2 job on 2x H200 under torch.profiler
+    (``bench/ddp_sweep.py --device cuda --record profiler --wrap fsdp2 --seed 2733``, job 0, a
+    26.5 ms step). Its all-gathers run a layer ahead on a stream of their own, and rank 1's waited
+    3.6 ms a step in them while its own kernels ran beside: a rank's waits are at most the time
+    its device ran none of its kernels. Without that bound rank 0 read 1.10x rank 1 and was named."""
+    from megascope import analysis
+    from megascope.analysis.base import prepare
+
+    ingest_kineto(Path(__file__).parent / "data" / "kineto-gpu-fsdp2-healthy", tmp_path / "run")
+    run = open_run(tmp_path / "run")
+    assert analysis.report(run)["stragglers"] == []
+    prepare(run.con)
+    rows = run.con.execute(
+        "SELECT wait_ns, step_ns - forward_ns - backward_ns - optimizer_ns - compute_ns AS idle_ns, own_ns, step_ns "
+        "FROM ms_cache.rank_step WHERE step_ns IS NOT NULL").fetchall()
+    assert rows and all(wait <= max(idle, 0) + 1 for wait, idle, _, _ in rows)
+    own = dict(run.con.execute("SELECT rank, median(own_ns) FROM ms_cache.rank_step GROUP BY rank").fetchall())
+    assert own[0] / own[1] == pytest.approx(1.0, abs=0.05)
+
+
 @pytest.mark.parametrize(("sample", "planted", "cause"), [("kineto-ddp-pause", 2, "host"), ("kineto-ddp-slow", 0, "compute")])
 def test_real_ddp_traces_name_the_planted_rank_with_its_cause(tmp_path: Path, sample: str, planted: int,
                                                               cause: str) -> None:
