@@ -497,7 +497,7 @@ OUTSIDE_CALLS_MIN_Z = 2.5
 # kbwd), leave little noise. On 2x H200 DDP jobs under the profiler (seed 2731), healthy ranks read
 # 0.99-1.02x their peer, none flagged (combined evidence 2.8 or less); GPUs 1.1x slow read 1.053x
 # and 1.059x (the job 1.05x slower, evidence 11.6 and 11.9, last at 97.5% of the reductions), and
-# the shared 2-rank sample's rank with 8 extra GEMMs a forward 1.095x (evidence 9.8, last at all
+# the shared 2-rank sample's rank with 8 extra GEMMs a forward 1.061x (evidence 10.3, last at all
 # of them). The collector's GPU runs keep 1.10: their healthy ranks read up to 1.08x, flagged.
 KERNEL_NAMED_SLOWDOWN = 1.04
 OUTSIDE_CALLS_BAR = 1.15
