@@ -490,6 +490,8 @@ DP_PAUSE_SHARE = 0.5
 # rank that was not planted, at z 2.5 or more, over 1.15x in more than 64% of the steps (a healthy
 # 2-rank job's: 1.25x, in 9 steps of 14).
 OUTSIDE_CALLS_MIN_Z = 2.5
+OUTSIDE_CALLS_BAR = 1.15
+OUTSIDE_CALLS_RANKS = 4  # the candidates read, strongest evidence first
 
 # The bar of ``min_named_slowdown`` on a run whose GPU ranks were traced kernel by kernel
 # (torch.profiler's CUDA activity; base.kernel_traced): each kernel's device time, and the
@@ -500,9 +502,6 @@ OUTSIDE_CALLS_MIN_Z = 2.5
 # the shared 2-rank sample's rank with 8 extra GEMMs a forward 1.061x (evidence 10.3, last at all
 # of them). The collector's GPU runs keep 1.10: their healthy ranks read up to 1.08x, flagged.
 KERNEL_NAMED_SLOWDOWN = 1.04
-OUTSIDE_CALLS_BAR = 1.15
-OUTSIDE_CALLS_RANKS = 4  # the candidates read, strongest evidence first
-
 
 # A rank named for its communication (its transfers slow, its own time not) is not one whose
 # combined evidence is below this: a rank that waited for its peers far more than they waited for
