@@ -517,7 +517,7 @@ def test_real_gpu_ddp_traces_read_the_reducer_s_wait_and_what_a_fix_gives(tmp_pa
         assert healthy * 0.97 < fixed < healthy * 1.15, (name, fixed / 1e6, healthy / 1e6)
 
 
-def test_a_real_gpu_fsdp2_trace_s_prefetched_gathers_are_no_stall(tmp_path: Path) -> None:
+def test_real_gpu_fsdp2_traces_prefetched_gathers_are_no_stall(tmp_path: Path) -> None:
     """``kineto-gpu-fsdp2-healthy``: a healthy 2-rank FSDP2 job on 2x H200 under torch.profiler
     (``bench/ddp_sweep.py --device cuda --record profiler --wrap fsdp2 --seed 2733``, job 0, a
     26.5 ms step). Its all-gathers run a layer ahead on a stream of their own, and rank 1's waited
@@ -536,6 +536,16 @@ def test_a_real_gpu_fsdp2_trace_s_prefetched_gathers_are_no_stall(tmp_path: Path
     assert rows and all(wait <= max(idle, 0) + 1 for wait, idle, _, _ in rows)
     own = dict(run.con.execute("SELECT rank, median(own_ns) FROM ms_cache.rank_step GROUP BY rank").fetchall())
     assert own[0] / own[1] == pytest.approx(1.0, abs=0.05)
+    healthy = analysis.report(run)["run"]["step_time_ns"]
+    # ``kineto-gpu-fsdp2-slow`` (job 2 of the same sweep): rank 1's GPU 1.25x slow, a 31.4 ms step.
+    # The replay holds a rank at a gather only from where its kernels stopped before the gather
+    # completed: taken as blocking where issued, the fast rank's compute beside its gathers was
+    # lost, and the fix read 22.3 ms, under the healthy step.
+    ingest_kineto(Path(__file__).parent / "data" / "kineto-gpu-fsdp2-slow", tmp_path / "slow")
+    slow = analysis.report(open_run(tmp_path / "slow"))
+    assert [(s["rank"], s["cause"]) for s in slow["stragglers"]] == [(1, "compute")]
+    fixed = slow["whatif"]["whatif_step_time_ns"]
+    assert healthy * 0.97 < fixed < healthy * 1.1, (fixed / 1e6, healthy / 1e6)
 
 
 @pytest.mark.parametrize(("sample", "planted", "cause"), [("kineto-ddp-pause", 2, "host"), ("kineto-ddp-slow", 0, "compute")])
