@@ -41,18 +41,23 @@ WITH src AS MATERIALIZED (
     WHERE s.step IN ({{steps}})
       AND (s.seq IS NOT NULL
            AND (s.kind IN ('collective', 'send', 'recv') OR s.kind = 'other' AND ends_with(s.name, ':wait'))
-           OR s.kind = 'backward' AND s.name = 'backward'
-           OR {{kernel_backward}} AND starts_with(s.stream, 'cuda:')
-              AND s.kind IN ('forward', 'backward', 'compute', 'optimizer'))
-), device AS (
-    -- Where the ranks were traced kernel by kernel ({{kernel_backward}}), each rank-step begins on
-    -- its device at its first kernel: a device running a step behind its host (a deep queue) does
-    -- the step's work long after the host's step began, and a chain begun at the host's would
-    -- model that lag as work (the shared 2-rank GPU sample: 41 ms steps modeled for 24 ms).
-    SELECT s.step, s.rank, min(s.start_ns) + any_value(k.offset_ns) AS start_ns
+           OR s.kind = 'backward' AND s.name = 'backward')
+), kernels AS NOT MATERIALIZED (
+    -- Where the ranks were traced kernel by kernel ({{kernel_backward}}; nothing is read
+    -- elsewhere): their kernels, each with whether it is a copy or a memset, and no more, read
+    -- where used (a kernel's name is a long template: carried in src, they took 55 MB more of a
+    -- 256-rank report, and 30-50 MB kept apart).
+    SELECT s.step, s.rank, s.kind, s.start_ns + k.offset_ns AS start_ns, s.start_ns + s.dur_ns + k.offset_ns AS end_ns,
+           starts_with(s.name, 'Memcpy') OR starts_with(s.name, 'Memset') AS copy
     FROM spans s JOIN ms_cache.rank_clock k USING (rank)
     WHERE {{kernel_backward}} AND s.step IN ({{steps}}) AND starts_with(s.stream, 'cuda:')
-    GROUP BY ALL
+      AND s.kind IN ('forward', 'backward', 'compute', 'optimizer')
+), device AS (
+    -- There each rank-step begins on its device at its first kernel: a device running a step
+    -- behind its host (a deep queue) does the step's work long after the host's step began, and a
+    -- chain begun at the host's would model that lag as work (the shared 2-rank GPU sample: 41 ms
+    -- steps modeled for 24 ms).
+    SELECT step, rank, min(start_ns) AS start_ns FROM kernels GROUP BY ALL
 ), c AS (
     SELECT s.step, s.rank, s.kind, s.name, s.op, s.peer, s.kind = 'collective' AS is_coll,
            CASE WHEN s.kind = 'collective' THEN s."group" ELSE '' END AS grp, s.seq,
@@ -81,15 +86,11 @@ WITH src AS MATERIALIZED (
     SELECT step, rank, start_ns, start_ns + dur_ns AS end_ns FROM src
     WHERE kind = 'backward' AND name = 'backward'
     UNION ALL
-    SELECT f.step, f.rank, min(f.start_ns), max(f.start_ns + f.dur_ns)
-    FROM src f JOIN (SELECT step, rank, max(end_ns) AS red_last FROM reductions GROUP BY ALL) r
+    SELECT f.step, f.rank, min(f.start_ns), max(f.end_ns)
+    FROM kernels f JOIN (SELECT step, rank, max(end_ns) AS red_last FROM reductions GROUP BY ALL) r
          ON r.step = f.step AND r.rank = f.rank
-    WHERE {{kernel_backward}} AND f.kind = 'backward' AND f.name <> 'backward' AND f.start_ns + f.dur_ns <= r.red_last
-      AND NOT (starts_with(f.name, 'Memcpy') OR starts_with(f.name, 'Memset'))
+    WHERE f.kind = 'backward' AND NOT f.copy AND f.end_ns <= r.red_last
     GROUP BY ALL
-), kernels AS (
-    SELECT step, rank, start_ns, start_ns + dur_ns AS end_ns FROM src
-    WHERE {{kernel_backward}} AND kind IN ('forward', 'backward', 'compute', 'optimizer') AND name NOT IN ('forward', 'backward')
 ), idled AS (
     -- Where the ranks were traced kernel by kernel, a collective (on NCCL's stream of its own)
     -- held its rank only from where the rank's kernels stopped before it completed: a kernel
