@@ -213,7 +213,7 @@ def _report(run: Run, say: Callable[[str], None], config: StragglerConfig | None
         },
         "mfu": {
             "mean": steady_mean(per_step, "mfu"),
-            "tokens_per_s": float(per_step["tokens_per_s"].mean()) if per_step["tokens_per_s"].notna().any() else None,
+            "tokens_per_s": steady_mean(per_step, "tokens_per_s"),
             "per_step": per_step[["step", "step_time_ns", "mfu", "tokens_per_s"]].to_dict("records"),
             "drift": drift,
             "missing": _mfu_missing(run.meta) if not per_step["mfu"].notna().any() else None,
