@@ -169,6 +169,10 @@ def test_heatmap_marks_flagged_ranks_beside_the_axis_and_lists_the_worst() -> No
     assert len(marks) == 1 and list(marks[0].y) == [76] and list(marks[0].text) == ["r77"]
     assert fig.layout.height >= 2 * 256
     assert fig.layout.yaxis.dtick is None and fig.layout.xaxis.dtick == 1  # 1,024 ranks: the axis places its ticks
+    # The marks sit left of the rank axis; its title moves out past them (it overlapped "r3").
+    plain = heatmap_figure(cells, phase="own")
+    assert fig.layout.yaxis.title.standoff > (plain.layout.yaxis.title.standoff or 0)
+    assert fig.layout.margin.l > plain.layout.margin.l
     worst = worst_ranks(cells)
     assert worst["rank"].tolist() == [77] and worst["worst"].iloc[0] == 1.15 and worst["slow_steps"].iloc[0] == 3
 

@@ -179,8 +179,10 @@ def heatmap_figure(cells: pd.DataFrame, *, phase: str = "step", title: str | Non
         title=title or f"{phase} time / peer median (same pipeline stage)" + (", worst per bin" if binned else ""),
         xaxis={"title": "step", "domain": [0.06, 1.0], **whole(steps["step_lo"].to_numpy())},
         xaxis2={"domain": [0.0, 0.05], "range": [-1.0, 0.4], "visible": False, "fixedrange": True},
-        yaxis={"title": "rank", "autorange": "reversed", **whole(ranks["rank_lo"].to_numpy())},
-        margin={"l": 60, "r": 20, "t": 50, "b": 50},
+        # The stragglers' marks sit left of the rank axis: its title goes left of them.
+        yaxis={"title": {"text": "rank", "standoff": 34 if flagged else 0}, "autorange": "reversed",
+               **whole(ranks["rank_lo"].to_numpy())},
+        margin={"l": 84 if flagged else 60, "r": 20, "t": 50, "b": 50},
         height=int(min(900, max(360, ROW_PX * rows + 150))), plot_bgcolor="white",
     )
     return fig
