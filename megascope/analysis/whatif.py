@@ -40,7 +40,7 @@ import numpy as np
 import pandas as pd
 
 from megascope.analysis import _sql, persist
-from megascope.analysis.base import dp_kinds, kernel_backward, kinds_sql, prepare, sample_steps
+from megascope.analysis.base import dp_kinds, kernel_traced, kinds_sql, prepare, sample_steps
 from megascope.analysis.pipeline import HOST_BOUND_FRAC, HOST_BOUND_MIN_CALLS, host_issue, host_lead
 from megascope.analysis.stragglers import replay_lower_bound, stragglers
 from megascope.analysis.timeline import mfu
@@ -169,8 +169,7 @@ def _steps_frame(con: duckdb.DuckDBPyConnection, steps: list[int]) -> pd.DataFra
     step_list = ", ".join(str(int(s)) for s in steps) or "NULL"
     table = "whatif_" + "_".join(str(int(s)) for s in steps)[:200]
     if not persist.load_extra(con, table):
-        shape = _sql.first(_sql.execute(con, "base", "rank_shape"))
-        kernels = kernel_backward(con, int(shape[0]) if shape and shape[0] is not None else 0, steps)
+        kernels = kernel_traced(con)
         _sql.execute(con, "whatif", "events", table=table, steps=_sql.Raw(step_list),
                      kernel_backward=_sql.Raw("true" if kernels else "false"), dp_kinds=kinds_sql(dp_kinds(con, kernels)))
         persist.save_extra(con, table)
