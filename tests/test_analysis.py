@@ -714,6 +714,83 @@ def test_a_receive_past_the_sender_s_last_send_is_no_completion_but_a_send_may_b
     assert [(x["rank"], x["missing_seq"]) for x in result["suspects"]][:1] == [(0, 3)]
 
 
+def _dp_trail(rank: int, seqs: range, per_step: int, t0: int = 0) -> list[dict[str, object]]:
+    """A rank's markers of all-reduces ``seqs`` of dp:0, ``per_step`` to a step, 10 ms apart."""
+    rows: list[dict[str, object]] = []
+    for q in seqs:
+        t = t0 + q * 10 * MS
+        rows += [{"rank": rank, "group": "dp:0", "seq": q, "op": "all_reduce", "state": st, "time_ns": t + dt,
+                  "step": q // per_step, "bytes": None, "peer": None} for st, dt in (("enqueued", 0), ("completed", MS))]
+    return rows
+
+
+def test_a_trail_that_ends_before_calls_its_peers_completed_with_it_was_lost_not_stopped(tmp_path: Path) -> None:
+    # Three ranks, 4 all-reduces a step. Rank 0 completed every call of steps 0-5 with its peers
+    # and stopped at step 6 before its first call; the trails of ranks 1 and 2 end in step 1
+    # (their writers never wrote the rest). Rank 0's completions prove they went on: it is the one
+    # that stopped, outside its calls; theirs is no "never entered".
+    markers = _dp_trail(0, range(24), 4) + _dp_trail(1, range(6), 4) + _dp_trail(2, range(5), 4)
+    spans = [span(0, k, "step", k * 40 * MS, 40 * MS) for k in range(6)] + [span(0, 6, "forward", 240 * MS, 5 * MS)]
+    spans += [span(r, 0, "step", 0, 40 * MS) for r in (1, 2)]
+    path = hand_run(tmp_path / "run", spans, markers, world=3)
+    result = analysis.localize(open_run(path))
+    assert result["hung"] is True and result["lost"] == [1, 2] and result["waiting"] == []
+    assert [(s["rank"], s["state"], s["group"], s["last_completed_seq"]) for s in result["suspects"]] == [
+        (0, "hung", "dp:0", 23)]
+    assert result["suspects"][0]["where"] == "stopped outside its calls in step 6 (its last call, dp:0 seq 23, completed)"
+    assert "1, 2" in result["note"]
+    states = analysis.rank_states(open_run(path), hang=result).set_index("rank")["state"]
+    assert states.to_dict() == {0: "hung", 1: "lost", 2: "lost"}
+
+
+def test_a_rank_whose_last_steps_were_lost_is_still_named_for_the_call_its_peers_wait_in(tmp_path: Path) -> None:
+    # The culprit's node went down: rank 2's trail ends in step 1, its peers completed calls with
+    # it to the end of step 4 and sit inside the first call of step 5 (a host blocked in it). The
+    # calls rank 2 is proven to have made end at seq 19; it never entered 20.
+    markers = _dp_trail(0, range(20), 4) + _dp_trail(1, range(20), 4) + _dp_trail(2, range(6), 4)
+    markers += [{"rank": r, "group": "dp:0", "seq": 20, "op": "all_reduce", "state": "enqueued",
+                 "time_ns": 200 * MS + r, "step": 5, "bytes": None, "peer": None} for r in (0, 1)]
+    path = hand_run(tmp_path / "run", [], markers, world=3)
+    result = analysis.localize(open_run(path))
+    assert result["hung"] is True and result["lost"] == [2] and result["waiting"] == [0, 1]
+    assert [(s["rank"], s["missing_seq"], s["where"]) for s in result["suspects"]] == [
+        (2, 20, "never entered dp:0 seq 20")]
+
+
+def test_calls_completed_a_step_or_two_ahead_of_a_member_lose_no_trail(tmp_path: Path) -> None:
+    # Rank 1 "completed" six calls past rank 0's last, within two steps' worth (4 a step): an abort
+    # or futures fired at launch. Rank 0 never entered seq 8 and rank 1 waits on it.
+    markers = _dp_trail(0, range(8), 4) + _dp_trail(1, range(14), 4)
+    markers.append({"rank": 1, "group": "dp:0", "seq": 14, "op": "all_reduce", "state": "enqueued",
+                    "time_ns": 150 * MS, "step": 3, "bytes": None, "peer": None})
+    result = analysis.localize(open_run(hand_run(tmp_path / "run", [], markers, world=2)))
+    assert result["lost"] == [] and result["waiting"] == [1]
+    assert [(s["rank"], s["missing_seq"]) for s in result["suspects"]] == [(0, 8)]
+
+
+@pytest.mark.parametrize("name", ["gpu-hang-lost-trails-dp4", "gpu-hang-lost-trails-tp2dp2",
+                                  "gpu-hang-lost-trails-tp2pp2"])
+def test_real_nccl_hangs_whose_waiting_ranks_lost_their_trails_name_the_planted_rank(
+        name: str, tmp_path: Path, cli: Any) -> None:
+    """tests/data/gpu-hang-lost-trails-*: the bundled trainer on 4x H100 (NCCL 2.28.9) with a hang
+    planted (run.json's inject), written by a collector whose waiting ranks' writers could not run
+    while they waited: their trails end at steps 0-1, the hung rank's reaches its hang step.
+    Before, the waiting ranks were named ("never entered world seq 1")."""
+    data = Path(__file__).parent / "data"
+    path = shutil.copytree(data / name, tmp_path / name)
+    planted = json.loads((path / "run.json").read_text())["config"]["inject"][0]
+    rank = int(planted.split("rank=")[1].split(",")[0])
+    step = int(planted.split("step=")[1].split(",")[0])
+    result = analysis.localize(open_run(path))
+    assert result["hung"] is True
+    first = result["suspects"][0]
+    assert first["rank"] == rank, result["suspects"]
+    assert first["where"].startswith(f"stopped outside its calls in step {step}")
+    assert sorted(result["lost"]) == sorted(set(range(4)) - {rank})
+    text = cli("localize", str(path))
+    assert text.exit_code == 0 and f"  1. rank {rank} (hung)" in text.output and "note: the trails of" in text.output
+
+
 def test_cache_follows_a_growing_run_and_serves_cursors(runs: dict[str, Path], tmp_path: Path) -> None:
     spans = [span(r, 0, "step", 0, 5 * MS) for r in range(3)]
     path = hand_run(tmp_path / "run", spans, [])

@@ -210,6 +210,11 @@ def test_timeline_shows_host_pauses_the_focus_rank_and_where_a_hung_rank_stopped
     pause = [t for t in fig.data if t.name == "pause"]
     assert len(pause) == 1 and list(pause[0].x) == [150.0] and list(pause[0].y) == ["r1 · host"]
     stopped = [t for t in fig.data if t.name == "stopped"]
-    assert len(stopped) == 1 and list(stopped[0].x) == [10.0] and "never entered tp:0 seq 7" in stopped[0].text[0]
+    assert len(stopped) == 1 and list(stopped[0].x) == [10.0] and "never entered tp:0 seq 7" in stopped[0].hovertemplate
+    label = [a for a in fig.layout.annotations if a.text == "rank 2 stopped here: never entered tp:0 seq 7"]
+    assert len(label) == 1 and label[0].x == 10.0 and label[0].xanchor == "right"
+    idle = timeline_figure(spans, step_bounds=bounds, stopped={2: "stopped outside its calls in step 3"})
+    assert [a.text for a in idle.layout.annotations if a.text.startswith("rank 2")] == [
+        "rank 2 stopped outside its calls in step 3"]
     assert sorted(t for t in fig.layout.yaxis.ticktext if t.startswith("<b>")) == ["<b>r1 · compute</b>", "<b>r1 · host</b>"]
     assert len(fig.layout.shapes) >= 1 and fig.layout.shapes[0].fillcolor == "#fff3b0"

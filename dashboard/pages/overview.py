@@ -64,8 +64,7 @@ def alerts(served: ServedRun) -> list[Any]:
         suspects = hang.get("suspects") or []
         if suspects:
             s = suspects[0]
-            text = (f"HANG: rank {s['rank']} ({s.get('host', '?')}, {coords_text(s.get('coords'))}) never entered "
-                    f"{s.get('group', '?')} seq {s.get('missing_seq', '?')}")
+            text = f"HANG: rank {s['rank']} ({s.get('host', '?')}, {coords_text(s.get('coords'))}) {s['where']}"
         else:
             text = "HANG: the job stopped making progress (no suspect named)"
         out.append(html.Div([text, " ", dcc.Link("show in the topology", href=routes.href(served.id, "topology"))],

@@ -101,9 +101,7 @@ def stopped_ranks(served: ServedRun, ranks: list[int]) -> dict[int, str]:
     for suspect in hang.get("suspects") or []:
         rank = int(suspect["rank"])
         if rank in ranks and rank not in out:
-            missing = suspect.get("missing_seq")
-            out[rank] = (f"never entered {suspect.get('group', '?')} seq {missing}" if missing is not None
-                         else f"stuck in {suspect.get('group', '?')}")
+            out[rank] = str(suspect["where"])
     return out
 
 

@@ -40,9 +40,11 @@ def banner(served: ServedRun, states: pd.DataFrame, hang: dict[str, Any]) -> lis
     summary = " · ".join(f"{int(counts[s])} {s}" for s in STATES if s in counts)
     if hang.get("hung") and hang.get("suspects"):
         s = hang["suspects"][0]
-        head = (f"HANG: rank {s['rank']} on {s.get('host', '?')} ({coords_text(s.get('coords'))}) never entered "
-                f"{s.get('group', '?')} seq {s.get('missing_seq', '?')}; the ranks waiting on it are pale yellow.")
-        return [html.Div(head, className="alert alert-hang", id="topology-culprit"), html.Div(summary, className="hint")]
+        waiting = "; the ranks waiting on it are pale yellow" if hang.get("waiting") else ""
+        head = f"HANG: rank {s['rank']} on {s.get('host', '?')} ({coords_text(s.get('coords'))}) {s['where']}{waiting}."
+        lost = [html.Div(f"Note: {hang['note']}.", className="hint", id="topology-lost")] if hang.get("lost") else []
+        return [html.Div(head, className="alert alert-hang", id="topology-culprit"), *lost,
+                html.Div(summary, className="hint")]
     if hang.get("hung"):
         return [html.Div("HANG: progress stopped but no suspect was named", className="alert alert-hang"),
                 html.Div(summary, className="hint")]

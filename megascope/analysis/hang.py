@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 SILENT_MIN_NS = 1_000_000_000
 SILENT_STEPS = 2.0
 
-STATES = ("healthy", "slow", "waiting", "silent", "hung")
+STATES = ("healthy", "slow", "waiting", "lost", "silent", "hung")
 
 
 def _median_step_ns(con: duckdb.DuckDBPyConnection) -> float:
@@ -175,18 +175,64 @@ def _roots(members: list[Record]) -> tuple[list[tuple[int, str]], dict[int, int]
 
 
 def _suspect(rank: int, grp: str, state: Record | None, place: Record | None, axes: tuple[str, ...],
-             kind: str, waited_on_by: int, last_seen: Any) -> Record:
+             kind: str, waited_on_by: int, last_seen: Any, where: str | None = None) -> Record:
+    missing = int_or_none(state["missing_seq"]) if state and kind != "waiting" else None
+    if where is None:
+        where = f"never entered {grp} seq {missing}" if missing is not None else f"stuck in {grp}"
     return {
         "rank": rank,
         "host": str(place["host"]) if place is not None else "unknown",
         "coords": coords_of(place.get("coords"), axes) if place is not None else {},
         "group": grp,
         "last_completed_seq": int_or_none(state["last_done"]) if state else None,
-        "missing_seq": int_or_none(state["missing_seq"]) if state and kind != "waiting" else None,
+        "missing_seq": missing,
         "state": kind,
         "waited_on_by": waited_on_by,
         "last_seen_ns": int_or_none(last_seen),
+        # what it did wrong, in words ("never entered tp:0 seq 74")
+        "where": where,
     }
+
+
+def _ranks_text(ranks: list[int], shown: int = 8) -> str:
+    more = f" and {len(ranks) - shown} more" if len(ranks) > shown else ""
+    return ", ".join(map(str, ranks[:shown])) + more
+
+
+def _stopped_outside_calls(con: duckdb.DuckDBPyConnection, members: list[Record], activity: pd.DataFrame,
+                           lost: list[int], places: dict[int, Record], axes: tuple[str, ...],
+                           silent_ranks: list[int]) -> list[Record]:
+    """Where some trails were lost: the intact ranks that stopped outside their calls, furthest
+    first. A rank stopped outside its calls when it is stuck in none, or only in calls of a step
+    before the last one its host reached (calls it issued and went on from: a host blocked in a
+    call does not start the next step)."""
+    intact = [r for r in sorted(places) if r not in set(lost)]
+    if not intact:
+        return []
+    trail = _sql.query_df(con, "hang", "rank_trail", ranks=intact)
+    steps = {int(r): s for r, s in zip(activity["rank"], activity["last_step"], strict=True)}
+    seen = {int(r): v for r, v in zip(activity["rank"], activity["last_seen_ns"], strict=True)}
+    out: list[Record] = []
+    for rank in intact:
+        rows = trail[trail["rank"] == rank]
+        step = int_or_none(steps.get(rank))
+        held = rows[rows["stuck"]]
+        if len(held) and (step is None or any(int_or_none(v) is None or int(v) >= step
+                                               for v in held["last_enq_step"])):
+            continue
+        done = rows[rows["last_done"].notna()]
+        if len(done):
+            last = done.iloc[0]
+            grp, state = str(last["grp"]), {"last_done": last["last_done"], "missing_seq": None}
+            call = f" (its last call, {grp} seq {int(last['last_done'])}, completed)"
+        else:
+            grp, state, call = "", None, ""
+        where = f"stopped outside its calls{f' in step {step}' if step is not None else ''}{call}"
+        out.append(_suspect(rank, grp, state, places.get(rank), axes,
+                            "silent" if rank in silent_ranks else "hung", 0, seen.get(rank), where=where))
+    out.sort(key=lambda s: (-(steps.get(s["rank"]) if steps.get(s["rank"]) is not None
+                              and not pd.isna(steps.get(s["rank"])) else -1), -(s["last_seen_ns"] or 0), s["rank"]))
+    return out
 
 
 def _job_end_ns(activity: pd.DataFrame, alive: pd.DataFrame) -> int | None:
@@ -293,6 +339,17 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
                  "silent" if rank in silent_ranks else "hung", blocked.get(rank, 0), last_seen.get(rank))
         for rank, grp in roots
     ]
+    lost = sorted({int(m["rank"]) for m in members if m.get("lost")})
+    stopped: list[Record] = []
+    if lost and not _finished(con, run):
+        stopped = _stopped_outside_calls(con, members, activity, lost, places, axes, silent_ranks)
+        # A lost rank's place in its groups is what its peers proved, so a rank named for missing
+        # a call is named after the intact ranks that stopped outside theirs.
+        ahead = [s for s in suspects if s["rank"] not in lost]
+        behind = [s for s in suspects if s["rank"] in lost]
+        suspects = ahead + [s for s in stopped if s["rank"] not in {x["rank"] for x in ahead}] + behind
+        note = (f"the trails of rank(s) {_ranks_text(lost)} end before calls their peers completed with them "
+                "(their data stopped reaching the disk, not their progress); read from the other ranks' trails")
     if stuck and not suspects:
         # Every member entered the call and none finished: the fault is in the transfer itself.
         firsts: dict[str, Record] = {}
@@ -303,7 +360,8 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
                      last_seen.get(int(m["rank"])))
             for m in firsts.values()
         ]
-    suspects.sort(key=lambda s: (s["state"] != "silent", -s["waited_on_by"], s["last_seen_ns"] or 0, s["rank"]))
+    if not lost:
+        suspects.sort(key=lambda s: (s["state"] != "silent", -s["waited_on_by"], s["last_seen_ns"] or 0, s["rank"]))
     by_group: dict[str, list[Record]] = defaultdict(list)
     for m in stuck:
         by_group[m["grp"]].append(m)
@@ -317,7 +375,7 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
     ]
     stuck_groups.sort(key=lambda g: (-len(g["waiting"]), g["group"]))
     result: dict[str, Any] = {
-        "hung": bool(stuck),
+        "hung": bool(stuck) or bool(stopped),
         "suspects": suspects,
         "waiting": sorted({int(m["rank"]) for m in stuck}),
         "stuck_groups": stuck_groups[:50],
@@ -329,6 +387,8 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
         # Ranks whose completions were set aside (NCCL's abort "completes" a waiting call): from
         # when each entered the call it waits in; later spans and completions of it are no progress.
         "set_aside_since_ns": _set_aside_since(stuck),
+        # Ranks whose trails end before calls their peers completed with them (hang.sql).
+        "lost": lost,
         "note": note,
         "flight_recorder": None,
     }
@@ -396,10 +456,12 @@ def _join_witnesses(run: Run, result: dict[str, Any], places: dict[int, Record],
 
 def rank_states(run: Run, *, stragglers_frame: pd.DataFrame | None = None,
                 hang: dict[str, Any] | None = None) -> pd.DataFrame:
-    """Per rank: rank, host, pp, dp, tp, state (healthy | slow | waiting | silent | hung).
+    """Per rank: rank, host, pp, dp, tp, state (healthy | slow | waiting | lost | silent | hung).
 
     ``hung`` marks the hang's root suspects, ``silent`` ranks with no sign of life near the end
-    (a silent root is ``silent``), ``waiting`` ranks stuck inside a call, ``slow`` stragglers.
+    (a silent root is ``silent``), ``lost`` ranks whose trail ends before calls their peers
+    completed with them (silent or not: their data stopped, not they), ``waiting`` ranks stuck
+    inside a call, ``slow`` stragglers.
     Pass already computed ``stragglers_frame`` / ``hang`` to skip recomputing them.
     """
     run = run.with_cursor()
@@ -412,6 +474,7 @@ def rank_states(run: Run, *, stragglers_frame: pd.DataFrame | None = None,
     state[info["rank"].isin(set(slow["rank"]))] = "slow"
     state[info["rank"].isin(set(hang["waiting"]))] = "waiting"
     state[info["rank"].isin(set(hang["silent"]))] = "silent"
+    state[info["rank"].isin(set(hang.get("lost") or []))] = "lost"
     roots = {s["rank"] for s in hang["suspects"] if s["state"] == "hung"}
     state[info["rank"].isin(roots)] = "hung"
     out = info.assign(state=state)

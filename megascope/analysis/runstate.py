@@ -233,7 +233,7 @@ def run_facts(run: Run, *, hang: Mapping[str, Any] | None = None) -> dict[str, A
     """What :func:`decide` needs from the data, computed once per version of the run's files.
 
     ``hang`` as in :func:`run_state`. Keys: ranks, last_step, slowest_last_step,
-    ranks_at_last_step, median_step_s, last_progress_ns, last_data_ns, in_flight, suspects,
+    ranks_at_last_step, median_step_s, last_progress_ns, last_data_ns, in_flight, suspects, lost,
     expected_steps, collective_timeout_s, flush_interval_s, meta_mtime_ns.
     """
     con = run.cursor()
@@ -258,6 +258,9 @@ def run_facts(run: Run, *, hang: Mapping[str, Any] | None = None) -> dict[str, A
         meta_mtime_ns=_mtime_ns(run.path / layout.RUN_JSON),
         in_flight=in_flight,
         suspects=[dict(s) for s in (hang or {}).get("suspects") or []],
+        # Ranks whose trails were lost in a hang localize found from the others' trails: where
+        # they wait cannot be read, so their calls in flight are not counted but they are not none.
+        lost=len((hang or {}).get("lost") or []) if (hang or {}).get("hung") else 0,
         expected_steps=_expected_steps(config),
         collective_timeout_s=_config_float(config, "collective_timeout_s"),
         flush_interval_s=_config_float(config, "flush_interval_s"),
@@ -352,17 +355,15 @@ def decide(facts: Mapping[str, Any], *, now_ns: int | None = None, stall_after_s
         waiting = f"; {in_flight} call(s) in flight" if in_flight else ""
         reason = (f"no progress on any rank for {duration_text(idle)} (a hang is declared after "
                   f"{duration_text(hang_s)}, {source}){waiting}")
-    elif in_flight:
+    elif in_flight or facts.get("lost"):
         state = "hung"
         suspects = list(facts.get("suspects") or [])
         culprit = dict(suspects[0]) if suspects else None
-        who = ""
-        if culprit and culprit.get("missing_seq") is not None:
-            who = f"; rank {culprit['rank']} never entered {culprit.get('group', '?')} seq {culprit['missing_seq']}"
-        elif culprit:
-            who = f"; rank {culprit['rank']} stuck in {culprit.get('group', '?')}"
+        who = f"; rank {culprit['rank']} {culprit['where']}" if culprit else ""
+        calls = (f"{in_flight} call(s) never completed" if in_flight
+                 else f"the trails of {facts['lost']} rank(s) lost where they waited")
         reason = (f"no progress on any rank for {duration_text(idle)} (>= {duration_text(hang_s)}, {source}) with "
-                  f"{in_flight} call(s) never completed{who}")
+                  f"{calls}{who}")
     else:
         state = "failed"
         reason = (f"stopped at {step_text}{of_text} with no call in flight and no progress for "

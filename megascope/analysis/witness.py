@@ -152,7 +152,10 @@ def flight_recorder_hang(run: Run) -> dict[str, Any] | None:
         suspects = []
         for s in found["suspects"]:
             members = _members(fr_run, s["group"])
-            s = dict(s, fr_group=s["group"], group=ours.get(members, s["group"]) if members else s["group"])
+            group = ours.get(members, s["group"]) if members else s["group"]
+            s = dict(s, fr_group=s["group"], group=group,
+                     where=f"never entered {group} seq {s['missing_seq']}" if s.get("missing_seq") is not None
+                     else f"stuck in {group}")
             suspects.append(s)
         return {"dumps": len(result.ranks_found), "missing": list(result.missing_ranks), "hung": found["hung"],
                 "suspects": suspects, "error": None}

@@ -169,9 +169,10 @@ def _print_report(r: dict[str, Any]) -> None:
     if hang["hung"]:
         click.echo(f"HANG: {len(hang['waiting'])} ranks waiting inside a call")
         for s in hang["suspects"][:5]:
-            click.echo(f"  suspect rank {s['rank']} ({s['state']}) on {s['host']} {_coords(s['coords'])}: never entered "
-                       f"{s['group']} seq {s['missing_seq']} (last completed {s['last_completed_seq']}); "
-                       f"{s['waited_on_by']} ranks wait on it")
+            click.echo(f"  suspect rank {s['rank']} ({s['state']}) on {s['host']} {_coords(s['coords'])}: {s['where']} "
+                       f"(last completed {s['last_completed_seq']}); {s['waited_on_by']} ranks wait on it")
+        if hang.get("lost"):
+            click.echo(f"  note: {hang['note']}")
     else:
         click.echo("HANG none" + ("" if hang.get("markers") else " (no collective markers in this run)"))
     skew_drift = r["skew"]["drift"]
@@ -323,13 +324,15 @@ def localize(run_dir: Path, as_json: bool) -> None:
             click.echo(_fr_line(fr))
         return
     waited = f", the first for {result['waited_s']:.0f} s" if result.get("waited_s") is not None else ""
-    click.echo(f"HUNG: {len(result['waiting'])} ranks waiting in {result['stuck_group_count']} groups{waited}")
+    click.echo(f"HUNG: {len(result['waiting'])} ranks waiting in {result['stuck_group_count']} groups{waited}"
+               if result["waiting"] else "HUNG: the job stopped with no rank's trail inside a call")
+    if result.get("lost"):
+        click.echo(f"  note: {result['note']}")
     for i, s in enumerate(result["suspects"][:10], 1):
-        where = (f"never entered {s['group']} seq {s['missing_seq']}" if s.get("missing_seq") is not None
-                 else f"stuck in {s['group']}")
-        click.echo(f"{i:>3}. rank {s['rank']} ({s['state']}) host {s['host']} {_coords(s['coords'])}: {where} "
-                   f"(last completed {s['last_completed_seq']}), {s['waited_on_by']} ranks wait on it "
-                   f"[{' + '.join(s.get('evidence') or ['markers'])}]")
+        waits = f", {s['waited_on_by']} ranks wait on it" if s["waited_on_by"] else ""
+        done = f" (last completed {s['last_completed_seq']})" if s.get("missing_seq") is not None else ""
+        click.echo(f"{i:>3}. rank {s['rank']} ({s['state']}) host {s['host']} {_coords(s['coords'])}: {s['where']}"
+                   f"{done}{waits} [{' + '.join(s.get('evidence') or ['markers'])}]")
         stack = s.get("stack")
         if stack and stack.get("frames"):
             from megascope.analysis.witness import frame_text

@@ -134,13 +134,17 @@ def timeline_figure(spans: pd.DataFrame, *, labels: Mapping[int, str] | None = N
         if mine.empty:
             continue
         last = mine.loc[(mine["start_ms"] + mine["dur_ms"]).idxmax()]
+        label = f"rank {rank} {what}" if what.startswith("stopped") else f"rank {rank} stopped here: {what}"
+        end = float(last["start_ms"] + last["dur_ms"])
         fig.add_trace(go.Scatter(
-            x=[float(last["start_ms"] + last["dur_ms"])], y=[last["lane"]], mode="markers+text",
+            x=[end], y=[last["lane"]], mode="markers",
             marker={"symbol": "x-thin", "size": 16, "color": "#d62728", "line": {"width": 3, "color": "#d62728"}},
-            text=[f"rank {rank} stopped here: {what}"], textposition="middle right",
-            textfont={"color": "#d62728", "size": 12}, name="stopped", showlegend=False,
-            hovertemplate=f"rank {rank} stopped here: {what}<extra></extra>",
+            name="stopped", showlegend=False, hovertemplate=f"{label}<extra></extra>",
         ))
+        # Left of the mark, on a backing of its own: the mark is often the selection's last point,
+        # where text to its right would leave the plot.
+        fig.add_annotation(x=end, y=last["lane"], text=label, showarrow=False, xanchor="right", xshift=-12,
+                           font={"color": "#d62728", "size": 12}, bgcolor="rgba(255,255,255,0.85)")
     if step_bounds is not None and not step_bounds.empty:
         for start_ns in sorted(step_bounds.groupby("step")["start_ns"].min()):
             fig.add_vline(x=(start_ns - t0) / 1e6, line={"color": "#999", "width": 1, "dash": "dot"})

@@ -26,12 +26,15 @@ from megascope.schema import AXIS_ORDER, ordered_axes
 from megascope.topology import coords_of, format_coords
 
 # Order = colour index. Culprits (hung, silent) in the strongest colours; their victims (waiting)
-# pale, so that during a hang the one red cell stands out among hundreds of waiting ones.
-STATES = ("healthy", "slow", "waiting", "silent", "hung")
+# pale, so that during a hang the one red cell stands out among hundreds of waiting ones. A rank
+# whose trail was lost (its data ends before calls its peers completed with it) is grey: where
+# it is cannot be read.
+STATES = ("healthy", "slow", "waiting", "lost", "silent", "hung")
 STATE_COLOURS = {
     "healthy": "#59a14f",
     "slow": "#f28e2b",
     "waiting": "#f6e3a1",
+    "lost": "#9e9e9e",
     "silent": "#6b2d8f",
     "hung": "#d62728",
 }

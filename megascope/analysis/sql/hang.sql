@@ -13,6 +13,14 @@
 -- fire at launch. The member then counts as stuck in the first call past that frontier, since
 -- it entered it. Of a point-to-point pair the rule holds for the receiver only: a small send may
 -- complete before its receive is posted.
+--
+-- A member that completed calls past the frontier through more than two steps' worth of the
+-- group's calls went on with its peers: an abort completes only the calls in flight, and a host
+-- that runs ahead of futures fired at launch stops at its next synchronization, a step or two
+-- on. The members behind it have *lost* their trail (their data stopped reaching the disk: a
+-- writer that could not run while its rank waited, parts that were never flushed), not their
+-- progress: each is taken to have entered and completed every call its peers proved, and its
+-- trail's end (a call it "never entered", one it "never completed") is no evidence anywhere.
 
 -- @statement member_state
 -- One row per (group, member). The markers are read only when {{scan}} is true: a run whose
@@ -30,6 +38,10 @@
 -- @column set_aside    completions of its past the frontier were set aside (NCCL's abort): what it
 --                      wrote after stuck_since_ns is no sign of progress
 -- @column last_marker_ns  its latest marker of the group (reference clock)
+-- @column last_step    the highest step of its markers of the group
+-- @column last_enq_step  the step of the last call it enqueued
+-- @column lost         its trail ends before calls its peers completed with it, in this group or
+--                      another (last_enq and last_done are then what its peers proved)
 CREATE OR REPLACE TABLE ms_cache.member_state AS
 WITH raw AS (
     -- Aggregated on integer keys first; the p2p group name is built on the few result rows.
@@ -41,14 +53,20 @@ WITH raw AS (
            max(m.seq) FILTER (WHERE m.state = 'completed') AS last_done,
            arg_max(m.time_ns, m.seq) FILTER (WHERE m.state = 'enqueued') AS last_enq_raw,
            max(m.time_ns) AS last_marker_raw,
-           min(m.seq) FILTER (WHERE m.state = 'enqueued') AS first_enq
+           min(m.seq) FILTER (WHERE m.state = 'enqueued') AS first_enq,
+           max(m.step) AS last_step,
+           arg_max(m.step, m.seq) FILTER (WHERE m.state = 'enqueued') AS last_enq_step,
+           min(m.seq) FILTER (WHERE m.state = 'completed') AS first_done,
+           max(m.step) FILTER (WHERE m.state = 'completed') - min(m.step) FILTER (WHERE m.state = 'completed') + 1
+               AS done_steps
     FROM markers m
     WHERE {{scan}}
     GROUP BY ALL
 ), per AS (
     SELECT coalesce(r.cgroup, 'p2p:' || r.snd || '>' || r.rcv) AS grp, r.rank, r.last_enq, r.last_done,
            r.last_enq_raw + coalesce(k.host_offset_ns, 0) AS last_enq_ns,
-           r.last_marker_raw + coalesce(k.host_offset_ns, 0) AS last_marker_ns, r.first_enq
+           r.last_marker_raw + coalesce(k.host_offset_ns, 0) AS last_marker_ns, r.first_enq, r.last_step,
+           r.last_enq_step, r.first_done, r.done_steps
     FROM raw r LEFT JOIN ms_cache.rank_clock k USING (rank)
 ), members AS (
     -- Declared members (groups table) that may have written nothing at all in the group.
@@ -58,15 +76,32 @@ WITH raw AS (
     SELECT grp, rank FROM per UNION SELECT grp, rank FROM members
 ), first_seq AS (
     SELECT grp, min(first_enq) AS min_seq FROM per GROUP BY grp
+), trail AS (
+    SELECT e.grp, e.rank, p.*EXCLUDE (grp, rank), min(p.last_enq) OVER (PARTITION BY e.grp) AS frontier0
+    FROM everyone e LEFT JOIN per p USING (grp, rank)
+), proven AS (
+    -- Per group, the highest call a member completed past the frontier through more than two
+    -- steps' worth of the calls it completed (of a point-to-point pair, the receiver's).
+    SELECT grp, max(last_done) AS proven FROM trail
+    WHERE last_done - frontier0 >= 3 AND (last_done - frontier0) * done_steps > 2 * (last_done - first_done + 1)
+      AND (grp NOT LIKE 'p2p:%' OR rank = TRY_CAST(split_part(grp, '>', 2) AS INTEGER))
+    GROUP BY grp
+), lost AS (
+    SELECT DISTINCT t.rank FROM trail t JOIN proven p USING (grp) WHERE coalesce(t.last_enq < p.proven, true)
+), joined0 AS (
+    SELECT t.grp, t.rank, l.rank IS NOT NULL AS lost,
+           CASE WHEN l.rank IS NULL THEN t.last_enq ELSE greatest(t.last_enq, p.proven) END AS last_enq,
+           CASE WHEN l.rank IS NULL THEN t.last_done ELSE greatest(t.last_enq, p.proven) END AS last_done,
+           t.last_enq_ns, t.last_marker_ns, t.last_step, t.last_enq_step
+    FROM trail t LEFT JOIN lost l USING (rank) LEFT JOIN proven p USING (grp)
 ), joined AS (
-    SELECT e.grp, e.rank, p.last_enq, p.last_done, p.last_enq_ns, p.last_marker_ns,
-           max(p.last_enq) OVER (PARTITION BY e.grp) AS group_max_enq, f.min_seq,
+    SELECT j.*, max(j.last_enq) OVER (PARTITION BY j.grp) AS group_max_enq, f.min_seq,
            -- the last call every member with markers entered (one with none tells nothing: its
            -- parts may be lost, or its collector off)
-           min(p.last_enq) OVER (PARTITION BY e.grp) AS frontier
-    FROM everyone e LEFT JOIN per p USING (grp, rank) LEFT JOIN first_seq f USING (grp)
+           min(j.last_enq) OVER (PARTITION BY j.grp) AS frontier
+    FROM joined0 j LEFT JOIN first_seq f USING (grp)
 ), judged AS (
-    SELECT *, CASE WHEN last_done IS NULL OR last_done <= frontier THEN last_done
+    SELECT *, CASE WHEN lost OR last_done IS NULL OR last_done <= frontier THEN last_done
                    -- of a point-to-point pair only the receiver: a send may complete unreceived
                    WHEN grp LIKE 'p2p:%' AND rank <> TRY_CAST(split_part(grp, '>', 2) AS INTEGER) THEN last_done
                    ELSE frontier END AS done_eff
@@ -93,7 +128,8 @@ SELECT j.grp, j.rank, j.last_enq, j.done_eff AS last_done, j.group_max_enq, j.la
             WHEN j.last_enq > coalesce(j.done_eff, -9223372036854775807) THEN j.last_enq END AS stuck_seq,
        CASE WHEN j.last_done > j.done_eff THEN coalesce(i.since_ns, j.last_enq_ns)
             WHEN j.last_enq > coalesce(j.done_eff, -9223372036854775807) THEN j.last_enq_ns END AS stuck_since_ns,
-       coalesce(j.last_done > j.done_eff, false) AS set_aside
+       coalesce(j.last_done > j.done_eff, false) AS set_aside,
+       j.last_step, j.last_enq_step, j.lost
 FROM judged j LEFT JOIN impossible i USING (grp, rank);
 
 -- @statement activity
@@ -106,6 +142,7 @@ FROM judged j LEFT JOIN impossible i USING (grp, rank);
 -- @column rank_hb_ns    its latest own heartbeat
 -- @column host_hb_ns    its host's latest host-wide heartbeat
 -- @column last_seen_ns  latest of those (NULL: never seen)
+-- @column last_step     the highest step of its spans and markers (NULL: none)
 WITH hb AS (
     SELECT h.rank, h.host, max(h.time_ns) AS t FROM heartbeats h WHERE h.metric <> 'rank_alive'
     GROUP BY h.rank, h.host
@@ -114,11 +151,13 @@ WITH hb AS (
            (SELECT max(last_marker_ns) FROM ms_cache.member_state s WHERE s.rank = k.rank) AS marker_ns,
            (SELECT max(r.start_ns + r.extent_ns) FROM ms_cache.rank_step r WHERE r.rank = k.rank) AS span_ns,
            (SELECT max(hb.t) FROM hb WHERE hb.rank = k.rank) + k.host_offset_ns AS rank_hb_ns,
-           (SELECT max(hb.t) FROM hb WHERE hb.rank IS NULL AND hb.host = k.host) + k.host_offset_ns AS host_hb_ns
+           (SELECT max(hb.t) FROM hb WHERE hb.rank IS NULL AND hb.host = k.host) + k.host_offset_ns AS host_hb_ns,
+           greatest((SELECT max(r.step) FROM ms_cache.rank_step r WHERE r.rank = k.rank),
+                    (SELECT max(s.last_step) FROM ms_cache.member_state s WHERE s.rank = k.rank)) AS last_step
     FROM ms_cache.rank_clock k
 )
 SELECT rank, host, marker_ns, span_ns, rank_hb_ns, host_hb_ns,
-       greatest(marker_ns, span_ns, rank_hb_ns, host_hb_ns) AS last_seen_ns
+       greatest(marker_ns, span_ns, rank_hb_ns, host_hb_ns) AS last_seen_ns, last_step
 FROM by_rank ORDER BY rank;
 
 -- @statement process_alive
@@ -135,10 +174,18 @@ WHERE h.metric = 'rank_alive' AND h.rank IS NOT NULL
 GROUP BY h.rank ORDER BY h.rank;
 
 -- @statement waiting_members
--- The rows of member_state of a member missing from a call or stuck in one.
+-- The rows of member_state of a member missing from a call or stuck in one, and of a rank whose
+-- trail was lost.
 -- @column grp, rank, last_enq, last_done, group_max_enq, missing, missing_seq, stuck, stuck_seq  as in member_state
--- @column stuck_since_ns, set_aside, last_marker_ns                                            as in member_state
-SELECT * FROM ms_cache.member_state WHERE missing OR stuck;
+-- @column stuck_since_ns, set_aside, last_marker_ns, last_step, last_enq_step, lost             as in member_state
+SELECT * FROM ms_cache.member_state WHERE missing OR stuck OR lost;
+
+-- @statement rank_trail
+-- The member_state rows of ranks {{ranks}}, each rank's latest group first.
+-- @column grp, rank, last_enq, last_done, stuck, last_marker_ns, last_enq_step, lost  as in member_state
+SELECT grp, rank, last_enq, last_done, stuck, last_marker_ns, last_enq_step, lost
+FROM ms_cache.member_state WHERE list_contains({{ranks}}, rank)
+ORDER BY rank, last_marker_ns DESC NULLS LAST, grp;
 
 -- @statement last_step
 -- The highest step of the base tables.
