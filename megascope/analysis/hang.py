@@ -230,8 +230,8 @@ def _stopped_outside_calls(con: duckdb.DuckDBPyConnection, members: list[Record]
         where = f"stopped outside its calls{f' in step {step}' if step is not None else ''}{call}"
         out.append(_suspect(rank, grp, state, places.get(rank), axes,
                             "silent" if rank in silent_ranks else "hung", 0, seen.get(rank), where=where))
-    out.sort(key=lambda s: (-(steps.get(s["rank"]) if steps.get(s["rank"]) is not None
-                              and not pd.isna(steps.get(s["rank"])) else -1), -(s["last_seen_ns"] or 0), s["rank"]))
+    furthest = {rank: -1 if int_or_none(step) is None else int(step) for rank, step in steps.items()}
+    out.sort(key=lambda s: (-furthest.get(s["rank"], -1), -(s["last_seen_ns"] or 0), s["rank"]))
     return out
 
 
