@@ -757,15 +757,26 @@ def test_a_rank_whose_last_steps_were_lost_is_still_named_for_the_call_its_peers
         (2, 20, "never entered dp:0 seq 20")]
 
 
-def test_calls_completed_a_step_or_two_ahead_of_a_member_lose_no_trail(tmp_path: Path) -> None:
-    # Rank 1 "completed" six calls past rank 0's last, within two steps' worth (4 a step): an abort
-    # or futures fired at launch. Rank 0 never entered seq 8 and rank 1 waits on it.
-    markers = _dp_trail(0, range(8), 4) + _dp_trail(1, range(14), 4)
-    markers.append({"rank": 1, "group": "dp:0", "seq": 14, "op": "all_reduce", "state": "enqueued",
+@pytest.mark.parametrize("ahead", [3, 4])
+def test_calls_completed_up_to_a_step_ahead_of_a_member_lose_no_trail(ahead: int, tmp_path: Path) -> None:
+    # Rank 1 "completed" calls past rank 0's last, up to a step's worth (4 a step): an abort or
+    # futures fired at launch. Rank 0 never entered seq 8 and rank 1 waits on it.
+    markers = _dp_trail(0, range(8), 4) + _dp_trail(1, range(8 + ahead), 4)
+    markers.append({"rank": 1, "group": "dp:0", "seq": 8 + ahead, "op": "all_reduce", "state": "enqueued",
                     "time_ns": 150 * MS, "step": 3, "bytes": None, "peer": None})
     result = analysis.localize(open_run(hand_run(tmp_path / "run", [], markers, world=2)))
     assert result["lost"] == [] and result["waiting"] == [1]
     assert [(s["rank"], s["missing_seq"]) for s in result["suspects"]] == [(0, 8)]
+
+
+def test_calls_completed_more_than_a_step_ahead_of_a_member_are_its_lost_trail(tmp_path: Path) -> None:
+    # The same with five calls ahead of rank 0: rank 0 made them too (its trail ends early); rank
+    # 1, stuck in none and with no later step, is the one that stopped.
+    markers = _dp_trail(0, range(8), 4) + _dp_trail(1, range(13), 4)
+    result = analysis.localize(open_run(hand_run(tmp_path / "run", [], markers, world=2)))
+    assert result["lost"] == [0] and result["waiting"] == []
+    assert [(s["rank"], s["where"]) for s in result["suspects"]] == [
+        (1, "stopped outside its calls in step 3 (its last call, dp:0 seq 12, completed)")]
 
 
 @pytest.mark.parametrize("name", ["gpu-hang-lost-trails-dp4", "gpu-hang-lost-trails-tp2dp2",

@@ -202,8 +202,7 @@ def _ranks_text(ranks: list[int], shown: int = 8) -> str:
 def _stopped_outside_calls(con: duckdb.DuckDBPyConnection, members: list[Record], activity: pd.DataFrame,
                            lost: list[int], places: dict[int, Record], axes: tuple[str, ...],
                            silent_ranks: list[int]) -> list[Record]:
-    """Where some trails were lost: the intact ranks that stopped outside their calls, furthest
-    first. A rank stopped outside its calls when it is stuck in none, or only in calls of a step
+    """Where some trails were lost: the intact ranks that stopped outside their calls. A rank stopped outside its calls when it is stuck in none, or only in calls of a step
     before the last one its host reached (calls it issued and went on from: a host blocked in a
     call does not start the next step)."""
     intact = [r for r in sorted(places) if r not in set(lost)]
@@ -230,8 +229,6 @@ def _stopped_outside_calls(con: duckdb.DuckDBPyConnection, members: list[Record]
         where = f"stopped outside its calls{f' in step {step}' if step is not None else ''}{call}"
         out.append(_suspect(rank, grp, state, places.get(rank), axes,
                             "silent" if rank in silent_ranks else "hung", 0, seen.get(rank), where=where))
-    furthest = {rank: -1 if int_or_none(step) is None else int(step) for rank, step in steps.items()}
-    out.sort(key=lambda s: (-furthest.get(s["rank"], -1), -(s["last_seen_ns"] or 0), s["rank"]))
     return out
 
 
@@ -343,11 +340,17 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
     stopped: list[Record] = []
     if lost and not _finished(con, run):
         stopped = _stopped_outside_calls(con, members, activity, lost, places, axes, silent_ranks)
-        # A lost rank's place in its groups is what its peers proved, so a rank named for missing
-        # a call is named after the intact ranks that stopped outside theirs.
-        ahead = [s for s in suspects if s["rank"] not in lost]
-        behind = [s for s in suspects if s["rank"] in lost]
-        suspects = ahead + [s for s in stopped if s["rank"] not in {x["rank"] for x in ahead}] + behind
+        # Furthest trail first: a rank that stopped outside its calls lets its writer catch up,
+        # where ranks that wait in theirs may not (the way these trails get lost). At the same
+        # step: a rank named for missing a call, then one that stopped outside its calls, then a
+        # lost rank whose place its peers proved.
+        reached = {int(r): -1 if int_or_none(s) is None else int(s)
+                   for r, s in zip(activity["rank"], activity["last_step"], strict=True)}
+        named = {s["rank"] for s in suspects}
+        ranked = [(0 if s["rank"] not in lost else 2, s) for s in suspects]
+        ranked += [(1, s) for s in stopped if s["rank"] not in named]
+        ranked.sort(key=lambda x: (-reached.get(x[1]["rank"], -1), x[0]))
+        suspects = [s for _, s in ranked]
         note = (f"the trails of rank(s) {_ranks_text(lost)} end before calls their peers completed with them "
                 "(their data stopped reaching the disk, not their progress); read from the other ranks' trails")
     if stuck and not suspects:

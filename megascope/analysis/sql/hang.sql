@@ -14,13 +14,15 @@
 -- it entered it. Of a point-to-point pair the rule holds for the receiver only: a small send may
 -- complete before its receive is posted.
 --
--- A member that completed calls past the frontier through more than two steps' worth of the
--- group's calls went on with its peers: an abort completes only the calls in flight, and a host
--- that runs ahead of futures fired at launch stops at its next synchronization, a step or two
--- on. The members behind it have *lost* their trail (their data stopped reaching the disk: a
+-- A member that completed more than a step's worth of the group's calls past the frontier (three
+-- at least) went on with its peers: an abort completes only the calls in flight, those of the
+-- step the member waits in, and a host that runs ahead of futures fired at launch stops at its
+-- next synchronization, mostly within the step. The members behind it have *lost* their trail (their data stopped reaching the disk: a
 -- writer that could not run while its rank waited, parts that were never flushed), not their
 -- progress: each is taken to have entered and completed every call its peers proved, and its
--- trail's end (a call it "never entered", one it "never completed") is no evidence anywhere.
+-- trail's end (a call it "never entered", one it "never completed") is no evidence anywhere. In
+-- a group where its peers proved nothing its place is unknown: it is not missing there, and the
+-- calls its peers completed past its trail's end are not set aside.
 
 -- @statement member_state
 -- One row per (group, member). The markers are read only when {{scan}} is true: a run whose
@@ -80,25 +82,25 @@ WITH raw AS (
     SELECT e.grp, e.rank, p.*EXCLUDE (grp, rank), min(p.last_enq) OVER (PARTITION BY e.grp) AS frontier0
     FROM everyone e LEFT JOIN per p USING (grp, rank)
 ), proven AS (
-    -- Per group, the highest call a member completed past the frontier through more than two
-    -- steps' worth of the calls it completed (of a point-to-point pair, the receiver's).
+    -- Per group, the highest call a member completed past the frontier by more than a step's
+    -- worth of the calls it completed (of a point-to-point pair, the receiver's).
     SELECT grp, max(last_done) AS proven FROM trail
-    WHERE last_done - frontier0 >= 3 AND (last_done - frontier0) * done_steps > 2 * (last_done - first_done + 1)
+    WHERE last_done - frontier0 >= 3 AND (last_done - frontier0) * done_steps > last_done - first_done + 1
       AND (grp NOT LIKE 'p2p:%' OR rank = TRY_CAST(split_part(grp, '>', 2) AS INTEGER))
     GROUP BY grp
 ), lost AS (
     SELECT DISTINCT t.rank FROM trail t JOIN proven p USING (grp) WHERE coalesce(t.last_enq < p.proven, true)
 ), joined0 AS (
-    SELECT t.grp, t.rank, l.rank IS NOT NULL AS lost,
+    SELECT t.grp, t.rank, l.rank IS NOT NULL AS lost, l.rank IS NOT NULL AND p.proven IS NULL AS unread,
            CASE WHEN l.rank IS NULL THEN t.last_enq ELSE greatest(t.last_enq, p.proven) END AS last_enq,
            CASE WHEN l.rank IS NULL THEN t.last_done ELSE greatest(t.last_enq, p.proven) END AS last_done,
            t.last_enq_ns, t.last_marker_ns, t.last_step, t.last_enq_step
     FROM trail t LEFT JOIN lost l USING (rank) LEFT JOIN proven p USING (grp)
 ), joined AS (
-    SELECT j.*, max(j.last_enq) OVER (PARTITION BY j.grp) AS group_max_enq, f.min_seq,
+    SELECT j.*, max(j.last_enq) FILTER (WHERE NOT j.unread) OVER (PARTITION BY j.grp) AS group_max_enq, f.min_seq,
            -- the last call every member with markers entered (one with none tells nothing: its
-           -- parts may be lost, or its collector off)
-           min(j.last_enq) OVER (PARTITION BY j.grp) AS frontier
+           -- parts may be lost, or its collector off; nor one whose place is unknown)
+           min(j.last_enq) FILTER (WHERE NOT j.unread) OVER (PARTITION BY j.grp) AS frontier
     FROM joined0 j LEFT JOIN first_seq f USING (grp)
 ), judged AS (
     SELECT *, CASE WHEN lost OR last_done IS NULL OR last_done <= frontier THEN last_done
@@ -121,7 +123,7 @@ WITH raw AS (
     GROUP BY j.grp, j.rank
 )
 SELECT j.grp, j.rank, j.last_enq, j.done_eff AS last_done, j.group_max_enq, j.last_marker_ns,
-       coalesce(j.last_enq < j.group_max_enq, j.group_max_enq IS NOT NULL) AS missing,
+       NOT j.unread AND coalesce(j.last_enq < j.group_max_enq, j.group_max_enq IS NOT NULL) AS missing,
        CASE WHEN j.last_enq IS NULL THEN j.min_seq WHEN j.last_enq < j.group_max_enq THEN j.last_enq + 1 END AS missing_seq,
        coalesce(j.last_enq > coalesce(j.done_eff, -9223372036854775807), false) AS stuck,
        CASE WHEN j.last_done > j.done_eff THEN j.done_eff + 1
