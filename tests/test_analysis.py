@@ -144,6 +144,20 @@ def test_mean_mfu_leaves_out_the_warm_up_step() -> None:
     assert steady_mean(per_step.assign(mfu=[0.3, np.nan, np.nan]), "mfu") == pytest.approx(0.3)
 
 
+def test_mean_mfu_leaves_out_the_step_a_job_hung_in(tmp_path: Path) -> None:
+    """sample_traces/hang: rank 6 stopped in step 4, which the seven others ended at their 5 s
+    collective timeout. That step is no measure of the job's pace."""
+    from megascope.analysis.timeline import steady_mean
+
+    sample = Path(__file__).resolve().parent.parent / "sample_traces" / "hang"
+    run = open_run(shutil.copytree(sample, tmp_path / "hang", ignore=shutil.ignore_patterns("_cache")))
+    per_step = analysis.timeline.mfu(run)
+    assert per_step["ranks"].tolist() == [8, 8, 8, 8, 7]
+    assert steady_mean(per_step, "mfu") == pytest.approx(per_step["mfu"].iloc[1:4].mean())
+    # One step alone with the most ranks: that step stands.
+    assert steady_mean(per_step.assign(ranks=[7, 7, 8, 7, 7]), "mfu") == pytest.approx(per_step["mfu"].iloc[2])
+
+
 def _async_run(path: Path, *, late_ms: float, waits_ms: tuple[float, float, float]) -> Path:
     """Three ranks, four steps of 60-70 ms: each issues an asynchronous all-reduce at 10 ms (rank 2
     ``late_ms`` later), the transfer takes 2 ms after the last arrival, and each rank waits for it

@@ -512,3 +512,26 @@ def test_nvrx_summary_keeps_every_score_and_the_ranks_named_at_its_default_bars(
     assert summary["named"]["gpu_relative"] == [1]
     assert summary["named"]["section_relative"] == {"step": [2]}
     assert json.loads(json.dumps(summary))["section_relative"]["step"]["2"] == 0.7
+
+
+def test_the_cpu_peak_is_the_best_product_over_a_window_longer_than_a_scheduler_slice(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A machine busy for the first 50 ms (every product 100x slow) and free after: the peak is the
+    # free core's, because the products go on for min_s of wall time, not 40 products alone.
+    from megascope.trainer import flops
+
+    clock = {"t": 0.0}
+
+    def perf_counter() -> float:
+        return clock["t"]
+
+    class Slow:
+        def __matmul__(self, other: object) -> None:
+            clock["t"] += 0.02 if clock["t"] < 0.05 else 0.0002
+
+    monkeypatch.setattr(flops.time, "perf_counter", perf_counter)
+    monkeypatch.setattr(flops.torch, "randn", lambda *shape: Slow())
+    peak = flops.measure_cpu_flops(n=256, repeats=3, min_s=0.3)
+    assert peak == pytest.approx(2 * 256**3 / 0.0002, rel=1e-6)
+    clock["t"] = 0.0
+    assert flops.measure_cpu_flops(n=256, repeats=3, min_s=0.0) == pytest.approx(2 * 256**3 / 0.02, rel=1e-6)

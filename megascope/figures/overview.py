@@ -101,6 +101,9 @@ def step_series_figure(per_step: pd.DataFrame, *, loss: pd.DataFrame | None = No
             row=rows, col=1,
         )
     fig.update_xaxes(title_text="step", row=rows, col=1)
+    if len(per_step) and per_step["step"].max() - per_step["step"].min() < 16:
+        # Whole steps only: plotly's automatic ticks put half steps between them on short runs.
+        fig.update_xaxes(dtick=1, tick0=0)
     fig.update_layout(height=170 * rows + 60, showlegend=False, margin={"l": 60, "r": 20, "t": 30, "b": 40},
                       uirevision="overview")
     return fig
