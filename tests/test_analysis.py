@@ -755,6 +755,10 @@ def test_a_trail_that_ends_before_calls_its_peers_completed_with_it_was_lost_not
     assert "1, 2" in result["note"]
     states = analysis.rank_states(open_run(path), hang=result).set_index("rank")["state"]
     assert states.to_dict() == {0: "hung", 1: "lost", 2: "lost"}
+    # Read while the job may still run (its last data 5 s old, under the hang threshold: writers
+    # that lag): the trails are lost, nobody is stopped yet.
+    live = analysis.localize(open_run(path), now_ns=int(result["suspects"][0]["last_seen_ns"]) + 5 * 10**9)
+    assert live["hung"] is False and live["lost"] == [1, 2] and live["suspects"] == []
 
 
 def test_a_rank_whose_last_steps_were_lost_is_still_named_for_the_call_its_peers_wait_in(tmp_path: Path) -> None:

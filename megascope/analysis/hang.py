@@ -202,26 +202,28 @@ def _ranks_text(ranks: list[int], shown: int = 8) -> str:
 def _stopped_outside_calls(con: duckdb.DuckDBPyConnection, members: list[Record], activity: pd.DataFrame,
                            lost: list[int], places: dict[int, Record], axes: tuple[str, ...],
                            silent_ranks: list[int]) -> list[Record]:
-    """Where some trails were lost: the intact ranks that stopped outside their calls. A rank stopped outside its calls when it is stuck in none, or only in calls of a step
-    before the last one its host reached (calls it issued and went on from: a host blocked in a
-    call does not start the next step)."""
-    intact = [r for r in sorted(places) if r not in set(lost)]
+    """Where some trails were lost: the intact ranks that stopped outside their calls. A rank
+    stopped outside its calls when it is stuck in none, or only in calls of a step before the last
+    one its host reached (calls it issued and went on from: a host blocked in a call does not
+    start the next step)."""
+    lost_set = set(lost)
+    intact = [r for r in sorted(places) if r not in lost_set]
     if not intact:
         return []
     trail = _sql.query_df(con, "hang", "rank_trail", ranks=intact)
     steps = {int(r): s for r, s in zip(activity["rank"], activity["last_step"], strict=True)}
     seen = {int(r): v for r, v in zip(activity["rank"], activity["last_seen_ns"], strict=True)}
+    # Per rank, the latest step of a call it is stuck in (a step not known counts as the latest),
+    # and its latest completed call (the rows come latest group first).
+    held = trail[trail["stuck"]].assign(at=lambda f: f["last_enq_step"].fillna(2**62)).groupby("rank")["at"].max()
+    last_done = trail[trail["last_done"].notna()].groupby("rank").head(1).set_index("rank")
     out: list[Record] = []
     for rank in intact:
-        rows = trail[trail["rank"] == rank]
         step = int_or_none(steps.get(rank))
-        held = rows[rows["stuck"]]
-        if len(held) and (step is None or any(int_or_none(v) is None or int(v) >= step
-                                               for v in held["last_enq_step"])):
+        if rank in held.index and (step is None or int(held[rank]) >= step):
             continue
-        done = rows[rows["last_done"].notna()]
-        if len(done):
-            last = done.iloc[0]
+        if rank in last_done.index:
+            last = last_done.loc[rank]
             grp, state = str(last["grp"]), {"last_done": last["last_done"], "missing_seq": None}
             call = f" (its last call, {grp} seq {int(last['last_done'])}, completed)"
         else:
@@ -248,6 +250,12 @@ def _wait_threshold_s(run: Run, con: duckdb.DuckDBPyConnection) -> float:
     the collective timeout aborts them, seconds to minutes. So: three flush intervals or three
     median steps, at least 2 s, and at most half the hang threshold (the collective timeout when
     run.json has it)."""
+    flush, median, hang = _thresholds(run, con)
+    return min(max(3 * flush, 3 * median, 2.0), hang / 2)
+
+
+def _thresholds(run: Run, con: duckdb.DuckDBPyConnection) -> tuple[float, float, float]:
+    """(flush interval, median step, hang threshold) in seconds, from run.json and the steps."""
     config = run.meta.config or {}
 
     def number(key: str) -> float | None:
@@ -261,7 +269,7 @@ def _wait_threshold_s(run: Run, con: duckdb.DuckDBPyConnection) -> float:
     flush = number("flush_interval_s") or 1.0
     _, hang, _ = thresholds(median or None, collective_timeout_s=number("collective_timeout_s"),
                             flush_interval_s=flush)
-    return min(max(3 * flush, 3 * median, 2.0), hang / 2)
+    return flush, median, hang
 
 
 def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> dict[str, Any]:
@@ -339,7 +347,12 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
     lost = sorted({int(m["rank"]) for m in members if m.get("lost")})
     stopped: list[Record] = []
     if lost and not _finished(con, run):
-        stopped = _stopped_outside_calls(con, members, activity, lost, places, axes, silent_ranks)
+        # With trails lost, calls in flight cannot be seen where they were lost: a rank reads as
+        # stopped only once nothing of the job has been seen for the hang threshold (a live run
+        # whose writers lag is not hung).
+        quiet_s = (now - job_end) / 1e9 if job_end is not None else math.inf
+        if quiet_s >= _thresholds(run, con)[2]:
+            stopped = _stopped_outside_calls(con, members, activity, lost, places, axes, silent_ranks)
         # Furthest trail first: a rank that stopped outside its calls lets its writer catch up,
         # where ranks that wait in theirs may not (the way these trails get lost). At the same
         # step: a rank named for missing a call, then one that stopped outside its calls, then a
