@@ -17,12 +17,13 @@
 -- A member that completed more than a step's worth of the group's calls past the frontier (three
 -- at least) went on with its peers: an abort completes only the calls in flight, those of the
 -- step the member waits in, and a host that runs ahead of futures fired at launch stops at its
--- next synchronization, mostly within the step. The members behind it have *lost* their trail (their data stopped reaching the disk: a
--- writer that could not run while its rank waited, parts that were never flushed), not their
--- progress: each is taken to have entered and completed every call its peers proved, and its
--- trail's end (a call it "never entered", one it "never completed") is no evidence anywhere. In
--- a group where its peers proved nothing its place is unknown: it is not missing there, and the
--- calls its peers completed past its trail's end are not set aside.
+-- next synchronization, mostly within the step. The members behind it have *lost* their trail
+-- (their data stopped reaching the disk: a writer that could not run while its rank waited,
+-- parts that were never flushed), not their progress: each is taken to have entered and
+-- completed every call its peers proved, and its trail's end (a call it "never entered", one it
+-- "never completed") is no evidence anywhere. In a group where its peers proved nothing its place
+-- is unknown: it is not missing there, and the calls its peers completed past its trail's end
+-- are not set aside.
 
 -- @statement member_state
 -- One row per (group, member). The markers are read only when {{scan}} is true: a run whose
