@@ -21,7 +21,8 @@ from megascope.dashboard.shell import served_from
 
 from megascope.figures.topology import STATES, rank_at, topology_figure
 
-SUSPECT_COLUMNS = ("rank", "host", "coords", "group", "last_completed_seq", "missing_seq", "evidence", "stopped_in")
+SUSPECT_COLUMNS = ("rank", "host", "coords", "where", "group", "last_completed_seq", "missing_seq", "evidence",
+                   "stopped_in")
 STACK_FRAMES = 12
 
 

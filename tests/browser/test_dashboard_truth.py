@@ -3,6 +3,7 @@ pixels at 1,024 ranks, a topology click that opens the timeline."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import sys
@@ -165,6 +166,38 @@ def test_topology_click_opens_the_timeline_of_that_rank(runs: dict[str, Path], d
         _no_errors(driver, navigated=True)
 
 
+def test_a_real_hang_whose_waiting_ranks_lost_their_trails_shows_the_hung_rank(tmp_path: Path, driver: Any) -> None:
+    """tests/data/gpu-hang-lost-trails-tp2pp2 (4x H100, rank 0 hung at step 5; the waiting ranks'
+    trails end at step 0): the header, the topology's banner and its suspect table name rank 0,
+    the three others are grey ("lost"), and the timeline marks where rank 0 stopped."""
+    import shutil
+
+    run = shutil.copytree(Path(__file__).resolve().parents[1] / "data" / "gpu-hang-lost-trails-tp2pp2", tmp_path / "lost")
+    app = create_app([run], start_watcher=False)
+    with serving(app) as base:
+        driver.get(f"{base}/run/lost/topology")
+        culprit = wait_for_text(driver, "#topology-culprit", "HANG: rank 0")
+        assert "stopped outside its calls in step 5" in culprit.text
+        wait_for_text(driver, f"#{ids.RUN_STATE}", "HUNG")
+        assert "1, 2, 3" in driver.find_element(By.ID, "topology-lost").text
+        wait_for_graph(driver, ids.TOPOLOGY_GRAPH)
+        states = driver.execute_script(
+            f"const g = document.querySelector('#{ids.TOPOLOGY_GRAPH} .js-plotly-plot');"
+            "const c = g.data[0].customdata; const out = {};"
+            "c.forEach(row => row.forEach(cell => { if (cell[0] >= 0) out[cell[0]] = cell[3]; })); return out;")
+        assert states == {"0": "hung", "1": "lost", "2": "lost", "3": "lost"}
+        rows = driver.find_element(By.ID, "suspect-table").text
+        assert "stopped outside its calls" in rows and rows.splitlines()[1].startswith("0 ")
+        driver.find_element(By.ID, "suspect-table").find_element(By.LINK_TEXT, "0").click()
+        WebDriverWait(driver, 40).until(lambda d: "/run/lost/timeline?" in d.current_url)
+        wait_for_graph(driver, ids.TIMELINE_GRAPH)
+        labels = driver.execute_script(
+            f"return document.querySelector('#{ids.TIMELINE_GRAPH} .js-plotly-plot').layout.annotations"
+            ".map(a => a.text)")
+        assert any(t.startswith("rank 0 stopped outside its calls in step 5") for t in labels), labels
+        _no_errors(driver, navigated=True)
+
+
 def _plot_geometry(driver: Any) -> Any:
     return driver.execute_script(
         f"const g = document.querySelector('#{ids.TOPOLOGY_GRAPH} .js-plotly-plot');"
@@ -262,7 +295,9 @@ def test_a_run_growing_through_compaction_passes_shows_what_a_report_from_scratc
                                                       faults=parse_injects(["straggler:rank=13,factor=1.3"])))
     job.write_step(16)
     app = create_app([job.out], poll_interval_s=0.5)
-    with serving(app) as base:
+    with contextlib.ExitStack() as stack:
+        stack.callback(registry_of(app).stop)  # its watcher thread ends with the test
+        base = stack.enter_context(serving(app))
         driver.get(f"{base}/run/{job.out.name}/stragglers")
         # " ·" after the step: the analyses have read it too (else "(analyses through step M)").
         wait_for_text(driver, f"#{ids.STATUS}", "last step 15 ·")
