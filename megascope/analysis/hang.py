@@ -199,9 +199,8 @@ def _ranks_text(ranks: list[int], shown: int = 8) -> str:
     return ", ".join(map(str, ranks[:shown])) + more
 
 
-def _stopped_outside_calls(con: duckdb.DuckDBPyConnection, members: list[Record], activity: pd.DataFrame,
-                           lost: list[int], places: dict[int, Record], axes: tuple[str, ...],
-                           silent_ranks: list[int]) -> list[Record]:
+def _stopped_outside_calls(con: duckdb.DuckDBPyConnection, activity: pd.DataFrame, lost: list[int],
+                           places: dict[int, Record], axes: tuple[str, ...], silent_ranks: list[int]) -> list[Record]:
     """Where some trails were lost: the intact ranks that stopped outside their calls. A rank
     stopped outside its calls when it is stuck in none, or only in calls of a step before the last
     one its host reached (calls it issued and went on from: a host blocked in a call does not
@@ -352,7 +351,7 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
         # whose writers lag is not hung).
         quiet_s = (now - job_end) / 1e9 if job_end is not None else math.inf
         if quiet_s >= _thresholds(run, con)[2]:
-            stopped = _stopped_outside_calls(con, members, activity, lost, places, axes, silent_ranks)
+            stopped = _stopped_outside_calls(con, activity, lost, places, axes, silent_ranks)
         # Furthest trail first: a rank that stopped outside its calls lets its writer catch up,
         # where ranks that wait in theirs may not (the way these trails get lost). At the same
         # step: a rank named for missing a call, then one that stopped outside its calls, then a

@@ -167,10 +167,10 @@ def _print_report(r: dict[str, Any]) -> None:
     click.echo("")
     hang = r["hang"]
     if hang["hung"]:
-        click.echo(f"HANG: {len(hang['waiting'])} ranks waiting inside a call")
+        click.echo(f"HANG: {len(hang['waiting'])} ranks waiting inside a call" if hang["waiting"]
+                   else "HANG: the job stopped with no rank's trail inside a call")
         for s in hang["suspects"][:5]:
-            click.echo(f"  suspect rank {s['rank']} ({s['state']}) on {s['host']} {_coords(s['coords'])}: {s['where']} "
-                       f"(last completed {s['last_completed_seq']}); {s['waited_on_by']} ranks wait on it")
+            click.echo(f"  suspect {_suspect_text(s)}")
         if hang.get("lost"):
             click.echo(f"  note: {hang['note']}")
     else:
@@ -329,10 +329,7 @@ def localize(run_dir: Path, as_json: bool) -> None:
     if result.get("lost"):
         click.echo(f"  note: {result['note']}")
     for i, s in enumerate(result["suspects"][:10], 1):
-        waits = f", {s['waited_on_by']} ranks wait on it" if s["waited_on_by"] else ""
-        done = f" (last completed {s['last_completed_seq']})" if s.get("missing_seq") is not None else ""
-        click.echo(f"{i:>3}. rank {s['rank']} ({s['state']}) host {s['host']} {_coords(s['coords'])}: {s['where']}"
-                   f"{done}{waits} [{' + '.join(s.get('evidence') or ['markers'])}]")
+        click.echo(f"{i:>3}. {_suspect_text(s)} [{' + '.join(s.get('evidence') or ['markers'])}]")
         stack = s.get("stack")
         if stack and stack.get("frames"):
             from megascope.analysis.witness import frame_text
@@ -344,6 +341,15 @@ def localize(run_dir: Path, as_json: bool) -> None:
         click.echo(f"silent ranks (no sign of life near the end): {shown}")
     if fr:
         click.echo(_fr_line(fr))
+
+
+def _suspect_text(s: dict[str, Any]) -> str:
+    """A hang suspect in one line: who, where, what it did, and how many wait on it."""
+    where = str(s.get("where") or f"stuck in {s.get('group')}")
+    done = (f" (last completed {s['last_completed_seq']})"
+            if s.get("last_completed_seq") is not None and not where.startswith("stopped") else "")
+    waits = f", {s['waited_on_by']} ranks wait on it" if s.get("waited_on_by") else ""
+    return f"rank {s['rank']} ({s['state']}) host {s['host']} {_coords(s['coords'])}: {where}{done}{waits}"
 
 
 def _fr_line(fr: dict[str, Any]) -> str:
