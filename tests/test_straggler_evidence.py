@@ -764,6 +764,26 @@ def test_a_slow_rank_of_a_pipeline_replica_is_named_by_its_spans_against_its_dp_
     assert row["steps_slow_frac"] == pytest.approx(dp.at[3, "slow_frac"])
 
 
+def test_a_pipeline_stage_s_posted_sends_do_not_hide_its_pause(tmp_path: Path) -> None:
+    """tests/data/cpu-pp4-dp2-pause-under-sends: the bundled trainer on CPU (gloo, pp4 x dp2, 16
+    steps), rank 0 (stage 0, replica 0) pausing 100 ms before its last backward. Its forward reads
+    slow too (its forward runs 1.3x its DP peer's in healthy runs of this mesh), and its sends,
+    posted in the forward and completing at the step's end, spanned the pause: read as covered, the
+    pause was no time outside its spans and the rank read ``compute``. A send covers its rank only
+    until its next span of another kind begins."""
+    from megascope.analysis import _sql
+
+    run = open_run(shutil.copytree(Path(__file__).parent / "data" / "cpu-pp4-dp2-pause-under-sends", tmp_path / "run"))
+    found = analysis.stragglers(run)
+    assert [(int(r), c) for r, c in zip(found["rank"], found["cause"], strict=True)] == [(0, "host")]
+    assert found.iloc[0]["pause_share"] > 0.5
+    outside = _sql.query_df(run.con, "stragglers", "outside", ranks=[0, 1],
+                            spans=_sql.Raw(run.rank_source("spans", [0, 1])))
+    table = outside.pivot_table(index="step", columns="rank", values="outside")
+    # About the 100 ms pause more than its DP peer, step by step.
+    assert 80e6 < float((table[0] - table[1]).median()) < 120e6
+
+
 def test_a_mild_slow_rank_of_a_pipeline_replica_is_not_shaded_by_its_own_wake(tmp_path: Path) -> None:
     """tests/data/cpu-pp4-dp2-mild: the same mesh, rank 0 (stage 0, replica 0) planted 1.15x slow.
     The next stage of its replica, rank 2, waits for it at its receives and reads the largest

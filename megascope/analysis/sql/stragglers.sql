@@ -411,13 +411,23 @@ SELECT "group" AS grp, any_value(members) AS members FROM groups WHERE kind = 't
 -- extent (its step span where there is one, else its spans' first start to last end) less the
 -- union of those spans within it. A rank that pauses outside its spans (a sleep, a stall of its
 -- host thread) shows the pause here, while its peers, waiting for it, sit in their collectives.
+-- A send covers its rank only until the rank's next span of another kind begins: a pipeline
+-- stage's sends are posted and left to complete (pp4 x dp2 on CPU: each lasted to the step's end,
+-- 250-280 ms, and hid a 100 ms pause before the last backward); a blocking send ends first.
 -- @column rank     the rank
 -- @column step     the step
 -- @column outside  that time in ns
-WITH s0 AS (
+WITH raw AS (
     SELECT rank, step, kind, start_ns, start_ns + dur_ns AS end_ns FROM {{spans}}
     WHERE list_contains({{ranks}}, rank) AND step IS NOT NULL AND dur_ns >= 0
       AND kind IN ('step', 'forward', 'backward', 'optimizer', 'compute', 'collective', 'send', 'recv')
+), s0 AS (
+    SELECT rank, step, kind, start_ns,
+           CASE WHEN kind = 'send' THEN least(end_ns, coalesce(min(start_ns) FILTER (WHERE kind NOT IN ('send', 'step'))
+                    OVER (PARTITION BY rank, step ORDER BY start_ns ROWS BETWEEN 1 FOLLOWING AND UNBOUNDED FOLLOWING),
+                    end_ns))
+                ELSE end_ns END AS end_ns
+    FROM raw
 ), st AS (
     SELECT rank, step, min(start_ns) AS lo, max(end_ns) AS hi FROM s0 WHERE kind = 'step' GROUP BY rank, step
 ), c AS (
