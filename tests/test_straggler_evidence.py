@@ -784,6 +784,29 @@ def test_a_pipeline_stage_s_posted_sends_do_not_hide_its_pause(tmp_path: Path) -
     assert 80e6 < float((table[0] - table[1]).median()) < 120e6
 
 
+def test_pipeline_links_on_loaded_cores_name_no_slow_link(tmp_path: Path) -> None:
+    """Two runs of the bundled trainer on CPU (gloo, pp4 x dp2, 16 steps, load 7-8 on two cores),
+    out of sample: a healthy one (tests/data/cpu-pp4-dp2-healthy-noisy-link) whose link 4<>6 read
+    2.05x and 1.54x against the other replica's, and one with rank 4 pausing 100 ms
+    (tests/data/cpu-pp4-dp2-pause-one-way-noise) in which the other replica's link 1>3 read 3.08x one
+    way. Both links were named, first. Links are held to PAIR_BAR both ways, and no one-way link is
+    named beside a rank named for its own time."""
+    straggler_module = importlib.import_module("megascope.analysis.stragglers")
+    data = Path(__file__).parent / "data"
+
+    healthy = open_run(shutil.copytree(data / "cpu-pp4-dp2-healthy-noisy-link", tmp_path / "healthy"))
+    assert analysis.stragglers(healthy).empty
+    edges = {(a, b): r for a, b, _, r, _ in straggler_module._slow_edges(healthy, 8)}
+    assert min(edges[(4, 6)], edges[(6, 4)]) >= straggler_module.LINK_BAR  # what named it before
+    assert straggler_module._slow_pairs(healthy, 8).empty
+
+    paused = open_run(shutil.copytree(data / "cpu-pp4-dp2-pause-one-way-noise", tmp_path / "paused"))
+    found = analysis.stragglers(paused)
+    assert [(int(r), c) for r, c in zip(found["rank"], found["cause"], strict=True)] == [(4, "host")]
+    edges = {(a, b): r for a, b, _, r, _ in straggler_module._slow_edges(paused, 8)}
+    assert max(edges.values()) >= straggler_module.ONE_WAY_BAR
+
+
 def test_a_mild_slow_rank_of_a_pipeline_replica_is_not_shaded_by_its_own_wake(tmp_path: Path) -> None:
     """tests/data/cpu-pp4-dp2-mild: the same mesh, rank 0 (stage 0, replica 0) planted 1.15x slow.
     The next stage of its replica, rank 2, waits for it at its receives and reads the largest
