@@ -153,9 +153,12 @@ def flight_recorder_hang(run: Run) -> dict[str, Any] | None:
         for s in found["suspects"]:
             members = _members(fr_run, s["group"])
             group = ours.get(members, s["group"]) if members else s["group"]
-            s = dict(s, fr_group=s["group"], group=group,
-                     where=f"never entered {group} seq {s['missing_seq']}" if s.get("missing_seq") is not None
-                     else f"stuck in {group}")
+            where = str(s.get("where") or "")
+            if s.get("missing_seq") is not None:
+                where = f"never entered {group} seq {s['missing_seq']}"
+            elif not where or where.startswith("stuck in"):
+                where = f"stuck in {group}"
+            s = dict(s, fr_group=s["group"], group=group, where=where)
             suspects.append(s)
         return {"dumps": len(result.ranks_found), "missing": list(result.missing_ranks), "hung": found["hung"],
                 "suspects": suspects, "error": None}
