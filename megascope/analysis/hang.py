@@ -174,11 +174,14 @@ def _roots(members: list[Record]) -> tuple[list[tuple[int, str]], dict[int, int]
     return roots, blocked
 
 
+def where_text(grp: str, missing_seq: int | None) -> str:
+    """What a suspect found from its group did, in words: "never entered tp:0 seq 74" or "stuck in tp:0"."""
+    return f"never entered {grp} seq {missing_seq}" if missing_seq is not None else f"stuck in {grp}"
+
+
 def _suspect(rank: int, grp: str, state: Record | None, place: Record | None, axes: tuple[str, ...],
              kind: str, waited_on_by: int, last_seen: Any, where: str | None = None) -> Record:
     missing = int_or_none(state["missing_seq"]) if state and kind != "waiting" else None
-    if where is None:
-        where = f"never entered {grp} seq {missing}" if missing is not None else f"stuck in {grp}"
     return {
         "rank": rank,
         "host": str(place["host"]) if place is not None else "unknown",
@@ -190,7 +193,7 @@ def _suspect(rank: int, grp: str, state: Record | None, place: Record | None, ax
         "waited_on_by": waited_on_by,
         "last_seen_ns": int_or_none(last_seen),
         # what it did wrong, in words ("never entered tp:0 seq 74")
-        "where": where,
+        "where": where if where is not None else where_text(grp, missing),
     }
 
 
@@ -345,7 +348,7 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
     ]
     lost = sorted({int(m["rank"]) for m in members if m.get("lost")})
     stopped: list[Record] = []
-    if lost and not _finished(con, run):
+    if lost:  # only a run not finished is read for its markers (hang_tables)
         # With trails lost, calls in flight cannot be seen where they were lost: a rank reads as
         # stopped only once nothing of the job has been seen for the hang threshold (a live run
         # whose writers lag is not hung).

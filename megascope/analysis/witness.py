@@ -133,7 +133,7 @@ def flight_recorder_hang(run: Run) -> dict[str, Any] | None:
         return None
     # Deferred: the hang localization imports this module (its witnesses), and the importer is
     # needed only where a run has dumps.
-    from megascope.analysis.hang import localize
+    from megascope.analysis.hang import localize, where_text
     from megascope.ingest.flight_recorder import ingest_flight_recorder
     from megascope.store import open_run
 
@@ -154,10 +154,8 @@ def flight_recorder_hang(run: Run) -> dict[str, Any] | None:
             members = _members(fr_run, s["group"])
             group = ours.get(members, s["group"]) if members else s["group"]
             where = str(s.get("where") or "")
-            if s.get("missing_seq") is not None:
-                where = f"never entered {group} seq {s['missing_seq']}"
-            elif not where or where.startswith("stuck in"):
-                where = f"stuck in {group}"
+            if s.get("missing_seq") is not None or not where or where.startswith("stuck in"):
+                where = where_text(group, s.get("missing_seq"))  # in the run's group's name
             s = dict(s, fr_group=s["group"], group=group, where=where)
             suspects.append(s)
         return {"dumps": len(result.ranks_found), "missing": list(result.missing_ranks), "hung": found["hung"],
