@@ -379,14 +379,23 @@ def _empty() -> pd.DataFrame:
 LIVE_PHASES = {"step": "step_ns", "compute": "compute_ns", "comm": "comm_ns", "data": "data_ns"}
 
 
+def lone_stages(places: pd.DataFrame) -> bool:
+    """Whether no pipeline stage of ``places`` (``rank, coords``) has two ranks (a pure pipeline,
+    or one rank): no rank has a peer doing the same work, and a comparison within stages says
+    nothing."""
+    stages = pd.Series([int(c.get("pp", 0)) if isinstance(c, dict) else 0 for c in places["coords"]], dtype="int64")
+    return stages.empty or int(stages.value_counts().max()) < 2
+
+
 def heat_cells(rank_step: pd.DataFrame, places: pd.DataFrame, *, phase: str = "compute",
                max_ranks: int | None = None, max_steps: int | None = None) -> pd.DataFrame:
     """Rank x step cells of ``phase`` from followed step sums (:meth:`StepSumsTail.rank_step`),
     normalised within peers, in the columns of :func:`megascope.analysis.heatmap`.
 
     ``places``: ``rank, host, coords`` (axis -> index) of every rank. Peers are the ranks of the
-    same pipeline stage in the same step, as the analysis' heat-map has them; ``norm`` is a
-    rank-step's time over its peers' median. Binned to at most ``max_ranks`` x ``max_steps``, each
+    same pipeline stage in the same step, as the analysis' heat-map has them, or every rank in the
+    step where no stage has two (``peers``: 'stage' or 'all'); ``norm`` is a rank-step's time over
+    its peers' median. Binned to at most ``max_ranks`` x ``max_steps``, each
     cell its bin's worst rank-step (for ``comm``, the furthest from 1 either way: a rank that
     pauses outside its work communicates least, its peers wait for it). What the step sums cannot
     tell (own time, waits, bubbles) is not offered: those need every rank's spans and come with the
@@ -395,7 +404,7 @@ def heat_cells(rank_step: pd.DataFrame, places: pd.DataFrame, *, phase: str = "c
     if phase not in LIVE_PHASES:
         raise ValueError(f"unknown live heat-map phase {phase!r} (known: {', '.join(LIVE_PHASES)})")
     columns = ["rank_bin", "step_bin", "rank", "step", "rank_lo", "rank_hi", "step_lo", "step_hi", "value_ns",
-               "norm", "host", "coords", "pp", "dp", "tp"]
+               "norm", "host", "coords", "pp", "dp", "tp", "peers"]
     frame = rank_step[["rank", "step", LIVE_PHASES[phase]]].rename(columns={LIVE_PHASES[phase]: "value_ns"})
     frame = frame.astype({"value_ns": "float64"}).dropna(subset=["value_ns"])
     if frame.empty:
@@ -405,7 +414,9 @@ def heat_cells(rank_step: pd.DataFrame, places: pd.DataFrame, *, phase: str = "c
         where[axis] = [int(c.get(axis, 0)) if isinstance(c, dict) else 0 for c in where["coords"]]
     frame = frame.merge(where, on="rank", how="left")
     frame["pp"] = frame["pp"].fillna(0).astype("int64")
-    peers = frame.groupby(["pp", "step"])["value_ns"].transform("median")
+    alone = lone_stages(places)
+    frame["peers"] = "all" if alone else "stage"
+    peers = frame.groupby(["step"] if alone else ["pp", "step"])["value_ns"].transform("median")
     frame["norm"] = frame["value_ns"] / peers.where(peers > 0)
     rank_order = np.sort(frame["rank"].unique())
     step_order = np.sort(frame["step"].unique())
@@ -431,7 +442,8 @@ def step_lines(tail: StepSumsTail, places: pd.DataFrame, *, after: int | None = 
     than ``after``: what ``megascope watch`` prints. Columns: step, step_time_ns, mfu, ranks,
     slow_rank and slow_x (the rank whose compute is furthest above its stage's median, and by how
     much), quiet_rank and quiet_x (the rank that spent the least in communication against its
-    stage's median: the one the others wait for, when a rank pauses outside its work)."""
+    stage's median: the one the others wait for, when a rank pauses outside its work). Where no
+    stage has two ranks (:func:`lone_stages`), against the median of every rank instead."""
     columns = ["step", "step_time_ns", "mfu", "ranks", "slow_rank", "slow_x", "quiet_rank", "quiet_x"]
     steps = tail.per_step()
     world = tail.meta.world_size

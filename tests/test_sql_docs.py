@@ -111,8 +111,9 @@ def executed(synth: Synth, tmp_path_factory: pytest.TempPathFactory,
     # built ms_cache.skew_collectives), tokens logged as metrics rather than given in run.json.
     _sql.execute(run.con, "skew", "growing_ranks", name_index=0).fetchall()
     _sql.execute(run.con, "timeline", "tokens_per_step").fetchall()
-    # Asked only of a run with no straggler (the mesh's peers).
+    # Asked only of a run with no straggler (the mesh's peers), and where it has none.
     analysis.stragglers_told(run)
+    importlib.import_module("megascope.analysis.stragglers").lone_stages_own(run)
     # The steps of a run whose lowest ranks recorded none; extending the base tables of a run that
     # grew (the cached tables loaded as old_*, here copies of the current ones).
     _sql.execute(run.con, "base", "all_steps").fetchall()

@@ -36,6 +36,12 @@ PHASE_LABELS = {
 }
 
 
+# Where no stage has two ranks, the map compares each rank with all of them (figures.heatmap).
+ALL_RANKS = ("No pipeline stage has two ranks, so no rank has a peer doing the same work: the colours compare "
+             "each rank with the median of all ranks in the step. Stages do different work (the first holds "
+             "the embedding, the last the loss), so a rank that stands out may be a heavier stage, not a slow one.")
+
+
 # The live map's phases (megascope.live.LIVE_PHASES): what the step sums tell without the spans.
 LIVE_LABELS = {"compute": "compute", "comm": "communication", "data": "data loading", "step": "step"}
 DEFAULT_LIVE_PHASE = "compute"
@@ -58,8 +64,8 @@ def layout(served: ServedRun, query: dict[str, str]) -> html.Div:
                  dcc.Dropdown(id=ids.HEATMAP_PHASE, options=options,  # type: ignore[arg-type]
                               value=phase if phase in {o["value"] for o in options} else DEFAULT_PHASE,
                               clearable=False, style={"width": "300px"}),
-                 html.Span("colour: time / median of peers doing the same work (same pipeline stage); "
-                           "click a cell to open it on the timeline", className="hint")],
+                 html.Span("colour: time / median of peers doing the same work (same pipeline stage; all ranks "
+                           "where no stage has two); click a cell to open it on the timeline", className="hint")],
                 className="controls",
             ),
             html.Div(id=ids.HEATMAP_NOTE),
@@ -87,11 +93,12 @@ def layout(served: ServedRun, query: dict[str, str]) -> html.Div:
 
 def top_list(served: ServedRun, cells: Any, phase: str) -> list[Any]:
     """The worst ranks of the map beside it, each a link to its timeline at its worst step."""
-    from megascope.figures.heatmap import worst_ranks
+    from megascope.figures.heatmap import all_ranks, worst_ranks
 
     worst = worst_ranks(cells, TOP_RANKS)
+    heading = "Highest against all ranks" if all_ranks(cells) else "Worst ranks"
     if worst.empty:
-        return [html.H4("Worst ranks"), html.Div("none at 1.05x or more", className="hint")]
+        return [html.H4(heading), html.Div("none at 1.05x or more", className="hint")]
     rows = []
     for row in worst.to_dict("records"):
         rank, step = int(row["rank"]), int(row["step"])
@@ -99,7 +106,7 @@ def top_list(served: ServedRun, cells: Any, phase: str) -> list[Any]:
                 + f"&focus={rank}")
         rows.append(html.Tr([html.Td(dcc.Link(f"rank {rank}", href=href)), html.Td(f"{float(row['worst']):.2f}x"),
                              html.Td(f"{int(row['slow_steps'])}")]))
-    return [html.H4(f"Worst ranks ({PHASE_LABELS.get(phase, phase).split(' (')[0]})"),
+    return [html.H4(f"{heading} ({PHASE_LABELS.get(phase, phase).split(' (')[0]})"),
             html.Table([html.Thead(html.Tr([html.Th("rank"), html.Th("worst"), html.Th("cells >= 1.05x")])),
                         html.Tbody(rows)], className="table", id="heatmap-top-table")]
 
@@ -128,12 +135,12 @@ def register(app: Dash, registry: RunRegistry) -> None:
         frame = data.heatmap(served, phase)
         if frame.empty:
             return no_update, no_update, notice(f"no {phase} spans in this run", "info")
-        from megascope.figures.heatmap import heatmap_figure
+        from megascope.figures.heatmap import all_ranks, heatmap_figure
 
         flagged = [int(r) for r in data.stragglers(served)["rank"]]
         figure = data.figure(served, ("heatmap", phase),
                              lambda: heatmap_figure(frame, phase=phase, flagged=flagged))
-        return figure, top_list(served, frame, phase), None
+        return figure, top_list(served, frame, phase), notice(ALL_RANKS, "warn") if all_ranks(frame) else None
 
     @app.callback(
         Output(ids.HEATMAP_LIVE, "style"), Output(ids.HEATMAP_LIVE_GRAPH, "figure"),
@@ -151,11 +158,11 @@ def register(app: Dash, registry: RunRegistry) -> None:
             return hidden, no_update, None
         if frame.empty:
             return {}, no_update, notice(f"no {LIVE_LABELS.get(phase, phase)} time in the followed steps", "info")
-        from megascope.figures.heatmap import heatmap_figure
+        from megascope.figures.heatmap import all_ranks, heatmap_figure
 
         steps = f"steps {int(frame['step_lo'].min())}-{int(frame['step_hi'].max())}"
         figure = heatmap_figure(frame, phase=phase, title=f"{LIVE_LABELS.get(phase, phase)}, {steps} (live)")
-        return {}, figure, None
+        return {}, figure, notice(ALL_RANKS, "warn") if all_ranks(frame) else None
 
     @app.callback(
         Output(ids.URL, "pathname", allow_duplicate=True), Output(ids.URL, "search", allow_duplicate=True),

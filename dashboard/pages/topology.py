@@ -52,6 +52,9 @@ def banner(served: ServedRun, states: pd.DataFrame, hang: dict[str, Any]) -> lis
     state = data.run_state(served)
     lines = [html.Div(f"{state['state'].upper()}: {state['reason']}", className=f"alert alert-{state['state']}",
                      id="topology-state")] if state["state"] in ("stalled", "failed") else []
+    if summary and not data.stragglers_told(served):
+        # "8 healthy" on a pure pipeline would say no rank is slow, which nothing here can tell.
+        summary += " · slow ranks cannot be told: no pipeline stage has two ranks"
     return [*lines, html.Div(summary or "no ranks reported yet", className="hint")]
 
 

@@ -31,7 +31,7 @@ from megascope.analysis.hang import int_or_none, localize
 from megascope.analysis.pipeline import bubbles, exposed_comm, host_lead_summary
 from megascope.analysis.runstate import run_state
 from megascope.analysis.skew import skew_by_collective, skew_drift
-from megascope.analysis.stragglers import StragglerConfig, detect, told
+from megascope.analysis.stragglers import StragglerConfig, detect, lone_stages_own, told
 from megascope.analysis.timeline import mfu, mfu_drift, steady_mean
 from megascope.analysis.whatif import whatif
 from megascope.schema import COLLECTOR_STAMPS_METRIC
@@ -222,6 +222,11 @@ def _report(run: Run, say: Callable[[str], None], config: StragglerConfig | None
         # Why the list is empty: "hung" (slow ranks are hang suspects or victims), "no_peers" (no
         # pipeline stage has two ranks, so no rank has a peer to be compared with).
         "stragglers_withheld": withheld,
+        # With "no_peers": each rank's own time against all ranks' median, highest first (the
+        # stages do different work; shown, never named: stragglers.lone_stages_own).
+        "stages_own": ([{"rank": int(o["rank"]), "coords": coords_of(o["coords"], axes), "own_ns": float(o["own_ns"]),
+                         "x": None if pd.isna(o["x"]) else float(o["x"])}
+                        for o in lone_stages_own(run).to_dict("records")] if withheld == "no_peers" else None),
         # Ranks flagged for their host (or, on a data-parallel mesh timed on GPUs, their compute)
         # whose delay, replayed away, saves under 0.7% of the step (0.3% for compute): not named
         # (stragglers.dismissed).

@@ -1139,6 +1139,14 @@ def told(run: Run) -> bool:
     return bool(row and int(row[0]) >= 2)
 
 
+def lone_stages_own(run: Run) -> pd.DataFrame:
+    """Where :func:`told` is False: every rank's own time against all ranks' median (rank, coords,
+    own_ns, x), highest first: a slow stage reads high, and so does a heavier one (the stages of a
+    pure pipeline do different work), so it is shown for a reader who knows the split, never named."""
+    prepare(run.con)
+    return _sql.query_df(run.con, "stragglers", "lone_stages_own")
+
+
 def dismissed(run: Run, config: StragglerConfig | None = None) -> pd.DataFrame:
     """The ranks :func:`stragglers` would name for their host (or, on a data-parallel mesh timed on
     GPUs, their compute) but does not, because a replay of their steps without their delay saves

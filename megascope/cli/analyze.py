@@ -30,6 +30,8 @@ COMPACT_HINT_PARTS = 2_000
 # CPU_SAME or less, on one as fast as its peers'.
 CPU_SLOW = 1.25
 CPU_SAME = 1.10
+# On a pure pipeline (stragglers not told): the stages shown by their own time, highest first.
+STAGES_SHOWN = 4
 
 
 def _open(run_dir: Path) -> Any:
@@ -135,6 +137,11 @@ def _print_report(r: dict[str, Any]) -> None:
             click.echo(f"  rank {s['rank']}: host probe {cpu:.2f}x the median rank's time: {verdict}")
     elif r.get("stragglers_withheld") == "no_peers":
         click.echo("STRAGGLERS not told: no pipeline stage has two ranks, so no rank has a peer doing the same work")
+        own = [o for o in (r.get("stages_own") or []) if o.get("x") is not None]
+        if len(own) > 1:
+            shown = ", ".join(f"rank {o['rank']} {o['own_ns'] / 1e6:.1f} ms {o['x']:.2f}x" for o in own[:STAGES_SHOWN])
+            click.echo(f"  own time a step, highest first, x all stages' median (stages do different work: a heavier "
+                       f"one reads high too): {shown}")
     else:
         click.echo("STRAGGLERS none")
     for d in (r.get("stragglers_dismissed") or [])[:5]:
@@ -391,7 +398,7 @@ def heatmap(run_dir: Path, out: Path, phase: str, max_ranks: int, max_steps: int
     """Rank x step heat-map of each phase, normalized within peers."""
     from megascope import layout
     from megascope.analysis import heatmap as cells_of
-    from megascope.figures.heatmap import heatmap_figure
+    from megascope.figures.heatmap import heat_peers, heatmap_figure
 
     suffix = out.suffix.lower()
     if suffix not in (".html", ".htm", ".png"):
@@ -400,7 +407,7 @@ def heatmap(run_dir: Path, out: Path, phase: str, max_ranks: int, max_steps: int
     run = _open(run_dir)
     echo_problems(run.problems)
     cells = cells_of(run, phase=phase, max_ranks=max_ranks, max_steps=max_steps)
-    fig = heatmap_figure(cells, phase=phase, title=f"{run.path.name}: {phase} time / peer median")
+    fig = heatmap_figure(cells, phase=phase, title=f"{run.path.name}: {phase} time / {heat_peers(cells)}")
     # Written under a hidden name and renamed: the file appears whole, and a --force that fails
     # leaves the old one as it was.
     partial = out.with_name(f".{out.stem}.{os.getpid()}.tmp{out.suffix}")

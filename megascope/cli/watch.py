@@ -2,8 +2,9 @@
 
 Thin: a :class:`megascope.live.StepSumsTail` looks at the run every ``--interval`` seconds and
 :func:`megascope.live.step_lines` says, per step every rank has ended, its time, MFU, the rank
-whose compute is furthest above its pipeline stage's median and the rank that spent the least in
-communication (the one the others wait for when it pauses outside its work). What an on-call
+whose compute is furthest above its pipeline stage's median (all ranks' on a pure pipeline, whose
+stages have one rank each) and the rank that spent the least in communication (the one the others
+wait for when it pauses outside its work). What an on-call
 engineer with only a shell wants from a job of any size: one read per rank a look, nothing that
 grows with the run. A run without step logs is followed through its step sums twins. ``--once``
 prints the steps there are and exits; ``--json`` prints a JSON object per step.
@@ -56,7 +57,7 @@ def _line(row: dict[str, Any], places: Any) -> str:
 @click.option("--once", is_flag=True, help="Print the steps there are and exit.")
 def watch(run_dir: Path, as_json: bool, interval: float, once: bool) -> None:
     """Follow a live job: a line per step (time, MFU, slowest compute, least communication)."""
-    from megascope.live import StepSumsTail, step_lines
+    from megascope.live import StepSumsTail, lone_stages, step_lines
     from megascope.store import open_run
 
     tail = StepSumsTail(run_dir, window_steps=SHOWN_AT_START, backfill=SHOWN_AT_START)
@@ -65,6 +66,10 @@ def watch(run_dir: Path, as_json: bool, interval: float, once: bool) -> None:
     places = run.con.execute("SELECT rank, host, coords FROM ranks ORDER BY rank").df()
     run.con.close()
     meta = tail.meta
+    # A pure pipeline's ranks have no stage peer: each step's ranks are held to the median of all
+    # of them, and the stages do different work (the header says so).
+    against = "all ranks" if lone_stages(places) else "its stage"
+
     if not as_json:
         mesh = " x ".join(f"{a}{meta.mesh_sizes[a]}" for a in meta.mesh_axes if a in meta.mesh_sizes)
         click.echo(f"{run_dir}: {meta.world_size} ranks{', ' + mesh if mesh else ''}" + ("" if once else
@@ -86,8 +91,8 @@ def watch(run_dir: Path, as_json: bool, interval: float, once: bool) -> None:
                         echo_json({k: None if _missing(v) else v for k, v in row.items()})
                 else:
                     if not header:
-                        click.echo(f"{'step':>7}  {'step time':>12}  {'MFU':>6}  {'slowest compute (x its stage)':<40}"
-                                   f"  least communication (x its stage)")
+                        click.echo(f"{'step':>7}  {'step time':>12}  {'MFU':>6}  "
+                                   f"{f'slowest compute (x {against})':<40}  least communication (x {against})")
                         header = True
                     for row in lines.to_dict("records"):
                         click.echo(_line(row, places))

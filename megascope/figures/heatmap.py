@@ -2,7 +2,8 @@
 
 Role in the data flow: a pure function ``(DataFrame, ...) -> go.Figure`` shared by the dashboard,
 ``megascope heatmap`` and tests. Colour is the value over the peer median (1.0 = like its peers),
-so a rank 10% slower than its pipeline stage shows at 1.1 whatever its stage's absolute time. The
+so a rank 10% slower than its pipeline stage shows at 1.1 whatever its stage's absolute time (on a
+pure pipeline, whose stages have one rank each, over the median of all ranks: the titles say so). The
 colour axis is logarithmic with fixed colours at 1.15x, 1.5x and 3x, so a mild straggler and a
 gross one look different; the figure is tall enough for every rank row to get pixels.
 
@@ -105,6 +106,19 @@ def _places(cells: pd.DataFrame) -> list[str]:
     return [format_coords(row) for row in cells[axes].to_dict("records")]
 
 
+def all_ranks(cells: pd.DataFrame) -> bool:
+    """Whether ``cells`` were normalised by the median of every rank in the step (``peers`` 'all':
+    no pipeline stage has two ranks) rather than by the rank's stage peers."""
+    return "peers" in cells and bool((cells["peers"] == "all").any())
+
+
+def heat_peers(cells: pd.DataFrame) -> str:
+    """What ``cells``' colour is a ratio to, in words for a title."""
+    if all_ranks(cells):
+        return "median of all ranks (no pipeline stage has two ranks; stages do different work)"
+    return "peer median (same pipeline stage)"
+
+
 def heatmap_figure(cells: pd.DataFrame, *, phase: str = "step", title: str | None = None,
                    flagged: Sequence[int] = (), spread: float | None = None) -> go.Figure:
     """A heat-map of ``norm`` per (rank bin, step bin) on a log colour axis.
@@ -118,6 +132,7 @@ def heatmap_figure(cells: pd.DataFrame, *, phase: str = "step", title: str | Non
     if cells.empty:
         fig.update_layout(title=title or f"{phase}: no data", xaxis_title="step", yaxis_title="rank")
         return fig
+    against = "median of all ranks" if all_ranks(cells) else "peer median"
     ranks = cells.drop_duplicates("rank_bin").set_index("rank_bin").sort_index()
     steps = cells.drop_duplicates("step_bin").set_index("step_bin").sort_index()
     z = cells.pivot(index="rank_bin", columns="step_bin", values="norm").reindex(index=ranks.index, columns=steps.index)
@@ -149,12 +164,12 @@ def heatmap_figure(cells: pd.DataFrame, *, phase: str = "step", title: str | Non
         z=log_z, x=steps["step_lo"].to_numpy(), y=ranks["rank_lo"].to_numpy(),
         text=text.to_numpy(dtype=object), customdata=custom,
         colorscale=colorscale(low, high), zmin=math.log2(low), zmax=math.log2(high),
-        colorbar={"title": "x peer<br>median", "tickvals": [math.log2(t) for t in ticks],
+        colorbar={"title": "x median<br>of all ranks" if all_ranks(cells) else "x peer<br>median", "tickvals": [math.log2(t) for t in ticks],
                   "ticktext": [f"{t:g}x" for t in ticks]},
         hovertemplate=(
             "ranks %{text}, steps %{customdata[5]}<br>worst: rank %{customdata[0]} step %{customdata[1]}"
             "<br>host %{customdata[2]}, pp/dp/tp %{customdata[3]}<br>%{customdata[4]:.2f} ms"
-            " = %{customdata[6]:.3f} x peer median<extra></extra>"
+            f" = %{{customdata[6]:.3f}} x {against}<extra></extra>"
         ),
     ))
     rows = len(ranks)
@@ -176,7 +191,7 @@ def heatmap_figure(cells: pd.DataFrame, *, phase: str = "step", title: str | Non
         return {"dtick": 1} if len(values) and float(np.ptp(values)) <= _WHOLE_TICKS else {}
 
     fig.update_layout(
-        title=title or f"{phase} time / peer median (same pipeline stage)" + (", worst per bin" if binned else ""),
+        title=title or f"{phase} time / {heat_peers(cells)}" + (", worst per bin" if binned else ""),
         xaxis={"title": "step", "domain": [0.06, 1.0], **whole(steps["step_lo"].to_numpy())},
         xaxis2={"domain": [0.0, 0.05], "range": [-1.0, 0.4], "visible": False, "fixedrange": True},
         # The stragglers' marks sit left of the rank axis: its title goes left of them.

@@ -198,6 +198,32 @@ def test_a_real_hang_whose_waiting_ranks_lost_their_trails_shows_the_hung_rank(t
         _no_errors(driver, navigated=True)
 
 
+def test_a_real_pure_pipeline_heat_map_compares_ranks_with_all_ranks_and_says_so(tmp_path: Path, driver: Any) -> None:
+    """tests/data/cpu-pp8-slow (gloo, pp8, rank 3 1.18x slow): no stage has two ranks. The heat-map
+    compared each rank with itself (a blank map, "none at 1.05x or more") and the topology read
+    "8 healthy"; now the map compares with all ranks and says so, rank 3 tops its list, and the
+    topology says slow ranks cannot be told."""
+    import shutil
+
+    run = shutil.copytree(Path(__file__).resolve().parents[1] / "data" / "cpu-pp8-slow", tmp_path / "pp8")
+    app = create_app([run], start_watcher=False)
+    with serving(app) as base:
+        driver.get(f"{base}/run/pp8/heatmap")
+        wait_for_graph(driver, ids.HEATMAP_GRAPH)
+        note = wait_for_text(driver, f"#{ids.HEATMAP_NOTE}", "No pipeline stage has two ranks")
+        assert "heavier stage" in note.text
+        table = wait_for_text(driver, "#heatmap-top-table", "rank 3")
+        assert table.text.splitlines()[1].startswith("rank 3 "), table.text
+        assert "Highest against all ranks" in driver.find_element(By.ID, ids.HEATMAP_TOP).text
+        title = driver.execute_script(
+            f"return document.querySelector('#{ids.HEATMAP_GRAPH} .js-plotly-plot').layout.title.text")
+        assert "median of all ranks" in title
+        driver.get(f"{base}/run/pp8/topology")
+        wait_for_graph(driver, ids.TOPOLOGY_GRAPH)
+        wait_for_text(driver, f"#{ids.TOPOLOGY_BANNER}", "slow ranks cannot be told")
+        _no_errors(driver, navigated=True)
+
+
 def _plot_geometry(driver: Any) -> Any:
     return driver.execute_script(
         f"const g = document.querySelector('#{ids.TOPOLOGY_GRAPH} .js-plotly-plot');"

@@ -279,6 +279,24 @@ FROM shaded f JOIN ms_cache.rank_info i USING (rank);
 -- @column ranks  ranks of the largest stage (0 without ranks)
 SELECT coalesce(max(n), 0) AS ranks FROM (SELECT stage, count(*) AS n FROM ms_cache.rank_info GROUP BY stage);
 
+-- @statement lone_stages_own
+-- Where stragglers cannot be told (every stage one rank): each rank's own time (all but waiting),
+-- its median over the steps after the run's first (its warm-up; every step on a run of one),
+-- against the median of every rank's. The stages do different work: what reads high may be a
+-- heavier stage as well as a slow one, which the reader knows and the data does not.
+-- @column rank, coords  the rank and its coordinates
+-- @column own_ns        the median of its own time a step
+-- @column x             own_ns / the median over ranks of own_ns
+WITH first AS (
+    SELECT min(step) AS s0, count(DISTINCT step) AS n FROM ms_cache.rank_step WHERE own_ns IS NOT NULL
+), r AS (
+    SELECT rank, median(own_ns) AS own_ns FROM ms_cache.rank_step, first
+    WHERE own_ns IS NOT NULL AND (step > first.s0 OR first.n = 1) GROUP BY rank
+)
+SELECT r.rank, i.coords, r.own_ns, r.own_ns / nullif(median(r.own_ns) OVER (), 0) AS x
+FROM r JOIN ms_cache.rank_info i USING (rank)
+ORDER BY x DESC NULLS LAST, r.rank;
+
 -- @statement axis_sizes
 -- How many distinct coordinates the ranks have on the axes a straggler's place is told on.
 -- @column tp, dp, pp  distinct tp, dp and pp coordinates (0 where the run lacks the axis)

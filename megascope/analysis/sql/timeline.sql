@@ -14,6 +14,8 @@ ORDER BY rank, step;
 -- Heat-map cells of one phase ({{value}}, over rank_step and {{gaps}}: host_gaps or an empty
 -- stand-in): value per (rank, step), normalised by the median of the
 -- rank's peers (same pipeline stage) in that step, binned to at most {{rank_bins}} x {{step_bins}}.
+-- Where no stage has two ranks (a pure pipeline) a rank has no peer and would read 1.0 everywhere:
+-- there the median of every rank in the step is taken, and ``peers`` says so.
 -- A bin shows its worst cell (largest norm): a 0.5% slow machine must survive downsampling.
 -- @column rank_bin, step_bin  bin indices (equal to rank and step position when not binned)
 -- @column rank, step          the worst cell's rank and step
@@ -21,8 +23,12 @@ ORDER BY rank, step;
 -- @column value_ns, norm      the worst cell's value and value / peer median (both plus a
 --                             thousandth of the peers' median step)
 -- @column host, coords, pp, dp, tp  the cell's rank's host and coordinates (every axis; the three read by name)
-WITH v AS (
-    SELECT rank, step, stage, {{value}} AS value_ns, coalesce(step_ns, extent_ns) AS step_ns
+-- @column peers               'stage' (the rank's pipeline stage) or 'all' (every rank: no stage has two)
+WITH lone AS (
+    SELECT coalesce(max(n), 0) < 2 AS all_ranks FROM (SELECT count(*) AS n FROM ms_cache.rank_info GROUP BY stage)
+), v AS (
+    SELECT rank, step, CASE WHEN (SELECT all_ranks FROM lone) THEN 0 ELSE stage END AS stage,
+           {{value}} AS value_ns, coalesce(step_ns, extent_ns) AS step_ns
     FROM ms_cache.rank_step LEFT JOIN {{gaps}} USING (rank, step)
     WHERE step_ns IS NOT NULL OR NOT {{has_step_spans}}
 ), p AS (
@@ -47,7 +53,8 @@ WITH v AS (
     FROM cells GROUP BY rank_bin, step_bin
 )
 SELECT b.rank_bin, b.step_bin, b.rank, b.step, b.rank_lo, b.rank_hi, b.step_lo, b.step_hi,
-       b.value_ns, b.norm, i.host, i.coords, i.pp, i.dp, i.tp
+       b.value_ns, b.norm, i.host, i.coords, i.pp, i.dp, i.tp,
+       CASE WHEN (SELECT all_ranks FROM lone) THEN 'all' ELSE 'stage' END AS peers
 FROM binned b JOIN ms_cache.rank_info i USING (rank)
 ORDER BY b.rank_bin, b.step_bin;
 
