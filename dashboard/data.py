@@ -300,6 +300,13 @@ def dismissed_unsure(served: ServedRun) -> bool:
 
 NO_PEERS = ("Stragglers cannot be told: no pipeline stage has two ranks, so no rank has a peer doing the same "
             "work to be compared with.")
+ONE_RANK = "Stragglers cannot be told: a run of one rank has no peer to be compared with."
+
+
+def no_peers(served: ServedRun) -> str:
+    """Why stragglers cannot be told in ``served``: one rank, or stages of one rank each."""
+    run = served.run
+    return ONE_RANK if run is not None and run.meta.world_size == 1 else NO_PEERS
 
 
 def empty_stragglers() -> pd.DataFrame:

@@ -25,6 +25,8 @@ from megascope.dashboard import data, ids, routes
 from megascope.dashboard.components import notice
 from megascope.dashboard.runs import RunRegistry, ServedRun
 
+from megascope.topology import ranks_text
+
 log = logging.getLogger(__name__)
 
 
@@ -106,7 +108,7 @@ def status_line(served: ServedRun) -> list[Any]:
         return [f"{served.id}: {served.error or 'waiting for data'}"]
     meta = served.run.meta
     mesh = " x ".join(f"{a}{meta.mesh_sizes[a]}" for a in meta.mesh_axes if a in meta.mesh_sizes)
-    parts = [served.id, f"{meta.world_size} ranks", mesh]
+    parts = [served.id, ranks_text(meta.world_size), mesh]
     state = run_state_or_none(served)
     analysed = state.get("last_step") if state is not None else None
     followed = _followed_step(served)

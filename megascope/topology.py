@@ -45,6 +45,11 @@ def coords_of(value: Any, axes: Iterable[str] = ()) -> dict[str, int]:
     return {a: place[a] for a in order}
 
 
+def ranks_text(n: int) -> str:
+    """``"1 rank"``, ``"8 ranks"``: a count of ranks as a header says it."""
+    return f"{int(n):,} rank" if int(n) == 1 else f"{int(n):,} ranks"
+
+
 def format_coords(coords: Any, axes: Iterable[str] = ()) -> str:
     """``"pp1 dp0 cp1 tp3"``: how a rank's place in the mesh is shown, the one way.
 

@@ -88,3 +88,25 @@ def test_the_topology_summary_says_slow_ranks_cannot_be_told(pp8: Path) -> None:
     lines = topology.banner(served, dash_data.rank_states(served), dash_data.hang(served))
     summary = lines[-1].children
     assert summary.startswith("8 healthy") and "slow ranks cannot be told" in summary, summary
+
+
+def test_a_run_of_one_rank_says_so_everywhere(tmp_path: Path, synth: Any, cli: Any) -> None:
+    """One rank: the header counts "1 rank", and each view says why nothing is compared in the
+    words of one rank, not of pipeline stages."""
+    from megascope.dashboard import data as dash_data
+    from megascope.dashboard.pages import heatmap, topology
+    from megascope.dashboard.runs import RunRegistry
+
+    one = synth(tmp_path / "one", ranks=1, tp=1, pp=1, steps=6, seed=5)
+    text = cli("report", str(one))
+    assert text.exit_code == 0, text.output
+    assert "(synth, 1 rank, " in text.output.splitlines()[0]
+    assert "STRAGGLERS not told: a run of one rank has no peer to compare it with" in text.output
+    registry = RunRegistry([one])
+    served = registry.get(registry.ids[0])
+    assert served is not None and served.run is not None
+    assert dash_data.no_peers(served) == dash_data.ONE_RANK
+    summary = topology.banner(served, dash_data.rank_states(served), dash_data.hang(served))[-1].children
+    assert summary == "1 healthy · slow ranks cannot be told: one rank", summary
+    note = heatmap.alone_note(analysis.heatmap(open_run(one), phase="own"))
+    assert note is not None and note.children == heatmap.ONE_RANK

@@ -42,6 +42,19 @@ ALL_RANKS = ("No pipeline stage has two ranks, so no rank has a peer doing the s
              "the embedding, the last the loss), so a rank that stands out may be a heavier stage, not a slow one.")
 
 
+ONE_RANK = ("A run of one rank: there is no rank to compare it with, and every cell reads 1x. The overview's step "
+            "time and the timeline show where its time goes.")
+
+
+def alone_note(cells: Any) -> Any:
+    """The notice above a map whose ranks have no stage peers (None where they have)."""
+    from megascope.figures.heatmap import all_ranks
+
+    if not all_ranks(cells):
+        return None
+    return notice(ONE_RANK if cells["rank"].nunique() == 1 else ALL_RANKS, "warn")
+
+
 # The live map's phases (megascope.live.LIVE_PHASES): what the step sums tell without the spans.
 LIVE_LABELS = {"compute": "compute", "comm": "communication", "data": "data loading", "step": "step"}
 DEFAULT_LIVE_PHASE = "compute"
@@ -135,12 +148,12 @@ def register(app: Dash, registry: RunRegistry) -> None:
         frame = data.heatmap(served, phase)
         if frame.empty:
             return no_update, no_update, notice(f"no {phase} spans in this run", "info")
-        from megascope.figures.heatmap import all_ranks, heatmap_figure
+        from megascope.figures.heatmap import heatmap_figure
 
         flagged = [int(r) for r in data.stragglers(served)["rank"]]
         figure = data.figure(served, ("heatmap", phase),
                              lambda: heatmap_figure(frame, phase=phase, flagged=flagged))
-        return figure, top_list(served, frame, phase), notice(ALL_RANKS, "warn") if all_ranks(frame) else None
+        return figure, top_list(served, frame, phase), alone_note(frame)
 
     @app.callback(
         Output(ids.HEATMAP_LIVE, "style"), Output(ids.HEATMAP_LIVE_GRAPH, "figure"),
@@ -158,11 +171,11 @@ def register(app: Dash, registry: RunRegistry) -> None:
             return hidden, no_update, None
         if frame.empty:
             return {}, no_update, notice(f"no {LIVE_LABELS.get(phase, phase)} time in the followed steps", "info")
-        from megascope.figures.heatmap import all_ranks, heatmap_figure
+        from megascope.figures.heatmap import heatmap_figure
 
         steps = f"steps {int(frame['step_lo'].min())}-{int(frame['step_hi'].max())}"
         figure = heatmap_figure(frame, phase=phase, title=f"{LIVE_LABELS.get(phase, phase)}, {steps} (live)")
-        return {}, figure, notice(ALL_RANKS, "warn") if all_ranks(frame) else None
+        return {}, figure, alone_note(frame)
 
     @app.callback(
         Output(ids.URL, "pathname", allow_duplicate=True), Output(ids.URL, "search", allow_duplicate=True),

@@ -90,7 +90,7 @@ def alerts(served: ServedRun) -> list[Any]:
         log.warning("run %s: skew analysis failed: %s", served.id, exc)
         out.append(html.Div(f"skew analysis unavailable: {type(exc).__name__}: {exc}", className="alert alert-skew"))
     if frame.empty and not data.stragglers_told(served):
-        out.append(html.Div(data.NO_PEERS, className="alert alert-skew"))
+        out.append(html.Div(data.no_peers(served), className="alert alert-skew"))
     if not out:
         out.append(html.Div(f"No stragglers, host-bound ranks, skew growth or hang found; the run is {state['state']}.",
                             className="alert alert-ok"))

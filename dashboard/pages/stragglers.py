@@ -172,7 +172,7 @@ def register(app: Dash, registry: RunRegistry) -> None:
         dismissed = dismissed_notes(served)
         if frame.empty:
             if not data.stragglers_told(served):
-                return [card("stragglers", "-", "no stage peers to compare")], notice(data.NO_PEERS)
+                return [card("stragglers", "-", "no stage peers to compare")], notice(data.no_peers(served))
             cards, headline = none_named(served, dismissed)
             return cards, html.Div([notice(headline), *dismissed])
         steps = data.default_steps(served)

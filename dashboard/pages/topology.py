@@ -54,7 +54,8 @@ def banner(served: ServedRun, states: pd.DataFrame, hang: dict[str, Any]) -> lis
                      id="topology-state")] if state["state"] in ("stalled", "failed") else []
     if summary and not data.stragglers_told(served):
         # "8 healthy" on a pure pipeline would say no rank is slow, which nothing here can tell.
-        summary += " · slow ranks cannot be told: no pipeline stage has two ranks"
+        one = served.run is not None and served.run.meta.world_size == 1
+        summary += " · slow ranks cannot be told: " + ("one rank" if one else "no pipeline stage has two ranks")
     return [*lines, html.Div(summary or "no ranks reported yet", className="hint")]
 
 

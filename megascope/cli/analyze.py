@@ -57,9 +57,11 @@ def _coords(coords: dict[str, int]) -> str:
 
 
 def _print_report(r: dict[str, Any]) -> None:
+    from megascope.topology import ranks_text
+
     run = r["run"]
     mesh = " x ".join(f"{k}={v}" for k, v in run["mesh"].items())
-    click.echo(f"run {run['path']}  ({run['source']}, {run['world_size']} ranks, {mesh}, {run['steps']} steps)")
+    click.echo(f"run {run['path']}  ({run['source']}, {ranks_text(run['world_size'])}, {mesh}, {run['steps']} steps)")
     mfu = r["mfu"]
     mfu_text = f"- ({mfu['missing']})" if mfu["mean"] is None and mfu.get("missing") else (
         "-" if mfu["mean"] is None else f"{100 * mfu['mean']:.1f}%")
@@ -135,6 +137,8 @@ def _print_report(r: dict[str, Any]) -> None:
                             "probes (one every few steps)" if cpu <= CPU_SAME
                        else "a little slower CPU, not enough to explain it")
             click.echo(f"  rank {s['rank']}: host probe {cpu:.2f}x the median rank's time: {verdict}")
+    elif r.get("stragglers_withheld") == "no_peers" and r["run"]["world_size"] == 1:
+        click.echo("STRAGGLERS not told: a run of one rank has no peer to compare it with")
     elif r.get("stragglers_withheld") == "no_peers":
         click.echo("STRAGGLERS not told: no pipeline stage has two ranks, so no rank has a peer doing the same work")
         own = [o for o in (r.get("stages_own") or []) if o.get("x") is not None]

@@ -59,6 +59,7 @@ def watch(run_dir: Path, as_json: bool, interval: float, once: bool) -> None:
     """Follow a live job: a line per step (time, MFU, slowest compute, least communication)."""
     from megascope.live import StepSumsTail, lone_stages, step_lines
     from megascope.store import open_run
+    from megascope.topology import ranks_text
 
     tail = StepSumsTail(run_dir, window_steps=SHOWN_AT_START, backfill=SHOWN_AT_START)
     run = open_run(run_dir, tables=("ranks",))
@@ -72,7 +73,7 @@ def watch(run_dir: Path, as_json: bool, interval: float, once: bool) -> None:
 
     if not as_json:
         mesh = " x ".join(f"{a}{meta.mesh_sizes[a]}" for a in meta.mesh_axes if a in meta.mesh_sizes)
-        click.echo(f"{run_dir}: {meta.world_size} ranks{', ' + mesh if mesh else ''}" + ("" if once else
+        click.echo(f"{run_dir}: {ranks_text(meta.world_size)}{', ' + mesh if mesh else ''}" + ("" if once else
                    f"; a look every {interval:g} s, Ctrl-C to stop"), err=True)
     last: int | None = None
     header = False
