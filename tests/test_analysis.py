@@ -820,6 +820,24 @@ def test_real_nccl_hangs_whose_waiting_ranks_lost_their_trails_name_the_planted_
     assert text.exit_code == 0 and f"  1. rank {rank} (hung)" in text.output and "note: the trails of" in text.output
 
 
+def test_a_rank_that_hung_before_its_first_send_is_the_one_its_pipeline_peer_waits_on(
+        tmp_path: Path, cli: Any) -> None:
+    """tests/data/cpu-2x2x2-hang-before-first-send: the bundled trainer on CPU (gloo, tp2 x pp2 x
+    dp2), rank 5 (pp1) hung at step 0 before it sent or received anything. Its pipeline peer, rank
+    1, waits in their exchange; no groups table declares a point-to-point pair, so rank 5, with no
+    marker there, was not its missing member, and rank 1 (missing from its DP call) was named
+    second as hung. Both ends of a pair are its members now: rank 1 is rank 5's victim."""
+    path = shutil.copytree(Path(__file__).parent / "data" / "cpu-2x2x2-hang-before-first-send", tmp_path / "run")
+    result = analysis.localize(open_run(path))
+    assert result["hung"] is True
+    assert [s["rank"] for s in result["suspects"]] == [5], result["suspects"]
+    assert result["suspects"][0]["waited_on_by"] == 7 and 1 in result["waiting"]
+    pair = next(g for g in result["stuck_groups"] if g["group"] == "p2p:5>1")
+    assert pair["waiting"] == [1] and pair["missing"] == [5]
+    text = cli("localize", str(path))
+    assert text.exit_code == 0 and "  1. rank 5 (hung)" in text.output and "  2. " not in text.output
+
+
 def test_cache_follows_a_growing_run_and_serves_cursors(runs: dict[str, Path], tmp_path: Path) -> None:
     spans = [span(r, 0, "step", 0, 5 * MS) for r in range(3)]
     path = hand_run(tmp_path / "run", spans, [])

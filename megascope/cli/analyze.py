@@ -178,7 +178,7 @@ def _print_report(r: dict[str, Any]) -> None:
     click.echo("")
     hang = r["hang"]
     if hang["hung"]:
-        click.echo(f"HANG: {len(hang['waiting'])} ranks waiting inside a call" if hang["waiting"]
+        click.echo(f"HANG: {ranks_text(len(hang['waiting']))} waiting inside a call" if hang["waiting"]
                    else "HANG: the job stopped with no rank's trail inside a call")
         for s in hang["suspects"][:5]:
             click.echo(f"  suspect {_suspect_text(s)}")
@@ -317,6 +317,7 @@ def localize(run_dir: Path, as_json: bool) -> None:
     """Where is the hang: the rank, host and TP/PP/DP coordinates behind it."""
     from megascope.analysis import localize as find_hang
     from megascope.analysis.report import jsonable
+    from megascope.topology import ranks_text
 
     run = _open(run_dir)
     echo_problems(run.problems)
@@ -335,7 +336,8 @@ def localize(run_dir: Path, as_json: bool) -> None:
             click.echo(_fr_line(fr))
         return
     waited = f", the first for {result['waited_s']:.0f} s" if result.get("waited_s") is not None else ""
-    click.echo(f"HUNG: {len(result['waiting'])} ranks waiting in {result['stuck_group_count']} groups{waited}"
+    groups = result["stuck_group_count"]
+    click.echo(f"HUNG: {ranks_text(len(result['waiting']))} waiting in {groups} group{'' if groups == 1 else 's'}{waited}"
                if result["waiting"] else "HUNG: the job stopped with no rank's trail inside a call")
     if result.get("lost"):
         click.echo(f"  note: {result['note']}")
@@ -359,7 +361,8 @@ def _suspect_text(s: dict[str, Any]) -> str:
     where = str(s.get("where") or f"stuck in {s.get('group')}")
     done = (f" (last completed {s['last_completed_seq']})"
             if s.get("last_completed_seq") is not None and not where.startswith("stopped") else "")
-    waits = f", {s['waited_on_by']} ranks wait on it" if s.get("waited_on_by") else ""
+    n = s.get("waited_on_by")
+    waits = (", 1 rank waits on it" if n == 1 else f", {n} ranks wait on it") if n else ""
     return f"rank {s['rank']} ({s['state']}) host {s['host']} {_coords(s['coords'])}: {where}{done}{waits}"
 
 

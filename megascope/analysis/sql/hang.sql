@@ -75,6 +75,15 @@ WITH raw AS (
     -- Declared members (groups table) that may have written nothing at all in the group.
     SELECT DISTINCT g."group" AS grp, unnest(g.members) AS rank FROM groups g
     WHERE g."group" IN (SELECT grp FROM per)
+    UNION
+    -- Both ends of a point-to-point pair, which no groups table declares: a rank that hung before
+    -- its first send or receive wrote none, and its peer waits on it there. Each end only where
+    -- the run records that side at all (a job may time its sends alone).
+    SELECT grp, TRY_CAST(split_part(substr(grp, 5), '>', 1) AS INTEGER) FROM per
+    WHERE grp LIKE 'p2p:%' AND (SELECT coalesce(bool_or(snd = rank), false) FROM raw)
+    UNION
+    SELECT grp, TRY_CAST(split_part(grp, '>', 2) AS INTEGER) FROM per
+    WHERE grp LIKE 'p2p:%' AND (SELECT coalesce(bool_or(rcv = rank), false) FROM raw)
 ), everyone AS (
     SELECT grp, rank FROM per UNION SELECT grp, rank FROM members
 ), first_seq AS (
