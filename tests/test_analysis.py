@@ -838,6 +838,28 @@ def test_a_rank_that_hung_before_its_first_send_is_the_one_its_pipeline_peer_wai
     assert text.exit_code == 0 and "  1. rank 5 (hung)" in text.output and "  2. " not in text.output
 
 
+def test_a_rank_frozen_before_its_first_flush_is_the_hang_suspect_in_its_place(tmp_path: Path, cli: Any) -> None:
+    """tests/data/cpu-pp4-dp2-frozen-before-first-flush: the bundled trainer on CPU (gloo, pp4 x
+    dp2), rank 3 frozen at step 0 holding the interpreter lock before it wrote anything (no ranks
+    row, no spans, no markers). Its peers' step spans, closed as their receives timed out, made
+    the run read as finished: "not hung", "STRAGGLERS none". Now the job's world size counts, rank
+    3 is the silent suspect its peers wait on, its place read off its peers' groups."""
+    path = shutil.copytree(Path(__file__).parent / "data" / "cpu-pp4-dp2-frozen-before-first-flush", tmp_path / "run")
+    run = open_run(path)
+    result = analysis.localize(run)
+    assert result["hung"] is True and [s["rank"] for s in result["suspects"]] == [3], result["suspects"]
+    suspect = result["suspects"][0]
+    assert suspect["state"] == "silent" and suspect["place_inferred"] is True and suspect["host"] == "unknown"
+    assert suspect["coords"] == {"pp": 1, "dp": 1, "tp": 0} and suspect["waited_on_by"] == 7
+    states = analysis.rank_states(run, hang=result)
+    assert states.set_index("rank").loc[3, "state"] == "silent" and len(states) == 8
+    assert states.set_index("rank").loc[3, ["pp", "dp", "tp"]].tolist() == [1, 1, 0]
+    text = cli("report", str(path), "--no-whatif")
+    assert text.exit_code == 0, text.output
+    assert "STRAGGLERS not told: the run hung" in text.output
+    assert "suspect rank 3 (silent) (it wrote nothing; pp1 dp1 tp0 by its peers' groups, host unknown)" in text.output
+
+
 def test_cache_follows_a_growing_run_and_serves_cursors(runs: dict[str, Path], tmp_path: Path) -> None:
     spans = [span(r, 0, "step", 0, 5 * MS) for r in range(3)]
     path = hand_run(tmp_path / "run", spans, [])

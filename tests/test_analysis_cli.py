@@ -82,7 +82,7 @@ def test_localize_json_and_text(hung_run: Path, cli: Callable[..., Result]) -> N
     text = cli("localize", str(hung_run))
     assert text.exit_code == 0 and "rank 9" in text.output
     report = cli("report", str(hung_run), "--no-whatif")
-    assert report.exit_code == 0 and "STRAGGLERS none" in report.output and "HANG" in report.output
+    assert report.exit_code == 0 and "STRAGGLERS not told: the run hung" in report.output and "HANG" in report.output
 
 
 def test_heatmap_html(hung_run: Path, tmp_path: Path, cli: Callable[..., Result]) -> None:

@@ -146,8 +146,9 @@ def executed(synth: Synth, tmp_path_factory: pytest.TempPathFactory,
     # Asked of the rows only where a marker file's footer does not tell its steps (a footer
     # answers here), and of the newest markers where a hung rank's completions are set aside.
     _sql.execute(run.con, "hang", "markers_beyond", step=0).fetchall()
-    # Read only where some rank's trail was lost.
+    # Read only where some rank's trail was lost, and where a suspect wrote nothing at all.
     _sql.execute(run.con, "hang", "rank_trail", ranks=[0, 1]).fetchall()
+    _sql.execute(run.con, "hang", "groups_with", rank=1).fetchall()
     importlib.import_module("megascope.analysis.runstate")._last_completion_ns(run.con, run, {9: 2 ** 62})
     # Read only for a rank replayed on a real run (synth runs are not replayed).
     importlib.import_module("megascope.analysis.stragglers").sample_period(run, 5, [2, 3])

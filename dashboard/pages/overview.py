@@ -18,6 +18,7 @@ from megascope.dashboard.components import card, contained, notice
 from megascope.dashboard.runs import RunRegistry, ServedRun
 from megascope.dashboard.shell import age_text, served_from
 
+from megascope.analysis.hang import place_text
 from megascope.analysis.timeline import steady_mean
 from megascope.figures.overview import step_series_figure
 from megascope.topology import format_coords
@@ -64,7 +65,7 @@ def alerts(served: ServedRun) -> list[Any]:
         suspects = hang.get("suspects") or []
         if suspects:
             s = suspects[0]
-            text = f"HANG: rank {s['rank']} ({s.get('host', '?')}, {coords_text(s.get('coords'))}) {s['where']}"
+            text = f"HANG: rank {s['rank']} {place_text(s)} {s['where']}"
         else:
             text = "HANG: the job stopped making progress (no suspect named)"
         out.append(html.Div([text, " ", dcc.Link("show in the topology", href=routes.href(served.id, "topology"))],

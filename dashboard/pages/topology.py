@@ -15,10 +15,10 @@ import pandas as pd
 from dash import Dash, Input, Output, State, dcc, html, no_update
 from megascope.dashboard import data, ids, routes
 from megascope.dashboard.components import contained, notice, table
-from megascope.dashboard.pages.overview import coords_text
 from megascope.dashboard.runs import RunRegistry, ServedRun
 from megascope.dashboard.shell import served_from
 
+from megascope.analysis.hang import place_text
 from megascope.figures.topology import STATES, rank_at, topology_figure
 
 SUSPECT_COLUMNS = ("rank", "host", "coords", "where", "group", "last_completed_seq", "missing_seq", "evidence",
@@ -42,7 +42,7 @@ def banner(served: ServedRun, states: pd.DataFrame, hang: dict[str, Any]) -> lis
     if hang.get("hung") and hang.get("suspects"):
         s = hang["suspects"][0]
         waiting = "; the ranks waiting on it are pale yellow" if hang.get("waiting") else ""
-        head = f"HANG: rank {s['rank']} on {s.get('host', '?')} ({coords_text(s.get('coords'))}) {s['where']}{waiting}."
+        head = f"HANG: rank {s['rank']} {place_text(s)} {s['where']}{waiting}."
         lost = [html.Div(f"Note: {hang['note']}.", className="hint", id="topology-lost")] if hang.get("lost") else []
         return [html.Div(head, className="alert alert-hang", id="topology-culprit"), *lost,
                 html.Div(summary, className="hint")]

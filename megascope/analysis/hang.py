@@ -97,7 +97,11 @@ def _finished(con: duckdb.DuckDBPyConnection, run: Run | None = None) -> bool:
     if _markers_beyond(con, run, int(last[0])):
         return False
     row = _sql.first(_sql.execute(con, "hang", "finished_ranks", step=int(last[0])))
-    return bool(row and row[0] and row[0] == row[1])
+    # Every rank of the job, not only those that wrote: a rank that froze before its first flush
+    # (holding the interpreter lock from its first step) left no row anywhere, and its peers' step
+    # spans, closed as their calls timed out waiting for it, would read as a finished run.
+    world = run.meta.world_size if run is not None else 0
+    return bool(row and row[0] and row[0] >= max(int(row[1]), int(world or 0)))
 
 
 def hang_tables(con: duckdb.DuckDBPyConnection, run: Run | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -174,6 +178,41 @@ def _roots(members: list[Record]) -> tuple[list[tuple[int, str]], dict[int, int]
     return roots, blocked
 
 
+def inferred_place(con: duckdb.DuckDBPyConnection, rank: int, places: dict[int, Record],
+                   axes: tuple[str, ...]) -> Record | None:
+    """The place of a rank that wrote nothing (no ranks row: it froze or died before its first
+    flush), read off its peers' groups: in a group of an axis of the mesh its coordinate on that
+    axis is its index among the members (the order the groups table keeps), and on the other axes
+    the coordinates of the member beside it. None where no group tells, or two tell differently.
+    Its host stays unknown."""
+    coords: dict[str, int] | None = None
+    for _, kind, members in _sql.execute(con, "hang", "groups_with", rank=int(rank)).fetchall():
+        members = [int(m) for m in members]
+        if kind not in axes or rank not in members:
+            continue
+        beside = next((places[m] for m in members if m != rank and m in places), None)
+        if beside is None:
+            continue
+        guess = {**coords_of(beside.get("coords"), axes), str(kind): members.index(rank)}
+        if coords is not None and guess != coords:
+            return None
+        coords = guess
+    return None if coords is None else {"rank": rank, "host": "unknown", "coords": coords, "inferred": True}
+
+
+def place_text(suspect: Record) -> str:
+    """Where a suspect is, in words to follow its rank: "on host h7 (pp1 dp1 tp0)", or for a rank
+    that wrote nothing "(it wrote nothing; pp1 dp1 tp0 by its peers' groups, host unknown)"."""
+    from megascope.topology import format_coords
+
+    coords = format_coords(suspect.get("coords") or {})
+    if suspect.get("place_inferred"):
+        return f"(it wrote nothing; {coords} by its peers' groups, host unknown)"
+    if not coords and suspect.get("host") in (None, "unknown"):
+        return "(it wrote nothing; host and place unknown)"
+    return f"on host {suspect.get('host')} ({coords or '-'})"
+
+
 def where_text(grp: str, missing_seq: int | None) -> str:
     """What a suspect found from its group did, in words: "never entered tp:0 seq 74" or "stuck in tp:0"."""
     return f"never entered {grp} seq {missing_seq}" if missing_seq is not None else f"stuck in {grp}"
@@ -186,6 +225,8 @@ def _suspect(rank: int, grp: str, state: Record | None, place: Record | None, ax
         "rank": rank,
         "host": str(place["host"]) if place is not None else "unknown",
         "coords": coords_of(place.get("coords"), axes) if place is not None else {},
+        # the rank wrote nothing: its coordinates are read off its peers' groups (inferred_place)
+        "place_inferred": bool(place is not None and place.get("inferred")),
         "group": grp,
         "last_completed_seq": int_or_none(state["last_done"]) if state else None,
         "missing_seq": missing,
@@ -341,9 +382,15 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
     stuck = [m for m in members if m["stuck"]]
     state_of = {(m["grp"], int(m["rank"])): m for m in members}
     roots, blocked = _roots(members)
+    # A rank its peers wait on that wrote nothing at all (it froze before its first flush) is as
+    # silent as a rank can be; its place is read off its peers' groups.
+    for rank, _ in roots:
+        if rank not in places and (place := inferred_place(con, rank, places, axes)) is not None:
+            places[rank] = place
     suspects = [
         _suspect(rank, grp, state_of.get((grp, rank)), places.get(rank), axes,
-                 "silent" if rank in silent_ranks else "hung", blocked.get(rank, 0), last_seen.get(rank))
+                 "silent" if rank in silent_ranks or rank not in last_seen else "hung", blocked.get(rank, 0),
+                 last_seen.get(rank))
         for rank, grp in roots
     ]
     lost = sorted({int(m["rank"]) for m in members if m.get("lost")})
@@ -496,4 +543,11 @@ def rank_states(run: Run, *, stragglers_frame: pd.DataFrame | None = None,
     roots = {s["rank"] for s in hang["suspects"] if s["state"] == "hung"}
     state[info["rank"].isin(roots)] = "hung"
     out = info.assign(state=state)
+    # A suspect that wrote nothing has no row of its own: its place read off its peers' groups.
+    unseen = [s for s in hang["suspects"] if s.get("place_inferred") and s["rank"] not in set(info["rank"])]
+    if unseen:
+        rows = pd.DataFrame([{"rank": s["rank"], "host": s["host"], "coords": s["coords"],
+                              **{a: s["coords"].get(a) for a in ("pp", "dp", "tp")}, "state": s["state"]}
+                             for s in unseen])
+        out = pd.concat([out, rows], ignore_index=True).sort_values("rank", ignore_index=True)
     return out

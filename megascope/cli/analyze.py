@@ -61,7 +61,9 @@ def _print_report(r: dict[str, Any]) -> None:
 
     run = r["run"]
     mesh = " x ".join(f"{k}={v}" for k, v in run["mesh"].items())
-    click.echo(f"run {run['path']}  ({run['source']}, {ranks_text(run['world_size'])}, {mesh}, {run['steps']} steps)")
+    steps = run["steps"]
+    click.echo(f"run {run['path']}  ({run['source']}, {ranks_text(run['world_size'])}, {mesh}, "
+               f"{steps} step{'' if steps == 1 else 's'})")
     mfu = r["mfu"]
     mfu_text = f"- ({mfu['missing']})" if mfu["mean"] is None and mfu.get("missing") else (
         "-" if mfu["mean"] is None else f"{100 * mfu['mean']:.1f}%")
@@ -137,6 +139,8 @@ def _print_report(r: dict[str, Any]) -> None:
                             "probes (one every few steps)" if cpu <= CPU_SAME
                        else "a little slower CPU, not enough to explain it")
             click.echo(f"  rank {s['rank']}: host probe {cpu:.2f}x the median rank's time: {verdict}")
+    elif r.get("stragglers_withheld") == "hung":
+        click.echo("STRAGGLERS not told: the run hung, and every rank is a hang suspect or its victim (below)")
     elif r.get("stragglers_withheld") == "no_peers" and r["run"]["world_size"] == 1:
         click.echo("STRAGGLERS not told: a run of one rank has no peer to compare it with")
     elif r.get("stragglers_withheld") == "no_peers":
@@ -363,7 +367,11 @@ def _suspect_text(s: dict[str, Any]) -> str:
             if s.get("last_completed_seq") is not None and not where.startswith("stopped") else "")
     n = s.get("waited_on_by")
     waits = (", 1 rank waits on it" if n == 1 else f", {n} ranks wait on it") if n else ""
-    return f"rank {s['rank']} ({s['state']}) host {s['host']} {_coords(s['coords'])}: {where}{done}{waits}"
+    from megascope.analysis.hang import place_text
+
+    place = place_text(s) if s.get("place_inferred") or s.get("host") in (None, "unknown") \
+        else f"host {s['host']} {_coords(s['coords'])}"
+    return f"rank {s['rank']} ({s['state']}) {place}: {where}{done}{waits}"
 
 
 def _fr_line(fr: dict[str, Any]) -> str:

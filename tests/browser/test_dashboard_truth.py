@@ -198,6 +198,30 @@ def test_a_real_hang_whose_waiting_ranks_lost_their_trails_shows_the_hung_rank(t
         _no_errors(driver, navigated=True)
 
 
+def test_a_rank_frozen_before_it_wrote_anything_is_drawn_in_its_place(tmp_path: Path, driver: Any) -> None:
+    """tests/data/cpu-pp4-dp2-frozen-before-first-flush (gloo, pp4 x dp2, rank 3 frozen at step 0
+    before its first flush): the header read no hang and the grid had a hole where rank 3 goes;
+    now the header reads HUNG, the banner names rank 3 as a rank that wrote nothing, and the grid
+    draws it at pp1 dp1, a suspect, with the seven others waiting."""
+    import shutil
+
+    run = shutil.copytree(Path(__file__).resolve().parents[1] / "data" / "cpu-pp4-dp2-frozen-before-first-flush",
+                          tmp_path / "frozen")
+    app = create_app([run], start_watcher=False)
+    with serving(app) as base:
+        driver.get(f"{base}/run/frozen/topology")
+        culprit = wait_for_text(driver, "#topology-culprit", "HANG: rank 3 (it wrote nothing; pp1 dp1 tp0")
+        assert "never entered p2p:3>5" in culprit.text
+        wait_for_text(driver, f"#{ids.RUN_STATE}", "HUNG")
+        wait_for_graph(driver, ids.TOPOLOGY_GRAPH)
+        states = driver.execute_script(
+            f"const g = document.querySelector('#{ids.TOPOLOGY_GRAPH} .js-plotly-plot');"
+            "const c = g.data[0].customdata; const out = {};"
+            "c.forEach(row => row.forEach(cell => { if (cell[0] >= 0) out[cell[0]] = cell[3]; })); return out;")
+        assert states.pop("3") in ("silent", "hung") and set(states.values()) == {"waiting"} and len(states) == 7
+        _no_errors(driver)
+
+
 def test_a_real_pure_pipeline_heat_map_compares_ranks_with_all_ranks_and_says_so(tmp_path: Path, driver: Any) -> None:
     """tests/data/cpu-pp8-slow (gloo, pp8, rank 3 1.18x slow): no stage has two ranks. The heat-map
     compared each rank with itself (a blank map, "none at 1.05x or more") and the topology read

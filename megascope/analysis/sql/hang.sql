@@ -211,6 +211,13 @@ SELECT max(step) AS step FROM ms_cache.rank_step;
 -- @column markers  1 where one is, else 0
 SELECT count(*) AS markers FROM (SELECT 1 FROM markers WHERE step > {{step}} LIMIT 1);
 
+-- @statement groups_with
+-- The groups whose declared members include rank {{rank}}, as any member wrote them: where a rank
+-- wrote nothing at all, what its peers' groups say of its place.
+-- @column group, kind, members  as in the groups table
+SELECT "group", any_value(kind) AS kind, any_value(members) AS members
+FROM groups WHERE list_contains(members, {{rank}}) GROUP BY "group" ORDER BY "group";
+
 -- @statement finished_ranks
 -- Ranks that wrote a step span for step {{step}}, against all ranks.
 -- @column finished  ranks with a step span for it
