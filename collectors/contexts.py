@@ -29,6 +29,7 @@ from megascope.schema import (
     DEVICE_STREAM_PREFIX,
     HOST_PROBE_LOOPS,
     HOST_PROBE_METRIC,
+    STEP_ERROR_METRIC,
     MarkerState,
     SpanKind,
 )
@@ -162,6 +163,8 @@ class StepContext(SpanContext):
         now = time.time_ns()  # METRIC_ROWs (megascope.collectors.buffers)
         col._sink.metrics.put((col.rank, self.step, COLLECTOR_STAMPS_METRIC, float(col._timer.stamps - self._stamps),
                                now))
+        if exc and isinstance(exc[0], type):  # the step ended by an exception: which one, and when
+            col._sink.metrics.put((col.rank, self.step, STEP_ERROR_METRIC + exc[0].__name__, 1.0, now))
         # Groups timed in some micro-batches only: how many calls there were (reset at step entry).
         for group, calls in col._sampled_calls.items():
             col._sink.metrics.put((col.rank, self.step, COLLECTOR_CALLS_METRIC + group, float(calls), now))

@@ -198,6 +198,11 @@ COLLECTOR_CALLS_METRIC = "collector_calls:"
 # (a gradient sync's buckets) overlap and their waits do not add up: the analysis scales their wait,
 # never the extent that bounds it.
 COLLECTOR_STEP_CALLS_METRIC = "collector_step_calls:"
+# ``step_error:<exception class>``: a ``metrics`` row (value 1) where a rank's step ended by an
+# exception, at the time it did: the ranks that failed after a peer died say how (a connection
+# closed, a timeout), and a rank that ended with none recorded died without a word (killed by a
+# signal or the kernel's out-of-memory killer, or crashed), or was stopped from outside.
+STEP_ERROR_METRIC = "step_error:"
 # A ``metrics`` row per rank every CollectorConfig.host_probe_every steps: nanoseconds the training
 # thread took for HOST_PROBE_LOOPS iterations of a fixed pure-Python loop at the step's end. The same
 # work everywhere, so it says how fast the CPU under that thread was then: a host-bound rank on a

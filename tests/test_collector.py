@@ -163,6 +163,22 @@ def test_spans_steps_and_metrics_land_in_the_run(tmp_path: Path) -> None:
     assert r.meta.run_id == "t" and r.problems == []
 
 
+def test_a_step_ended_by_an_exception_records_its_class(tmp_path: Path) -> None:
+    """The exception that ends a step leaves a ``step_error:<class>`` metric at that step (how the
+    run state tells a rank that died without a word from the ones that failed after it); it still
+    propagates, and a step that ends normally records none."""
+    run = tmp_path / "run"
+    col = _collector(run)
+    with col.step(0), col.span("fine"):
+        pass
+    with pytest.raises(ConnectionError), col.step(1):
+        raise ConnectionError("peer gone")
+    col.close()
+    rows = open_run(run).con.execute("SELECT step, name, value FROM metrics WHERE starts_with(name, 'step_error:')"
+                                     ).fetchall()
+    assert rows == [(1, "step_error:ConnectionError", 1.0)]
+
+
 def test_a_paused_collector_records_nothing_until_resumed(tmp_path: Path) -> None:
     """Paused: steps, spans, calls and metrics are no-ops, but what began before the pause is
     recorded when it ends, and close() while paused still writes everything."""

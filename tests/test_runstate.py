@@ -172,3 +172,43 @@ def test_marker_files_whose_footers_do_not_tell_their_steps_are_read_row_by_row(
     fresh_con = fresh.cursor()
     analysis.localize(fresh)
     assert [hang._markers_beyond(fresh_con, fresh, step) for step in (last - 1, last)] == told == [True, False]
+
+
+def test_how_a_job_failed_is_read_off_the_exceptions_its_steps_ended_by() -> None:
+    from megascope.analysis.runstate import failure
+
+    def err(rank: int, error: str, step: int = 7) -> dict[str, object]:
+        return {"rank": rank, "step": step, "error": error, "time_ns": 10**18 + rank}
+
+    assert failure([], 8) is None
+    interrupted = failure([err(r, "KeyboardInterrupt") for r in range(8)], 8)
+    assert interrupted == {"text": "stopped from outside (KeyboardInterrupt on 8)", "culprit": None}
+    # One rank died without a word; the seven others failed on the closed connection.
+    died = failure([err(r, "RuntimeError") for r in range(8) if r != 5], 8)
+    assert died is not None and died["culprit"] == {"rank": 5, "step": None, "where": "ended with no exception of its own"}
+    assert died["text"].startswith("rank 5 ended with no exception of its own")
+    # Half the ranks said nothing (stopped from outside before they raised): nobody is named.
+    assert failure([err(r, "RuntimeError") for r in range(4)], 8) == {"text": "exceptions: RuntimeError on 4",
+                                                                      "culprit": None}
+    # A rank raised what no other did, the others failed after it.
+    bug = failure([err(3, "ValueError", 4)] + [err(r, "RuntimeError", 4) for r in range(8) if r != 3], 8)
+    assert bug is not None and bug["culprit"] == {"rank": 3, "step": 4, "where": "raised ValueError in step 4"}
+    # Two ranks of two different classes among many: no one is told apart.
+    assert failure([err(0, "ValueError"), err(1, "OSError")] + [err(r, "RuntimeError") for r in range(2, 8)],
+                   8)["culprit"] is None  # type: ignore[index]
+
+
+def test_a_real_job_whose_rank_was_killed_names_it(tmp_path: Path, cli: object) -> None:
+    """tests/data/cpu-2x2x2-rank-killed: the bundled trainer on CPU (gloo, tp2 x pp2 x dp2), rank 6
+    killed with SIGKILL at step 46. The seven others failed on the closed connection (their steps
+    ended by RuntimeError, which the collector records); rank 6 recorded none. Before, the run read
+    "running" and then "failed" with no word of who; the report said "HANG none"."""
+    import shutil
+
+    path = shutil.copytree(Path(__file__).parent / "data" / "cpu-2x2x2-rank-killed", tmp_path / "run")
+    run = open_run(path)
+    state = run_state(run, hang=analysis.localize(run))
+    assert state["state"] == "failed" and state["culprit"]["rank"] == 6, state
+    assert "rank 6 ended with no exception of its own" in state["reason"] and "RuntimeError on 7" in state["reason"]
+    text = cli("report", str(path), "--no-whatif")  # type: ignore[operator]
+    assert text.exit_code == 0 and "FAILED: every rank's process ended at step 46 of 299" in text.output

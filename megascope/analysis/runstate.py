@@ -17,7 +17,12 @@ The rule, in order:
 4. **hung**: no progress on any rank for ``hang_after_s`` and at least one call was entered and
    never completed (the collective trail shows who is waiting and on whom).
 5. **failed**: no progress for ``hang_after_s``, not finished, and no call in flight: the job
-   stopped (exited, was killed, crashed between calls) before its last step.
+   stopped (exited, was killed, crashed between calls) before its last step. At once, without
+   waiting, where every rank's process has ended (their marker agents say so) with no call in
+   flight. Where the ranks' steps ended by exceptions (the collector records each one's class),
+   the reason says how, and names the rank that died without one while the others failed after
+   it, or the one that raised what no other did (:func:`failure`); all interrupts: stopped from
+   outside.
 
 ``hang_after_s`` is the job's collective timeout (``config.collective_timeout_s`` in
 ``run.json``) when known: the time after which the job itself gives up on a call. Otherwise ten
@@ -49,7 +54,7 @@ from typing import Any
 
 import duckdb
 
-from megascope import layout
+from megascope import layout, schema
 from megascope.analysis import _sql
 from megascope.analysis.base import prepare
 from megascope.store import Run
@@ -194,6 +199,56 @@ def _step_facts(con: duckdb.DuckDBPyConnection, cut: Mapping[int, int]) -> dict[
     }
 
 
+# Exceptions that stop a job from outside (Ctrl-C, a handler's exit), not a fault of the rank.
+INTERRUPTS = frozenset({"KeyboardInterrupt", "SystemExit"})
+
+
+def _step_errors(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
+    """Each rank's first step that ended by an exception (the collector's ``step_error:`` metrics):
+    rank, step, error (the class), time_ns; first in time first."""
+    prefix = schema.STEP_ERROR_METRIC
+    frame = _sql.query_df(con, "runstate", "step_errors", prefix=prefix, skip=len(prefix) + 1)
+    return [{"rank": int(r), "step": int(s), "error": str(e), "time_ns": int(t)}
+            for r, s, e, t in zip(frame["rank"], frame["step"], frame["error"], frame["time_ns"], strict=True)]
+
+
+def failure(errors: list[dict[str, Any]], world_size: int) -> dict[str, Any] | None:
+    """How a job that stopped before its last step failed, from the exceptions its ranks' steps
+    ended by (:func:`_step_errors`): ``{text, culprit}`` (``culprit``: ``{rank, step, where}`` or
+    None), or None where no rank recorded one.
+
+    * every exception an interrupt (Ctrl-C): stopped from outside, no culprit;
+    * a few ranks (one in eight at most, one at least) with none while the others have one: the
+      ranks that failed after a peer died say how (a connection closed, a timeout), and the one
+      that died said nothing (killed by a signal or out of memory, or crashed);
+    * one rank whose exception is of a class none of the others raised: it raised first, the
+      others failed after it.
+    """
+    if not errors:
+        return None
+    classes: dict[str, list[int]] = {}
+    for e in errors:
+        classes.setdefault(e["error"], []).append(e["rank"])
+    summary = ", ".join(f"{name} on {len(ranks)}" for name, ranks in sorted(classes.items(), key=lambda c: -len(c[1])))
+    if set(classes) <= INTERRUPTS:
+        return {"text": f"stopped from outside ({summary})", "culprit": None}
+    raised = {e["rank"] for e in errors}
+    quiet = sorted(set(range(int(world_size))) - raised)
+    if quiet and len(quiet) <= max(1, int(world_size) // 8):
+        names = ", ".join(map(str, quiet))
+        return {"text": f"rank {names} ended with no exception of its own (killed by a signal or out of memory, or "
+                        f"crashed); the others failed after it ({summary})",
+                "culprit": {"rank": quiet[0], "step": None, "where": "ended with no exception of its own"}}
+    lone = [(name, ranks[0]) for name, ranks in classes.items() if len(ranks) == 1]
+    if len(lone) == 1 and len(classes) == 2 and len(errors) > 2:
+        name, rank = lone[0]
+        step = next(e["step"] for e in errors if e["rank"] == rank)
+        return {"text": f"rank {rank} raised {name} in step {step}, which no other rank did; the others failed "
+                        f"after it ({summary})",
+                "culprit": {"rank": rank, "step": step, "where": f"raised {name} in step {step}"}}
+    return {"text": f"exceptions: {summary}", "culprit": None}
+
+
 def thresholds(median_step_s: float | None, *, collective_timeout_s: float | None = None,
                flush_interval_s: float | None = None, stall_after_s: float | None = None,
                hang_after_s: float | None = None) -> tuple[float, float, str]:
@@ -234,7 +289,8 @@ def run_facts(run: Run, *, hang: Mapping[str, Any] | None = None) -> dict[str, A
 
     ``hang`` as in :func:`run_state`. Keys: ranks, last_step, slowest_last_step,
     ranks_at_last_step, median_step_s, last_progress_ns, last_data_ns, in_flight, suspects, lost,
-    expected_steps, collective_timeout_s, flush_interval_s, meta_mtime_ns.
+    expected_steps, failure (:func:`failure`, once every process has ended), ended,
+    collective_timeout_s, flush_interval_s, meta_mtime_ns.
     """
     con = run.cursor()
     try:
@@ -248,6 +304,10 @@ def run_facts(run: Run, *, hang: Mapping[str, Any] | None = None) -> dict[str, A
             in_flight = len(hang.get("waiting") or [])
         else:
             in_flight = _in_flight(con) if run.files.get("markers") else 0
+        # Read once every process has ended (localize says so; the CLI's post-mortem asks always):
+        # a live run's refreshes do not scan its metrics for them.
+        ended = hang is None or bool(hang.get("ended"))
+        errors = _step_errors(con) if ended and run.files.get("metrics") else []
     finally:
         con.close()
     config = run.meta.config or {}
@@ -262,6 +322,9 @@ def run_facts(run: Run, *, hang: Mapping[str, Any] | None = None) -> dict[str, A
         # they wait cannot be read, so their calls in flight are not counted but they are not none.
         lost=len((hang or {}).get("lost") or []) if (hang or {}).get("hung") else 0,
         expected_steps=_expected_steps(config),
+        failure=failure(errors, run.meta.world_size),
+        # Every rank's process has ended, as their marker agents said (localize); None unknown.
+        ended=None if hang is None else bool(hang.get("ended")),
         collective_timeout_s=_config_float(config, "collective_timeout_s"),
         flush_interval_s=_config_float(config, "flush_interval_s"),
     )
@@ -301,7 +364,8 @@ def run_state(run: Run, *, now_ns: int | None = None, stall_after_s: float | Non
       ``hang_after_source``: the thresholds and where the hang threshold came from.
     * ``in_flight``: calls entered and not completed (ranks waiting, when ``hang`` is given).
     * ``culprit``: the first hang suspect (``rank, host, coords, group, missing_seq, ...``) when
-      the state is hung and ``hang`` names one, else None.
+      the state is hung and ``hang`` names one; when it failed, the rank :func:`failure` names
+      (``rank, step, where``); else None.
     """
     return decide(run_facts(run, hang=hang), now_ns=now_ns, stall_after_s=stall_after_s,
                   hang_after_s=hang_after_s, last_write_ns=last_write_ns)
@@ -342,9 +406,18 @@ def decide(facts: Mapping[str, Any], *, now_ns: int | None = None, stall_after_s
     step_text = f"step {last}" if last is not None else "no finished step"
     of_text = f" of {expected - 1}" if expected is not None else ""
     culprit: dict[str, Any] | None = None
+    how = facts.get("failure")
     if finished:
         state = "finished"
         reason = f"every rank ({ranks}) finished its last step ({last}{of_text})"
+    elif facts.get("ended") and not in_flight and not facts.get("lost") and last_progress is not None:
+        # Every rank's process has ended (its marker agent said so) short of the last step, with
+        # nothing in flight: no need to wait out the stall threshold to call it.
+        state = "failed"
+        reason = f"every rank's process ended at {step_text}{of_text}, before its last step, with no call in flight"
+        if how:
+            reason += f"; {how['text']}"
+            culprit = dict(how["culprit"]) if how.get("culprit") else None
     elif last_progress is None and idle < hang_s:
         state, reason = "running", "no step finished yet; waiting for the first data"
     elif idle < stall_s:
@@ -368,6 +441,9 @@ def decide(facts: Mapping[str, Any], *, now_ns: int | None = None, stall_after_s
         state = "failed"
         reason = (f"stopped at {step_text}{of_text} with no call in flight and no progress for "
                   f"{duration_text(idle)}: the job exited or was killed before its last step")
+        if how:
+            reason += f"; {how['text']}"
+            culprit = dict(how["culprit"]) if how.get("culprit") else None
     return {
         "state": state,
         "reason": reason,

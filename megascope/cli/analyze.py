@@ -64,6 +64,9 @@ def _print_report(r: dict[str, Any]) -> None:
     steps = run["steps"]
     click.echo(f"run {run['path']}  ({run['source']}, {ranks_text(run['world_size'])}, {mesh}, "
                f"{steps} step{'' if steps == 1 else 's'})")
+    state = r.get("state") or {}
+    if state.get("state") in ("stalled", "hung", "failed"):
+        click.echo(f"{state['state'].upper()}: {state['reason']}")
     mfu = r["mfu"]
     mfu_text = f"- ({mfu['missing']})" if mfu["mean"] is None and mfu.get("missing") else (
         "-" if mfu["mean"] is None else f"{100 * mfu['mean']:.1f}%")

@@ -42,3 +42,14 @@ SELECT (SELECT count(*) FROM ranks_all) AS ranks,
        (SELECT median(step_ns) FROM ms_cache.rank_step WHERE step_ns IS NOT NULL) AS median_step_ns,
        (SELECT max(r.start_ns + r.extent_ns) FROM ms_cache.rank_step r LEFT JOIN {{cut}} USING (rank)
         WHERE c.cut_ns IS NULL OR r.start_ns + r.extent_ns <= c.cut_ns) AS last_span_end_ns;
+
+-- @statement step_errors
+-- Each rank's first step that ended by an exception ({{prefix}}<class> metrics, written by the
+-- collector as the exception left the step), first in time first.
+-- @column rank      the rank
+-- @column step      the step the exception ended
+-- @column error     the exception's class
+-- @column time_ns   when (the rank's host clock)
+SELECT rank, arg_min(step, time_ns) AS step, arg_min(substr(name, {{skip}}), time_ns) AS error, min(time_ns) AS time_ns
+FROM metrics WHERE starts_with(name, '{{prefix}}')
+GROUP BY rank ORDER BY time_ns, rank;
