@@ -190,11 +190,16 @@ def test_how_a_job_failed_is_read_off_the_exceptions_its_steps_ended_by() -> Non
     # Half the ranks said nothing (stopped from outside before they raised): nobody is named.
     assert failure([err(r, "RuntimeError") for r in range(4)], 8) == {"text": "exceptions: RuntimeError on 4",
                                                                       "culprit": None}
-    # A rank raised what no other did, the others failed after it.
-    bug = failure([err(3, "ValueError", 4)] + [err(r, "RuntimeError", 4) for r in range(8) if r != 3], 8)
+    # A rank raised an exception of its own (a bug), the others failed after it: it, even where the
+    # launcher stopped one of the others before it raised (it reads as quiet).
+    bug = failure([err(3, "ValueError", 4)] + [err(r, "RuntimeError", 4) for r in range(8) if r not in (3, 0)], 8)
     assert bug is not None and bug["culprit"] == {"rank": 3, "step": 4, "where": "raised ValueError in step 4"}
-    # Two ranks of two different classes among many: no one is told apart.
-    assert failure([err(0, "ValueError"), err(1, "OSError")] + [err(r, "RuntimeError") for r in range(2, 8)],
+    # Several ranks out of memory: the first of them.
+    oom = failure([err(6, "OutOfMemoryError"), err(2, "OutOfMemoryError")] + [err(r, "DistBackendError")
+                                                                                 for r in (0, 1, 3, 4, 5, 7)], 8)
+    assert oom is not None and oom["culprit"]["rank"] == 6 and "1 other rank(s) raised their own too" in oom["text"]
+    # Peers' failures of two kinds (a closed connection, a timeout) and nobody quiet: nobody named.
+    assert failure([err(r, "RuntimeError" if r % 2 else "DistBackendError") for r in range(8)],
                    8)["culprit"] is None  # type: ignore[index]
 
 
@@ -212,3 +217,17 @@ def test_a_real_job_whose_rank_was_killed_names_it(tmp_path: Path, cli: object) 
     assert "rank 6 ended with no exception of its own" in state["reason"] and "RuntimeError on 7" in state["reason"]
     text = cli("report", str(path), "--no-whatif")  # type: ignore[operator]
     assert text.exit_code == 0 and "FAILED: every rank's process ended at step 46 of 299" in text.output
+
+
+def test_a_real_torchrun_job_whose_rank_raised_names_it(tmp_path: Path) -> None:
+    """tests/data/cpu-ddp-rank-raised: a DDP job under torchrun (gloo, 4 ranks, the collector as
+    docs/collector.md shows it), rank 2 raising ValueError in step 12. Ranks 1 and 3 failed on the
+    closed connection (RuntimeError); torchrun stopped rank 0 before it raised. Rank 2 is named,
+    not rank 0 (the one that recorded nothing)."""
+    import shutil
+
+    path = shutil.copytree(Path(__file__).parent / "data" / "cpu-ddp-rank-raised", tmp_path / "run")
+    run = open_run(path)
+    state = run_state(run, hang=analysis.localize(run))
+    assert state["state"] == "failed" and state["culprit"] == {"rank": 2, "step": 12,
+                                                              "where": "raised ValueError in step 12"}, state

@@ -20,9 +20,9 @@ The rule, in order:
    stopped (exited, was killed, crashed between calls) before its last step. At once, without
    waiting, where every rank's process has ended (their marker agents say so) with no call in
    flight. Where the ranks' steps ended by exceptions (the collector records each one's class),
-   the reason says how, and names the rank that died without one while the others failed after
-   it, or the one that raised what no other did (:func:`failure`); all interrupts: stopped from
-   outside.
+   the reason says how, and names the first rank that raised an exception of its own (not what
+   a rank raises when a peer goes away), or else the rank that died without one while the others
+   failed after it (:func:`failure`); all interrupts: stopped from outside.
 
 ``hang_after_s`` is the job's collective timeout (``config.collective_timeout_s`` in
 ``run.json``) when known: the time after which the job itself gives up on a call. Otherwise ten
@@ -201,6 +201,11 @@ def _step_facts(con: duckdb.DuckDBPyConnection, cut: Mapping[int, int]) -> dict[
 
 # Exceptions that stop a job from outside (Ctrl-C, a handler's exit), not a fault of the rank.
 INTERRUPTS = frozenset({"KeyboardInterrupt", "SystemExit"})
+# What a rank raises when a peer went away: its connection closed, its call timed out or was
+# aborted (gloo and NCCL raise RuntimeError or torch.distributed's errors). Any other class is the
+# rank's own fault (a bug, its device out of memory).
+PEER_FAILURES = frozenset({"RuntimeError", "DistError", "DistBackendError", "DistNetworkError", "DistStoreError",
+                           "TimeoutError", "ConnectionError", "ConnectionResetError", "BrokenPipeError"})
 
 
 def _step_errors(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
@@ -214,15 +219,16 @@ def _step_errors(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
 
 def failure(errors: list[dict[str, Any]], world_size: int) -> dict[str, Any] | None:
     """How a job that stopped before its last step failed, from the exceptions its ranks' steps
-    ended by (:func:`_step_errors`): ``{text, culprit}`` (``culprit``: ``{rank, step, where}`` or
-    None), or None where no rank recorded one.
+    ended by (:func:`_step_errors`, first in time first): ``{text, culprit}`` (``culprit``:
+    ``{rank, step, where}`` or None), or None where no rank recorded one. In this order:
 
     * every exception an interrupt (Ctrl-C): stopped from outside, no culprit;
-    * a few ranks (one in eight at most, one at least) with none while the others have one: the
-      ranks that failed after a peer died say how (a connection closed, a timeout), and the one
-      that died said nothing (killed by a signal or out of memory, or crashed);
-    * one rank whose exception is of a class none of the others raised: it raised first, the
-      others failed after it.
+    * ranks that raised something other than what a rank raises when a peer goes away (a bug, an
+      out-of-memory error; :data:`PEER_FAILURES`): the first of them, whatever the others did (a
+      launcher may stop the others before they raise);
+    * a few ranks (one in eight at most, one at least) with no exception while the others raised
+      a peer's failure: the one that died said nothing (killed by a signal or out of memory, or
+      crashed), the others failed after it.
     """
     if not errors:
         return None
@@ -232,6 +238,14 @@ def failure(errors: list[dict[str, Any]], world_size: int) -> dict[str, Any] | N
     summary = ", ".join(f"{name} on {len(ranks)}" for name, ranks in sorted(classes.items(), key=lambda c: -len(c[1])))
     if set(classes) <= INTERRUPTS:
         return {"text": f"stopped from outside ({summary})", "culprit": None}
+    own = [e for e in errors if e["error"] not in PEER_FAILURES | INTERRUPTS]
+    if own:
+        first = own[0]
+        also = f" ({len(own) - 1} other rank(s) raised their own too)" if len(own) > 1 else ""
+        return {"text": f"rank {first['rank']} raised {first['error']} in step {first['step']}{also}; the others "
+                        f"failed after it ({summary})",
+                "culprit": {"rank": first["rank"], "step": first["step"],
+                            "where": f"raised {first['error']} in step {first['step']}"}}
     raised = {e["rank"] for e in errors}
     quiet = sorted(set(range(int(world_size))) - raised)
     if quiet and len(quiet) <= max(1, int(world_size) // 8):
@@ -239,13 +253,6 @@ def failure(errors: list[dict[str, Any]], world_size: int) -> dict[str, Any] | N
         return {"text": f"rank {names} ended with no exception of its own (killed by a signal or out of memory, or "
                         f"crashed); the others failed after it ({summary})",
                 "culprit": {"rank": quiet[0], "step": None, "where": "ended with no exception of its own"}}
-    lone = [(name, ranks[0]) for name, ranks in classes.items() if len(ranks) == 1]
-    if len(lone) == 1 and len(classes) == 2 and len(errors) > 2:
-        name, rank = lone[0]
-        step = next(e["step"] for e in errors if e["rank"] == rank)
-        return {"text": f"rank {rank} raised {name} in step {step}, which no other rank did; the others failed "
-                        f"after it ({summary})",
-                "culprit": {"rank": rank, "step": step, "where": f"raised {name} in step {step}"}}
     return {"text": f"exceptions: {summary}", "culprit": None}
 
 

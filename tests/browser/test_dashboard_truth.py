@@ -166,25 +166,42 @@ def test_topology_click_opens_the_timeline_of_that_rank(runs: dict[str, Path], d
         _no_errors(driver, navigated=True)
 
 
+def _real_run(tmp_path: Path, name: str, as_id: str) -> Path:
+    """A copy of tests/data/``name`` served as ``as_id`` (the analyses write their cache beside it)."""
+    import shutil
+
+    return Path(shutil.copytree(Path(__file__).resolve().parents[1] / "data" / name, tmp_path / as_id))
+
+
+def _hung_topology(driver: Any, base: str, run_id: str, culprit: str) -> Any:
+    """The topology page of a hung run once its banner names ``culprit`` and the header reads
+    HUNG and the grid is drawn: the banner's element."""
+    driver.get(f"{base}/run/{run_id}/topology")
+    banner = wait_for_text(driver, "#topology-culprit", culprit)
+    wait_for_text(driver, f"#{ids.RUN_STATE}", "HUNG")
+    wait_for_graph(driver, ids.TOPOLOGY_GRAPH)
+    return banner
+
+
+def _topology_states(driver: Any) -> dict[str, str]:
+    """Rank (as text) -> state of every cell the topology drew."""
+    return dict(driver.execute_script(
+        f"const g = document.querySelector('#{ids.TOPOLOGY_GRAPH} .js-plotly-plot');"
+        "const c = g.data[0].customdata; const out = {};"
+        "c.forEach(row => row.forEach(cell => { if (cell[0] >= 0) out[cell[0]] = cell[3]; })); return out;"))
+
+
 def test_a_real_hang_whose_waiting_ranks_lost_their_trails_shows_the_hung_rank(tmp_path: Path, driver: Any) -> None:
     """tests/data/gpu-hang-lost-trails-tp2pp2 (4x H100, rank 0 hung at step 5; the waiting ranks'
     trails end at step 0): the header, the topology's banner and its suspect table name rank 0,
     the three others are grey ("lost"), and the timeline marks where rank 0 stopped."""
-    import shutil
-
-    run = shutil.copytree(Path(__file__).resolve().parents[1] / "data" / "gpu-hang-lost-trails-tp2pp2", tmp_path / "lost")
+    run = _real_run(tmp_path, "gpu-hang-lost-trails-tp2pp2", "lost")
     app = create_app([run], start_watcher=False)
     with serving(app) as base:
-        driver.get(f"{base}/run/lost/topology")
-        culprit = wait_for_text(driver, "#topology-culprit", "HANG: rank 0")
+        culprit = _hung_topology(driver, base, "lost", "HANG: rank 0")
         assert "stopped outside its calls in step 5" in culprit.text
-        wait_for_text(driver, f"#{ids.RUN_STATE}", "HUNG")
         assert "1, 2, 3" in driver.find_element(By.ID, "topology-lost").text
-        wait_for_graph(driver, ids.TOPOLOGY_GRAPH)
-        states = driver.execute_script(
-            f"const g = document.querySelector('#{ids.TOPOLOGY_GRAPH} .js-plotly-plot');"
-            "const c = g.data[0].customdata; const out = {};"
-            "c.forEach(row => row.forEach(cell => { if (cell[0] >= 0) out[cell[0]] = cell[3]; })); return out;")
+        states = _topology_states(driver)
         assert states == {"0": "hung", "1": "lost", "2": "lost", "3": "lost"}
         rows = driver.find_element(By.ID, "suspect-table").text
         assert "stopped outside its calls" in rows and rows.splitlines()[1].startswith("0 ")
@@ -203,21 +220,12 @@ def test_a_rank_frozen_before_it_wrote_anything_is_drawn_in_its_place(tmp_path: 
     before its first flush): the header read no hang and the grid had a hole where rank 3 goes;
     now the header reads HUNG, the banner names rank 3 as a rank that wrote nothing, and the grid
     draws it at pp1 dp1, a suspect, with the seven others waiting."""
-    import shutil
-
-    run = shutil.copytree(Path(__file__).resolve().parents[1] / "data" / "cpu-pp4-dp2-frozen-before-first-flush",
-                          tmp_path / "frozen")
+    run = _real_run(tmp_path, "cpu-pp4-dp2-frozen-before-first-flush", "frozen")
     app = create_app([run], start_watcher=False)
     with serving(app) as base:
-        driver.get(f"{base}/run/frozen/topology")
-        culprit = wait_for_text(driver, "#topology-culprit", "HANG: rank 3 (it wrote nothing; pp1 dp1 tp0")
+        culprit = _hung_topology(driver, base, "frozen", "HANG: rank 3 (it wrote nothing; pp1 dp1 tp0")
         assert "never entered p2p:3>5" in culprit.text
-        wait_for_text(driver, f"#{ids.RUN_STATE}", "HUNG")
-        wait_for_graph(driver, ids.TOPOLOGY_GRAPH)
-        states = driver.execute_script(
-            f"const g = document.querySelector('#{ids.TOPOLOGY_GRAPH} .js-plotly-plot');"
-            "const c = g.data[0].customdata; const out = {};"
-            "c.forEach(row => row.forEach(cell => { if (cell[0] >= 0) out[cell[0]] = cell[3]; })); return out;")
+        states = _topology_states(driver)
         assert states.pop("3") in ("silent", "hung") and set(states.values()) == {"waiting"} and len(states) == 7
         _no_errors(driver)
 
@@ -227,9 +235,7 @@ def test_a_real_pure_pipeline_heat_map_compares_ranks_with_all_ranks_and_says_so
     compared each rank with itself (a blank map, "none at 1.05x or more") and the topology read
     "8 healthy"; now the map compares with all ranks and says so, rank 3 tops its list, and the
     topology says slow ranks cannot be told."""
-    import shutil
-
-    run = shutil.copytree(Path(__file__).resolve().parents[1] / "data" / "cpu-pp8-slow", tmp_path / "pp8")
+    run = _real_run(tmp_path, "cpu-pp8-slow", "pp8")
     app = create_app([run], start_watcher=False)
     with serving(app) as base:
         driver.get(f"{base}/run/pp8/heatmap")
