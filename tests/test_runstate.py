@@ -217,6 +217,9 @@ def test_a_real_job_whose_rank_was_killed_names_it(tmp_path: Path, cli: object) 
     assert "rank 6 ended with no exception of its own" in state["reason"] and "RuntimeError on 7" in state["reason"]
     text = cli("report", str(path), "--no-whatif")  # type: ignore[operator]
     assert text.exit_code == 0 and "FAILED: every rank's process ended at step 46 of 299" in text.output
+    where = cli("localize", str(path))  # type: ignore[operator]
+    assert where.exit_code == 0 and where.output.startswith("not hung: ")
+    assert "FAILED: " in where.output and "rank 6 ended with no exception of its own" in where.output
 
 
 def test_a_real_torchrun_job_whose_rank_raised_names_it(tmp_path: Path) -> None:

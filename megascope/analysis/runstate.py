@@ -250,8 +250,8 @@ def failure(errors: list[dict[str, Any]], world_size: int) -> dict[str, Any] | N
     quiet = sorted(set(range(int(world_size))) - raised)
     if quiet and len(quiet) <= max(1, int(world_size) // 8):
         names = ", ".join(map(str, quiet))
-        return {"text": f"rank {names} ended with no exception of its own (killed by a signal or out of memory, or "
-                        f"crashed); the others failed after it ({summary})",
+        return {"text": f"rank {names} ended with no exception of its own (killed by a signal or out of memory, crashed, or "
+                        f"exited); the others failed after it ({summary})",
                 "culprit": {"rank": quiet[0], "step": None, "where": "ended with no exception of its own"}}
     return {"text": f"exceptions: {summary}", "culprit": None}
 

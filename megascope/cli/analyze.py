@@ -328,7 +328,8 @@ def localize(run_dir: Path, as_json: bool) -> None:
 
     run = _open(run_dir)
     echo_problems(run.problems)
-    result = jsonable(find_hang(run))
+    found = find_hang(run)
+    result = jsonable(found)
     if as_json:
         echo_json(result)
         return
@@ -341,6 +342,11 @@ def localize(run_dir: Path, as_json: bool) -> None:
                    else "not hung: every collective that was entered also completed")
         if fr:
             click.echo(_fr_line(fr))
+        from megascope.analysis.runstate import run_state
+
+        state = run_state(run, hang=found)
+        if state["state"] in ("stalled", "failed"):  # where it stopped, if not in a call
+            click.echo(f"{state['state'].upper()}: {state['reason']}")
         return
     waited = f", the first for {result['waited_s']:.0f} s" if result.get("waited_s") is not None else ""
     groups = result["stuck_group_count"]
