@@ -125,9 +125,11 @@ def rank_states(served: ServedRun) -> pd.DataFrame:
     """``rank, host, pp, dp, tp, state`` (analysis.rank_states, reusing the cached stragglers and hang).
 
     Waiting, silent and hung ranks are marked only while the run state is hung (calls in flight
-    of a running job are not a hang).
+    of a running job are not a hang); in a failed run, the rank its state names is ``failed``.
     """
     slow, shown = stragglers(served), hang(served)
+    state = run_state(served)
+    failed = state["culprit"] if state["state"] == "failed" and state.get("culprit") else None
 
     def compute(run: Run) -> pd.DataFrame:
         states = _analysis().rank_states(run, stragglers_frame=slow, hang=shown)
@@ -135,9 +137,12 @@ def rank_states(served: ServedRun) -> pd.DataFrame:
             # The culprit is drawn as the culprit, even where it also went silent (it stopped).
             culprit = int(shown["suspects"][0]["rank"])
             states.loc[states["rank"] == culprit, "state"] = "hung"
+        if failed is not None:  # the rank a failed run's state names (it died, left or raised first)
+            states.loc[states["rank"] == int(failed["rank"]), "state"] = "failed"
         return states
 
-    return served.result(("rank_states", bool(shown["hung"])), compute)
+    key = ("rank_states", bool(shown["hung"]), None if failed is None else int(failed["rank"]))
+    return served.result(key, compute)
 
 
 def skew_drift(served: ServedRun) -> dict[str, Any]:

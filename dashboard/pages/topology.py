@@ -73,8 +73,10 @@ def register(app: Dash, registry: RunRegistry) -> None:
         states = data.rank_states(served)
         hang = data.hang(served)
         suspects = list(hang.get("suspects") or []) if hang.get("hung") else []
-        figure = data.figure(served, ("topology", bool(hang.get("hung"))),
-                             lambda: topology_figure(states, suspects=suspects[:3]))
+        state = data.run_state(served)
+        ringed = suspects[:3] or ([state["culprit"]] if state["state"] == "failed" and state.get("culprit") else [])
+        figure = data.figure(served, ("topology", bool(hang.get("hung")), tuple(int(s["rank"]) for s in ringed)),
+                             lambda: topology_figure(states, suspects=ringed))
         suspect_table = None
         if suspects:
             frame = pd.DataFrame([suspect_row(s) for s in suspects])

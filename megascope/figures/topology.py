@@ -28,8 +28,9 @@ from megascope.topology import coords_of, format_coords
 # Order = colour index. Culprits (hung, silent) in the strongest colours; their victims (waiting)
 # pale, so that during a hang the one red cell stands out among hundreds of waiting ones. A rank
 # whose trail was lost (its data ends before calls its peers completed with it) is grey: where
-# it is cannot be read.
-STATES = ("healthy", "slow", "waiting", "lost", "silent", "hung")
+# it is cannot be read. In a failed run (no hang: the job ended short of its last step) the rank
+# its run state names (it died, left or raised first) is near black.
+STATES = ("healthy", "slow", "waiting", "lost", "silent", "hung", "failed")
 STATE_COLOURS = {
     "healthy": "#59a14f",
     "slow": "#f28e2b",
@@ -37,6 +38,7 @@ STATE_COLOURS = {
     "lost": "#9e9e9e",
     "silent": "#6b2d8f",
     "hung": "#d62728",
+    "failed": "#2b2b2b",
 }
 _MISSING_COLOUR = "#e8e8e8"
 # Past this many data-parallel rows a stage's block is folded into several column groups.
@@ -151,11 +153,13 @@ def topology_figure(states: pd.DataFrame, *, suspects: Sequence[dict[str, Any]] 
         ringed = [s for s in suspects if int(s["rank"]) in by_rank.index]
         if ringed:
             cells = by_rank.loc[[int(s["rank"]) for s in ringed]]
+            # Dark ink; red on the near-black cell of a failed run's rank (and in the legend).
+            ink = ["#ff6b6b" if state == "failed" else "#111" for state in cells["state"]]
             fig.add_trace(go.Scatter(
                 x=cells["x"], y=cells["y"], mode="markers+text", name="suspect",
                 text=[f"rank {int(s['rank'])}" for s in ringed], textposition="top center",
-                textfont={"color": "#111", "size": 13},
-                marker={"symbol": "circle-open", "size": 22, "color": "#111", "line": {"width": 3}},
+                textfont={"color": ink, "size": 13},
+                marker={"symbol": "circle-open", "size": 22, "color": ink, "line": {"width": 3}},
                 hoverinfo="skip",
             ))
     # Stages across the top; each column's place within its stage (tp, or cp and tp, ...) along

@@ -230,6 +230,28 @@ def test_a_rank_frozen_before_it_wrote_anything_is_drawn_in_its_place(tmp_path: 
         _no_errors(driver)
 
 
+def test_a_real_job_whose_rank_was_killed_shows_that_rank_failed(tmp_path: Path, driver: Any) -> None:
+    """tests/data/cpu-2x2x2-rank-killed (gloo, rank 6 killed with SIGKILL at step 46; the others
+    failed on the closed connection): the header reads FAILED, the banner names rank 6, and the
+    grid draws it as the failed rank, ringed, among seven healthy ones (before: eight green cells
+    and a reason that named nobody)."""
+    run = _real_run(tmp_path, "cpu-2x2x2-rank-killed", "killed")
+    app = create_app([run], start_watcher=False)
+    with serving(app) as base:
+        driver.get(f"{base}/run/killed/topology")
+        banner = wait_for_text(driver, "#topology-state", "FAILED: ")
+        assert "rank 6 ended with no exception of its own" in banner.text
+        wait_for_text(driver, f"#{ids.RUN_STATE}", "FAILED")
+        wait_for_graph(driver, ids.TOPOLOGY_GRAPH)
+        states = _topology_states(driver)
+        assert states.pop("6") == "failed" and set(states.values()) == {"healthy"} and len(states) == 7
+        rings = driver.execute_script(
+            f"return document.querySelector('#{ids.TOPOLOGY_GRAPH} .js-plotly-plot').data"
+            ".filter(t => t.name === 'suspect').map(t => t.text)")
+        assert rings == [["rank 6"]]
+        _no_errors(driver)
+
+
 def test_a_real_pure_pipeline_heat_map_compares_ranks_with_all_ranks_and_says_so(tmp_path: Path, driver: Any) -> None:
     """tests/data/cpu-pp8-slow (gloo, pp8, rank 3 1.18x slow): no stage has two ranks. The heat-map
     compared each rank with itself (a blank map, "none at 1.05x or more") and the topology read
