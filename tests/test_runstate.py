@@ -198,6 +198,12 @@ def test_how_a_job_failed_is_read_off_the_exceptions_its_steps_ended_by() -> Non
     oom = failure([err(6, "OutOfMemoryError"), err(2, "OutOfMemoryError")] + [err(r, "DistBackendError")
                                                                                  for r in (0, 1, 3, 4, 5, 7)], 8)
     assert oom is not None and oom["culprit"]["rank"] == 6 and "1 other rank(s) raised their own too" in oom["text"]
+    # Two ranks said nothing (the launcher stopped one before it raised): the one whose process
+    # ended before the others failed, not later.
+    two = [err(r, "RuntimeError") for r in (0, 2)]
+    ends = {3: 10**18 + 300_000, 1: 10**18 + 85_000_000}
+    assert failure(two, 4, ends)["culprit"]["rank"] == 3  # type: ignore[index]
+    assert failure(two, 4, {3: 10**18 + 60_000_000, 1: 10**18 + 85_000_000})["culprit"] is None  # type: ignore[index]
     # Peers' failures of two kinds (a closed connection, a timeout) and nobody quiet: nobody named.
     assert failure([err(r, "RuntimeError" if r % 2 else "DistBackendError") for r in range(8)],
                    8)["culprit"] is None  # type: ignore[index]
@@ -234,3 +240,16 @@ def test_a_real_torchrun_job_whose_rank_raised_names_it(tmp_path: Path) -> None:
     state = run_state(run, hang=analysis.localize(run))
     assert state["state"] == "failed" and state["culprit"] == {"rank": 2, "step": 12,
                                                               "where": "raised ValueError in step 12"}, state
+
+
+def test_a_real_torchrun_job_whose_rank_was_killed_at_its_first_step_names_it(tmp_path: Path) -> None:
+    """tests/data/cpu-ddp-rank-killed-at-start: a DDP job under torchrun (gloo, 4 ranks), rank 3
+    killing itself with SIGKILL in step 0. Ranks 0 and 2 failed on the closed connection; torchrun
+    stopped rank 1 before it raised. Two ranks said nothing: rank 3's process ended with the first
+    exception, rank 1's 85 ms later."""
+    import shutil
+
+    path = shutil.copytree(Path(__file__).parent / "data" / "cpu-ddp-rank-killed-at-start", tmp_path / "run")
+    run = open_run(path)
+    state = run_state(run, hang=analysis.localize(run))
+    assert state["state"] == "failed" and state["culprit"]["rank"] == 3, state

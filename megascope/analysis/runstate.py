@@ -217,7 +217,14 @@ def _step_errors(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
             for r, s, e, t in zip(frame["rank"], frame["step"], frame["error"], frame["time_ns"], strict=True)]
 
 
-def failure(errors: list[dict[str, Any]], world_size: int) -> dict[str, Any] | None:
+# A rank's process that ended no later than this after the first exception any rank raised
+# ended before the others failed (its marker agent writes its end a moment after the fact; a
+# launcher stops the others later than this).
+FIRST_END_NS = 20_000_000
+
+
+def failure(errors: list[dict[str, Any]], world_size: int,
+            ended_ns: Mapping[int, int] | None = None) -> dict[str, Any] | None:
     """How a job that stopped before its last step failed, from the exceptions its ranks' steps
     ended by (:func:`_step_errors`, first in time first): ``{text, culprit}`` (``culprit``:
     ``{rank, step, where}`` or None), or None where no rank recorded one. In this order:
@@ -226,9 +233,12 @@ def failure(errors: list[dict[str, Any]], world_size: int) -> dict[str, Any] | N
     * ranks that raised something other than what a rank raises when a peer goes away (a bug, an
       out-of-memory error; :data:`PEER_FAILURES`): the first of them, whatever the others did (a
       launcher may stop the others before they raise);
+    * of the ranks with no exception, the one whose process ended (``ended_ns``: rank -> when its
+      marker agent saw it end) before the others failed (:data:`FIRST_END_NS`), where one did: a
+      launcher may stop other ranks before they raise, but after;
     * a few ranks (one in eight at most, one at least) with no exception while the others raised
-      a peer's failure: the one that died said nothing (killed by a signal or out of memory, or
-      crashed), the others failed after it.
+      a peer's failure: the one that died said nothing (killed by a signal or out of memory,
+      crashed, exited, or stuck until stopped), the others failed after it.
     """
     if not errors:
         return None
@@ -248,10 +258,15 @@ def failure(errors: list[dict[str, Any]], world_size: int) -> dict[str, Any] | N
                             "where": f"raised {first['error']} in step {first['step']}"}}
     raised = {e["rank"] for e in errors}
     quiet = sorted(set(range(int(world_size))) - raised)
-    if quiet and len(quiet) <= max(1, int(world_size) // 8):
+    first_error = min(e["time_ns"] for e in errors)
+    early = [r for r in quiet if (ended_ns or {}).get(r) is not None
+             and int((ended_ns or {})[r]) <= first_error + FIRST_END_NS]
+    if len(early) == 1:
+        quiet = early
+    if quiet and (len(early) == 1 or len(quiet) <= max(1, int(world_size) // 8)):
         names = ", ".join(map(str, quiet))
-        return {"text": f"rank {names} ended with no exception of its own (killed by a signal or out of memory, crashed, or "
-                        f"exited); the others failed after it ({summary})",
+        return {"text": f"rank {names} ended with no exception of its own (killed by a signal or out of memory, crashed, exited, "
+                        f"or stuck until stopped); the others failed after it ({summary})",
                 "culprit": {"rank": quiet[0], "step": None, "where": "ended with no exception of its own"}}
     return {"text": f"exceptions: {summary}", "culprit": None}
 
@@ -315,6 +330,11 @@ def run_facts(run: Run, *, hang: Mapping[str, Any] | None = None) -> dict[str, A
         # a live run's refreshes do not scan its metrics for them.
         ended = hang is None or bool(hang.get("ended"))
         errors = _step_errors(con) if ended and run.files.get("metrics") else []
+        ends: dict[int, int] = {}
+        if errors:  # when each rank's process ended, as its marker agent saw it
+            alive = _sql.query_df(con, "hang", "process_alive")
+            ends = {int(r): int(t) for r, t, done in zip(alive["rank"], alive["alive_until_ns"], alive["ended"],
+                                                         strict=True) if bool(done)}
     finally:
         con.close()
     config = run.meta.config or {}
@@ -329,7 +349,7 @@ def run_facts(run: Run, *, hang: Mapping[str, Any] | None = None) -> dict[str, A
         # they wait cannot be read, so their calls in flight are not counted but they are not none.
         lost=len((hang or {}).get("lost") or []) if (hang or {}).get("hung") else 0,
         expected_steps=_expected_steps(config),
-        failure=failure(errors, run.meta.world_size),
+        failure=failure(errors, run.meta.world_size, ends),
         # Every rank's process has ended, as their marker agents said (localize); None unknown.
         ended=None if hang is None else bool(hang.get("ended")),
         collective_timeout_s=_config_float(config, "collective_timeout_s"),
