@@ -445,9 +445,38 @@ class Collector:
             return NOOP
         if not self._device_checked:
             self._check_device()
+            self._note_collective_timeout()
             if self._interception is not None:
                 self._interception.install_late()
         return StepContext(self, int(step), Stream.HOST.value)
+
+    def _note_collective_timeout(self) -> None:
+        """Once, at the first step, on rank 0: the job's process-group timeout into run.json
+        (``config.collective_timeout_s``) where the job did not say it. It is when the job itself
+        gives up on a call, the run state's hang threshold; without it a job that hangs in its
+        first steps has no healthy step to measure one by."""
+        if self.rank != 0 or not self.enabled or (self._meta.config or {}).get("collective_timeout_s") is not None:
+            return
+        try:
+            import torch
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                return
+            group = dist.distributed_c10d._get_default_group()
+            for device in (self.device, torch.device("cpu")):
+                try:
+                    timeout = group._get_backend(device).options._timeout  # private: torch 2.x
+                except Exception:
+                    continue
+                seconds = float(timeout.total_seconds())
+                if seconds > 0:
+                    config = {**(self._meta.config or {}), "collective_timeout_s": seconds}
+                    self._meta = dataclasses.replace(self._meta, config=config)
+                    self._writer.set_run_meta(self._meta)
+                return
+        except Exception:
+            log.debug("megascope: the process group's timeout is unknown", exc_info=True)
 
     def _check_device(self) -> None:
         """Once, at the first step: the job's CUDA device is the one the spans are stamped on, and a

@@ -179,6 +179,34 @@ def test_a_step_ended_by_an_exception_records_its_class(tmp_path: Path) -> None:
     assert rows == [(1, "step_error:ConnectionError", 1.0)]
 
 
+def test_the_process_groups_timeout_goes_into_run_json_at_the_first_step(tmp_path: Path) -> None:
+    """A user's job does not say its collective timeout; its process group knows it. Rank 0 writes
+    it into run.json at the first step (the run state's hang threshold), unless the job said it."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already set up in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=17))
+    try:
+        col = _collector(tmp_path / "run")
+        with col.step(0):
+            pass
+        col.close()
+        told = Collector(CollectorConfig(run_dir=tmp_path / "told", device=torch.device("cpu"), handle_sigterm=False),
+                         rank=0, world_size=1, meta=RunMeta(run_id="t2", source="collector", world_size=1,
+                                                            config={"collective_timeout_s": 40.0}))
+        with told.step(0):
+            pass
+        told.close()
+    finally:
+        dist.destroy_process_group()
+    assert open_run(tmp_path / "run").meta.config["collective_timeout_s"] == 17.0
+    assert open_run(tmp_path / "told").meta.config["collective_timeout_s"] == 40.0
+
+
 def test_a_paused_collector_records_nothing_until_resumed(tmp_path: Path) -> None:
     """Paused: steps, spans, calls and metrics are no-ops, but what began before the pause is
     recorded when it ends, and close() while paused still writes everything."""

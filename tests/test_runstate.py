@@ -253,3 +253,22 @@ def test_a_real_torchrun_job_whose_rank_was_killed_at_its_first_step_names_it(tm
     run = open_run(path)
     state = run_state(run, hang=analysis.localize(run))
     assert state["state"] == "failed" and state["culprit"]["rank"] == 3, state
+
+
+def test_a_real_torchrun_job_whose_rank_hung_at_its_first_step_reads_hung(tmp_path: Path) -> None:
+    """tests/data/cpu-ddp-rank-hung-at-start: a DDP job under torchrun (gloo, 4 ranks, a 15 s
+    process-group timeout), rank 1 stuck before its first all-reduce; the others timed out, then
+    torchrun stopped every rank. The collector wrote the group's timeout into run.json (the job
+    did not say it), so the 15 s waits count as a hang; before, with the one (hung) step as the
+    median step, they read as shorter than the threshold and the run as failed. Every process has
+    ended with the calls stuck: hung at once, rank 1 the culprit."""
+    import shutil
+
+    path = shutil.copytree(Path(__file__).parent / "data" / "cpu-ddp-rank-hung-at-start", tmp_path / "run")
+    run = open_run(path)
+    assert run.meta.config["collective_timeout_s"] == 15.0
+    found = analysis.localize(run)
+    assert found["hung"] is True and [s["rank"] for s in found["suspects"]] == [1]
+    state = run_state(run, hang=found)
+    assert state["state"] == "hung" and state["culprit"]["rank"] == 1, state
+    assert state["reason"].startswith("every rank's process ended at step 0 with 3 call(s) never completed; rank 1 ")

@@ -19,7 +19,7 @@ The rule, in order:
 5. **failed**: no progress for ``hang_after_s``, not finished, and no call in flight: the job
    stopped (exited, was killed, crashed between calls) before its last step. At once, without
    waiting, where every rank's process has ended (their marker agents say so) with no call in
-   flight. Where the ranks' steps ended by exceptions (the collector records each one's class),
+   flight (hung at once where it ended with calls stuck). Where the ranks' steps ended by exceptions (the collector records each one's class),
    the reason says how, and names the first rank that raised an exception of its own (not what
    a rank raises when a peer goes away), or else the rank that died without one while the others
    failed after it (:func:`failure`); all interrupts: stopped from outside.
@@ -398,6 +398,17 @@ def run_state(run: Run, *, now_ns: int | None = None, stall_after_s: float | Non
                   hang_after_s=hang_after_s, last_write_ns=last_write_ns)
 
 
+def _hang_words(facts: Mapping[str, Any], in_flight: int) -> tuple[dict[str, Any] | None, str]:
+    """A hung run's culprit (its first suspect) and what is stuck, in words ending with the
+    culprit's: "3 call(s) never completed; rank 1 never entered dp:0 seq 0"."""
+    suspects = list(facts.get("suspects") or [])
+    culprit = dict(suspects[0]) if suspects else None
+    who = f"; rank {culprit['rank']} {culprit['where']}" if culprit else ""
+    calls = (f"{in_flight} call(s) never completed" if in_flight
+             else f"the trails of {facts['lost']} rank(s) lost where they waited")
+    return culprit, calls + who
+
+
 def decide(facts: Mapping[str, Any], *, now_ns: int | None = None, stall_after_s: float | None = None,
            hang_after_s: float | None = None, last_write_ns: int | None = None) -> dict[str, Any]:
     """:func:`run_state` from :func:`run_facts`: cheap, so a live reader calls it on every look
@@ -445,6 +456,12 @@ def decide(facts: Mapping[str, Any], *, now_ns: int | None = None, stall_after_s
         if how:
             reason += f"; {how['text']}"
             culprit = dict(how["culprit"]) if how.get("culprit") else None
+    elif facts.get("ended") and (in_flight or facts.get("lost")):
+        # Every rank's process has ended with calls stuck (localize counts only calls waited in
+        # for its threshold before the end): the job hung, then was stopped.
+        state = "hung"
+        culprit, calls = _hang_words(facts, in_flight)
+        reason = f"every rank's process ended at {step_text}{of_text} with {calls}"
     elif last_progress is None and idle < hang_s:
         state, reason = "running", "no step finished yet; waiting for the first data"
     elif idle < stall_s:
@@ -457,13 +474,8 @@ def decide(facts: Mapping[str, Any], *, now_ns: int | None = None, stall_after_s
                   f"{duration_text(hang_s)}, {source}){waiting}")
     elif in_flight or facts.get("lost"):
         state = "hung"
-        suspects = list(facts.get("suspects") or [])
-        culprit = dict(suspects[0]) if suspects else None
-        who = f"; rank {culprit['rank']} {culprit['where']}" if culprit else ""
-        calls = (f"{in_flight} call(s) never completed" if in_flight
-                 else f"the trails of {facts['lost']} rank(s) lost where they waited")
-        reason = (f"no progress on any rank for {duration_text(idle)} (>= {duration_text(hang_s)}, {source}) with "
-                  f"{calls}{who}")
+        culprit, calls = _hang_words(facts, in_flight)
+        reason = f"no progress on any rank for {duration_text(idle)} (>= {duration_text(hang_s)}, {source}) with {calls}"
     else:
         state = "failed"
         reason = (f"stopped at {step_text}{of_text} with no call in flight and no progress for "
