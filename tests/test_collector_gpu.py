@@ -168,6 +168,17 @@ def test_nccl_collectives_record_arrival_on_the_stream(tmp_path: Path, nccl_worl
 
 
 @needs_cuda
+def test_the_nccl_groups_timeout_goes_into_run_json(tmp_path: Path, nccl_world: None) -> None:
+    """The one-rank NCCL group's timeout (60 s, the fixture's) is the run's collective timeout."""
+    run = tmp_path / "run"
+    col = _collector(run)
+    with col.step(0):
+        pass
+    col.close()
+    assert open_run(run).meta.config["collective_timeout_s"] == 60.0
+
+
+@needs_cuda
 @pytest.mark.parametrize("record_calls", ["driver", "torch"])
 def test_a_call_issued_on_a_stream_of_its_own_is_labelled_with_it(tmp_path: Path, nccl_world: None,
                                                                    record_calls: str) -> None:
