@@ -259,14 +259,14 @@ def failure(errors: list[dict[str, Any]], world_size: int,
     raised = {e["rank"] for e in errors}
     quiet = sorted(set(range(int(world_size))) - raised)
     first_error = min(e["time_ns"] for e in errors)
-    early = [r for r in quiet if (ended_ns or {}).get(r) is not None
-             and int((ended_ns or {})[r]) <= first_error + FIRST_END_NS]
+    ends = ended_ns or {}
+    early = [r for r in quiet if r in ends and int(ends[r]) <= first_error + FIRST_END_NS]
     if len(early) == 1:
         quiet = early
     if quiet and (len(early) == 1 or len(quiet) <= max(1, int(world_size) // 8)):
-        names = ", ".join(map(str, quiet))
-        return {"text": f"rank {names} ended with no exception of its own (killed by a signal or out of memory, crashed, exited, "
-                        f"or stuck until stopped); the others failed after it ({summary})",
+        who = f"rank {quiet[0]}" if len(quiet) == 1 else "ranks " + ", ".join(map(str, quiet))
+        return {"text": f"{who} ended with no exception of its own (killed by a signal or out of memory, crashed, "
+                        f"exited, or stuck until stopped); the others failed after it ({summary})",
                 "culprit": {"rank": quiet[0], "step": None, "where": "ended with no exception of its own"}}
     return {"text": f"exceptions: {summary}", "culprit": None}
 
