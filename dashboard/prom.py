@@ -67,11 +67,15 @@ class RunsCollector(Collector):
                                      "Seconds since spans, markers or metrics were last written", labels=labels)
         culprit = GaugeMetricFamily("megascope_hang_culprit", "1 for the rank the hang analysis names, while hung",
                                     labels=["run", "rank", "host", "pp", "dp", "tp", "group"])
+        failed_rank = GaugeMetricFamily("megascope_failed_rank",
+                                        "1 for the rank a failed run's state names (it raised first, or ended "
+                                        "without a word while the others failed after it)",
+                                        labels=["run", "rank", "where"])
         worst_rank = GaugeMetricFamily("megascope_straggler_worst",
                                        "Slowdown of the worst straggler, labelled with its place and cause",
                                        labels=["run", "rank", "host", "pp", "dp", "tp", "cause"])
         families = [up, last_step, mfu, mfu_mean, step_time, tokens, stragglers, worst, hung, state_family,
-                    data_age, culprit, worst_rank]
+                    data_age, culprit, failed_rank, worst_rank]
         for served in self.registry:
             label = [served.id]
             if served.run is None:
@@ -104,6 +108,8 @@ class RunsCollector(Collector):
             if state.get("last_data_age_s") is not None:
                 data_age.add_metric(label, float(state["last_data_age_s"]))
             suspect = state.get("culprit")
+            if state["state"] == "failed" and suspect:
+                failed_rank.add_metric([served.id, str(suspect["rank"]), str(suspect.get("where") or "")], 1.0)
             if state["hung"] and suspect:
                 coords = suspect.get("coords") or {}
                 culprit.add_metric([served.id, str(suspect["rank"]), str(suspect.get("host", "")),

@@ -738,3 +738,17 @@ def test_the_watcher_follows_a_run_that_writes(tmp_path: Path) -> None:
         assert 1 in served.live_steps()["step"].tolist()
     finally:
         registry.stop()
+
+
+def test_metrics_name_the_rank_a_failed_run_lost(tmp_path: Path) -> None:
+    """tests/data/cpu-2x2x2-rank-killed: rank 6 killed with SIGKILL; /metrics says the run failed
+    and which rank its state names."""
+    import shutil
+
+    run = shutil.copytree(Path(__file__).parent / "data" / "cpu-2x2x2-rank-killed", tmp_path / "killed")
+    app = create_app([run], start_watcher=False)
+    text = app.server.test_client().get("/metrics").get_data(as_text=True)
+    assert re.search(r'^megascope_run_state\{run="killed",state="failed"\} 1\.0$', text, re.M)
+    failed = _samples(text, "megascope_failed_rank")
+    assert [(f["run"], f["rank"], f["where"]) for f in failed] == [("killed", "6", "ended with no exception of its own")]
+    assert _samples(text, "megascope_hang_culprit") == []
