@@ -526,7 +526,8 @@ def rank_states(run: Run, *, stragglers_frame: pd.DataFrame | None = None,
     ``hung`` marks the hang's root suspects, ``silent`` ranks with no sign of life near the end
     (a silent root is ``silent``), ``lost`` ranks whose trail ends before calls their peers
     completed with them (silent or not: their data stopped, not they), ``waiting`` ranks stuck
-    inside a call, ``slow`` stragglers.
+    inside a call, ``slow`` stragglers. A suspect that wrote nothing (no ranks row) gets a row at
+    the place its peers' groups give it (:func:`inferred_place`).
     Pass already computed ``stragglers_frame`` / ``hang`` to skip recomputing them.
     """
     run = run.with_cursor()
