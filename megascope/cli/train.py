@@ -137,9 +137,9 @@ def train(nproc: int | None, tp: int, pp: int, dp: int | None, steps: int, seed:
         if result.collector_on is not None:
             record.update(collector_on=result.collector_on, ab_flush_seconds=result.ab_flush_seconds)
         result_json.write_text(json.dumps(record) + "\n")
-    from megascope.topology import ranks_text
-
     if int(os.environ.get("RANK", "0")) == 0:
+        from megascope.topology import ranks_text
+
         click.echo(f"{out}: {steps} steps on {ranks_text(world)} (pp={cfg.pp} dp={cfg.dp} tp={cfg.tp}), "
                    f"loss {result.losses[0]:.4f} -> {result.losses[-1]:.4f}")
     # Under torchrun each rank runs this command and the others may still be flushing: only the
