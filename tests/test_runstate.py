@@ -95,6 +95,13 @@ def test_a_live_run_is_running_then_failed_when_it_stops_between_calls(runs: dic
     unknown = {**facts, "expected_steps": None}
     assert decide(unknown, now_ns=last + S)["state"] == "running"
     assert decide(unknown, now_ns=last + 3600 * S)["state"] == "finished"
+    # Every rank's process has ended (their marker agents said so): said at once, not after the
+    # stall time; finished without a step count (every rank at the same step), failed short of it.
+    assert decide({**unknown, "ended": True}, now_ns=last + S)["state"] == "finished"
+    ended = decide({**facts, "ended": True}, now_ns=last + S)
+    assert ended["state"] == "failed" and ended["reason"].startswith("every rank's process ended at step 2 of 7")
+    # Ended with calls stuck: hung at once.
+    assert decide({**facts, "ended": True, "in_flight": 3}, now_ns=last + S)["state"] == "hung"
 
 
 def test_a_reader_that_saw_new_data_bounds_the_idle_time(runs: dict[str, Path]) -> None:
