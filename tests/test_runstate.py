@@ -279,3 +279,17 @@ def test_a_real_torchrun_job_whose_rank_hung_at_its_first_step_reads_hung(tmp_pa
     state = run_state(run, hang=found)
     assert state["state"] == "hung" and state["culprit"]["rank"] == 1, state
     assert state["reason"].startswith("every rank's process ended at step 0 with 3 call(s) never completed; rank 1 ")
+
+
+def test_a_real_torchrun_job_whose_rank_left_its_loop_failed(tmp_path: Path) -> None:
+    """tests/data/cpu-ddp-rank-left-its-loop: a DDP job under torchrun (gloo, 4 ranks, no step
+    count in run.json), rank 2 leaving its loop with ``break`` in step 12: its step ended cleanly,
+    the others' by the closed connection. Every rank reached step 12, so without a step count the
+    run could read finished; a step ended by an exception says it did not: failed, rank 2."""
+    import shutil
+
+    path = shutil.copytree(Path(__file__).parent / "data" / "cpu-ddp-rank-left-its-loop", tmp_path / "run")
+    run = open_run(path)
+    assert run.meta.config.get("steps") is None
+    state = run_state(run, hang=analysis.localize(run))
+    assert state["state"] == "failed" and state["culprit"]["rank"] == 2, state

@@ -439,8 +439,10 @@ def decide(facts: Mapping[str, Any], *, now_ns: int | None = None, stall_after_s
         finished = everyone_done and last == expected - 1
     else:
         # Without a step count, a live job is not finished until it goes quiet with nothing in
-        # flight, or until every rank's process has ended (their marker agents say so).
-        finished = everyone_done and in_flight == 0 and (idle >= stall_s or bool(facts.get("ended")))
+        # flight, or until every rank's process has ended (their marker agents say so); nor where
+        # a rank's step ended by an exception (a rank that left its loop early ended its step).
+        finished = (everyone_done and in_flight == 0 and (idle >= stall_s or bool(facts.get("ended")))
+                    and not facts.get("failure"))
 
     step_text = f"step {last}" if last is not None else "no finished step"
     of_text = f" of {expected - 1}" if expected is not None else ""
