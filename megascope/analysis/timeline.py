@@ -20,6 +20,7 @@ import pandas as pd
 
 from megascope.analysis import _sql
 from megascope.analysis.base import has_step_spans, prepare
+from megascope.analysis.stragglers import told
 from megascope.errors import ConfigError
 from megascope.schema import RunMeta
 from megascope.store import Run
@@ -78,7 +79,7 @@ def heatmap(run: Run, *, phase: str = "step", max_ranks: int | None = None,
         gaps = "ms_cache.host_gaps"
     return _sql.query_df(
         con, "timeline", "heat_cells", value=_sql.Raw(PHASES[phase]), gaps=_sql.Raw(gaps),
-        has_step_spans=has_step_spans(con),
+        has_step_spans=has_step_spans(con), all_ranks=not told(run),
         rank_per_bin=rank_per_bin, step_per_bin=step_per_bin,
         rank_bins=max_ranks or 0, step_bins=max_steps or 0,
     )

@@ -14,8 +14,9 @@ ORDER BY rank, step;
 -- Heat-map cells of one phase ({{value}}, over rank_step and {{gaps}}: host_gaps or an empty
 -- stand-in): value per (rank, step), normalised by the median of the
 -- rank's peers (same pipeline stage) in that step, binned to at most {{rank_bins}} x {{step_bins}}.
--- Where no stage has two ranks (a pure pipeline) a rank has no peer and would read 1.0 everywhere:
--- there the median of every rank in the step is taken, and ``peers`` says so.
+-- Where no stage has two ranks ({{all_ranks}}: a pure pipeline, stragglers.told) a rank has no peer
+-- and would read 1.0 everywhere: there the median of every rank in the step is taken, and
+-- ``peers`` says so.
 -- A bin shows its worst cell (largest norm): a 0.5% slow machine must survive downsampling.
 -- @column rank_bin, step_bin  bin indices (equal to rank and step position when not binned)
 -- @column rank, step          the worst cell's rank and step
@@ -24,10 +25,8 @@ ORDER BY rank, step;
 --                             thousandth of the peers' median step)
 -- @column host, coords, pp, dp, tp  the cell's rank's host and coordinates (every axis; the three read by name)
 -- @column peers               'stage' (the rank's pipeline stage) or 'all' (every rank: no stage has two)
-WITH lone AS (
-    SELECT coalesce(max(n), 0) < 2 AS all_ranks FROM (SELECT count(*) AS n FROM ms_cache.rank_info GROUP BY stage)
-), v AS (
-    SELECT rank, step, CASE WHEN (SELECT all_ranks FROM lone) THEN 0 ELSE stage END AS stage,
+WITH v AS (
+    SELECT rank, step, CASE WHEN {{all_ranks}} THEN 0 ELSE stage END AS stage,
            {{value}} AS value_ns, coalesce(step_ns, extent_ns) AS step_ns
     FROM ms_cache.rank_step LEFT JOIN {{gaps}} USING (rank, step)
     WHERE step_ns IS NOT NULL OR NOT {{has_step_spans}}
@@ -54,7 +53,7 @@ WITH lone AS (
 )
 SELECT b.rank_bin, b.step_bin, b.rank, b.step, b.rank_lo, b.rank_hi, b.step_lo, b.step_hi,
        b.value_ns, b.norm, i.host, i.coords, i.pp, i.dp, i.tp,
-       CASE WHEN (SELECT all_ranks FROM lone) THEN 'all' ELSE 'stage' END AS peers
+       CASE WHEN {{all_ranks}} THEN 'all' ELSE 'stage' END AS peers
 FROM binned b JOIN ms_cache.rank_info i USING (rank)
 ORDER BY b.rank_bin, b.step_bin;
 
