@@ -9,6 +9,11 @@
     freeze:rank=R,step=S          the same, inside a C call that holds the interpreter lock, so every
                                   Python thread of rank R stops with it (the collector's too)
     skew:rank=R,ms=M              a host pause of M ms before the data-parallel gradient sync
+    crash:rank=R,step=S           rank R raises an exception before its next collective in step S
+                                  (``megascope train`` only), as a rank whose step fails does
+    kill:rank=R,step=S            rank R's process is killed (SIGKILL) before its next collective in
+                                  step S (``megascope train`` only), as the OOM killer or a lost
+                                  node ends one: no exception, nothing flushed
 
 Example::
 
@@ -30,7 +35,11 @@ _GRAMMAR: dict[str, dict[str, type]] = {
     "hang": {"rank": int, "step": int},
     "freeze": {"rank": int, "step": int},
     "skew": {"rank": int, "ms": float},
+    "crash": {"rank": int, "step": int},
+    "kill": {"rank": int, "step": int},
 }
+# Faults a real process carries out and ``megascope synth`` does not model.
+PROCESS_FAULTS = ("crash", "kill")
 _OPTIONAL: dict[str, set[str]] = {"straggler": {"mode"}}
 STRAGGLER_MODES = ("time", "flops")
 
@@ -40,7 +49,7 @@ class Fault:
     kind: str
     rank: int
     factor: float | None = None  # straggler
-    step: int | None = None  # hang, freeze
+    step: int | None = None  # hang, freeze, crash, kill
     ms: float | None = None  # skew
     mode: str | None = None  # straggler: time (default) | flops
 
@@ -117,7 +126,8 @@ class Faults:
         return modes[0] if modes else "time"
 
     def hang_step(self, rank: int, kinds: tuple[str, ...] = ("hang", "freeze")) -> int | None:
-        """The first step where rank stops for good (a hang or a freeze; ``kinds`` picks)."""
+        """The first step where rank stops for good by a fault of ``kinds`` (a hang or a freeze by
+        default; ``crash`` and ``kill`` are asked for by name)."""
         steps = [f.step for f in self.faults if f.kind in kinds and f.rank == rank and f.step is not None]
         return min(steps) if steps else None
 

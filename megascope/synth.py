@@ -51,7 +51,7 @@ import pyarrow as pa
 
 from megascope import layout
 from megascope.errors import ConfigError, OutputError
-from megascope.inject import Faults
+from megascope.inject import PROCESS_FAULTS, Faults
 from megascope.schema import (
     AXIS_ORDER,
     GROUPS,
@@ -139,6 +139,9 @@ class SynthConfig:
         if not (math.isfinite(self.clock_skew_ms) and 0 <= self.clock_skew_ms <= MAX_PAUSE_MS):
             raise ConfigError(f"--clock-skew-ms {self.clock_skew_ms}: must be between 0 and {MAX_PAUSE_MS:g}")
         for f in self.faults.faults:
+            if f.kind in PROCESS_FAULTS:
+                raise ConfigError(f"--inject {f.spec()}: synth does not model a {f.kind}; plant it in "
+                                  f"megascope train (hang and freeze are modelled)")
             # NaN passes "> 1" checks by failing every comparison, and a huge value overflows the
             # nanosecond clock: either would plant nothing, or garbage, without a word.
             if f.factor is not None and not (math.isfinite(f.factor) and 1 < f.factor <= MAX_FACTOR):

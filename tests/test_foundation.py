@@ -200,6 +200,15 @@ def test_inject_grammar() -> None:
             parse_inject(bad)
     with pytest.raises(ConfigError, match="outside a job of 4"):
         parse_injects(["hang:rank=9,step=1"]).validate(4)
+    # A crash and a kill are faults of a process: their steps are asked for by name, never read
+    # as a hang's.
+    process = parse_injects(["crash:rank=1,step=3", "kill:rank=2,step=4"])
+    assert process.hang_step(1) is None and process.hang_step(1, ("crash",)) == 3
+    assert process.hang_step(2, ("kill",)) == 4 and process.specs() == ["crash:rank=1,step=3", "kill:rank=2,step=4"]
+    with pytest.raises(ConfigError, match="missing step"):
+        parse_inject("kill:rank=1")
+    with pytest.raises(ConfigError, match="past the last step"):
+        parse_injects(["crash:rank=0,step=5"]).validate(2, steps=5)
 
 
 def test_new_parts_show_without_refresh_and_change_the_parts_view(tmp_path: Path) -> None:

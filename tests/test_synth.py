@@ -131,6 +131,10 @@ def test_bad_config() -> None:
         SynthConfig(ranks=10, steps=1, tp=4)
     with pytest.raises(ConfigError, match="past the last step"):
         SynthConfig(ranks=4, steps=3, faults=parse_injects(["hang:rank=1,step=3"]))
+    # A crash or a kill is a process's fault: synth refuses it in one line rather than plant nothing.
+    for spec in ("crash:rank=1,step=1", "kill:rank=0,step=2"):
+        with pytest.raises(ConfigError, match=rf"--inject {spec}: synth does not model a {spec.split(':')[0]}"):
+            SynthConfig(ranks=4, steps=3, faults=parse_injects([spec]))
 
 
 def test_cli_refuses_to_overwrite(tmp_path: Path, cli: Callable[..., Result]) -> None:

@@ -442,6 +442,31 @@ def test_a_failed_rank_stops_the_others_and_names_its_exit(tmp_path: Path) -> No
     assert time.monotonic() - t0 < 15.0
 
 
+def test_the_failure_line_names_the_rank_that_failed_first_not_the_lowest() -> None:
+    """Messages as gloo words them when a peer goes away: the lowest rank's "Connection closed by
+    peer" was named before, not the rank that raised or was killed."""
+    from megascope.trainer.launch import failure_message
+
+    closed = ("Connection closed by peer [127.0.0.1]:40598. This is typically caused by a remote worker "
+              "crashing. Check the logs of the remote worker before reporting an error.")
+    reset = "Read error [127.0.0.1]:20102: Connection reset by peer. This is typically caused by a remote worker hanging"
+    crashed = {0: closed, 1: closed, 2: "planted crash on rank 2 in step 5", 3: closed}
+    assert failure_message(crashed, 10.0, "rank 2 ended with exit code 1", first=2) == (
+        "training failed on rank 2: planted crash on rank 2 in step 5")
+    # Whoever exited first, a rank that raised its own error is named over those that lost it.
+    assert failure_message(crashed, 10.0, "rank 0 ended with exit code 1", first=0).startswith("training failed on rank 2:")
+    killed = {0: reset, 2: reset, 3: closed}
+    line = failure_message(killed, 10.0, "rank 1 ended with signal SIGKILL", first=1)
+    assert line.startswith("training failed: rank 1 ended with signal SIGKILL without a message (killed? out of memory?); "
+                           "the others lost it (rank 0: Read error")
+    # A hang: the ranks that timed out waiting, and not the one that lost its peer after them.
+    hung = {0: "Timed out waiting 5000ms for recv operation to complete", 1: closed}
+    assert failure_message(hung, 5.0, "rank 0 ended with exit code 1", first=0).startswith(
+        "training failed: collective timed out after 5 s (--collective-timeout) on rank(s) 0;")
+    assert failure_message({}, 5.0, "rank 3 ended with signal SIGABRT", first=3).startswith(
+        "training failed: rank 3 ended with signal SIGABRT: NCCL aborted it")
+
+
 @pytest.mark.skipif(importlib.util.find_spec("nvidia_resiliency_ext") is not None,
                     reason="nvidia-resiliency-ext is installed here")
 def test_nvrx_straggler_without_its_package_fails_in_one_line_before_any_rank_starts(

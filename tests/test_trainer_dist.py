@@ -212,6 +212,34 @@ def test_a_hang_the_backend_does_not_end_is_stopped_by_the_launcher(tmp_path: Pa
     assert found["hung"] and found["suspects"][0]["rank"] == 1
 
 
+@pytest.mark.parametrize(("mesh", "spec", "said"), [
+    ((2, 1, 2), "crash:rank=2,step=2", r"training failed on rank 2: planted crash on rank 2 in step 2$"),
+    ((1, 2, 2), "kill:rank=1,step=1", r"training failed: rank 1 ended with signal SIGKILL without a message"),
+], ids=["crash", "kill"])
+def test_a_rank_that_crashes_or_is_killed_is_the_one_named(tmp_path: Path, mesh: tuple[int, int, int], spec: str,
+                                                           said: str) -> None:
+    """The launcher's line and the run state name the rank that failed first, not the lowest rank
+    among the ones that lost their peer after it (gloo: "Connection closed by peer")."""
+    from megascope.analysis import localize
+    from megascope.analysis.runstate import run_state
+
+    tp, pp, dp = mesh
+    rank = int(spec.split("rank=")[1].split(",")[0])
+    cfg = _cfg(tmp_path / "run", tp, pp, dp, steps=4, faults=parse_injects([spec]))
+    with pytest.raises(TrainingError, match=said) as err:
+        train(cfg, nproc=tp * pp * dp)
+    assert "\n" not in str(err.value)
+    wait_until(lambda: ended_ranks(cfg.out) == set(range(tp * pp * dp)), timeout=120,
+               message="every rank's marker agent made its last pass")
+    run = open_run(cfg.out)
+    state = run_state(run, hang=localize(run))
+    assert state["state"] == "failed" and state["culprit"]["rank"] == rank, state
+    if spec.startswith("crash"):
+        assert f"rank {rank} raised PlantedCrash in step 2" in state["reason"]
+    else:
+        assert f"rank {rank} ended with no exception of its own" in state["reason"]
+
+
 def test_runs_under_torchrun(tmp_path: Path) -> None:
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

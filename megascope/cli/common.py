@@ -20,7 +20,7 @@ out_run_option = click.option(
 
 inject_option = click.option(
     "--inject", "injects", multiple=True, metavar="SPEC",
-    help="Plant a fault: straggler:rank=R,factor=F | hang:rank=R,step=S | skew:rank=R,ms=M. Repeatable.",
+    help="Plant a fault: straggler:rank=R,factor=F | hang:rank=R,step=S | freeze:rank=R,step=S | skew:rank=R,ms=M | crash:rank=R,step=S | kill:rank=R,step=S (train only). Repeatable.",
 )
 
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")

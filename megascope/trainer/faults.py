@@ -25,6 +25,12 @@ real incident would look, for the analyses to find.
   rank stuck in a driver or a C extension does: every Python thread of the process stops with it,
   the collector's writer and heartbeats included. Nothing is flushed first: what reaches the disk
   is what the collector got out of the process on its own (the marker agent, faulthandler).
+* ``crash:rank=R,step=S``: rank R raises :class:`PlantedCrash` (a RuntimeError) before its next
+  communication call in step S, inside the step: the collector records how the step ended, the
+  launcher reports the rank's message, and its peers fail or time out waiting for it.
+* ``kill:rank=R,step=S``: rank R sends itself SIGKILL before its next communication call in step
+  S: no exception, no flush, as a rank the OOM killer or a lost node ends. What reaches the disk
+  is what was flushed before and the marker agent's last pass.
 * ``skew:rank=R,ms=M``: a host sleep of M ms just before the rank starts its data-parallel
   gradient sync. That sync begins inside the step's last backward (bucket by bucket), so the
   pause comes right before that backward, outside every span (like a GC pause, nothing labels it);
@@ -41,6 +47,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import os
 import signal
 import time
 from collections import deque
@@ -62,6 +69,8 @@ class FaultPlan:
         self.mode = faults.straggler_mode(rank)
         self.hang_step = faults.hang_step(rank, ("hang",))
         self.freeze_step = faults.hang_step(rank, ("freeze",))
+        self.crash_step = faults.hang_step(rank, ("crash",))
+        self.kill_step = faults.hang_step(rank, ("kill",))
         self.skew_s = faults.skew_ms(rank) / 1000.0
         self.step: int | None = None
         self._burner: Callable[[str, float], None] | None = None
@@ -82,6 +91,11 @@ class FaultPlan:
         if self.freeze_step is not None and self.step == self.freeze_step:
             log.info("rank %d: planted freeze before a collective in step %d", self.rank, self.step)
             freeze()
+        if self.crash_step is not None and self.step == self.crash_step:
+            raise PlantedCrash(f"planted crash on rank {self.rank} in step {self.step}")
+        if self.kill_step is not None and self.step == self.kill_step:
+            log.info("rank %d: planted kill before a collective in step %d", self.rank, self.step)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def before_dp_sync(self) -> None:
         if self.skew_s > 0:
@@ -99,6 +113,10 @@ class FaultPlan:
         begin = getattr(self._burner, "begin", None)
         if begin is not None:
             begin(phase)
+
+
+class PlantedCrash(RuntimeError):
+    """What ``crash:rank=R,step=S`` raises: an exception of the rank's own, as a failing step's."""
 
 
 def freeze() -> None:

@@ -247,20 +247,49 @@ def _how(exitcode: int) -> str:
     return f"exit code {exitcode}"
 
 
-def failure_message(failures: dict[int, str], timeout_s: float, exited: str | None = None) -> str:
-    """One line for a failed job: the collective timeout if any rank hit it, else the first failure."""
+# What a rank says when its peer went away (gloo's closed socket, NCCL's remote error): it failed
+# after another rank, not on its own.
+_PEER_LOST = ("closed by peer", "reset by peer", "broken pipe", "remote worker", "remote process exited",
+              "connection refused")
+
+
+def _peer_lost(message: str) -> bool:
+    lowered = message.lower()
+    return any(p in lowered for p in _PEER_LOST)
+
+
+def failure_message(failures: dict[int, str], timeout_s: float, exited: str | None = None,
+                    first: int | None = None) -> str:
+    """One line for a failed job, naming the rank that failed first on its own where it can be told.
+
+    ``failures``: rank -> its exception's one line; ``first``: the rank whose process ended first
+    (``exited`` says how). In this order: that rank's own message; another rank's message that is
+    neither a timeout nor a lost peer (a rank that raised); the collective timeout, where a rank hit
+    it; the first rank's exit where it said nothing (killed) while the others lost it; else the
+    lowest rank's message.
+    """
+    own = {r: m for r, m in failures.items() if not _is_timeout(m) and not _peer_lost(m)}
+    if first is not None and first in own:
+        return f"training failed on rank {first}: {own[first]}"
+    if own:
+        rank = min(own)
+        return f"training failed on rank {rank}: {own[rank]}"
     timed_out = sorted(r for r, msg in failures.items() if _is_timeout(msg))
     if timed_out:
         shown = ", ".join(map(str, timed_out[:8])) + (" ..." if len(timed_out) > 8 else "")
         return (f"training failed: collective timed out after {timeout_s:g} s (--collective-timeout) on "
                 f"rank(s) {shown}; a rank stopped answering (hung or dead): {failures[timed_out[0]]}")
-    if failures:
-        rank = min(failures)
-        return f"training failed on rank {rank}: {failures[rank]}"
     if exited and "SIGABRT" in exited:
         # NCCL's watchdog aborts the process when a collective outlives its timeout.
         return (f"training failed: {exited}: NCCL aborted it, most likely a collective timed out after "
                 f"{timeout_s:g} s (--collective-timeout) because a rank stopped answering (hung or dead)")
+    if first is not None and first not in failures and failures:
+        rank = min(failures)
+        return (f"training failed: {exited or f'rank {first} exited'} without a message (killed? out of memory?); "
+                f"the others lost it (rank {rank}: {failures[rank]})")
+    if failures:
+        rank = min(failures)
+        return f"training failed on rank {rank}: {failures[rank]}"
     return f"training failed: {exited or 'a rank exited'} without a message (killed? out of memory?)"
 
 
@@ -317,7 +346,8 @@ def _run_local(cfg: TrainConfig, nproc: int, start_method: str) -> TrainResult:
         if failed is not None:
             index, code = failed
             failures = {int(p.stem.split("-")[1]): p.read_text() for p in Path(scratch).glob("fail-*.txt")}
-            raise TrainingError(failure_message(failures, cfg.collective_timeout_s, f"rank {index} ended with {_how(code)}"))
+            raise TrainingError(failure_message(failures, cfg.collective_timeout_s, f"rank {index} ended with {_how(code)}",
+                                               first=index))
         data = json.loads(Path(scratch, "result.json").read_text())
     return TrainResult(cfg.out, data["losses"], data["step_seconds"], data.get("collector_on"),
                        data.get("ab_flush_seconds"), data.get("step_wait_seconds"))
