@@ -125,7 +125,8 @@ def rank_states(served: ServedRun) -> pd.DataFrame:
     """``rank, host, pp, dp, tp, state`` (analysis.rank_states, reusing the cached stragglers and hang).
 
     Waiting, silent and hung ranks are marked only while the run state is hung (calls in flight
-    of a running job are not a hang); in a failed run, the rank its state names is ``failed``.
+    of a running job are not a hang); in a failed run, the rank its state names is ``failed``, and
+    the ranks its state says were left waiting for it in a call until stopped are ``waiting``.
     """
     slow, shown = stragglers(served), hang(served)
     state = run_state(served)
@@ -138,6 +139,8 @@ def rank_states(served: ServedRun) -> pd.DataFrame:
             culprit = int(shown["suspects"][0]["rank"])
             states.loc[states["rank"] == culprit, "state"] = "hung"
         if failed is not None:  # the rank a failed run's state names (it died, left or raised first)
+            # the ranks left waiting for it in a call until stopped (NCCL), where it died so
+            states.loc[states["rank"].isin([int(r) for r in failed.get("waiting") or []]), "state"] = "waiting"
             states.loc[states["rank"] == int(failed["rank"]), "state"] = "failed"
         return states
 

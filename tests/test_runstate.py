@@ -189,18 +189,23 @@ def test_how_a_job_failed_is_read_off_the_exceptions_its_steps_ended_by() -> Non
 
     assert failure([], 8) is None
     interrupted = failure([err(r, "KeyboardInterrupt") for r in range(8)], 8)
-    assert interrupted == {"text": "stopped from outside (KeyboardInterrupt on 8)", "culprit": None}
+    assert interrupted == {"text": "stopped from outside (KeyboardInterrupt on 8 ranks)", "culprit": None}
     # One rank died without a word; the seven others failed on the closed connection.
     died = failure([err(r, "RuntimeError") for r in range(8) if r != 5], 8)
     assert died is not None and died["culprit"] == {"rank": 5, "step": None, "where": "ended with no exception of its own"}
     assert died["text"].startswith("rank 5 ended with no exception of its own")
     # Half the ranks said nothing (stopped from outside before they raised): nobody is named.
-    assert failure([err(r, "RuntimeError") for r in range(4)], 8) == {"text": "exceptions: RuntimeError on 4",
-                                                                      "culprit": None}
+    assert failure([err(r, "RuntimeError") for r in range(4)], 8) == {
+        "text": "exceptions: RuntimeError on ranks 0, 1, 2, 3", "culprit": None}
     # A rank raised an exception of its own (a bug), the others failed after it: it, even where the
     # launcher stopped one of the others before it raised (it reads as quiet).
     bug = failure([err(3, "ValueError", 4)] + [err(r, "RuntimeError", 4) for r in range(8) if r not in (3, 0)], 8)
     assert bug is not None and bug["culprit"] == {"rank": 3, "step": 4, "where": "raised ValueError in step 4"}
+    # The others' exceptions are told by rank, the culprit's left out of them: "on 3" never reads
+    # as a rank when it counts them.
+    assert bug["text"] == "rank 3 raised ValueError in step 4; the others failed after it (RuntimeError on 6 ranks)"
+    few = failure([err(2, "PlantedCrash", 5)] + [err(r, "RuntimeError", 5) for r in (0, 1, 3)], 4)
+    assert few is not None and few["text"].endswith("(RuntimeError on ranks 0, 1, 3)")
     # Several ranks out of memory: the first of them.
     oom = failure([err(6, "OutOfMemoryError"), err(2, "OutOfMemoryError")] + [err(r, "DistBackendError")
                                                                                  for r in (0, 1, 3, 4, 5, 7)], 8)
@@ -227,7 +232,7 @@ def test_a_real_job_whose_rank_was_killed_names_it(tmp_path: Path, cli: object) 
     run = open_run(path)
     state = run_state(run, hang=analysis.localize(run))
     assert state["state"] == "failed" and state["culprit"]["rank"] == 6, state
-    assert "rank 6 ended with no exception of its own" in state["reason"] and "RuntimeError on 7" in state["reason"]
+    assert "rank 6 ended with no exception of its own" in state["reason"] and "RuntimeError on 7 ranks" in state["reason"]
     text = cli("report", str(path), "--no-whatif")  # type: ignore[operator]
     assert text.exit_code == 0 and "FAILED: every rank's process ended at step 46 of 299" in text.output
     where = cli("localize", str(path))  # type: ignore[operator]
@@ -293,3 +298,45 @@ def test_a_real_torchrun_job_whose_rank_left_its_loop_failed(tmp_path: Path) -> 
     assert run.meta.config.get("steps") is None
     state = run_state(run, hang=analysis.localize(run))
     assert state["state"] == "failed" and state["culprit"]["rank"] == 2, state
+
+
+@pytest.mark.parametrize(("name", "rank", "how", "waited"), [
+    ("gpu-dp2-rank-killed", 0, "rank 0 ended with no exception of its own", "rank 1 waited for it in world seq 5 until stopped"),
+    ("gpu-tp2-rank-raised", 1, "rank 1 raised PlantedCrash in step 4", "rank 0 waited for it in tp:0 seq 360 until stopped"),
+    ("gpu-ddp-rank-exited", 1, "rank 1 ended with no exception of its own", "rank 0 waited for it in dp:0 seq 9 until stopped"),
+])
+def test_a_rank_that_died_on_nccl_is_named_failed_not_hung(tmp_path: Path, cli: object, name: str, rank: int,
+                                                           how: str, waited: str) -> None:
+    """Real NCCL jobs on 2x H200 (bench/gpu_failures.sh): the bundled trainer's rank killed with
+    SIGKILL in step 5 (dp2) or raising in step 4 (tp2), and a user's DDP job under torchrun whose
+    rank 1 exited without a word in step 5. NCCL's waiters do not fail when a peer dies: they wait
+    in the call it never entered until stopped, so the runs read "hung" with the dead rank as the
+    suspect, and the torchrun job (stopped 0.2 s after the death, its waits young) failed with
+    nobody named. The dead rank's process ended before its waiters': failed, that rank named."""
+    import shutil
+
+    path = shutil.copytree(Path(__file__).parent / "data" / name, tmp_path / "run")
+    run = open_run(path)
+    found = analysis.localize(run)
+    assert found["hung"] is False and found["died"]["rank"] == rank, found
+    state = run_state(run, hang=found)
+    assert state["state"] == "failed" and state["culprit"]["rank"] == rank, state
+    assert how in state["reason"] and state["reason"].endswith(waited), state["reason"]
+    where = cli("localize", str(path))  # type: ignore[operator]
+    assert where.exit_code == 0 and where.output.startswith(f"not hung: rank {rank}'s process ended (")
+    assert "it died (raised, was killed or exited), it did not hang" in where.output
+    assert "FAILED: every rank's process ended at step " in where.output
+
+
+def test_a_rank_hung_on_nccl_still_reads_hung(tmp_path: Path) -> None:
+    """The control of the test above, from the same machine and script: rank 1 of a dp2 NCCL job
+    stopped before a collective in step 4 and was alive until its peer's timeout aborted that
+    peer: its process ended after its waiter's, so it hung, it did not die."""
+    import shutil
+
+    path = shutil.copytree(Path(__file__).parent / "data" / "gpu-dp2-rank-hung", tmp_path / "run")
+    run = open_run(path)
+    found = analysis.localize(run)
+    assert found["hung"] is True and "died" not in found and found["suspects"][0]["rank"] == 1
+    state = run_state(run, hang=found)
+    assert state["state"] == "hung" and state["culprit"]["rank"] == 1, state

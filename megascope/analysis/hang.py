@@ -326,7 +326,9 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
     the first stuck call had waited when the evidence ends), ``note`` (why calls in flight are
     not a hang, where that applies), ``flight_recorder`` (what torch's dumps say, or None),
     ``set_aside_since_ns`` (rank -> when it entered the call its set-aside completions belong to:
-    what it wrote later is no progress, see hang.sql).
+    what it wrote later is no progress, see hang.sql), and ``died`` where every process has ended
+    and the rank the others wait for died rather than hung (:func:`_died_first`; ``hung`` is then
+    False: the job failed).
 
     A call counts as stuck only if its members had waited in it for run_state's stall threshold
     by the time the job's evidence ends, so a job killed mid-step is not a hang. On a live run
@@ -374,6 +376,7 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
             since = m["stuck_since_ns"]
             if m["stuck"] and since is not None and not pd.isna(since) and job_end - float(since) < threshold_ns:
                 m["stuck"] = False
+                m["in_flight"] = True
                 short += 1
         if short and not any(m["stuck"] for m in members):
             note = (f"{short} call(s) were in flight when the evidence ends, entered less than "
@@ -461,6 +464,13 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
         s["evidence"] = ["markers"]
     if witnesses:
         _join_witnesses(run, result, places, axes)
+    died = _who_died(run, con, result, members, places, axes, alive) if ended and len(alive) else None
+    if died is not None:
+        # NCCL's waiters do not fail when a peer dies: they wait in the call it never entered
+        # until stopped. The job failed there; it did not hang.
+        result["hung"] = False
+        result["died"] = died
+        result["note"] = died["text"]
     if result["hung"] and len(alive) and not ended:
         # A live job: hung only by the dashboard's rule (no progress anywhere for the hang threshold).
         state = run_state(run, hang=result, now_ns=now_ns)
@@ -468,6 +478,67 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
             result["hung"] = False
             result["note"] = f"not (yet) a hang: the run is {state['state']} ({state['reason']})"
     return result
+
+
+# A dead rank's process ends before those waiting on it by at least this much (a launcher stops
+# the others after it sees the death: torchrun polls every 0.1 s); a hung rank's ends with or after
+# theirs (their timeouts go first).
+DIED_BEFORE_NS = 100_000_000
+
+
+def _who_died(run: Run, con: duckdb.DuckDBPyConnection, result: Record, members: list[Record],
+              places: dict[int, Record], axes: tuple[str, ...], alive: pd.DataFrame) -> Record | None:
+    """In a job whose every process has ended, the rank that died while others waited for it in a
+    call it never entered (:func:`_died_first`), or None. Where calls were stuck, the markers'
+    first suspect, if it died rather than hung; where they were only in flight (the launcher
+    stopped the waiters moments after the death, as torchrun does), the rank missing from them
+    that ended first. A flight recorder that names another rank keeps the hang."""
+    suspects = result["suspects"]
+    stuck = [m for m in members if m["stuck"]]
+    died: Record | None = None
+    if stuck and suspects:
+        died = _died_first(suspects[0], alive, stuck, _thresholds(run, con)[2], DIED_BEFORE_NS)
+    elif not stuck and (flight := [m for m in members if m.get("in_flight")]):
+        roots, _ = _roots([dict(m, stuck=bool(m.get("in_flight"))) for m in members])
+        if roots:
+            rank, grp = roots[0]
+            state = next((m for m in members if int(m["rank"]) == rank and m["grp"] == grp), None)
+            suspect = _suspect(rank, grp, state, places.get(rank), axes, "hung", 0, None)
+            # No hang to tell it from: only which rank went first.
+            died = _died_first(suspect, alive, flight, math.inf, 0)
+    fr = result.get("flight_recorder") or {}
+    if died is not None and fr.get("hung") and fr.get("suspects") and int(fr["suspects"][0]) != died["rank"]:
+        return None
+    return died
+
+
+def _died_first(suspect: Record, alive: pd.DataFrame, stuck: list[Record], hang_s: float,
+                before_ns: int) -> Record | None:
+    """Whether ``suspect``, whom ranks of a job whose every process has ended wait for (``stuck``:
+    their calls), died rather than hung: its process ended before every rank waiting on it (by
+    ``before_ns``), and within half the hang threshold of the first of their waits beginning. A
+    hung rank is alive until its peers' calls time out (the hang threshold after their waits
+    began) and is stopped with or after them. Returns ``{rank, ended_ns, waiting, group, seq,
+    text}`` or None."""
+    ends = {int(r): int(t) for r, t, done in zip(alive["rank"], alive["alive_until_ns"], alive["ended"], strict=True)
+            if bool(done)}
+    rank = int(suspect["rank"])
+    waiting = sorted({int(m["rank"]) for m in stuck} - {rank})
+    since = [float(m["stuck_since_ns"]) for m in stuck
+             if int(m["rank"]) != rank and m["stuck_since_ns"] is not None and not pd.isna(m["stuck_since_ns"])]
+    if rank not in ends or not waiting or not since or any(w not in ends for w in waiting):
+        return None
+    first_wait = min(since)
+    if ends[rank] + before_ns >= min(ends[w] for w in waiting) or ends[rank] - first_wait > hang_s * 1e9 / 2:
+        return None
+    group, seq = str(suspect.get("group") or ""), int_or_none(suspect.get("missing_seq"))
+    after = (ends[rank] - first_wait) / 1e9
+    when = f"{after:.1f} s after the first wait began" if after >= 0 else f"{-after:.1f} s before the first wait began"
+    who = f"rank {waiting[0]}" if len(waiting) == 1 else f"ranks {_ranks_text(waiting)}"
+    call = f"{group} seq {seq}" if seq is not None else group
+    return {"rank": rank, "ended_ns": ends[rank], "waiting": waiting, "group": group, "seq": seq,
+            "text": (f"rank {rank}'s process ended ({when}) while {who} waited for it in {call}: it died "
+                     "(raised, was killed or exited), it did not hang")}
 
 
 def _set_aside_since(stuck: list[Record]) -> dict[int, int]:

@@ -22,7 +22,10 @@ The rule, in order:
    flight (hung at once where it ended with calls stuck). Where the ranks' steps ended by exceptions (the collector records each one's class),
    the reason says how, and names the first rank that raised an exception of its own (not what
    a rank raises when a peer goes away), or else the rank that died without one while the others
-   failed after it (:func:`failure`); all interrupts: stopped from outside.
+   failed after it (:func:`failure`); all interrupts: stopped from outside. Also at once, with
+   calls in flight, where ``localize`` found the rank they wait for died (``died``: its process
+   ended before theirs, not after their timeouts as a hung rank's does): NCCL's waiters do not
+   fail when a peer dies.
 
 ``hang_after_s`` is the job's collective timeout (``config.collective_timeout_s`` in
 ``run.json``) when known: the time after which the job itself gives up on a call. Otherwise ten
@@ -223,6 +226,24 @@ def _step_errors(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
 FIRST_END_NS = 20_000_000
 
 
+def _exceptions_text(errors: list[dict[str, Any]]) -> str:
+    """``RuntimeError on ranks 0, 1, 3`` (``on 7 ranks`` past four): each class of exception with
+    the ranks whose steps ended by it, the most common first."""
+    classes: dict[str, list[int]] = {}
+    for e in errors:
+        classes.setdefault(e["error"], []).append(int(e["rank"]))
+    parts = []
+    for name, ranks in sorted(classes.items(), key=lambda c: (-len(c[1]), c[0])):
+        ranks = sorted(set(ranks))
+        if len(ranks) == 1:
+            parts.append(f"{name} on rank {ranks[0]}")
+        elif len(ranks) <= 4:
+            parts.append(f"{name} on ranks " + ", ".join(map(str, ranks)))
+        else:
+            parts.append(f"{name} on {len(ranks):,} ranks")
+    return ", ".join(parts)
+
+
 def failure(errors: list[dict[str, Any]], world_size: int,
             ended_ns: Mapping[int, int] | None = None) -> dict[str, Any] | None:
     """How a job that stopped before its last step failed, from the exceptions its ranks' steps
@@ -242,18 +263,17 @@ def failure(errors: list[dict[str, Any]], world_size: int,
     """
     if not errors:
         return None
-    classes: dict[str, list[int]] = {}
-    for e in errors:
-        classes.setdefault(e["error"], []).append(e["rank"])
-    summary = ", ".join(f"{name} on {len(ranks)}" for name, ranks in sorted(classes.items(), key=lambda c: -len(c[1])))
-    if set(classes) <= INTERRUPTS:
+    summary = _exceptions_text(errors)
+    if {e["error"] for e in errors} <= INTERRUPTS:
         return {"text": f"stopped from outside ({summary})", "culprit": None}
     own = [e for e in errors if e["error"] not in PEER_FAILURES | INTERRUPTS]
     if own:
         first = own[0]
         also = f" ({len(own) - 1} other rank(s) raised their own too)" if len(own) > 1 else ""
-        return {"text": f"rank {first['rank']} raised {first['error']} in step {first['step']}{also}; the others "
-                        f"failed after it ({summary})",
+        others = _exceptions_text([e for e in errors if e["rank"] != first["rank"]])
+        return {"text": f"rank {first['rank']} raised {first['error']} in step {first['step']}{also}"
+                        + (f"; the others failed after it ({others})" if others else ""),
+                "others_raised": bool(others),
                 "culprit": {"rank": first["rank"], "step": first["step"],
                             "where": f"raised {first['error']} in step {first['step']}"}}
     raised = {e["rank"] for e in errors}
@@ -267,6 +287,7 @@ def failure(errors: list[dict[str, Any]], world_size: int,
         who = f"rank {quiet[0]}" if len(quiet) == 1 else "ranks " + ", ".join(map(str, quiet))
         return {"text": f"{who} ended with no exception of its own (killed by a signal or out of memory, crashed, "
                         f"exited, or stuck until stopped); the others failed after it ({summary})",
+                "others_raised": True,
                 "culprit": {"rank": quiet[0], "step": None, "where": "ended with no exception of its own"}}
     return {"text": f"exceptions: {summary}", "culprit": None}
 
@@ -311,7 +332,7 @@ def run_facts(run: Run, *, hang: Mapping[str, Any] | None = None) -> dict[str, A
 
     ``hang`` as in :func:`run_state`. Keys: ranks, last_step, slowest_last_step,
     ranks_at_last_step, median_step_s, last_progress_ns, last_data_ns, in_flight, suspects, lost,
-    expected_steps, failure (:func:`failure`, once every process has ended), ended,
+    expected_steps, failure (:func:`failure`, once every process has ended), ended, died,
     collective_timeout_s, flush_interval_s, meta_mtime_ns.
     """
     con = run.cursor()
@@ -352,6 +373,8 @@ def run_facts(run: Run, *, hang: Mapping[str, Any] | None = None) -> dict[str, A
         failure=failure(errors, run.meta.world_size, ends),
         # Every rank's process has ended, as their marker agents said (localize); None unknown.
         ended=None if hang is None else bool(hang.get("ended")),
+        # The rank whose process ended while the others waited for it (localize's ``died``).
+        died=(hang or {}).get("died"),
         collective_timeout_s=_config_float(config, "collective_timeout_s"),
         flush_interval_s=_config_float(config, "flush_interval_s"),
     )
@@ -392,7 +415,8 @@ def run_state(run: Run, *, now_ns: int | None = None, stall_after_s: float | Non
     * ``in_flight``: calls entered and not completed (ranks waiting, when ``hang`` is given).
     * ``culprit``: the first hang suspect (``rank, host, coords, group, missing_seq, ...``) when
       the state is hung and ``hang`` names one; when it failed, the rank :func:`failure` names
-      (``rank, step, where``); else None.
+      (``rank, step, where``, and ``waiting``: the ranks left waiting for it in a call until
+      stopped, where it died so); else None.
     """
     return decide(run_facts(run, hang=hang), now_ns=now_ns, stall_after_s=stall_after_s,
                   hang_after_s=hang_after_s, last_write_ns=last_write_ns)
@@ -451,11 +475,30 @@ def decide(facts: Mapping[str, Any], *, now_ns: int | None = None, stall_after_s
     if finished:
         state = "finished"
         reason = f"every rank ({ranks}) finished its last step ({last}{of_text})"
+    elif facts.get("ended") and facts.get("died"):
+        # A rank's process ended first, and the others waited for it in a call it never entered
+        # until they were stopped (NCCL's waiters do not fail when a peer dies; localize tells).
+        state = "failed"
+        died = facts["died"]
+        rank = int(died["rank"])
+        if how and how.get("culprit") and int(how["culprit"]["rank"]) == rank:
+            what, culprit = how["text"], dict(how["culprit"])
+        else:
+            what = (f"rank {rank} ended with no exception of its own (killed by a signal or out of memory, "
+                    "crashed, or exited)")
+            culprit = {"rank": rank, "step": None, "where": "ended with no exception of its own"}
+        waiters = list(died.get("waiting") or [])
+        who = f"rank {waiters[0]}" if len(waiters) == 1 else f"{len(waiters):,} ranks"
+        call = f"{died.get('group')} seq {died['seq']}" if died.get("seq") is not None else str(died.get("group"))
+        reason = f"every rank's process ended at {step_text}{of_text}, before its last step; {what}"
+        if not (how and how.get("others_raised")):  # they did not fail after it: they waited (NCCL)
+            reason += f"; {who} waited for it in {call} until stopped"
+            culprit["waiting"] = waiters
     elif facts.get("ended") and not in_flight and not facts.get("lost") and last_progress is not None:
         # Every rank's process has ended (its marker agent said so) short of the last step, with
         # nothing in flight: no need to wait out the stall threshold to call it.
         state = "failed"
-        reason = f"every rank's process ended at {step_text}{of_text}, before its last step, with no call in flight"
+        reason = f"every rank's process ended at {step_text}{of_text}, before its last step, with no call stuck"
         if how:
             reason += f"; {how['text']}"
             culprit = dict(how["culprit"]) if how.get("culprit") else None
@@ -481,7 +524,7 @@ def decide(facts: Mapping[str, Any], *, now_ns: int | None = None, stall_after_s
         reason = f"no progress on any rank for {duration_text(idle)} (>= {duration_text(hang_s)}, {source}) with {calls}"
     else:
         state = "failed"
-        reason = (f"stopped at {step_text}{of_text} with no call in flight and no progress for "
+        reason = (f"stopped at {step_text}{of_text} with no call stuck and no progress for "
                   f"{duration_text(idle)}: the job exited or was killed before its last step")
         if how:
             reason += f"; {how['text']}"

@@ -230,25 +230,33 @@ def test_a_rank_frozen_before_it_wrote_anything_is_drawn_in_its_place(tmp_path: 
         _no_errors(driver)
 
 
-def test_a_real_job_whose_rank_was_killed_shows_that_rank_failed(tmp_path: Path, driver: Any) -> None:
+@pytest.mark.parametrize(("name", "rank", "said", "others"), [
+    ("cpu-2x2x2-rank-killed", 6, "rank 6 ended with no exception of its own", "healthy"),
+    ("gpu-dp2-rank-killed", 0, "rank 1 waited for it in world seq 5 until stopped", "waiting"),
+], ids=["gloo", "nccl"])
+def test_a_real_job_whose_rank_was_killed_shows_that_rank_failed(tmp_path: Path, driver: Any, name: str, rank: int,
+                                                                said: str, others: str) -> None:
     """tests/data/cpu-2x2x2-rank-killed (gloo, rank 6 killed with SIGKILL at step 46; the others
-    failed on the closed connection): the header reads FAILED, the banner names rank 6, and the
-    grid draws it as the failed rank, ringed, among seven healthy ones (before: eight green cells
-    and a reason that named nobody)."""
-    run = _real_run(tmp_path, "cpu-2x2x2-rank-killed", "killed")
+    failed on the closed connection) and gpu-dp2-rank-killed (NCCL on 2x H200, rank 0 killed in
+    step 5; rank 1 waited for it in its all-reduce until stopped): the header reads FAILED, the
+    banner names the killed rank, and the grid draws it as the failed rank, ringed, among healthy
+    ones (gloo: they failed after it) or ones waiting for it (NCCL); before: eight green cells and a
+    reason that named nobody on gloo, HANG on NCCL."""
+    run = _real_run(tmp_path, name, "killed")
     app = create_app([run], start_watcher=False)
     with serving(app) as base:
         driver.get(f"{base}/run/killed/topology")
         banner = wait_for_text(driver, "#topology-state", "FAILED: ")
-        assert "rank 6 ended with no exception of its own" in banner.text
+        assert f"rank {rank} " in banner.text and said in banner.text, banner.text
         wait_for_text(driver, f"#{ids.RUN_STATE}", "FAILED")
         wait_for_graph(driver, ids.TOPOLOGY_GRAPH)
         states = _topology_states(driver)
-        assert states.pop("6") == "failed" and set(states.values()) == {"healthy"} and len(states) == 7
+        assert states.pop(str(rank)) == "failed" and set(states.values()) == {others}, states
         rings = driver.execute_script(
             f"return document.querySelector('#{ids.TOPOLOGY_GRAPH} .js-plotly-plot').data"
             ".filter(t => t.name === 'suspect').map(t => t.text)")
-        assert rings == [["rank 6"]]
+        assert rings == [[f"rank {rank}"]]
+        assert not driver.find_elements(By.ID, "topology-culprit")  # no HANG banner
         _no_errors(driver)
 
 
