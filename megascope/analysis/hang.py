@@ -537,8 +537,8 @@ def _died_first(suspect: Record, alive: pd.DataFrame, stuck: list[Record], hang_
     who = f"rank {waiting[0]}" if len(waiting) == 1 else f"ranks {_ranks_text(waiting)}"
     call = f"{group} seq {seq}" if seq is not None else group
     return {"rank": rank, "ended_ns": ends[rank], "waiting": waiting, "group": group, "seq": seq,
-            "text": (f"rank {rank}'s process ended ({when}) while {who} waited for it in {call}: it died "
-                     "(raised, was killed or exited), it did not hang")}
+            "text": (f"rank {rank}'s process ended ({when}) while {who} waited on it (it never entered {call}): "
+                     "it died (raised, was killed or exited), it did not hang")}
 
 
 def _set_aside_since(stuck: list[Record]) -> dict[int, int]:

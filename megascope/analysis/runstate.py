@@ -492,7 +492,7 @@ def decide(facts: Mapping[str, Any], *, now_ns: int | None = None, stall_after_s
         call = f"{died.get('group')} seq {died['seq']}" if died.get("seq") is not None else str(died.get("group"))
         reason = f"every rank's process ended at {step_text}{of_text}, before its last step; {what}"
         if not (how and how.get("others_raised")):  # they did not fail after it: they waited (NCCL)
-            reason += f"; {who} waited for it in {call} until stopped"
+            reason += f"; {who} waited for it until stopped (it never entered {call})"
             culprit["waiting"] = waiters
     elif facts.get("ended") and not in_flight and not facts.get("lost") and last_progress is not None:
         # Every rank's process has ended (its marker agent said so) short of the last step, with

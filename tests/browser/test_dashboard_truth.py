@@ -232,7 +232,7 @@ def test_a_rank_frozen_before_it_wrote_anything_is_drawn_in_its_place(tmp_path: 
 
 @pytest.mark.parametrize(("name", "rank", "said", "others"), [
     ("cpu-2x2x2-rank-killed", 6, "rank 6 ended with no exception of its own", "healthy"),
-    ("gpu-dp2-rank-killed", 0, "rank 1 waited for it in world seq 5 until stopped", "waiting"),
+    ("gpu-dp2-rank-killed", 0, "rank 1 waited for it until stopped (it never entered world seq 5)", "waiting"),
 ], ids=["gloo", "nccl"])
 def test_a_real_job_whose_rank_was_killed_shows_that_rank_failed(tmp_path: Path, driver: Any, name: str, rank: int,
                                                                 said: str, others: str) -> None:
