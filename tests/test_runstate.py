@@ -340,3 +340,45 @@ def test_a_rank_hung_on_nccl_still_reads_hung(tmp_path: Path) -> None:
     assert found["hung"] is True and "died" not in found and found["suspects"][0]["rank"] == 1
     state = run_state(run, hang=found)
     assert state["state"] == "hung" and state["culprit"]["rank"] == 1, state
+
+
+def _as_if_still_running(path: Path, ranks: set[int]) -> int:
+    """Drop the last ``rank_alive`` row (value 0) of ``ranks`` from a compacted run, as if their
+    processes still ran: returns the newest heartbeat time left (a reader's "now" just after)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    newest = 0
+    for part in (path / "compacted" / "heartbeats").glob("*.parquet"):
+        table = pq.read_table(part)
+        gone = pc.and_(pc.and_(pc.equal(table["metric"], "rank_alive"), pc.equal(table["value"], 0.0)),
+                       pc.is_in(table["rank"], value_set=pa.array(sorted(ranks), table["rank"].type)))
+        table = table.filter(pc.invert(gone))
+        pq.write_table(table, part)
+        newest = max(newest, int(pc.max(table["time_ns"]).as_py()))
+    return newest
+
+
+def test_a_rank_that_died_is_named_while_the_others_still_wait(tmp_path: Path) -> None:
+    """tests/data/gpu-dp2-rank-killed as it stood before the launcher stopped rank 1: rank 0's
+    process has ended, rank 1 still runs, waiting in the all-reduce rank 0 never entered. NCCL's
+    timeout is minutes in large jobs; the state says failed at once and who, not stalled, then
+    hung. A hung rank's run read the same way (its process still runs) is not called so."""
+    import shutil
+
+    path = shutil.copytree(Path(__file__).parent / "data" / "gpu-dp2-rank-killed", tmp_path / "run")
+    now = _as_if_still_running(path, {1}) + 1_000_000_000
+    run = open_run(path)
+    found = analysis.localize(run, now_ns=now)
+    assert found["ended"] is False and found["hung"] is False and found["died"]["rank"] == 0, found
+    assert found["died"]["live"] and "while rank 1 waits on it (it never entered world seq 5)" in found["note"]
+    state = run_state(run, hang=found, now_ns=now)
+    assert state["state"] == "failed" and state["culprit"]["rank"] == 0 and state["culprit"]["waiting"] == [1], state
+    assert state["reason"].startswith("rank 0's process ended at step 4 of 11 while the others still run; rank 0 ")
+    assert state["reason"].endswith("; rank 1 waits for it (it never entered world seq 5)")
+
+    hung = shutil.copytree(Path(__file__).parent / "data" / "gpu-dp2-rank-hung", tmp_path / "hung")
+    now = _as_if_still_running(hung, {0, 1}) + 1_000_000_000
+    found = analysis.localize(open_run(hung), now_ns=now)
+    assert "died" not in found and found["suspects"][0]["rank"] == 1

@@ -464,7 +464,7 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
         s["evidence"] = ["markers"]
     if witnesses:
         _join_witnesses(run, result, places, axes)
-    died = _who_died(run, con, result, members, places, axes, alive) if ended and len(alive) else None
+    died = _who_died(run, con, result, members, places, axes, alive, ended) if len(alive) else None
     if died is not None:
         # NCCL's waiters do not fail when a peer dies: they wait in the call it never entered
         # until stopped. The job failed there; it did not hang.
@@ -487,57 +487,68 @@ DIED_BEFORE_NS = 100_000_000
 
 
 def _who_died(run: Run, con: duckdb.DuckDBPyConnection, result: Record, members: list[Record],
-              places: dict[int, Record], axes: tuple[str, ...], alive: pd.DataFrame) -> Record | None:
-    """In a job whose every process has ended, the rank that died while others waited for it in a
-    call it never entered (:func:`_died_first`), or None. Where calls were stuck, the markers'
-    first suspect, if it died rather than hung; where they were only in flight (the launcher
+              places: dict[int, Record], axes: tuple[str, ...], alive: pd.DataFrame, ended: bool) -> Record | None:
+    """The rank that died while others wait (or waited) for it in a call it never entered
+    (:func:`_died_first`), or None. Where calls are stuck, the markers' first suspect, if it died
+    rather than hung: in a live job, its process has ended while every rank waiting on it still
+    runs (NCCL's waiters sit in their call until their timeout, minutes in large jobs); once every
+    process has ended, its own ended first. Where the calls were only in flight (the launcher
     stopped the waiters moments after the death, as torchrun does), the rank missing from them
     that ended first. A flight recorder that names another rank keeps the hang."""
     suspects = result["suspects"]
     stuck = [m for m in members if m["stuck"]]
+    ends: dict[int, int | None] = {
+        int(r): (int(t) if bool(done) else None)
+        for r, t, done in zip(alive["rank"], alive["alive_until_ns"], alive["ended"], strict=True)}
     died: Record | None = None
     if stuck and suspects:
-        died = _died_first(suspects[0], alive, stuck, _thresholds(run, con)[2], DIED_BEFORE_NS)
-    elif not stuck and (flight := [m for m in members if m.get("in_flight")]):
+        died = _died_first(suspects[0], ends, stuck, _thresholds(run, con)[2], DIED_BEFORE_NS, live=not ended)
+    elif ended and (flight := [m for m in members if m.get("in_flight")]):
         roots, _ = _roots([dict(m, stuck=bool(m.get("in_flight"))) for m in members])
         if roots:
             rank, grp = roots[0]
             state = next((m for m in members if int(m["rank"]) == rank and m["grp"] == grp), None)
             suspect = _suspect(rank, grp, state, places.get(rank), axes, "hung", 0, None)
             # No hang to tell it from: only which rank went first.
-            died = _died_first(suspect, alive, flight, math.inf, 0)
+            died = _died_first(suspect, ends, flight, math.inf, 0, live=False)
     fr = result.get("flight_recorder") or {}
     if died is not None and fr.get("hung") and fr.get("suspects") and int(fr["suspects"][0]) != died["rank"]:
         return None
     return died
 
 
-def _died_first(suspect: Record, alive: pd.DataFrame, stuck: list[Record], hang_s: float,
-                before_ns: int) -> Record | None:
-    """Whether ``suspect``, whom ranks of a job whose every process has ended wait for (``stuck``:
-    their calls), died rather than hung: its process ended before every rank waiting on it (by
-    ``before_ns``), and within half the hang threshold of the first of their waits beginning. A
-    hung rank is alive until its peers' calls time out (the hang threshold after their waits
-    began) and is stopped with or after them. Returns ``{rank, ended_ns, waiting, group, seq,
-    text}`` or None."""
-    ends = {int(r): int(t) for r, t, done in zip(alive["rank"], alive["alive_until_ns"], alive["ended"], strict=True)
-            if bool(done)}
+def _died_first(suspect: Record, ends: dict[int, int | None], stuck: list[Record], hang_s: float,
+                before_ns: int, *, live: bool) -> Record | None:
+    """Whether ``suspect``, whom ranks wait for (``stuck``: their calls), died rather than hung: its
+    process ended (``ends``: rank -> when its marker agent saw it end, None while it runs) within
+    half the hang threshold of the first of their waits beginning, and, ``live``, while every rank
+    waiting on it still runs, else before each of them ended (by ``before_ns``). A hung rank is
+    alive until its peers' calls time out (the hang threshold after their waits began) and is
+    stopped with or after them. Returns ``{rank, ended_ns, waiting, group, seq, live, text}`` or
+    None."""
     rank = int(suspect["rank"])
+    end = ends.get(rank)
     waiting = sorted({int(m["rank"]) for m in stuck} - {rank})
     since = [float(m["stuck_since_ns"]) for m in stuck
              if int(m["rank"]) != rank and m["stuck_since_ns"] is not None and not pd.isna(m["stuck_since_ns"])]
-    if rank not in ends or not waiting or not since or any(w not in ends for w in waiting):
+    if end is None or not waiting or not since or any(w not in ends for w in waiting):
+        return None
+    waiter_ends = [ends[w] for w in waiting]
+    if live and any(e is not None for e in waiter_ends):
+        return None
+    if not live and (any(e is None for e in waiter_ends) or end + before_ns >= min(e for e in waiter_ends if e is not None)):
         return None
     first_wait = min(since)
-    if ends[rank] + before_ns >= min(ends[w] for w in waiting) or ends[rank] - first_wait > hang_s * 1e9 / 2:
+    if end - first_wait > hang_s * 1e9 / 2:
         return None
     group, seq = str(suspect.get("group") or ""), int_or_none(suspect.get("missing_seq"))
-    after = (ends[rank] - first_wait) / 1e9
+    after = (end - first_wait) / 1e9
     when = f"{after:.1f} s after the first wait began" if after >= 0 else f"{-after:.1f} s before the first wait began"
     who = f"rank {waiting[0]}" if len(waiting) == 1 else f"ranks {_ranks_text(waiting)}"
     call = f"{group} seq {seq}" if seq is not None else group
-    return {"rank": rank, "ended_ns": ends[rank], "waiting": waiting, "group": group, "seq": seq,
-            "text": (f"rank {rank}'s process ended ({when}) while {who} waited on it (it never entered {call}): "
+    waits = ("wait" if len(waiting) > 1 else "waits") if live else "waited"
+    return {"rank": rank, "ended_ns": end, "waiting": waiting, "group": group, "seq": seq, "live": live,
+            "text": (f"rank {rank}'s process ended ({when}) while {who} {waits} on it (it never entered {call}): "
                      "it died (raised, was killed or exited), it did not hang")}
 
 

@@ -25,7 +25,8 @@ The rule, in order:
    failed after it (:func:`failure`); all interrupts: stopped from outside. Also at once, with
    calls in flight, where ``localize`` found the rank they wait for died (``died``: its process
    ended before theirs, not after their timeouts as a hung rank's does): NCCL's waiters do not
-   fail when a peer dies.
+   fail when a peer dies. In a live job too, as soon as that rank's process has ended while the
+   ranks waiting on it still run (they would wait out their timeout, minutes in large jobs).
 
 ``hang_after_s`` is the job's collective timeout (``config.collective_timeout_s`` in
 ``run.json``) when known: the time after which the job itself gives up on a call. Otherwise ten
@@ -349,7 +350,7 @@ def run_facts(run: Run, *, hang: Mapping[str, Any] | None = None) -> dict[str, A
             in_flight = _in_flight(con) if run.files.get("markers") else 0
         # Read once every process has ended (localize says so; the CLI's post-mortem asks always):
         # a live run's refreshes do not scan its metrics for them.
-        ended = hang is None or bool(hang.get("ended"))
+        ended = hang is None or bool(hang.get("ended")) or bool(hang.get("died"))
         errors = _step_errors(con) if ended and run.files.get("metrics") else []
         ends: dict[int, int] = {}
         if errors:  # when each rank's process ended, as its marker agent saw it
@@ -475,11 +476,13 @@ def decide(facts: Mapping[str, Any], *, now_ns: int | None = None, stall_after_s
     if finished:
         state = "finished"
         reason = f"every rank ({ranks}) finished its last step ({last}{of_text})"
-    elif facts.get("ended") and facts.get("died"):
-        # A rank's process ended first, and the others waited for it in a call it never entered
-        # until they were stopped (NCCL's waiters do not fail when a peer dies; localize tells).
+    elif facts.get("died"):
+        # A rank's process ended first, and the others wait (or waited, until they were stopped)
+        # for it in a call it never entered: NCCL's waiters do not fail when a peer dies, and
+        # sit there until their timeout (minutes in large jobs); localize tells.
         state = "failed"
         died = facts["died"]
+        live = not facts.get("ended")
         rank = int(died["rank"])
         if how and how.get("culprit") and int(how["culprit"]["rank"]) == rank:
             what, culprit = how["text"], dict(how["culprit"])
@@ -490,8 +493,14 @@ def decide(facts: Mapping[str, Any], *, now_ns: int | None = None, stall_after_s
         waiters = list(died.get("waiting") or [])
         who = f"rank {waiters[0]}" if len(waiters) == 1 else f"{len(waiters):,} ranks"
         call = f"{died.get('group')} seq {died['seq']}" if died.get("seq") is not None else str(died.get("group"))
-        reason = f"every rank's process ended at {step_text}{of_text}, before its last step; {what}"
-        if not (how and how.get("others_raised")):  # they did not fail after it: they waited (NCCL)
+        if live:
+            reason = f"rank {rank}'s process ended at {step_text}{of_text} while the others still run; {what}"
+        else:
+            reason = f"every rank's process ended at {step_text}{of_text}, before its last step; {what}"
+        if live:
+            reason += f"; {who} {'waits' if len(waiters) == 1 else 'wait'} for it (it never entered {call})"
+            culprit["waiting"] = waiters
+        elif not (how and how.get("others_raised")):  # they did not fail after it: they waited (NCCL)
             reason += f"; {who} waited for it until stopped (it never entered {call})"
             culprit["waiting"] = waiters
     elif facts.get("ended") and not in_flight and not facts.get("lost") and last_progress is not None:
