@@ -382,3 +382,23 @@ def test_a_rank_that_died_is_named_while_the_others_still_wait(tmp_path: Path) -
     now = _as_if_still_running(hung, {0, 1}) + 1_000_000_000
     found = analysis.localize(open_run(hung), now_ns=now)
     assert "died" not in found and found["suspects"][0]["rank"] == 1
+
+
+def test_a_rank_whose_host_went_quiet_is_named_while_the_others_still_wait(tmp_path: Path) -> None:
+    """The same run as the host of rank 0 going down would leave it: rank 0 and its marker agent
+    stop reporting at once, with no last row; rank 1's agent goes on while it waits in the
+    all-reduce rank 0 never entered. Failed, rank 0 named as gone quiet (not as a hung process: its
+    agent, a separate process, would still report then)."""
+    import shutil
+
+    path = shutil.copytree(Path(__file__).parent / "data" / "gpu-dp2-rank-killed", tmp_path / "run")
+    now = _as_if_still_running(path, {0, 1}) + 1_000_000_000
+    run = open_run(path)
+    found = analysis.localize(run, now_ns=now)
+    assert found["ended"] is False and found["hung"] is False and found["died"]["quiet"], found
+    assert found["note"].startswith("rank 0 and its marker agent went quiet (")
+    state = run_state(run, hang=found, now_ns=now)
+    assert state["state"] == "failed" and state["culprit"] == {
+        "rank": 0, "step": None, "where": "went quiet, its marker agent too", "waiting": [1]}, state
+    assert state["reason"].startswith("rank 0 went quiet at step 4 of 11 while the others still run; rank 0 and its "
+                                      "marker agent went quiet with no last word: its host down")

@@ -464,7 +464,11 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
         s["evidence"] = ["markers"]
     if witnesses:
         _join_witnesses(run, result, places, axes)
-    died = _who_died(run, con, result, members, places, axes, alive, ended) if len(alive) else None
+    # Agents gone quiet without their last row (its host lost, or killed with its rank): when each
+    # was last heard from.
+    quiet = {int(r): int(t) for r, t, done in zip(alive["rank"], alive["alive_until_ns"], alive["ended"], strict=True)
+             if not bool(done) and now - t > gone_after_ns} if len(alive) else {}
+    died = _who_died(run, con, result, members, places, axes, alive, ended, quiet) if len(alive) else None
     if died is not None:
         # NCCL's waiters do not fail when a peer dies: they wait in the call it never entered
         # until stopped. The job failed there; it did not hang.
@@ -487,14 +491,18 @@ DIED_BEFORE_NS = 100_000_000
 
 
 def _who_died(run: Run, con: duckdb.DuckDBPyConnection, result: Record, members: list[Record],
-              places: dict[int, Record], axes: tuple[str, ...], alive: pd.DataFrame, ended: bool) -> Record | None:
+              places: dict[int, Record], axes: tuple[str, ...], alive: pd.DataFrame, ended: bool,
+              quiet: dict[int, int]) -> Record | None:
     """The rank that died while others wait (or waited) for it in a call it never entered
     (:func:`_died_first`), or None. Where calls are stuck, the markers' first suspect, if it died
     rather than hung: in a live job, its process has ended while every rank waiting on it still
     runs (NCCL's waiters sit in their call until their timeout, minutes in large jobs); once every
     process has ended, its own ended first. Where the calls were only in flight (the launcher
     stopped the waiters moments after the death, as torchrun does), the rank missing from them
-    that ended first. A flight recorder that names another rank keeps the hang."""
+    that ended first. In a live job, a rank whose marker agent went quiet without its last row
+    (``quiet``: rank -> when it was last heard from) while the ranks waiting on it still report,
+    died with it: its host lost, or its process group killed. A flight recorder that names
+    another rank keeps the hang."""
     suspects = result["suspects"]
     stuck = [m for m in members if m["stuck"]]
     ends: dict[int, int | None] = {
@@ -502,7 +510,15 @@ def _who_died(run: Run, con: duckdb.DuckDBPyConnection, result: Record, members:
         for r, t, done in zip(alive["rank"], alive["alive_until_ns"], alive["ended"], strict=True)}
     died: Record | None = None
     if stuck and suspects:
-        died = _died_first(suspects[0], ends, stuck, _thresholds(run, con)[2], DIED_BEFORE_NS, live=not ended)
+        died = _died_first(suspects[0], ends, stuck, _thresholds(run, con)[2], DIED_BEFORE_NS, live=not ended,
+                           quiet={} if ended else quiet)
+        if died is not None and died.get("quiet"):
+            # A host lost takes every rank on it: say so where each of its ranks went quiet.
+            host = places.get(died["rank"], {}).get("host")
+            on_host = sorted(r for r, p in places.items() if host is not None and p.get("host") == host)
+            if host not in (None, "unknown") and len(on_host) > 1 and all(r in quiet for r in on_host):
+                died["host"] = str(host)
+                died["text"] += f"; every rank of host {host} went quiet with it ({_ranks_text(on_host)})"
     elif ended and (flight := [m for m in members if m.get("in_flight")]):
         roots, _ = _roots([dict(m, stuck=bool(m.get("in_flight"))) for m in members])
         if roots:
@@ -518,17 +534,25 @@ def _who_died(run: Run, con: duckdb.DuckDBPyConnection, result: Record, members:
 
 
 def _died_first(suspect: Record, ends: dict[int, int | None], stuck: list[Record], hang_s: float,
-                before_ns: int, *, live: bool) -> Record | None:
+                before_ns: int, *, live: bool, quiet: dict[int, int] | None = None) -> Record | None:
     """Whether ``suspect``, whom ranks wait for (``stuck``: their calls), died rather than hung: its
     process ended (``ends``: rank -> when its marker agent saw it end, None while it runs) within
     half the hang threshold of the first of their waits beginning, and, ``live``, while every rank
     waiting on it still runs, else before each of them ended (by ``before_ns``). A hung rank is
     alive until its peers' calls time out (the hang threshold after their waits began) and is
-    stopped with or after them. Returns ``{rank, ended_ns, waiting, group, seq, live, text}`` or
-    None."""
+    stopped with or after them. ``quiet`` (live only): ranks whose marker agent went quiet without
+    its last row, and when: the suspect's process ended then, unseen (``quiet`` in the result);
+    a waiter's cannot be told to run. Returns ``{rank, ended_ns, waiting, group, seq, live, quiet,
+    text}`` or None."""
     rank = int(suspect["rank"])
+    quiet = quiet or {}
     end = ends.get(rank)
+    unseen = end is None and rank in quiet
+    if unseen:
+        end = quiet[rank]
     waiting = sorted({int(m["rank"]) for m in stuck} - {rank})
+    if any(w in quiet for w in waiting):
+        return None
     since = [float(m["stuck_since_ns"]) for m in stuck
              if int(m["rank"]) != rank and m["stuck_since_ns"] is not None and not pd.isna(m["stuck_since_ns"])]
     if end is None or not waiting or not since or any(w not in ends for w in waiting):
@@ -547,9 +571,14 @@ def _died_first(suspect: Record, ends: dict[int, int | None], stuck: list[Record
     who = f"rank {waiting[0]}" if len(waiting) == 1 else f"ranks {_ranks_text(waiting)}"
     call = f"{group} seq {seq}" if seq is not None else group
     waits = ("wait" if len(waiting) > 1 else "waits") if live else "waited"
+    if unseen:
+        text = (f"rank {rank} and its marker agent went quiet ({when}, no last row) while {who} {waits} on it "
+                f"(it never entered {call}): its host or its process group died, it did not hang")
+    else:
+        text = (f"rank {rank}'s process ended ({when}) while {who} {waits} on it (it never entered {call}): "
+                "it died (raised, was killed or exited), it did not hang")
     return {"rank": rank, "ended_ns": end, "waiting": waiting, "group": group, "seq": seq, "live": live,
-            "text": (f"rank {rank}'s process ended ({when}) while {who} {waits} on it (it never entered {call}): "
-                     "it died (raised, was killed or exited), it did not hang")}
+            "quiet": unseen, "text": text}
 
 
 def _set_aside_since(stuck: list[Record]) -> dict[int, int]:

@@ -486,6 +486,11 @@ def decide(facts: Mapping[str, Any], *, now_ns: int | None = None, stall_after_s
         rank = int(died["rank"])
         if how and how.get("culprit") and int(how["culprit"]["rank"]) == rank:
             what, culprit = how["text"], dict(how["culprit"])
+        elif died.get("quiet"):
+            on = f" (every rank of host {died['host']} with it)" if died.get("host") else ""
+            what = (f"rank {rank} and its marker agent went quiet with no last word{on}: its host down, or its "
+                    "process group killed")
+            culprit = {"rank": rank, "step": None, "where": "went quiet, its marker agent too"}
         else:
             what = (f"rank {rank} ended with no exception of its own (killed by a signal or out of memory, "
                     "crashed, or exited)")
@@ -494,7 +499,8 @@ def decide(facts: Mapping[str, Any], *, now_ns: int | None = None, stall_after_s
         who = f"rank {waiters[0]}" if len(waiters) == 1 else f"{len(waiters):,} ranks"
         call = f"{died.get('group')} seq {died['seq']}" if died.get("seq") is not None else str(died.get("group"))
         if live:
-            reason = f"rank {rank}'s process ended at {step_text}{of_text} while the others still run; {what}"
+            gone = f"rank {rank} went quiet" if died.get("quiet") else f"rank {rank}'s process ended"
+            reason = f"{gone} at {step_text}{of_text} while the others still run; {what}"
         else:
             reason = f"every rank's process ended at {step_text}{of_text}, before its last step; {what}"
         if live:
