@@ -402,3 +402,22 @@ def test_a_rank_whose_host_went_quiet_is_named_while_the_others_still_wait(tmp_p
         "rank": 0, "step": None, "where": "went quiet, its marker agent too", "waiting": [1]}, state
     assert state["reason"].startswith("rank 0 went quiet at step 4 of 11 while the others still run; rank 0 and its "
                                       "marker agent went quiet with no last word: its host down")
+
+
+def test_a_lost_host_s_other_ranks_are_not_counted_among_those_waiting() -> None:
+    """Eight ranks, rank 5 never entered the call the others are in; ranks 4 and 5 (one host) went
+    quiet together, ranks 0-3, 6 and 7 still report. Rank 5 went with its host; rank 4, stuck in the
+    call too, went with it rather than waiting on it. With every waiter quiet, nobody is said to
+    wait, and a hung rank (its agent still reporting) is never read so."""
+    from megascope.analysis.hang import _died_first
+
+    t0 = 10**18
+    stuck = [{"rank": r, "stuck_since_ns": t0 + r * 1_000_000} for r in (0, 1, 2, 3, 4, 6, 7)]
+    suspect = {"rank": 5, "group": "dp:0", "missing_seq": 12}
+    running: dict[int, int | None] = {r: None for r in range(8)}
+    died = _died_first(suspect, running, stuck, 20.0, 0, live=True, quiet={4: t0 + 5_000_000, 5: t0 + 4_000_000})
+    assert died is not None and died["quiet"] and died["waiting"] == [0, 1, 2, 3, 6, 7], died
+    assert died["text"].startswith("rank 5 and its marker agent went quiet (") and "dp:0 seq 12" in died["text"]
+    assert _died_first(suspect, running, [s for s in stuck if s["rank"] == 4], 20.0, 0, live=True,
+                       quiet={4: t0, 5: t0}) is None
+    assert _died_first(suspect, running, stuck, 20.0, 0, live=True, quiet={}) is None  # hung: its agent reports

@@ -550,11 +550,11 @@ def _died_first(suspect: Record, ends: dict[int, int | None], stuck: list[Record
     unseen = end is None and rank in quiet
     if unseen:
         end = quiet[rank]
-    waiting = sorted({int(m["rank"]) for m in stuck} - {rank})
-    if any(w in quiet for w in waiting):
-        return None
+    # Waiters gone quiet too went with it (the other ranks of a lost host): the ranks that still
+    # report are the ones waiting on it.
+    waiting = sorted({int(m["rank"]) for m in stuck} - {rank} - set(quiet))
     since = [float(m["stuck_since_ns"]) for m in stuck
-             if int(m["rank"]) != rank and m["stuck_since_ns"] is not None and not pd.isna(m["stuck_since_ns"])]
+             if int(m["rank"]) in waiting and m["stuck_since_ns"] is not None and not pd.isna(m["stuck_since_ns"])]
     if end is None or not waiting or not since or any(w not in ends for w in waiting):
         return None
     waiter_ends = [ends[w] for w in waiting]
