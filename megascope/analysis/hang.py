@@ -326,9 +326,9 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
     the first stuck call had waited when the evidence ends), ``note`` (why calls in flight are
     not a hang, where that applies), ``flight_recorder`` (what torch's dumps say, or None),
     ``set_aside_since_ns`` (rank -> when it entered the call its set-aside completions belong to:
-    what it wrote later is no progress, see hang.sql), and ``died`` where every process has ended
-    and the rank the others wait for died rather than hung (:func:`_died_first`; ``hung`` is then
-    False: the job failed).
+    what it wrote later is no progress, see hang.sql), and ``died`` where the rank the others wait
+    (or waited) for died rather than hung, its process ended or gone quiet with its marker agent
+    (:func:`_who_died`; ``hung`` is then False: the job failed).
 
     A call counts as stuck only if its members had waited in it for run_state's stall threshold
     by the time the job's evidence ends, so a job killed mid-step is not a hang. On a live run

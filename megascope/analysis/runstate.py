@@ -348,8 +348,8 @@ def run_facts(run: Run, *, hang: Mapping[str, Any] | None = None) -> dict[str, A
             in_flight = len(hang.get("waiting") or [])
         else:
             in_flight = _in_flight(con) if run.files.get("markers") else 0
-        # Read once every process has ended (localize says so; the CLI's post-mortem asks always):
-        # a live run's refreshes do not scan its metrics for them.
+        # Read once every process has ended, or a rank died (localize says so; the CLI's
+        # post-mortem asks always): a live run's refreshes do not scan its metrics for them.
         ended = hang is None or bool(hang.get("ended")) or bool(hang.get("died"))
         errors = _step_errors(con) if ended and run.files.get("metrics") else []
         ends: dict[int, int] = {}
@@ -500,15 +500,14 @@ def decide(facts: Mapping[str, Any], *, now_ns: int | None = None, stall_after_s
         call = f"{died.get('group')} seq {died['seq']}" if died.get("seq") is not None else str(died.get("group"))
         if live:
             gone = f"rank {rank} went quiet" if died.get("quiet") else f"rank {rank}'s process ended"
-            reason = f"{gone} at {step_text}{of_text} while the others still run; {what}"
+            reason = (f"{gone} at {step_text}{of_text} while the others still run; {what}; {who} "
+                      f"{'waits' if len(waiters) == 1 else 'wait'} for it (it never entered {call})")
+            culprit["waiting"] = waiters
         else:
             reason = f"every rank's process ended at {step_text}{of_text}, before its last step; {what}"
-        if live:
-            reason += f"; {who} {'waits' if len(waiters) == 1 else 'wait'} for it (it never entered {call})"
-            culprit["waiting"] = waiters
-        elif not (how and how.get("others_raised")):  # they did not fail after it: they waited (NCCL)
-            reason += f"; {who} waited for it until stopped (it never entered {call})"
-            culprit["waiting"] = waiters
+            if not (how and how.get("others_raised")):  # they did not fail after it: they waited (NCCL)
+                reason += f"; {who} waited for it until stopped (it never entered {call})"
+                culprit["waiting"] = waiters
     elif facts.get("ended") and not in_flight and not facts.get("lost") and last_progress is not None:
         # Every rank's process has ended (its marker agent said so) short of the last step, with
         # nothing in flight: no need to wait out the stall threshold to call it.

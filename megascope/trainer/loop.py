@@ -146,10 +146,13 @@ def train_rank(cfg: TrainConfig, *, rank: int, world_size: int, local_rank: int,
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method,
                             rank=rank, world_size=world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
-    try:
-        return _train(cfg, rank=rank, device=device, meta=meta, timeout=timeout, progress=progress)
-    finally:
-        dist.destroy_process_group()
+    # Destroyed only after a clean end: on NCCL, destroying it flushes the calls in flight, and a
+    # rank that failed leaves calls its peers never finish, so it would wait for their timeout
+    # before its process could exit (seen on 2x H200: a raising rank's job took 70 s to end, a
+    # killed one's 28 s). The process's exit frees what a failed rank leaves.
+    result = _train(cfg, rank=rank, device=device, meta=meta, timeout=timeout, progress=progress)
+    dist.destroy_process_group()
+    return result
 
 
 def _train(cfg: TrainConfig, *, rank: int, device: torch.device, meta: RunMeta | None,
