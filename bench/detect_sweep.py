@@ -9,6 +9,8 @@ Then ``report`` reads each run directory and the run is scored:
 * straggler: the planted rank is named first (and with cause ``compute``);
 * skew: the planted rank is named first, and with cause ``host``;
 * hang: ``hang.hung`` with the planted rank first among the suspects, and no straggler named;
+* crash, kill: the run state ``failed`` with the planted rank as its culprit (a rank that raised,
+  one killed with SIGKILL), not hung, and no straggler named;
 * healthy: nothing named (anything named is a false alarm).
 
 The load average (1 min) is recorded before each run and printed with the table.
@@ -64,11 +66,13 @@ def _numbers(text: str) -> list[float]:
 
 
 def plan(meshes: list[tuple[int, int, int]], seed: int, *, gpu: bool) -> list[dict[str, Any]]:
-    """The sweep's runs: per mesh every factor, every skew, one hang and some healthy runs.
+    """The sweep's runs: per mesh every factor, every skew, one hang, one crash, one kill and some
+    healthy runs.
 
     On GPUs the runs come in a seeded random order, so a sweep cut short by its time budget still
-    has every mesh and kind of fault in it; the hangs come last there, as each takes minutes (NCCL
-    may not end a hung collective, and the launcher stops the job at its stall limit)."""
+    has every mesh and kind of fault in it; the failures and then the hangs come last there, as
+    each takes a minute or more (NCCL may not end a hung collective, and the launcher stops the job
+    at its stall limit)."""
     rng = random.Random(seed)
     runs: list[dict[str, Any]] = []
     for tp, pp, dp in meshes:
@@ -84,9 +88,19 @@ def plan(meshes: list[tuple[int, int, int]], seed: int, *, gpu: bool) -> list[di
             rank = rng.randrange(world)
             runs.append({"mesh": (tp, pp, dp), "kind": kind, "rank": rank if spec else None,
                          "inject": spec.format(r=rank) if spec else None})
+    # A rank that fails (raises, or is killed) per mesh, at steps 6-11 (as the hang at 8: a run with
+    # a few steps behind it, where the straggler scoring has something to go on): not a hang
+    # (gloo's waiters raise, NCCL's wait until stopped), named by the run state. Drawn from a generator of their own, so that a
+    # seed plants the other faults where it did before these were added.
+    frng = random.Random(f"{seed}-failures")
+    for tp, pp, dp in meshes:
+        for kind in ("crash", "kill"):
+            rank, step = frng.randrange(tp * pp * dp), frng.randrange(6, 12)
+            runs.append({"mesh": (tp, pp, dp), "kind": kind, "rank": rank, "inject": f"{kind}:rank={rank},step={step}"})
     if gpu:
         rng.shuffle(runs)
-        runs.sort(key=lambda r: r["kind"] == "hang")  # stable: the shuffled order otherwise
+        # Stable: the shuffled order otherwise; the failures (a minute each) and then the hangs last.
+        runs.sort(key=lambda r: {"hang": 2, "crash": 1, "kill": 1}.get(r["kind"], 0))
     for i, r in enumerate(runs):
         tp, pp, dp = r["mesh"]
         tag = r["inject"].replace(":", "-").replace(",", "-").replace("=", "") if r["inject"] else "healthy"
@@ -202,6 +216,13 @@ def score(r: dict[str, Any], path: Path) -> dict[str, Any]:
         out["first_right"] = bool(hung and suspects and suspects[0] == want and not named)
         out["cause_right"] = out["first_right"]
         out["false"] = named
+    elif kind in ("crash", "kill"):
+        state = res.get("state") or {}
+        culprit = (state.get("culprit") or {}).get("rank")
+        out.update(state=state.get("state"), culprit=culprit)
+        out["first_right"] = bool(state.get("state") == "failed" and culprit == want and not hung and not named)
+        out["cause_right"] = out["first_right"]
+        out["false"] = named + (["hang"] if hung else [])
     else:
         out["first_right"] = not named and not hung
         out["cause_right"] = out["first_right"]
@@ -445,7 +466,8 @@ def main() -> int:
                         help="more arguments for every run's megascope train, e.g. '--dp-comm-spans rotate'")
     parser.add_argument("--mesh", action="append", default=[], metavar="TPxPPxDP",
                         help="only these meshes (repeatable), e.g. 2x2x2")
-    parser.add_argument("--only", action="append", default=[], choices=("straggler", "skew", "hang", "healthy"),
+    parser.add_argument("--only", action="append", default=[],
+                        choices=("straggler", "skew", "hang", "crash", "kill", "healthy"),
                         help="only these kinds of run (repeatable)")
     parser.add_argument("--factors", default=None, metavar="F,F", type=_numbers,
                         help=f"the planted stragglers' factors (default {','.join(f'{x:g}' for x in FACTORS)})")

@@ -445,19 +445,23 @@ def test_detect_sweep_plan_covers_the_fault_space() -> None:
     assert {r["mesh"] for r in runs} == set(sweep.CPU_MESHES) and all(tp * pp * dp == 8 for tp, pp, dp in sweep.CPU_MESHES)
     kinds = [r["kind"] for r in runs]
     assert kinds.count("healthy") >= 20 and kinds.count("hang") == 4
+    assert kinds.count("crash") == kinds.count("kill") == 4  # a rank that raises, one killed, per mesh
     for r in runs:
         if r["inject"]:
             fault = parse_inject(r["inject"])
-            assert fault.rank == r["rank"] and 0 <= fault.rank < 8
+            assert fault.rank == r["rank"] and 0 <= fault.rank < 8 and fault.kind == r["kind"]
             assert fault.factor is None or 1.1 <= fault.factor <= 1.6
             assert fault.ms is None or 20 <= fault.ms <= 100
+            assert fault.kind not in ("crash", "kill") or 6 <= (fault.step or 0) < 12
     # Another seed meets other ranks.
     assert [r["rank"] for r in runs] != [r["rank"] for r in sweep.plan(sweep.CPU_MESHES, 23, gpu=False)]
     gpu = sweep.plan(sweep.GPU_MESHES, 22, gpu=True)
     assert all("mode=time" in r["inject"] for r in gpu if r["kind"] == "straggler")
-    # On GPUs the hangs (minutes each) come last: a sweep cut short by its budget loses them first.
+    # On GPUs the failures and then the hangs (a minute or more each) come last: a sweep cut short
+    # by its budget loses them first.
     kinds = [r["kind"] for r in gpu]
-    assert kinds.index("hang") == len(kinds) - kinds.count("hang") == 52
+    assert kinds.index("hang") == len(kinds) - kinds.count("hang") == 60
+    assert set(kinds[52:60]) == {"crash", "kill"}
     assert set(kinds[:26]) == {"straggler", "skew", "healthy"}  # and the rest shuffled together
 
 
