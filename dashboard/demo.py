@@ -61,6 +61,28 @@ class DemoJob:
     thread: threading.Thread | None = None
     stop_event: threading.Event = field(default_factory=threading.Event)
     description: str = ""
+    log_path: Path | None = None
+
+    def watch_end(self, echo: Callable[[str], None]) -> threading.Thread | None:
+        """Say in one line when the trainer ends by itself (not stopped by :meth:`stop`): finished,
+        or failed with the launcher's own line, while the dashboard keeps showing the run."""
+        process = self.process
+        if process is None:
+            return None
+
+        def wait() -> None:
+            code = process.wait()
+            if self.stop_event.is_set():
+                return
+            if code == 0:
+                echo("demo: the training finished; the dashboard keeps showing the run (Ctrl-C stops it)")
+                return
+            said = _last_error(self.log_path) or f"exit code {code}"
+            echo(f"demo: {said}; the dashboard shows the run as it stopped (Ctrl-C stops it)")
+
+        thread = threading.Thread(target=wait, name="megascope-demo-end", daemon=True)
+        thread.start()
+        return thread
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self.stop_event.set()
@@ -77,6 +99,14 @@ class DemoJob:
             self.process.wait(timeout_s)
         if self.thread is not None:
             self.thread.join(timeout_s)
+
+
+def _last_error(log_path: Path | None) -> str | None:
+    """The trainer's one line of failure (``Error: ...``, its last), without the prefix."""
+    if log_path is None or not log_path.is_file():
+        return None
+    lines = [line for line in log_path.read_text(errors="replace").splitlines() if line.startswith("Error: ")]
+    return lines[-1][len("Error: "):] if lines else None
 
 
 def _group_gone(process: subprocess.Popen[bytes], timeout_s: float) -> bool:
@@ -101,9 +131,13 @@ def start_trainer(out: Path, *, steps: int, inject: str, probe_s: float = 4.0) -
     try:
         code = process.wait(probe_s)
     except subprocess.TimeoutExpired:
-        return DemoJob(out=out, process=process, description=f"bundled trainer (log: {log_path})")
-    if code == 0 and (out / layout.RUN_JSON).exists():
-        return DemoJob(out=out, process=process, description="bundled trainer (finished)")
+        return DemoJob(out=out, process=process, description=f"bundled trainer (log: {log_path})", log_path=log_path)
+    if (out / layout.RUN_JSON).exists():
+        # It ran: finished already, or failed as planted (a crash at its first step), which the
+        # dashboard shows; not a trainer that is missing.
+        how = "finished" if code == 0 else f"ended: {_last_error(log_path) or f'exit code {code}'}"
+        return DemoJob(out=out, process=process, description=f"bundled trainer ({how}; log: {log_path})",
+                       log_path=log_path)
     last_line = (log_path.read_text(errors="replace").strip().splitlines() or ["(no output)"])[-1]
     log.warning("the bundled trainer is not available (%s); writing a synthetic run step by step instead", last_line)
     return None
@@ -158,6 +192,8 @@ def run_demo(out: Path | None, *, host: str = "127.0.0.1", port: int = 8050, ste
         signal.signal(signal.SIGTERM, _interrupt)
     echo(f"demo: {job.description}, writing {out}")
     echo(f"demo: dashboard at http://{host}:{port}/ (Ctrl-C stops both)")
+    if job.process is not None and job.process.poll() is None:
+        job.watch_end(echo)
     try:
         app.run(host=host, port=port, debug=False)
     finally:

@@ -696,6 +696,41 @@ def test_demo_launches_the_trainer_on_a_2x2x2_mesh_with_the_straggler(tmp_path: 
         assert expected in args
 
 
+def test_demo_says_how_its_training_ended_and_keeps_a_trainer_that_failed_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer that fails (a planted crash) is said so in one line with the launcher's own words,
+    while the dashboard keeps showing the run; one that ends before the start probe but wrote its
+    run is kept (it ran and failed), not taken for a missing trainer replaced by a synthetic run."""
+    import subprocess
+
+    from megascope.dashboard import demo
+
+    said: list[str] = []
+    log_path = tmp_path / "run.train.log"
+    log_path.write_text("rank 1: noise\nError: training failed on rank 1: planted crash on rank 1 in step 3\n")
+    failing = subprocess.Popen(["bash", "-c", "sleep 0.2; exit 1"], start_new_session=True)
+    demo.DemoJob(out=tmp_path, process=failing, log_path=log_path).watch_end(said.append).join(10)  # type: ignore[union-attr]
+    assert said == ["demo: training failed on rank 1: planted crash on rank 1 in step 3; the dashboard shows the "
+                    "run as it stopped (Ctrl-C stops it)"]
+    done = subprocess.Popen(["true"], start_new_session=True)
+    demo.DemoJob(out=tmp_path, process=done).watch_end(said.append).join(10)  # type: ignore[union-attr]
+    assert said[-1].startswith("demo: the training finished")
+    stopped = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    job = demo.DemoJob(out=tmp_path, process=stopped)
+    watcher = job.watch_end(said.append)
+    job.stop(timeout_s=4)
+    watcher.join(10)  # type: ignore[union-attr]
+    assert len(said) == 2  # stopped by the demo itself: nothing said
+
+    out = tmp_path / "crashed"
+    script = (f"mkdir -p {out} && echo '{{}}' > {out}/run.json && "
+              "echo 'Error: training failed on rank 0: planted crash on rank 0 in step 0'; exit 1")
+    monkeypatch.setattr(demo, "trainer_command", lambda out, steps, inject: ["bash", "-c", script])
+    job = demo.start_trainer(out, steps=3, inject="crash:rank=0,step=0", probe_s=10)
+    assert job is not None and job.process is not None
+    assert "ended: training failed on rank 0: planted crash on rank 0 in step 0" in job.description
+
+
 def test_demo_stop_ends_the_whole_job(tmp_path: Path) -> None:
     import os
     import subprocess
