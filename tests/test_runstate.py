@@ -421,3 +421,28 @@ def test_a_lost_host_s_other_ranks_are_not_counted_among_those_waiting() -> None
     assert _died_first(suspect, running, [s for s in stuck if s["rank"] == 4], 20.0, 0, live=True,
                        quiet={4: t0, 5: t0}) is None
     assert _died_first(suspect, running, stuck, 20.0, 0, live=True, quiet={}) is None  # hung: its agent reports
+
+
+def test_a_rank_that_closed_a_collector_and_opened_another_has_not_ended(tmp_path: Path) -> None:
+    """A marker agent's last row (value 0) says its rank's process ended or closed its collector;
+    a rank that opened another collector after it (its agent's rows go on) has not ended: its
+    latest row decides, not any 0 among them."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from megascope.analysis import _sql
+    from megascope.analysis.base import prepare
+
+    path = shutil.copytree(Path(__file__).parent / "data" / "gpu-dp2-rank-killed", tmp_path / "run")
+    part = next((path / "compacted" / "heartbeats").glob("*.parquet"))
+    table = pq.read_table(part)
+    rows = table.to_pylist()
+    last = max(r["time_ns"] for r in rows if r["rank"] == 0 and r["metric"] == "rank_alive")
+    again = dict(next(r for r in rows if r["rank"] == 0 and r["metric"] == "rank_alive"), value=1.0, time_ns=last + 10**9)
+    pq.write_table(pa.Table.from_pylist(rows + [again], schema=table.schema), part)
+    run = open_run(path)
+    prepare(run.con)
+    alive = _sql.query_df(run.con, "hang", "process_alive").set_index("rank")
+    assert not bool(alive.loc[0, "ended"]) and bool(alive.loc[1, "ended"])

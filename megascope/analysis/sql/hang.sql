@@ -178,9 +178,10 @@ FROM by_rank ORDER BY rank;
 -- on the reference clock. No rows: the run has no marker agent.
 -- @column rank            rank
 -- @column alive_until_ns  the agent's last row for it
--- @column ended           the agent saw the process end (value 0)
+-- @column ended           the agent saw the process end (value 0) in its last row (a rank that
+--                          closed its collector and opened another wrote rows after an earlier 0)
 SELECT h.rank, max(h.time_ns) + coalesce(any_value(k.host_offset_ns), 0) AS alive_until_ns,
-       bool_or(h.value = 0) AS ended
+       arg_max(h.value, h.time_ns) = 0 AS ended
 FROM heartbeats h LEFT JOIN ms_cache.rank_clock k ON k.rank = h.rank
 WHERE h.metric = 'rank_alive' AND h.rank IS NOT NULL
 GROUP BY h.rank ORDER BY h.rank;
