@@ -377,6 +377,10 @@ def test_a_rank_that_died_is_named_while_the_others_still_wait(tmp_path: Path) -
     assert state["state"] == "failed" and state["culprit"]["rank"] == 0 and state["culprit"]["waiting"] == [1], state
     assert state["reason"].startswith("rank 0's process ended at step 4 of 11 while the others still run; rank 0 ")
     assert state["reason"].endswith("; rank 1 waits for it (it never entered world seq 5)")
+    # Read moments after the death, the wait is as young as any call in flight (a rank whose files
+    # reach the reader late looks the same for a moment): not yet.
+    early = analysis.localize(run, now_ns=found["died"]["ended_ns"] + 500_000_000)
+    assert "died" not in early, early.get("died")
 
     hung = shutil.copytree(Path(__file__).parent / "data" / "gpu-dp2-rank-hung", tmp_path / "hung")
     now = _as_if_still_running(hung, {0, 1}) + 1_000_000_000

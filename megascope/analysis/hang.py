@@ -468,7 +468,7 @@ def localize(run: Run, *, witnesses: bool = True, now_ns: int | None = None) -> 
     # was last heard from.
     quiet = {int(r): int(t) for r, t, done in zip(alive["rank"], alive["alive_until_ns"], alive["ended"], strict=True)
              if not bool(done) and now - t > gone_after_ns} if len(alive) else {}
-    died = _who_died(run, con, result, members, places, axes, alive, ended, quiet) if len(alive) else None
+    died = _who_died(run, con, result, members, places, axes, alive, ended, quiet, now) if len(alive) else None
     if died is not None:
         # NCCL's waiters do not fail when a peer dies: they wait in the call it never entered
         # until stopped. The job failed there; it did not hang.
@@ -492,7 +492,7 @@ DIED_BEFORE_NS = 100_000_000
 
 def _who_died(run: Run, con: duckdb.DuckDBPyConnection, result: Record, members: list[Record],
               places: dict[int, Record], axes: tuple[str, ...], alive: pd.DataFrame, ended: bool,
-              quiet: dict[int, int]) -> Record | None:
+              quiet: dict[int, int], now: int) -> Record | None:
     """The rank that died while others wait (or waited) for it in a call it never entered
     (:func:`_died_first`), or None. Where calls are stuck, the markers' first suspect, if it died
     rather than hung: in a live job, its process has ended while every rank waiting on it still
@@ -510,8 +510,12 @@ def _who_died(run: Run, con: duckdb.DuckDBPyConnection, result: Record, members:
         for r, t, done in zip(alive["rank"], alive["alive_until_ns"], alive["ended"], strict=True)}
     died: Record | None = None
     if stuck and suspects:
+        # Live, only waits as old as a stuck call's (a rank whose files reach the reader late is
+        # missing from the calls in flight for a moment, its agent quiet; its peers' calls then
+        # complete).
+        since = None if ended else now - int(_wait_threshold_s(run, con) * 1e9)
         died = _died_first(suspects[0], ends, stuck, _thresholds(run, con)[2], DIED_BEFORE_NS, live=not ended,
-                           quiet={} if ended else quiet)
+                           quiet={} if ended else quiet, waits_since_ns=since)
         if died is not None and died.get("quiet"):
             # A host lost takes every rank on it: say so where each of its ranks went quiet.
             host = places.get(died["rank"], {}).get("host")
@@ -534,7 +538,8 @@ def _who_died(run: Run, con: duckdb.DuckDBPyConnection, result: Record, members:
 
 
 def _died_first(suspect: Record, ends: dict[int, int | None], stuck: list[Record], hang_s: float,
-                before_ns: int, *, live: bool, quiet: dict[int, int] | None = None) -> Record | None:
+                before_ns: int, *, live: bool, quiet: dict[int, int] | None = None,
+                waits_since_ns: int | None = None) -> Record | None:
     """Whether ``suspect``, whom ranks wait for (``stuck``: their calls), died rather than hung: its
     process ended (``ends``: rank -> when its marker agent saw it end, None while it runs) within
     half the hang threshold of the first of their waits beginning, and, ``live``, while every rank
@@ -542,8 +547,9 @@ def _died_first(suspect: Record, ends: dict[int, int | None], stuck: list[Record
     alive until its peers' calls time out (the hang threshold after their waits began) and is
     stopped with or after them. ``quiet`` (live only): ranks whose marker agent went quiet without
     its last row, and when: the suspect's process ended then, unseen (``quiet`` in the result);
-    a waiter's cannot be told to run. Returns ``{rank, ended_ns, waiting, group, seq, live, quiet,
-    text}`` or None."""
+    a waiter's cannot be told to run. ``waits_since_ns``: the first wait began no later than this
+    (live: waits old enough to be stuck). Returns ``{rank, ended_ns, waiting, group, seq, live,
+    quiet, text}`` or None."""
     rank = int(suspect["rank"])
     quiet = quiet or {}
     end = ends.get(rank)
@@ -563,7 +569,7 @@ def _died_first(suspect: Record, ends: dict[int, int | None], stuck: list[Record
     if not live and (any(e is None for e in waiter_ends) or end + before_ns >= min(e for e in waiter_ends if e is not None)):
         return None
     first_wait = min(since)
-    if end - first_wait > hang_s * 1e9 / 2:
+    if end - first_wait > hang_s * 1e9 / 2 or (waits_since_ns is not None and first_wait > waits_since_ns):
         return None
     group, seq = str(suspect.get("group") or ""), int_or_none(suspect.get("missing_seq"))
     after = (end - first_wait) / 1e9
