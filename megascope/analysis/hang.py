@@ -499,10 +499,10 @@ def _who_died(run: Run, con: duckdb.DuckDBPyConnection, result: Record, members:
     runs (NCCL's waiters sit in their call until their timeout, minutes in large jobs); once every
     process has ended, its own ended first. Where the calls were only in flight (the launcher
     stopped the waiters moments after the death, as torchrun does), the rank missing from them
-    that ended first. In a live job, a rank whose marker agent went quiet without its last row
-    (``quiet``: rank -> when it was last heard from) while the ranks waiting on it still report,
-    died with it: its host lost, or its process group killed. A flight recorder that names
-    another rank keeps the hang."""
+    that ended first, where NCCL's flight recorder names it too. In a live job, a rank whose
+    marker agent went quiet without its last row (``quiet``: rank -> when it was last heard from)
+    while the ranks waiting on it still report, died with it: its host lost, or its process group
+    killed. A flight recorder that names another rank keeps the hang."""
     suspects = result["suspects"]
     stuck = [m for m in members if m["stuck"]]
     ends: dict[int, int | None] = {
@@ -523,7 +523,11 @@ def _who_died(run: Run, con: duckdb.DuckDBPyConnection, result: Record, members:
             if host not in (None, "unknown") and len(on_host) > 1 and all(r in quiet for r in on_host):
                 died["host"] = str(host)
                 died["text"] += f"; every rank of host {host} went quiet with it ({_ranks_text(on_host)})"
-    elif ended and (flight := [m for m in members if m.get("in_flight")]):
+    elif ended and (flight := [m for m in members if m.get("in_flight")]) and (
+            (result.get("flight_recorder") or {}).get("hung")):
+        # Only with a witness that someone waited on: the marker agents see the processes of a job
+        # killed all at once end up to a quarter second apart, as far apart as a launcher stops the
+        # others after one died; NCCL's flight recorder dumps only where a rank was waited on.
         roots, _ = _roots([dict(m, stuck=bool(m.get("in_flight"))) for m in members])
         if roots:
             rank, grp = roots[0]
@@ -534,6 +538,8 @@ def _who_died(run: Run, con: duckdb.DuckDBPyConnection, result: Record, members:
     fr = result.get("flight_recorder") or {}
     if died is not None and fr.get("hung") and fr.get("suspects") and int(fr["suspects"][0]) != died["rank"]:
         return None
+    if died is not None and not stuck and not (fr.get("suspects") and int(fr["suspects"][0]) == died["rank"]):
+        return None  # in flight only: the flight recorder must name the same rank
     return died
 
 
