@@ -779,7 +779,7 @@ def test_a_data_parallel_model_on_a_gpu_gets_device_timed_forward_and_backward_s
     """NCCL, one rank, DDP (also under ``torch.compile``), FSDP1 or FSDP2 (layers, then the root): the
     model's spans are timed on the device (the backward's end stamped from autograd's callback),
     one of each a step, inside it,
-    the backward about twice the forward (twice its FLOPs) in the median step, and the collector
+    the backward longer than the forward (1.5x its FLOPs) in the median step, and the collector
     counts no internal error."""
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
@@ -829,8 +829,10 @@ def test_a_data_parallel_model_on_a_gpu_gets_device_timed_forward_and_backward_s
         (_, _, _, fwd, _, _), (_, _, _, bwd, offset, total) = [r for r in rows if r[0] == step]
         assert offset >= 0 and offset + bwd <= total + 1_000_000
         ratios.append(bwd / fwd)
-    # The median of steps 1-5 (DDP rebuilds its buckets in one early backward: 4.3x once).
-    assert 1.3 < sorted(ratios[1:])[2] < 3.5, ratios
+    # The median of steps 1-5 (DDP rebuilds its buckets in one early backward: 4.3x once). The
+    # input needs no gradient, so the backward does 1.5x the forward's FLOPs; FSDP1 read 1.25-1.34x
+    # on 1x H200 (2026-12-01), DDP and FSDP2 more.
+    assert 1.15 < sorted(ratios[1:])[2] < 3.5, ratios
 
 
 def test_a_collector_made_before_set_device_takes_the_local_rank_s_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
