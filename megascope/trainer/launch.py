@@ -258,6 +258,11 @@ def _peer_lost(message: str) -> bool:
     return any(p in lowered for p in _PEER_LOST)
 
 
+def _first_sentence(message: str) -> str:
+    """``Connection closed by peer [127.0.0.1]:40598`` of gloo's message, without the advice after it."""
+    return re.split(r"\.\s", message, maxsplit=1)[0]
+
+
 def failure_message(failures: dict[int, str], timeout_s: float, exited: str | None = None,
                     first: int | None = None) -> str:
     """One line for a failed job, naming the rank that failed first on its own where it can be told.
@@ -286,7 +291,7 @@ def failure_message(failures: dict[int, str], timeout_s: float, exited: str | No
     if first is not None and first not in failures and failures:
         rank = min(failures)
         return (f"training failed: {exited or f'rank {first} exited'} without a message (killed? out of memory?); "
-                f"the others lost it (rank {rank}: {failures[rank]})")
+                f"the others lost it (rank {rank}: {_first_sentence(failures[rank])})")
     if failures:
         rank = min(failures)
         return f"training failed on rank {rank}: {failures[rank]}"
